@@ -1,0 +1,75 @@
+"""JSONL and fingerprint helpers with errors that name the file and line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class JsonlError(ValueError):
+    """A JSONL file could not be read; the message names the file and line."""
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, record) for each non-blank line; raise JsonlError on bad lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise JsonlError(f"{path}: no such file")
+    with path.open("r", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise JsonlError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(record, dict):
+                raise JsonlError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            yield lineno, record
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a whole JSONL file of objects."""
+    return [record for _, record in iter_jsonl(path)]
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> int:
+    """Write records atomically (temp file + rename); return how many were written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    n = 0
+    with tmp.open("w", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            n += 1
+    os.replace(tmp, path)
+    return n
+
+
+def file_fingerprint(path: str | os.PathLike, sample_over: int = 2 << 30) -> str:
+    """sha256 of a file (or of a directory's files, sorted by name), 16 hex digits.
+
+    Files larger than `sample_over` bytes are fingerprinted from their size and 64 evenly spaced
+    1 MiB chunks, so multi-GB checkpoints fingerprint in seconds.
+    """
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        size = file.stat().st_size
+        digest.update(size.to_bytes(8, "little"))
+        with file.open("rb") as fh:
+            if size <= sample_over:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+            else:
+                for k in range(64):
+                    fh.seek(k * (size - (1 << 20)) // 63)
+                    digest.update(fh.read(1 << 20))
+    return digest.hexdigest()[:16]

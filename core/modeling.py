@@ -1,0 +1,65 @@
+"""Loading local Hugging Face causal-LM directories and fingerprinting models."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rolemrc.core.io import file_fingerprint
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'") from None
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = "float32", device: str | None = "auto"):
+    """Load (model, tokenizer) from a local HF directory, in eval mode, never touching the hub."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True)
+    model.to(resolve_device(device)).eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def dir_fingerprint(path: str | os.PathLike) -> str:
+    """Fingerprint of a model directory's config and weights."""
+    path = Path(path)
+    files = [p for p in sorted(path.iterdir()) if p.name == "config.json" or p.suffix in (".safetensors", ".bin")]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + file_fingerprint(file).encode())
+    return digest.hexdigest()[:16]
+
+
+def model_fingerprint(model: Any) -> str:
+    """Fingerprint of an in-memory model: its config and every parameter's bytes."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,35 @@
+"""Small deterministic data and models for tests (no network)."""
+
+from __future__ import annotations
+
+import random
+
+from rolemrc.core.taxonomy import TASKS
+
+WORDS = (
+    "the keeper of the lighthouse watched storms roll over grey water while ships passed "
+    "a baker in the old quarter kneads dough before dawn and sings to the ovens "
+    "passages about rivers mountains trains and libraries answer questions on history science "
+    "i cannot answer that because it lies outside what my character knows sorry traveller "
+    "please reply in capital letters with an emoji and no more than twenty words"
+).split()
+
+
+def corpus(n: int = 200, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(n)]
+
+
+def test_records(n: int = 40, seed: int = 0) -> list[dict]:
+    """Test-format records cycling through all 18 task names, with varied lengths and turn counts."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        task = TASKS[i % len(TASKS)]
+        turns = [{"role": "System", "content": "You are " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))}]
+        for _ in range(rng.randint(1, 2)):
+            turns.append({"role": "User", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 25)))})
+            turns.append({"role": "Assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 10)))})
+        turns.pop()  # end on a user turn
+        out.append({"id": f"t{i}", "question": turns, "reference": "a reference answer", "task": task})
+    return out

@@ -1,0 +1,66 @@
+import json
+
+import pytest
+import torch
+
+from rolemrc.core.chat import render_chat
+from rolemrc.core.io import JsonlError, read_jsonl, write_jsonl
+from rolemrc.core.modeling import dir_fingerprint, load_model, model_fingerprint
+from rolemrc.core.records import RecordError, normalize_turns, prompt_turns
+from rolemrc.core.taxonomy import TASK_COUNTS, TASKS, dimensions_for_task, judge_aspects_for_task
+
+
+def test_taxonomy_matches_published_histogram():
+    assert len(TASKS) == 18 and sum(TASK_COUNTS.values()) == 1400
+    calls: dict[str, int] = {}
+    for task, n in TASK_COUNTS.items():
+        for aspect in judge_aspects_for_task(task):
+            calls[aspect.dimension] = calls.get(aspect.dimension, 0) + n
+    assert calls == {"knowledge_boundary": 600, "role_style": 400, "nested": 158, "multi_turn": 400, "prioritized": 42}
+    assert dimensions_for_task("role_related_mrc_answer_with_narration") == ("knowledge_boundary", "role_style")
+    assert dimensions_for_task("role_unrelated_mrc_refused_no_narration-2ndanswer") == ("multi_turn",)
+    assert dimensions_for_task("role_unrelated_mrc_answer_no_narration-2ndanswer") == ()  # not a published variant
+    assert dimensions_for_task("free_chat") == () and dimensions_for_task(None) == ()
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2\n')
+    with pytest.raises(JsonlError, match=r"x.jsonl:3: invalid JSON"):
+        read_jsonl(path)
+    path.write_text('{"a": 1}\n[1, 2]\n')
+    with pytest.raises(JsonlError, match=r"x.jsonl:2: expected a JSON object"):
+        read_jsonl(path)
+    with pytest.raises(JsonlError, match="no such file"):
+        read_jsonl(tmp_path / "missing.jsonl")
+    assert write_jsonl(path, [{"a": 1}, {"b": "é"}]) == 2
+    assert read_jsonl(path) == [{"a": 1}, {"b": "é"}]
+
+
+def test_turns_normalised_and_checked():
+    turns = normalize_turns([{"role": "System", "content": "s"}, {"role": "User", "content": "u"}])
+    assert [t["role"] for t in turns] == ["system", "user"]
+    with pytest.raises(RecordError, match="unknown role"):
+        normalize_turns([{"role": "narrator", "content": "x"}])
+    sft = {"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert prompt_turns(sft) == [{"role": "user", "content": "q"}]
+    with pytest.raises(RecordError, match="no 'question'"):
+        prompt_turns({"id": 1})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_fixture_models_load_and_chat(model_dirs, arch):
+    model, tok = load_model(model_dirs[arch], dtype="float32", device="cpu")
+    text = render_chat(tok, [{"role": "user", "content": "hello"}])
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**ids).logits
+    assert logits.shape[-1] == len(tok) and torch.isfinite(logits).all()
+    assert dir_fingerprint(model_dirs[arch]) == dir_fingerprint(model_dirs[arch])
+    assert len(model_fingerprint(model)) == 16
+
+
+def test_load_model_rejects_non_model_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
+        load_model(tmp_path)
