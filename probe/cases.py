@@ -1,0 +1,95 @@
+"""Turning records into probe cases: prompt token ids and the dimensions each case counts in."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rolemrc.core.chat import render_chat
+from rolemrc.core.records import prompt_turns
+from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
+
+UNGROUPED = "all"
+
+
+@dataclass
+class Cases:
+    """Tokenised prompts (unpadded) and a [cases, dimensions] 0/1 membership matrix."""
+
+    input_ids: list[list[int]]
+    membership: torch.Tensor
+    dimensions: list[str]
+    truncated: int
+    fingerprint: str
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def case_dimensions(record: dict[str, Any], dimension_field: str | None) -> list[str]:
+    """Dimensions of one record: its `dimension_field` value(s) if given, else the task taxonomy."""
+    if dimension_field:
+        value = record.get(dimension_field)
+        if value is None or value == "" or value == []:
+            return []
+        return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    return list(dimensions_for_task(record.get("task")))
+
+
+def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_field: str | None = None,
+                generation_prompt: bool = True, max_length: int | None = None) -> Cases:
+    """Render each record's prompt turns with the chat template and tokenise them.
+
+    Records with no dimension count under `all`. Prompts longer than `max_length` keep their last
+    `max_length` tokens (the position the probe reads) and are counted as truncated.
+    """
+    if not records:
+        raise ValueError("no records to probe")
+    per_case: list[list[str]] = []
+    texts: list[str] = []
+    for i, record in enumerate(records):
+        where = f"record {i} (id {record.get('id', '?')})"
+        texts.append(render_chat(tokenizer, prompt_turns(record, where=where), add_generation_prompt=generation_prompt))
+        per_case.append(case_dimensions(record, dimension_field) or [UNGROUPED])
+    seen = {d for dims in per_case for d in dims}
+    if dimension_field:
+        dimensions = sorted(seen - {UNGROUPED}) + ([UNGROUPED] if UNGROUPED in seen else [])
+    else:  # the five RoleMRC dimensions always appear, empty ones included
+        dimensions = list(DIMENSIONS) + ([UNGROUPED] if UNGROUPED in seen else [])
+    index = {d: j for j, d in enumerate(dimensions)}
+    membership = torch.zeros(len(records), len(dimensions))
+    for i, dims in enumerate(per_case):
+        membership[i, [index[d] for d in dims]] = 1.0
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    truncated = 0
+    if max_length:
+        truncated = sum(len(x) > max_length for x in ids)
+        ids = [x[-max_length:] for x in ids]
+    digest = hashlib.sha256()
+    for x, dims in zip(ids, per_case):
+        digest.update(repr((x, dims)).encode())
+    return Cases(ids, membership, dimensions, truncated, digest.hexdigest()[:16])
+
+
+def batches(cases: Cases, batch_size: int, pad_id: int):
+    """Yield (indices, input_ids, attention_mask), right-padded, longest prompts first.
+
+    Right padding keeps every real token at its unpadded position, so with causal attention the real
+    tokens' activations do not depend on the batch they share.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    order = sorted(range(len(cases)), key=lambda i: -len(cases.input_ids[i]))
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        rows = [cases.input_ids[i] for i in idx]
+        longest = max(map(len, rows))
+        input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for r, row in enumerate(rows):
+            input_ids[r, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[r, :len(row)] = 1
+        yield torch.tensor(idx), input_ids, mask
