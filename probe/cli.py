@@ -1,0 +1,69 @@
+"""`rolemrc probe collect|diff|explore`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
+
+
+@app.command("collect")
+def collect_cmd(
+    model: Path = typer.Option(..., "--model", help="local HF causal-LM directory"),
+    data: Path = typer.Option(..., "--data", help="JSONL records (test, pair or SFT format)"),
+    out: Path = typer.Option(..., "--out", help="probe file to write (.safetensors)"),
+    hook: str = typer.Option("mlp.act", help="mlp.act | mlp.post | mlp.out | attn.out | resid.post"),
+    top_fraction: float = typer.Option(0.2, help="share of units counted as active per observation"),
+    tokens: str = typer.Option("last", help="last prompt token, or all prompt tokens"),
+    rank: str = typer.Option("signed", help="rank by signed value, or by abs"),
+    batch_size: int = typer.Option(16, min=1),
+    backend: str = typer.Option("torch", help="torch | nnsight | transformer-lens"),
+    dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
+    generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
+    max_length: int = typer.Option(None, help="keep at most this many prompt tokens (the last ones)"),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto"),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)"),
+) -> None:
+    """Count how often each unit lands in the top `top_fraction` of its layer, per dimension."""
+    from rolemrc.probe.collect import CollectConfig, collect
+
+    config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
+                           backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
+                           max_length=max_length, dtype=dtype, device=device)
+    counts = _friendly(lambda: collect(model, data, config))
+    path = counts.save(out)
+    report = {"out": str(path), "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
+              "hook": counts.meta["hook"], "k": int(counts.meta["k"]), "layers": int(counts.meta["layers"]),
+              "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
+    typer.echo(json.dumps(report, indent=1))
+
+
+@app.command("diff")
+def diff_cmd(
+    a: Path = typer.Argument(..., help="probe file A (e.g. SFT)"),
+    b: Path = typer.Argument(..., help="probe file B (e.g. DPO)"),
+    out: Path = typer.Option(..., "--out", help="output directory"),
+    top_n: int = typer.Option(200, help="most changed units per dimension in units.csv/json"),
+    fdr: float = typer.Option(0.05, help="Benjamini-Hochberg level for 'significant'"),
+    bins: int = typer.Option(64, help="unit bins per layer in the unit heatmaps"),
+    figures: bool = typer.Option(True, help="write Plotly HTML + PNG heatmaps"),
+) -> None:
+    """delta = freq_B - freq_A per dimension and layer, unit tests with BH-FDR, tables and heatmaps."""
+    from rolemrc.probe.diff import diff
+    from rolemrc.probe.report import write_diff
+
+    result = _friendly(lambda: diff(a, b))
+    summary = write_diff(result, out, top_n=top_n, fdr=fdr, bins=bins, figures=figures)
+    typer.echo(json.dumps(summary, indent=1))
+
+
+def _friendly(fn):
+    """Run fn; turn expected input errors into a one-line message and exit code 2."""
+    try:
+        return fn()
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None

@@ -1,0 +1,186 @@
+"""`diff`: compare two probe files (a = SFT, b = DPO by convention) layer by layer and unit by unit."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
+from rolemrc.probe.stats import benjamini_hochberg, top_set_jaccard, two_proportion_test
+
+DIFF_FILE = "diff.safetensors"
+
+
+class ProbeMismatchError(ValueError):
+    """Two probe files were counted differently and cannot be compared."""
+
+
+@dataclass
+class DiffResult:
+    """Per-dimension [layers, width] tensors and the metadata of both sides."""
+
+    freq_a: dict[str, torch.Tensor]
+    freq_b: dict[str, torch.Tensor]
+    delta: dict[str, torch.Tensor]
+    z: dict[str, torch.Tensor]
+    pvalue: dict[str, torch.Tensor]
+    qvalue: dict[str, torch.Tensor]
+    meta: dict[str, str]
+    cases_a: dict[str, int] = field(default_factory=dict)
+    cases_b: dict[str, int] = field(default_factory=dict)
+    empty: dict[str, str] = field(default_factory=dict)  # dimension -> why it was not compared
+
+    @property
+    def dimensions(self) -> list[str]:
+        return list(self.delta)
+
+    @property
+    def hook(self) -> str:
+        return self.meta["hook"]
+
+    @property
+    def k(self) -> int:
+        return int(self.meta["k"])
+
+    def layer_summary(self, fdr: float = 0.05) -> list[dict]:
+        """One row per dimension and layer: mean |delta|, signed mean, max |delta|, significant units,
+        Jaccard of the top-k sets under a and b."""
+        rows = []
+        for d in self.dimensions:
+            delta = self.delta[d]
+            jaccard = top_set_jaccard(self.freq_a[d], self.freq_b[d], self.k)
+            significant = (self.qvalue[d] < fdr).sum(1)
+            for layer in range(delta.shape[0]):
+                rows.append({
+                    "dimension": d, "layer": layer,
+                    "mean_abs_delta": float(delta[layer].abs().mean()),
+                    "signed_mean_delta": float(delta[layer].mean()),
+                    "max_abs_delta": float(delta[layer].abs().max()),
+                    "significant_units": int(significant[layer]),
+                    "top_set_jaccard": float(jaccard[layer]),
+                })
+        return rows
+
+    def ranked_units(self, top_n: int = 200) -> list[dict]:
+        """The `top_n` most changed units per dimension by |delta| (ties: smaller q first)."""
+        rows = []
+        for d in self.dimensions:
+            delta = self.delta[d]
+            width = delta.shape[1]
+            n = min(top_n, delta.numel())
+            # sort by |delta| desc, then q asc: composite key on a flattened view
+            key = delta.abs().reshape(-1).double() * 2.0 - self.qvalue[d].reshape(-1) * 1e-9
+            for flat in key.topk(n).indices.tolist():
+                layer, unit = divmod(flat, width)
+                rows.append({
+                    "dimension": d, "layer": layer, "unit": unit,
+                    "freq_a": float(self.freq_a[d][layer, unit]), "freq_b": float(self.freq_b[d][layer, unit]),
+                    "delta": float(delta[layer, unit]), "z": float(self.z[d][layer, unit]),
+                    "p": float(self.pvalue[d][layer, unit]), "q": float(self.qvalue[d][layer, unit]),
+                })
+        return rows
+
+    def save(self, out_dir: str | os.PathLike, *, top_n: int = 200, fdr: float = 0.05) -> Path:
+        """Write diff.safetensors, layers.json, units.csv/json and summary.json into out_dir."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for d in self.dimensions:
+            for name, table, dtype in (("freq_a", self.freq_a, torch.float32), ("freq_b", self.freq_b, torch.float32),
+                                       ("delta", self.delta, torch.float32), ("z", self.z, torch.float32),
+                                       ("pvalue", self.pvalue, torch.float64), ("qvalue", self.qvalue, torch.float64)):
+                tensors[f"{name}.{d}"] = table[d].to(dtype).contiguous()
+        meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "cases_a": json.dumps(self.cases_a),
+                "cases_b": json.dumps(self.cases_b), "empty": json.dumps(self.empty)}
+        save_file(tensors, str(out / DIFF_FILE), metadata=meta)
+        layers = self.layer_summary(fdr)
+        (out / "layers.json").write_text(json.dumps(layers, indent=1))
+        units = self.ranked_units(top_n)
+        (out / "units.json").write_text(json.dumps(units, indent=1))
+        with (out / "units.csv").open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(units[0]) if units else ["dimension"])
+            writer.writeheader()
+            writer.writerows(units)
+        (out / "summary.json").write_text(json.dumps(self.summary(layers, fdr), indent=1))
+        return out
+
+    def summary(self, layers: list[dict], fdr: float) -> dict:
+        per_dim = {}
+        for d in self.dimensions:
+            rows = [r for r in layers if r["dimension"] == d]
+            peak = max(rows, key=lambda r: r["mean_abs_delta"])
+            per_dim[d] = {
+                "cases_a": self.cases_a.get(d), "cases_b": self.cases_b.get(d),
+                "mean_abs_delta": float(self.delta[d].abs().mean()),
+                "significant_units": int((self.qvalue[d] < fdr).sum()),
+                "peak_layer": peak["layer"], "peak_layer_mean_abs_delta": peak["mean_abs_delta"],
+            }
+        ranked = sorted(per_dim, key=lambda d: -per_dim[d]["mean_abs_delta"])
+        return {"a": self.meta.get("a"), "b": self.meta.get("b"), "hook": self.hook, "fdr": fdr,
+                "dimensions": per_dim, "largest_shift": ranked[0] if ranked else None,
+                "not_compared": self.empty}
+
+
+def check_comparable(a: ProbeCounts, b: ProbeCounts) -> None:
+    """Refuse two probe files whose hook point, width, layers, top fraction or token policy differ."""
+    diffs = [f"{key}: {a.meta.get(key)!r} vs {b.meta.get(key)!r}" for key in COMPARABLE_KEYS
+             if a.meta.get(key) != b.meta.get(key)]
+    if diffs:
+        raise ProbeMismatchError("probe files are not comparable (" + "; ".join(diffs) + ")")
+
+
+def diff(a: ProbeCounts | str | os.PathLike, b: ProbeCounts | str | os.PathLike) -> DiffResult:
+    """Compare probe a (e.g. SFT) with probe b (e.g. DPO): delta = freq_b - freq_a per dimension."""
+    paths = {"a": str(a) if not isinstance(a, ProbeCounts) else a.meta.get("model", ""),
+             "b": str(b) if not isinstance(b, ProbeCounts) else b.meta.get("model", "")}
+    a = a if isinstance(a, ProbeCounts) else ProbeCounts.load(a)
+    b = b if isinstance(b, ProbeCounts) else ProbeCounts.load(b)
+    check_comparable(a, b)
+    result = DiffResult({}, {}, {}, {}, {}, {}, meta={
+        **{key: a.meta[key] for key in (*COMPARABLE_KEYS, "k", "rank") if key in a.meta},
+        "a": paths["a"], "b": paths["b"],
+        "a_model_fingerprint": a.meta.get("model_fingerprint", ""),
+        "b_model_fingerprint": b.meta.get("model_fingerprint", ""),
+        "rank_b": b.meta.get("rank", ""),
+    })
+    for d in a.dimensions:
+        if d not in b.count:
+            result.empty[d] = "only in a"
+            continue
+        na, nb = a.observations[d], b.observations[d]
+        result.cases_a[d], result.cases_b[d] = a.cases[d], b.cases[d]
+        if na == 0 or nb == 0:
+            result.empty[d] = "no cases in " + " and ".join(s for s, n in (("a", na), ("b", nb)) if n == 0)
+            continue
+        result.freq_a[d], result.freq_b[d] = a.freq(d), b.freq(d)
+        result.delta[d] = result.freq_b[d] - result.freq_a[d]
+        result.z[d], result.pvalue[d] = two_proportion_test(a.count[d], na, b.count[d], nb)
+        result.qvalue[d] = benjamini_hochberg(result.pvalue[d])
+    for d in b.dimensions:
+        if d not in a.count:
+            result.empty[d] = "only in b"
+    return result
+
+
+def load_diff(path: str | os.PathLike) -> DiffResult:
+    """Load a diff from its directory or its diff.safetensors file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    file = path / DIFF_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no diff file (run `rolemrc probe diff A B --out DIR` first)")
+    with safe_open(str(file), framework="pt") as fh:
+        meta = dict(fh.metadata() or {})
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    dims = json.loads(meta.pop("dimensions"))
+    tables = {name: {d: tensors[f"{name}.{d}"] for d in dims} for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue")}
+    return DiffResult(**tables, meta=meta, cases_a=json.loads(meta.pop("cases_a", "{}")),
+                      cases_b=json.loads(meta.pop("cases_b", "{}")), empty=json.loads(meta.pop("empty", "{}")))

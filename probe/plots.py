@@ -1,0 +1,78 @@
+"""Heatmaps of a diff as Plotly HTML (sharing one plotly.min.js) and PNG (kaleido + Chromium)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from rolemrc.probe.diff import DiffResult
+
+log = logging.getLogger(__name__)
+
+
+def write_figure(fig, out: Path, stem: str) -> dict[str, str]:
+    """Write `stem`.html next to a shared plotly.min.js, and `stem`.png where Chromium is available.
+    Returns the paths written; a PNG that could not be made is reported under `png_error`."""
+    html = out / f"{stem}.html"
+    fig.write_html(str(html), include_plotlyjs="directory", full_html=True)
+    written = {"html": str(html)}
+    try:
+        fig.write_image(str(out / f"{stem}.png"), width=1100, height=650, scale=1)
+        written["png"] = str(out / f"{stem}.png")
+    except Exception as exc:  # kaleido raises several types when Chromium is missing or fails
+        log.warning("PNG export of %s failed (%s); install Debian chromium for PNGs", stem, exc)
+        written["png_error"] = f"{type(exc).__name__}: {exc}"
+    return written
+
+
+def layers_by_dimensions(result: DiffResult):
+    """Mean |delta| per layer (rows) and dimension (columns)."""
+    import plotly.graph_objects as go
+
+    dims = result.dimensions
+    z = torch.stack([result.delta[d].abs().mean(1) for d in dims], dim=1)  # [layers, dims]
+    fig = go.Figure(go.Heatmap(z=z.tolist(), x=dims, y=list(range(z.shape[0])), colorscale="Viridis",
+                               colorbar={"title": "mean |Δfreq|"},
+                               hovertemplate="dimension %{x}<br>layer %{y}<br>mean |Δ| %{z:.4f}<extra></extra>"))
+    fig.update_layout(title=f"{result.hook}: mean |freq_b − freq_a| per layer and dimension",
+                      xaxis_title="dimension", yaxis_title="layer", template="plotly_white")
+    return fig
+
+
+def unit_bins(delta: torch.Tensor, bins: int) -> torch.Tensor:
+    """Mean |delta| over contiguous unit-index bins: [layers, width] -> [layers, bins]."""
+    layers, width = delta.shape
+    bins = min(bins, width)
+    index = torch.arange(width) * bins // width
+    sums = torch.zeros(layers, bins, dtype=torch.float64).index_add_(1, index, delta.abs().double())
+    sizes = torch.bincount(index, minlength=bins).double()
+    return sums / sizes
+
+
+def layers_by_unit_bins(result: DiffResult, dimension: str, bins: int = 64):
+    import plotly.graph_objects as go
+
+    delta = result.delta[dimension]
+    z = unit_bins(delta, bins)
+    width = delta.shape[1]
+    edges = [f"{b * width // z.shape[1]}-{(b + 1) * width // z.shape[1] - 1}" for b in range(z.shape[1])]
+    fig = go.Figure(go.Heatmap(z=z.tolist(), x=edges, y=list(range(z.shape[0])), colorscale="Magma",
+                               colorbar={"title": "mean |Δfreq|"},
+                               hovertemplate="units %{x}<br>layer %{y}<br>mean |Δ| %{z:.4f}<extra></extra>"))
+    fig.update_layout(title=f"{dimension} · {result.hook}: mean |Δfreq| per layer and unit bin",
+                      xaxis_title="unit index bin", yaxis_title="layer", template="plotly_white")
+    return fig
+
+
+def write_heatmaps(result: DiffResult, out_dir: str | Path, bins: int = 64) -> dict[str, dict[str, str]]:
+    """All heatmaps of a diff into out_dir; returns {figure name: written paths}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not result.dimensions:
+        return {}
+    written = {"layers_x_dimensions": write_figure(layers_by_dimensions(result), out, "heatmap_layers_dimensions")}
+    for d in result.dimensions:
+        written[f"units_{d}"] = write_figure(layers_by_unit_bins(result, d, bins), out, f"heatmap_units_{d}")
+    return written
