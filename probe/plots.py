@@ -37,7 +37,8 @@ def layers_by_dimensions(result: DiffResult):
                                colorbar={"title": "mean |Δfreq|"},
                                hovertemplate="dimension %{x}<br>layer %{y}<br>mean |Δ| %{z:.4f}<extra></extra>"))
     fig.update_layout(title=f"{result.hook}: mean |freq_b − freq_a| per layer and dimension",
-                      xaxis_title="dimension", yaxis_title="layer", template="plotly_white")
+                      xaxis_title="dimension", yaxis_title="layer", template="plotly_white",
+                      xaxis_type="category", yaxis_dtick=1)
     return fig
 
 
@@ -57,12 +58,14 @@ def layers_by_unit_bins(result: DiffResult, dimension: str, bins: int = 64):
     delta = result.delta[dimension]
     z = unit_bins(delta, bins)
     width = delta.shape[1]
-    edges = [f"{b * width // z.shape[1]}-{(b + 1) * width // z.shape[1] - 1}" for b in range(z.shape[1])]
+    starts = [b * width // z.shape[1] for b in range(z.shape[1] + 1)]
+    edges = [str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(starts, starts[1:])]
     fig = go.Figure(go.Heatmap(z=z.tolist(), x=edges, y=list(range(z.shape[0])), colorscale="Magma",
                                colorbar={"title": "mean |Δfreq|"},
                                hovertemplate="units %{x}<br>layer %{y}<br>mean |Δ| %{z:.4f}<extra></extra>"))
     fig.update_layout(title=f"{dimension} · {result.hook}: mean |Δfreq| per layer and unit bin",
-                      xaxis_title="unit index bin", yaxis_title="layer", template="plotly_white")
+                      xaxis_title="unit index bin", yaxis_title="layer", template="plotly_white",
+                      xaxis_type="category", yaxis_dtick=1)
     return fig
 
 

@@ -1,0 +1,125 @@
+"""Probe diff: statistics against scipy, refusal of mismatched files, outputs and CLI."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from typer.testing import CliRunner
+
+from rolemrc.cli import app
+from rolemrc.core.tiny import build_model
+from rolemrc.probe import ProbeCounts, ProbeMismatchError, collect, diff, load_diff, write_diff
+from rolemrc.probe.stats import benjamini_hochberg, top_set_jaccard, two_proportion_test
+
+
+def synthetic(counts: dict, obs: dict, **meta) -> ProbeCounts:
+    base = {"hook": "mlp.act", "width": "6", "layers": "2", "top_fraction": "0.5", "tokens": "last", "k": "3",
+            "rank": "signed", "model": "m"}
+    return ProbeCounts({d: torch.tensor(c) for d, c in counts.items()}, dict(obs), dict(obs), {**base, **meta})
+
+
+def test_two_proportion_test_matches_textbook_formula():
+    ca, cb = torch.tensor([10, 40, 0, 25]), torch.tensor([30, 40, 0, 5])
+    z, p = two_proportion_test(ca, 50, cb, 60)
+    for i in range(4):
+        pa, pb = ca[i].item() / 50, cb[i].item() / 60
+        pool = (ca[i].item() + cb[i].item()) / 110
+        se = math.sqrt(pool * (1 - pool) * (1 / 50 + 1 / 60))
+        expected_z = 0.0 if se == 0 else (pb - pa) / se
+        assert z[i].item() == pytest.approx(expected_z)
+        assert p[i].item() == pytest.approx(2 * stats.norm.sf(abs(expected_z)))
+    assert p[2].item() == 1.0  # never active in either: no evidence of change
+
+
+def test_benjamini_hochberg_matches_scipy():
+    rng = np.random.default_rng(0)
+    p = np.concatenate([rng.uniform(0, 1, 300), rng.uniform(0, 1e-4, 20)])
+    q = benjamini_hochberg(torch.tensor(p).reshape(16, 20)).reshape(-1).numpy()
+    np.testing.assert_allclose(q, stats.false_discovery_control(p, method="bh"), rtol=1e-12)
+
+
+def test_top_set_jaccard():
+    a = torch.tensor([[0.9, 0.8, 0.1, 0.0], [0.9, 0.8, 0.1, 0.0]])
+    b = torch.tensor([[0.9, 0.8, 0.1, 0.0], [0.0, 0.1, 0.8, 0.9]])
+    assert top_set_jaccard(a, b, 2).tolist() == [1.0, 0.0]
+
+
+def test_diff_of_known_counts():
+    a = synthetic({"multi_turn": [[50, 0, 25, 25, 0, 0], [25, 25, 25, 25, 0, 0]], "nested": [[0] * 6, [0] * 6]},
+                  {"multi_turn": 50, "nested": 0})
+    b = synthetic({"multi_turn": [[0, 50, 25, 25, 0, 0], [25, 25, 25, 25, 0, 0]], "nested": [[0] * 6, [0] * 6]},
+                  {"multi_turn": 50, "nested": 0})
+    result = diff(a, b)
+    assert result.dimensions == ["multi_turn"]
+    assert result.empty == {"nested": "no cases in a and b"}
+    delta = result.delta["multi_turn"]
+    assert delta[0, :2].tolist() == [-1.0, 1.0] and delta[1].abs().sum() == 0
+    assert result.qvalue["multi_turn"][0, 0] < 1e-10 and result.qvalue["multi_turn"][1, 0] == 1.0
+    top = result.ranked_units(top_n=2)
+    assert {(r["layer"], r["unit"]) for r in top} == {(0, 0), (0, 1)}
+    rows = result.layer_summary()
+    assert rows[0]["significant_units"] == 2 and rows[1]["significant_units"] == 0
+    assert rows[0]["mean_abs_delta"] == pytest.approx(2 / 6)
+
+
+@pytest.mark.parametrize("field,value", [("hook", "attn.out"), ("width", "8"), ("layers", "3"),
+                                         ("top_fraction", "0.1"), ("tokens", "all")])
+def test_mismatched_probe_files_are_refused(field, value):
+    a = synthetic({"x": [[1] * 6, [1] * 6]}, {"x": 2})
+    b = synthetic({"x": [[1] * 6, [1] * 6]}, {"x": 2}, **{field: value})
+    with pytest.raises(ProbeMismatchError, match=f"not comparable.*{field}"):
+        diff(a, b)
+
+
+def test_diff_of_sft_vs_changed_model_writes_everything(model_dirs, records, tokenizer, tmp_path):
+    a = collect(model_dirs["llama"], records, device="cpu", progress=False).save(tmp_path / "a.safetensors")
+    other = tmp_path / "other"
+    build_model("llama", tokenizer, seed=7, hidden=64, layers=2, intermediate=96).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    b = collect(other, records, device="cpu", progress=False).save(tmp_path / "b.safetensors")
+    summary = write_diff(diff(a, b), tmp_path / "diff", top_n=20)
+    out = tmp_path / "diff"
+    for name in ("diff.safetensors", "units.csv", "units.json", "layers.json", "summary.json",
+                 "heatmap_layers_dimensions.html", "plotly.min.js"):
+        assert (out / name).is_file(), name
+    for d in ("knowledge_boundary", "role_style", "multi_turn", "nested", "prioritized"):
+        assert (out / f"heatmap_units_{d}.html").is_file()
+    assert summary["largest_shift"] in summary["dimensions"]
+    units = json.loads((out / "units.json").read_text())
+    assert len(units) == 5 * 20 and all(0 <= u["q"] <= 1 for u in units)
+    reloaded = load_diff(out)
+    assert reloaded.hook == "mlp.act" and reloaded.meta["a_model_fingerprint"] != reloaded.meta["b_model_fingerprint"]
+    assert torch.allclose(reloaded.delta["multi_turn"], reloaded.freq_b["multi_turn"] - reloaded.freq_a["multi_turn"])
+    if "png_error" not in summary["figures"]["layers_x_dimensions"]:
+        assert (out / "heatmap_layers_dimensions.png").stat().st_size > 10_000
+    identical = diff(a, a)
+    assert all(float(identical.delta[d].abs().max()) == 0 for d in identical.dimensions)
+
+
+def test_cli_collect_and_diff(model_dirs, records, tmp_path):
+    from rolemrc.core.io import write_jsonl
+
+    data = tmp_path / "test.jsonl"
+    write_jsonl(data, records)
+    runner = CliRunner()
+    for name, hook in (("a", "mlp.act"), ("b", "mlp.act"), ("c", "attn.out")):
+        res = runner.invoke(app, ["probe", "collect", "--model", str(model_dirs["gpt2"]), "--data", str(data),
+                                  "--hook", hook, "--batch-size", "4", "--device", "cpu",
+                                  "--out", str(tmp_path / f"{name}.safetensors")])
+        assert res.exit_code == 0, res.output
+    report = json.loads(res.output[res.output.index("{"):])
+    assert report["hook"] == "attn.out" and report["width"] == 64
+    res = runner.invoke(app, ["probe", "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
+                              "--out", str(tmp_path / "d"), "--no-figures"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["probe", "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "c.safetensors"),
+                              "--out", str(tmp_path / "e")])
+    assert res.exit_code == 2 and "not comparable" in res.output and "hook" in res.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "question": [{"role": "user", "content": "hi"}], "task": "x"}\n{oops\n')
+    res = runner.invoke(app, ["probe", "collect", "--model", str(model_dirs["gpt2"]), "--data", str(bad),
+                              "--out", str(tmp_path / "x.safetensors")])
+    assert res.exit_code == 2 and "bad.jsonl:2" in res.output
