@@ -14,7 +14,7 @@ from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
 from rolemrc.core.modeling import dir_fingerprint, load_model, model_fingerprint
 from rolemrc.probe.backends import make_backend
-from rolemrc.probe.cases import batches, build_cases
+from rolemrc.probe.cases import Cases, batches, build_cases
 from rolemrc.probe.counts import ProbeCounts, TopKCounter, top_k_size
 from rolemrc.probe.hooks import check_point, num_layers, width
 
@@ -65,20 +65,8 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     max_length = config.max_length or _context_window(model)
     cases = build_cases(data, tokenizer, dimension_field=config.dimension_field,
                         generation_prompt=config.generation_prompt, max_length=max_length)
-    layers, units = num_layers(model), width(model, config.hook)
-    k = top_k_size(config.top_fraction, units)
-    device = next(model.parameters()).device
-    counter = TopKCounter(cases.dimensions, layers, units, k, tokens=config.tokens, rank=config.rank, device=device)
-    backend = make_backend(config.backend, model, config.hook, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    bar = tqdm(total=len(cases), desc=f"probe {config.hook}", unit="case", disable=not config.progress)
-    with torch.inference_mode():
-        for idx, input_ids, mask in batches(cases, config.batch_size, pad_id):
-            counter.start_batch(cases.membership[idx], mask)
-            backend.run(input_ids.to(device), mask.to(device), counter.add)
-            bar.update(len(idx))
-    bar.close()
+    counter = count_cases(model, tokenizer, cases, config)
+    k, units, layers = counter.k, counter.width, counter.layers
 
     meta = {
         "model": model_path, "model_fingerprint": fingerprint, "hook": config.hook,
@@ -96,6 +84,24 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
         observations={d: int(counter.observations[j]) for j, d in enumerate(dims)},
         meta=meta,
     )
+
+
+def count_cases(model: Any, tokenizer: Any, cases: Cases, config: CollectConfig) -> TopKCounter:
+    """The hot loop: padded batches through the backend, top-k counted on the model's device."""
+    units = width(model, config.hook)
+    device = next(model.parameters()).device
+    counter = TopKCounter(cases.dimensions, num_layers(model), units, top_k_size(config.top_fraction, units),
+                          tokens=config.tokens, rank=config.rank, device=device)
+    backend = make_backend(config.backend, model, config.hook, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    bar = tqdm(total=len(cases), desc=f"probe {config.hook}", unit="case", disable=not config.progress)
+    with torch.inference_mode():
+        for idx, input_ids, mask in batches(cases, config.batch_size, pad_id):
+            counter.start_batch(cases.membership[idx], mask)
+            backend.run(input_ids.to(device), mask.to(device), counter.add)
+            bar.update(len(idx))
+    bar.close()
+    return counter
 
 
 def collect_to_file(model: Any, data: Any, out: str | os.PathLike, config: CollectConfig | None = None,
