@@ -60,6 +60,20 @@ def diff_cmd(
     typer.echo(json.dumps(summary, indent=1))
 
 
+@app.command("explore")
+def explore_cmd(
+    diff_dir: Path = typer.Argument(..., help="directory written by `rolemrc probe diff`"),
+    out: Path = typer.Option(..., "--out", help="HTML file to write"),
+    max_units: int = typer.Option(512, help="most changed units embedded per layer"),
+    fdr: float = typer.Option(0.05, help="q threshold for highlighting"),
+) -> None:
+    """Write a self-contained interactive layer explorer (open it in a browser)."""
+    from rolemrc.probe.explorer import write_explorer
+
+    path = _friendly(lambda: write_explorer(diff_dir, out, max_units=max_units, fdr=fdr))
+    typer.echo(json.dumps({"out": str(path), "bytes": path.stat().st_size}))
+
+
 def _friendly(fn):
     """Run fn; turn expected input errors into a one-line message and exit code 2."""
     try:
