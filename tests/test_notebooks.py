@@ -1,0 +1,48 @@
+"""The notebooks run top to bottom on small fixtures (nbclient), so they cannot rot."""
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from rolemrc.core.tiny import build_model
+from rolemrc.probe import collect, diff, write_diff
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def run_notebook(name: str, env: dict[str, str], tmp_path: Path) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return nb
+
+
+def outputs_text(nb) -> str:
+    return "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", ""))
+                     for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+
+
+def test_layer_explorer_notebook(model_dirs, records, tokenizer, tmp_path):
+    other = tmp_path / "b"
+    build_model("llama", tokenizer, seed=5, hidden=64, layers=2, intermediate=96).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    result = diff(collect(model_dirs["llama"], records, device="cpu", progress=False),
+                  collect(other, records, device="cpu", progress=False))
+    write_diff(result, tmp_path / "diff", figures=False)
+    nb = run_notebook("layer_explorer.ipynb", {"ROLEMRC_DIFF_DIR": str(tmp_path / "diff")}, tmp_path)
+    text = outputs_text(nb)
+    assert "hook mlp.act: 2 layers x 96 units" in text and "largest shift:" in text
+    plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
+             if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(plots) >= 4
