@@ -1,0 +1,59 @@
+"""Standardised role profiles: the seven components, validation, and the rendered profile text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# component key -> heading in the rendered profile (paper section 3, "profile standardisation").
+COMPONENTS: dict[str, str] = {
+    "name_and_description": "Role name and brief description",
+    "abilities_and_skills": "Specific abilities and skills",
+    "speech_style": "Speech style",
+    "personality": "Personality characteristics",
+    "background": "Past experience and background",
+    "knowledge_boundaries": "Ability and knowledge boundaries",
+    "speech_examples": "Speech examples",
+}
+MAX_COMPONENT_CHARS = 1200
+
+
+class ProfileError(ValueError):
+    """A generated profile is unusable; the message is the reason counted in the stats."""
+
+
+def validate_profile(name: Any, components: Any) -> tuple[str, dict[str, str]]:
+    """Return a clean (name, components) or raise ProfileError with a short reason."""
+    if not isinstance(name, str) or not name.strip():
+        raise ProfileError("missing name")
+    if len(name) > 80 or "\n" in name.strip():
+        raise ProfileError("name is not a short single line")
+    if not isinstance(components, dict):
+        raise ProfileError("components is not an object")
+    missing = [key for key in COMPONENTS if key not in components]
+    if missing:
+        raise ProfileError(f"missing component {missing[0]}")
+    clean = {}
+    for key in COMPONENTS:
+        value = components[key]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = "\n".join(value)
+        if not isinstance(value, str) or not value.strip():
+            raise ProfileError(f"empty component {key}")
+        if len(value) > MAX_COMPONENT_CHARS:
+            raise ProfileError(f"component {key} too long")
+        clean[key] = value.strip()
+    return name.strip(), clean
+
+
+def profile_text(name: str, components: dict[str, str]) -> str:
+    """The profile as the role-play system prompt shows it."""
+    lines = [f"You are {name}. Stay in character as described below."]
+    lines += [f"{heading}: {components[key]}" for key, heading in COMPONENTS.items()]
+    return "\n".join(lines)
+
+
+def make_profile(pid: str, persona: str, name: str, components: dict[str, str]) -> dict[str, Any]:
+    """A profile record (DESIGN.md): validated, with its rendered text."""
+    name, components = validate_profile(name, components)
+    return {"id": pid, "persona": persona, "name": name, "components": components,
+            "text": profile_text(name, components)}

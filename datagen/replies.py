@@ -1,0 +1,108 @@
+"""What a reply must do (ReplySpec), the nested formatting rules, and reply validation.
+
+Both backends answer a ReplySpec; every reply, template or LLM, passes `check_reply` before it is
+used, so malformed LLM output is caught the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+# intent -> what the role must do (also the instruction an LLM backend receives).
+INTENTS: dict[str, str] = {
+    "answer": "Answer the question from the passage, in character and in your own voice.",
+    "refuse_unanswerable": "The passage does not contain the answer. Say so in character and do not guess.",
+    "refuse_outside": "The question lies outside your character's knowledge. Decline in character without answering.",
+    "answer_outside": "The question lies outside your character's knowledge, but answer it from the passage, "
+                      "noting in character that it is not your field.",
+    "refuse_directive": "A global rule from the system forbids answering. Decline in character without answering.",
+    "insist_answer": "The user insists. Give in and answer the question from the passage, in character.",
+    "insist_refuse": "The user insists, but the passage still does not contain the answer. Refuse again, in character.",
+    "chat": "Reply in character to the user's last message, drawing on your profile.",
+    "greet": "Open the conversation in character with a greeting.",
+    "scene": "React in character to the text in the scene, summarising what it is about.",
+}
+ANSWERING = frozenset({"answer", "answer_outside", "insist_answer"})
+MAX_REPLY_WORDS = 250
+NARRATION = re.compile(r"[()\[\]*]")
+EMOJI = re.compile("[\U0001F300-\U0001FAFF\u2600-\u27BF]")
+STOP = frozenset("a an the of in on at to and or is are was were be by for with from as that this it its".split())
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A nested formatting rule: its kind, the instruction given to the role, and its parameter."""
+
+    kind: str          # emoji_start | keyword | signoff | upper | lower | max_words | no_commas
+    instruction: str
+    value: str | int | None = None
+
+    @property
+    def category(self) -> str:
+        """special-content or special-format (the RoleMRC task suffix)."""
+        return "special-content" if self.kind in ("emoji_start", "keyword", "signoff") else "special-format"
+
+
+@dataclass(frozen=True)
+class ReplySpec:
+    """One assistant turn to write: who speaks, what they must do, with which material."""
+
+    profile: dict[str, Any]
+    intent: str
+    narration: bool
+    history: tuple[dict[str, str], ...] = ()
+    passages: tuple[str, ...] = ()
+    question: str | None = None
+    answer: str | None = None
+    topic: str | None = None
+    rule: Rule | None = None
+    key: str = ""                      # stable id of this turn (seeds the template backend)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.intent not in INTENTS:
+            raise ValueError(f"unknown intent {self.intent!r}")
+        if self.intent in ANSWERING and not self.answer:
+            raise ValueError(f"intent {self.intent!r} needs an answer")
+
+
+def content_words(text: str) -> list[str]:
+    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOP]
+
+
+def check_rule(rule: Rule, text: str) -> str | None:
+    """None if `text` obeys the rule, else the reason."""
+    words = text.split()
+    ok = {
+        "emoji_start": lambda: bool(EMOJI.match(text)),
+        "keyword": lambda: str(rule.value).lower() in text.lower(),
+        "signoff": lambda: text.rstrip().endswith(str(rule.value)),
+        "upper": lambda: not any(c.islower() for c in text),
+        "lower": lambda: not any(c.isupper() for c in text),
+        "max_words": lambda: len(words) <= int(rule.value),
+        "no_commas": lambda: "," not in text,
+    }[rule.kind]()
+    return None if ok else f"breaks rule {rule.kind}"
+
+
+def check_reply(spec: ReplySpec, text: Any) -> str | None:
+    """None if the reply is usable for `spec`, else a short reason (counted when it is dropped)."""
+    if not isinstance(text, str) or not text.strip():
+        return "empty reply"
+    words = text.split()
+    if len(words) > MAX_REPLY_WORDS:
+        return "reply too long"
+    if re.search(r"^\s*(user|assistant|system)\s*:", text, flags=re.I | re.M):
+        return "speaks for another role"
+    if not spec.narration and NARRATION.search(text):
+        return "narration where none is allowed"
+    if spec.intent in ANSWERING:
+        needed = set(content_words(spec.answer or ""))
+        found = needed & set(content_words(text))
+        if needed and len(found) < max(1, len(needed) // 2):
+            return "answer missing"
+    if spec.rule is not None:
+        return check_rule(spec.rule, text)
+    return None
