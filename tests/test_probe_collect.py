@@ -149,3 +149,13 @@ def test_unknown_hook_point_and_layout_errors(model_dirs, records):
     with pytest.raises(ValueError, match="unknown backend"):
         collect(model, records, tokenizer=tok, backend="jax", progress=False)
     assert set(HOOK_POINTS) == {"mlp.act", "mlp.post", "mlp.out", "attn.out", "resid.post"}
+
+
+def test_mistral_layout_resolves_and_collects(tokenizer, records):
+    from rolemrc.core.tiny import build_model
+
+    model = build_model("mistral", tokenizer, hidden=64, layers=2, intermediate=96)
+    assert layout_of(model).blocks == "model.layers"
+    for point in HOOK_POINTS:
+        got = collect(model, records[:8], tokenizer=tokenizer, hook=point, progress=False)
+        assert got.meta["layers"] == "2" and sum(got.observations.values()) >= 8
