@@ -3,10 +3,11 @@
 - concurrency limit (a semaphore around each request);
 - transport retries with exponential backoff on 429, 5xx, timeouts and dropped connections;
   other HTTP errors (bad key, unknown model) stop the run with a clear BackendError;
-- a SQLite cache keyed by the full request (and the content attempt number), so reruns and
-  resumed runs replay earlier answers instead of paying for them again;
+- a SQLite cache keyed by the full request, so reruns and resumed runs replay earlier answers
+  instead of paying for them again;
 - content attempts: a malformed reply (bad JSON, broken rule, missing answer, ...) is asked for
-  again up to `max_attempts` times, then the item is dropped with its reason (DroppedError).
+  again up to `max_attempts` times (attempt k is sent with `seed=k`, so a deterministic server
+  can answer differently), then the item is dropped with its reason (DroppedError).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class OpenAIBackend:
                     self.events["requests"] += 1
                     response = await self.client.chat.completions.create(
                         model=self.config.model, messages=messages, temperature=self.config.temperature,
-                        max_tokens=self.config.max_tokens)
+                        max_tokens=self.config.max_tokens, seed=attempt)
                 break
             except retryable as exc:
                 if retry == self.config.max_retries:

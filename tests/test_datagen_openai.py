@@ -1,0 +1,231 @@
+"""The openai backend over real HTTP, with the real `openai` client.
+
+Server: a small uvicorn FastAPI app defined here (`scripted_app`) that speaks the OpenAI chat
+protocol and answers from the request content: it solves the reply task it is given (so good
+replies pass validation), but on purpose sends bad JSON, broken rules and role prefixes on some
+requests, and 429 / 500 on the first hit of others. (`rolemrc.serve` did not exist yet when this
+was written; these tests exercise the protocol path against this scripted server.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from datagen_fixtures import read_outputs, small_pool
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rolemrc.core.io import read_jsonl
+from rolemrc.datagen.backends import BackendError
+from rolemrc.datagen.backends.openai_api import PROFILE_SYSTEM, OpenAIBackend
+from rolemrc.datagen.config import BackendConfig, DatagenConfig
+from rolemrc.datagen.pipeline import run
+from rolemrc.datagen.profiles import COMPONENTS
+
+
+def _h(*parts) -> int:
+    return int(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:8], 16)
+
+
+def _profile_reply(messages, seed) -> str:
+    persona = re.search(r"Persona: (.*)", messages[-1]["content"]).group(1)
+    h = _h(persona)
+    if h % 9 == 0:  # always incomplete: dropped after all attempts
+        return json.dumps({"name": "Nobody", "components": {"speech_style": "flat"}})
+    if h % 3 == 0 and seed == 0:  # bad JSON on the first attempt only
+        return "Sure! Here is the profile: {name: oops"
+    comps = {k: f"{k.replace('_', ' ')} of someone who is {persona.lower()}" for k in COMPONENTS}
+    return "```json\n" + json.dumps({"name": f"Role {h % 1000}", "components": comps}) + "\n```"
+
+
+def _solve(system: str) -> str:
+    """A reply that satisfies the instructions in the backend's system prompt."""
+    answer = re.search(r"The answer according to the passages: (.*)", system)
+    text = f"Well, the passage says {answer.group(1)}." if answer else "I would rather not say, friend."
+    if "You may describe actions" in system:
+        text = "(nods) " + text
+    rule = re.search(r"Formatting rule you must obey: (.*)", system)
+    if rule:
+        r = rule.group(1)
+        if "emoji" in r:
+            text = "\U0001F31F " + text
+        elif m := re.search(r"word '(\w+)'", r):
+            text += f" A {m.group(1)} for you."
+        elif m := re.search(r"exact sentence: (.*)", r):
+            text += " " + m.group(1)
+        elif "capital" in r:
+            text = text.upper()
+        elif "lower case" in r:
+            text = text.lower()
+        elif "commas" in r:
+            text = text.replace(",", "")
+    return text
+
+
+def _reply(messages, seed) -> str:
+    if messages[0]["content"] == PROFILE_SYSTEM:
+        return _profile_reply(messages, seed)
+    h = _h(messages)
+    if h % 13 == 0:  # always malformed: the item is dropped and counted
+        return "User: I will answer for you instead."
+    if h % 4 == 0 and seed == 0:  # malformed on the first attempt: asked again
+        return _solve(messages[0]["content"]) + "\nUser: and now?"
+    return _solve(messages[0]["content"])
+
+
+def scripted_app(delay_s: float = 0.0, status: int | None = None):
+    app = FastAPI()
+    hits: Counter = Counter()
+    app.state.hits = hits
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        hits["requests"] += 1
+        if status is not None:
+            return JSONResponse({"error": {"message": "invalid api key", "type": "auth"}}, status_code=status)
+        key = json.dumps([body["messages"], body.get("seed")], sort_keys=True)
+        hits[key] += 1
+        if hits[key] == 1 and _h(key) % 5 == 0:
+            hits["429"] += 1
+            return JSONResponse({"error": {"message": "slow down", "type": "rate_limit"}}, status_code=429)
+        if hits[key] == 1 and _h(key) % 5 == 1:
+            hits["500"] += 1
+            return JSONResponse({"error": {"message": "boom", "type": "server"}}, status_code=500)
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        text = _reply(body["messages"], body.get("seed", 0))
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    return app
+
+
+class Server:
+    """uvicorn in a background thread on a free local port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("scripted server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _config(out, url, pool, **backend) -> DatagenConfig:
+    return DatagenConfig(out=out, size="tiny", mrc=pool, progress=False,
+                         backend=BackendConfig(name="openai", base_url=url, model="scripted", concurrency=4,
+                                               backoff_s=0.01, **backend))
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    return small_pool(tmp_path_factory.mktemp("pool") / "mrc.jsonl", n=40)
+
+
+def test_retries_drops_cache_over_http(tmp_path, pool):
+    out = tmp_path / "run"
+    with Server(scripted_app()) as server:
+        result = run(_config(out, server.url, pool))
+        hits = server.app.state.hits
+        assert hits["429"] > 0 and hits["500"] > 0  # both were retried, nothing crashed
+        events = result["events"]
+        assert events["retries"] == hits["429"] + hits["500"]
+        assert events["malformed"] > 0
+        dropped = result["stats"]["dropped"]
+        assert dropped["profiles"] and set(dropped["profiles"]) <= {"missing component name_and_description"}
+        assert dropped["synthesis"].get("speaks for another role", 0) > 0
+        sft, test = read_jsonl(out / "sft.jsonl"), read_jsonl(out / "test.jsonl")
+        assert len(sft) > 30 and len(test) > 10
+        assert all("User:" not in t["content"] for r in sft for t in r["conversations"])
+        first = read_outputs(out)
+        before = hits["requests"]
+        # rerun with the outputs removed: every reply comes from the SQLite cache
+        for name in first:
+            (out / name).unlink()
+        (out / "work" / "items.jsonl").unlink()
+        (out / "work" / "profiles.jsonl").unlink()
+        again = run(_config(out, server.url, pool))
+        assert hits["requests"] == before and again["events"].get("requests", 0) == 0
+        assert again["events"]["cache_hits"] > 0
+        assert read_outputs(out) == first
+
+
+def test_http_errors_that_are_not_retryable_stop_the_run(tmp_path, pool):
+    async def call(url):
+        backend = OpenAIBackend(BackendConfig(name="openai", base_url=url, model="m", backoff_s=0.01))
+        try:
+            await backend.profile({"id": "p", "persona": "A baker."})
+        finally:
+            await backend.aclose()
+
+    with Server(scripted_app(status=401)) as server:
+        with pytest.raises(BackendError, match="HTTP 401"):
+            asyncio.run(call(server.url))
+    with socket.socket() as s:  # nothing listens here: connection errors are retried, then reported
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    with pytest.raises(BackendError, match="giving up"):
+        asyncio.run(call(dead))
+
+
+def test_sigkill_mid_run_then_rerun_gives_identical_files(tmp_path, pool):
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    with Server(scripted_app(delay_s=0.03)) as server:
+        run(_config(base, server.url, pool))
+        expected = read_outputs(base)
+        args = [sys.executable, "-c", "from rolemrc.cli import main; main()", "datagen", "run", "--out", str(killed),
+                "--size", "tiny", "--mrc", str(pool), "--backend", "openai", "--base-url", server.url,
+                "--model", "scripted", "--concurrency", "4", "--no-progress"]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
+        journal = killed / "work" / "items.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if journal.exists() and len(journal.read_bytes().splitlines()) >= 3:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (killed / "sft.jsonl").exists()
+        done_before = len(journal.read_bytes().splitlines())
+        result = run(_config(killed, server.url, pool))
+        assert result["events"].get("cache_hits", 0) > 0  # work paid for before the kill is not paid again
+    assert read_outputs(killed) == expected
+    lines = [json.loads(x) for x in journal.read_bytes().splitlines()]
+    assert len(lines) == len({x["key"] for x in lines}) > done_before  # no duplicate, none missing
