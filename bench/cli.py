@@ -31,3 +31,18 @@ def probe_cmd(
     from rolemrc.bench.probe import run
 
     emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(","))), out)
+
+
+@app.command("retrieval")
+def retrieval_cmd(
+    profiles: int = typer.Option(10_200, help="profile (query) vectors"),
+    triplets: int = typer.Option(808_700, help="triplet (key) vectors"),
+    dim: int = typer.Option(384),
+    index: str = typer.Option("flat", help="flat (exact) | ivf"),
+    seed: int = typer.Option(0),
+    out: Path = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Top-1 and bottom-1 inner-product search (datagen retrieval) vs the numpy matmul rate."""
+    from rolemrc.bench.retrieval import run
+
+    emit(run(profiles, triplets, dim, kind=index, seed=seed), out)
