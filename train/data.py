@@ -1,0 +1,212 @@
+"""Training data: RoleMRC records -> trl datasets, with bad records skipped and counted.
+
+Record kinds (DESIGN.md "Data records"): SFT `conversations`, preference pair
+`prompt`/`chosen`/`rejected`, test `question`/`reference`, profile `text`, MRC triplet
+`passages`/`question`/`answer`. Roles may be capitalised (`User`), as in the release.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rolemrc.core.io import file_fingerprint, iter_jsonl
+from rolemrc.core.records import RecordError, normalize_turns
+
+
+class DataError(ValueError):
+    """The training data cannot be used (missing, empty, or too many bad records)."""
+
+
+class BadRecord(ValueError):
+    """One record is unusable: `reason` is what it is counted under, `detail` says more."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class DataReport:
+    """Kept and skipped records per source file, skips counted by reason."""
+
+    kept: Counter = field(default_factory=Counter)
+    skipped: dict[str, Counter] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> first file:line seen (and detail)
+
+    def keep(self, source: str) -> None:
+        self.kept[source] += 1
+
+    def skip(self, source: str, lineno: int, reason: str, detail: str = "") -> None:
+        self.skipped.setdefault(source, Counter())[reason] += 1
+        self.examples.setdefault(reason, f"{source}:{lineno}" + (f", {detail}" if detail else ""))
+
+    @property
+    def total_kept(self) -> int:
+        return sum(self.kept.values())
+
+    @property
+    def total_skipped(self) -> int:
+        return sum(sum(c.values()) for c in self.skipped.values())
+
+    def reasons(self) -> Counter:
+        out: Counter = Counter()
+        for counts in self.skipped.values():
+            out.update(counts)
+        return out
+
+    def check(self, max_bad_share: float, what: str) -> None:
+        """Raise DataError when nothing is usable or the bad share exceeds `max_bad_share`."""
+        total = self.total_kept + self.total_skipped
+        if self.total_kept == 0:
+            raise DataError(f"no usable {what} records ({self.summary()})")
+        share = self.total_skipped / total
+        if share > max_bad_share:
+            raise DataError(f"{self.total_skipped} of {total} {what} records are bad ({share:.1%} > max_bad_share "
+                            f"{max_bad_share:.1%}): {self.summary()}")
+
+    def summary(self) -> str:
+        reasons = "; ".join(f"{reason}: {n} (first at {self.examples[reason]})"
+                            for reason, n in self.reasons().most_common())
+        return f"kept {self.total_kept}, skipped {self.total_skipped}" + (f" [{reasons}]" if reasons else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kept": self.total_kept, "skipped": self.total_skipped, "reasons": dict(self.reasons()),
+                "per_file": {src: {"kept": self.kept.get(src, 0), "skipped": dict(self.skipped.get(src, {}))}
+                             for src in sorted(set(self.kept) | set(self.skipped))}}
+
+
+def jsonl_files(paths: list[str | os.PathLike]) -> list[Path]:
+    """Files named directly, plus the `*.jsonl` files directly inside named directories."""
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(path.glob("*.jsonl"))
+            if not found:
+                raise DataError(f"{path}: directory holds no .jsonl files")
+            out.extend(found)
+        elif path.is_file():
+            out.append(path)
+        else:
+            raise DataError(f"{path}: no such file or directory")
+    return out
+
+
+def fingerprints(files: list[Path]) -> dict[str, str]:
+    return {str(f): file_fingerprint(f) for f in files}
+
+
+def nonempty_text(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise BadRecord(f"empty or missing {name}")
+    return value
+
+
+def record_turns(value: Any) -> list[dict[str, str]]:
+    try:
+        return normalize_turns(value)
+    except RecordError as exc:
+        raise BadRecord("malformed turns", str(exc).removeprefix("record: ")) from None
+
+
+def sft_example(record: dict[str, Any]) -> dict[str, Any]:
+    """A trl conversational example `{"messages": turns}` from an SFT record."""
+    if "conversations" not in record:
+        raise BadRecord("no conversations field")
+    turns = record_turns(record["conversations"])
+    replies = [t for t in turns if t["role"] == "assistant"]
+    if not replies:
+        raise BadRecord("no assistant turn")
+    for reply in replies:
+        nonempty_text(reply["content"], "assistant reply")
+    return {"messages": turns}
+
+
+def _reply(value: Any, name: str) -> list[dict[str, str]]:
+    """A pair's chosen/rejected side: a string, or turns ending in an assistant turn."""
+    if value is None:
+        raise BadRecord("missing chosen/rejected")
+    if isinstance(value, list):
+        turns = record_turns(value)
+        if turns[-1]["role"] != "assistant":
+            raise BadRecord(f"{name} does not end with an assistant turn")
+        value = turns[-1]["content"]
+    return [{"role": "assistant", "content": nonempty_text(value, name)}]
+
+
+def pair_example(record: dict[str, Any]) -> dict[str, Any]:
+    """A trl conversational preference example from a pair record."""
+    if "prompt" not in record:
+        raise BadRecord("missing prompt")
+    prompt = record_turns(record["prompt"])
+    if prompt[-1]["role"] != "user":
+        raise BadRecord("prompt does not end with a user turn")
+    chosen, rejected = _reply(record.get("chosen"), "chosen"), _reply(record.get("rejected"), "rejected")
+    if chosen[0]["content"].strip() == rejected[0]["content"].strip():
+        raise BadRecord("chosen equals rejected")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def scan(files: list[Path], handle: Callable[[dict[str, Any]], Any], report: DataReport) -> None:
+    """Call `handle` on each record; records it rejects with BadRecord are skipped and counted."""
+    for path in files:
+        for lineno, record in iter_jsonl(path):
+            try:
+                handle(record)
+            except BadRecord as exc:
+                report.skip(str(path), lineno, exc.reason, exc.detail)
+            else:
+                report.keep(str(path))
+
+
+def load_examples(files: list[Path], convert: Callable[[dict[str, Any]], dict], report: DataReport) -> list[dict]:
+    """The examples `convert` makes of the records it accepts."""
+    out: list[dict] = []
+    scan(files, lambda record: out.append(convert(record)), report)
+    return out
+
+
+def parse_mix(spec: str) -> tuple[Path, float]:
+    """`PATH:RATIO` -> (path, ratio); RATIO > 0 is relative to the size of the main data."""
+    path, sep, ratio = spec.rpartition(":")
+    try:
+        value = float(ratio)
+    except ValueError:
+        value = -1.0
+    if not sep or not path or value <= 0:
+        raise DataError(f"--mix expects PATH:RATIO with RATIO > 0 (e.g. extra.jsonl:0.3), got {spec!r}")
+    return Path(path), value
+
+
+def mix_in(main: list[dict[str, Any]], extra: list[dict[str, Any]], ratio: float, seed: int) -> list[dict[str, Any]]:
+    """Draw round(ratio * len(main)) examples from `extra` (a seeded shuffle, repeated if it is short)."""
+    if not extra:
+        return []
+    want = round(ratio * len(main))
+    rng = random.Random(seed)
+    drawn: list[dict[str, Any]] = []
+    while len(drawn) < want:
+        order = list(extra)
+        rng.shuffle(order)
+        drawn.extend(order[: want - len(drawn)])
+    return drawn
+
+
+def sft_examples(data: list[str], mix: list[str], seed: int, report: DataReport) -> tuple[list[dict], dict[str, Any]]:
+    """SFT examples of `data` plus the `mix` shares, and a description of the mixture."""
+    main = load_examples(jsonl_files(data), sft_example, report)
+    examples, mixture = list(main), {"main": len(main)}
+    for k, spec in enumerate(mix):
+        path, ratio = parse_mix(spec)
+        extra = load_examples(jsonl_files([path]), sft_example, report)
+        drawn = mix_in(main, extra, ratio, seed + k + 1)
+        mixture[str(path)] = {"ratio": ratio, "available": len(extra), "drawn": len(drawn)}
+        examples.extend(drawn)
+    random.Random(seed).shuffle(examples)
+    return examples, mixture

@@ -1,0 +1,207 @@
+"""What every stage shares around a Trainer: arguments, resume, progress, final save, manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from rolemrc import __version__
+from rolemrc.core.modeling import dir_fingerprint
+from rolemrc.train.config import ConfigError, TrainConfig
+from rolemrc.train.data import DataReport
+
+MANIFEST = "rolemrc.json"
+# Logged values summarised as first/last in the result metrics, when a stage logs them.
+TRACKED = ("loss", "mean_token_accuracy", "rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected")
+
+
+@dataclass
+class TrainResult:
+    """A finished stage: where the model is and how training went."""
+
+    stage: str
+    out_dir: Path
+    metrics: dict[str, float]
+    history: list[dict[str, float]]
+    data: dict[str, Any]
+    resumed_from: str | None
+    seconds: float
+
+    @property
+    def manifest(self) -> Path:
+        return self.out_dir / MANIFEST
+
+
+def checkpoints_dir(config: TrainConfig) -> Path:
+    return Path(config.out) / "checkpoints"
+
+
+def resume_checkpoint(config: TrainConfig) -> str | None:
+    """The last `checkpoint-N` under out/checkpoints when resuming is on, else None."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = checkpoints_dir(config)
+    if not config.resume or not folder.is_dir():
+        return None
+    return get_last_checkpoint(str(folder))
+
+
+def accumulation_steps(config: TrainConfig) -> int:
+    """Gradient accumulation that makes batch_size x steps x processes equal effective_batch_size."""
+    if config.effective_batch_size is None:
+        return 1
+    per_step = config.batch_size * int(os.environ.get("WORLD_SIZE", "1"))
+    if config.effective_batch_size % per_step:
+        raise ConfigError(f"effective_batch_size {config.effective_batch_size} is not a multiple of batch_size "
+                          f"{config.batch_size} x {per_step // config.batch_size} process(es)")
+    return config.effective_batch_size // per_step
+
+
+def trainer_arguments(config: TrainConfig) -> dict[str, Any]:
+    """Keyword arguments shared by transformers' TrainingArguments and trl's SFTConfig/DPOConfig."""
+    return {
+        "output_dir": str(checkpoints_dir(config)),
+        "learning_rate": config.learning_rate,
+        "lr_scheduler_type": config.lr_scheduler_type,
+        "warmup_steps": config.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
+        "num_train_epochs": config.num_train_epochs,
+        "max_steps": config.max_steps,
+        "per_device_train_batch_size": config.batch_size,
+        "gradient_accumulation_steps": accumulation_steps(config),
+        "weight_decay": config.weight_decay,
+        "max_grad_norm": config.max_grad_norm,
+        "seed": config.seed,
+        "logging_steps": config.logging_steps,
+        "logging_first_step": True,
+        "save_strategy": "steps",
+        "save_steps": config.save_steps,
+        "save_total_limit": config.save_total_limit,
+        "bf16": config.bf16,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "report_to": [],
+        "disable_tqdm": not config.progress,
+        "dataloader_num_workers": 0,
+        "dataloader_pin_memory": torch.cuda.is_available(),
+    }
+
+
+class LossBar(ProgressCallback):
+    """The Trainer's tqdm bar, with the latest loss (and DPO margin) as a postfix instead of printed dicts."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and logs:
+            shown = {k.split("/")[-1]: f"{logs[k]:.4g}" for k in ("loss", "rewards/margins") if k in logs}
+            if shown:
+                self.training_bar.set_postfix(shown, refresh=False)
+
+
+def prepare(trainer, config: TrainConfig, callbacks: tuple[TrainerCallback, ...] = ()) -> None:
+    """Swap the Trainer's printing callbacks for the quiet progress bar (or nothing); add user callbacks."""
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    if config.progress:
+        trainer.add_callback(LossBar())
+    for callback in callbacks:
+        trainer.add_callback(callback)
+
+
+def summarise(history: list[dict[str, float]], train_metrics: dict[str, float], steps: int) -> dict[str, float]:
+    metrics: dict[str, float] = {"steps": steps}
+    for key in TRACKED:
+        values = [h[key] for h in history if key in h]
+        if values:
+            metrics[f"first_{key}"], metrics[f"last_{key}"] = values[0], values[-1]
+    metrics.update({k: v for k, v in train_metrics.items() if isinstance(v, (int, float))})
+    return metrics
+
+
+def source_model(path: str | os.PathLike) -> dict[str, Any]:
+    """Path, fingerprint and (if it has a manifest) stage of the model a stage starts from."""
+    path = Path(path)
+    info: dict[str, Any] = {"path": str(path), "fingerprint": dir_fingerprint(path)}
+    if (path / MANIFEST).is_file():
+        info["stage"] = json.loads((path / MANIFEST).read_text()).get("stage")
+    return info
+
+
+def write_manifest(result: TrainResult, config: TrainConfig, extra: dict[str, Any]) -> None:
+    manifest = {
+        "stage": result.stage,
+        "toolkit_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+        "config": dataclasses.asdict(config),
+        "metrics": result.metrics,
+        "data_report": result.data,
+        "resumed_from": result.resumed_from,
+        "seconds": round(result.seconds, 2),
+        "history": result.history,
+    }
+    tmp = result.manifest.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, result.manifest)
+
+
+def save_final(trainer, out: Path) -> None:
+    """Save a plain HF directory (LoRA adapters merged into the weights) with the tokenizer."""
+    from peft import PeftModel
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if isinstance(model, PeftModel):
+        if trainer.is_world_process_zero():
+            model.merge_and_unload().save_pretrained(out)
+            trainer.processing_class.save_pretrained(out)
+    else:
+        trainer.save_model(str(out))
+
+
+def train_and_save(trainer, config: TrainConfig, *, stage: str, report: DataReport,
+                   manifest: dict[str, Any]) -> TrainResult:
+    """Train (resuming from the last checkpoint if there is one), save the model and its manifest."""
+    resumed_from = resume_checkpoint(config)
+    started = time.perf_counter()
+    output = trainer.train(resume_from_checkpoint=resumed_from)
+    out = Path(config.out)
+    save_final(trainer, out)
+    history = [{k: v for k, v in h.items() if isinstance(v, (int, float))}
+               for h in trainer.state.log_history if "loss" in h]
+    result = TrainResult(stage=stage, out_dir=out, metrics=summarise(history, output.metrics, trainer.state.global_step),
+                         history=history, data=report.as_dict(), resumed_from=resumed_from,
+                         seconds=time.perf_counter() - started)
+    if trainer.is_world_process_zero():
+        write_manifest(result, config, manifest)
+        if not config.keep_checkpoints:
+            shutil.rmtree(checkpoints_dir(config), ignore_errors=True)
+    return result
+
+
+def start_model(path: str | os.PathLike):
+    """(model, tokenizer) a stage starts from, in train mode; the tokenizer must have a chat template."""
+    from rolemrc.core.modeling import load_model
+
+    model, tokenizer = load_model(path, device="cpu")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"{path}: the tokenizer has no chat_template; SFT/DPO need one "
+                          "(the embedded base model has one; set tokenizer.chat_template for others)")
+    return model.train(), tokenizer
+
+
+def lora_config(config):
+    """peft LoraConfig for configs with `lora` on, else None."""
+    if not config.lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=config.lora_target_modules, task_type="CAUSAL_LM")

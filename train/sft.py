@@ -1,0 +1,37 @@
+"""Supervised fine-tuning with trl's SFTTrainer, loss on assistant turns only."""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+from rolemrc.train.config import SFTTrainConfig
+from rolemrc.train.data import DataReport, fingerprints, jsonl_files, parse_mix
+from rolemrc.train.runner import TrainResult, lora_config, prepare, source_model, start_model, train_and_save, trainer_arguments
+
+
+def sft_trainer(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()):
+    """(trainer, data report, mixture) ready to train; bad records are already counted and checked."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from rolemrc.train.data import sft_examples
+
+    report = DataReport()
+    examples, mixture = sft_examples(config.data, config.mix, config.seed, report)
+    report.check(config.max_bad_share, "SFT")
+    model, tokenizer = start_model(config.model)
+    args = SFTConfig(**trainer_arguments(config), max_length=config.max_length, assistant_only_loss=True,
+                     packing=False)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
+                         processing_class=tokenizer, peft_config=lora_config(config))
+    prepare(trainer, config, callbacks)
+    return trainer, report, mixture
+
+
+def train_sft(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()) -> TrainResult:
+    """Fine-tune `config.model` on `config.data` (plus `config.mix`), save to `config.out`."""
+    trainer, report, mixture = sft_trainer(config, callbacks=callbacks)
+    files = jsonl_files(config.data) + [parse_mix(spec)[0] for spec in config.mix]
+    return train_and_save(trainer, config, stage="sft", report=report,
+                          manifest={"base_model": source_model(config.model), "data": fingerprints(files),
+                                    "mixture": mixture})
