@@ -25,12 +25,16 @@ def category(task: str) -> str:
     return {"2ndrefused": "multi-turn", "2ndanswer": "multi-turn", "refused": "prioritized"}.get(variant, "nested")
 
 
-def write_json(path: str | os.PathLike, data: Any) -> None:
-    """Atomic JSON write."""
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Atomic text write (temp file + rename)."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def records_from_items(pid: str, items: list[dict[str, Any]], split: str) -> dict[str, list[dict[str, Any]]]:
@@ -102,5 +106,5 @@ def export(out: Path, profiles: list[dict[str, Any]], units: list[dict[str, Any]
     stats = {"table": table, "test_tasks": {t: test_tasks.get(t, 0) for t in TASKS},
              "profiles": len(profiles), "dropped": {k: dict(sorted(v.items())) for k, v in drops.items()}}
     write_json(out / "stats.json", stats)
-    (out / "stats.md").write_text(stats_markdown(table, drops), encoding="utf-8")
+    write_text(out / "stats.md", stats_markdown(table, drops))
     return stats
