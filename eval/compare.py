@@ -1,0 +1,76 @@
+"""Paired comparison of two scored runs on their shared items: exact McNemar per judge dimension
+(and over all calls), paired bootstrap per reference metric, with effect sizes and p-values."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rolemrc.core.taxonomy import DIMENSIONS
+from rolemrc.eval.runs import EvalRun, RunError
+from rolemrc.eval.stats import mcnemar_exact, paired_bootstrap
+
+
+@dataclass
+class Comparison:
+    """Result of compare(a, b): `verdicts` (dimension or "all" -> McNemar), `metrics` (name -> paired bootstrap)."""
+
+    a: str
+    b: str
+    shared_items: int
+    verdicts: dict[str, dict[str, Any]]
+    metrics: dict[str, dict[str, Any]]
+    runs: tuple[dict[str, Any], dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "shared_items": self.shared_items, "verdicts": self.verdicts,
+                "metrics": self.metrics}
+
+    def save(self, out: str | os.PathLike, *, chart: bool = True) -> Path:
+        from rolemrc.eval.report import compare_markdown, write_chart
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        data = self.to_dict()
+        if chart:
+            data["chart"] = write_chart([(self.a, self.runs[0]), (self.b, self.runs[1])], out / "compare")
+        (out / "compare.json").write_text(json.dumps(data, indent=1))
+        (out / "compare.md").write_text(compare_markdown(self))
+        return out
+
+
+def _as_run(run: EvalRun | str | os.PathLike) -> EvalRun:
+    return run if isinstance(run, EvalRun) else EvalRun.load(run)
+
+
+def compare(run_a: EvalRun | str | os.PathLike, run_b: EvalRun | str | os.PathLike, *, rounds: int = 10_000,
+            seed: int = 0) -> Comparison:
+    """Compare run B against run A (e.g. before/after a restraint) on items both scored.
+
+    Verdicts pair on (id, dimension, detail) where both runs have a score; metrics pair on id."""
+    a, b = _as_run(run_a), _as_run(run_b)
+    shared = {i["id"] for i in a.items} & {i["id"] for i in b.items}
+    if not shared:
+        raise RunError("the two runs share no item ids; compare needs the same test items")
+
+    def keyed(verdicts):
+        return {(v["id"], v["dimension"], v.get("detail")): v["score"] for v in verdicts
+                if v["id"] in shared and v.get("score") is not None}
+
+    va, vb = keyed(a.verdicts), keyed(b.verdicts)
+    pairs = sorted(set(va) & set(vb), key=str)
+    verdicts = {}
+    for dim in (*DIMENSIONS, "all"):
+        keys = [k for k in pairs if dim in ("all", k[1])]
+        if keys:
+            verdicts[dim] = mcnemar_exact([va[k] for k in keys], [vb[k] for k in keys])
+    ma, mb = ({m["id"]: m for m in run.metrics if m["id"] in shared} for run in (a, b))
+    ids = sorted(set(ma) & set(mb))
+    names = [n for n in (ma[ids[0]] if ids else {}) if n != "id" and all(n in mb[i] and n in ma[i] for i in ids)]
+    metrics = {n: paired_bootstrap([ma[i][n] for i in ids], [mb[i][n] for i in ids], rounds=rounds, seed=seed)
+               for n in names}
+    label = lambda run, default: str(run.path) if run.path else default  # noqa: E731
+    return Comparison(label(a, "A"), label(b, "B"), len(shared), verdicts, metrics, (a.summary, b.summary))

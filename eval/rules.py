@@ -1,0 +1,145 @@
+"""The `rules` judge: deterministic verifiers for what can be checked exactly, offline.
+
+Per aspect, what it judges and what it cannot:
+
+- knowledge_boundary (within / outside): whether the reply *behaves* as the task requires. Tasks
+  named `*_answer_*` must answer: at least half of the reference's evidence words (content words the
+  reference shares with the user's passages, minus those of the question) appear in the reply; with
+  no evidence words, any non-refusal counts. Tasks named `*_refused_*` must decline: a refusal cue and
+  no 5-word span copied from the passages. Cannot judge: whether a refusal is *well argued*, whether
+  the role's knowledge boundary is explained in character, paraphrased answers sharing no words.
+- role_style: format facts of the role-play: narration (bracketed or *starred* actions) present in
+  `*_with_narration` tasks and absent from `*_no_narration` ones; no speaking for another role
+  ("User: ..."); not empty. Cannot judge: voice, tone, personality, catchphrases.
+- nested: the formatting rule stated in the system prompt (emoji start, required keyword, sign-off,
+  capital / lower case, word limit, no commas), parsed from its wording and checked exactly.
+  A rule it cannot parse gives no score (status `unjudgeable`, counted). Cannot judge: free-form
+  content constraints.
+- multi_turn: answerable (`-2ndanswer`) must answer after the user insists, unanswerable
+  (`-2ndrefused`) must keep refusing; both with the knowledge checks above.
+- prioritized (`-refused`): the system directive forbids answering, so the reply must decline
+  (refusal check above). Cannot judge: whether the directive was *cited*.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rolemrc.core.records import prompt_turns
+from rolemrc.core.taxonomy import Aspect, split_task
+from rolemrc.datagen.replies import NARRATION, Rule, check_rule, content_words
+from rolemrc.eval.verdicts import UNJUDGEABLE, Verdict
+
+REFUSAL = re.compile("|".join((
+    r"\b(?:can ?not|can't|won't|will not|unable to|not able to|shouldn't|must not|may not)\b[^.!?]{0,40}?"
+    r"\b(?:answer|say|help|tell|guess|make|invent|give|share|discuss|comment|respond|provide|assist)",
+    r"\bnot (?:allowed|permitted|supposed)\b", r"\bnot to (?:answer|say|discuss|share|respond)\b",
+    r"\b(?:rather not|decline|refuse)\b", r"\bno business\b",
+    r"\bleave (?:that|this|it)(?: one)? alone\b", r"\b(?:far )?(?:outside|beyond) (?:what i|my)\b",
+    r"\bnot an expert\b", r"\bask someone\b",
+    r"\b(?:does not|doesn't|do not|don't|did not|didn't|never) (?:say|mention|answer|tell|contain|state|cover)s?\b",
+    r"\bnot (?:there|in (?:the|these|this) (?:text|passages?))\b", r"\bnothing in\b", r"\bno (?:idea|answer)\b",
+    r"\b(?:don't|do not) know\b", r"\bi(?:'m| am) (?:sorry|afraid)\b", r"\bwould be (?:dishonest|guessing)\b",
+)), re.I)
+NARRATION_SPAN = re.compile(r"\([^()]{2,}\)|\[[^\[\]]{2,}\]|\*[^*]{2,}\*")
+ROLE_PREFIX = re.compile(r"^\s*(?:user|assistant|system)\s*:", re.I | re.M)
+QUESTION_LINE = re.compile(r"^\s*question\s*:\s*(.+)$", re.I | re.M)
+RULE_PATTERNS: tuple[tuple[re.Pattern, Any], ...] = (
+    (re.compile(r"\b(?:begin|start|open)\w*\b[^.]{0,30}\bemoji", re.I), lambda m: Rule("emoji_start", m.group(0))),
+    (re.compile(r"\buse the word ['\"‘“]?([\w-]+)['\"’”]?", re.I), lambda m: Rule("keyword", m.group(0), m.group(1))),
+    (re.compile(r"\bend (?:your|the) (?:reply|response|answer) with (?:the )?(?:exact )?(?:sentence|phrase|words?)\s*:?\s*"
+                r"['\"‘“]?(.+?)['\"’”]?\s*$", re.I | re.M), lambda m: Rule("signoff", m.group(0), m.group(1).strip())),
+    (re.compile(r"\b(?:capital letters|upper ?case|all caps)\b", re.I), lambda m: Rule("upper", m.group(0))),
+    (re.compile(r"\blower ?case\b", re.I), lambda m: Rule("lower", m.group(0))),
+    (re.compile(r"\b(?:no more than|at most|fewer than|within|under|maximum of)\s+(\d+)\s+words\b", re.I),
+     lambda m: Rule("max_words", m.group(0), int(m.group(1)))),
+    (re.compile(r"\b(?:do not|don't|never) use (?:any )?commas\b|\bwithout (?:any )?commas\b|\bno commas\b", re.I),
+     lambda m: Rule("no_commas", m.group(0))),
+)
+RULE_LINE = re.compile(r"^(?:formatting rule|rule|requirement|instruction)s?\s*:\s*(.+)$", re.I | re.M)
+
+
+def find_rule(system: str) -> Rule | None:
+    """The nested formatting rule stated in a system prompt (its `Formatting rule:` line if any)."""
+    lines = RULE_LINE.findall(system) or [system]
+    for text in lines:
+        for pattern, make in RULE_PATTERNS:
+            if m := pattern.search(text):
+                return make(m)
+    return None
+
+
+def copies_passage(reply: str, passages: str, n: int = 5) -> bool:
+    """Whether the reply repeats n consecutive words of the passages."""
+    words = re.findall(r"[a-z0-9]+", passages.lower())
+    grams = {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    said = re.findall(r"[a-z0-9]+", reply.lower())
+    return any(tuple(said[i:i + n]) in grams for i in range(len(said) - n + 1))
+
+
+class ItemView:
+    """The parts of a test item the verifiers look at."""
+
+    def __init__(self, item: dict[str, Any]):
+        turns = prompt_turns(item, where=f"item {item.get('id')!r}")
+        self.system = "\n".join(t["content"] for t in turns if t["role"] == "system")
+        self.user = "\n".join(t["content"] for t in turns if t["role"] == "user")
+        self.reference = str(item.get("reference") or "")
+        questions = QUESTION_LINE.findall(self.user)
+        excluded = set(content_words(" ".join(questions))) | set(content_words(self.system))
+        self.evidence = (set(content_words(self.reference)) & set(content_words(self.user))) - excluded
+
+    def answers(self, reply: str) -> tuple[bool, str]:
+        if self.evidence:
+            found = self.evidence & set(content_words(reply))
+            need = max(1, (len(self.evidence) + 1) // 2)
+            return len(found) >= need, f"{len(found)}/{len(self.evidence)} evidence words (need {need})"
+        refused = bool(REFUSAL.search(reply))
+        return bool(reply.strip()) and not refused, "no evidence words; " + ("refusal cue" if refused else "no refusal cue")
+
+    def refuses(self, reply: str) -> tuple[bool, str]:
+        cue = REFUSAL.search(reply)
+        if not cue:
+            return False, "no refusal cue"
+        if copies_passage(reply, self.user):
+            return False, f"refusal cue {cue.group(0)!r} but copies the passage"
+        return True, f"refusal cue {cue.group(0)!r}"
+
+
+def must_answer(task: str, aspect: Aspect) -> bool:
+    base, variant = split_task(task)
+    if variant == "refused" or aspect.detail == "unanswerable":
+        return False
+    if aspect.detail == "answerable":
+        return True
+    return "_answer_" in base
+
+
+def style(task: str, reply: str) -> tuple[bool, str]:
+    if not reply.strip():
+        return False, "empty reply"
+    if ROLE_PREFIX.search(reply):
+        return False, "speaks for another role"
+    if split_task(task)[0].endswith("_with_narration"):
+        return (True, "narration present") if NARRATION_SPAN.search(reply) else (False, "no narration")
+    return (False, "narration where none is allowed") if NARRATION.search(reply) else (True, "speech only")
+
+
+def judge_item(item: dict[str, Any], aspect: Aspect) -> Verdict:
+    """The rules judge's verdict on one (item with `response`, aspect)."""
+    reply = str(item.get("response") or "")
+    task = item["task"]
+    view = ItemView(item)
+    if aspect.dimension == "role_style":
+        ok, why = style(task, reply)
+    elif aspect.dimension == "nested":
+        rule = find_rule(view.system)
+        if rule is None:
+            return Verdict.make(item["id"], task, aspect, None, UNJUDGEABLE, "no formatting rule recognised")
+        broken = check_rule(rule, reply.strip())
+        ok, why = broken is None, broken or f"obeys rule {rule.kind}"
+    else:
+        ok, why = view.answers(reply) if must_answer(task, aspect) else view.refuses(reply)
+        why = ("answer expected: " if must_answer(task, aspect) else "refusal expected: ") + why
+    return Verdict.make(item["id"], task, aspect, int(ok), reason=why)
