@@ -1,0 +1,137 @@
+"""Folding a restraint exactly into weights, written as a standard HF checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rolemrc import __version__
+from rolemrc.core.modeling import dir_fingerprint, resolve_dtype
+from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.probe.hooks import _get, layout_of
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Which projection's weight absorbs the scaling, and along which side of it."""
+
+    module: nn.Module
+    side: str  # "in": the projection's input units; "out": its output units (and its bias)
+
+
+def fold_target(model: nn.Module, hook: str, layer: int) -> Fold:
+    """mlp.act / mlp.post -> input units of the MLP's down projection; mlp.out -> its output units;
+    attn.out -> output units of the attention's output projection. resid.post cannot be folded."""
+    layout = layout_of(model)
+    block = _get(model, layout.blocks)[layer]
+    if hook in ("mlp.act", "mlp.post"):
+        return Fold(_get(block, layout.down), "in")
+    if hook == "mlp.out":
+        return Fold(_get(block, layout.down), "out")
+    if hook == "attn.out":
+        out_proj = "o_proj" if hasattr(_get(block, layout.attn), "o_proj") else "c_proj"
+        return Fold(_get(block, f"{layout.attn}.{out_proj}"), "out")
+    raise RestraintError(f"{hook} cannot be folded into weights exactly: the residual stream after a block "
+                         "feeds the next block's norm and the skip connection; use the runtime hook instead")
+
+
+def _weight_index(fold: Fold, units: list[int]) -> tuple[slice | list[int], ...]:
+    """Index of the weight elements that scale with the units. nn.Linear stores [out, in]; GPT-2's Conv1D
+    stores [in, out] (transposed)."""
+    conv1d = type(fold.module).__name__ == "Conv1D"
+    in_axis = 0 if conv1d else 1
+    axis = in_axis if fold.side == "in" else 1 - in_axis
+    return (units, slice(None)) if axis == 0 else (slice(None), units)
+
+
+def fold_restraint(model: nn.Module, r: Restraint) -> dict[str, int]:
+    """Scale the weights in place (float math in the weights' dtype); returns elements touched per tensor."""
+    r.validate(model)
+    touched: dict[str, int] = {}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        for layer, units in r.units.items():
+            fold = fold_target(model, r.hook, layer)
+            weight = fold.module.weight
+            shared = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
+            if len(shared) > 1:
+                raise RestraintError(f"cannot bake into {shared[0]}: it is tied to {shared[1:]}")
+            index = _weight_index(fold, units)
+            weight[index] *= r.factor
+            touched[names[id(weight)]] = weight[index].numel()
+            if fold.side == "out" and getattr(fold.module, "bias", None) is not None:
+                fold.module.bias[units] *= r.factor
+                touched[names[id(fold.module.bias)]] = len(units)
+    return touched
+
+
+@dataclass
+class BakeReport:
+    out_dir: str
+    source_fingerprint: str
+    dtype: str
+    elements_scaled: int
+    elements_changed_at_dtype: int
+    numerical_noop: bool
+    restraint: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def changed_elements(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+    """How many weight elements differ once both sides are stored at `dtype`."""
+    return sum(int((before[n].to(dtype) != after[n].to(dtype)).sum()) for n in before)
+
+
+def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLike, dtype: str = "float32") -> BakeReport:
+    """Fold `restraint` into a copy of the model in `model_dir` (scaled in float32, stored at `dtype`) and
+    write a standard HF checkpoint whose safetensors metadata records the source fingerprint and the spec."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    r = Restraint.from_any(restraint)
+    src, out = Path(model_dir), Path(out_dir)
+    if out.resolve() == src.resolve():
+        raise RestraintError("bake output must differ from the source model directory")
+    target = resolve_dtype(dtype)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+    r.validate(model)
+    touched_names = {n for n in fold_restraint_plan(model, r)}
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in touched_names}
+    scaled = fold_restraint(model, r)
+    after = {n: p.detach() for n, p in model.named_parameters() if n in touched_names}
+    changed = changed_elements(before, after, target)
+
+    if out.exists():
+        shutil.rmtree(out)
+    model.to(target).save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
+    fingerprint = dir_fingerprint(src)
+    metadata = {"format": "pt", "rolemrc_source_model": str(src), "rolemrc_source_fingerprint": fingerprint,
+                "rolemrc_restraint": json.dumps(r.to_dict(), sort_keys=True), "rolemrc_version": __version__}
+    for file in sorted(out.glob("*.safetensors")):
+        save_file(load_file(file), str(file), metadata=metadata)
+    report = BakeReport(str(out), fingerprint, dtype, sum(scaled.values()), changed, changed == 0, r.to_dict())
+    (out / "rolemrc.json").write_text(json.dumps({"stage": "bake", "source_model": str(src), **report.to_dict()},
+                                                 indent=1, sort_keys=True))
+    return report
+
+
+def fold_restraint_plan(model: nn.Module, r: Restraint) -> list[str]:
+    """Names of the parameters a bake would touch."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    plan = []
+    for layer in r.units:
+        fold = fold_target(model, r.hook, layer)
+        plan.append(names[id(fold.module.weight)])
+        if fold.side == "out" and getattr(fold.module, "bias", None) is not None:
+            plan.append(names[id(fold.module.bias)])
+    return plan

@@ -1,0 +1,59 @@
+"""Turning a probe diff into a restraint: the most changed units of one dimension."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from rolemrc.intervene.spec import Restraint, RestraintError, parse_layers
+from rolemrc.probe.diff import DIFF_FILE, load_diff
+
+DIRECTIONS = ("both", "up", "down")
+
+
+def select(diff_path: str | os.PathLike, dimension: str, *, layers: str | None = None, top_k: int | None = None,
+           fdr: float | None = None, direction: str = "both", factor: float = 1 - 1e-6,
+           name: str | None = None) -> Restraint:
+    """Units of `dimension` whose frequency moved most between A and B.
+
+    top_k: the k largest |delta| over the chosen layers (ties broken by smaller q, then position);
+    fdr: every unit with BH q < fdr. direction: both (|delta|), up (delta > 0) or down (delta < 0).
+    """
+    if (top_k is None) == (fdr is None):
+        raise RestraintError("choose exactly one of top_k or fdr")
+    if top_k is not None and top_k < 1:
+        raise RestraintError(f"top_k must be >= 1, got {top_k}")
+    if direction not in DIRECTIONS:
+        raise RestraintError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    result = load_diff(diff_path)
+    if dimension not in result.delta:
+        why = result.empty.get(dimension)
+        raise RestraintError(f"dimension {dimension!r} is not in the diff" + (f" ({why})" if why else "")
+                             + f"; compared: {result.dimensions}")
+    delta, q = result.delta[dimension].double(), result.qvalue[dimension].double()
+    n_layers, n_units = delta.shape
+    chosen = parse_layers(layers, n_layers)
+    allowed = torch.zeros(n_layers, dtype=torch.bool)
+    allowed[chosen if chosen is not None else slice(None)] = True
+
+    score = {"both": delta.abs(), "up": delta, "down": -delta}[direction]
+    eligible = allowed[:, None] & (score > 0)
+    if fdr is not None:
+        eligible &= q < fdr
+    n = int(eligible.sum()) if top_k is None else min(top_k, int(eligible.sum()))
+    if n == 0:
+        raise RestraintError(f"no unit of {dimension!r} qualifies (layers {layers or 'all'}, direction {direction}"
+                             + (f", q < {fdr}" if fdr is not None else "") + ")")
+    # rank by score, then by smaller q: a composite key that keeps score order exact
+    key = torch.where(eligible, score * 4.0 - q * 1e-9, torch.tensor(-torch.inf, dtype=torch.float64))
+    flat = key.reshape(-1).topk(n).indices
+    units: dict[int, list[int]] = {}
+    for layer, unit in zip((flat // n_units).tolist(), (flat % n_units).tolist()):
+        units.setdefault(layer, []).append(unit)
+    diff_file = Path(diff_path) / DIFF_FILE if Path(diff_path).is_dir() else Path(diff_path)
+    source = {"diff": str(diff_file), "dimension": dimension, "direction": direction,
+              "layers": layers or "all", **({"top_k": top_k} if top_k is not None else {"fdr": fdr})}
+    return Restraint(name=name or f"{dimension.replace('_', '-')}-restraint", hook=result.hook, units=units,
+                     factor=factor, source=source)

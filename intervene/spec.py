@@ -1,0 +1,160 @@
+"""Restraint specs (DESIGN.md "Restraint"): load, validate against a model, save."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
+
+
+class RestraintError(ValueError):
+    """A restraint spec is malformed or does not fit the model."""
+
+
+def parse_layers(text: str | None, n_layers: int | None = None) -> list[int] | None:
+    """'12-31' / '3,5,7-9' -> sorted layer list (None for no restriction)."""
+    if text is None or str(text).strip() in ("", "all"):
+        return None
+    layers: set[int] = set()
+    for part in str(text).split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            start, end = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise RestraintError(f"bad layer range {part!r}: use e.g. '12-31' or '3,5,7-9'") from None
+        if start > end:
+            raise RestraintError(f"bad layer range {part!r}: start after end")
+        layers.update(range(start, end + 1))
+    if n_layers is not None and max(layers) >= n_layers:
+        raise RestraintError(f"layer {max(layers)} out of range: the model has {n_layers} layers (0-{n_layers - 1})")
+    return sorted(layers)
+
+
+@dataclass
+class Restraint:
+    """Units at one hook point, per layer, scaled by `factor` (the paper's 1 - 1e-6 by default)."""
+
+    name: str
+    hook: str
+    units: dict[int, list[int]]
+    factor: float = 1 - 1e-6
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise RestraintError("a restraint needs a non-empty 'name'")
+        if self.hook.startswith("layers."):  # accept the full hook name form "layers.{i}.mlp.act" minus index
+            self.hook = self.hook.split(".", 2)[-1]
+        if self.hook not in HOOK_POINTS:
+            raise RestraintError(f"unknown hook point {self.hook!r}; choose one of {', '.join(HOOK_POINTS)}")
+        try:
+            self.factor = float(self.factor)
+        except (TypeError, ValueError):
+            raise RestraintError(f"factor must be a number, got {self.factor!r}") from None
+        if not math.isfinite(self.factor):
+            raise RestraintError(f"factor must be finite, got {self.factor}")
+        if not isinstance(self.units, dict) or not self.units:
+            raise RestraintError("'units' must be a non-empty mapping {layer: [unit, ...]}")
+        units: dict[int, list[int]] = {}
+        for layer, ids in self.units.items():
+            try:
+                layer_i = int(layer)
+            except (TypeError, ValueError):
+                raise RestraintError(f"layer key {layer!r} is not an integer") from None
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise RestraintError(f"layer {layer_i}: units must be a non-empty list")
+            if any(isinstance(u, bool) or not isinstance(u, int) for u in ids):
+                raise RestraintError(f"layer {layer_i}: units must be integers, got {list(ids)!r}")
+            if len(set(ids)) != len(ids):
+                dupes = sorted({u for u in ids if list(ids).count(u) > 1})
+                raise RestraintError(f"layer {layer_i}: duplicate units {dupes}")
+            if layer_i < 0 or min(ids) < 0:
+                raise RestraintError(f"layer {layer_i}: negative layer or unit index")
+            units[layer_i] = sorted(ids)
+        self.units = dict(sorted(units.items()))
+
+    @property
+    def num_units(self) -> int:
+        return sum(len(v) for v in self.units.values())
+
+    def validate(self, model: Any) -> Restraint:
+        """Check layers and units against the model; returns self for chaining."""
+        n, w = num_layers(model), width(model, self.hook)
+        for layer, ids in self.units.items():
+            if layer >= n:
+                raise RestraintError(f"restraint {self.name!r}: layer {layer} out of range (model has {n} layers)")
+            if ids[-1] >= w:
+                raise RestraintError(f"restraint {self.name!r}: unit {ids[-1]} in layer {layer} out of range "
+                                     f"({self.hook} has width {w})")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"name": self.name, "hook": self.hook, "factor": self.factor,
+               "units": {int(k): list(v) for k, v in self.units.items()}}
+        if self.source:
+            out["source"] = self.source
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.to_dict()
+        text = json.dumps(data, indent=1) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        path.write_text(text)
+        return path
+
+    def applied(self, model: Any):
+        """Context manager: this restraint as runtime forward hooks on `model`."""
+        from rolemrc.intervene.runtime import applied
+
+        return applied(model, self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Restraint:
+        if not isinstance(data, dict):
+            raise RestraintError(f"a restraint spec must be a mapping, got {type(data).__name__}")
+        unknown = set(data) - {"name", "hook", "factor", "units", "source"}
+        if unknown:
+            raise RestraintError(f"unknown spec field(s) {sorted(unknown)}")
+        missing = {"name", "hook", "units"} - set(data)
+        if missing:
+            raise RestraintError(f"spec is missing {sorted(missing)}")
+        return cls(name=data["name"], hook=data["hook"], units=data["units"],
+                   factor=data.get("factor", 1 - 1e-6), source=data.get("source") or {})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Restraint:
+        path = Path(path)
+        if not path.is_file():
+            raise RestraintError(f"{path}: no such restraint spec")
+        try:
+            data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+        except yaml.YAMLError as exc:
+            raise RestraintError(f"{path}: not valid YAML/JSON ({exc})") from None
+        try:
+            return cls.from_dict(data)
+        except RestraintError as exc:
+            raise RestraintError(f"{path}: {exc}") from None
+
+    @classmethod
+    def from_any(cls, value: Any) -> Restraint:
+        """A Restraint, a dict, a path to a YAML/JSON file, or YAML/JSON text."""
+        if isinstance(value, Restraint):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, os.PathLike) or (isinstance(value, str) and "\n" not in value and Path(value).suffix in (".yaml", ".yml", ".json")):
+            return cls.load(value)
+        if isinstance(value, str):
+            try:
+                return cls.from_dict(yaml.safe_load(value))
+            except yaml.YAMLError as exc:
+                raise RestraintError(f"not a restraint spec: {exc}") from None
+        raise RestraintError(f"cannot make a restraint from {type(value).__name__}")
