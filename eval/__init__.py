@@ -9,10 +9,11 @@ compare runs (exact McNemar, paired bootstrap).
 """
 
 from rolemrc.eval.compare import Comparison, compare
+from rolemrc.eval.generate import GenerateConfig, GenerationError, generate
 from rolemrc.eval.judges import JudgeConfig, judge
 from rolemrc.eval.metrics import MetricConfig
 from rolemrc.eval.runs import EvalRun, RunError, score
 from rolemrc.eval.verdicts import Verdict, parse_verdict
 
-__all__ = ["Comparison", "EvalRun", "JudgeConfig", "MetricConfig", "RunError", "Verdict", "compare", "judge",
+__all__ = ["Comparison", "EvalRun", "GenerateConfig", "GenerationError", "JudgeConfig", "MetricConfig", "RunError", "Verdict", "compare", "generate", "judge",
            "parse_verdict", "score"]

@@ -1,0 +1,165 @@
+"""`rolemrc eval`: generate, score, run (both), compare, report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Generate responses, score them (metrics + judge, CIs), compare runs.")
+
+METRICS_HELP = "comma list of bleu, rouge, meteor, bertscore; 'none' for no reference metrics"
+
+
+def _fail(exc: Exception) -> None:
+    typer.secho(f"error: {exc}", fg="red", err=True)
+    raise typer.Exit(1)
+
+
+def _generate(data: Path, out: Path, model: str, base_url: str | None, restraint: str | None, extra_body: str | None,
+              max_new_tokens: int, batch_size: int, concurrency: int, dtype: str, device: str, dataset: str | None,
+              allow_drift: bool) -> Path:
+    from rolemrc.core.io import read_jsonl
+    from rolemrc.eval.dataset import check_dataset
+    from rolemrc.eval.generate import GenerateConfig, generate
+
+    records = read_jsonl(data)
+    check = check_dataset(records, dataset, allow_drift=allow_drift)
+    if check.get("drift"):
+        typer.secho(f"warning: {len(check['drift'])} task counts differ from the {dataset} histogram (--allow-drift)",
+                    fg="yellow", err=True)
+    try:
+        body = json.loads(extra_body) if extra_body else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body is not JSON: {exc}") from None
+    config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, extra_body=body,
+                            max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
+                            device=device)
+    generate(records, config, out=out)
+    return out
+
+
+def _score(responses: Path, out: Path, judge: str, judge_model: str | None, judge_base_url: str | None,
+           judge_concurrency: int, metrics: str, bertscore_model: str | None, bertscore_layer: int | None,
+           rounds: int) -> None:
+    from rolemrc.eval.judges import JudgeConfig
+    from rolemrc.eval.metrics import MetricConfig
+    from rolemrc.eval.runs import score
+
+    groups = tuple(m.strip() for m in metrics.split(",") if m.strip() and m.strip() != "none")
+    metric_config = MetricConfig(groups=groups, bertscore_model=bertscore_model,
+                                 bertscore_layer=bertscore_layer) if groups else None
+    judge_config = JudgeConfig(name=judge, model=judge_model, base_url=judge_base_url, concurrency=judge_concurrency,
+                               cache=out / "judge_cache.sqlite")
+    run = score(responses, judge_config, metric_config, rounds=rounds, progress=True)
+    run.save(out)
+    typer.echo((out / "report.md").read_text())
+    if run.summary.get("chart", {}).get("png_error"):
+        typer.secho(f"warning: {run.summary['chart']['png_error']}", fg="yellow", err=True)
+
+
+GEN = dict(
+    model=typer.Option(..., help="local HF model directory, or the model id at --base-url"),
+    base_url=typer.Option(None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1"),
+    restraint=typer.Option(None, help="restraint spec (YAML/JSON) applied as runtime hooks (local models)"),
+    extra_body=typer.Option(None, help='JSON merged into each endpoint request, e.g. \'{"restraint": "mt"}\''),
+    max_new_tokens=typer.Option(256), batch_size=typer.Option(8, help="local batch size"),
+    concurrency=typer.Option(8, help="endpoint requests in flight"), dtype=typer.Option("float32"),
+    device=typer.Option("auto"), dataset=typer.Option(None, help="'rolemrc': check the published 18-task histogram"),
+    allow_drift=typer.Option(False, help="score a file that drifts from --dataset's histogram"),
+)
+SCORE = dict(
+    judge=typer.Option("rules", help="rules (offline) | openai"),
+    judge_model=typer.Option(None), judge_base_url=typer.Option(None), judge_concurrency=typer.Option(8),
+    metrics=typer.Option("bleu,rouge,meteor,bertscore", help=METRICS_HELP),
+    bertscore_model=typer.Option(None, help="local encoder directory (default: packaged all-MiniLM-L6-v2)"),
+    bertscore_layer=typer.Option(None, help="encoder layer (default 5 for MiniLM, else the last)"),
+    rounds=typer.Option(2000, help="bootstrap resamples"),
+)
+
+
+@app.command("generate")
+def generate_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer.Option(..., help="responses JSONL"),
+                 model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
+                 extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
+                 batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
+                 device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"]) -> None:
+    """Generate responses (id, task, response, latency, tokens) for a test file."""
+    try:
+        _generate(data, out, model, base_url, restraint, extra_body, max_new_tokens, batch_size, concurrency, dtype,
+                  device, dataset, allow_drift)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        _fail(exc)
+    typer.echo(f"wrote {out}")
+
+
+@app.command("score")
+def score_cmd(responses: Path = typer.Argument(..., help="responses JSONL"), out: Path = typer.Option(..., help="run folder"),
+              judge: str = SCORE["judge"], judge_model: str = SCORE["judge_model"],
+              judge_base_url: str = SCORE["judge_base_url"], judge_concurrency: int = SCORE["judge_concurrency"],
+              metrics: str = SCORE["metrics"], bertscore_model: str = SCORE["bertscore_model"],
+              bertscore_layer: int = SCORE["bertscore_layer"], rounds: int = SCORE["rounds"]) -> None:
+    """Score responses: reference metrics and the judge, with bootstrap CIs; writes the run folder."""
+    try:
+        _score(responses, out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
+               bertscore_layer, rounds)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        _fail(exc)
+
+
+@app.command("run")
+def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer.Option(..., help="run folder"),
+            model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
+            extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
+            batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
+            device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"],
+            judge: str = SCORE["judge"], judge_model: str = SCORE["judge_model"],
+            judge_base_url: str = SCORE["judge_base_url"], judge_concurrency: int = SCORE["judge_concurrency"],
+            metrics: str = SCORE["metrics"], bertscore_model: str = SCORE["bertscore_model"],
+            bertscore_layer: int = SCORE["bertscore_layer"], rounds: int = SCORE["rounds"]) -> None:
+    """Generate, then score: OUT/responses.jsonl and the reports."""
+    try:
+        responses = _generate(data, out / "responses.jsonl", model, base_url, restraint, extra_body, max_new_tokens,
+                              batch_size, concurrency, dtype, device, dataset, allow_drift)
+        _score(responses, out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
+               bertscore_layer, rounds)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        _fail(exc)
+
+
+@app.command("compare")
+def compare_cmd(run_a: Path = typer.Argument(..., help="run folder A (before)"),
+                run_b: Path = typer.Argument(..., help="run folder B (after)"),
+                out: Path = typer.Option(None, help="folder for compare.json/.md and the chart (default: print only)"),
+                rounds: int = typer.Option(10_000, help="paired bootstrap resamples")) -> None:
+    """Paired comparison: exact McNemar on verdicts, paired bootstrap on metrics."""
+    from rolemrc.eval.compare import compare
+    from rolemrc.eval.report import compare_markdown
+
+    try:
+        result = compare(run_a, run_b, rounds=rounds)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        _fail(exc)
+    if out:
+        result.save(out)
+    typer.echo(compare_markdown(result))
+
+
+@app.command("report")
+def report_cmd(runs: list[Path] = typer.Argument(..., help="run folders"),
+               out: Path = typer.Option(None, help="folder for table3.md and the chart")) -> None:
+    """One Table 3 (metrics + judge dimensions per run) and a chart across runs."""
+    from rolemrc.eval.report import table3, write_chart
+    from rolemrc.eval.runs import EvalRun
+
+    try:
+        loaded = [(str(p), EvalRun.load(p).summary) for p in runs]
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        _fail(exc)
+    text = table3(loaded)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table3.md").write_text(text + "\n")
+        write_chart(loaded, out / "chart")
+    typer.echo(text)

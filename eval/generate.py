@@ -1,0 +1,164 @@
+"""Generation: responses for a test set from a local HF model directory (batched, left-padded, greedy,
+chat template, optional restraint as runtime hooks) or from any OpenAI-compatible endpoint
+(concurrency limit, retries with backoff, `extra_body`). Output records keep `question` and
+`reference` so scoring can be rerun without regenerating."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from rolemrc.core.io import read_jsonl, write_jsonl
+from rolemrc.core.records import prompt_turns
+
+
+class GenerationError(RuntimeError):
+    """The model or endpoint could not produce responses."""
+
+
+@dataclass
+class GenerateConfig:
+    """Where responses come from: `model` is a local HF directory, or a model id when `base_url` is set."""
+
+    model: str = ""
+    base_url: str | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0           # 0: greedy
+    batch_size: int = 8                # local
+    dtype: str = "float32"             # local
+    device: str = "auto"               # local
+    restraint: Any = None              # local: a Restraint, spec dict, or YAML/JSON path
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 8               # endpoint
+    max_retries: int = 4               # endpoint: retries on 429/5xx/timeouts/dropped connections
+    backoff_s: float = 0.5
+    timeout_s: float = 120.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("generate needs a model (a local HF directory, or a model id with base_url)")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.restraint is not None and self.base_url:
+            raise ValueError("a restraint applies to local models; for an endpoint pass it in extra_body "
+                             "({'restraint': ...}) as rolemrc serve expects")
+
+
+def _with_response(record: dict, response: str, latency: float, tokens: int, **extra) -> dict:
+    out = {"id": record["id"], "task": record.get("task"), "question": record["question"],
+           "reference": record.get("reference"), "response": response, "latency": latency, "tokens": tokens}
+    return out | extra
+
+
+def generate(data: list[dict[str, Any]] | str | os.PathLike, config: GenerateConfig | None = None, *,
+             out: str | os.PathLike | None = None, **options) -> list[dict[str, Any]]:
+    """Responses for test records (`id`, `question`, `reference`, `task`) or a test JSONL path.
+
+    `config` or keyword options (GenerateConfig fields, e.g. model="runs/dpo", base_url=..., restraint=...).
+    Each result: id, task, question, reference, response, latency (s), tokens (generated). Written to
+    `out` (JSONL) when given."""
+    config = config or GenerateConfig(**options)
+    records = data if isinstance(data, list) else read_jsonl(data)
+    for k, record in enumerate(records):
+        if "id" not in record or "question" not in record:
+            raise GenerationError(f"test record {k} needs 'id' and 'question' (got {sorted(record)})")
+        prompt_turns(record, where=f"test record {record['id']!r}")
+    if config.base_url:
+        from rolemrc.eval.judges import run_sync
+
+        results = run_sync(_generate_endpoint(records, config))
+    else:
+        results = _generate_local(records, config)
+    if out is not None:
+        write_jsonl(out, results)
+    return results
+
+
+def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
+    import contextlib
+
+    import torch
+
+    from rolemrc.core.chat import render_chat
+    from rolemrc.core.modeling import load_model
+
+    model, tok = load_model(config.model, dtype=config.dtype, device=config.device)
+    tok.padding_side = "left"
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    room = (limit - config.max_new_tokens) if limit else None
+    if room is not None and room < 1:
+        raise GenerationError(f"max_new_tokens {config.max_new_tokens} leaves no room for a prompt in {limit} positions")
+    prompts = [tok(render_chat(tok, prompt_turns(r)), add_special_tokens=False)["input_ids"] for r in records]
+    truncated = [room is not None and len(p) > room for p in prompts]
+    prompts = [p[-room:] if cut else p for p, cut in zip(prompts, truncated)]
+    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))  # similar lengths batch together
+    results: list[dict | None] = [None] * len(records)
+    guard = contextlib.nullcontext()
+    if config.restraint is not None:
+        from rolemrc.intervene import Restraint
+
+        guard = Restraint.from_any(config.restraint).validate(model).applied(model)
+    sampling = {"do_sample": True, "temperature": config.temperature} if config.temperature > 0 else {"do_sample": False}
+    bar = tqdm(total=len(records), desc="generate", disable=not config.progress)
+    with guard, torch.inference_mode():
+        for start in range(0, len(order), config.batch_size):
+            batch = order[start:start + config.batch_size]
+            enc = tok.pad({"input_ids": [prompts[i] for i in batch]}, return_tensors="pt").to(model.device)
+            began = time.perf_counter()
+            out = model.generate(**enc, max_new_tokens=config.max_new_tokens, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id, **sampling)
+            latency = (time.perf_counter() - began) / len(batch)   # amortised over the batch
+            for row, i in zip(out[:, enc["input_ids"].shape[1]:].tolist(), batch):
+                n = next((k for k, t in enumerate(row) if t in (tok.eos_token_id, tok.pad_token_id)), len(row))
+                results[i] = _with_response(records[i], tok.decode(row[:n], skip_special_tokens=True).strip(), latency, n,
+                                            truncated=truncated[i])
+            bar.update(len(batch))
+    bar.close()
+    return results
+
+
+async def _generate_endpoint(records: list[dict], config: GenerateConfig) -> list[dict]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=config.base_url, api_key=os.environ.get(config.api_key_env) or "EMPTY",
+                                max_retries=0, timeout=config.timeout_s)
+    limit = asyncio.Semaphore(max(1, config.concurrency))
+    retryable = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
+    bar = tqdm(total=len(records), desc=f"generate ({config.model})", disable=not config.progress)
+
+    async def one(record: dict) -> dict:
+        for attempt in range(config.max_retries + 1):
+            try:
+                async with limit:
+                    began = time.perf_counter()
+                    reply = await client.chat.completions.create(
+                        model=config.model, messages=prompt_turns(record), max_tokens=config.max_new_tokens,
+                        temperature=config.temperature, extra_body=config.extra_body or None)
+                    latency = time.perf_counter() - began
+                break
+            except retryable as exc:
+                if attempt == config.max_retries:
+                    raise GenerationError(f"{config.base_url}: giving up on {record['id']!r} after "
+                                          f"{attempt + 1} tries: {exc}") from None
+                await asyncio.sleep(config.backoff_s * 2 ** attempt)
+            except openai.APIStatusError as exc:
+                raise GenerationError(f"{config.base_url}: HTTP {exc.status_code}: {exc.message}") from None
+        choice = reply.choices[0] if reply.choices else None
+        text = (choice.message.content if choice and choice.message else None) or ""
+        usage = getattr(reply, "usage", None)
+        bar.update()
+        return _with_response(record, text.strip(), latency, getattr(usage, "completion_tokens", None) or 0)
+
+    try:
+        return list(await asyncio.gather(*(one(r) for r in records)))
+    finally:
+        bar.close()
+        await client.close()
