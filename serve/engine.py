@@ -1,0 +1,299 @@
+"""Engines turn an admitted request into a stream of text deltas. The transformers engine runs
+in-process: one scheduler thread batches concurrent requests that share a restraint, applies
+the restraint as runtime hooks around the group's forward passes, decodes token by token over a
+shared KV cache (so streaming and cancellation are per step), lets same-group arrivals join a
+running batch and drops finished or cancelled rows."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter, deque
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rolemrc.serve.batch import Batch
+from rolemrc.serve.config import ModelConfig
+from rolemrc.serve.errors import ApiError
+from rolemrc.serve.sampling import SamplingParams, TextStream, choose, make_generator
+
+log = logging.getLogger("rolemrc.serve")
+
+
+@dataclass
+class Prompt:
+    """A chat (`messages`) or a raw text prompt."""
+
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+
+
+@dataclass
+class Resolved:
+    """A restraint resolved for one request: the object (local engines), its metric label, its
+    grouping key and what the client sent (forwarded by upstream engines)."""
+
+    restraint: Any = None
+    label: str = "none"
+    key: str = ""
+    raw: Any = None
+
+
+@dataclass
+class Final:
+    finish_reason: str          # stop | length | cancelled
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Generation:
+    """Handle on one admitted request. Iterate it for text deltas; `final` is set at the end.
+    Leaving `async with` cancels an unfinished generation and frees its admission slot."""
+
+    def __init__(self, prompt_tokens: int, release: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = prompt_tokens
+        self.final: Final | None = None
+        self._cancel = threading.Event()
+        self._release = release
+
+    def push(self, item: str | Final | BaseException) -> None:
+        """Thread-safe: deliver a delta, the Final, or an error."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:   # the loop is closed: nobody is listening
+            pass
+
+    async def __aiter__(self):
+        while self.final is None:
+            item = await self.queue.get()
+            if isinstance(item, Final):
+                self.final = item
+            elif isinstance(item, BaseException):
+                raise item
+            elif item:
+                yield item
+
+    async def text(self) -> str:
+        return "".join([delta async for delta in self])
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.final is None:
+            self.cancel()
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+@dataclass
+class Sequence:
+    """Scheduler-side state of one request."""
+
+    gen: Generation
+    prompt: list[int]
+    params: SamplingParams
+    resolved: Resolved
+    max_tokens: int
+    stream: TextStream
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+
+
+class TransformersEngine:
+    """In-process engine over a local HF directory."""
+
+    kind = "transformers"
+
+    def __init__(self, name: str, config: ModelConfig, *, max_batch: int, max_queue: int, default_max_tokens: int) -> None:
+        from rolemrc.core.modeling import load_model
+
+        self.name = name
+        self.model, self.tokenizer = load_model(config.path, dtype=config.dtype, device=config.device)
+        cfg = self.model.config
+        self.context_window = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
+        eos = {self.tokenizer.eos_token_id, *_as_list(getattr(self.model.generation_config, "eos_token_id", None))}
+        self.eos_ids = torch.tensor(sorted(e for e in eos if e is not None), dtype=torch.long)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos_ids[0])
+        self.max_batch, self.max_queue, self.default_max_tokens = max_batch, max_queue, default_max_tokens
+        self.admitted = 0
+        self.running: Counter[str] = Counter()
+        self._waiting: deque[Sequence] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+
+    async def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            for seq in self._waiting:
+                seq.gen.push(ApiError(503, "the server is shutting down", code="shutting_down"))
+            self._waiting.clear()
+            self._cv.notify_all()
+        await asyncio.to_thread(self._thread.join, 30)
+
+    def queue_depth(self) -> Counter[str]:
+        """Waiting requests per restraint label."""
+        with self._cv:
+            return Counter(seq.resolved.label for seq in self._waiting)
+
+    def check_restraint(self, restraint: Any) -> None:
+        restraint.validate(self.model)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        from rolemrc.core.chat import render_chat
+
+        text = render_chat(self.tokenizer, prompt.messages) if prompt.messages is not None else prompt.text
+        return self.tokenizer(text, add_special_tokens=prompt.messages is None)["input_ids"]
+
+    async def submit(self, prompt: Prompt, params: SamplingParams, resolved: Resolved) -> Generation:
+        """Admit a request (400 when it cannot fit the context window, 429 when the queue is full)."""
+        ids = self.encode(prompt)
+        room = self.context_window - len(ids)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context window is "
+                                f"{self.context_window}", code="context_length_exceeded", param="messages")
+        max_tokens = params.max_tokens if params.max_tokens is not None else min(self.default_max_tokens, room)
+        if max_tokens > room:
+            raise ApiError(400, f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the context window "
+                                f"of {self.context_window}", code="context_length_exceeded", param="max_tokens")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        with self._cv:
+            if self._stopping:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            if self.admitted >= self.max_queue:
+                raise ApiError(429, f"the queue of {self.name!r} is full ({self.max_queue} requests); retry later",
+                               code="queue_full")
+            self.admitted += 1
+            gen = Generation(len(ids), self._release)
+            self._waiting.append(Sequence(gen, ids, params, resolved, max_tokens,
+                                          TextStream(self.tokenizer, params.stop), make_generator(params.seed)))
+            self._cv.notify()
+        return gen
+
+    def _release(self) -> None:
+        with self._cv:
+            self.admitted -= 1
+
+    # scheduler thread -------------------------------------------------------------------------
+
+    def _take(self, key: str | None, room: int, block: bool) -> list[Sequence]:
+        """Up to `room` waiting requests of group `key` (None: the oldest waiting request's group).
+        Joining a running group (block=False) only happens while no other group waits, so none starves."""
+        with self._cv:
+            while block and not self._waiting and not self._stopping:
+                self._cv.wait()
+            waiting = [s for s in self._waiting if not s.gen.cancelled]
+            for seq in self._waiting:
+                if seq.gen.cancelled:
+                    seq.gen.push(Final("cancelled", len(seq.prompt), 0))
+            if not waiting:
+                self._waiting.clear()
+                return []
+            key = waiting[0].resolved.key if key is None else key
+            if not block and any(s.resolved.key != key for s in waiting):
+                self._waiting = deque(waiting)
+                return []
+            taken = [s for s in waiting if s.resolved.key == key][:room]
+            chosen = {id(s) for s in taken}
+            self._waiting = deque(s for s in waiting if id(s) not in chosen)
+            return taken
+
+    def _run(self) -> None:
+        while not self._stopping:
+            group = self._take(None, self.max_batch, block=True)
+            if not group:
+                continue
+            restraint = group[0].resolved.restraint
+            try:
+                with torch.inference_mode(), (restraint.applied(self.model) if restraint else nullcontext()):
+                    self._run_group(group)
+            except Exception as exc:  # a failed forward must not take the server down
+                log.exception("generation failed")
+                for seq in group:
+                    seq.gen.push(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}"))
+
+    def _run_group(self, seqs: list[Sequence]) -> None:
+        key, label = seqs[0].resolved.key, seqs[0].resolved.label
+        batch, logits = Batch.prefill(self.model, [s.prompt for s in seqs], self.pad_id)
+        self.running[label] += len(seqs)
+        try:
+            while seqs:
+                tokens = choose(logits, torch.tensor([s.params.temperature for s in seqs]),
+                                torch.tensor([s.params.top_p for s in seqs]), [s.generator for s in seqs])
+                done = self._advance(seqs, tokens)
+                keep = [i for i in range(len(seqs)) if i not in done]
+                if done:
+                    self.running[label] -= len(done)
+                    batch.select(keep)
+                    seqs, tokens = [seqs[i] for i in keep], tokens[keep]
+                joiners = self._take(key, self.max_batch - len(seqs), block=False) if batch.can_merge() else []
+                if seqs:
+                    logits = batch.step(self.model, tokens)
+                if joiners:
+                    self.running[label] += len(joiners)
+                    extra, extra_logits = Batch.prefill(self.model, [s.prompt for s in joiners], self.pad_id)
+                    if seqs:
+                        batch.merge(extra)
+                        logits = torch.cat([logits, extra_logits])
+                    else:
+                        batch, logits = extra, extra_logits
+                    seqs = seqs + joiners
+        finally:
+            self.running[label] -= len(seqs)
+
+    def _advance(self, seqs: list[Sequence], tokens: torch.Tensor) -> set[int]:
+        """Record each row's new token, emit text, and return the rows that finished."""
+        done: set[int] = set()
+        is_eos = torch.isin(tokens.cpu(), self.eos_ids).tolist()
+        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+            if seq.gen.cancelled:
+                seq.gen.push(Final("cancelled", len(seq.prompt), len(seq.out)))
+                done.add(i)
+                continue
+            reason = None
+            if is_eos[i] and not seq.params.ignore_eos:
+                reason = "stop"
+            else:
+                seq.out.append(token)
+                delta, stopped = seq.stream.add(token)
+                if delta:
+                    seq.gen.push(delta)
+                if stopped:
+                    reason = "stop"
+                elif len(seq.out) >= seq.max_tokens:
+                    reason = "length"
+            if reason:
+                rest = seq.stream.flush()
+                if rest:
+                    seq.gen.push(rest)
+                seq.gen.push(Final(reason, len(seq.prompt), len(seq.out)))
+                done.add(i)
+        return done
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

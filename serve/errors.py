@@ -1,0 +1,26 @@
+"""API errors carried as exceptions and rendered in OpenAI's error shape."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+         422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 502: "upstream_error",
+         503: "service_unavailable", 504: "timeout_error"}
+
+
+class ApiError(Exception):
+    """An error answered with `status` and {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)

@@ -1,0 +1,222 @@
+"""OpenAI-compatible request/response schemas plus rolemrc's extensions (`restraint`, `experiment`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+SEED_MAX = 2**63 - 1
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape."""
+
+    error: ErrorBody
+
+
+class TextPart(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def turn(self) -> dict[str, str]:
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = Field(None)
+    seed: int | None = Field(None, ge=-SEED_MAX, le=SEED_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=512)
+    # rolemrc extensions
+    restraint: str | dict[str, Any] | None = Field(
+        None, description="a registered restraint name, or an inline spec {name, hook, units, factor} "
+                          "(only if the server allows inline specs)")
+    experiment: str | None = Field(None, description="A/B experiment id: the arm (sticky by `user`) picks model "
+                                                     "and restraint, and the request is logged")
+    metadata: dict[str, Any] | None = Field(None, description="kept in the A/B log (e.g. task, reference)")
+    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence (benchmarks)")
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    def stops(self) -> list[str]:
+        items = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in items if s]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] = Field(description="one prompt (a list must hold exactly one)")
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+
+
+class Served(BaseModel):
+    """Who served a response (extension fields on every completion)."""
+
+    restraint: str | None = None
+    experiment: str | None = None
+    arm: str | None = None
+
+
+class ChatCompletionResponse(Served):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(Served):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(Served):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rolemrc"
+    root: str
+    restraint: str | None = None
+    engine: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Arm(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=ID_PATTERN)
+    model: str = Field(min_length=1, max_length=256, description="a served model id (may include '+restraint')")
+    restraint: str | None = Field(None, max_length=256, description="a registered restraint name")
+    weight: float = Field(1.0, gt=0.0, le=1e6)
+
+
+class ExperimentCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(None, pattern=ID_PATTERN)
+    description: str = Field("", max_length=4096)
+    arms: list[Arm] = Field(min_length=1, max_length=16)
+
+    @field_validator("arms")
+    @classmethod
+    def _unique(cls, arms: list[Arm]) -> list[Arm]:
+        names = [a.name for a in arms]
+        if len(set(names)) != len(names):
+            raise ValueError("arm names must be unique")
+        return arms
+
+
+class Experiment(BaseModel):
+    id: str
+    object: Literal["experiment"] = "experiment"
+    description: str
+    arms: list[Arm]
+    created: float
+    requests: dict[str, int] = Field(default_factory=dict, description="logged requests per arm")
