@@ -54,13 +54,14 @@ class Generation:
     """Handle on one admitted request. Iterate it for text deltas; `final` is set at the end.
     Leaving `async with` cancels an unfinished generation and frees its admission slot."""
 
-    def __init__(self, prompt_tokens: int, release: Any) -> None:
+    def __init__(self, prompt_tokens: int, release: Any, on_cancel: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens = prompt_tokens
         self.final: Final | None = None
         self._cancel = threading.Event()
         self._release = release
+        self._on_cancel = on_cancel
 
     def push(self, item: str | Final | BaseException) -> None:
         """Thread-safe: deliver a delta, the Final, or an error."""
@@ -84,6 +85,8 @@ class Generation:
 
     def cancel(self) -> None:
         self._cancel.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
 
     @property
     def cancelled(self) -> bool:
@@ -123,8 +126,11 @@ class TransformersEngine:
     kind = "transformers"
 
     def __init__(self, name: str, config: ModelConfig, *, max_batch: int, max_queue: int, default_max_tokens: int) -> None:
+        from transformers.utils import logging as hf_logging
+
         from rolemrc.core.modeling import load_model
 
+        hf_logging.disable_progress_bar()
         self.name = name
         self.model, self.tokenizer = load_model(config.path, dtype=config.dtype, device=config.device)
         cfg = self.model.config

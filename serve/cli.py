@@ -1,0 +1,30 @@
+"""`rolemrc serve --config serve.yaml [--host --port --engine]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve_cmd(
+        config: Path = typer.Option(..., "--config", "-c", help="serve YAML (models, restraints, limits, keys, db)"),
+        host: str = typer.Option(None, help="bind address (default: the config's, 127.0.0.1)"),
+        port: int = typer.Option(None, help="port (default: the config's, 8000)"),
+        engine: str = typer.Option(None, help="override every model's engine: transformers | vllm"),
+    ) -> None:
+        """Serve models over an OpenAI-compatible API with restraints and A/B experiments."""
+        from rolemrc.serve.config import ConfigError, ServeConfig
+        from rolemrc.serve.server import serve
+
+        try:
+            cfg = ServeConfig.load(config)
+            if engine:
+                for name, model in cfg.models.items():
+                    model.engine = engine
+                    model.check(name)
+        except ConfigError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--config") from None
+        serve(cfg, host, port)

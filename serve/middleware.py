@@ -1,0 +1,97 @@
+"""ASGI middleware: body size limit, in-flight accounting with draining (503), and the access log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from rolemrc.serve.errors import ApiError
+from rolemrc.serve.logs import elapsed_ms
+
+log = logging.getLogger("rolemrc.serve.access")
+
+
+class TooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Any, error: ApiError) -> None:
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """413 for bodies over `max_bytes` (by Content-Length, or counted while streaming in)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        error = ApiError(413, f"request body over {self.max_bytes} bytes", code="body_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _send_error(send, error)
+        seen = 0
+        started = False
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise TooLarge
+            return message
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except TooLarge:
+            if not started:
+                await _send_error(send, error)
+
+
+class Lifecycle:
+    """Counts requests in flight (the drain waits for zero), answers 503 to API calls while
+    draining, and writes one JSON access-log line per request when its last byte is sent."""
+
+    def __init__(self, app: Any, state: Any) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+        path = scope["path"]
+        if self.state.draining and path.startswith("/v1/"):
+            error = ApiError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+            await _send_error(send, error)
+            return log.info("request", extra={"method": scope["method"], "path": path, "status": 503, "ms": 0.0})
+        scope.setdefault("state", {})
+        scope["state"]["log"] = info = {}
+
+        async def logged_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.state.inflight += 1
+        try:
+            await self.app(scope, receive, logged_send)
+        finally:
+            self.state.inflight -= 1
+            if path not in ("/health", "/metrics"):
+                log.info("request", extra={"method": scope["method"], "path": path, "status": status,
+                                           "ms": elapsed_ms(start), **info})

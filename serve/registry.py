@@ -1,0 +1,113 @@
+"""Servable models (one engine each), registered restraints, and `model+restraint` variants."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+from rolemrc.serve.config import ConfigError, ServeConfig
+from rolemrc.serve.engine import Resolved, TransformersEngine
+from rolemrc.serve.errors import ApiError
+from rolemrc.serve.protocol import ModelCard
+from rolemrc.serve.upstream import UpstreamEngine, VllmEngine
+
+log = logging.getLogger("rolemrc.serve")
+ENGINE_CLASSES = {"transformers": TransformersEngine, "upstream": UpstreamEngine, "vllm": VllmEngine}
+
+
+class Registry:
+    def __init__(self, config: ServeConfig) -> None:
+        from rolemrc.intervene import Restraint, RestraintError
+
+        self.config = config
+        self.created = int(time.time())
+        self.restraints: dict[str, Any] = {}
+        for name, path in config.restraints.items():
+            try:
+                self.restraints[name] = Restraint.load(path)
+            except RestraintError as exc:
+                raise ConfigError(f"restraint {name!r}: {exc}") from None
+        self.engines: dict[str, Any] = {}
+        for name, mc in config.models.items():
+            self.engines[name] = ENGINE_CLASSES[mc.engine](
+                name, mc, max_batch=config.max_batch, max_queue=config.max_queue,
+                default_max_tokens=config.default_max_tokens)
+        self.variants: dict[str, tuple[str, str | None]] = {name: (name, None) for name in self.engines}
+        for name, engine in self.engines.items():
+            if engine.kind != "transformers":
+                continue
+            for rname, restraint in self.restraints.items():
+                try:
+                    engine.check_restraint(restraint)
+                except RestraintError as exc:
+                    log.warning("restraint %r does not fit model %r: %s", rname, name, exc)
+                    continue
+                self.variants[f"{name}+{rname}"] = (name, rname)
+
+    async def start(self) -> None:
+        for engine in self.engines.values():
+            await engine.start()
+
+    async def stop(self) -> None:
+        for engine in self.engines.values():
+            await engine.stop()
+
+    def cards(self) -> list[ModelCard]:
+        return [ModelCard(id=vid, created=self.created, root=name, restraint=rname, engine=self.engines[name].kind)
+                for vid, (name, rname) in self.variants.items()]
+
+    def lookup(self, model_id: str) -> tuple[Any, str | None]:
+        """(engine, restraint named by the id) for `model` or `model+restraint`; 404 otherwise."""
+        if model_id in self.variants:
+            name, rname = self.variants[model_id]
+            return self.engines[name], rname
+        name, _, rname = model_id.partition("+")
+        if name in self.engines and rname in self.restraints:
+            raise ApiError(400, f"restraint {rname!r} does not fit model {name!r}", code="restraint_mismatch",
+                           param="model")
+        if name in self.engines and rname:
+            raise ApiError(404, f"unknown restraint {rname!r} in model id {model_id!r}", code="restraint_not_found",
+                           param="model")
+        raise ApiError(404, f"the model {model_id!r} does not exist; GET /v1/models lists them",
+                       code="model_not_found", param="model")
+
+    def resolve(self, engine: Any, named: str | None, requested: str | dict | None) -> Resolved:
+        """The restraint for a request: from the model id, or the request's `restraint` (a registered
+        name, or an inline spec if allowed). 404 unknown name, 400 not allowed, 422 invalid spec."""
+        from rolemrc.intervene import Restraint, RestraintError
+
+        if named is not None and requested is not None:
+            raise ApiError(400, "the model id already names a restraint; drop the 'restraint' field",
+                           param="restraint")
+        if named is not None:
+            return Resolved(self.restraints[named], named, f"name:{named}", named)
+        if requested is None:
+            return Resolved()
+        if isinstance(requested, str):
+            if requested not in self.restraints:
+                raise ApiError(404, f"unknown restraint {requested!r}; registered: {sorted(self.restraints)}",
+                               code="restraint_not_found", param="restraint")
+            restraint, label, key = self.restraints[requested], requested, f"name:{requested}"
+        else:
+            if not self.config.allow_inline_restraints:
+                raise ApiError(400, "inline restraint specs are disabled on this server (allow_inline_restraints)",
+                               code="inline_restraints_disabled", param="restraint")
+            try:
+                restraint = Restraint.from_dict(requested)
+            except (RestraintError, TypeError, AttributeError, ValueError) as exc:
+                raise ApiError(422, f"invalid restraint spec: {exc}", code="invalid_restraint",
+                               param="restraint") from None
+            if restraint.num_units > self.config.max_inline_units:
+                raise ApiError(422, f"inline restraint has {restraint.num_units} units; the limit is "
+                                    f"{self.config.max_inline_units}", code="restraint_too_large", param="restraint")
+            digest = hashlib.sha256(json.dumps(restraint.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+            label, key = "inline", f"inline:{digest}"
+        try:
+            engine.check_restraint(restraint)
+        except RestraintError as exc:
+            raise ApiError(422, f"the restraint does not fit model {engine.name!r}: {exc}", code="invalid_restraint",
+                           param="restraint") from None
+        return Resolved(restraint, label, key, requested)

@@ -1,0 +1,49 @@
+"""Running the app under uvicorn with a graceful drain: the first SIGTERM/SIGINT turns API calls
+away with 503 while in-flight requests finish (up to drain_timeout_s), then the server stops."""
+
+from __future__ import annotations
+
+import logging
+import logging.config
+import time
+from typing import Any
+
+import uvicorn
+
+from rolemrc.serve.app import create_app
+from rolemrc.serve.config import ServeConfig
+from rolemrc.serve.logs import log_config
+
+log = logging.getLogger("rolemrc.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: Any, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state, self.drain_timeout_s = state, drain_timeout_s
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.drain_deadline is None:
+            self.state.draining = True
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+            log.info("draining", extra={"signal": int(sig), "inflight": self.state.inflight})
+        else:  # a second signal: stop now
+            self.should_exit = self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None:
+            if self.state.inflight == 0 or time.monotonic() > self.drain_deadline:
+                log.info("drained", extra={"inflight": self.state.inflight})
+                return True
+        return await super().on_tick(counter)
+
+
+def serve(config: ServeConfig, host: str | None = None, port: int | None = None) -> None:
+    """Blocking: serve until signalled."""
+    logging.config.dictConfig(log_config(config.log_level))
+    app = create_app(config)
+    uv = uvicorn.Config(app, host=host or config.host, port=port if port is not None else config.port,
+                        log_config=log_config(config.log_level), access_log=False,
+                        timeout_graceful_shutdown=int(config.drain_timeout_s) + 1)
+    DrainingServer(uv, app.state.rolemrc, config.drain_timeout_s).run()

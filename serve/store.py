@@ -1,0 +1,82 @@
+"""The A/B log: SQLite in WAL mode with synchronous=FULL, so a committed row survives a crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS experiments (
+  id TEXT PRIMARY KEY, description TEXT NOT NULL, arms TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS requests (
+  id TEXT PRIMARY KEY, experiment TEXT NOT NULL REFERENCES experiments(id), arm TEXT NOT NULL, user TEXT,
+  model TEXT NOT NULL, restraint TEXT, endpoint TEXT NOT NULL, messages TEXT NOT NULL, response TEXT NOT NULL,
+  finish_reason TEXT, latency_s REAL NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+  metadata TEXT, started REAL NOT NULL, finished REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS requests_by_experiment ON requests(experiment, arm);
+"""
+REQUEST_FIELDS = ("id", "experiment", "arm", "user", "model", "restraint", "endpoint", "messages", "response",
+                  "finish_reason", "latency_s", "prompt_tokens", "completion_tokens", "metadata", "started", "finished")
+JSON_FIELDS = ("messages", "metadata")
+
+
+class Store:
+    """Experiments and their request log. Thread-safe; every write is its own committed transaction."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def add_experiment(self, exp_id: str, description: str, arms: list[dict[str, Any]], created: float) -> bool:
+        """False when the id is taken."""
+        with self._lock:
+            try:
+                self._db.execute("INSERT INTO experiments VALUES (?, ?, ?, ?)",
+                                 (exp_id, description, json.dumps(arms), created))
+            except sqlite3.IntegrityError:
+                return False
+        return True
+
+    def experiment(self, exp_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM experiments WHERE id = ?", (exp_id,)).fetchone()
+            if row is None:
+                return None
+            counts = dict(self._db.execute("SELECT arm, COUNT(*) FROM requests WHERE experiment = ? GROUP BY arm",
+                                           (exp_id,)).fetchall())
+        return {"id": row["id"], "description": row["description"], "arms": json.loads(row["arms"]),
+                "created": row["created"], "requests": counts}
+
+    def log_request(self, row: dict[str, Any]) -> None:
+        """Insert one request row (committed and fsynced before returning)."""
+        values = [json.dumps(row.get(f)) if f in JSON_FIELDS else row.get(f) for f in REQUEST_FIELDS]
+        with self._lock:
+            self._db.execute(f"INSERT INTO requests ({', '.join(REQUEST_FIELDS)}) VALUES "
+                             f"({', '.join('?' * len(REQUEST_FIELDS))})", values)
+
+    def requests(self, exp_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM requests WHERE experiment = ? ORDER BY started, id",
+                                    (exp_id,)).fetchall()
+        out = []
+        for row in rows:
+            item = dict(row)
+            for f in JSON_FIELDS:
+                item[f] = json.loads(item[f]) if item[f] is not None else None
+            out.append(item)
+        return out
