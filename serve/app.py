@@ -161,11 +161,12 @@ def create_app(config: ServeConfig) -> FastAPI:
 
 def install_error_handlers(app: FastAPI, state: State) -> None:
     def count(request: Request, status: int) -> None:
-        info = getattr(request.state, "log", {})
-        if "model" in info:
+        """Failed completion requests count too (model 'unknown' when routing failed)."""
+        if request.url.path.endswith("completions"):
+            info = getattr(request.state, "log", {})
             endpoint = "chat" if request.url.path.endswith("chat/completions") else "completion"
-            state.metrics.requests.labels(info["model"].split("+")[0], info.get("restraint", "none"), endpoint,
-                                          str(status)).inc()
+            state.metrics.requests.labels(info.get("model", "unknown").split("+")[0], info.get("restraint", "none"),
+                                          endpoint, str(status)).inc()
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -175,6 +176,7 @@ def install_error_handlers(app: FastAPI, state: State) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        count(request, 400 if errors and errors[0].get("type") == "json_invalid" else 422)
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return ApiError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip()).response()
@@ -190,4 +192,5 @@ def install_error_handlers(app: FastAPI, state: State) -> None:
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
+        count(request, 500)
         return ApiError(500, f"internal error: {type(exc).__name__}").response()

@@ -275,6 +275,8 @@ class TransformersEngine:
         is_eos = torch.isin(tokens.cpu(), self.eos_ids).tolist()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             if seq.gen.cancelled:
+                log.info("cancelled", extra={"model": self.name, "completion_tokens": len(seq.out),
+                                             "max_tokens": seq.max_tokens})
                 seq.gen.push(Final("cancelled", len(seq.prompt), len(seq.out)))
                 done.add(i)
                 continue

@@ -86,6 +86,9 @@ class Registry:
             return Resolved(self.restraints[named], named, f"name:{named}", named)
         if requested is None:
             return Resolved()
+        if engine.kind != "transformers":   # the upstream applies it, if this engine may forward it at all
+            engine.check_restraint(requested)
+            return Resolved(None, requested if isinstance(requested, str) else "inline", "", requested)
         if isinstance(requested, str):
             if requested not in self.restraints:
                 raise ApiError(404, f"unknown restraint {requested!r}; registered: {sorted(self.restraints)}",

@@ -1,0 +1,254 @@
+"""The served API over real HTTP on loopback with the real `openai` client: chat, streaming,
+completions, restraints, every error status, metrics, experiments, reports, the upstream engine."""
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from serving import running_server
+from typer.testing import CliRunner
+
+from rolemrc.cli import app as cli_app
+from rolemrc.intervene import Restraint
+
+KEY = "test-key-123"
+# a prompt on which the random fixture model's greedy text differs under the strong restraints
+CHAT = [{"role": "user", "content": "the storms quarter the old"}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-api")
+    every = list(range(96))
+    Restraint(name="mute", hook="mlp.act", factor=0.0, units={0: every, 1: every}).save(root / "mute.yaml")
+    Restraint(name="noop", hook="mlp.act", factor=1.0, units={0: [1, 2, 3]}).save(root / "noop.yaml")
+    Restraint(name="wide", hook="mlp.act", factor=0.0, units={0: [500]}).save(root / "wide.yaml")  # fits no model
+    (root / "keys.txt").write_text(f"{KEY}\nsecond-key\n")
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}},
+              "restraints": {"mute": "mute.yaml", "noop": "noop.yaml", "wide": "wide.yaml"},
+              "allow_inline_restraints": True, "max_inline_units": 150, "api_key_file": "keys.txt",
+              "max_new_tokens": 256, "default_max_tokens": 16, "db": "ab.sqlite", "max_body_bytes": 20000}
+    with running_server(config, workdir=root) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+
+
+def greedy(client, model="tiny", **extra):
+    out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0,
+                                         extra_body=extra or None)
+    return out.choices[0].message.content
+
+
+def test_models_chat_and_usage(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "tiny+mute", "tiny+noop"]  # 'wide' does not fit: no variant
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=7, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.object == "chat.completion" and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 7 and out.usage.prompt_tokens > 10
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 7
+
+
+def test_streaming_matches_whole_response(client, server):
+    whole = greedy(client)
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage.completion_tokens >= 1
+    raw = httpx.post(server.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": "tiny", "messages": CHAT, "max_tokens": 3, "stream": True}).text
+    assert raw.rstrip().endswith("data: [DONE]") and raw.count("data: ") >= 3
+
+
+def test_completions_and_stream(client):
+    out = client.completions.create(model="tiny", prompt="the keeper of the", max_tokens=6, temperature=0)
+    assert out.object == "text_completion" and out.usage.completion_tokens <= 6
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="the keeper of the", max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == out.choices[0].text
+
+
+def test_seed_reproduces_and_temperature_samples(client):
+    def sample(seed):
+        return client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=1.5, seed=seed,
+                                              top_p=0.95, extra_body={"ignore_eos": True}).choices[0].message.content
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_stop_string_cuts_the_text(client):
+    """A random tiny model emits stray bytes (U+FFFD); pick a clean two-character stop from its output."""
+    for word in ("keeper", "baker", "storms", "rivers", "ships", "dawn"):
+        messages = [{"role": "user", "content": f"the {word} of the old quarter"}]
+        text = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].message.content
+        spots = [i for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2]]
+        if spots:
+            break
+    stop = text[spots[0]:spots[0] + 2]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0, stop=[stop],
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.content == text[:text.find(stop)]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == out.choices[0].message.content
+
+
+def test_restraints_change_greedy_output_only_when_strong(client):
+    base = greedy(client)
+    assert greedy(client, restraint="noop") == base
+    assert greedy(client, "tiny+noop") == base
+    muted = greedy(client, restraint="mute")
+    assert muted != base and greedy(client, "tiny+mute") == muted
+    inline = {"name": "strong", "hook": "mlp.act", "factor": 0.0, "units": {0: list(range(70)), 1: list(range(70))}}
+    assert greedy(client, restraint=inline) != base
+    assert greedy(client, restraint=dict(inline, factor=1.0)) == base
+    assert greedy(client) == base  # hooks are gone afterwards
+
+
+def test_concurrent_requests_with_mixed_restraints_match_sequential(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = {None: greedy(client), "mute": greedy(client, restraint="mute")}
+    jobs = [None, "mute"] * 6
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda r: greedy(client, **({"restraint": r} if r else {})), jobs))
+    assert got == [expected[r] for r in jobs]
+
+
+def status_of(call):
+    with pytest.raises(openai.APIStatusError) as err:
+        call()
+    body = err.value.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return err.value.status_code, body["error"]
+
+
+def test_error_statuses(client, server):
+    chat = client.chat.completions.create
+    long_prompt = [{"role": "user", "content": "the keeper " * 400}]
+    assert status_of(lambda: chat(model="tiny", messages=long_prompt, max_tokens=5))[0] == 400
+    assert status_of(lambda: chat(model="tiny", messages=CHAT, max_tokens=257))[1]["code"] == "max_tokens_too_large"
+    code, err = status_of(lambda: chat(model="tiny", messages=[{"role": "user", "content": "the keeper " * 200}],
+                                       max_tokens=250))
+    assert code == 400 and err["code"] == "context_length_exceeded"
+    assert status_of(lambda: chat(model="tiny", messages=CHAT, n=2))[0] == 400
+    assert status_of(lambda: chat(model="nope", messages=CHAT))[0] == 404
+    assert status_of(lambda: chat(model="tiny+nope", messages=CHAT))[0] == 404
+    assert status_of(lambda: chat(model="tiny+wide", messages=CHAT))[0] == 400
+    assert status_of(lambda: chat(model="tiny", messages=CHAT, extra_body={"restraint": "nope"}))[0] == 404
+    bad_specs = [{"name": "x", "hook": "mlp.nothing", "units": {0: [1]}},
+                 {"name": "x", "hook": "mlp.act", "units": {0: [1000]}},           # out of range for the model
+                 {"name": "x", "hook": "mlp.act", "units": {0: list(range(80)), 1: list(range(80))}},  # over 150
+                 {"name": "x", "hook": 5, "units": {0: [1]}}]
+    for spec in bad_specs:
+        assert status_of(lambda s=spec: chat(model="tiny", messages=CHAT, extra_body={"restraint": s}))[0] == 422
+    assert status_of(lambda: chat(model="tiny", messages=CHAT, extra_body={"experiment": "nope"}))[0] == 404
+    assert status_of(lambda: chat(model="tiny", messages=CHAT, temperature=5))[0] == 422
+    wrong = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
+    code, err = status_of(lambda: wrong.chat.completions.create(model="tiny", messages=CHAT))
+    assert code == 401 and err["code"] == "invalid_api_key"
+    missing = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    bad_json = httpx.post(server.base_url + "/v1/chat/completions", headers=headers, content=b"{nope")
+    assert bad_json.status_code == 400 and "error" in bad_json.json()
+    huge = httpx.post(server.base_url + "/v1/chat/completions", headers=headers,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 30000}]})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
+    assert httpx.get(server.base_url + "/v1/nothing", headers=headers).json()["error"]["type"] == "not_found_error"
+
+
+def test_client_disconnect_cancels_generation(server):
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 250, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        events = [json.loads(line) for line in server.logs().splitlines() if '"msg": "cancelled"' in line]
+        if events:
+            break
+        time.sleep(0.1)
+    assert events and events[-1]["completion_tokens"] < 250
+
+
+def test_metrics_and_health(server, client):
+    greedy(client, restraint="mute")
+    assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.base_url + "/metrics").text
+    for needle in ('rolemrc_requests_total{endpoint="chat",model="tiny",restraint="mute",status="200"}',
+                   'rolemrc_tokens_total{kind="completion",model="tiny",restraint="mute"}',
+                   'rolemrc_request_latency_seconds_bucket', 'rolemrc_queue_depth{model="tiny",restraint="none"}'):
+        assert needle in text
+    assert 'status="404"' in text
+
+
+def test_experiment_logging_stickiness_and_report(client, server, records, tmp_path):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    arms = [{"name": "base", "model": "tiny"}, {"name": "muted", "model": "tiny", "restraint": "mute", "weight": 1}]
+    made = httpx.post(server.base_url + "/v1/experiments", headers=auth, json={"id": "ab1", "arms": arms})
+    assert made.status_code == 201
+    assert httpx.post(server.base_url + "/v1/experiments", headers=auth, json={"id": "ab1", "arms": arms}).status_code == 409
+    bad = httpx.post(server.base_url + "/v1/experiments", headers=auth, json={"arms": [{"name": "a", "model": "nope"}]})
+    assert bad.status_code == 404
+    served = {}
+    for k, rec in enumerate(records):
+        messages = [{"role": t["role"].lower(), "content": t["content"]} for t in rec["question"]]
+        out = client.chat.completions.create(model="ab1", messages=messages, max_tokens=8, temperature=0, user=f"u{k % 20}",
+                                             extra_body={"experiment": "ab1", "metadata": {"task": rec["task"],
+                                                                                           "reference": rec["reference"]}})
+        extra = out.model_extra
+        assert extra["experiment"] == "ab1" and extra["arm"] in ("base", "muted")
+        assert out.model == ("tiny+mute" if extra["arm"] == "muted" else "tiny")
+        assert served.setdefault(f"u{k % 20}", extra["arm"]) == extra["arm"]  # sticky by user
+    assert set(served.values()) == {"base", "muted"}
+    got = httpx.get(server.base_url + "/v1/experiments/ab1", headers=auth).json()
+    assert sum(got["requests"].values()) == len(records)
+    report = httpx.get(server.base_url + "/v1/experiments/ab1/report", headers=auth).json()
+    assert set(report["arms"]) == {"base", "muted"} and report["requests"] == len(records)
+    base = report["arms"]["base"]
+    assert base["metrics"]["bleu"]["n"] == base["n"] and base["judge"]["calls"] > 0
+    test = report["tests"]["muted vs base"]
+    assert {"judge_pass", "latency_s", "metric:bleu"} <= set(test) and 0 <= test["latency_s"]["p"] <= 1
+    page = httpx.get(server.base_url + "/v1/experiments/ab1/report?format=html", headers=auth)
+    assert page.status_code == 200 and "plotly" in page.text
+    result = CliRunner().invoke(cli_app, ["ab", "report", "ab1", "--db", str(server.config.parent / "ab.sqlite"),
+                                          "--out", str(tmp_path), "--rounds", "200"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["requests"] == len(records)
+    assert (tmp_path / "chart.html").is_file() and (tmp_path / "report.json").is_file()
+
+
+def test_upstream_engine_proxies_a_rolemrc_server(server, client, tmp_path):
+    config = {"models": {"proxy": {"engine": "upstream", "base_url": server.base_url + "/v1", "upstream_model": "tiny",
+                                   "api_key_env": "UPSTREAM_KEY", "pass_restraints": True},
+                         "plain": {"engine": "upstream", "base_url": server.base_url + "/v1",
+                                   "upstream_model": "tiny", "api_key_env": "UPSTREAM_KEY"}},
+              "db": None}
+    with running_server(config, workdir=tmp_path, env={"UPSTREAM_KEY": KEY}) as proxy:
+        pc = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="none", max_retries=0)
+        assert greedy(pc, "proxy") == greedy(client)
+        assert greedy(pc, "proxy", restraint="mute") == greedy(client, restraint="mute")
+        streamed = "".join(c.choices[0].delta.content or "" for c in pc.chat.completions.create(
+            model="proxy", messages=CHAT, max_tokens=12, temperature=0, stream=True) if c.choices)
+        assert streamed == greedy(client)
+        out = pc.completions.create(model="proxy", prompt="the keeper", max_tokens=5, temperature=0)
+        assert out.choices[0].text == client.completions.create(model="tiny", prompt="the keeper", max_tokens=5,
+                                                                temperature=0).choices[0].text
+        assert out.usage.completion_tokens >= 1
+        assert status_of(lambda: pc.chat.completions.create(model="proxy", messages=CHAT, max_tokens=300))[0] == 400
+        assert status_of(lambda: greedy(pc, "proxy", restraint="nope"))[0] == 404   # the upstream's answer
+        assert status_of(lambda: greedy(pc, "plain", restraint="mute"))[0] == 400   # cannot apply restraints
