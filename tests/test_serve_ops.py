@@ -1,0 +1,134 @@
+"""Operations over real HTTP: queue full (429), graceful drain (503, in-flight finishes), bounded load
+through an experiment (zero 5xx, each request logged once), SIGKILL mid-load (nothing acknowledged lost)."""
+
+import asyncio
+import signal
+import sqlite3
+import threading
+
+import httpx
+import pytest
+from serving import running_server, start_server, stop_server
+
+CHAT = [{"role": "user", "content": "the keeper of the lighthouse"}]
+
+
+def long_stream(base_url):
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    return httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_queue_full_then_drain_on_sigterm(model_dirs, tmp_path):
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_queue": 1, "max_batch": 1,
+              "max_new_tokens": 400, "db": None, "drain_timeout_s": 30}
+    server = start_server(config, workdir=tmp_path)
+    try:
+        with long_stream(server.base_url) as first:
+            lines = first.iter_lines()
+            next(lines)
+            busy = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT})
+            assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
+            server.signal(signal.SIGTERM)          # drain: the running stream must still finish
+            for _ in range(50):
+                health = httpx.get(server.base_url + "/health")
+                if health.status_code == 503:
+                    break
+            assert health.json()["status"] == "draining"
+            refused = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in "\n".join(rest)
+        assert server.wait(30) == 0
+    finally:
+        stop_server(server)
+
+
+async def fire(base_url, n, concurrency, acked, statuses, on_progress=None, offset=0):
+    """n experiment requests at the given concurrency; `acked` collects ids of complete 200 responses."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        async def one(k):
+            async with sem:
+                body = {"model": "ab", "messages": [{"role": "user", "content": f"the keeper {k} of the lighthouse"}],
+                        "max_tokens": 4, "temperature": 0.8, "seed": k, "user": f"user{k % 37}",
+                        "experiment": "load", "metadata": {"k": k}}
+                try:
+                    r = await client.post("/v1/chat/completions", json=body)
+                except httpx.HTTPError:
+                    statuses.append("conn")
+                    return
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    acked.append(r.json()["id"])
+                    if on_progress:
+                        on_progress(len(acked))
+        await asyncio.gather(*(one(k) for k in range(offset, offset + n)))
+
+
+def logged(db):
+    with sqlite3.connect(db) as conn:
+        return [row[0] for row in conn.execute("SELECT id FROM requests WHERE experiment = 'load'")]
+
+
+def test_load_through_experiment_then_sigkill_loses_nothing_acknowledged(model_dirs, tmp_path):
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_batch": 16, "db": "ab.sqlite",
+              "restraints": {}, "max_queue": 64}
+    db = tmp_path / "ab.sqlite"
+    server = start_server(config, workdir=tmp_path)
+    try:
+        arms = [{"name": "a", "model": "tiny", "weight": 2}, {"name": "b", "model": "tiny", "weight": 1}]
+        assert httpx.post(server.base_url + "/v1/experiments", json={"id": "load", "arms": arms}).status_code == 201
+        acked, statuses = [], []
+        asyncio.run(fire(server.base_url, 320, 16, acked, statuses))
+        assert statuses.count(200) == 320 and not [s for s in statuses if s != 200]
+        ids = logged(db)
+        assert len(ids) == len(set(ids)) == 320 and set(ids) == set(acked)
+        counts = httpx.get(server.base_url + "/v1/experiments/load").json()["requests"]
+        assert counts["a"] > counts["b"] > 0
+
+        acked, statuses = [], []
+        killed = threading.Event()
+
+        def kill_at(n):
+            if n >= 60 and not killed.is_set():
+                killed.set()
+                server.proc.kill()
+        asyncio.run(fire(server.base_url, 400, 16, acked, statuses, on_progress=kill_at, offset=1000))
+        assert killed.is_set() and server.wait(10) == -signal.SIGKILL
+    finally:
+        stop_server(server)
+    assert "conn" in statuses   # requests were cut off by the kill
+    with running_server(config, workdir=tmp_path) as server:   # restart on the same database
+        ids = set(logged(db))
+        assert set(acked) <= ids and len(acked) >= 60
+        total = sum(httpx.get(server.base_url + "/v1/experiments/load").json()["requests"].values())
+        assert total == len(ids) >= 320 + len(acked)
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_errors(model_dirs, tmp_path):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": "ab.sqlite", "max_new_tokens": 16,
+              "default_max_tokens": 4, "allow_inline_restraints": True, "max_inline_units": 64}
+    with running_server(config, workdir=tmp_path) as server:
+        schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+        failures, calls = [], []
+        for op in schema.get_all_operations():
+            operation = op.ok()
+
+            @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+            @given(case=operation.as_strategy())
+            def run(case):
+                response = case.call(base_url=server.base_url, timeout=30)
+                calls.append(response.status_code)
+                try:
+                    case.validate_response(response, checks=[not_a_server_error])
+                except Exception as exc:  # collect all, report together
+                    failures.append(f"{operation.label}: {exc}"[:500])
+            run()
+        assert not failures, "\n".join(failures[:5])
+        assert len(calls) >= 60 and {200, 201} & set(calls) and any(400 <= c < 500 for c in calls)
+        assert httpx.get(server.base_url + "/health").status_code == 200
