@@ -25,12 +25,13 @@ def probe_cmd(
     batch_size: int = typer.Option(16),
     repeats: int = typer.Option(3, help="timed repeats per measurement (median)"),
     sizes: str = typer.Option("demo,large", help="comma list of: demo, large"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:
     """Collect vs plain forward, vs the RoleMRC-code approach, and memory at N vs 4N."""
     from rolemrc.bench.probe import run
 
-    emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(","))), out)
+    emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(",")), device), out)
 
 
 @app.command("retrieval")
@@ -46,3 +47,35 @@ def retrieval_cmd(
     from rolemrc.bench.retrieval import run
 
     emit(run(profiles, triplets, dim, kind=index, seed=seed), out)
+
+
+@app.command("intervene")
+def intervene_cmd(
+    prompts: int = typer.Option(256, help="cases per timed pass"),
+    length: int = typer.Option(64, help="tokens per prompt"),
+    batch_size: int = typer.Option(16),
+    repeats: int = typer.Option(7, help="interleaved timed repeats per variant (median)"),
+    share: float = typer.Option(0.1, help="share of each layer's mlp.act units restrained"),
+    sizes: str = typer.Option("demo,large", help="comma list of: demo, large"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    out: Path = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Forward time with the runtime hook vs without, and baked vs original."""
+    from rolemrc.bench.intervene import run
+
+    emit(run(prompts, length, batch_size, repeats, share, tuple(sizes.split(",")), device), out)
+
+
+@app.command("serve")
+def serve_cmd(
+    concurrency: str = typer.Option("1,8,32", help="comma list of concurrent requests"),
+    tokens: int = typer.Option(32, help="completion tokens per request (ignore_eos)"),
+    waves: int = typer.Option(2, help="requests per run = concurrency x waves"),
+    repeats: int = typer.Option(3, help="interleaved repeats (median)"),
+    size: str = typer.Option("demo", help="demo | large"),
+    out: Path = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Engine tokens/s: batched vs naive sequential generate, restrained and baked vs unrestrained."""
+    from rolemrc.bench.serve import run
+
+    emit(run(tuple(int(c) for c in concurrency.split(",")), tokens, waves, repeats, size), out)
