@@ -1,0 +1,75 @@
+"""Serve building blocks without a server: sampling, stop strings, arm assignment, config, tests."""
+
+import math
+
+import pytest
+import torch
+
+from rolemrc.serve.config import ConfigError, ServeConfig
+from rolemrc.serve.experiments import assign
+from rolemrc.serve.sampling import TextStream, choose, make_generator
+from rolemrc.serve.stats import proportions, welch
+
+
+def test_choose_greedy_nucleus_and_seeds():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
+    zero, one = torch.zeros(3), torch.ones(3)
+    assert choose(logits, zero, one, [None] * 3).tolist() == [1, 0, 2]
+    tiny_p = torch.full((3,), 1e-6)          # nucleus of one token: sampling equals greedy
+    assert choose(logits, one, tiny_p, [None] * 3).tolist() == [1, 0, 2]
+    flat = torch.zeros(2, 50)
+    a = choose(flat, torch.ones(2), torch.ones(2), [make_generator(5), make_generator(6)])
+    b = choose(flat, torch.ones(2), torch.ones(2), [make_generator(5), make_generator(6)])
+    assert torch.equal(a, b)
+    draws = torch.stack([choose(flat[:1], torch.ones(1), torch.ones(1), [None]) for _ in range(200)])
+    assert len(set(draws.flatten().tolist())) > 20
+
+
+class ByteTok:
+    def decode(self, ids, **_):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_partial_stops_and_characters():
+    s = TextStream(ByteTok(), ["END"])
+    out = [s.add(b)[0] for b in b"ab E"]
+    assert "".join(out) == "ab " and s.add(ord("x")) == ("Ex", False)
+    s = TextStream(ByteTok(), ["END"])
+    pieces = [s.add(b) for b in b"hi END more"[:6]]
+    assert "".join(p[0] for p in pieces) == "hi " and pieces[-1][1]
+    s = TextStream(ByteTok(), [])
+    euro = "€".encode()
+    assert [s.add(b)[0] for b in euro] == ["", "", "€"]
+
+
+def test_arm_assignment_is_sticky_and_weighted():
+    arms = [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}]
+    picks = [assign("exp", arms, f"user{k}")["name"] for k in range(4000)]
+    assert picks == [assign("exp", arms, f"user{k}")["name"] for k in range(4000)]
+    assert abs(picks.count("a") / 4000 - 0.75) < 0.03
+
+
+def test_unpaired_tests_match_scipy():
+    from scipy.stats import ttest_ind
+
+    a, b = [1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0, 6.0, 8.0, 9.0, 7.0]
+    w = welch(a, b, rounds=500)
+    assert math.isclose(w["p"], ttest_ind(b, a, equal_var=False).pvalue) and w["lo"] < w["diff"] < w["hi"]
+    p = proportions(30, 100, 45, 100)
+    pooled = 75 / 200
+    z = (0.45 - 0.30) / math.sqrt(pooled * (1 - pooled) * (2 / 100))
+    assert math.isclose(p["z"], z, rel_tol=1e-9) and math.isclose(p["p"], math.erfc(abs(z) / math.sqrt(2)), rel_tol=1e-6)
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="at least one"):
+        ServeConfig.from_dict({"models": {}})
+    with pytest.raises(ConfigError, match="unknown config field"):
+        ServeConfig.from_dict({"models": {"m": "x"}, "nope": 1})
+    with pytest.raises(ConfigError, match="needs base_url"):
+        ServeConfig.from_dict({"models": {"m": {"engine": "upstream"}}})
+    with pytest.raises(ConfigError, match=r"must not contain '\+'"):
+        ServeConfig.from_dict({"models": {"a+b": "x"}})
+    cfg = ServeConfig.from_dict({"models": {"m": "model"}, "restraints": {"r": "r.yaml"}, "db": "ab.sqlite"}, tmp_path)
+    assert cfg.models["m"].path == str(tmp_path / "model") and cfg.db == str(tmp_path / "ab.sqlite")
+    assert cfg.restraints["r"] == str(tmp_path / "r.yaml") and cfg.cors_origins == []
