@@ -69,6 +69,7 @@ def naive_rate(model_dir: Path, chats: list, tokens: int) -> float:
     from rolemrc.core.modeling import load_model
 
     model, tok = load_model(model_dir, device="cpu")
+    start, done = time.perf_counter(), 0
     with torch.inference_mode():
         for k, chat in enumerate([chats[0], *chats]):   # the first call warms up
             if k == 1:
