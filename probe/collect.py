@@ -99,6 +99,7 @@ def count_cases(model: Any, tokenizer: Any, cases: Cases, config: CollectConfig)
         for idx, input_ids, mask in batches(cases, config.batch_size, pad_id):
             counter.start_batch(cases.membership[idx], mask)
             backend.run(input_ids.to(device), mask.to(device), counter.add)
+            counter.finish_batch()
             bar.update(len(idx))
     bar.close()
     return counter

@@ -29,9 +29,9 @@ def top_k_size(top_fraction: float, width: int) -> int:
 class TopKCounter:
     """Accumulates, per dimension, how often each unit of each layer is in the top k.
 
-    Feed it one batch at a time: `start_batch(membership, attention_mask)`, then `add(layer, acts)` for each
-    layer's activations [batch, seq, width]. Everything stays on the activations' device; memory is
-    O(dimensions x layers x width) plus one batch.
+    Feed it one batch at a time: `start_batch(membership, attention_mask)`, `add(layer, acts)` for each
+    layer's activations [batch, seq, width], then `finish_batch()`. Everything stays on the model's device;
+    memory is O(dimensions x layers x width) plus one batch.
     """
 
     def __init__(self, dimensions: list[str], layers: int, width: int, k: int, *, tokens: str = "last",
@@ -51,35 +51,58 @@ class TopKCounter:
         self._weights: torch.Tensor | None = None
 
     def start_batch(self, membership: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """membership: [batch, dims] 0/1 (which dimensions each case counts in); mask: [batch, seq]."""
+        """membership: [batch, dims] 0/1 (which dimensions each case counts in); mask: [batch, seq].
+        Positions are found where the mask lives (the CPU, for the collector), so no device sync."""
         device = self.count.device
-        membership = membership.to(device=device, dtype=torch.float32)
-        mask = attention_mask.to(device).bool()
+        membership = membership.to(dtype=torch.float32)
+        mask = attention_mask.bool()
         if self.tokens == "last":
-            positions = torch.arange(mask.shape[1], device=device).expand_as(mask)
+            positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
             last = torch.where(mask, positions, -1).amax(dim=1)  # real last token, left or right padded
             if (last < 0).any():
                 raise ValueError("a case has no tokens")
-            self._rows, self._cols = torch.arange(mask.shape[0], device=device), last
-            self._weights = membership
+            rows, cols, weights = torch.arange(mask.shape[0], device=mask.device), last, membership
         else:
-            self._rows, self._cols = mask.nonzero(as_tuple=True)
-            self._weights = membership[self._rows]
-        self.cases += membership.sum(0).round().long()
+            rows, cols = mask.nonzero(as_tuple=True)
+            weights = membership[rows.to(membership.device)]
+        self._rows, self._cols = rows.to(device), cols.to(device)
+        self._weights = weights.to(device)
+        self.cases += membership.sum(0).round().long().to(device)
         self.observations += self._weights.sum(0).round().long()
+        self._pending: dict[int, torch.Tensor] = {}
 
     def add(self, layer: int, acts: torch.Tensor) -> None:
-        """Count the top-k units of one layer's activations [batch, seq, width] at the chosen positions."""
+        """Take one layer's activations [batch, seq, width] at the chosen positions. With the `last` policy
+        the layers of a batch are counted together in `finish_batch` (one top-k over all layers: few kernel
+        launches); with `all` (many positions) each layer is counted at once to bound memory."""
         selected = acts[self._rows.to(acts.device), self._cols.to(acts.device)].to(self.count.device)
         if selected.shape[-1] != self.width:
             raise ValueError(f"layer {layer}: expected width {self.width}, got {selected.shape[-1]}")
+        if self.tokens == "last":
+            self._pending[layer] = selected
+        else:
+            self._count([layer], selected.unsqueeze(0))
+
+    def finish_batch(self) -> None:
+        """Count the layers taken since `start_batch`."""
+        if self._pending:
+            layers = sorted(self._pending)
+            self._count(layers, torch.stack([self._pending[i] for i in layers]))
+            self._pending = {}
+
+    def _count(self, layers: list[int], selected: torch.Tensor) -> None:
+        """selected: [layers, obs, width] -> count[:, layers] += per-dimension top-k hits."""
         scores = selected.float()
         if self.rank == "abs":
             scores = scores.abs()
         top = scores.topk(self.k, dim=-1, sorted=False).indices
-        active = torch.zeros_like(scores).scatter_(1, top, 1.0)
-        # [dims, obs] @ [obs, width]: exact integer sums in float32 for any realistic batch
-        self.count[:, layer] += (self._weights.T @ active).round().long()
+        active = torch.zeros_like(scores).scatter_(-1, top, 1.0)
+        # [obs, dims] x [layers, obs, width]: exact integer sums in float32 for any realistic batch
+        hits = torch.einsum("od,low->dlw", self._weights, active).round().long()
+        if layers == list(range(layers[0], layers[-1] + 1)):
+            self.count[:, layers[0]:layers[-1] + 1] += hits
+        else:
+            self.count[:, layers] += hits
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""Pieces the benchmarks share: model sizes, a saved random-init Llama, random cases, timing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rolemrc.core.tiny import build_model, train_tokenizer
+from rolemrc.probe.cases import Cases
+
+SIZES = {
+    "demo": {"hidden": 192, "layers": 4, "intermediate": 512, "heads": 3},  # the embedded default (tiny profile)
+    "large": {"hidden": 1024, "layers": 8, "intermediate": 2816, "heads": 16},
+}
+
+
+def make_model_dir(size: str, root: Path) -> Path:
+    """A random-init Llama of the given size, saved with a small tokenizer."""
+    out = root / size
+    tok = train_tokenizer([f"sample text {i} for the benchmark tokenizer" for i in range(50)], vocab_size=300)
+    model = build_model("llama", tok, seed=0, **SIZES[size])
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def random_cases(n: int, length: int, vocab: int, seed: int = 0) -> Cases:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab, (n, length), generator=gen).tolist()
+    membership = torch.ones(n, 1)
+    return Cases(ids, membership, ["all"], 0, "bench")
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_it(fn: Callable[[], object], repeats: int, device: torch.device | str = "cpu") -> float:
+    """Median wall time of `repeats` calls after one warm-up (GPU work synchronised)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: torch.device | str = "cpu") -> dict[str, float]:
+    """Median wall time per function, calls interleaved round-robin so drift and noise hit all alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
