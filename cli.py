@@ -44,3 +44,7 @@ for _module in ("rolemrc.serve.cli", "rolemrc.demo"):
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

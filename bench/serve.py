@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rolemrc.bench.probe import SIZES, make_model_dir
+from rolemrc.bench.common import SIZES, make_model_dir
 from rolemrc.core.chat import render_chat
 from rolemrc.intervene import Restraint, bake
 from rolemrc.serve.config import ModelConfig

@@ -50,6 +50,8 @@ class Restraint:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise RestraintError("a restraint needs a non-empty 'name'")
+        if not isinstance(self.hook, str):
+            raise RestraintError(f"hook must be one of {', '.join(HOOK_POINTS)}, got {self.hook!r}")
         if self.hook.startswith("layers."):  # accept the full hook name form "layers.{i}.mlp.act" minus index
             self.hook = self.hook.split(".", 2)[-1]
         if self.hook not in HOOK_POINTS:

@@ -111,6 +111,7 @@ def test_bf16_paper_factor_is_a_noop_and_float32_is_not(model_dirs, tmp_path):
 
 @pytest.mark.parametrize("data,message", [
     ({"name": "x", "hook": "mlp.gate", "units": {0: [1]}}, "unknown hook point"),
+    ({"name": "x", "hook": 5, "units": {0: [1]}}, "hook must be one of"),
     ({"name": "x", "hook": "mlp.act", "units": {0: [1]}, "factor": float("nan")}, "finite"),
     ({"name": "x", "hook": "mlp.act", "units": {0: [1]}, "factor": "big"}, "must be a number"),
     ({"name": "x", "hook": "mlp.act", "units": {0: [1, 1]}}, "duplicate units"),

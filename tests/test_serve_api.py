@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from serving import running_server
+from rolemrc.serve.launch import running_server
 from typer.testing import CliRunner
 
 from rolemrc.cli import app as cli_app

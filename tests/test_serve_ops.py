@@ -8,7 +8,7 @@ import threading
 
 import httpx
 import pytest
-from serving import running_server, start_server, stop_server
+from rolemrc.serve.launch import running_server, start_server, stop_server
 
 CHAT = [{"role": "user", "content": "the keeper of the lighthouse"}]
 

@@ -1,4 +1,4 @@
-"""Start the real `rolemrc serve` in a subprocess on a free loopback port (tests and notebooks).
+"""Start the real `rolemrc serve` in a subprocess on a free loopback port (tests, notebooks, the demo).
 
     with running_server({"models": {"tiny": {"path": "runs/dpo"}}}) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
