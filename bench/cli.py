@@ -73,9 +73,10 @@ def serve_cmd(
     waves: int = typer.Option(2, help="requests per run = concurrency x waves"),
     repeats: int = typer.Option(3, help="interleaved repeats (median)"),
     size: str = typer.Option("demo", help="demo | large"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:
     """Engine tokens/s: batched vs naive sequential generate, restrained and baked vs unrestrained."""
     from rolemrc.bench.serve import run
 
-    emit(run(tuple(int(c) for c in concurrency.split(",")), tokens, waves, repeats, size), out)
+    emit(run(tuple(int(c) for c in concurrency.split(",")), tokens, waves, repeats, size, device=device), out)

@@ -50,9 +50,9 @@ async def _engine_run(engine: TransformersEngine, chats: list, concurrency: int,
 
 
 def engine_rate(model_dir: Path, chats: list, concurrency: int, tokens: int, restraint: Restraint | None,
-                max_batch: int) -> float:
+                max_batch: int, device: str = "cpu") -> float:
     async def go() -> float:
-        engine = TransformersEngine("bench", ModelConfig(path=str(model_dir)), max_batch=max_batch,
+        engine = TransformersEngine("bench", ModelConfig(path=str(model_dir), device=device), max_batch=max_batch,
                                     max_queue=len(chats) + 1, default_max_tokens=tokens)
         await engine.start()
         try:
@@ -64,17 +64,17 @@ def engine_rate(model_dir: Path, chats: list, concurrency: int, tokens: int, res
     return asyncio.run(go())
 
 
-def naive_rate(model_dir: Path, chats: list, tokens: int) -> float:
+def naive_rate(model_dir: Path, chats: list, tokens: int, device: str = "cpu") -> float:
     """One request at a time through `model.generate` (what a server without batching does)."""
     from rolemrc.core.modeling import load_model
 
-    model, tok = load_model(model_dir, device="cpu")
+    model, tok = load_model(model_dir, device=device)
     start, done = time.perf_counter(), 0
     with torch.inference_mode():
         for k, chat in enumerate([chats[0], *chats]):   # the first call warms up
             if k == 1:
                 start, done = time.perf_counter(), 0
-            ids = tok(render_chat(tok, chat), return_tensors="pt", add_special_tokens=False)
+            ids = tok(render_chat(tok, chat), return_tensors="pt", add_special_tokens=False).to(model.device)
             out = model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id)
             done += out.shape[1] - ids["input_ids"].shape[1]
@@ -82,7 +82,7 @@ def naive_rate(model_dir: Path, chats: list, tokens: int) -> float:
 
 
 def run(concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int = 32, waves: int = 2, repeats: int = 3,
-        size: str = "demo", words: int = 40) -> dict[str, Any]:
+        size: str = "demo", words: int = 40, device: str = "cpu") -> dict[str, Any]:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(size, Path(tmp))
@@ -95,10 +95,10 @@ def run(concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int = 32, waves: in
             chats = prompts(c * waves, words)
             rates: dict[str, list[float]] = {"naive": [], "batched": [], "restrained": [], "baked": []}
             for _ in range(repeats):   # interleaved, so drift hits every variant alike
-                rates["naive"].append(naive_rate(model_dir, chats[:max(c, 4)], tokens))
-                rates["batched"].append(engine_rate(model_dir, chats, c, tokens, None, max(c, 1)))
-                rates["restrained"].append(engine_rate(model_dir, chats, c, tokens, restraint, max(c, 1)))
-                rates["baked"].append(engine_rate(baked_dir, chats, c, tokens, None, max(c, 1)))
+                rates["naive"].append(naive_rate(model_dir, chats[:max(c, 4)], tokens, device))
+                rates["batched"].append(engine_rate(model_dir, chats, c, tokens, None, max(c, 1), device))
+                rates["restrained"].append(engine_rate(model_dir, chats, c, tokens, restraint, max(c, 1), device))
+                rates["baked"].append(engine_rate(baked_dir, chats, c, tokens, None, max(c, 1), device))
             med = {k: statistics.median(v) for k, v in rates.items()}
             results[str(c)] = {"tokens_per_s": {k: round(v, 1) for k, v in med.items()},
                                "batched_vs_naive": round(med["batched"] / med["naive"], 3),
@@ -106,6 +106,6 @@ def run(concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int = 32, waves: in
                                "baked_vs_unrestrained": round(med["baked"] / med["batched"], 3)}
     return {"benchmark": "serve", "model": {"arch": "llama", **SIZES[size]}, "completion_tokens": tokens,
             "requests_per_concurrency": "concurrency x waves", "waves": waves, "repeats": repeats,
-            "restraint_units": restraint.num_units, "torch_threads": torch.get_num_threads(), "results": results,
+            "restraint_units": restraint.num_units, "torch_threads": torch.get_num_threads(), "device": device, "results": results,
             "targets": {"batched_vs_naive": ">= 3 at 8+", "restrained_vs_unrestrained": ">= 0.95",
                         "baked_vs_unrestrained": "~1.0"}}

@@ -3,8 +3,8 @@
 Server: a small uvicorn FastAPI app defined here (`scripted_app`) that speaks the OpenAI chat
 protocol and answers from the request content: it solves the reply task it is given (so good
 replies pass validation), but on purpose sends bad JSON, broken rules and role prefixes on some
-requests, and 429 / 500 on the first hit of others. (`rolemrc.serve` did not exist yet when this
-was written; these tests exercise the protocol path against this scripted server.)
+requests, and 429 / 500 on the first hit of others. The last test points the backend at the real
+`rolemrc serve` instead.
 """
 
 from __future__ import annotations
@@ -229,3 +229,30 @@ def test_sigkill_mid_run_then_rerun_gives_identical_files(tmp_path, pool):
     assert read_outputs(killed) == expected
     lines = [json.loads(x) for x in journal.read_bytes().splitlines()]
     assert len(lines) == len({x["key"] for x in lines}) > done_before  # no duplicate, none missing
+
+
+def test_openai_backend_against_rolemrc_serve(tmp_path, model_dirs):
+    """The same backend against the real `rolemrc serve` (the tiny untrained Llama): transport, seeds and
+    the cache work; the model's free text is no profile JSON, so every attempt is counted malformed and
+    the item fails with the parser's reason instead of slipping through."""
+    from rolemrc.datagen.profiles import ProfileError
+    from rolemrc.serve.launch import running_server
+
+    with running_server({"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": None}, workdir=tmp_path) as server:
+        config = BackendConfig(name="openai", base_url=f"{server.base_url}/v1", model="tiny", max_tokens=24,
+                               max_attempts=2)
+
+        async def go():
+            backend = OpenAIBackend(config, cache_path=tmp_path / "cache.sqlite")
+            try:
+                messages = [{"role": "user", "content": "Describe a lighthouse keeper."}]
+                first, again = await backend.complete(messages, 0), await backend.complete(messages, 0)
+                with pytest.raises(ProfileError):
+                    await backend.profile({"persona": "a lighthouse keeper"})
+                return first, again, dict(backend.events)
+            finally:
+                await backend.aclose()
+
+        first, again, events = asyncio.run(go())
+    assert isinstance(first, str) and first and first == again
+    assert events["requests"] == 3 and events["cache_hits"] == 1 and events["malformed"] == 2
