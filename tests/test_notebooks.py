@@ -46,3 +46,21 @@ def test_layer_explorer_notebook(model_dirs, records, tokenizer, tmp_path):
     plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
              if "application/vnd.plotly.v1+json" in o.get("data", {})]
     assert len(plots) >= 4
+
+
+def test_ab_testing_notebook(model_dirs, records, tmp_path):
+    from rolemrc.core.io import write_jsonl
+    from rolemrc.intervene import Restraint
+
+    spec = Restraint(name="r", hook="mlp.act", units={0: [1, 2, 3], 1: [4, 5]}, factor=0.0).save(tmp_path / "r.yaml")
+    write_jsonl(tmp_path / "test.jsonl", records)
+    nb = run_notebook("ab_testing.ipynb", {"ROLEMRC_MODEL_DIR": str(model_dirs["llama"]), "ROLEMRC_RESTRAINT": str(spec),
+                                           "ROLEMRC_TEST_DATA": str(tmp_path / "test.jsonl"),
+                                           "ROLEMRC_AB_REQUESTS": "12"}, tmp_path)
+    text = outputs_text(nb)
+    assert "'dpo', 'dpo+r'" in text, text
+    assert "control" in text and "restrained" in text
+    assert "restrained vs control" in text and "server exited with 0" in text
+    plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
+             if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(plots) == 1
