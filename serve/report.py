@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.eval.stats import mean_ci
-from rolemrc.serve.stats import proportions, welch
+from rolemrc.serve.stats import welch
 from rolemrc.serve.store import Store
 
 OPERATIONAL = ("latency_s", "completion_tokens", "response_chars")
@@ -52,10 +52,17 @@ def score_arm(rows: list[dict[str, Any]], judge: str, metrics: tuple[str, ...], 
         values |= {f"metric:{k}": v for k, v in result.values.items()}
     if items:
         run = score(items, judge=judge, metrics=None, rounds=rounds)
-        scored = [v["score"] for v in run.verdicts if v.get("score") is not None]
+        per_response: dict[str, list[int]] = {}
+        for v in run.verdicts:
+            if v.get("score") is not None:
+                per_response.setdefault(v["id"], []).append(v["score"])
+        # the unit of analysis is the response (one request): a response's score is the mean of its judge
+        # calls, so responses judged on several aspects do not count as several independent samples
+        values["judge_score"] = [sum(s) / len(s) for s in per_response.values()]
         agg = run.summary["judge_aggregates"]
         summary["judge"] = {"name": judge, "calls": agg["calls"], "scored": agg["scored"],
-                            "pass": sum(scored), "pass_rate": sum(scored) / len(scored) if scored else math.nan,
+                            "responses_scored": len(per_response),
+                            "response_score": mean_ci(values["judge_score"], rounds=rounds),
                             "averages": agg.get("averages", {}), "dimensions": agg.get("dimensions", {})}
     return summary, values
 
@@ -81,9 +88,6 @@ def build_report(store: Store, exp_id: str, *, judge: str = "rules", metrics: tu
         t: dict[str, Any] = {}
         for key in per_item[control].keys() & per_item[name].keys():
             t[key] = welch(per_item[control][key], per_item[name][key], rounds=rounds)
-        ja, jb = arms[control].get("judge"), arms[name].get("judge")
-        if ja and jb:
-            t["judge_pass"] = proportions(ja["pass"], ja["scored"], jb["pass"], jb["scored"])
         tests[f"{name} vs {control}"] = t
     report = {"experiment": exp_id, "description": exp["description"], "requests": len(rows), "control": control,
               "arms": arms, "tests": tests, "notes": notes(arms)}
@@ -114,7 +118,7 @@ def figure(report: dict[str, Any]):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    panels = [("judge pass rate", lambda a: (a.get("judge") or {}).get("averages", {}).get("AvgWeighted")),
+    panels = [("judge score per response", lambda a: (a.get("judge") or {}).get("response_score")),
               *[(f"metric {k}", lambda a, k=k: (a.get("metrics") or {}).get(k))
                 for k in sorted({k for a in report["arms"].values() for k in (a.get("metrics") or {})})],
               *[(k, lambda a, k=k: a.get(k)) for k in OPERATIONAL]]

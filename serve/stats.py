@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from rolemrc.eval.stats import percentile_ci, resample_counts
-from rolemrc.probe.stats import two_proportion_test
 
 
 def welch(a: list[float], b: list[float], *, rounds: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
@@ -26,13 +24,3 @@ def welch(a: list[float], b: list[float], *, rounds: int = 2000, seed: int = 0, 
         p = ttest_ind(y, x, equal_var=False).pvalue
     p = float(p) if np.isfinite(p) else (1.0 if float(y.mean()) == float(x.mean()) else 0.0)
     return out | {"diff": float(y.mean() - x.mean()), "lo": lo, "hi": hi, "p": p}
-
-
-def proportions(k_a: int, n_a: int, k_b: int, n_b: int) -> dict:
-    """Pooled two-proportion z-test of rate b vs rate a."""
-    out = {"test": "two_proportion_z", "n_a": n_a, "n_b": n_b, "a_rate": k_a / n_a if n_a else math.nan,
-           "b_rate": k_b / n_b if n_b else math.nan}
-    if not n_a or not n_b:
-        return out | {"diff": math.nan, "z": math.nan, "p": math.nan}
-    z, p = two_proportion_test(torch.tensor([k_a]), n_a, torch.tensor([k_b]), n_b)
-    return out | {"diff": out["b_rate"] - out["a_rate"], "z": float(z[0]), "p": float(p[0])}

@@ -222,7 +222,7 @@ def test_experiment_logging_stickiness_and_report(client, server, records, tmp_p
     base = report["arms"]["base"]
     assert base["metrics"]["bleu"]["n"] == base["n"] and base["judge"]["calls"] > 0
     test = report["tests"]["muted vs base"]
-    assert {"judge_pass", "latency_s", "metric:bleu"} <= set(test) and 0 <= test["latency_s"]["p"] <= 1
+    assert {"judge_score", "latency_s", "metric:bleu"} <= set(test) and 0 <= test["latency_s"]["p"] <= 1
     page = httpx.get(server.base_url + "/v1/experiments/ab1/report?format=html", headers=auth)
     assert page.status_code == 200 and "plotly" in page.text
     result = CliRunner().invoke(cli_app, ["ab", "report", "ab1", "--db", str(server.config.parent / "ab.sqlite"),
