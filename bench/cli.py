@@ -24,7 +24,7 @@ def probe_cmd(
     length: int = typer.Option(64, help="tokens per prompt"),
     batch_size: int = typer.Option(16),
     repeats: int = typer.Option(3, help="timed repeats per measurement (median)"),
-    sizes: str = typer.Option("demo,large", help="comma list of: demo, large"),
+    sizes: str = typer.Option("demo,large", help="comma list of: demo, medium, large"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:
@@ -56,7 +56,7 @@ def intervene_cmd(
     batch_size: int = typer.Option(16),
     repeats: int = typer.Option(7, help="interleaved timed repeats per variant (median)"),
     share: float = typer.Option(0.1, help="share of each layer's mlp.act units restrained"),
-    sizes: str = typer.Option("demo,large", help="comma list of: demo, large"),
+    sizes: str = typer.Option("demo,large", help="comma list of: demo, medium, large"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:
@@ -72,7 +72,7 @@ def serve_cmd(
     tokens: int = typer.Option(32, help="completion tokens per request (ignore_eos)"),
     waves: int = typer.Option(2, help="requests per run = concurrency x waves"),
     repeats: int = typer.Option(3, help="interleaved repeats (median)"),
-    size: str = typer.Option("demo", help="demo | large"),
+    size: str = typer.Option("demo", help="demo | medium | large"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:

@@ -14,12 +14,15 @@ from rolemrc.probe.cases import Cases
 
 SIZES = {
     "demo": {"hidden": 192, "layers": 4, "intermediate": 512, "heads": 3},  # the embedded default (tiny profile)
+    "medium": {"hidden": 256, "layers": 4, "intermediate": 688, "heads": 4},  # the earlier default the issues name
     "large": {"hidden": 1024, "layers": 8, "intermediate": 2816, "heads": 16},
 }
 
 
 def make_model_dir(size: str, root: Path) -> Path:
     """A random-init Llama of the given size, saved with a small tokenizer."""
+    if size not in SIZES:
+        raise ValueError(f"unknown benchmark size {size!r}; known: {', '.join(SIZES)}")
     out = root / size
     tok = train_tokenizer([f"sample text {i} for the benchmark tokenizer" for i in range(50)], vocab_size=300)
     model = build_model("llama", tok, seed=0, **SIZES[size])

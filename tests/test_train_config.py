@@ -22,7 +22,7 @@ def test_paper_profile_has_the_published_settings():
 
 def test_tiny_base_model_has_head_dim_64_for_vllm():
     base = make_config(BaseTrainConfig, profile="tiny", data=["x"], out="o")
-    assert (base.hidden // base.heads, base.layers, base.intermediate) == (64, 4, 688)
+    assert (base.hidden // base.heads, base.layers, base.intermediate) == (64, 4, 512)
 
 
 def test_override_order_and_coercion(tmp_path):
