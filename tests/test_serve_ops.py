@@ -1,4 +1,4 @@
-"""Operations over real HTTP: queue full (429), graceful drain (503, in-flight finishes), bounded load
+"""Operations over real HTTP: queue full (429), graceful drain (503, in-flight finishes), timeout (504), bounded load
 through an experiment (zero 5xx, each request logged once), SIGKILL mid-load (nothing acknowledged lost)."""
 
 import asyncio
@@ -41,6 +41,17 @@ def test_queue_full_then_drain_on_sigterm(model_dirs, tmp_path):
         assert server.wait(30) == 0
     finally:
         stop_server(server)
+
+
+def test_request_over_its_time_limit_gets_504_and_the_server_carries_on(model_dirs, tmp_path):
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_new_tokens": 400, "db": None,
+              "request_timeout_s": 0.3}   # 400 decode steps take seconds on any machine
+    with running_server(config, workdir=tmp_path) as server:
+        body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "ignore_eos": True}
+        slow = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
+        quick = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
+        assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 1
 
 
 async def fire(base_url, n, concurrency, acked, statuses, on_progress=None, offset=0):
