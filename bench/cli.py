@@ -23,7 +23,7 @@ def probe_cmd(
     prompts: int = typer.Option(256, help="cases per run (N; memory is also measured at 4N)"),
     length: int = typer.Option(64, help="tokens per prompt"),
     batch_size: int = typer.Option(16),
-    repeats: int = typer.Option(3, help="timed repeats per measurement (median)"),
+    repeats: int = typer.Option(3, help="interleaved timed repeats of forward and collect (median)"),
     sizes: str = typer.Option("demo,large", help="comma list of: demo, medium, large"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(None, help="also write the JSON here"),

@@ -43,19 +43,6 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-def time_it(fn: Callable[[], object], repeats: int, device: torch.device | str = "cpu") -> float:
-    """Median wall time of `repeats` calls after one warm-up (GPU work synchronised)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: torch.device | str = "cpu") -> dict[str, float]:
     """Median wall time per function, calls interleaved round-robin so drift and noise hit all alike."""
     for fn in fns.values():

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rolemrc.bench.common import SIZES, make_model_dir, random_cases, sync, time_it
+from rolemrc.bench.common import SIZES, interleaved, make_model_dir, random_cases, sync
 from rolemrc.probe.cases import Cases, batches
 from rolemrc.probe.collect import CollectConfig, count_cases
 
@@ -54,13 +54,14 @@ def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
     cases = random_cases(prompts, length, len(tok))
     out: dict = {"model": {**SIZES[size], "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}}
-    forward = time_it(lambda: plain_forward(model, cases, batch_size, tok.pad_token_id), repeats, device)
-    out["plain_forward_s"] = round(forward, 3)
-    for point in ("mlp.act", BASELINE_POINT):
-        config = CollectConfig(hook=point, batch_size=batch_size, progress=False)
-        t = time_it(lambda: count_cases(model, tok, cases, config), repeats, device)
-        out[f"collect_{point}_s"] = round(t, 3)
-        out[f"collect_{point}_over_forward"] = round(t / forward, 3)
+    configs = {point: CollectConfig(hook=point, batch_size=batch_size, progress=False) for point in ("mlp.act", BASELINE_POINT)}
+    times = interleaved({"forward": lambda: plain_forward(model, cases, batch_size, tok.pad_token_id),
+                         **{point: lambda c=c: count_cases(model, tok, cases, c) for point, c in configs.items()}},
+                        repeats, device)
+    out["plain_forward_s"] = round(times["forward"], 3)
+    for point in configs:
+        out[f"collect_{point}_s"] = round(times[point], 3)
+        out[f"collect_{point}_over_forward"] = round(times[point] / times["forward"], 3)
     ours = count_cases(model, tok, cases, CollectConfig(hook=BASELINE_POINT, batch_size=batch_size, progress=False))
 
     bridge_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
