@@ -2,6 +2,9 @@
 
 import json
 import math
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,6 +131,23 @@ def test_resume_continues_from_the_last_checkpoint(base, data, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # same result as the uninterrupted run
     fresh = train_sft(sft_config(base, data, tmp_path / "cut", resume=False, max_steps=2))
     assert fresh.resumed_from is None
+
+
+def test_data_parallel_launch_two_processes_unchanged(base, data, tmp_path):
+    """The same CLI under torch.distributed.run (what `accelerate launch --multi_gpu` runs), 2 CPU processes
+    over gloo: the records are sharded, so each step covers twice as many and one rank writes the output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "-m", "rolemrc.cli", "train", "sft", "--model", str(base.out_dir), "--data", str(data / "sft.jsonl"),
+           "--out", str(out), "--set", "max_steps=3", "--set", "batch_size=4", "--set", "max_length=256"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = json.loads((out / "rolemrc.json").read_text())["metrics"]
+    assert metrics["steps"] == 3 and metrics["epoch"] == pytest.approx(3 * 4 * 2 / 48, abs=1e-3)
+    AutoModelForCausalLM.from_pretrained(out)
 
 
 def test_lora_is_merged_into_a_plain_checkpoint(base, data, tmp_path):

@@ -93,6 +93,8 @@ def trainer_arguments(config: TrainConfig) -> dict[str, Any]:
         "disable_tqdm": not config.progress,
         "dataloader_num_workers": 0,
         "dataloader_pin_memory": torch.cuda.is_available(),
+        # transformers runs data-parallel over CPU processes (gloo) only when told to use the CPU
+        "use_cpu": int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available(),
     }
 
 
