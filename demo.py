@@ -240,6 +240,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     if cfg.serve:
         summary["serve"] = serve_stage(cache, cfg, models["dpo"], restraint["spec"], restraint["baked"], test)
     summary["stage_seconds"] = cache.timings
+    summary["stages_run"] = cache.ran
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 

@@ -39,7 +39,8 @@ class StageCache:
         self.state: dict[str, dict] = json.loads(self.file.read_text()) if self.file.is_file() else {}
         self.force = force
         self.console = console or Console()
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = {}   # seconds per stage this run (0.0 when reused)
+        self.ran: list[str] = []               # stages that ran this time (the rest were reused)
 
     def run(self, name: str, inputs: dict[str, Any], fn: Callable[[], dict], outputs: list[Path]) -> dict:
         """Return fn()'s result, or the remembered one if inputs and outputs are unchanged."""
@@ -53,6 +54,7 @@ class StageCache:
         start = time.perf_counter()
         result = fn()
         self.timings[name] = round(time.perf_counter() - start, 1)
+        self.ran.append(name)
         self.state[name] = {"key": key, "result": result, "seconds": self.timings[name]}
         tmp = self.file.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.state, indent=1, default=str))

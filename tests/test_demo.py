@@ -50,15 +50,14 @@ def test_demo_writes_every_artifact_and_an_honest_summary(first_run):
         assert ci["lo"] <= ci["mean"] <= ci["hi"]
     served = summary["serve"]
     assert served["hook_equals_baked"] is True and len(served["replies"]) == 4
-    assert set(summary["stage_seconds"]) == {*TRAIN_AND_PROBE, *DOWNSTREAM}
+    assert set(summary["stage_seconds"]) == set(summary["stages_run"]) == {*TRAIN_AND_PROBE, *DOWNSTREAM}
     assert json.loads((out / "stages.json").read_text()).keys() == summary["stage_seconds"].keys()
 
 
 def test_rerun_reuses_every_stage_and_a_new_factor_reruns_only_downstream(first_run):
     out, profile, _ = first_run
     again = demo(out, profile)
-    assert set(again["stage_seconds"].values()) == {0.0}
+    assert again["stages_run"] == [] and set(again["stage_seconds"].values()) == {0.0}
     ablated = demo(out, profile, "--factor", "0")
-    assert all(ablated["stage_seconds"][name] == 0.0 for name in TRAIN_AND_PROBE)
-    assert ablated["stage_seconds"]["restraint bake"] > 0 and ablated["stage_seconds"]["eval dpo-restrained"] > 0
+    assert set(ablated["stages_run"]) == set(DOWNSTREAM)   # select, bake, check, eval after, compare, serve
     assert ablated["restraint"]["factor"] == 0
