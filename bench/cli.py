@@ -80,3 +80,18 @@ def serve_cmd(
     from rolemrc.bench.serve import run
 
     emit(run(tuple(int(c) for c in concurrency.split(",")), tokens, waves, repeats, size, device=device), out)
+
+
+@app.command("all")
+def all_cmd(
+    out: Path = typer.Option(Path("runs/bench"), help="folder for one JSON per benchmark"),
+    device: str = typer.Option("cpu", help="cpu | cuda (retrieval always runs on the CPU)"),
+) -> None:
+    """Every benchmark at its default settings (tens of minutes on 2 CPU cores); one JSON file each."""
+    from rolemrc.bench import intervene, probe, retrieval, serve
+
+    runs = {"probe": lambda: probe.run(device=device), "intervene": lambda: intervene.run(device=device),
+            "serve": lambda: serve.run(device=device), "retrieval": retrieval.run}
+    for name, run in runs.items():
+        typer.echo(f"== bench {name}", err=True)
+        emit(run(), out / f"{name}.json")

@@ -7,6 +7,7 @@ is what must hold at any scale: the counts agree with the RoleMRC-code baseline,
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -48,3 +49,11 @@ def test_serve_bench_report():
 def test_unknown_size_is_named(tmp_path):
     with pytest.raises(ValueError, match="unknown benchmark size 'huge'; known: demo, medium, large"):
         make_model_dir("huge", tmp_path)
+
+
+def test_make_bench_runs_a_registered_command():
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    line = next(ln for ln in makefile.splitlines() if "rolemrc bench" in ln)
+    args = line.split("rolemrc bench", 1)[1].split()
+    result = CliRunner().invoke(app, [args[0], "--help"])
+    assert result.exit_code == 0 and "--out" in result.stdout
