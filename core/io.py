@@ -1,4 +1,4 @@
-"""JSONL and fingerprint helpers with errors that name the file and line."""
+"""JSONL, YAML and fingerprint helpers with errors that name the file (and line)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,19 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read a whole JSONL file of objects."""
     return [record for _, record in iter_jsonl(path)]
+
+
+def read_yaml(path: str | os.PathLike, error: type[Exception] = ValueError, what: str = "YAML file") -> Any:
+    """A YAML (or JSON) file's content; a missing or unparsable file raises `error` naming the path."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: no such {what}")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML ({exc})") from None
 
 
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
 
 
@@ -133,13 +134,7 @@ class Restraint:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Restraint:
-        path = Path(path)
-        if not path.is_file():
-            raise RestraintError(f"{path}: no such restraint spec")
-        try:
-            data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
-        except yaml.YAMLError as exc:
-            raise RestraintError(f"{path}: not valid YAML/JSON ({exc})") from None
+        data = read_yaml(path, RestraintError, "restraint spec")  # YAML is a superset of JSON
         try:
             return cls.from_dict(data)
         except RestraintError as exc:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
+from rolemrc.core.io import read_yaml
 
 ENGINES = ("transformers", "vllm", "upstream")
 
@@ -106,13 +106,7 @@ class ServeConfig:
     @classmethod
     def load(cls, path: str | os.PathLike) -> ServeConfig:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such config file")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
-        return cls.from_dict(data, path.parent)
+        return cls.from_dict(read_yaml(path, ConfigError, "config file"), path.parent)
 
     def api_keys(self) -> set[str]:
         """Keys accepted in `Authorization: Bearer`; empty means no auth."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rolemrc.core.io import read_yaml
+
 PROFILE_DIR = Path(__file__).parent / "profiles"
 STAGES = ("base", "sft", "dpo")
 
@@ -139,12 +141,7 @@ def profile_path(profile: str | os.PathLike) -> Path:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML ({exc})") from None
+    data = read_yaml(path, ConfigError, "config file") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data
