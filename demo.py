@@ -145,7 +145,8 @@ def compare_stage(cache: StageCache, cfg: DemoConfig, before: Path, after: Path)
 
 def serve_stage(cache: StageCache, cfg: DemoConfig, dpo: Path, spec: Path, baked: Path, test: Path) -> dict:
     """Start `rolemrc serve` on loopback with the DPO model, its registered restraint and the baked copy; ask all
-    three variants the first test question with the openai client (greedy)."""
+    variants (plain, runtime restraint by name and by extra_body, baked) the first test question
+    with the openai client (greedy)."""
     import openai
 
     from rolemrc.core.io import read_jsonl
