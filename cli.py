@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-import typer
+from rolemrc.core.cli import cli_app
 
 # Sub-app name -> module that defines it. Each module's cli keeps heavy imports inside commands.
 SUBAPPS: dict[str, tuple[str, str]] = {
@@ -17,8 +17,7 @@ SUBAPPS: dict[str, tuple[str, str]] = {
     "bench": ("rolemrc.bench.cli", "benchmarks that print JSON"),
 }
 
-app = typer.Typer(name="rolemrc", help="RoleMRC end to end: datagen -> train -> eval -> probe -> intervene -> serve.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = cli_app(name="rolemrc", help="RoleMRC end to end: datagen -> train -> eval -> probe -> intervene -> serve.")
 
 
 def _register(name: str, module: str, help_text: str) -> None:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints JSON and can write it to --out.")
+from rolemrc.core.cli import cli_app
+
+app = cli_app(help="Benchmarks; each prints JSON and can write it to --out.")
 
 
 def emit(result: dict, out: Path | None) -> None:

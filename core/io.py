@@ -9,8 +9,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rolemrc.core.errors import InputError
 
-class JsonlError(ValueError):
+
+class JsonlError(InputError):
     """A JSONL file could not be read; the message names the file and line."""
 
 
@@ -19,8 +21,13 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     path = Path(path)
     if not path.is_file():
         raise JsonlError(f"{path}: no such file")
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise JsonlError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                 f"{exc.start + 1}); is this a JSONL file?") from None
             if not line.strip():
                 continue
             try:
@@ -37,7 +44,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [record for _, record in iter_jsonl(path)]
 
 
-def read_yaml(path: str | os.PathLike, error: type[Exception] = ValueError, what: str = "YAML file") -> Any:
+def read_yaml(path: str | os.PathLike, error: type[Exception] = InputError, what: str = "YAML file") -> Any:
     """A YAML (or JSON) file's content; a missing or unparsable file raises `error` naming the path."""
     import yaml
 
@@ -46,6 +53,8 @@ def read_yaml(path: str | os.PathLike, error: type[Exception] = ValueError, what
         raise error(f"{path}: no such {what}")
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise error(f"{path}: not UTF-8 text; is this a {what}?") from None
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML ({exc})") from None
 

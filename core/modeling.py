@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rolemrc.core.errors import InputError
 from rolemrc.core.io import file_fingerprint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,7 +23,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'") from None
+        raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'") from None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -31,13 +32,26 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+class ModelDirError(InputError, FileNotFoundError):
+    """A path that should be a local Hugging Face model directory is not one."""
+
+
+def check_model_dir(path: str | os.PathLike) -> Path:
+    """`path` as a Path if it holds a HF model (a config.json), else ModelDirError; cheap, so callers check
+    before they read data or load anything."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        what = "no such directory" if not path.exists() else "not a Hugging Face model directory (no config.json)"
+        raise ModelDirError(f"{path}: {what}")
+    return path
+
+
 def load_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = "float32", device: str | None = "auto"):
     """Load (model, tokenizer) from a local HF directory, in eval mode, never touching the hub."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
+    check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True)
     model.to(resolve_device(device)).eval()

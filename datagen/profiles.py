@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rolemrc.core.errors import RolemrcError
+
 # component key -> heading in the rendered profile (paper section 3, "profile standardisation").
 COMPONENTS: dict[str, str] = {
     "name_and_description": "Role name and brief description",
@@ -17,7 +19,7 @@ COMPONENTS: dict[str, str] = {
 MAX_COMPONENT_CHARS = 1200
 
 
-class ProfileError(ValueError):
+class ProfileError(RolemrcError, ValueError):
     """A generated profile is unusable; the message is the reason counted in the stats."""
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rolemrc.datagen.config import DatagenError
+
 
 @dataclass(frozen=True)
 class Extremes:
@@ -35,7 +37,7 @@ def load_embedder(path: str | None = None):
 
     path = path or default_embedder_path()
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"embedder {path!r} is not a local sentence-transformers directory")
+        raise DatagenError(f"embedder {path!r} is not a local sentence-transformers directory")
     return SentenceTransformer(path, device="cpu", local_files_only=True)
 
 
@@ -53,9 +55,9 @@ def build_index(dim: int, kind: str = "flat", *, train: np.ndarray | None = None
     if kind == "flat":
         return faiss.IndexFlatIP(dim)
     if kind != "ivf":
-        raise ValueError(f"index kind must be 'flat' or 'ivf', got {kind!r}")
+        raise DatagenError(f"index kind must be 'flat' or 'ivf', got {kind!r}")
     if train is None or len(train) == 0:
-        raise ValueError("an ivf index needs training vectors")
+        raise DatagenError("an ivf index needs training vectors")
     nlist = nlist or max(1, int(np.sqrt(len(train))))
     nlist = min(nlist, len(train))
     index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
@@ -79,7 +81,7 @@ def bottom1(index, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def extremes(queries: np.ndarray, keys: np.ndarray, kind: str = "flat", *, nlist: int = 0, nprobe: int = 8) -> Extremes:
     """Most and least relevant key for every query (exact with `flat`)."""
     if len(keys) == 0:
-        raise ValueError("no keys to retrieve from")
+        raise DatagenError("no keys to retrieve from")
     index = build_index(keys.shape[1], kind, train=keys, nlist=nlist, nprobe=nprobe)
     index.add(np.ascontiguousarray(keys, dtype=np.float32))
     top, top_score = top1(index, queries)

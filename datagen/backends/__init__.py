@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from rolemrc.datagen.config import BackendConfig
+from rolemrc.core.errors import RolemrcError
+from rolemrc.datagen.config import BackendConfig, DatagenError
 
 
-class BackendError(RuntimeError):
+class BackendError(RolemrcError, RuntimeError):
     """The backend cannot serve requests (not a malformed reply): the run stops and can be resumed."""
 
 
-class DroppedError(ValueError):
+class DroppedError(RolemrcError, ValueError):
     """An item could not be produced after all attempts; the message is the counted reason."""
 
 
@@ -23,4 +24,4 @@ def make_backend(config: BackendConfig, *, seed: int, cache_path=None):
         from rolemrc.datagen.backends.openai_api import OpenAIBackend
 
         return OpenAIBackend(config, cache_path=cache_path)
-    raise ValueError(f"unknown backend {config.name!r}; choose 'template' or 'openai'")
+    raise DatagenError(f"unknown backend {config.name!r}; choose 'template' or 'openai'")
