@@ -1,0 +1,47 @@
+"""The install ships every folder of the package, and the build says nothing about missing ones."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_SHIPPED = {"tests", "notebooks", "scripts", "docs", "runs", "build", "dist"}
+
+
+def shipped_folders() -> set[str]:
+    """Dotted names of every repo folder holding Python or data files (tests, docs, caches excluded)."""
+    found = set()
+    for path in ROOT.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if not path.is_file() or rel.parts[0] in NOT_SHIPPED or any(p.startswith((".", "__")) or p.endswith(".egg-info") for p in rel.parts[:-1]):
+            continue
+        if len(rel.parts) > 1 or path.suffix == ".py":
+            found.add(".".join(("rolemrc", *rel.parts[:-1])))
+    return found
+
+
+def test_every_folder_is_a_listed_package():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert shipped_folders() - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+    assert listed - shipped_folders() == set(), "these listed packages have no folder"
+
+
+@pytest.mark.slow
+def test_wheel_build_is_quiet_and_ships_data(tmp_path):
+    """`pip wheel` warns about nothing, and the wheel carries the data folders."""
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path), str(ROOT)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "absent from the `packages` configuration" not in log and "BuildBackendWarning" not in log, log
+    names = zipfile.ZipFile(next(tmp_path.glob("rolemrc-*.whl"))).namelist()
+    for data in ("rolemrc/train/profiles/tiny.yaml", "rolemrc/datagen/data/mrc.jsonl",
+                 "rolemrc/probe/templates/explorer.html"):
+        assert data in names
