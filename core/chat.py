@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rolemrc.core.errors import InputError
+
 # ChatML-style template used by the embedded default and the fixtures. The {% generation %}
 # markers let trainers mask everything but assistant replies.
 CHATML_TEMPLATE = (
@@ -22,7 +24,7 @@ CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 def render_chat(tokenizer: Any, turns: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
     """Render turns to the prompt string the model sees. Raises a clear error without a template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise InputError(
             "the tokenizer has no chat_template; set one (tokenizer.chat_template = ...) "
             "or use a chat model directory"
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
+from rolemrc.core.errors import InputError
 from rolemrc.core.io import file_fingerprint
 from rolemrc.core.modeling import dir_fingerprint
 
@@ -20,7 +21,7 @@ def fingerprint(value: Any) -> Any:
     """JSON-able fingerprint of a stage input: paths by content, everything else as is."""
     if isinstance(value, Path):
         if not value.exists():
-            raise FileNotFoundError(f"stage input {value} does not exist")
+            raise InputError(f"stage input {value} does not exist")
         return dir_fingerprint(value) if (value / "config.json").is_file() else file_fingerprint(value)
     if isinstance(value, dict):
         return {k: fingerprint(v) for k, v in sorted(value.items())}

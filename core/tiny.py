@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from rolemrc.core.chat import CHAT_SPECIAL_TOKENS, CHATML_TEMPLATE
+from rolemrc.core.errors import InputError
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
 
@@ -49,7 +50,7 @@ def tiny_config(arch: str, vocab_size: int, *, hidden: int = 64, layers: int = 2
                           n_inner=intermediate, n_positions=max_positions, **extra)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch)
     if cls is None:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
+        raise InputError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
     return cls(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                tie_word_embeddings=False, **extra)
