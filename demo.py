@@ -18,7 +18,6 @@ from rich.console import Console
 from rolemrc.core.stages import StageCache
 
 console = Console()
-METRICS = ("bleu", "rouge", "meteor", "bertscore")
 PAPER_FACTOR = 1 - 1e-6
 
 
@@ -66,18 +65,20 @@ def train_stages(cache: StageCache, cfg: DemoConfig, data: Path) -> dict[str, Pa
 
 
 def eval_stage(cache: StageCache, cfg: DemoConfig, name: str, model: Path, test: Path) -> dict:
-    """Generate on the test set and score (rules judge + reference metrics, bootstrap CIs)."""
+    """Generate on the test set and score (rules judge + every registered reference metric, bootstrap CIs)."""
     from rolemrc.eval import generate, score
+    from rolemrc.eval.metrics import METRICS
 
     run_dir = cfg.out / "eval" / name
+    metrics = METRICS.names()
 
     def run() -> dict:
         items = generate(test, model=str(model), max_new_tokens=cfg.max_new_tokens, batch_size=16)
-        score(items, judge="rules", metrics=METRICS, progress=True).save(run_dir)
+        score(items, judge="rules", metrics=metrics, progress=True).save(run_dir)
         return {"run": str(run_dir), **headline(run_dir)}
 
     return cache.run(f"eval {name}", {"model": model, "data": test, "max_new_tokens": cfg.max_new_tokens,
-                                      "metrics": METRICS}, run, [run_dir / "report.json"])
+                                      "metrics": metrics}, run, [run_dir / "report.json"])
 
 
 def headline(run_dir: Path) -> dict:

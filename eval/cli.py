@@ -4,55 +4,56 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, get_args
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Generate responses, score them (metrics + judge, CIs), compare runs.")
+from rolemrc.core.cli import cli_app
+from rolemrc.core.errors import InputError
+from rolemrc.core.io import read_jsonl
+from rolemrc.eval.compare import compare
+from rolemrc.eval.dataset import check_dataset
+from rolemrc.eval.generate import DType, GenerateConfig, generate
+from rolemrc.eval.judges import JUDGES, JudgeConfig
+from rolemrc.eval.metrics import METRICS, MetricConfig, metrics_help, parse_metrics
+from rolemrc.eval.report import compare_markdown, table3, write_chart
+from rolemrc.eval.runs import EvalRun, score
 
-METRICS_HELP = "comma list of bleu, rouge, meteor, bertscore; 'none' for no reference metrics"
+app = cli_app(help="Generate responses, score them (metrics + judge, CIs), compare runs.")
 
 
-def _fail(exc: Exception) -> None:
-    typer.secho(f"error: {exc}", fg="red", err=True)
-    raise typer.Exit(1)
-
-
-def _generate(data: Path, out: Path, model: str, base_url: str | None, restraint: str | None, extra_body: str | None,
-              max_new_tokens: int, batch_size: int, concurrency: int, dtype: str, device: str, dataset: str | None,
-              allow_drift: bool) -> Path:
-    from rolemrc.core.io import read_jsonl
-    from rolemrc.eval.dataset import check_dataset
-    from rolemrc.eval.generate import GenerateConfig, generate
-
+def _generate_config(data: Path, model: str, base_url: str | None, restraint: str | None, extra_body: str | None,
+                     max_new_tokens: int, batch_size: int, concurrency: int, dtype: str, device: str,
+                     dataset: str | None, allow_drift: bool) -> tuple[list[dict[str, Any]], GenerateConfig]:
+    """(test records, GenerateConfig), every input checked before any model loads."""
+    try:
+        body = json.loads(extra_body) if extra_body else {}
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--extra-body is not JSON: {exc}") from None
+    config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, extra_body=body,
+                            max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
+                            device=device)
     records = read_jsonl(data)
     check = check_dataset(records, dataset, allow_drift=allow_drift)
     if check.get("drift"):
         typer.secho(f"warning: {len(check['drift'])} task counts differ from the {dataset} histogram (--allow-drift)",
                     fg="yellow", err=True)
-    try:
-        body = json.loads(extra_body) if extra_body else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--extra-body is not JSON: {exc}") from None
-    config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, extra_body=body,
-                            max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
-                            device=device)
-    generate(records, config, out=out)
-    return out
+    return records, config
 
 
-def _score(responses: Path, out: Path, judge: str, judge_model: str | None, judge_base_url: str | None,
-           judge_concurrency: int, metrics: str, bertscore_model: str | None, bertscore_layer: int | None,
-           rounds: int) -> None:
-    from rolemrc.eval.judges import JudgeConfig
-    from rolemrc.eval.metrics import MetricConfig
-    from rolemrc.eval.runs import score
-
-    groups = tuple(m.strip() for m in metrics.split(",") if m.strip() and m.strip() != "none")
+def _score_configs(out: Path, judge: str, judge_model: str | None, judge_base_url: str | None, judge_concurrency: int,
+                   metrics: str, bertscore_model: str | None,
+                   bertscore_layer: int | None) -> tuple[JudgeConfig, MetricConfig | None]:
+    groups = parse_metrics(metrics)
     metric_config = MetricConfig(groups=groups, bertscore_model=bertscore_model,
                                  bertscore_layer=bertscore_layer) if groups else None
     judge_config = JudgeConfig(name=judge, model=judge_model, base_url=judge_base_url, concurrency=judge_concurrency,
                                cache=out / "judge_cache.sqlite")
-    run = score(responses, judge_config, metric_config, rounds=rounds, progress=True)
+    return judge_config, metric_config
+
+
+def _score(responses: Path, out: Path, configs: tuple[JudgeConfig, MetricConfig | None], rounds: int) -> None:
+    run = score(responses, *configs, rounds=rounds, progress=True)
     run.save(out)
     typer.echo((out / "report.md").read_text())
     if run.summary.get("chart", {}).get("png_error"):
@@ -65,14 +66,15 @@ GEN = dict(
     restraint=typer.Option(None, help="restraint spec (YAML/JSON) applied as runtime hooks (local models)"),
     extra_body=typer.Option(None, help='JSON merged into each endpoint request, e.g. \'{"restraint": "mt"}\''),
     max_new_tokens=typer.Option(256), batch_size=typer.Option(8, help="local batch size"),
-    concurrency=typer.Option(8, help="endpoint requests in flight"), dtype=typer.Option("float32"),
+    concurrency=typer.Option(8, help="endpoint requests in flight"),
+    dtype=typer.Option("float32", help=" | ".join(get_args(DType))),
     device=typer.Option("auto"), dataset=typer.Option(None, help="'rolemrc': check the published 18-task histogram"),
     allow_drift=typer.Option(False, help="score a file that drifts from --dataset's histogram"),
 )
 SCORE = dict(
-    judge=typer.Option("rules", help="rules (offline) | openai"),
+    judge=typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
     judge_model=typer.Option(None), judge_base_url=typer.Option(None), judge_concurrency=typer.Option(8),
-    metrics=typer.Option("bleu,rouge,meteor,bertscore", help=METRICS_HELP),
+    metrics=typer.Option(",".join(METRICS.names()), help=metrics_help()),
     bertscore_model=typer.Option(None, help="local encoder directory (default: packaged all-MiniLM-L6-v2)"),
     bertscore_layer=typer.Option(None, help="encoder layer (default 5 for MiniLM, else the last)"),
     rounds=typer.Option(2000, help="bootstrap resamples"),
@@ -86,11 +88,8 @@ def generate_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = 
                  batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
                  device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"]) -> None:
     """Generate responses (id, task, response, latency, tokens) for a test file."""
-    try:
-        _generate(data, out, model, base_url, restraint, extra_body, max_new_tokens, batch_size, concurrency, dtype,
-                  device, dataset, allow_drift)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        _fail(exc)
+    generate(*_generate_config(data, model, base_url, restraint, extra_body, max_new_tokens, batch_size, concurrency,
+                               dtype, device, dataset, allow_drift), out=out)
     typer.echo(f"wrote {out}")
 
 
@@ -101,11 +100,8 @@ def score_cmd(responses: Path = typer.Argument(..., help="responses JSONL"), out
               metrics: str = SCORE["metrics"], bertscore_model: str = SCORE["bertscore_model"],
               bertscore_layer: int = SCORE["bertscore_layer"], rounds: int = SCORE["rounds"]) -> None:
     """Score responses: reference metrics and the judge, with bootstrap CIs; writes the run folder."""
-    try:
-        _score(responses, out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
-               bertscore_layer, rounds)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        _fail(exc)
+    _score(responses, out, _score_configs(out, judge, judge_model, judge_base_url, judge_concurrency, metrics,
+                                          bertscore_model, bertscore_layer), rounds)
 
 
 @app.command("run")
@@ -118,14 +114,13 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
             judge_base_url: str = SCORE["judge_base_url"], judge_concurrency: int = SCORE["judge_concurrency"],
             metrics: str = SCORE["metrics"], bertscore_model: str = SCORE["bertscore_model"],
             bertscore_layer: int = SCORE["bertscore_layer"], rounds: int = SCORE["rounds"]) -> None:
-    """Generate, then score: OUT/responses.jsonl and the reports."""
-    try:
-        responses = _generate(data, out / "responses.jsonl", model, base_url, restraint, extra_body, max_new_tokens,
-                              batch_size, concurrency, dtype, device, dataset, allow_drift)
-        _score(responses, out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
-               bertscore_layer, rounds)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        _fail(exc)
+    """Generate, then score: OUT/responses.jsonl and the reports. Every input is checked before the model loads."""
+    configs = _score_configs(out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
+                             bertscore_layer)
+    records, config = _generate_config(data, model, base_url, restraint, extra_body, max_new_tokens, batch_size,
+                                       concurrency, dtype, device, dataset, allow_drift)
+    generate(records, config, out=out / "responses.jsonl")
+    _score(out / "responses.jsonl", out, configs, rounds)
 
 
 @app.command("compare")
@@ -134,13 +129,7 @@ def compare_cmd(run_a: Path = typer.Argument(..., help="run folder A (before)"),
                 out: Path = typer.Option(None, help="folder for compare.json/.md and the chart (default: print only)"),
                 rounds: int = typer.Option(10_000, help="paired bootstrap resamples")) -> None:
     """Paired comparison: exact McNemar on verdicts, paired bootstrap on metrics."""
-    from rolemrc.eval.compare import compare
-    from rolemrc.eval.report import compare_markdown
-
-    try:
-        result = compare(run_a, run_b, rounds=rounds)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        _fail(exc)
+    result = compare(run_a, run_b, rounds=rounds)
     if out:
         result.save(out)
     typer.echo(compare_markdown(result))
@@ -150,13 +139,7 @@ def compare_cmd(run_a: Path = typer.Argument(..., help="run folder A (before)"),
 def report_cmd(runs: list[Path] = typer.Argument(..., help="run folders"),
                out: Path = typer.Option(None, help="folder for table3.md and the chart")) -> None:
     """One Table 3 (metrics + judge dimensions per run) and a chart across runs."""
-    from rolemrc.eval.report import table3, write_chart
-    from rolemrc.eval.runs import EvalRun
-
-    try:
-        loaded = [(str(p), EvalRun.load(p).summary) for p in runs]
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        _fail(exc)
+    loaded = [(str(p), EvalRun.load(p).summary) for p in runs]
     text = table3(loaded)
     if out:
         out.mkdir(parents=True, exist_ok=True)

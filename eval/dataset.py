@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.taxonomy import TASK_COUNTS
 
 DATASETS = ("rolemrc",)
 
 
-class DatasetDrift(ValueError):
+class DatasetDrift(RolemrcError, ValueError):
     """The test file does not match the published histogram."""
 
 
@@ -27,7 +28,7 @@ def check_dataset(records: list[dict[str, Any]], dataset: str | None, *, allow_d
     if dataset is None:
         return {}
     if dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}; known: {DATASETS}")
+        raise InputError(f"unknown dataset {dataset!r}; known: {DATASETS}")
     drift = histogram_drift(records)
     report = {"dataset": dataset, "rows": len(records), "expected_rows": sum(TASK_COUNTS.values()),
               "drift": {t: {"expected": e, "found": f} for t, (e, f) in drift.items()}}

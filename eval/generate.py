@@ -10,15 +10,18 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from tqdm.auto import tqdm
 
+from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.core.records import prompt_turns
 
+DType = Literal["float32", "float16", "bfloat16", "auto"]
 
-class GenerationError(RuntimeError):
+
+class GenerationError(RolemrcError, RuntimeError):
     """The model or endpoint could not produce responses."""
 
 
@@ -31,7 +34,7 @@ class GenerateConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0           # 0: greedy
     batch_size: int = 8                # local
-    dtype: str = "float32"             # local
+    dtype: DType = "float32"           # local
     device: str = "auto"               # local
     restraint: Any = None              # local: a Restraint, spec dict, or YAML/JSON path
     api_key_env: str = "OPENAI_API_KEY"
@@ -44,11 +47,13 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("generate needs a model (a local HF directory, or a model id with base_url)")
+            raise InputError("generate needs a model (a local HF directory, or a model id with base_url)")
         if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
+            raise InputError("max_new_tokens must be at least 1")
+        if self.dtype not in get_args(DType):
+            raise InputError(f"unknown dtype {self.dtype!r}; choose one of {get_args(DType)}")
         if self.restraint is not None and self.base_url:
-            raise ValueError("a restraint applies to local models; for an endpoint pass it in extra_body "
+            raise InputError("a restraint applies to local models; for an endpoint pass it in extra_body "
                              "({'restraint': ...}) as rolemrc serve expects")
 
 
@@ -69,7 +74,7 @@ def generate(data: list[dict[str, Any]] | str | os.PathLike, config: GenerateCon
     records = data if isinstance(data, list) else read_jsonl(data)
     for k, record in enumerate(records):
         if "id" not in record or "question" not in record:
-            raise GenerationError(f"test record {k} needs 'id' and 'question' (got {sorted(record)})")
+            raise InputError(f"test record {k} needs 'id' and 'question' (got {sorted(record)})")
         prompt_turns(record, where=f"test record {record['id']!r}")
     if config.base_url:
         from rolemrc.eval.judges import run_sync
@@ -90,6 +95,11 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
     from rolemrc.core.chat import render_chat
     from rolemrc.core.modeling import load_model
 
+    restraint = None
+    if config.restraint is not None:   # read the spec before loading the model
+        from rolemrc.intervene import Restraint
+
+        restraint = Restraint.from_any(config.restraint)
     model, tok = load_model(config.model, dtype=config.dtype, device=config.device)
     tok.padding_side = "left"
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -101,11 +111,7 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
     prompts = [p[-room:] if cut else p for p, cut in zip(prompts, truncated)]
     order = sorted(range(len(records)), key=lambda i: len(prompts[i]))  # similar lengths batch together
     results: list[dict | None] = [None] * len(records)
-    guard = contextlib.nullcontext()
-    if config.restraint is not None:
-        from rolemrc.intervene import Restraint
-
-        guard = Restraint.from_any(config.restraint).validate(model).applied(model)
+    guard = restraint.validate(model).applied(model) if restraint is not None else contextlib.nullcontext()
     sampling = {"do_sample": True, "temperature": config.temperature} if config.temperature > 0 else {"do_sample": False}
     bar = tqdm(total=len(records), desc="generate", disable=not config.progress)
     with guard, torch.inference_mode():

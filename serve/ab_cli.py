@@ -7,7 +7,12 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="A/B experiments served by `rolemrc serve`.")
+from rolemrc.core.cli import cli_app
+from rolemrc.core.errors import InputError
+from rolemrc.eval.judges import JUDGES, JudgeConfig
+from rolemrc.eval.metrics import metrics_help, parse_metrics
+
+app = cli_app(help="A/B experiments served by `rolemrc serve`.")
 
 
 @app.command("report")
@@ -15,22 +20,23 @@ def report_cmd(
     experiment: str = typer.Argument(..., help="experiment id"),
     db: Path = typer.Option(..., help="the server's SQLite log (the config's 'db')"),
     out: Path = typer.Option(None, help="write report.json, chart.html and chart.png here"),
-    judge: str = typer.Option("rules", help="rules (offline) | openai"),
-    metrics: str = typer.Option("bleu,rouge", help="comma list of bleu, rouge, meteor, bertscore ('' for none)"),
+    judge: str = typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
+    metrics: str = typer.Option("bleu,rouge", help=metrics_help()),
     rounds: int = typer.Option(2000, help="bootstrap rounds"),
 ) -> None:
     """Per-arm scores with 95% CIs and unpaired tests of each arm against the first."""
     from rolemrc.serve.report import build_report
     from rolemrc.serve.store import Store
 
+    groups = parse_metrics(metrics)
+    JudgeConfig(name=judge)   # an unknown or misconfigured judge fails here, before any scoring
     if not db.is_file():
-        raise typer.BadParameter(f"{db}: no such database", param_hint="--db")
+        raise InputError(f"--db {db}: no such database")
     store = Store(db)
     try:
-        report = build_report(store, experiment, judge=judge, metrics=tuple(m for m in metrics.split(",") if m),
-                              rounds=rounds, out_dir=out)
-    except KeyError as exc:
-        raise typer.BadParameter(str(exc.args[0]), param_hint="EXPERIMENT") from None
+        if store.experiment(experiment) is None:
+            raise InputError(f"no experiment {experiment!r} in {db}")
+        report = build_report(store, experiment, judge=judge, metrics=groups, rounds=rounds, out_dir=out)
     finally:
         store.close()
     typer.echo(json.dumps(report, indent=1))

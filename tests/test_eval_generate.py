@@ -154,7 +154,7 @@ def test_cli_run_compare_report(model_dirs, records, tmp_path):
     base = ["run", "--data", str(data), "--max-new-tokens", "6", "--metrics", "bleu,rouge", "--rounds", "200"]
     drift = runner.invoke(app, [*base, "--model", str(model_dirs["llama"]), "--out", str(tmp_path / "a"),
                                 "--dataset", "rolemrc"])
-    assert drift.exit_code == 1 and "--allow-drift" in drift.output and not (tmp_path / "a").exists()
+    assert drift.exit_code == 2 and "--allow-drift" in drift.output and not (tmp_path / "a").exists()
     for name, arch in (("a", "llama"), ("b", "qwen2")):
         result = runner.invoke(app, [*base, "--model", str(model_dirs[arch]), "--out", str(tmp_path / name),
                                      "--dataset", "rolemrc", "--allow-drift"])
@@ -170,4 +170,4 @@ def test_cli_run_compare_report(model_dirs, records, tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "rep")])
     assert result.exit_code == 0 and (tmp_path / "rep" / "table3.md").read_text().count("\n") == 4
     bad = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "nowhere")])
-    assert bad.exit_code == 1 and "not a scored eval run" in bad.output
+    assert bad.exit_code == 2 and "not a scored eval run" in bad.output
