@@ -11,10 +11,11 @@ Per aspect, what it judges and what it cannot:
 - role_style: format facts of the role-play: narration (bracketed or *starred* actions) present in
   `*_with_narration` tasks and absent from `*_no_narration` ones; no speaking for another role
   ("User: ..."); not empty. Cannot judge: voice, tone, personality, catchphrases.
-- nested: the formatting rule stated in the system prompt (emoji start, required keyword, sign-off,
-  capital / lower case, word limit, no commas), parsed from its wording and checked exactly.
-  A rule it cannot parse gives no score (status `unjudgeable`, counted). Cannot judge: free-form
-  content constraints.
+- nested: every formatting rule stated in the system prompt (its `Formatting rule:` lines, else all of
+  it), parsed from its wording and checked exactly by eval's own verifier (rolemrc.eval.rule_parse:
+  emojis, keywords, endings, punctuation, capitals, word limits, language). A broken rule scores 0;
+  a rule line it cannot parse otherwise gives no score (status `unjudgeable`, counted, with the
+  line). Cannot judge: free-form content constraints.
 - multi_turn: answerable (`-2ndanswer`) must answer after the user insists, unanswerable
   (`-2ndrefused`) must keep refusing; both with the knowledge checks above.
 - prioritized (`-refused`): the system directive forbids answering, so the reply must decline
@@ -28,7 +29,7 @@ from typing import Any
 
 from rolemrc.core.records import prompt_turns
 from rolemrc.core.taxonomy import Aspect, split_task
-from rolemrc.datagen.replies import NARRATION, Rule, check_rule, content_words
+from rolemrc.eval.rule_parse import find_rule, nested_verdict
 from rolemrc.eval.verdicts import UNJUDGEABLE, Verdict
 
 REFUSAL = re.compile("|".join((
@@ -45,29 +46,17 @@ REFUSAL = re.compile("|".join((
 NARRATION_SPAN = re.compile(r"\([^()]{2,}\)|\[[^\[\]]{2,}\]|\*[^*]{2,}\*")
 ROLE_PREFIX = re.compile(r"^\s*(?:user|assistant|system)\s*:", re.I | re.M)
 QUESTION_LINE = re.compile(r"^\s*question\s*:\s*(.+)$", re.I | re.M)
-RULE_PATTERNS: tuple[tuple[re.Pattern, Any], ...] = (
-    (re.compile(r"\b(?:begin|start|open)\w*\b[^.]{0,30}\bemoji", re.I), lambda m: Rule("emoji_start", m.group(0))),
-    (re.compile(r"\buse the word ['\"‘“]?([\w-]+)['\"’”]?", re.I), lambda m: Rule("keyword", m.group(0), m.group(1))),
-    (re.compile(r"\bend (?:your|the) (?:reply|response|answer) with (?:the )?(?:exact )?(?:sentence|phrase|words?)\s*:?\s*"
-                r"['\"‘“]?(.+?)['\"’”]?\s*$", re.I | re.M), lambda m: Rule("signoff", m.group(0), m.group(1).strip())),
-    (re.compile(r"\b(?:capital letters|upper ?case|all caps)\b", re.I), lambda m: Rule("upper", m.group(0))),
-    (re.compile(r"\blower ?case\b", re.I), lambda m: Rule("lower", m.group(0))),
-    (re.compile(r"\b(?:no more than|at most|fewer than|within|under|maximum of)\s+(\d+)\s+words\b", re.I),
-     lambda m: Rule("max_words", m.group(0), int(m.group(1)))),
-    (re.compile(r"\b(?:do not|don't|never) use (?:any )?commas\b|\bwithout (?:any )?commas\b|\bno commas\b", re.I),
-     lambda m: Rule("no_commas", m.group(0))),
-)
-RULE_LINE = re.compile(r"^(?:formatting rule|rule|requirement|instruction)s?\s*:\s*(.+)$", re.I | re.M)
+# The generator's own evidence-word and narration notions, restated here so eval imports nothing from datagen.
+STOP = frozenset(("a", "an", "the", "of", "in", "on", "at", "to", "and", "or", "is", "are", "was", "were", "be", "by",
+                  "for", "with", "from", "as", "that", "this", "it", "its"))
+NARRATION = re.compile(r"[()\[\]*]")
+
+__all__ = ["find_rule", "judge_item"]
 
 
-def find_rule(system: str) -> Rule | None:
-    """The nested formatting rule stated in a system prompt (its `Formatting rule:` line if any)."""
-    lines = RULE_LINE.findall(system) or [system]
-    for text in lines:
-        for pattern, make in RULE_PATTERNS:
-            if m := pattern.search(text):
-                return make(m)
-    return None
+def content_words(text: str) -> list[str]:
+    """Lower-cased words minus a few function words (what the evidence checks compare)."""
+    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOP]
 
 
 def copies_passage(reply: str, passages: str, n: int = 5) -> bool:
@@ -96,7 +85,8 @@ class ItemView:
             need = max(1, (len(self.evidence) + 1) // 2)
             return len(found) >= need, f"{len(found)}/{len(self.evidence)} evidence words (need {need})"
         refused = bool(REFUSAL.search(reply))
-        return bool(reply.strip()) and not refused, "no evidence words; " + ("refusal cue" if refused else "no refusal cue")
+        cue = "refusal cue" if refused else "no refusal cue"
+        return bool(reply.strip()) and not refused, f"no evidence words; {cue}"
 
     def refuses(self, reply: str) -> tuple[bool, str]:
         cue = REFUSAL.search(reply)
@@ -134,11 +124,10 @@ def judge_item(item: dict[str, Any], aspect: Aspect) -> Verdict:
     if aspect.dimension == "role_style":
         ok, why = style(task, reply)
     elif aspect.dimension == "nested":
-        rule = find_rule(view.system)
-        if rule is None:
-            return Verdict.make(item["id"], task, aspect, None, UNJUDGEABLE, "no formatting rule recognised")
-        broken = check_rule(rule, reply.strip())
-        ok, why = broken is None, broken or f"obeys rule {rule.kind}"
+        score, why = nested_verdict(view.system, reply.strip())
+        if score is None:
+            return Verdict.make(item["id"], task, aspect, None, UNJUDGEABLE, why)
+        ok = bool(score)
     else:
         ok, why = view.answers(reply) if must_answer(task, aspect) else view.refuses(reply)
         why = ("answer expected: " if must_answer(task, aspect) else "refusal expected: ") + why

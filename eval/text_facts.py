@@ -1,0 +1,103 @@
+"""Facts about a reply that the nested-rule checkers need: emojis, words, numbers in words, language.
+
+Deliberately simple and stated: a word is a whitespace-separated token (each Chinese or Japanese
+character counts as one, as these scripts put no spaces between words); the language of Latin-script
+text is the one whose common function words it uses most; Chinese, Japanese, Korean, Russian, Arabic,
+Hindi, Greek and Hebrew are told by their script alone (so Russian cannot be told from Ukrainian).
+"""
+
+from __future__ import annotations
+
+import re
+
+_PICTO = "\U0001F000-\U0001FAFF\u2600-\u27BF\u2B50\u2B55\u231A\u231B\u23E9-\u23FA"
+EMOJI = re.compile(f"[\U0001F1E6-\U0001F1FF]{{2}}|[{_PICTO}](?:\uFE0F|[\U0001F3FB-\U0001F3FF]|\u200D[{_PICTO}])*")
+_CJK = "\u3040-\u30FF\u3400-\u4DBF\u4E00-\u9FFF\uF900-\uFAFF"  # written without spaces between words
+_WORD = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
+
+_UNITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+          "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
+_TENS = {word: 10 * (i + 2)
+         for i, word in enumerate(("twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"))}
+_SCALES = {"hundred": 100, "thousand": 1000}
+NUMBER_WORD = "|".join(sorted((*_UNITS, *_TENS, *_SCALES), key=len, reverse=True))
+NUMBER = rf"(?:\d+|(?:{NUMBER_WORD})(?:(?:\s+and\s+|[\s-]+)(?:{NUMBER_WORD}))*)\b"
+
+
+def emojis(text: str) -> list[str]:
+    """The emojis in `text`; a flag, a skin-toned or a ZWJ-joined emoji counts once."""
+    return EMOJI.findall(text)
+
+
+def starts_with_emoji(text: str) -> bool:
+    return bool(EMOJI.match(text))
+
+
+def ends_with_emoji(text: str) -> bool:
+    return any(m.end() == len(text) for m in EMOJI.finditer(text))
+
+
+def count_words(text: str) -> int:
+    """Whitespace-separated tokens, each Chinese or Japanese character counted as a word of its own."""
+    return len(_WORD.findall(text))
+
+
+def parse_number(text: str) -> int | None:
+    """An integer written in digits or English words ("12", "twenty-five", "one hundred and fifty")."""
+    text = text.strip().lower()
+    if text.isdigit():
+        return int(text)
+    total = current = 0
+    for token in re.split(r"[\s-]+", text):
+        if token in _UNITS:
+            current += _UNITS.index(token)
+        elif token in _TENS:
+            current += _TENS[token]
+        elif token in _SCALES:
+            current = max(current, 1) * _SCALES[token]
+            if token == "thousand":
+                total, current = total + current, 0
+        elif token != "and":
+            return None
+    return total + current
+
+
+_SCRIPTS = {
+    "Chinese": "\u3400-\u4DBF\u4E00-\u9FFF\uF900-\uFAFF", "Japanese": "\u3040-\u30FF\u3400-\u4DBF\u4E00-\u9FFF",
+    "Korean": "\uAC00-\uD7AF\u1100-\u11FF", "Russian": "\u0400-\u04FF", "Arabic": "\u0600-\u06FF\u0750-\u077F",
+    "Hindi": "\u0900-\u097F", "Greek": "\u0370-\u03FF", "Hebrew": "\u0590-\u05FF",
+}
+_FUNCTION_WORDS = {name: frozenset(words.split()) for name, words in {
+    "English": "the and is are was were of to in that it with for you this have not be but what my your i they yes",
+    "French": "le la les et est sont une des du que qui pas je vous nous avec pour dans ce cette mais il elle au aux "
+              "oui non",
+    "Spanish": "el la los las y es son una del que no por para con pero muy está yo usted su lo como más sí también",
+    "Portuguese": "o os as e é são um uma do da dos das não que com para por mas muito está eu você isso sim também",
+    "Italian": "il lo gli la le e è sono un una di che non per con ma molto io questo della del sì anche",
+    "German": "der die das und ist sind ein eine nicht ich sie mit zu auf für es den dem auch wie aber ja nein",
+    "Dutch": "de het een en is zijn niet ik van met op voor dat ook maar wat er je nee ja",
+}.items()}
+LANGUAGES = (*_FUNCTION_WORDS, *_SCRIPTS)
+_KANA = re.compile("[\u3040-\u30FF]")
+
+
+def language_problem(text: str, language: str) -> str | None:
+    """None if `text` reads as `language` (one of LANGUAGES), else why not."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters:
+        return "no letters"
+    if language in _SCRIPTS:
+        share = len(re.findall(f"[{_SCRIPTS[language]}]", "".join(letters))) / len(letters)
+        if share < 0.5:
+            return f"not written in {language} script ({share:.0%} of letters)"
+        if language in ("Chinese", "Japanese") and bool(_KANA.search(text)) != (language == "Japanese"):
+            return "kana present" if language == "Chinese" else "no kana (reads as Chinese)"
+        return None
+    if sum(ord(c) < 0x250 for c in letters) < len(letters) / 2:
+        return "not written in Latin script"
+    tokens = re.findall(r"[^\W\d_]+", text.lower())
+    hits = {name: sum(t in words for t in tokens) for name, words in _FUNCTION_WORDS.items()}
+    best = max(hits.values())
+    if hits[language] == 0 or [n for n, h in hits.items() if h == best] != [language]:
+        return f"{hits[language]} {language} function words, {best} of another language"
+    return None
