@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from rolemrc import __version__
-from rolemrc.core.modeling import dir_fingerprint, resolve_dtype
+from rolemrc.core.modeling import check_model_dir, dir_fingerprint, resolve_dtype
 from rolemrc.intervene.spec import Restraint, RestraintError
-from rolemrc.probe.hooks import _get, layout_of
+from rolemrc.probe.hooks import hook_point, module_at
 
 
 @dataclass(frozen=True)
@@ -25,21 +25,26 @@ class Fold:
     module: nn.Module
     side: str  # "in": the projection's input units; "out": its output units (and its bias)
 
+    @property
+    def scales_bias(self) -> bool:
+        return self.side == "out" and getattr(self.module, "bias", None) is not None
+
 
 def fold_target(model: nn.Module, hook: str, layer: int) -> Fold:
-    """mlp.act / mlp.post -> input units of the MLP's down projection; mlp.out -> its output units;
-    attn.out -> output units of the attention's output projection. resid.post cannot be folded."""
-    layout = layout_of(model)
-    block = _get(model, layout.blocks)[layer]
-    if hook in ("mlp.act", "mlp.post"):
-        return Fold(_get(block, layout.down), "in")
-    if hook == "mlp.out":
-        return Fold(_get(block, layout.down), "out")
-    if hook == "attn.out":
-        out_proj = "o_proj" if hasattr(_get(block, layout.attn), "o_proj") else "c_proj"
-        return Fold(_get(block, f"{layout.attn}.{out_proj}"), "out")
-    raise RestraintError(f"{hook} cannot be folded into weights exactly: the residual stream after a block "
-                         "feeds the next block's norm and the skip connection; use the runtime hook instead")
+    """The projection and side the hook point's row in HOOK_POINTS names (e.g. mlp.act -> input units of
+    the MLP's down projection), or a RestraintError for a point that cannot be folded."""
+    row = hook_point(hook)
+    if row.fold is None:
+        why = f": {row.no_fold}" if row.no_fold else ""
+        raise RestraintError(f"{hook} cannot be folded into weights exactly{why}; use the runtime hook instead")
+    return Fold(module_at(model, row.fold.weight, layer)[1], row.fold.side)
+
+
+def lora_exportable(model: nn.Module, hook: str) -> bool:
+    """Whether a restraint at `hook` can ship as a LoRA adapter on `model`: its row allows it and the fold
+    scales no bias (a LoRA adapter only adds to weights)."""
+    row = hook_point(hook)
+    return row.lora and row.fold is not None and not fold_target(model, hook, 0).scales_bias
 
 
 def _weight_index(fold: Fold, units: list[int]) -> tuple[slice | list[int], ...]:
@@ -66,7 +71,7 @@ def fold_restraint(model: nn.Module, r: Restraint) -> dict[str, int]:
             index = _weight_index(fold, units)
             weight[index] *= r.factor
             touched[names[id(weight)]] = weight[index].numel()
-            if fold.side == "out" and getattr(fold.module, "bias", None) is not None:
+            if fold.scales_bias:
                 fold.module.bias[units] *= r.factor
                 touched[names[id(fold.module.bias)]] = len(units)
     return touched
@@ -98,7 +103,7 @@ def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLik
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     r = Restraint.from_any(restraint)
-    src, out = Path(model_dir), Path(out_dir)
+    src, out = check_model_dir(model_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise RestraintError("bake output must differ from the source model directory")
     target = resolve_dtype(dtype)
@@ -132,6 +137,6 @@ def fold_restraint_plan(model: nn.Module, r: Restraint) -> list[str]:
     for layer in r.units:
         fold = fold_target(model, r.hook, layer)
         plan.append(names[id(fold.module.weight)])
-        if fold.side == "out" and getattr(fold.module, "bias", None) is not None:
+        if fold.scales_bias:
             plan.append(names[id(fold.module.bias)])
     return plan

@@ -7,36 +7,31 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Restraints: select units from a diff, bake them, check them.")
+from rolemrc.core.cli import cli_app
+from rolemrc.core.taxonomy import DIMENSIONS
+from rolemrc.intervene.select import Direction
+from rolemrc.probe.hooks import HOOK_POINTS
 
-
-def _run(fn):
-    from rolemrc.intervene.spec import RestraintError
-
-    try:
-        return fn()
-    except (RestraintError, FileNotFoundError, ValueError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+app = cli_app(help="Restraints: select units from a diff, bake them, check them.")
 
 
 @app.command("select")
 def select_cmd(
     diff: Path = typer.Option(..., "--diff", help="diff directory (or its diff.safetensors)"),
-    dimension: str = typer.Option(..., help="knowledge_boundary | role_style | multi_turn | nested | prioritized"),
+    dimension: str = typer.Option(..., help=f"a dimension of the diff: {' | '.join(DIMENSIONS)}, or your own"),
     out: Path = typer.Option(..., "--out", help="spec file to write (.yaml or .json)"),
     layers: str = typer.Option(None, help="e.g. 12-31 or 3,5,7-9 (default: all)"),
     top_k: int = typer.Option(None, help="the k most changed units"),
     fdr: float = typer.Option(None, help="instead of top-k: every unit with BH q below this"),
-    direction: str = typer.Option("both", help="both | up (more active under B) | down"),
+    direction: Direction = typer.Option("both", help="up: more active under B; down: less; both"),
     factor: float = typer.Option(1 - 1e-6, help="scale; the paper's 1 - 1e-6; 0 ablates"),
     name: str = typer.Option(None, help="restraint name (default: <dimension>-restraint)"),
 ) -> None:
     """Write a restraint spec for the most changed units of one dimension."""
     from rolemrc.intervene.select import select
 
-    r = _run(lambda: select(diff, dimension, layers=layers, top_k=top_k if fdr is None else None, fdr=fdr,
-                            direction=direction, factor=factor, name=name))
+    r = select(diff, dimension, layers=layers, top_k=top_k if fdr is None else None, fdr=fdr,
+               direction=direction, factor=factor, name=name)
     r.save(out)
     typer.echo(json.dumps({"out": str(out), "name": r.name, "hook": r.hook, "units": r.num_units,
                            "per_layer": {k: len(v) for k, v in r.units.items()}}))
@@ -45,14 +40,15 @@ def select_cmd(
 @app.command("bake")
 def bake_cmd(
     model: Path = typer.Option(..., "--model", help="source HF model directory"),
-    spec: Path = typer.Option(..., "--spec", help="restraint spec"),
+    spec: Path = typer.Option(..., "--spec", help="restraint spec at a hook point that bakes: "
+                              + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold)),
     out: Path = typer.Option(..., "--out", help="output HF directory"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
 ) -> None:
     """Fold the restraint into the weights and write a standard HF checkpoint."""
     from rolemrc.intervene.bake import bake
 
-    report = _run(lambda: bake(model, spec, out, dtype))
+    report = bake(model, spec, out, dtype)
     typer.echo(json.dumps(report.to_dict(), indent=1))
     if report.numerical_noop:
         typer.secho(f"NUMERICAL NO-OP: no weight element changes at {dtype}", fg=typer.colors.YELLOW, err=True)
@@ -69,6 +65,6 @@ def check_cmd(
     """Hook vs baked logits, weight elements changed at the dtype, and a no-op verdict."""
     from rolemrc.intervene.check import check
 
-    report = _run(lambda: check(model, spec, baked_dir=baked, dtype=dtype, device=device))
+    report = check(model, spec, baked_dir=baked, dtype=dtype, device=device)
     typer.echo(json.dumps(report.to_dict(), indent=1))
     typer.secho(report.verdict, fg=typer.colors.YELLOW if report.numerical_noop else typer.colors.GREEN, err=True)

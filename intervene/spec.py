@@ -11,11 +11,12 @@ from typing import Any
 
 import yaml
 
+from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
 
 
-class RestraintError(ValueError):
+class RestraintError(RolemrcError, ValueError):
     """A restraint spec is malformed or does not fit the model."""
 
 

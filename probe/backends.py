@@ -2,21 +2,24 @@
 
 - `torch`: plain forward hooks on the HF modules (default; skips the LM head).
 - `nnsight`: the same modules traced with nnsight's LanguageModel.
-- `transformer-lens`: TransformerLens 4's TransformerBridge with its stable `blocks.{i}.*` hook names.
+- `transformer-lens`: TransformerLens 4's TransformerBridge with its stable `blocks.{i}.*` hook names
+  (each hook point's row in `HOOK_POINTS` names its bridge hook).
 All three read the same tensors, so on the same model they give identical counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-from rolemrc.probe.hooks import num_layers, site
+from rolemrc.probe.errors import ProbeError, check_choice
+from rolemrc.probe.hooks import hook_point, module_at, num_layers, site
 
-BACKENDS = ("torch", "nnsight", "transformer-lens")
+Backend = Literal["torch", "nnsight", "transformer-lens"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 Sink = Callable[[int, torch.Tensor], None]  # (layer, activations [batch, seq, width])
 
@@ -62,17 +65,6 @@ class NNsightBackend:
             sink(s.layer, value[0] if isinstance(value, tuple) else value)
 
 
-# Our hook point -> TransformerBridge hook name. mlp.act has no bridge hook of its own: it is the
-# model's activation applied to `mlp.hook_pre` (the gate projection's output on gated MLPs).
-BRIDGE_HOOKS = {
-    "mlp.act": "blocks.{i}.mlp.hook_pre",
-    "mlp.post": "blocks.{i}.mlp.hook_post",
-    "mlp.out": "blocks.{i}.hook_mlp_out",
-    "attn.out": "blocks.{i}.hook_attn_out",
-    "resid.post": "blocks.{i}.hook_resid_post",
-}
-
-
 class TransformerLensBackend:
     """TransformerLens TransformerBridge over the same HF model, hooks streamed via run_with_hooks.
 
@@ -82,26 +74,26 @@ class TransformerLensBackend:
     def __init__(self, model: nn.Module, point: str, tokenizer: Any = None):
         from transformer_lens.model_bridge import TransformerBridge
 
+        row = hook_point(point)
+        if row.bridge is None:
+            raise ProbeError(f"{point} has no TransformerBridge hook; use the torch or nnsight backend")
         source = getattr(model.config, "_name_or_path", "") or getattr(tokenizer, "name_or_path", "")
         if not source:
-            raise ValueError("the transformer-lens backend needs a model loaded from a local directory")
+            raise ProbeError("the transformer-lens backend needs a model loaded from a local directory")
         device = next(model.parameters()).device
         self.bridge = TransformerBridge.boot_transformers(source, hf_model=model, tokenizer=tokenizer, device=device,
                                                           dtype=next(model.parameters()).dtype)
-        self.n_layers = num_layers(model)
-        act = [site(model, "mlp.act", i).module for i in range(self.n_layers)] if point == "mlp.act" else None
-        self.hooks = []
-        for i in range(self.n_layers):
-            transform = act[i] if act else (lambda t: t)
-            self.hooks.append((BRIDGE_HOOKS[point].format(i=i), i, transform))
+        self.hooks = []  # (bridge hook name, layer, bridge tensor -> our tensor)
+        for i in range(num_layers(model)):
+            then = module_at(model, row.bridge_then, i)[1] if row.bridge_then else (lambda t: t)
+            self.hooks.append((row.bridge.format(i=i), i, then))
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sink: Sink) -> None:
         fwd_hooks = [(name, lambda t, hook, i=i, f=f: sink(i, f(t))) for name, i, f in self.hooks]
         self.bridge.run_with_hooks(input_ids, fwd_hooks=fwd_hooks, attention_mask=attention_mask, return_type=None)
 
 
-def make_backend(name: str, model: nn.Module, point: str, tokenizer: Any = None):
+def make_backend(name: Backend, model: nn.Module, point: str, tokenizer: Any = None):
     classes = {"torch": TorchBackend, "nnsight": NNsightBackend, "transformer-lens": TransformerLensBackend}
-    if name not in classes:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    check_choice("backend", name, BACKENDS)
     return classes[name](model, point, tokenizer)

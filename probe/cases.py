@@ -11,6 +11,7 @@ import torch
 from rolemrc.core.chat import render_chat
 from rolemrc.core.records import prompt_turns
 from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
+from rolemrc.probe.errors import ProbeError
 
 UNGROUPED = "all"
 
@@ -47,7 +48,7 @@ def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
     `max_length` tokens (the position the probe reads) and are counted as truncated.
     """
     if not records:
-        raise ValueError("no records to probe")
+        raise ProbeError("no records to probe")
     per_case: list[list[str]] = []
     texts: list[str] = []
     for i, record in enumerate(records):
@@ -81,7 +82,7 @@ def batches(cases: Cases, batch_size: int, pad_id: int):
     tokens' activations do not depend on the batch they share.
     """
     if batch_size < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        raise ProbeError(f"batch size must be >= 1, got {batch_size}")
     order = sorted(range(len(cases)), key=lambda i: -len(cases.input_ids[i]))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]

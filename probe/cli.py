@@ -4,23 +4,40 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
-app = typer.Typer(no_args_is_help=True, help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
+from rolemrc.core.cli import cli_app
+from rolemrc.probe.backends import Backend
+from rolemrc.probe.counts import Rank, Tokens
+from rolemrc.probe.hooks import HOOK_POINTS
+
+app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
 
 
-@app.command("collect")
+class HookTableCommand(TyperCommand):
+    """A command whose `--hook` help lists the rows of HOOK_POINTS as they are when the CLI is built."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if param.name == "hook":
+                param.help = "hook point: " + " | ".join(HOOK_POINTS)
+
+
+@app.command("collect", cls=HookTableCommand)
 def collect_cmd(
     model: Path = typer.Option(..., "--model", help="local HF causal-LM directory"),
     data: Path = typer.Option(..., "--data", help="JSONL records (test, pair or SFT format)"),
     out: Path = typer.Option(..., "--out", help="probe file to write (.safetensors)"),
-    hook: str = typer.Option("mlp.act", help="mlp.act | mlp.post | mlp.out | attn.out | resid.post"),
+    hook: str = typer.Option("mlp.act"),  # help: HookTableCommand
     top_fraction: float = typer.Option(0.2, help="share of units counted as active per observation"),
-    tokens: str = typer.Option("last", help="last prompt token, or all prompt tokens"),
-    rank: str = typer.Option("signed", help="rank by signed value, or by abs"),
+    tokens: Tokens = typer.Option("last", help="last prompt token, or all prompt tokens"),
+    rank: Rank = typer.Option("signed", help="rank by signed value, or by abs"),
     batch_size: int = typer.Option(16, min=1),
-    backend: str = typer.Option("torch", help="torch | nnsight | transformer-lens"),
+    backend: Backend = typer.Option("torch"),
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
     max_length: int = typer.Option(None, help="keep at most this many prompt tokens (the last ones)"),
@@ -33,7 +50,7 @@ def collect_cmd(
     config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
                            backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
                            max_length=max_length, dtype=dtype, device=device)
-    counts = _friendly(lambda: collect(model, data, config))
+    counts = collect(model, data, config)
     path = counts.save(out)
     report = {"out": str(path), "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
               "hook": counts.meta["hook"], "k": int(counts.meta["k"]), "layers": int(counts.meta["layers"]),
@@ -55,7 +72,7 @@ def diff_cmd(
     from rolemrc.probe.diff import diff
     from rolemrc.probe.report import write_diff
 
-    result = _friendly(lambda: diff(a, b))
+    result = diff(a, b)
     summary = write_diff(result, out, top_n=top_n, fdr=fdr, bins=bins, figures=figures)
     typer.echo(json.dumps(summary, indent=1))
 
@@ -70,14 +87,5 @@ def explore_cmd(
     """Write a self-contained interactive layer explorer (open it in a browser)."""
     from rolemrc.probe.explorer import write_explorer
 
-    path = _friendly(lambda: write_explorer(diff_dir, out, max_units=max_units, fdr=fdr))
+    path = write_explorer(diff_dir, out, max_units=max_units, fdr=fdr)
     typer.echo(json.dumps({"out": str(path), "bytes": path.stat().st_size}))
-
-
-def _friendly(fn):
-    """Run fn; turn expected input errors into a one-line message and exit code 2."""
-    try:
-        return fn()
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from tqdm.auto import tqdm
@@ -13,9 +13,10 @@ from tqdm.auto import tqdm
 from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
 from rolemrc.core.modeling import dir_fingerprint, load_model, model_fingerprint
-from rolemrc.probe.backends import make_backend
+from rolemrc.probe.backends import Backend, make_backend
 from rolemrc.probe.cases import Cases, batches, build_cases
-from rolemrc.probe.counts import ProbeCounts, TopKCounter, top_k_size
+from rolemrc.probe.counts import ProbeCounts, Rank, Tokens, TopKCounter, check_top_fraction, top_k_size
+from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
 
 
@@ -23,18 +24,25 @@ from rolemrc.probe.hooks import check_point, num_layers, width
 class CollectConfig:
     """How to count (DESIGN.md "Probe"). Defaults reproduce the RoleMRC analysis on `mlp.act`."""
 
-    hook: str = "mlp.act"
+    hook: str = "mlp.act"  # a name in HOOK_POINTS
     top_fraction: float = 0.2
-    tokens: str = "last"  # "last" prompt token, or "all" prompt tokens (each one observation)
-    rank: str = "signed"  # or "abs"
+    tokens: Tokens = "last"  # "last" prompt token, or "all" prompt tokens (each one observation)
+    rank: Rank = "signed"  # or "abs"
     batch_size: int = 16
-    backend: str = "torch"  # torch | nnsight | transformer-lens
+    backend: Backend = "torch"
     dimension_field: str | None = None
     generation_prompt: bool = True
     max_length: int | None = None  # default: the model's context window
     dtype: str = "float32"
     device: str = "auto"
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_point(self.hook)
+        check_top_fraction(self.top_fraction)
+        check_choice("token policy", self.tokens, get_args(Tokens))
+        check_choice("rank", self.rank, get_args(Rank))
+        check_choice("backend", self.backend, get_args(Backend))
 
 
 def collect(model: Any, data: Any, config: CollectConfig | None = None, *, tokenizer: Any = None,
@@ -46,14 +54,13 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     Keyword overrides replace fields of `config`.
     """
     config = CollectConfig(**{**asdict(config or CollectConfig()), **overrides})
-    check_point(config.hook)
     model_path, fingerprint = "", ""
     if isinstance(model, (str, os.PathLike)):
         model_path = str(model)
         fingerprint = dir_fingerprint(model)
         model, tokenizer = load_model(model, dtype=config.dtype, device=config.device)
     elif tokenizer is None:
-        raise ValueError("pass the tokenizer along with a loaded model")
+        raise ProbeError("pass the tokenizer along with a loaded model")
     else:
         fingerprint = model_fingerprint(model)
         model_path = getattr(model.config, "_name_or_path", "") or "<in-memory>"

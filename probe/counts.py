@@ -12,18 +12,28 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+
+from rolemrc.probe.errors import ProbeError, ProbeFileError
 
 # Metadata keys that must agree for two probe files to be comparable.
 COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens")
 
+Tokens = Literal["last", "all"]  # the last prompt token, or every prompt token (each one observation)
+Rank = Literal["signed", "abs"]  # rank units by signed value or by magnitude
+
+
+def check_top_fraction(top_fraction: float) -> float:
+    if not 0 < top_fraction <= 1:
+        raise ProbeError(f"top_fraction must be in (0, 1], got {top_fraction}")
+    return top_fraction
+
 
 def top_k_size(top_fraction: float, width: int) -> int:
     """Units counted as active per observation: ceil(top_fraction * width), at least 1."""
-    if not 0 < top_fraction <= 1:
-        raise ValueError(f"top_fraction must be in (0, 1], got {top_fraction}")
-    return max(1, math.ceil(top_fraction * width - 1e-9))
+    return max(1, math.ceil(check_top_fraction(top_fraction) * width - 1e-9))
 
 
 class TopKCounter:
@@ -34,12 +44,8 @@ class TopKCounter:
     memory is O(dimensions x layers x width) plus one batch.
     """
 
-    def __init__(self, dimensions: list[str], layers: int, width: int, k: int, *, tokens: str = "last",
-                 rank: str = "signed", device: torch.device | str = "cpu"):
-        if tokens not in ("last", "all"):
-            raise ValueError(f"tokens must be 'last' or 'all', got {tokens!r}")
-        if rank not in ("signed", "abs"):
-            raise ValueError(f"rank must be 'signed' or 'abs', got {rank!r}")
+    def __init__(self, dimensions: list[str], layers: int, width: int, k: int, *, tokens: Tokens = "last",
+                 rank: Rank = "signed", device: torch.device | str = "cpu"):
         self.dimensions, self.layers, self.width, self.k = list(dimensions), layers, width, k
         self.tokens, self.rank = tokens, rank
         d = len(self.dimensions)
@@ -60,7 +66,7 @@ class TopKCounter:
             positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
             last = torch.where(mask, positions, -1).amax(dim=1)  # real last token, left or right padded
             if (last < 0).any():
-                raise ValueError("a case has no tokens")
+                raise ProbeError("a case has no tokens")
             rows, cols, weights = torch.arange(mask.shape[0], device=mask.device), last, membership
         else:
             rows, cols = mask.nonzero(as_tuple=True)
@@ -129,7 +135,7 @@ class ProbeCounts:
             raise KeyError(f"no dimension {dimension!r}; have {self.dimensions}")
         n = self.observations[dimension]
         if n == 0:
-            raise ValueError(f"dimension {dimension!r} has no cases: its frequency is undefined")
+            raise ProbeError(f"dimension {dimension!r} has no cases: its frequency is undefined")
         return self.count[dimension].double() / n
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -154,15 +160,15 @@ class ProbeCounts:
 
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such probe file")
+            raise ProbeFileError(f"{path}: no such probe file")
         try:
             with safe_open(str(path), framework="pt") as fh:
                 meta = dict(fh.metadata() or {})
                 tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"{path}: not a readable safetensors probe file ({exc})") from None
+            raise ProbeError(f"{path}: not a readable safetensors probe file ({exc})") from None
         if "dimensions" not in meta or "hook" not in meta:
-            raise ValueError(f"{path}: not a rolemrc probe file (metadata lacks 'dimensions'/'hook')")
+            raise ProbeError(f"{path}: not a rolemrc probe file (metadata lacks 'dimensions'/'hook')")
         dims = json.loads(meta.pop("dimensions"))
         count = {d: tensors[f"count.{d}"] for d in dims}
         cases = {d: int(tensors[f"cases.{d}"]) for d in dims}

@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
+from rolemrc.probe.errors import ProbeError, ProbeFileError
 from rolemrc.probe.stats import benjamini_hochberg, top_set_jaccard, two_proportion_test
 
 DIFF_FILE = "diff.safetensors"
 
 
-class ProbeMismatchError(ValueError):
+class ProbeMismatchError(ProbeError):
     """Two probe files were counted differently and cannot be compared."""
 
 
@@ -176,7 +177,7 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
     path = Path(path)
     file = path / DIFF_FILE if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"{file}: no diff file (run `rolemrc probe diff A B --out DIR` first)")
+        raise ProbeFileError(f"{file}: no diff file (run `rolemrc probe diff A B --out DIR` first)")
     with safe_open(str(file), framework="pt") as fh:
         meta = dict(fh.metadata() or {})
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rolemrc.probe.diff import DiffResult, load_diff
+from rolemrc.probe.errors import ProbeError
 
 TEMPLATE = Path(__file__).with_name("templates") / "explorer.html"
 
@@ -47,7 +48,7 @@ def write_explorer(diff_dir: str | os.PathLike, out: str | os.PathLike, *, max_u
 
     result = load_diff(diff_dir)
     if not result.dimensions:
-        raise ValueError(f"{diff_dir}: the diff has no compared dimension (not compared: {result.empty})")
+        raise ProbeError(f"{diff_dir}: the diff has no compared dimension (not compared: {result.empty})")
     data = json.dumps(explorer_data(result, max_units, fdr)).replace("</", "<\\/")
     page = TEMPLATE.read_text().replace("/*PLOTLYJS*/", get_plotlyjs()).replace("/*DATA*/null", data)
     out = Path(out)
