@@ -2,20 +2,20 @@
 
 import pytest
 
-from rolemrc.train.config import (BaseTrainConfig, ConfigError, DPOTrainConfig, SFTTrainConfig, make_config,
-                                  parse_overrides)
-from rolemrc.train.runner import accumulation_steps, trainer_arguments
+from rolemrc.train.config import (BaseTrainConfig, ConfigError, DPOTrainConfig, SFTTrainConfig, accumulation_steps,
+                                  make_config, parse_overrides)
+from rolemrc.train.runner import trainer_arguments
 
 REQ = {"sft": {"model": "m", "data": ["d.jsonl"], "out": "o"}, "dpo": {"model": "m", "data": ["d.jsonl"], "out": "o"}}
 
 
 def test_paper_profile_has_the_published_settings():
     sft = make_config(SFTTrainConfig, profile="paper", **REQ["sft"])
-    assert (sft.learning_rate, sft.lr_scheduler_type, sft.warmup_ratio, sft.num_train_epochs,
+    assert (sft.trl["learning_rate"], sft.trl["lr_scheduler_type"], sft.trl["warmup_steps"], sft.trl["num_train_epochs"],
             sft.effective_batch_size) == (2e-5, "cosine", 0.04, 1, 64)
     dpo = make_config(DPOTrainConfig, profile="paper", **REQ["dpo"])
-    assert (dpo.beta, dpo.learning_rate, dpo.lr_scheduler_type, dpo.warmup_ratio, dpo.num_train_epochs,
-            dpo.effective_batch_size) == (0.1, 4e-7, "linear", 0.1, 1, 64)
+    assert (dpo.trl["beta"], dpo.trl["learning_rate"], dpo.trl["lr_scheduler_type"], dpo.trl["warmup_steps"],
+            dpo.trl["num_train_epochs"], dpo.effective_batch_size) == (0.1, 4e-7, "linear", 0.1, 1, 64)
     with pytest.raises(ConfigError, match="no 'base' section"):
         make_config(BaseTrainConfig, profile="paper", data=["x"], out="o")
 
@@ -29,12 +29,12 @@ def test_override_order_and_coercion(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("sft:\n  learning_rate: 2e-4\n  batch_size: 2\n  lora: 'yes'\n")  # YAML reads 2e-4 as a string
     sft = make_config(SFTTrainConfig, profile="tiny", config_file=cfg, batch_size=3, **REQ["sft"])
-    assert sft.learning_rate == 2e-4 and isinstance(sft.learning_rate, float)
+    assert sft.trl["learning_rate"] == 2e-4 and isinstance(sft.trl["learning_rate"], float)
     assert sft.batch_size == 3 and sft.lora is True
-    assert sft.warmup_ratio == 0.04  # from the profile
+    assert sft.trl["warmup_steps"] == 0.04  # from the profile
     flat = tmp_path / "flat.yaml"
     flat.write_text("beta: 0.5\n")
-    assert make_config(DPOTrainConfig, profile="tiny", config_file=flat, **REQ["dpo"]).beta == 0.5
+    assert make_config(DPOTrainConfig, profile="tiny", config_file=flat, **REQ["dpo"]).trl["beta"] == 0.5
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -102,3 +102,24 @@ def test_corpus_holds_out_test_records(tmp_path):
     assert test_text in corpus.texts  # the tokenizer sees the test vocabulary ...
     assert all(test_text not in t["content"] for chat in corpus.chats for t in chat)  # ... but no test conversation
     assert report.as_dict()["reasons"] == {"unknown record kind": 1}
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file or directory"),
+    ('{"prompt": 1}\nnot json\n', r"bad.jsonl:2: invalid JSON"),
+    ('{"id": 1}\n', r"no usable (SFT|preference) records"),
+])
+def test_data_is_checked_before_the_model_loads(tmp_path, stage, content, message):
+    """The model directory does not exist: the data error must come first."""
+    from rolemrc.core.errors import RolemrcError
+    from rolemrc.train import DPOTrainConfig, SFTTrainConfig, make_config, train_dpo, train_sft
+
+    data = tmp_path / "bad.jsonl"
+    if content is not None:
+        data.write_text(content)
+    cls, train = {"sft": (SFTTrainConfig, train_sft), "dpo": (DPOTrainConfig, train_dpo)}[stage]
+    config = make_config(cls, model=str(tmp_path / "no-model"), data=[str(data)], out=str(tmp_path / "o"))
+    with pytest.raises(DataError, match=message) as caught:
+        train(config)
+    assert isinstance(caught.value, RolemrcError) and isinstance(caught.value, ValueError)

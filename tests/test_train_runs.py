@@ -20,7 +20,8 @@ from rolemrc.train import (BaseTrainConfig, DataError, DPOTrainConfig, SFTTrainC
 from rolemrc.train.cli import app
 from rolemrc.train.sft import sft_trainer
 
-FAST = {"logging_steps": 1, "progress": False, "max_length": 256}
+FAST = {"logging_steps": 1, "progress": False}
+SHORT = {**FAST, "max_length": 256}  # sft and dpo (the base stage packs blocks of block_size instead)
 TINY = {"hidden": 64, "layers": 2, "intermediate": 96, "heads": 4, "max_positions": 256, "block_size": 64,
         "vocab_size": 400, "batch_size": 8}
 
@@ -52,13 +53,13 @@ def base(data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sft(base, data, tmp_path_factory):
     config = make_config(SFTTrainConfig, model=str(base.out_dir), data=[str(data / "sft.jsonl")],
-                         out=str(tmp_path_factory.mktemp("sft")), max_steps=12, learning_rate=2e-3, **FAST)
+                         out=str(tmp_path_factory.mktemp("sft")), max_steps=12, learning_rate=2e-3, **SHORT)
     return train_sft(config)
 
 
 def sft_config(base, data, out, **kw):
     return make_config(SFTTrainConfig, model=str(base.out_dir), data=[str(data / "sft.jsonl")], out=str(out),
-                       **{"max_steps": 6, "learning_rate": 2e-3, "save_steps": 2, **FAST, **kw})
+                       **{"max_steps": 6, "learning_rate": 2e-3, "save_steps": 2, **SHORT, **kw})
 
 
 def plain_load(path):
@@ -101,7 +102,7 @@ def test_sft_loss_falls_and_output_loads(sft, base, data):
 
 def test_dpo_margin_rises_against_a_frozen_reference(sft, data, tmp_path):
     config = make_config(DPOTrainConfig, model=str(sft.out_dir), data=[str(data / "pairs.jsonl")], out=str(tmp_path),
-                         max_steps=10, learning_rate=1e-3, batch_size=8, **FAST)
+                         max_steps=10, learning_rate=1e-3, batch_size=8, **SHORT)
     result = train_dpo(config)
     margins = [h["rewards/margins"] for h in result.history]
     assert margins[0] == pytest.approx(0.0, abs=1e-6)  # policy == reference at the start
@@ -167,7 +168,7 @@ def test_too_many_bad_records_fail_with_counts(base, tmp_path):
     bad = sft_records(4) + [{"conversations": [{"role": "user", "content": "x"}]}] * 2
     write_jsonl(tmp_path / "bad.jsonl", bad)
     config = make_config(SFTTrainConfig, model=str(base.out_dir), data=[str(tmp_path / "bad.jsonl")],
-                         out=str(tmp_path / "o"), max_steps=1, **FAST)
+                         out=str(tmp_path / "o"), max_steps=1, **SHORT)
     with pytest.raises(DataError, match=r"2 of 6 SFT records are bad.*no assistant turn: 2"):
         train_sft(config)
     assert not (tmp_path / "o").exists()
@@ -177,11 +178,13 @@ def test_cli_reports_and_fails_clearly(sft, data, tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["dpo", "--model", str(sft.out_dir), "--data", str(data / "pairs.jsonl"),
                                  "--out", str(tmp_path / "dpo"), "--max-steps", "2", "--no-progress",
-                                 "--set", "max_length=256", "--beta", "0.2"])
+                                 "--set", "max_length=256", "--beta", "0.2", "--set", "trl.loss_type=ipo"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[result.stdout.index("{"):])
     assert summary["stage"] == "dpo" and summary["metrics"]["steps"] == 2
-    assert json.loads((tmp_path / "dpo" / "rolemrc.json").read_text())["config"]["beta"] == 0.2
+    manifest = json.loads((tmp_path / "dpo" / "rolemrc.json").read_text())
+    assert manifest["config"]["trl"]["beta"] == 0.2 and manifest["config"]["trl"]["loss_type"] == ["ipo"]
+    assert manifest["trainer_arguments"]["loss_type"] == ["ipo"] and manifest["trainer_arguments"]["max_length"] == 256
     result = runner.invoke(app, ["sft", "--model", str(sft.out_dir), "--data", str(tmp_path / "none.jsonl"),
                                  "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "none.jsonl: no such file or directory" in result.output

@@ -14,7 +14,7 @@ from rolemrc.core.chat import render_chat
 from rolemrc.train.config import BaseTrainConfig
 from rolemrc.train.corpus import Corpus, gather_corpus
 from rolemrc.train.data import DataError, DataReport, fingerprints, jsonl_files
-from rolemrc.train.runner import TrainResult, prepare, resume_checkpoint, train_and_save, trainer_arguments
+from rolemrc.train.runner import TrainResult, build_arguments, prepare, resume_checkpoint, train_and_save
 
 
 def documents(corpus: Corpus, tokenizer, seed: int) -> list[str]:
@@ -38,7 +38,7 @@ def pack(tokenizer, docs: list[str], block_size: int) -> list[list[int]]:
 def train_base(config: BaseTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()) -> TrainResult:
     """Train the tokenizer (or reuse the checkpoint's when resuming), build the Llama, pretrain, save."""
     from datasets import Dataset
-    from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+    from transformers import AutoTokenizer, Trainer, default_data_collator
 
     from rolemrc.core.tiny import build_model, train_tokenizer
 
@@ -48,6 +48,7 @@ def train_base(config: BaseTrainConfig, *, callbacks: tuple[TrainerCallback, ...
     report.check(config.max_bad_share, "data")
     if not corpus.chats and not corpus.plain:
         raise DataError("no conversations, pairs, profiles or passages to pretrain on (test records are held out)")
+    args = build_arguments(config)
     checkpoint = resume_checkpoint(config)
     if checkpoint:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
@@ -61,8 +62,8 @@ def train_base(config: BaseTrainConfig, *, callbacks: tuple[TrainerCallback, ...
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.train()
-    trainer = Trainer(model=model, args=TrainingArguments(**trainer_arguments(config)), train_dataset=dataset,
-                      data_collator=default_data_collator, processing_class=tokenizer)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
+                      processing_class=tokenizer)
     prepare(trainer, config, callbacks)
     corpus_info = {"conversations": len(corpus.chats), "plain_texts": len(corpus.plain),
                    "blocks": len(blocks), "tokens": len(blocks) * config.block_size}

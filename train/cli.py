@@ -1,5 +1,8 @@
 """`rolemrc train base|sft|dpo`. Settings: profile < --config YAML < --set key=value < explicit options.
 
+Any trainer argument of the stage (transformers' TrainingArguments, trl's SFTConfig / DPOConfig) can be set
+with `--set trl.KEY=VALUE` (e.g. `--set trl.optim=adafactor --set trl.loss_type=ipo`).
+
 Multi-GPU: `accelerate launch --num_processes 8 $(which rolemrc) train sft ...` runs unchanged;
 gradient accumulation is derived so that the effective batch stays as configured.
 """
@@ -12,35 +15,38 @@ from typing import Any
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Train the embedded base model, then SFT and DPO (trl).")
+from rolemrc.core.cli import cli_app
+from rolemrc.train.config import BaseTrainConfig, DPOTrainConfig, SFTTrainConfig, TrainConfig, help_text
+
+app = cli_app(help="Train the embedded base model, then SFT and DPO (trl).")
+
+
+def option(name: str, default: Any = None, *flags: str, cls: type[TrainConfig] = TrainConfig) -> Any:
+    """A typer option whose help is the setting's (or shorthand's) help in rolemrc.train.config."""
+    return typer.Option(default, *flags, help=help_text(cls, name))
+
 
 PROFILE = typer.Option("tiny", help="bundled profile (tiny | paper) or a YAML file with base/sft/dpo sections")
 CONFIG = typer.Option(None, "--config", help="YAML overriding the profile (stage sections or a flat mapping)")
-SET = typer.Option([], "--set", help="override any setting: --set learning_rate=1e-4 (repeatable)")
-OUT = typer.Option(..., help="output directory (a normal HF model directory with rolemrc.json)")
-MAX_STEPS = typer.Option(None, help="stop after this many optimiser steps (overrides epochs)")
-EPOCHS = typer.Option(None, help="training epochs")
-LR = typer.Option(None, help="learning rate")
-BATCH = typer.Option(None, help="per-device batch size")
-RESUME = typer.Option(None, "--resume/--no-resume", help="continue from the last checkpoint in OUT/checkpoints")
-PROGRESS = typer.Option(True, "--progress/--no-progress", help="show a progress bar")
-LORA = typer.Option(None, "--lora/--no-lora", help="train LoRA adapters (merged into the weights on save)")
+SET = typer.Option([], "--set", help="override a setting (--set batch_size=4) or a trainer argument "
+                                     "(--set trl.optim=adafactor); repeatable")
+OUT = option("out", ...)
+MAX_STEPS = option("max_steps")
+EPOCHS = option("num_train_epochs")
+LR = option("learning_rate")
+BATCH = option("batch_size")
+RESUME = option("resume", None, "--resume/--no-resume")
+PROGRESS = option("progress", True, "--progress/--no-progress")
+LORA = option("lora", None, "--lora/--no-lora", cls=SFTTrainConfig)
 
 
 def _run(stage: str, profile: str, config_file: Path | None, sets: list[str], **options: Any) -> None:
-    """Build the stage's config, train, print a JSON summary; config/data problems exit with code 2."""
-    from rolemrc.core.io import JsonlError
-    from rolemrc.train.config import STAGE_CONFIGS, ConfigError, make_config, parse_overrides
-    from rolemrc.train.data import DataError
+    """Build the stage's config, train, print a JSON summary."""
+    from rolemrc.train.config import STAGE_CONFIGS, make_config, parse_overrides
 
-    try:
-        overrides = {**parse_overrides(sets), **{k: v for k, v in options.items() if v is not None}}
-        config = make_config(STAGE_CONFIGS[stage], profile=profile, config_file=config_file, **overrides)
-        train = _trainer(stage)
-        result = train(config)
-    except (ConfigError, DataError, JsonlError) as exc:
-        typer.echo(f"Error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    overrides = {**parse_overrides(sets), **{k: v for k, v in options.items() if v is not None}}
+    config = make_config(STAGE_CONFIGS[stage], profile=profile, config_file=config_file, **overrides)
+    result = _trainer(stage)(config)
     summary = {"stage": stage, "out": str(result.out_dir), "seconds": round(result.seconds, 1),
                "resumed_from": result.resumed_from, "data": {k: result.data[k] for k in ("kept", "skipped", "reasons")},
                "metrics": {k: round(v, 5) if isinstance(v, float) else v for k, v in result.metrics.items()}}
@@ -55,12 +61,12 @@ def _trainer(stage: str):
 
 @app.command("base")
 def base_cmd(
-    data: list[Path] = typer.Option(..., help="RoleMRC JSONL files or directories of them (repeatable)"),
+    data: list[Path] = option("data", ..., cls=BaseTrainConfig),
     out: Path = OUT,
     profile: str = PROFILE,
     config: Path = CONFIG,
     set_: list[str] = SET,
-    vocab_size: int = typer.Option(None, help="BPE vocabulary size"),
+    vocab_size: int = option("vocab_size", cls=BaseTrainConfig),
     max_steps: int = MAX_STEPS,
     epochs: float = EPOCHS,
     lr: float = LR,
@@ -76,10 +82,10 @@ def base_cmd(
 
 @app.command("sft")
 def sft_cmd(
-    model: Path = typer.Option(..., help="model directory to fine-tune (e.g. the base model)"),
-    data: list[Path] = typer.Option(..., help="SFT JSONL (conversations; capitalised roles accepted)"),
+    model: Path = option("model", ..., cls=SFTTrainConfig),
+    data: list[Path] = option("data", ..., cls=SFTTrainConfig),
     out: Path = OUT,
-    mix: list[str] = typer.Option([], help="PATH:RATIO adds RATIO x len(data) SFT records from PATH (repeatable)"),
+    mix: list[str] = option("mix", [], cls=SFTTrainConfig),
     lora: bool = LORA,
     profile: str = PROFILE,
     config: Path = CONFIG,
@@ -99,10 +105,10 @@ def sft_cmd(
 
 @app.command("dpo")
 def dpo_cmd(
-    model: Path = typer.Option(..., help="SFT model directory (also the frozen reference)"),
-    data: list[Path] = typer.Option(..., help="preference pairs JSONL (prompt, chosen, rejected)"),
+    model: Path = option("model", ..., cls=DPOTrainConfig),
+    data: list[Path] = option("data", ..., cls=DPOTrainConfig),
     out: Path = OUT,
-    beta: float = typer.Option(None, help="DPO beta"),
+    beta: float = option("beta"),
     lora: bool = LORA,
     profile: str = PROFILE,
     config: Path = CONFIG,

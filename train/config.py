@@ -1,95 +1,212 @@
-"""Training configs (trl-style dataclasses) and YAML profiles with overrides.
+"""Training configs: rolemrc's own settings (trl-style dataclasses), plus trainer arguments passed to trl.
 
-A profile (`train/profiles/<name>.yaml`, or any YAML path) has one section per stage
-(`base`, `sft`, `dpo`). The config of a run is: dataclass defaults < profile section <
-`--config` file (same layout, or a flat mapping for one stage) < explicit overrides.
+A profile (`train/profiles/<name>.yaml`, or any YAML path) has one section per stage (`base`, `sft`, `dpo`).
+A section holds rolemrc's own settings (the dataclass fields below) and a `trl:` mapping of keyword
+arguments for the stage's trainer arguments class (transformers' `TrainingArguments` for base, trl's
+`SFTConfig` / `DPOConfig`): any field of that class is accepted, anything else is refused with close
+matches. The config of a run is: defaults (the fields' and `TRL_DEFAULTS`) < profile section <
+`--config` file (same layout, or a flat mapping for one stage) < explicit overrides; `trl:` mappings
+merge key by key. Overrides name trainer arguments as `trl.KEY` (`--set trl.loss_type=ipo`); the
+common ones may also be written flat (`SHORTHANDS`, the names rolemrc's own settings once had).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib
 import os
 import types
 import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
+from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_yaml
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 STAGES = ("base", "sft", "dpo")
 
 
-class ConfigError(ValueError):
+class ConfigError(RolemrcError, ValueError):
     """A config or profile is malformed (unknown key, wrong type, missing section)."""
+
+
+def setting(help: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A dataclass field with its help text (shown by `rolemrc train ... --help`), as trl's configs do."""
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+# rolemrc's defaults for trainer arguments, all stages ("all") and per stage; a `trl:` entry overrides any.
+TRL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "all": {"learning_rate": 2e-5, "lr_scheduler_type": "cosine", "warmup_steps": 0.0, "num_train_epochs": 1.0,
+            "max_steps": -1, "weight_decay": 0.0, "max_grad_norm": 1.0, "logging_steps": 1,
+            "logging_first_step": True, "save_strategy": "steps", "save_steps": 50, "save_total_limit": 2,
+            "bf16": False, "gradient_checkpointing": False,  # trl turns it on; it only slows small models down
+            "report_to": [], "dataloader_num_workers": 0},
+    "base": {},
+    "sft": {"max_length": 512, "assistant_only_loss": True, "packing": False},
+    "dpo": {"max_length": 512, "beta": 0.1},
+}
+
+# Flat names accepted for common trainer arguments: name -> (trainer argument, help).
+SHORTHANDS: dict[str, tuple[str, str]] = {
+    "learning_rate": ("learning_rate", "peak learning rate"),
+    "lr_scheduler_type": ("lr_scheduler_type", "learning-rate schedule (cosine, linear, constant, ...)"),
+    "warmup_ratio": ("warmup_steps", "warmup as a share of all steps (trl's warmup_steps below 1)"),
+    "num_train_epochs": ("num_train_epochs", "training epochs"),
+    "max_steps": ("max_steps", "stop after this many optimiser steps (overrides epochs)"),
+    "weight_decay": ("weight_decay", "AdamW weight decay"),
+    "max_grad_norm": ("max_grad_norm", "gradient clipping norm"),
+    "max_length": ("max_length", "truncate sequences to this many tokens (sft, dpo)"),
+    "logging_steps": ("logging_steps", "log every this many steps"),
+    "save_steps": ("save_steps", "checkpoint every this many steps"),
+    "save_total_limit": ("save_total_limit", "checkpoints kept while training"),
+    "bf16": ("bf16", "bf16 mixed precision"),
+    "gradient_checkpointing": ("gradient_checkpointing", "trade compute for memory"),
+    "beta": ("beta", "DPO beta (dpo)"),
+}
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def checkpoints_dir(config: TrainConfig) -> Path:
+    return Path(config.out) / "checkpoints"
+
+
+def accumulation_steps(config: TrainConfig) -> int:
+    """Gradient accumulation that makes batch_size x steps x processes equal effective_batch_size."""
+    if config.effective_batch_size is None:
+        return 1
+    per_step = config.batch_size * world_size()
+    if config.effective_batch_size % per_step:
+        raise ConfigError(f"effective_batch_size {config.effective_batch_size} is not a multiple of batch_size "
+                          f"{config.batch_size} x {world_size()} process(es)")
+    return config.effective_batch_size // per_step
+
+
+# Trainer arguments derived from rolemrc's own settings (so not accepted under `trl:`): argument -> (setting, value).
+DERIVED: dict[str, tuple[str, Callable[[TrainConfig], Any]]] = {
+    "output_dir": ("out", lambda c: str(checkpoints_dir(c))),
+    "per_device_train_batch_size": ("batch_size", lambda c: c.batch_size),
+    "gradient_accumulation_steps": ("effective_batch_size", accumulation_steps),
+    "seed": ("seed", lambda c: c.seed),
+    "disable_tqdm": ("progress", lambda c: not c.progress),
+}
+
+
+def _suggest(key: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
+    """Convert a YAML/CLI value to the type `hint` (YAML reads `2e-5` as a string); unions of several
+    types are left to the class that receives the value."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) > 1:
+            return value
+        hint = options[0]
+    target = typing.get_origin(hint) or hint
+    try:
+        if target is typing.Literal:
+            if value not in typing.get_args(hint):
+                raise ValueError
+            return value
+        if target is dict:
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+        if target is list:
+            return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+        if target is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if target is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return target(value) if target in (int, float, str) else value
+    except (TypeError, ValueError):
+        shown = getattr(target, "__name__", None) or str(hint)
+        raise ConfigError(f"{name}: cannot use {value!r} as {shown}") from None
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Settings every stage shares (optimiser, schedule, batching, checkpoints, bad-record policy)."""
+    """Settings every stage shares (batching, checkpoints, bad-record policy) and its trainer arguments."""
 
-    out: str
-    learning_rate: float = 2e-5
-    lr_scheduler_type: str = "cosine"
-    warmup_ratio: float = 0.0
-    num_train_epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides num_train_epochs
-    batch_size: int = 8  # per device
-    effective_batch_size: int | None = None  # batch_size x accumulation x processes; None = no accumulation
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_length: int = 512
-    seed: int = 0
-    logging_steps: int = 1
-    save_steps: int = 50
-    save_total_limit: int = 2
-    resume: bool = True  # continue from the last checkpoint under out/checkpoints if there is one
-    keep_checkpoints: bool = False  # keep out/checkpoints after a successful run
-    bf16: bool = False
-    gradient_checkpointing: bool = False  # trades compute for memory (off: it only slows small models down)
-    max_bad_share: float = 0.1  # fail when more than this share of records is bad
-    progress: bool = True
+    stage: ClassVar[str]
+    arguments: ClassVar[str]  # "module.Class" of the stage's trainer arguments
+
+    out: str = setting("output directory (a normal HF model directory with rolemrc.json)")
+    batch_size: int = setting("per-device batch size", 8)
+    effective_batch_size: int | None = setting(
+        "batch_size x gradient accumulation x processes; accumulation is derived (unset: none)", None)
+    seed: int = setting("seed for data order, mixing, model init and the trainer", 0)
+    resume: bool = setting("continue from the last checkpoint in OUT/checkpoints if there is one", True)
+    keep_checkpoints: bool = setting("keep OUT/checkpoints after a successful run", False)
+    max_bad_share: float = setting("fail when more than this share of records is bad", 0.1)
+    progress: bool = setting("show a progress bar", True)
+    trl: dict[str, Any] = setting("keyword arguments for the stage's trainer arguments class (trl.KEY=VALUE)",
+                                  default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.learning_rate <= 0:
-            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        self.trl = resolve_trl(type(self), self.trl)
+        checks = (("learning_rate", self.trl["learning_rate"] > 0, "> 0"),
+                  ("warmup_steps", self.trl["warmup_steps"] >= 0, ">= 0"),
+                  ("batch_size", self.batch_size >= 1, ">= 1"),
+                  ("max_bad_share", 0 <= self.max_bad_share <= 1, "in [0, 1]"))
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"{name} must be {rule}, got {self.trl.get(name, getattr(self, name, None))}")
         if self.effective_batch_size is not None and self.effective_batch_size < self.batch_size:
             raise ConfigError(f"effective_batch_size {self.effective_batch_size} < batch_size {self.batch_size}")
-        if not 0 <= self.max_bad_share <= 1:
-            raise ConfigError(f"max_bad_share must be in [0, 1], got {self.max_bad_share}")
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+        if self.trl["max_steps"] <= 0 and self.trl["num_train_epochs"] <= 0:
             raise ConfigError("set max_steps > 0 or num_train_epochs > 0")
+
+    @classmethod
+    def arguments_class(cls) -> type:
+        """The trainer arguments class (imported on first use: trl is slow to import)."""
+        module, _, name = cls.arguments.rpartition(".")
+        return getattr(importlib.import_module(module), name)
 
 
 @dataclass(kw_only=True)
 class LoraOptions:
     """LoRA via peft; adapters are merged into the weights when the model is saved."""
 
-    lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: str = "all-linear"
+    lora: bool = setting("train LoRA adapters (merged into the weights on save)", False)
+    lora_r: int = setting("LoRA rank", 16)
+    lora_alpha: int = setting("LoRA alpha", 32)
+    lora_dropout: float = setting("LoRA dropout", 0.05)
+    lora_target_modules: str = setting("modules LoRA adapts (peft's target_modules)", "all-linear")
 
 
 @dataclass(kw_only=True)
 class BaseTrainConfig(TrainConfig):
     """Tokenizer + Llama from scratch, pretrained on chat-formatted RoleMRC-style data."""
 
-    data: list[str]
-    vocab_size: int = 2048
-    hidden: int = 256
-    layers: int = 4
-    intermediate: int = 688
-    heads: int = 4
-    kv_heads: int | None = None
-    max_positions: int = 1024
-    block_size: int = 256  # packed sequence length for pretraining
+    stage = "base"
+    arguments = "transformers.TrainingArguments"
+
+    data: list[str] = setting("RoleMRC JSONL files or directories of them")
+    vocab_size: int = setting("BPE vocabulary size", 2048)
+    hidden: int = setting("hidden size", 256)
+    layers: int = setting("transformer layers", 4)
+    intermediate: int = setting("MLP size", 688)
+    heads: int = setting("attention heads", 4)
+    kv_heads: int | None = setting("key/value heads (unset: as many as heads)", None)
+    max_positions: int = setting("longest sequence the model supports", 1024)
+    block_size: int = setting("packed sequence length for pretraining", 256)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,27 +220,60 @@ class BaseTrainConfig(TrainConfig):
 class SFTTrainConfig(TrainConfig, LoraOptions):
     """trl SFTTrainer with loss on assistant turns only."""
 
-    model: str
-    data: list[str]
-    mix: list[str] = field(default_factory=list)  # "PATH:RATIO", RATIO x len(data) records drawn from PATH
+    stage = "sft"
+    arguments = "trl.SFTConfig"
+
+    model: str = setting("model directory to fine-tune (e.g. the base model)")
+    data: list[str] = setting("SFT JSONL (conversations; capitalised roles accepted)")
+    mix: list[str] = setting("PATH:RATIO adds RATIO x len(data) SFT records from PATH", default_factory=list)
 
 
 @dataclass(kw_only=True)
 class DPOTrainConfig(TrainConfig, LoraOptions):
     """trl DPOTrainer from an SFT checkpoint against a frozen copy of it."""
 
-    model: str
-    data: list[str]
-    beta: float = 0.1
+    stage = "dpo"
+    arguments = "trl.DPOConfig"
+
+    model: str = setting("SFT model directory (also the frozen reference)")
+    data: list[str] = setting("preference pairs JSONL (prompt, chosen, rejected)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.beta <= 0:
-            raise ConfigError(f"beta must be > 0, got {self.beta}")
+        if self.trl["beta"] <= 0:
+            raise ConfigError(f"beta must be > 0, got {self.trl['beta']}")
 
 
-STAGE_CONFIGS: dict[str, type[TrainConfig]] = {"base": BaseTrainConfig, "sft": SFTTrainConfig, "dpo": DPOTrainConfig}
+STAGE_CONFIGS: dict[str, type[TrainConfig]] = {c.stage: c for c in (BaseTrainConfig, SFTTrainConfig, DPOTrainConfig)}
 C = TypeVar("C", bound=TrainConfig)
+
+
+def help_text(cls: type[TrainConfig], name: str) -> str:
+    """The help of a setting or shorthand (the one place help texts live)."""
+    if name in SHORTHANDS:
+        return SHORTHANDS[name][1]
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def resolve_trl(cls: type[TrainConfig], given: dict[str, Any]) -> dict[str, Any]:
+    """rolemrc's defaults updated with `given`, each key checked against the stage's trainer arguments class
+    and its value converted to the field's type."""
+    args_cls = cls.arguments_class()
+    fields = {f.name for f in dataclasses.fields(args_cls) if f.init}
+    for key in given:
+        if key in DERIVED:
+            raise ConfigError(f"trl.{key} is derived from rolemrc's `{DERIVED[key][0]}` setting; set that instead")
+        if key not in fields:
+            raise ConfigError(f"unknown {cls.stage} trainer argument trl.{key} ({args_cls.__name__} has no such field)"
+                              + _suggest(key, fields - set(DERIVED)))
+    hints = typing.get_type_hints(args_cls)
+    values = {**TRL_DEFAULTS["all"], **TRL_DEFAULTS[cls.stage], **given}
+    return {key: _coerce(hints[key], value, f"{args_cls.__name__}.{key}") for key, value in values.items()}
+
+
+def trl_arguments(config: TrainConfig) -> dict[str, Any]:
+    """The trainer arguments rolemrc derives from its own settings, then the config's `trl` entries."""
+    return {**config.trl, **{key: value(config) for key, (_, value) in DERIVED.items()}}
 
 
 def profile_path(profile: str | os.PathLike) -> Path:
@@ -162,58 +312,59 @@ def stage_section(path: Path, stage: str, *, required: bool) -> dict[str, Any]:
     return section
 
 
-def _coerce(cls: type, name: str, value: Any) -> Any:
-    """Convert YAML/CLI values to the field's type (YAML reads `2e-5` as a string)."""
-    hint = typing.get_type_hints(cls)[name]
-    optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
-    if optional:
-        if value is None:
-            return None
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    target = typing.get_origin(hint) or hint
-    try:
-        if target is list:
-            return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
-        if target is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-                return value.lower() in ("true", "1", "yes")
-            if isinstance(value, bool):
-                return value
-            raise ValueError
-        if target is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return target(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{cls.__name__}.{name}: cannot use {value!r} as {getattr(target, '__name__', target)}") from None
+def split_layer(cls: type[TrainConfig], layer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(own settings, trainer arguments) of one layer: `trl:` mappings, `trl.KEY` and shorthands go to the second."""
+    own_fields = {f.name for f in dataclasses.fields(cls)} - {"trl"}
+    own: dict[str, Any] = {}
+    trl: dict[str, Any] = {}
+    for key, value in layer.items():
+        if key == "trl":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{cls.stage}: `trl` must be a mapping of trainer arguments, got {value!r}")
+            trl.update(value)
+        elif key.startswith("trl."):
+            trl[key.removeprefix("trl.")] = value
+        elif key in own_fields:
+            own[key] = value
+        elif key in SHORTHANDS:
+            trl[SHORTHANDS[key][0]] = value
+        else:
+            argument = {f.name for f in dataclasses.fields(cls.arguments_class())}
+            hint = (f"; {key} is a trainer argument: write it under `trl:` (--set trl.{key}=...)" if key in argument
+                    else _suggest(key, own_fields | set(SHORTHANDS)))
+            raise ConfigError(f"unknown {cls.stage} setting {key!r}{hint}")
+    return own, trl
 
 
 def make_config(cls: type[C], *, profile: str | os.PathLike | None = "tiny", config_file: str | os.PathLike | None = None,
                 **overrides: Any) -> C:
     """Build a `cls` config: profile section, then config file, then keyword overrides (None = not set)."""
-    stage = next(s for s, c in STAGE_CONFIGS.items() if c is cls)
-    values: dict[str, Any] = {}
+    layers = []
     if profile is not None:
-        values.update(stage_section(profile_path(profile), stage, required=True))
+        layers.append(stage_section(profile_path(profile), cls.stage, required=True))
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"{path}: no such config file")
-        values.update(stage_section(path, stage, required=False))
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown {stage} setting(s) {unknown}; valid: {sorted(known)}")
+        layers.append(stage_section(path, cls.stage, required=False))
+    layers.append({k: v for k, v in overrides.items() if v is not None})
+    own: dict[str, Any] = {}
+    trl: dict[str, Any] = {}
+    for layer in layers:
+        layer_own, layer_trl = split_layer(cls, layer)
+        own.update(layer_own)
+        trl.update(layer_trl)
     missing = sorted(f.name for f in dataclasses.fields(cls)
-                     if f.name not in values and f.default is dataclasses.MISSING
+                     if f.name not in own and f.default is dataclasses.MISSING
                      and f.default_factory is dataclasses.MISSING)
     if missing:
-        raise ConfigError(f"{stage}: missing required setting(s) {missing}")
-    return cls(**{k: _coerce(cls, k, v) for k, v in values.items()})
+        raise ConfigError(f"{cls.stage}: missing required setting(s) {missing}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(hints[k], v, f"{cls.__name__}.{k}") for k, v in own.items()}, trl=trl)
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`key=value` strings (values parsed as YAML scalars) from `--set`."""
+    """`key=value` strings (values parsed as YAML scalars) from `--set`; `trl.KEY` names a trainer argument."""
     import yaml
 
     out = {}

@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolemrc.core.io import file_fingerprint, iter_jsonl
+from rolemrc.core.errors import RolemrcError
+from rolemrc.core.io import JsonlError, file_fingerprint, iter_jsonl
 from rolemrc.core.records import RecordError, normalize_turns
 
 
-class DataError(ValueError):
-    """The training data cannot be used (missing, empty, or too many bad records)."""
+class DataError(RolemrcError, ValueError):
+    """The training data cannot be used (missing, unreadable, empty, or too many bad records)."""
 
 
-class BadRecord(ValueError):
+class BadRecord(RolemrcError, ValueError):
     """One record is unusable: `reason` is what it is counted under, `detail` says more."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -154,15 +155,19 @@ def pair_example(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def scan(files: list[Path], handle: Callable[[dict[str, Any]], Any], report: DataReport) -> None:
-    """Call `handle` on each record; records it rejects with BadRecord are skipped and counted."""
-    for path in files:
-        for lineno, record in iter_jsonl(path):
-            try:
-                handle(record)
-            except BadRecord as exc:
-                report.skip(str(path), lineno, exc.reason, exc.detail)
-            else:
-                report.keep(str(path))
+    """Call `handle` on each record; records it rejects with BadRecord are skipped and counted, a line
+    that is not a JSON object is a DataError."""
+    try:
+        for path in files:
+            for lineno, record in iter_jsonl(path):
+                try:
+                    handle(record)
+                except BadRecord as exc:
+                    report.skip(str(path), lineno, exc.reason, exc.detail)
+                else:
+                    report.keep(str(path))
+    except JsonlError as exc:
+        raise DataError(str(exc)) from None
 
 
 def load_examples(files: list[Path], convert: Callable[[dict[str, Any]], dict], report: DataReport) -> list[dict]:

@@ -6,25 +6,25 @@ from transformers import TrainerCallback
 
 from rolemrc.train.config import DPOTrainConfig
 from rolemrc.train.data import DataReport, fingerprints, jsonl_files, load_examples, pair_example
-from rolemrc.train.runner import TrainResult, lora_config, prepare, source_model, start_model, train_and_save, trainer_arguments
+from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prepare, source_model, start_model, train_and_save
 
 
 def dpo_trainer(config: DPOTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()):
-    """(trainer, data report). The reference is a frozen copy of `config.model`; with LoRA it is the
-    same weights with the adapter disabled."""
+    """(trainer, data report). The data and arguments are checked before the model loads. The reference is a
+    frozen copy of `config.model`; with LoRA it is the same weights with the adapter disabled."""
     from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOTrainer
 
     files = jsonl_files(config.data)
     report = DataReport()
     pairs = load_examples(files, pair_example, report)
     report.check(config.max_bad_share, "preference")
+    args = build_arguments(config)
     model, tokenizer = start_model(config.model)
     reference = None
     if not config.lora:
         reference, _ = start_model(config.model)
         reference.eval().requires_grad_(False)
-    args = DPOConfig(**trainer_arguments(config), beta=config.beta, max_length=config.max_length)
     trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(pairs),
                          processing_class=tokenizer, peft_config=lora_config(config))
     prepare(trainer, config, callbacks)

@@ -18,7 +18,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from rolemrc import __version__
 from rolemrc.core.modeling import dir_fingerprint
-from rolemrc.train.config import ConfigError, TrainConfig
+from rolemrc.train.config import ConfigError, TrainConfig, checkpoints_dir, trl_arguments, world_size
 from rolemrc.train.data import DataReport
 
 MANIFEST = "rolemrc.json"
@@ -43,10 +43,6 @@ class TrainResult:
         return self.out_dir / MANIFEST
 
 
-def checkpoints_dir(config: TrainConfig) -> Path:
-    return Path(config.out) / "checkpoints"
-
-
 def resume_checkpoint(config: TrainConfig) -> str | None:
     """The last `checkpoint-N` under out/checkpoints when resuming is on, else None."""
     from transformers.trainer_utils import get_last_checkpoint
@@ -57,45 +53,24 @@ def resume_checkpoint(config: TrainConfig) -> str | None:
     return get_last_checkpoint(str(folder))
 
 
-def accumulation_steps(config: TrainConfig) -> int:
-    """Gradient accumulation that makes batch_size x steps x processes equal effective_batch_size."""
-    if config.effective_batch_size is None:
-        return 1
-    per_step = config.batch_size * int(os.environ.get("WORLD_SIZE", "1"))
-    if config.effective_batch_size % per_step:
-        raise ConfigError(f"effective_batch_size {config.effective_batch_size} is not a multiple of batch_size "
-                          f"{config.batch_size} x {per_step // config.batch_size} process(es)")
-    return config.effective_batch_size // per_step
-
-
 def trainer_arguments(config: TrainConfig) -> dict[str, Any]:
-    """Keyword arguments shared by transformers' TrainingArguments and trl's SFTConfig/DPOConfig."""
+    """Keyword arguments for the stage's trainer arguments class: machine-dependent defaults, then the
+    config's trainer arguments (`config.trl` and those derived from its own settings)."""
     return {
-        "output_dir": str(checkpoints_dir(config)),
-        "learning_rate": config.learning_rate,
-        "lr_scheduler_type": config.lr_scheduler_type,
-        "warmup_steps": config.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
-        "num_train_epochs": config.num_train_epochs,
-        "max_steps": config.max_steps,
-        "per_device_train_batch_size": config.batch_size,
-        "gradient_accumulation_steps": accumulation_steps(config),
-        "weight_decay": config.weight_decay,
-        "max_grad_norm": config.max_grad_norm,
-        "seed": config.seed,
-        "logging_steps": config.logging_steps,
-        "logging_first_step": True,
-        "save_strategy": "steps",
-        "save_steps": config.save_steps,
-        "save_total_limit": config.save_total_limit,
-        "bf16": config.bf16,
-        "gradient_checkpointing": config.gradient_checkpointing,
-        "report_to": [],
-        "disable_tqdm": not config.progress,
-        "dataloader_num_workers": 0,
         "dataloader_pin_memory": torch.cuda.is_available(),
         # transformers runs data-parallel over CPU processes (gloo) only when told to use the CPU
-        "use_cpu": int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available(),
+        "use_cpu": world_size() > 1 and not torch.cuda.is_available(),
+        **trl_arguments(config),
     }
+
+
+def build_arguments(config: TrainConfig):
+    """The stage's trainer arguments object; a value transformers or trl refuses is a ConfigError."""
+    cls = config.arguments_class()
+    try:
+        return cls(**trainer_arguments(config))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
 
 
 class LossBar(ProgressCallback):
@@ -144,6 +119,7 @@ def write_manifest(result: TrainResult, config: TrainConfig, extra: dict[str, An
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **extra,
         "config": dataclasses.asdict(config),
+        "trainer_arguments": trainer_arguments(config),
         "metrics": result.metrics,
         "data_report": result.data,
         "resumed_from": result.resumed_from,

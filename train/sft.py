@@ -6,22 +6,21 @@ from transformers import TrainerCallback
 
 from rolemrc.train.config import SFTTrainConfig
 from rolemrc.train.data import DataReport, fingerprints, jsonl_files, parse_mix
-from rolemrc.train.runner import TrainResult, lora_config, prepare, source_model, start_model, train_and_save, trainer_arguments
+from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prepare, source_model, start_model, train_and_save
 
 
 def sft_trainer(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()):
-    """(trainer, data report, mixture) ready to train; bad records are already counted and checked."""
+    """(trainer, data report, mixture) ready to train; the data and arguments are checked before the model loads."""
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from rolemrc.train.data import sft_examples
 
     report = DataReport()
     examples, mixture = sft_examples(config.data, config.mix, config.seed, report)
     report.check(config.max_bad_share, "SFT")
+    args = build_arguments(config)
     model, tokenizer = start_model(config.model)
-    args = SFTConfig(**trainer_arguments(config), max_length=config.max_length, assistant_only_loss=True,
-                     packing=False)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
                          processing_class=tokenizer, peft_config=lora_config(config))
     prepare(trainer, config, callbacks)

@@ -1,0 +1,81 @@
+"""Trainer arguments pass straight through to trl: `trl:` in YAML, `--set trl.KEY=...`, shorthands, typos."""
+
+import pytest
+import torch
+from train_fixtures import PROFILE_ARGUMENTS_BEFORE
+from trl import DPOConfig, SFTConfig
+
+from rolemrc.train.config import (STAGE_CONFIGS, ConfigError, DPOTrainConfig, SFTTrainConfig, help_text, make_config,
+                                  parse_overrides)
+from rolemrc.train.runner import build_arguments, trainer_arguments
+
+REQ = {"base": {"data": ["d"], "out": "o"}, "sft": {"model": "m", "data": ["d"], "out": "o"},
+       "dpo": {"model": "m", "data": ["d"], "out": "o"}}
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """The machine the before-values were written down on: no GPU, one process."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def test_set_trl_loss_type_reaches_dpo_config(no_gpu):
+    config = make_config(DPOTrainConfig, **REQ["dpo"], **parse_overrides(["trl.loss_type=ipo", "trl.beta=0.3"]))
+    args = build_arguments(config)
+    assert isinstance(args, DPOConfig) and args.loss_type == ["ipo"] and args.beta == 0.3
+
+
+def test_trl_mapping_and_set_reach_sft_config(no_gpu, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("sft:\n  trl:\n    optim: adafactor\n    adam_beta2: 0.95\n")
+    config = make_config(SFTTrainConfig, config_file=cfg, **REQ["sft"],
+                         **parse_overrides(["trl.gradient_checkpointing=true", "trl.adam_beta2=9.8e-1"]))
+    args = build_arguments(config)
+    assert isinstance(args, SFTConfig)
+    assert (args.optim, args.adam_beta2, args.gradient_checkpointing) == ("adafactor", 0.98, True)
+    assert args.learning_rate == 5e-4 and args.max_length == 1024  # the profile's trl entries merge, key by key
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"trl.los_type": "ipo"}, r"unknown dpo trainer argument trl.los_type \(DPOConfig has no such field\); "
+                              r"did you mean loss_type"),
+    ({"optim": "adafactor"}, r"unknown dpo setting 'optim'; optim is a trainer argument: write it under `trl:`"),
+    ({"bta": 0.2}, r"unknown dpo setting 'bta'; did you mean beta"),
+    ({"trl.per_device_train_batch_size": 2}, r"derived from rolemrc's `batch_size` setting"),
+    ({"trl": "ipo"}, r"`trl` must be a mapping"),
+    ({"trl.adam_beta2": "high"}, r"DPOConfig.adam_beta2: cannot use 'high' as float"),
+    ({"beta": 0}, r"beta must be > 0"),
+])
+def test_bad_trainer_arguments_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(DPOTrainConfig, **REQ["dpo"], **overrides)
+
+
+def test_a_value_trl_refuses_is_a_config_error(no_gpu):
+    config = make_config(SFTTrainConfig, **REQ["sft"], **{"trl.optim": "no_such_optimiser"})
+    with pytest.raises(ConfigError, match="SFTConfig: .*no_such_optimiser"):
+        build_arguments(config)
+
+
+@pytest.mark.parametrize("key", sorted(PROFILE_ARGUMENTS_BEFORE))
+def test_profiles_resolve_to_the_same_trainer_arguments_as_before(no_gpu, key):
+    profile, stage = key.split("/")
+    config = make_config(STAGE_CONFIGS[stage], profile=profile, **REQ[stage])
+    assert trainer_arguments(config) == PROFILE_ARGUMENTS_BEFORE[key]
+    if profile == "tiny":  # what the demo trains with; paper's bf16 needs a GPU
+        cls = config.arguments_class()
+        assert build_arguments(config).to_dict() == cls(**PROFILE_ARGUMENTS_BEFORE[key]).to_dict()
+
+
+def test_shorthands_and_trl_keys_name_the_same_argument():
+    flat = make_config(SFTTrainConfig, **REQ["sft"], learning_rate="1e-4", warmup_ratio=0.2, max_length=64)
+    nested = make_config(SFTTrainConfig, **REQ["sft"], trl={"learning_rate": 1e-4, "warmup_steps": 0.2,
+                                                           "max_length": 64})
+    assert flat.trl == nested.trl and flat.trl["learning_rate"] == 1e-4
+
+
+def test_help_comes_from_the_config_module():
+    assert help_text(SFTTrainConfig, "batch_size") == "per-device batch size"
+    assert help_text(DPOTrainConfig, "beta").startswith("DPO beta")
+
