@@ -72,11 +72,11 @@ class TransformerLensBackend:
     """
 
     def __init__(self, model: nn.Module, point: str, tokenizer: Any = None):
-        from transformer_lens.model_bridge import TransformerBridge
-
         row = hook_point(point)
         if row.bridge is None:
             raise ProbeError(f"{point} has no TransformerBridge hook; use the torch or nnsight backend")
+        from transformer_lens.model_bridge import TransformerBridge
+
         source = getattr(model.config, "_name_or_path", "") or getattr(tokenizer, "name_or_path", "")
         if not source:
             raise ProbeError("the transformer-lens backend needs a model loaded from a local directory")

@@ -209,9 +209,9 @@ def hook_table_markdown() -> str:
     def lora(row: HookPoint) -> str:
         if not (row.lora and row.fold):
             return "no"
-        return "yes" if row.fold.side == "in" else "yes, unless the projection has a bias (GPT-2)"
+        return "yes" if row.fold.side == "in" else "yes, unless the projection has a bias (as on GPT-2)"
 
-    head = ["name", "tensor", "width", *(l.name for l in LAYOUTS), "TransformerLens", "bake", "LoRA"]
+    head = ["hook point", "tensor", "width", *(l.name for l in LAYOUTS), "TransformerLens", "bake", "LoRA"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in HOOK_POINTS.values():
         cells = [f"`layers.{{i}}.{row.name}`", row.tensor, row.width, *(where(row, l) for l in LAYOUTS),
