@@ -1,11 +1,9 @@
-"""`python -m rolemrc.serve --config serve.yaml`: the same as `rolemrc serve`."""
+"""`python -m rolemrc.serve --config serve.yaml`: the same as `rolemrc serve`, run by the `rolemrc` command (so
+errors are reported its way)."""
 
-import typer
+import sys
 
-from rolemrc.serve.cli import register
-
-app = typer.Typer(add_completion=False)
-register(app)
+from rolemrc.cli import app
 
 if __name__ == "__main__":
-    app()
+    app(args=["serve", *sys.argv[1:]], prog_name="rolemrc")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from rolemrc.serve.engines import ENGINES
+
 
 def register(app: typer.Typer) -> None:
     @app.command("serve")
@@ -13,18 +15,10 @@ def register(app: typer.Typer) -> None:
         config: Path = typer.Option(..., "--config", "-c", help="serve YAML (models, restraints, limits, keys, db)"),
         host: str = typer.Option(None, help="bind address (default: the config's, 127.0.0.1)"),
         port: int = typer.Option(None, help="port (default: the config's, 8000)"),
-        engine: str = typer.Option(None, help="override every model's engine: transformers | vllm"),
+        engine: str = typer.Option(None, help=f"override every model's engine: {' | '.join(ENGINES)}"),
     ) -> None:
         """Serve models over an OpenAI-compatible API with restraints and A/B experiments."""
-        from rolemrc.serve.config import ConfigError, ServeConfig
+        from rolemrc.serve.config import ServeConfig
         from rolemrc.serve.server import serve
 
-        try:
-            cfg = ServeConfig.load(config)
-            if engine:
-                for name, model in cfg.models.items():
-                    model.engine = engine
-                    model.check(name)
-        except ConfigError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--config") from None
-        serve(cfg, host, port)
+        serve(ServeConfig.load(config, engine), host, port)

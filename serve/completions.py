@@ -1,103 +1,96 @@
-"""The completion flow shared by /v1/chat/completions and /v1/completions: pick model and restraint
-(or an experiment's arm), admit, generate with timeout and disconnect handling, log, respond."""
+"""Serving /v1/chat/completions and /v1/completions. `Call` is the shared core: route, admit, generate with
+timeout and disconnect handling, record, answer whole or as server-sent events. `ChatCall` and `TextCall`
+only shape what differs: the response and chunk objects, and how the prompt is logged."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from rolemrc.serve import protocol as p
-from rolemrc.serve.engine import Generation, Prompt, Resolved
+from rolemrc.serve.engines.base import Generation, Prompt
 from rolemrc.serve.errors import ApiError
-from rolemrc.serve.experiments import assign
-from rolemrc.serve.sampling import SamplingParams
+from rolemrc.serve.routing import Route, route, sampling_params
+from rolemrc.serve.state import State, app_state
+
+
+async def chat_completion(request: Request, body: p.ChatCompletionRequest) -> Response:
+    return await ChatCall.serve(request, body, Prompt(messages=[m.turn() for m in body.messages]))
+
+
+async def text_completion(request: Request, body: p.CompletionRequest) -> Response:
+    if isinstance(body.prompt, list) and len(body.prompt) != 1:
+        raise ApiError(400, "send exactly one prompt per request", param="prompt")
+    return await TextCall.serve(request, body, Prompt(text=body.text()))
 
 
 @dataclass
-class Route:
-    """Where one request goes."""
-
-    model_id: str
-    engine: Any
-    resolved: Resolved
-    experiment: str | None = None
-    arm: str | None = None
-
-
-class Completions:
-    def __init__(self, state: Any) -> None:
-        self.state = state
-        self.config = state.config
-
-    async def route(self, body: p.SamplingFields) -> Route:
-        registry = self.state.registry
-        if body.experiment is None:
-            engine, named = registry.lookup(body.model)
-            return Route(body.model, engine, registry.resolve(engine, named, body.restraint))
-        if body.restraint is not None:
-            raise ApiError(400, "a request in an experiment gets its restraint from the arm; drop 'restraint'",
-                           param="restraint")
-        exp = await self.state.experiment(body.experiment)
-        arm = assign(exp["id"], exp["arms"], body.user)
-        engine, named = registry.lookup(arm["model"])
-        if named is None and arm.get("restraint"):
-            resolved = registry.resolve(engine, None, arm["restraint"])
-        else:
-            resolved = registry.resolve(engine, named, None)
-        model_id = arm["model"] if named or not arm.get("restraint") else f"{arm['model']}+{arm['restraint']}"
-        return Route(model_id, engine, resolved, exp["id"], arm["name"])
-
-    def params(self, body: p.SamplingFields) -> SamplingParams:
-        if body.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
-        max_tokens = body.requested_max_tokens()
-        if max_tokens is not None and max_tokens > self.config.max_new_tokens:
-            raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {self.config.max_new_tokens}",
-                           code="max_tokens_too_large", param="max_tokens")
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                              stop=body.stops(), ignore_eos=body.ignore_eos)
-
-    async def handle(self, request: Request, body: p.SamplingFields, prompt: Prompt, endpoint: str) -> Any:
-        started = time.time()
-        clock = time.perf_counter()
-        route = await self.route(body)
-        info = request.state.log
-        info.update(model=route.model_id, restraint=route.resolved.label, experiment=route.experiment, arm=route.arm)
-        gen = await route.engine.submit(prompt, self.params(body), route.resolved)
-        request_id = p.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
-        info["id"] = request_id
-        ctx = Call(self, request, body, prompt, endpoint, route, gen, request_id, started, clock)
-        if body.stream:
-            return StreamingResponse(ctx.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await ctx.whole()
-
-
-@dataclass
-class Call:
+class Call(ABC):
     """One admitted request on its way out."""
 
-    flow: Completions
+    endpoint: ClassVar[str]                   # its label in metrics, logs and the A/B table
+    id_prefix: ClassVar[str]
+    response_model: ClassVar[type[BaseModel]]
+    chunk_model: ClassVar[type[BaseModel]]
+
+    state: State
     request: Request
     body: p.SamplingFields
     prompt: Prompt
-    endpoint: str
     route: Route
     gen: Generation
     id: str
     started: float
     clock: float
 
+    @classmethod
+    async def serve(cls, request: Request, body: p.SamplingFields, prompt: Prompt) -> Response:
+        """Pick model and restraint (or an experiment's arm), admit, and answer whole or streamed."""
+        state = app_state(request)
+        started, clock = time.time(), time.perf_counter()
+        target = await route(state, body)
+        info = request.state.log
+        info.update(model=target.model_id, restraint=target.resolved.label, experiment=target.experiment,
+                    arm=target.arm)
+        gen = await target.engine.submit(prompt, sampling_params(state.config, body), target.resolved)
+        call = cls(state, request, body, prompt, target, gen, p.new_id(cls.id_prefix), started, clock)
+        info["id"] = call.id
+        if body.stream:
+            return StreamingResponse(call.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await call.whole()
+
+    # what differs per endpoint
+
+    @abstractmethod
+    def whole_choice(self, text: str, finish_reason: str) -> BaseModel: ...
+
+    @abstractmethod
+    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> BaseModel:
+        """A streamed choice: a text delta, or (text None) the finish."""
+
+    def opening(self) -> list[BaseModel]:
+        """Choices streamed before the first delta."""
+        return []
+
+    @abstractmethod
+    def logged_messages(self) -> list[dict[str, str]]:
+        """The prompt as the A/B table stores it."""
+
+    # the shared core
+
     @property
     def deadline(self) -> float:
-        return self.clock + self.flow.config.request_timeout_s
+        return self.clock + self.state.config.request_timeout_s
 
     def served(self) -> dict[str, Any]:
         return {"restraint": self.route.resolved.label if self.route.resolved.restraint is not None
@@ -123,16 +116,10 @@ class Call:
                 raise self.timeout()
             text = text_task.result()
             final = self.gen.final
-            usage = p.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-                            total_tokens=final.prompt_tokens + final.completion_tokens)
+            usage = _usage(final.prompt_tokens, final.completion_tokens)
             await self.record(text, final.finish_reason, usage)
-        if self.endpoint == "chat":
-            out = p.ChatCompletionResponse(
-                id=self.id, model=self.route.model_id, usage=usage, **self.served(),
-                choices=[p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=final.finish_reason)])
-        else:
-            out = p.CompletionResponse(id=self.id, model=self.route.model_id, usage=usage, **self.served(),
-                                       choices=[p.CompletionChoice(text=text, finish_reason=final.finish_reason)])
+        out = self.response_model(id=self.id, model=self.route.model_id, usage=usage, **self.served(),
+                                  choices=[self.whole_choice(text, final.finish_reason)])
         return JSONResponse(out.model_dump())
 
     async def events(self) -> AsyncIterator[str]:
@@ -141,8 +128,8 @@ class Call:
         created = int(self.started)
         pieces: list[str] = []
         async with self.gen:
-            if self.endpoint == "chat":
-                yield self.chunk(created, p.Delta(role="assistant", content=""))
+            for choice in self.opening():
+                yield self.chunk(created, [choice])
             stream = self.gen.__aiter__()
             while True:
                 try:
@@ -157,49 +144,79 @@ class Call:
                     yield _sse(exc.body())
                     return
                 pieces.append(delta)
-                yield self.chunk(created, p.Delta(content=delta) if self.endpoint == "chat" else delta)
+                yield self.chunk(created, [self.delta_choice(delta)])
             final = self.gen.final
-            usage = p.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-                            total_tokens=final.prompt_tokens + final.completion_tokens)
+            usage = _usage(final.prompt_tokens, final.completion_tokens)
             await self.record("".join(pieces), final.finish_reason, usage)
-        yield self.chunk(created, p.Delta() if self.endpoint == "chat" else "", finish=final.finish_reason)
+        yield self.chunk(created, [self.delta_choice(None, final.finish_reason)])
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            yield self.chunk(created, None, usage=usage)
+            yield self.chunk(created, [], usage=usage)
         yield "data: [DONE]\n\n"
 
-    def chunk(self, created: int, delta: Any, *, finish: str | None = None, usage: p.Usage | None = None) -> str:
-        if self.endpoint == "chat":
-            choices = [] if delta is None else [p.ChunkChoice(delta=delta, finish_reason=finish)]
-            out = p.ChatCompletionChunk(id=self.id, created=created, model=self.route.model_id, choices=choices,
-                                        usage=usage, **self.served())
-        else:
-            choices = [] if delta is None else [p.CompletionChoice(text=delta, finish_reason=finish)]
-            out = p.CompletionResponse(id=self.id, created=created, model=self.route.model_id, choices=choices,
-                                       usage=usage, **self.served())
+    def chunk(self, created: int, choices: list[BaseModel], *, usage: p.Usage | None = None) -> str:
+        out = self.chunk_model(id=self.id, created=created, model=self.route.model_id, choices=choices, usage=usage,
+                               **self.served())
         return _sse(out.model_dump(exclude_none=True))
 
     def timeout(self) -> ApiError:
-        return ApiError(504, f"the request took longer than {self.flow.config.request_timeout_s} s",
-                        code="timeout")
+        return ApiError(504, f"the request took longer than {self.state.config.request_timeout_s} s", code="timeout")
 
     async def record(self, text: str, finish_reason: str, usage: p.Usage) -> None:
         """Metrics, and for experiment requests the A/B row, written before anything is acknowledged."""
         latency = time.perf_counter() - self.clock
-        state = self.flow.state
         self.request.state.log.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                                       finish_reason=finish_reason)
-        state.metrics.observe(self.route.engine.name, self.route.resolved.label, self.endpoint, 200, latency,
-                              usage.prompt_tokens, usage.completion_tokens)
+        self.state.metrics.observe(self.route.engine.name, self.route.resolved.label, self.endpoint, 200, latency,
+                                   usage.prompt_tokens, usage.completion_tokens)
         if self.route.experiment is None:
             return
-        messages = self.prompt.messages if self.prompt.messages is not None else [{"role": "prompt",
-                                                                                  "content": self.prompt.text}]
         row = {"id": self.id, "experiment": self.route.experiment, "arm": self.route.arm, "user": self.body.user,
                "model": self.route.model_id, "restraint": self.served()["restraint"], "endpoint": self.endpoint,
-               "messages": messages, "response": text, "finish_reason": finish_reason, "latency_s": latency,
-               "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-               "metadata": self.body.metadata, "started": self.started, "finished": time.time()}
-        await asyncio.to_thread(state.store.log_request, row)
+               "messages": self.logged_messages(), "response": text, "finish_reason": finish_reason,
+               "latency_s": latency, "prompt_tokens": usage.prompt_tokens,
+               "completion_tokens": usage.completion_tokens, "metadata": self.body.metadata,
+               "started": self.started, "finished": time.time()}
+        await asyncio.to_thread(self.state.store.log_request, row)
+
+
+class ChatCall(Call):
+    endpoint = "chat"
+    id_prefix = "chatcmpl"
+    response_model = p.ChatCompletionResponse
+    chunk_model = p.ChatCompletionChunk
+
+    def whole_choice(self, text: str, finish_reason: str) -> p.ChatChoice:
+        return p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=finish_reason)
+
+    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> p.ChunkChoice:
+        return p.ChunkChoice(delta=p.Delta(content=text), finish_reason=finish_reason)
+
+    def opening(self) -> list[BaseModel]:
+        return [p.ChunkChoice(delta=p.Delta(role="assistant", content=""))]
+
+    def logged_messages(self) -> list[dict[str, str]]:
+        return self.prompt.messages
+
+
+class TextCall(Call):
+    endpoint = "completion"
+    id_prefix = "cmpl"
+    response_model = p.CompletionResponse
+    chunk_model = p.CompletionResponse
+
+    def whole_choice(self, text: str, finish_reason: str) -> p.CompletionChoice:
+        return p.CompletionChoice(text=text, finish_reason=finish_reason)
+
+    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> p.CompletionChoice:
+        return p.CompletionChoice(text=text or "", finish_reason=finish_reason)
+
+    def logged_messages(self) -> list[dict[str, str]]:
+        return [{"role": "prompt", "content": self.prompt.text}]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:
+    return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
 
 
 def _sse(data: dict) -> str:

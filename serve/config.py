@@ -3,43 +3,52 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_yaml
+from rolemrc.serve.engines import ENGINES, engine_class
 
-ENGINES = ("transformers", "vllm", "upstream")
+T = TypeVar("T")
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
-class ConfigError(ValueError):
+class ConfigError(RolemrcError, ValueError):
     """The serve config is malformed."""
 
 
 @dataclass
 class ModelConfig:
-    """One servable model. `path`: a local HF directory (transformers; vllm: a baked checkpoint);
-    `base_url`: an OpenAI-compatible endpoint (upstream)."""
+    """One servable model: the engine serving it (a name in `ENGINES`) and that engine's options."""
 
-    path: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    engine: str = "transformers"
-    base_url: str | None = None
-    upstream_model: str | None = None   # the model id the upstream knows (default: this entry's name)
-    api_key_env: str | None = None      # env var holding the upstream's key
-    pass_restraints: bool = False       # upstream: forward `restraint` (the upstream is a rolemrc server)
-    vllm_args: list[str] = field(default_factory=list)
+    engine: str
+    options: Any
 
-    def check(self, name: str) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"model {name!r}: unknown engine {self.engine!r}; choose one of {ENGINES}")
-        if self.engine == "upstream" and not self.base_url:
-            raise ConfigError(f"model {name!r}: engine 'upstream' needs base_url")
-        if self.engine != "upstream" and not self.path:
-            raise ConfigError(f"model {name!r}: engine {self.engine!r} needs path")
-        if "+" in name:
-            raise ConfigError(f"model name {name!r} must not contain '+' (it separates model and restraint)")
+    @classmethod
+    def parse(cls, name: str, entry: str | dict[str, Any] | None, base: Path, engine: str | None = None) -> ModelConfig:
+        """A model entry as users write it: a path, or flat keys with `engine:` picking whose options the rest are
+        (`engine`, when given, overrides it). Paths are resolved against `base`."""
+        where = f"model {name!r}"
+        entry = {"path": entry} if isinstance(entry, str) else dict(entry or {})
+        written = entry.pop("engine", "transformers")
+        engine = engine or written
+        if engine not in ENGINES:
+            raise ConfigError(f"{where}: unknown engine {engine!r}; choose one of {tuple(ENGINES)}")
+        options = engine_class(engine).Options
+        allowed = {f.name: f for f in fields(options)}
+        unknown = sorted(set(entry) - set(allowed))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown} for engine {engine!r}; its keys: "
+                              f"{['engine', *allowed]}")
+        for key, f in allowed.items():
+            if f.default is MISSING and f.default_factory is MISSING and not entry.get(key):
+                raise ConfigError(f"{where}: engine {engine!r} needs {key}")
+            if f.metadata.get("local_path") and entry.get(key):
+                entry[key] = str(_resolve(base, entry[key]))
+        return cls(engine, check_choices(options(**entry), where))
 
 
 @dataclass
@@ -63,13 +72,15 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     host: str = "127.0.0.1"
     port: int = 8000
-    log_level: str = "info"
+    log_level: LogLevel = "info"
 
     def __post_init__(self) -> None:
         if not self.models:
             raise ConfigError("config needs at least one entry under 'models'")
-        for name, model in self.models.items():
-            model.check(name)
+        for name in self.models:
+            if "+" in name:
+                raise ConfigError(f"model name {name!r} must not contain '+' (it separates model and restraint)")
+        check_choices(self, "config")
         for key in ("max_inline_units", "max_body_bytes", "max_queue", "max_batch", "max_new_tokens",
                     "default_max_tokens"):
             if int(getattr(self, key)) < 1:
@@ -78,7 +89,9 @@ class ServeConfig:
             raise ConfigError("request_timeout_s must be > 0")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], base_dir: str | os.PathLike = ".") -> ServeConfig:
+    def from_dict(cls, data: dict[str, Any], base_dir: str | os.PathLike = ".",
+                  engine: str | None = None) -> ServeConfig:
+        """`engine`: serve every model with this engine, whatever its entry says."""
         if not isinstance(data, dict):
             raise ConfigError("the serve config must be a mapping")
         known = {f.name for f in fields(cls)}
@@ -87,16 +100,8 @@ class ServeConfig:
             raise ConfigError(f"unknown config field(s) {sorted(unknown)}")
         base = Path(base_dir)
         data = dict(data)
-        models = {}
-        model_fields = {f.name for f in fields(ModelConfig)}
-        for name, entry in (data.pop("models", None) or {}).items():
-            entry = {"path": entry} if isinstance(entry, str) else dict(entry or {})
-            bad = set(entry) - model_fields
-            if bad:
-                raise ConfigError(f"model {name!r}: unknown field(s) {sorted(bad)}")
-            if entry.get("path"):
-                entry["path"] = str(_resolve(base, entry["path"]))
-            models[str(name)] = ModelConfig(**entry)
+        models = {str(name): ModelConfig.parse(str(name), entry, base, engine)
+                  for name, entry in (data.pop("models", None) or {}).items()}
         restraints = {str(k): str(_resolve(base, v)) for k, v in (data.pop("restraints", None) or {}).items()}
         for key in ("api_key_file", "db"):
             if data.get(key):
@@ -104,9 +109,9 @@ class ServeConfig:
         return cls(models=models, restraints=restraints, **data)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> ServeConfig:
+    def load(cls, path: str | os.PathLike, engine: str | None = None) -> ServeConfig:
         path = Path(path)
-        return cls.from_dict(read_yaml(path, ConfigError, "config file"), path.parent)
+        return cls.from_dict(read_yaml(path, ConfigError, "config file"), path.parent, engine)
 
     def api_keys(self) -> set[str]:
         """Keys accepted in `Authorization: Bearer`; empty means no auth."""
@@ -124,3 +129,11 @@ class ServeConfig:
 def _resolve(base: Path, value: str) -> Path:
     path = Path(os.path.expanduser(str(value)))
     return path if path.is_absolute() else (base / path).resolve()
+
+
+def check_choices(obj: T, where: str) -> T:
+    """`obj` (a dataclass) if each of its `Literal` fields holds one of the choices, else ConfigError."""
+    for name, hint in get_type_hints(type(obj)).items():
+        if get_origin(hint) is Literal and getattr(obj, name) not in get_args(hint):
+            raise ConfigError(f"{where}: {name} {getattr(obj, name)!r} is not one of {get_args(hint)}")
+    return obj

@@ -9,13 +9,12 @@ import time
 from typing import Any
 
 from rolemrc.serve.config import ConfigError, ServeConfig
-from rolemrc.serve.engine import Resolved, TransformersEngine
+from rolemrc.serve.engines import engine_class
+from rolemrc.serve.engines.base import Engine, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.protocol import ModelCard
-from rolemrc.serve.upstream import UpstreamEngine, VllmEngine
 
 log = logging.getLogger("rolemrc.serve")
-ENGINE_CLASSES = {"transformers": TransformersEngine, "upstream": UpstreamEngine, "vllm": VllmEngine}
 
 
 class Registry:
@@ -30,14 +29,13 @@ class Registry:
                 self.restraints[name] = Restraint.load(path)
             except RestraintError as exc:
                 raise ConfigError(f"restraint {name!r}: {exc}") from None
-        self.engines: dict[str, Any] = {}
-        for name, mc in config.models.items():
-            self.engines[name] = ENGINE_CLASSES[mc.engine](
-                name, mc, max_batch=config.max_batch, max_queue=config.max_queue,
-                default_max_tokens=config.default_max_tokens)
+        self.engines: dict[str, Engine] = {
+            name: engine_class(model.engine)(name, model.options, max_batch=config.max_batch,
+                                             max_queue=config.max_queue, default_max_tokens=config.default_max_tokens)
+            for name, model in config.models.items()}
         self.variants: dict[str, tuple[str, str | None]] = {name: (name, None) for name in self.engines}
         for name, engine in self.engines.items():
-            if engine.kind != "transformers":
+            if not engine.capabilities.runtime_restraints:
                 continue
             for rname, restraint in self.restraints.items():
                 try:
@@ -56,10 +54,10 @@ class Registry:
             await engine.stop()
 
     def cards(self) -> list[ModelCard]:
-        return [ModelCard(id=vid, created=self.created, root=name, restraint=rname, engine=self.engines[name].kind)
-                for vid, (name, rname) in self.variants.items()]
+        return [ModelCard(id=vid, created=self.created, root=name, restraint=rname,
+                          engine=self.config.models[name].engine) for vid, (name, rname) in self.variants.items()]
 
-    def lookup(self, model_id: str) -> tuple[Any, str | None]:
+    def lookup(self, model_id: str) -> tuple[Engine, str | None]:
         """(engine, restraint named by the id) for `model` or `model+restraint`; 404 otherwise."""
         if model_id in self.variants:
             name, rname = self.variants[model_id]
@@ -74,7 +72,7 @@ class Registry:
         raise ApiError(404, f"the model {model_id!r} does not exist; GET /v1/models lists them",
                        code="model_not_found", param="model")
 
-    def resolve(self, engine: Any, named: str | None, requested: str | dict | None) -> Resolved:
+    def resolve(self, engine: Engine, named: str | None, requested: str | dict | None) -> Resolved:
         """The restraint for a request: from the model id, or the request's `restraint` (a registered
         name, or an inline spec if allowed). 404 unknown name, 400 not allowed, 422 invalid spec."""
         from rolemrc.intervene import Restraint, RestraintError
@@ -86,7 +84,7 @@ class Registry:
             return Resolved(self.restraints[named], named, f"name:{named}", named)
         if requested is None:
             return Resolved()
-        if engine.kind != "transformers":   # the upstream applies it, if this engine may forward it at all
+        if not engine.capabilities.runtime_restraints:   # the upstream applies it, if the engine may forward it
             engine.check_restraint(requested)
             return Resolved(None, requested if isinstance(requested, str) else "inline", "", requested)
         if isinstance(requested, str):

@@ -1,23 +1,11 @@
-"""Sampling parameters, batched next-token choice in tensors, and incremental text with stop strings."""
+"""Decoding in tensors for the in-process engine: batched next-token choice and incremental text with stop
+strings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding settings; temperature 0 means greedy."""
-
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from rolemrc.core.errors import RolemrcError
 from rolemrc.serve.config import ConfigError, ServeConfig
 from rolemrc.serve.experiments import assign
 from rolemrc.serve.sampling import TextStream, choose, make_generator
@@ -66,6 +67,54 @@ def test_config_errors(tmp_path):
         ServeConfig.from_dict({"models": {"m": {"engine": "upstream"}}})
     with pytest.raises(ConfigError, match=r"must not contain '\+'"):
         ServeConfig.from_dict({"models": {"a+b": "x"}})
+    with pytest.raises(ConfigError, match=r"unknown engine 'tgi'; choose one of \('transformers', 'vllm', 'upstream'"):
+        ServeConfig.from_dict({"models": {"m": {"engine": "tgi", "path": "x"}}})
+    with pytest.raises(ConfigError, match=r"model 'm': unknown key\(s\) \['device'\] for engine 'vllm'; its keys: "
+                                          r"\['engine', 'path', 'dtype', 'vllm_args'\]"):
+        ServeConfig.from_dict({"models": {"m": {"engine": "vllm", "path": "x", "device": "cuda"}}})
+    with pytest.raises(ConfigError, match=r"model 'm': dtype 'fp8' is not one of"):
+        ServeConfig.from_dict({"models": {"m": {"path": "x", "dtype": "fp8"}}})
+    with pytest.raises(ConfigError, match=r"config: log_level 'loud' is not one of"):
+        ServeConfig.from_dict({"models": {"m": "x"}, "log_level": "loud"})
+    assert issubclass(ConfigError, RolemrcError) and issubclass(ConfigError, ValueError)
     cfg = ServeConfig.from_dict({"models": {"m": "model"}, "restraints": {"r": "r.yaml"}, "db": "ab.sqlite"}, tmp_path)
-    assert cfg.models["m"].path == str(tmp_path / "model") and cfg.db == str(tmp_path / "ab.sqlite")
+    assert cfg.models["m"].engine == "transformers" and cfg.models["m"].options.path == str(tmp_path / "model")
+    assert cfg.db == str(tmp_path / "ab.sqlite")
     assert cfg.restraints["r"] == str(tmp_path / "r.yaml") and cfg.cors_origins == []
+
+
+def test_config_entries_fill_their_engines_options(tmp_path):
+    from rolemrc.serve.engines.transformers import TransformersOptions
+    from rolemrc.serve.engines.upstream import UpstreamOptions
+    from rolemrc.serve.engines.vllm import VllmOptions
+
+    cfg = ServeConfig.from_dict({"models": {
+        "local": {"path": "m", "dtype": "bfloat16", "device": "cuda"},
+        "proxy": {"engine": "upstream", "base_url": "http://h/v1", "pass_restraints": True},
+        "fast": {"engine": "vllm", "path": "/abs/baked", "vllm_args": ["--max-model-len", "512"]}}}, tmp_path)
+    assert cfg.models["local"].options == TransformersOptions(str(tmp_path / "m"), "bfloat16", "cuda")
+    assert cfg.models["proxy"].options == UpstreamOptions("http://h/v1", pass_restraints=True)
+    assert cfg.models["fast"].options == VllmOptions("/abs/baked", vllm_args=["--max-model-len", "512"])
+    # `rolemrc serve --engine` re-reads every entry as that engine's
+    moved = ServeConfig.from_dict({"models": {"m": {"path": "m", "dtype": "float16"}}}, tmp_path, engine="vllm")
+    assert moved.models["m"].engine == "vllm"
+    assert moved.models["m"].options == VllmOptions(str(tmp_path / "m"), "float16")
+    with pytest.raises(ConfigError, match="engine 'vllm' needs path"):
+        ServeConfig.from_dict({"models": {"p": {"engine": "upstream"}}}, engine="vllm")
+
+
+def test_every_registered_engine_meets_the_contract():
+    import dataclasses
+    import inspect
+
+    from rolemrc.serve.engines import ENGINES, engine_class
+    from rolemrc.serve.engines.base import Capabilities, Engine
+
+    methods = [name for name, _ in inspect.getmembers(Engine, inspect.isfunction) if not name.startswith("_")]
+    assert set(methods) == {"start", "stop", "submit", "queue_depth", "check_restraint"}
+    for name in ENGINES:
+        cls = engine_class(name)
+        assert cls.kind == name and dataclasses.is_dataclass(cls.Options) and isinstance(cls.capabilities, Capabilities)
+        assert all(callable(getattr(cls, m)) for m in methods)
+        assert not cls.capabilities.lora_restraints and not cls.capabilities.logprobs
+    assert [n for n in ENGINES if engine_class(n).capabilities.runtime_restraints] == ["transformers"]

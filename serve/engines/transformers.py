@@ -1,8 +1,7 @@
-"""Engines turn an admitted request into a stream of text deltas. The transformers engine runs
-in-process: one scheduler thread batches concurrent requests that share a restraint, applies
-the restraint as runtime hooks around the group's forward passes, decodes token by token over a
-shared KV cache (so streaming and cancellation are per step), lets same-group arrivals join a
-running batch and drops finished or cancelled rows."""
+"""The `transformers` engine runs in-process over a local HF directory: one scheduler thread batches
+concurrent requests that share a restraint, applies the restraint as runtime hooks around the group's
+forward passes, decodes token by token over a shared KV cache (so streaming and cancellation are per
+step), lets same-group arrivals join a running batch and drops finished or cancelled rows."""
 
 from __future__ import annotations
 
@@ -17,93 +16,29 @@ from typing import Any
 import torch
 
 from rolemrc.serve.batch import Batch
-from rolemrc.serve.config import ModelConfig
+from rolemrc.serve.engines.base import (
+    LOCAL_PATH,
+    Capabilities,
+    Dtype,
+    Final,
+    Generation,
+    Prompt,
+    Resolved,
+    SamplingParams,
+)
 from rolemrc.serve.errors import ApiError
-from rolemrc.serve.sampling import SamplingParams, TextStream, choose, make_generator
+from rolemrc.serve.sampling import TextStream, choose, make_generator
 
 log = logging.getLogger("rolemrc.serve")
 
 
 @dataclass
-class Prompt:
-    """A chat (`messages`) or a raw text prompt."""
+class TransformersOptions:
+    """`path`: a local HF directory."""
 
-    messages: list[dict[str, str]] | None = None
-    text: str | None = None
-
-
-@dataclass
-class Resolved:
-    """A restraint resolved for one request: the object (local engines), its metric label, its
-    grouping key and what the client sent (forwarded by upstream engines)."""
-
-    restraint: Any = None
-    label: str = "none"
-    key: str = ""
-    raw: Any = None
-
-
-@dataclass
-class Final:
-    finish_reason: str          # stop | length | cancelled
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class Generation:
-    """Handle on one admitted request. Iterate it for text deltas; `final` is set at the end.
-    Leaving `async with` cancels an unfinished generation and frees its admission slot."""
-
-    def __init__(self, prompt_tokens: int, release: Any, on_cancel: Any = None) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.prompt_tokens = prompt_tokens
-        self.final: Final | None = None
-        self._cancel = threading.Event()
-        self._release = release
-        self._on_cancel = on_cancel
-
-    def push(self, item: str | Final | BaseException) -> None:
-        """Thread-safe: deliver a delta, the Final, or an error."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:   # the loop is closed: nobody is listening
-            pass
-
-    async def __aiter__(self):
-        while self.final is None:
-            item = await self.queue.get()
-            if isinstance(item, Final):
-                self.final = item
-            elif isinstance(item, BaseException):
-                raise item
-            elif item:
-                yield item
-
-    async def text(self) -> str:
-        return "".join([delta async for delta in self])
-
-    def cancel(self) -> None:
-        self._cancel.set()
-        if self._on_cancel is not None:
-            self._on_cancel()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    async def __aenter__(self) -> Generation:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.final is None:
-            self.cancel()
-        if self._release is not None:
-            self._release()
-            self._release = None
+    path: str = field(metadata=LOCAL_PATH)
+    dtype: Dtype = "float32"
+    device: str = "cpu"
 
 
 @dataclass
@@ -121,18 +56,21 @@ class Sequence:
 
 
 class TransformersEngine:
-    """In-process engine over a local HF directory."""
+    """In-process engine over a local HF directory; applies restraints as runtime hooks."""
 
     kind = "transformers"
+    Options = TransformersOptions
+    capabilities = Capabilities(runtime_restraints=True)
 
-    def __init__(self, name: str, config: ModelConfig, *, max_batch: int, max_queue: int, default_max_tokens: int) -> None:
+    def __init__(self, name: str, options: TransformersOptions, *, max_batch: int, max_queue: int,
+                 default_max_tokens: int) -> None:
         from transformers.utils import logging as hf_logging
 
         from rolemrc.core.modeling import load_model
 
         hf_logging.disable_progress_bar()
         self.name = name
-        self.model, self.tokenizer = load_model(config.path, dtype=config.dtype, device=config.device)
+        self.model, self.tokenizer = load_model(options.path, dtype=options.dtype, device=options.device)
         cfg = self.model.config
         self.context_window = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
         eos = {self.tokenizer.eos_token_id, *_as_list(getattr(self.model.generation_config, "eos_token_id", None))}

@@ -1,0 +1,146 @@
+"""The engine contract: what the server hands an engine (a `Prompt`, `SamplingParams`, a `Resolved` restraint),
+what it gets back (a `Generation` streaming text deltas, then a `Final`), and what an engine declares about
+itself (`Capabilities`, its options dataclass)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
+
+Dtype = Literal["float32", "float16", "bfloat16", "auto"]
+LOCAL_PATH = {"local_path": True}   # field metadata: a path resolved against the config file's folder
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond plain generation; the server asks these, never the engine's name."""
+
+    runtime_restraints: bool = False   # applies restraints itself (registered, inline, `model+restraint`)
+    lora_restraints: bool = False      # applies restraints baked as LoRA adapters
+    logprobs: bool = False             # returns token log-probabilities
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings; temperature 0 means greedy."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Prompt:
+    """A chat (`messages`) or a raw text prompt."""
+
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+
+
+@dataclass
+class Resolved:
+    """A restraint resolved for one request: the object (local engines), its metric label, its
+    grouping key and what the client sent (forwarded by upstream engines)."""
+
+    restraint: Any = None
+    label: str = "none"
+    key: str = ""
+    raw: Any = None
+
+
+@dataclass
+class Final:
+    finish_reason: str          # stop | length | cancelled
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Generation:
+    """Handle on one admitted request: the stream of an engine. Iterate it for text deltas; `final` is set
+    at the end. Leaving `async with` cancels an unfinished generation and frees its admission slot."""
+
+    def __init__(self, prompt_tokens: int, release: Any, on_cancel: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = prompt_tokens
+        self.final: Final | None = None
+        self._cancel = threading.Event()
+        self._release = release
+        self._on_cancel = on_cancel
+
+    def push(self, item: str | Final | BaseException) -> None:
+        """Thread-safe: deliver a delta, the Final, or an error."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:   # the loop is closed: nobody is listening
+            pass
+
+    async def __aiter__(self):
+        while self.final is None:
+            item = await self.queue.get()
+            if isinstance(item, Final):
+                self.final = item
+            elif isinstance(item, BaseException):
+                raise item
+            elif item:
+                yield item
+
+    async def text(self) -> str:
+        return "".join([delta async for delta in self])
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.final is None:
+            self.cancel()
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+class Engine(Protocol):
+    """What serves one model. `Options` is the dataclass its config keys fill (one field per key, `Literal`
+    for choices, `LOCAL_PATH` metadata on paths); `kind` is its name in `rolemrc.serve.engines.ENGINES`."""
+
+    kind: ClassVar[str]
+    Options: ClassVar[type]
+    capabilities: ClassVar[Capabilities]
+    name: str
+    running: Mapping[str, int]   # requests generating, per restraint label
+
+    def __init__(self, name: str, options: Any, *, max_batch: int, max_queue: int,
+                 default_max_tokens: int) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None:
+        """Refuse new requests, end waiting ones with 503, release resources."""
+
+    async def submit(self, prompt: Prompt, params: SamplingParams, resolved: Resolved) -> Generation:
+        """Admit one request (ApiError 400/429/503 when it cannot be) and return its stream."""
+
+    def queue_depth(self) -> Mapping[str, int]:
+        """Requests waiting for a slot, per restraint label."""
+
+    def check_restraint(self, restraint: Any) -> None:
+        """Raise if this engine cannot serve `restraint` (a Restraint, or what the client sent when the engine
+        lacks `runtime_restraints`)."""

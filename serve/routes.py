@@ -1,0 +1,106 @@
+"""The HTTP routes as module-level routers whose handlers reach the server through `request.app.state`
+(vLLM's pattern): `v1`, the OpenAI-compatible API and A/B experiments behind the API key, and `ops`,
+health and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from rolemrc.serve import protocol as p
+from rolemrc.serve.completions import chat_completion, text_completion
+from rolemrc.serve.errors import ApiError
+from rolemrc.serve.state import app_state
+
+ERRORS = {status: {"model": p.ErrorResponse, "description": text} for status, text in (
+    (400, "bad request"), (401, "missing or wrong API key"), (404, "unknown model, restraint or experiment"),
+    (413, "body too large"), (422, "invalid inline restraint or invalid request fields"), (429, "queue full"),
+    (503, "shutting down"), (504, "request timeout"))}
+STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}}
+bearer = HTTPBearer(auto_error=False, description="an API key from the server's key file or env var")
+
+
+async def authorized(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    keys = app_state(request).keys
+    if not keys:
+        return
+    if creds is None or creds.scheme.lower() != "bearer":
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
+    if not any(hmac.compare_digest(creds.credentials.encode(), k.encode()) for k in keys):
+        raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)], responses=ERRORS)
+ops = APIRouter()
+
+
+@v1.post("/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMED)
+async def chat(body: p.ChatCompletionRequest, request: Request) -> Any:
+    return await chat_completion(request, body)
+
+
+@v1.post("/completions", response_model=p.CompletionResponse, responses=STREAMED)
+async def completions(body: p.CompletionRequest, request: Request) -> Any:
+    return await text_completion(request, body)
+
+
+@v1.get("/models", response_model=p.ModelList)
+async def models(request: Request) -> p.ModelList:
+    return p.ModelList(data=app_state(request).registry.cards())
+
+
+@v1.post("/experiments", response_model=p.Experiment, status_code=201,
+         responses={409: {"model": p.ErrorResponse, "description": "id taken"}})
+async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Experiment:
+    state = app_state(request)
+    if state.store is None:
+        raise ApiError(400, "experiments need a database ('db' in the serve config)", code="no_database")
+    for arm in body.arms:   # every arm must be servable now
+        engine, named = state.registry.lookup(arm.model)
+        state.registry.resolve(engine, named, arm.restraint)
+    exp_id = body.id or f"exp-{uuid.uuid4().hex[:12]}"
+    arms = [a.model_dump() for a in body.arms]
+    created = time.time()
+    if not await asyncio.to_thread(state.store.add_experiment, exp_id, body.description, arms, created):
+        raise ApiError(409, f"experiment {exp_id!r} exists", code="experiment_exists", param="id")
+    return p.Experiment(id=exp_id, description=body.description, arms=body.arms, created=created)
+
+
+@v1.get("/experiments/{exp_id}", response_model=p.Experiment)
+async def get_experiment(exp_id: str, request: Request) -> p.Experiment:
+    return p.Experiment(**await app_state(request).experiment(exp_id))
+
+
+@v1.get("/experiments/{exp_id}/report", responses={200: {"content": {"text/html": {}}}})
+async def experiment_report(exp_id: str, request: Request, format: str = "json") -> Any:
+    from rolemrc.serve.report import build_report, report_html
+
+    if format not in ("json", "html"):
+        raise ApiError(400, "format is json or html", param="format")
+    state = app_state(request)
+    await state.experiment(exp_id)
+    report = await asyncio.to_thread(build_report, state.store, exp_id)
+    return HTMLResponse(report_html(report)) if format == "html" else JSONResponse(report)
+
+
+@ops.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = app_state(request)
+    if state.draining:
+        return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
+    return JSONResponse({"status": "ok", "models": sorted(state.registry.variants)})
+
+
+@ops.get("/metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    state = app_state(request)
+    state.metrics.inflight.set(state.inflight)
+    data, content_type = state.metrics.render(state.registry.engines)
+    return Response(data, media_type=content_type)

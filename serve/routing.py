@@ -1,0 +1,54 @@
+"""Where a completion request goes: its model and restraint (from the model id, the `restraint` field, or an
+experiment's arm), and its sampling parameters within the server's limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rolemrc.serve import protocol as p
+from rolemrc.serve.config import ServeConfig
+from rolemrc.serve.engines.base import Engine, Resolved, SamplingParams
+from rolemrc.serve.errors import ApiError
+from rolemrc.serve.experiments import assign
+from rolemrc.serve.state import State
+
+
+@dataclass
+class Route:
+    """Where one request goes."""
+
+    model_id: str
+    engine: Engine
+    resolved: Resolved
+    experiment: str | None = None
+    arm: str | None = None
+
+
+async def route(state: State, body: p.SamplingFields) -> Route:
+    registry = state.registry
+    if body.experiment is None:
+        engine, named = registry.lookup(body.model)
+        return Route(body.model, engine, registry.resolve(engine, named, body.restraint))
+    if body.restraint is not None:
+        raise ApiError(400, "a request in an experiment gets its restraint from the arm; drop 'restraint'",
+                       param="restraint")
+    exp = await state.experiment(body.experiment)
+    arm = assign(exp["id"], exp["arms"], body.user)
+    engine, named = registry.lookup(arm["model"])
+    if named is None and arm.get("restraint"):
+        resolved = registry.resolve(engine, None, arm["restraint"])
+    else:
+        resolved = registry.resolve(engine, named, None)
+    model_id = arm["model"] if named or not arm.get("restraint") else f"{arm['model']}+{arm['restraint']}"
+    return Route(model_id, engine, resolved, exp["id"], arm["name"])
+
+
+def sampling_params(config: ServeConfig, body: p.SamplingFields) -> SamplingParams:
+    if body.n != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    max_tokens = body.requested_max_tokens()
+    if max_tokens is not None and max_tokens > config.max_new_tokens:
+        raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_new_tokens}",
+                       code="max_tokens_too_large", param="max_tokens")
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                          stop=body.stops(), ignore_eos=body.ignore_eos)
