@@ -50,8 +50,9 @@ CHECKS: dict[str, Checker] = {}
 
 
 def rule_kind(name: str, *patterns: str, params: Params = lambda g: {}) -> Callable[[Checker], Checker]:
-    """Register a rule kind: its phrasings, how their named groups become parameters (None: not a
-    rule after all), and the decorated checker (params, stripped reply) -> None if obeyed, else why not."""
+    """Register a rule kind: its phrasings (regexes), how a match's named groups become its parameters
+    (None: not a rule after all), and the decorated checker: (params, stripped reply) -> None if obeyed,
+    else why not."""
     def register(check: Checker) -> Checker:
         PHRASINGS.extend((name, re.compile(p, re.I | re.M), params) for p in patterns)
         CHECKS[name] = check
@@ -65,8 +66,10 @@ QUOTED = r"['\"‘“](?P<quoted>.+?)['\"’”](?=[\s.,;:!?)]*(?:$|\s))"
 END = r"\b(?:end|finish|conclude|close|sign\s+off)(?:s|ing)?\b"
 
 
-def _count(text: str | None, default: int = 1) -> int | None:
-    return default if text is None or text.lower() in ("a", "an", "some", "one or more") else parse_number(text)
+def _count(text: str | None) -> int | None:
+    """An emoji count as stated; "an", "some", "one or more" or none stated mean at least one."""
+    vague = text is None or " ".join(text.lower().split()) in ("a", "an", "some", "one or more")
+    return 1 if vague else parse_number(text)
 
 
 def _emoji_params(g: dict[str, str | None]) -> dict[str, Any] | None:
@@ -89,7 +92,7 @@ def _emoji_params(g: dict[str, str | None]) -> dict[str, Any] | None:
     rf"{NOT}\s+(?:(?:us|includ|add|insert|put)\w*\s+)?(?:any\s+)?emojis?\b(?P<none>)",
     r"\bno\s+emojis?\b(?P<none>)", r"\bemoji-free\b(?P<none>)",
     rf"\b(?:at\s+most|(?:no|not)\s+more\s+than|up\s+to)\s+(?P<most>{NUMBER})\s+emojis?\b",
-    rf"\b(?:include|use|add|insert|put|contain|incorporate)\w*(?:\s+\w+){{0,3}}?\s+(?:(?P<exactly>exactly)\s+|at\s+least\s+)?"
+    rf"\b(?:include|use|add|insert|put|contain|incorporate)\w*\s+(?:(?P<exactly>exactly)\s+|at\s+least\s+)?"
     rf"(?P<n>{NUMBER}|an?|some|one\s+or\s+more)\s+emojis?\b",
     r"\b(?:include|use|add)\w*\s+emojis\b",
     params=_emoji_params)
