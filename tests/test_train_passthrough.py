@@ -54,7 +54,7 @@ def test_bad_trainer_arguments_are_named(overrides, message):
 
 def test_a_value_trl_refuses_is_a_config_error(no_gpu):
     config = make_config(SFTTrainConfig, **REQ["sft"], **{"trl.optim": "no_such_optimiser"})
-    with pytest.raises(ConfigError, match="SFTConfig: .*no_such_optimiser"):
+    with pytest.raises(ConfigError, match=r"SFTConfig: .*no_such_optimiser"):
         build_arguments(config)
 
 
@@ -79,3 +79,14 @@ def test_help_comes_from_the_config_module():
     assert help_text(SFTTrainConfig, "batch_size") == "per-device batch size"
     assert help_text(DPOTrainConfig, "beta").startswith("DPO beta")
 
+
+
+def test_cli_refuses_a_typo_with_a_suggestion(tmp_path):
+    from typer.testing import CliRunner
+
+    from rolemrc.train.cli import app
+
+    result = CliRunner().invoke(app, ["dpo", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path),
+                                      "--set", "trl.los_type=ipo"])
+    assert result.exit_code == 2
+    assert "error: unknown dpo trainer argument trl.los_type" in result.output and "loss_type" in result.output

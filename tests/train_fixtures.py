@@ -48,9 +48,9 @@ def profile_records(n: int = 4) -> list[dict]:
 
 # Trainer arguments the bundled profiles resolved to before trainer arguments moved under `trl:` (written down
 # from the old code with no GPU and no WORLD_SIZE; output_dir for out="o").
-_SHARED = {"dataloader_num_workers": 0, "dataloader_pin_memory": False, "disable_tqdm": False, "logging_first_step": True,
-           "max_grad_norm": 1.0, "output_dir": "o/checkpoints", "report_to": [], "save_strategy": "steps",
-           "save_total_limit": 2, "seed": 0, "use_cpu": False, "max_steps": -1, "weight_decay": 0.0}
+_SHARED = {"dataloader_num_workers": 0, "dataloader_pin_memory": False, "disable_tqdm": False,
+           "logging_first_step": True, "max_grad_norm": 1.0, "output_dir": "o/checkpoints", "report_to": [],
+           "save_strategy": "steps", "save_total_limit": 2, "seed": 0, "use_cpu": False, "max_steps": -1, "weight_decay": 0.0}
 _PAPER = {**_SHARED, "bf16": True, "gradient_accumulation_steps": 16, "gradient_checkpointing": True,
           "logging_steps": 10, "max_length": 4096, "num_train_epochs": 1.0, "per_device_train_batch_size": 4,
           "save_steps": 500}

@@ -34,11 +34,6 @@ class ConfigError(RolemrcError, ValueError):
     """A config or profile is malformed (unknown key, wrong type, missing section)."""
 
 
-def setting(help: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    """A dataclass field with its help text (shown by `rolemrc train ... --help`), as trl's configs do."""
-    return field(default=default, metadata={"help": help}, **kwargs)
-
-
 # rolemrc's defaults for trainer arguments, all stages ("all") and per stage; a `trl:` entry overrides any.
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "all": {"learning_rate": 2e-5, "lr_scheduler_type": "cosine", "warmup_steps": 0.0, "num_train_epochs": 1.0,
@@ -116,16 +111,14 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         hint = options[0]
     target = typing.get_origin(hint) or hint
     try:
-        if target is typing.Literal:
-            if value not in typing.get_args(hint):
-                raise ValueError
-            return value
         if target is dict:
             if not isinstance(value, dict):
                 raise ValueError
             return dict(value)
         if target is list:
-            return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+            item = (typing.get_args(hint) or (str,))[0]
+            items = value if isinstance(value, (list, tuple)) else [value]
+            return [_coerce(item, v, name) for v in items]
         if target is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
                 return value.lower() in ("true", "1", "yes")
@@ -147,17 +140,17 @@ class TrainConfig:
     stage: ClassVar[str]
     arguments: ClassVar[str]  # "module.Class" of the stage's trainer arguments
 
-    out: str = setting("output directory (a normal HF model directory with rolemrc.json)")
-    batch_size: int = setting("per-device batch size", 8)
-    effective_batch_size: int | None = setting(
-        "batch_size x gradient accumulation x processes; accumulation is derived (unset: none)", None)
-    seed: int = setting("seed for data order, mixing, model init and the trainer", 0)
-    resume: bool = setting("continue from the last checkpoint in OUT/checkpoints if there is one", True)
-    keep_checkpoints: bool = setting("keep OUT/checkpoints after a successful run", False)
-    max_bad_share: float = setting("fail when more than this share of records is bad", 0.1)
-    progress: bool = setting("show a progress bar", True)
-    trl: dict[str, Any] = setting("keyword arguments for the stage's trainer arguments class (trl.KEY=VALUE)",
-                                  default_factory=dict)
+    out: str = field(metadata={"help": "output directory (a normal HF model directory with rolemrc.json)"})
+    batch_size: int = field(default=8, metadata={"help": "per-device batch size"})
+    effective_batch_size: int | None = field(default=None, metadata={
+        "help": "batch_size x gradient accumulation x processes; accumulation is derived (unset: none)"})
+    seed: int = field(default=0, metadata={"help": "seed for data order, mixing, model init and the trainer"})
+    resume: bool = field(default=True, metadata={"help": "continue from the last checkpoint in OUT/checkpoints"})
+    keep_checkpoints: bool = field(default=False, metadata={"help": "keep OUT/checkpoints after a successful run"})
+    max_bad_share: float = field(default=0.1, metadata={"help": "fail when more than this share of records is bad"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    trl: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "keyword arguments for the stage's trainer arguments class (trl.KEY=VALUE)"})
 
     def __post_init__(self) -> None:
         self.trl = resolve_trl(type(self), self.trl)
@@ -184,11 +177,11 @@ class TrainConfig:
 class LoraOptions:
     """LoRA via peft; adapters are merged into the weights when the model is saved."""
 
-    lora: bool = setting("train LoRA adapters (merged into the weights on save)", False)
-    lora_r: int = setting("LoRA rank", 16)
-    lora_alpha: int = setting("LoRA alpha", 32)
-    lora_dropout: float = setting("LoRA dropout", 0.05)
-    lora_target_modules: str = setting("modules LoRA adapts (peft's target_modules)", "all-linear")
+    lora: bool = field(default=False, metadata={"help": "train LoRA adapters (merged into the weights on save)"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
 
 
 @dataclass(kw_only=True)
@@ -198,15 +191,15 @@ class BaseTrainConfig(TrainConfig):
     stage = "base"
     arguments = "transformers.TrainingArguments"
 
-    data: list[str] = setting("RoleMRC JSONL files or directories of them")
-    vocab_size: int = setting("BPE vocabulary size", 2048)
-    hidden: int = setting("hidden size", 256)
-    layers: int = setting("transformer layers", 4)
-    intermediate: int = setting("MLP size", 688)
-    heads: int = setting("attention heads", 4)
-    kv_heads: int | None = setting("key/value heads (unset: as many as heads)", None)
-    max_positions: int = setting("longest sequence the model supports", 1024)
-    block_size: int = setting("packed sequence length for pretraining", 256)
+    data: list[str] = field(metadata={"help": "RoleMRC JSONL files or directories of them"})
+    vocab_size: int = field(default=2048, metadata={"help": "BPE vocabulary size"})
+    hidden: int = field(default=256, metadata={"help": "hidden size"})
+    layers: int = field(default=4, metadata={"help": "transformer layers"})
+    intermediate: int = field(default=688, metadata={"help": "MLP size"})
+    heads: int = field(default=4, metadata={"help": "attention heads"})
+    kv_heads: int | None = field(default=None, metadata={"help": "key/value heads (unset: as many as heads)"})
+    max_positions: int = field(default=1024, metadata={"help": "longest sequence the model supports"})
+    block_size: int = field(default=256, metadata={"help": "packed sequence length for pretraining"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -223,9 +216,10 @@ class SFTTrainConfig(TrainConfig, LoraOptions):
     stage = "sft"
     arguments = "trl.SFTConfig"
 
-    model: str = setting("model directory to fine-tune (e.g. the base model)")
-    data: list[str] = setting("SFT JSONL (conversations; capitalised roles accepted)")
-    mix: list[str] = setting("PATH:RATIO adds RATIO x len(data) SFT records from PATH", default_factory=list)
+    model: str = field(metadata={"help": "model directory to fine-tune (e.g. the base model)"})
+    data: list[str] = field(metadata={"help": "SFT JSONL (conversations; capitalised roles accepted)"})
+    mix: list[str] = field(default_factory=list, metadata={
+        "help": "PATH:RATIO adds RATIO x len(data) SFT records from PATH"})
 
 
 @dataclass(kw_only=True)
@@ -235,8 +229,8 @@ class DPOTrainConfig(TrainConfig, LoraOptions):
     stage = "dpo"
     arguments = "trl.DPOConfig"
 
-    model: str = setting("SFT model directory (also the frozen reference)")
-    data: list[str] = setting("preference pairs JSONL (prompt, chosen, rejected)")
+    model: str = field(metadata={"help": "SFT model directory (also the frozen reference)"})
+    data: list[str] = field(metadata={"help": "preference pairs JSONL (prompt, chosen, rejected)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -336,8 +330,8 @@ def split_layer(cls: type[TrainConfig], layer: dict[str, Any]) -> tuple[dict[str
     return own, trl
 
 
-def make_config(cls: type[C], *, profile: str | os.PathLike | None = "tiny", config_file: str | os.PathLike | None = None,
-                **overrides: Any) -> C:
+def make_config(cls: type[C], *, profile: str | os.PathLike | None = "tiny",
+                config_file: str | os.PathLike | None = None, **overrides: Any) -> C:
     """Build a `cls` config: profile section, then config file, then keyword overrides (None = not set)."""
     layers = []
     if profile is not None:
