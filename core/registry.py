@@ -11,7 +11,7 @@ is one decorated definition; `get` of an unknown name raises `UnknownNameError` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 from rolemrc.core.errors import RolemrcError
@@ -65,6 +65,3 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
-
-    def __iter__(self) -> Iterator[T]:
-        return iter(self._entries.values())

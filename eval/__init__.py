@@ -6,14 +6,18 @@ compare runs (exact McNemar, paired bootstrap).
     run = score(items, judge="rules", metrics=("bleu", "rouge"))          # EvalRun; run.summary, run.verdicts
     run.save("runs/eval/dpo")
     result = compare("runs/eval/sft", "runs/eval/dpo")                    # Comparison; .verdicts, .metrics
+
+A new metric group or judge is one decorated function: `@metric("name")` (fn(hyps, refs, config) -> Scores)
+or `@register_judge("name")` (fn(calls, config, progress) -> list[Verdict]); CLIs read METRICS and JUDGES.
 """
 
 from rolemrc.eval.compare import Comparison, compare
 from rolemrc.eval.generate import GenerateConfig, GenerationError, generate
-from rolemrc.eval.judges import JudgeConfig, judge
-from rolemrc.eval.metrics import MetricConfig
+from rolemrc.eval.judges import JUDGES, JudgeConfig, judge, register_judge
+from rolemrc.eval.metrics import METRICS, MetricConfig, Scores, metric
 from rolemrc.eval.runs import EvalRun, RunError, score
 from rolemrc.eval.verdicts import Verdict, parse_verdict
 
-__all__ = ["Comparison", "EvalRun", "GenerateConfig", "GenerationError", "JudgeConfig", "MetricConfig", "RunError", "Verdict", "compare", "generate", "judge",
-           "parse_verdict", "score"]
+__all__ = ["JUDGES", "METRICS", "Comparison", "EvalRun", "GenerateConfig", "GenerationError", "JudgeConfig",
+           "MetricConfig", "RunError", "Scores", "Verdict", "compare", "generate", "judge", "metric", "parse_verdict",
+           "register_judge", "score"]

@@ -9,7 +9,6 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 from tqdm.auto import tqdm

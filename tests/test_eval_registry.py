@@ -14,9 +14,19 @@ from rolemrc.core.errors import EXIT_INPUT, InputError, RolemrcError
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.registry import Registry, UnknownNameError
 from rolemrc.core.taxonomy import judge_aspects_for_task
-from rolemrc.eval import JudgeConfig, MetricConfig, Verdict, judge, score
-from rolemrc.eval.judges import JUDGES, register_judge
-from rolemrc.eval.metrics import METRICS, Scores, metric, parse_metrics
+from rolemrc.eval import (
+    JUDGES,
+    METRICS,
+    JudgeConfig,
+    MetricConfig,
+    Scores,
+    Verdict,
+    judge,
+    metric,
+    register_judge,
+    score,
+)
+from rolemrc.eval.metrics import parse_metrics
 
 
 @pytest.fixture
