@@ -36,6 +36,24 @@ def top_k_size(top_fraction: float, width: int) -> int:
     return max(1, math.ceil(check_top_fraction(top_fraction) * width - 1e-9))
 
 
+def read_tensors(path: str | os.PathLike, what: str, *, missing: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a rolemrc safetensors file (probe or diff); errors name the file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ProbeFileError(f"{path}: {missing}")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ProbeError(f"{path}: not a readable safetensors {what} ({exc})") from None
+    if "dimensions" not in meta or "hook" not in meta:
+        raise ProbeError(f"{path}: not a rolemrc {what} (metadata lacks 'dimensions'/'hook')")
+    return meta, tensors
+
+
 class TopKCounter:
     """Accumulates, per dimension, how often each unit of each layer is in the top k.
 
@@ -156,19 +174,7 @@ class ProbeCounts:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeCounts:
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise ProbeFileError(f"{path}: no such probe file")
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                meta = dict(fh.metadata() or {})
-                tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ProbeError(f"{path}: not a readable safetensors probe file ({exc})") from None
-        if "dimensions" not in meta or "hook" not in meta:
-            raise ProbeError(f"{path}: not a rolemrc probe file (metadata lacks 'dimensions'/'hook')")
+        meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
         dims = json.loads(meta.pop("dimensions"))
         count = {d: tensors[f"count.{d}"] for d in dims}
         cases = {d: int(tensors[f"cases.{d}"]) for d in dims}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
-from rolemrc.probe.errors import ProbeError, ProbeFileError
+from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
+from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.stats import benjamini_hochberg, top_set_jaccard, two_proportion_test
 
 DIFF_FILE = "diff.safetensors"
@@ -172,15 +172,9 @@ def diff(a: ProbeCounts | str | os.PathLike, b: ProbeCounts | str | os.PathLike)
 
 def load_diff(path: str | os.PathLike) -> DiffResult:
     """Load a diff from its directory or its diff.safetensors file."""
-    from safetensors import safe_open
-
     path = Path(path)
     file = path / DIFF_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise ProbeFileError(f"{file}: no diff file (run `rolemrc probe diff A B --out DIR` first)")
-    with safe_open(str(file), framework="pt") as fh:
-        meta = dict(fh.metadata() or {})
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    meta, tensors = read_tensors(file, "diff file", missing="no diff file (run `rolemrc probe diff A B --out DIR` first)")
     dims = json.loads(meta.pop("dimensions"))
     tables = {name: {d: tensors[f"{name}.{d}"] for d in dims} for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue")}
     return DiffResult(**tables, meta=meta, cases_a=json.loads(meta.pop("cases_a", "{}")),

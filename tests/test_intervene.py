@@ -198,4 +198,10 @@ def test_cli_select_bake_check(model_dirs, tmp_path):
     res = runner.invoke(app, ["intervene", "bake", "--model", str(model_dirs["llama"]), "--spec",
                               str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "no such restraint spec" in res.output
+    res = runner.invoke(app, ["intervene", "bake", "--model", str(tmp_path / "nomodel"), "--spec",
+                              str(tmp_path / "s.yaml"), "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "nomodel: no such directory" in res.output
+    res = runner.invoke(app, ["intervene", "select", "--diff", str(tmp_path / "d"), "--dimension", "nested",
+                              "--top-k", "8", "--out", str(tmp_path / "t.yaml")])
+    assert res.exit_code == 2 and "'nested' is not in the diff" in res.output
     assert math.isclose(Restraint.load(tmp_path / "s.yaml").factor, 0.0)
