@@ -46,7 +46,7 @@ def read_tensors(path: str | os.PathLike, what: str, *, missing: str) -> tuple[d
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = dict(fh.metadata() or {})
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise ProbeError(f"{path}: not a readable safetensors {what} ({exc})") from None
     if "dimensions" not in meta or "hook" not in meta:

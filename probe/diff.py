@@ -174,7 +174,8 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
     """Load a diff from its directory or its diff.safetensors file."""
     path = Path(path)
     file = path / DIFF_FILE if path.is_dir() else path
-    meta, tensors = read_tensors(file, "diff file", missing="no diff file (run `rolemrc probe diff A B --out DIR` first)")
+    meta, tensors = read_tensors(file, "diff file",
+                                 missing="no diff file (run `rolemrc probe diff A B --out DIR` first)")
     dims = json.loads(meta.pop("dimensions"))
     tables = {name: {d: tensors[f"{name}.{d}"] for d in dims} for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue")}
     return DiffResult(**tables, meta=meta, cases_a=json.loads(meta.pop("cases_a", "{}")),

@@ -29,8 +29,8 @@ GATE = HookPoint("mlp.gate", "gate projection output, before the activation", "g
 def gate_row(monkeypatch):
     """mlp.gate added as one row, plus its module role in the llama-like layout (GPT-2 has no gate)."""
     llama, *others = hooks.LAYOUTS
-    monkeypatch.setattr(hooks, "LAYOUTS", (dataclasses.replace(llama, modules={**llama.modules, "gate": "mlp.gate_proj"}),
-                                           *others))
+    gated = dataclasses.replace(llama, modules={**llama.modules, "gate": "mlp.gate_proj"})
+    monkeypatch.setattr(hooks, "LAYOUTS", (gated, *others))
     monkeypatch.setitem(HOOK_POINTS, "mlp.gate", GATE)
     return GATE
 
@@ -59,7 +59,7 @@ def test_a_new_row_collects_and_restrains(gate_row, model_dirs, records):
         model(torch.tensor([[5, 6, 7]]))
     handle.remove()
     assert (captured["t"][..., [3, 4]] == 0).all() and (captured["t"][..., 5] != 0).any()
-    with pytest.raises(ProbeError, match="mlp.gate has no TransformerBridge hook"):
+    with pytest.raises(ProbeError, match=r"mlp\.gate has no TransformerBridge hook"):
         make_backend("transformer-lens", model, "mlp.gate", tok)
 
 
@@ -77,9 +77,9 @@ def test_the_cli_help_and_collect_see_a_new_row(gate_row, model_dirs, records, t
 
 def test_bake_refuses_a_row_that_does_not_fold(gate_row, model_dirs, tmp_path):
     model, _ = load_model(model_dirs["llama"], device="cpu")
-    with pytest.raises(RestraintError, match="mlp.gate cannot be folded into weights exactly: hypothetical row"):
+    with pytest.raises(RestraintError, match=r"mlp\.gate cannot be folded into weights exactly: hypothetical row"):
         fold_target(model, "mlp.gate", 0)
-    with pytest.raises(RestraintError, match="mlp.gate cannot be folded"):
+    with pytest.raises(RestraintError, match=r"mlp\.gate cannot be folded"):
         bake(model_dirs["llama"], Restraint(name="g", hook="mlp.gate", units={0: [1]}), tmp_path / "out")
     assert not lora_exportable(model, "mlp.gate")
 
@@ -94,7 +94,7 @@ def test_fold_and_lora_flags_are_read_from_the_table(model_dirs, monkeypatch):
     monkeypatch.setitem(HOOK_POINTS, "mlp.act", dataclasses.replace(HOOK_POINTS["mlp.act"], lora=False))
     assert not lora_exportable(llama, "mlp.act")
     monkeypatch.setitem(HOOK_POINTS, "mlp.out", dataclasses.replace(HOOK_POINTS["mlp.out"], fold=None))
-    with pytest.raises(RestraintError, match="mlp.out cannot be folded"):
+    with pytest.raises(RestraintError, match=r"mlp\.out cannot be folded"):
         fold_target(llama, "mlp.out", 0)
 
 
