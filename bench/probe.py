@@ -18,9 +18,11 @@ import torch
 from rolemrc.bench.common import SIZES, interleaved, make_model_dir, random_cases, sync
 from rolemrc.probe.cases import Cases, batches
 from rolemrc.probe.collect import CollectConfig, count_cases
+from rolemrc.probe.hooks import HOOK_POINTS
 
 # RoleMRC hooked the MLP output on Llama (TransformerLens `hook_mlp_out`): the baseline's point.
-BASELINE_POINT, BRIDGE_NAME = "mlp.out", "blocks.{i}.hook_mlp_out"
+BASELINE_POINT = "mlp.out"
+BRIDGE_NAME = HOOK_POINTS[BASELINE_POINT].bridge
 
 
 def plain_forward(model, cases: Cases, batch_size: int, pad_id: int) -> None:

@@ -16,9 +16,8 @@ import torch
 from rolemrc.bench.common import SIZES, make_model_dir
 from rolemrc.core.chat import render_chat
 from rolemrc.intervene import Restraint, bake
-from rolemrc.serve.config import ModelConfig
-from rolemrc.serve.engine import Prompt, Resolved, TransformersEngine
-from rolemrc.serve.sampling import SamplingParams
+from rolemrc.serve.engines.base import Prompt, Resolved, SamplingParams
+from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
 
 
 def prompts(n: int, words: int) -> list[list[dict[str, str]]]:
@@ -52,7 +51,7 @@ async def _engine_run(engine: TransformersEngine, chats: list, concurrency: int,
 def engine_rate(model_dir: Path, chats: list, concurrency: int, tokens: int, restraint: Restraint | None,
                 max_batch: int, device: str = "cpu") -> float:
     async def go() -> float:
-        engine = TransformersEngine("bench", ModelConfig(path=str(model_dir), device=device), max_batch=max_batch,
+        engine = TransformersEngine("bench", TransformersOptions(path=str(model_dir), device=device), max_batch=max_batch,
                                     max_queue=len(chats) + 1, default_max_tokens=tokens)
         await engine.start()
         try:

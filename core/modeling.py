@@ -62,7 +62,7 @@ def load_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = "fl
 
 def dir_fingerprint(path: str | os.PathLike) -> str:
     """Fingerprint of a model directory's config and weights."""
-    path = Path(path)
+    path = check_model_dir(path)
     files = [p for p in sorted(path.iterdir()) if p.name == "config.json" or p.suffix in (".safetensors", ".bin")]
     digest = hashlib.sha256()
     for file in files:

@@ -40,6 +40,13 @@ def case_dimensions(record: dict[str, Any], dimension_field: str | None) -> list
     return list(dimensions_for_task(record.get("task")))
 
 
+def prompt_cases(records: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
+    """Each record's prompt turns, checked; cheap, so collect() runs it before loading a model."""
+    if not records:
+        raise ProbeError("no records to probe")
+    return [prompt_turns(record, where=f"record {i} (id {record.get('id', '?')})") for i, record in enumerate(records)]
+
+
 def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_field: str | None = None,
                 generation_prompt: bool = True, max_length: int | None = None) -> Cases:
     """Render each record's prompt turns with the chat template and tokenise them.
@@ -47,14 +54,8 @@ def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
     Records with no dimension count under `all`. Prompts longer than `max_length` keep their last
     `max_length` tokens (the position the probe reads) and are counted as truncated.
     """
-    if not records:
-        raise ProbeError("no records to probe")
-    per_case: list[list[str]] = []
-    texts: list[str] = []
-    for i, record in enumerate(records):
-        where = f"record {i} (id {record.get('id', '?')})"
-        texts.append(render_chat(tokenizer, prompt_turns(record, where=where), add_generation_prompt=generation_prompt))
-        per_case.append(case_dimensions(record, dimension_field) or [UNGROUPED])
+    texts = [render_chat(tokenizer, turns, add_generation_prompt=generation_prompt) for turns in prompt_cases(records)]
+    per_case = [case_dimensions(record, dimension_field) or [UNGROUPED] for record in records]
     seen = {d for dims in per_case for d in dims}
     if dimension_field:
         dimensions = sorted(seen - {UNGROUPED}) + ([UNGROUPED] if UNGROUPED in seen else [])

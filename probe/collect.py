@@ -14,7 +14,7 @@ from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
 from rolemrc.core.modeling import dir_fingerprint, load_model, model_fingerprint
 from rolemrc.probe.backends import Backend, make_backend
-from rolemrc.probe.cases import Cases, batches, build_cases
+from rolemrc.probe.cases import Cases, batches, build_cases, prompt_cases
 from rolemrc.probe.counts import ProbeCounts, Rank, Tokens, TopKCounter, check_top_fraction, top_k_size
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
@@ -54,6 +54,11 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     Keyword overrides replace fields of `config`.
     """
     config = CollectConfig(**{**asdict(config or CollectConfig()), **overrides})
+    data_fingerprint = ""
+    if isinstance(data, (str, os.PathLike)):  # read and check the data before a model loads
+        data_fingerprint = file_fingerprint(data)
+        data = read_jsonl(data)
+    prompt_cases(data)
     model_path, fingerprint = "", ""
     if isinstance(model, (str, os.PathLike)):
         model_path = str(model)
@@ -64,10 +69,6 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     else:
         fingerprint = model_fingerprint(model)
         model_path = getattr(model.config, "_name_or_path", "") or "<in-memory>"
-    data_fingerprint = ""
-    if isinstance(data, (str, os.PathLike)):
-        data_fingerprint = file_fingerprint(data)
-        data = read_jsonl(data)
 
     max_length = config.max_length or _context_window(model)
     cases = build_cases(data, tokenizer, dimension_field=config.dimension_field,
