@@ -18,7 +18,9 @@ from rolemrc.core.cli import ReportingGroup
 from rolemrc.core.errors import EXIT_INPUT, RolemrcError
 
 ROOT = Path(rolemrc.__file__).parent
-HTTP_ONLY = {"rolemrc.serve.errors.ApiError"}  # an HTTP status for the server's error body, not a CLI error
+# HTTP-level, never seen by a CLI: an HTTP status for the server's error body, and the body-size
+# middleware's internal signal (turned into a 413 before anything leaves the server)
+HTTP_ONLY = {"rolemrc.serve.errors.ApiError", "rolemrc.serve.middleware.TooLarge"}
 
 
 def all_modules() -> list:
