@@ -105,6 +105,7 @@ def run(concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int = 32, waves: in
                                "baked_vs_unrestrained": round(med["baked"] / med["batched"], 3)}
     return {"benchmark": "serve", "model": {"arch": "llama", **SIZES[size]}, "completion_tokens": tokens,
             "requests_per_concurrency": "concurrency x waves", "waves": waves, "repeats": repeats,
-            "restraint_units": restraint.num_units, "torch_threads": torch.get_num_threads(), "device": device, "results": results,
+            "restraint_units": restraint.num_units, "torch_threads": torch.get_num_threads(), "device": device,
+            "results": results,
             "targets": {"batched_vs_naive": ">= 3 at 8+", "restrained_vs_unrestrained": ">= 0.95",
                         "baked_vs_unrestrained": "~1.0"}}

@@ -1,6 +1,6 @@
 """Shared foundations: taxonomy, record io, chat formatting, model loading, tiny models."""
 
-from rolemrc.core.io import JsonlError, read_jsonl, write_jsonl, file_fingerprint
+from rolemrc.core.io import JsonlError, file_fingerprint, read_jsonl, write_jsonl
 from rolemrc.core.taxonomy import DIMENSIONS, TASK_COUNTS, dimensions_for_task, judge_aspects_for_task
 
 __all__ = [

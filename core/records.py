@@ -1,4 +1,4 @@
-"""RoleMRC record shapes (DESIGN.md "Data records"): turn normalisation and field access."""
+"""RoleMRC record shapes (docs/ARCHITECTURE.md "Records"): turn normalisation and field access."""
 
 from __future__ import annotations
 

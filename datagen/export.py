@@ -68,7 +68,7 @@ def stats_table(files: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, d
             extra = [r[k] for k in ("chosen", "reference") if k in r]
             groups[category(r["task"])].append((len(body) + len(extra), replies + [_words(e) for e in extra]))
         rows = {}
-        for cat in CATEGORIES + ("all",):
+        for cat in (*CATEGORIES, "all"):
             members = [g for c, gs in groups.items() if cat in (c, "all") for g in gs]
             if members:
                 words = [w for _, ws in members for w in ws]

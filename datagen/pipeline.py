@@ -188,7 +188,8 @@ async def arun(config: DatagenConfig) -> dict[str, Any]:
             return {"stats": json.loads((out / "stats.json").read_text()), "events": dict(backend.events)}
         by_id = {t["id"]: t for t in triplets}
         chosen = _retrieve(config, profiles, triplets, work)
-        material = {pid: Material(*(by_id[ids[k]] for k in ("related", "unanswerable", "unrelated"))) for pid, ids in chosen.items()}
+        material = {pid: Material(*(by_id[ids[k]] for k in ("related", "unanswerable", "unrelated")))
+                    for pid, ids in chosen.items()}
         ids = [p["id"] for p in profiles]
         order = rng_for(config.seed, "split").sample(ids, len(ids))
         test_ids = order[: min(len(ids) - 1, max(1, math.ceil(config.test_fraction * len(ids))))]

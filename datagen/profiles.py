@@ -55,7 +55,7 @@ def profile_text(name: str, components: dict[str, str]) -> str:
 
 
 def make_profile(pid: str, persona: str, name: str, components: dict[str, str]) -> dict[str, Any]:
-    """A profile record (DESIGN.md): validated, with its rendered text."""
+    """A profile record (docs/ARCHITECTURE.md "Records"): validated, with its rendered text."""
     name, components = validate_profile(name, components)
     return {"id": pid, "persona": persona, "name": name, "components": components,
             "text": profile_text(name, components)}

@@ -28,7 +28,8 @@ ANSWERING = frozenset({"answer", "answer_outside", "insist_answer"})
 MAX_REPLY_WORDS = 250
 NARRATION = re.compile(r"[()\[\]*]")
 EMOJI = re.compile("[\U0001F300-\U0001FAFF\u2600-\u27BF]")
-STOP = frozenset("a an the of in on at to and or is are was were be by for with from as that this it its".split())
+STOP = frozenset(["a", "an", "the", "of", "in", "on", "at", "to", "and", "or", "is", "are", "was", "were", "be", "by", "for",
+                  "with", "from", "as", "that", "this", "it", "its"])
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Judge aggregates (DESIGN.md): per-aspect means over judge calls, AvgSimple (mean of the aspect means),
+"""Judge aggregates (docs/ARCHITECTURE.md "Taxonomy"): per-aspect means over judge calls, AvgSimple (mean of the aspect means),
 AvgWeighted (mean over all calls), AvgS(noMT) (aspects without multi_turn), per aspect side and per task;
 each with a bootstrap 95% CI from resampling test items (an item's calls stay together)."""
 

@@ -60,25 +60,25 @@ def _score(responses: Path, out: Path, configs: tuple[JudgeConfig, MetricConfig 
         typer.secho(f"warning: {run.summary['chart']['png_error']}", fg="yellow", err=True)
 
 
-GEN = dict(
-    model=typer.Option(..., help="local HF model directory, or the model id at --base-url"),
-    base_url=typer.Option(None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1"),
-    restraint=typer.Option(None, help="restraint spec (YAML/JSON) applied as runtime hooks (local models)"),
-    extra_body=typer.Option(None, help='JSON merged into each endpoint request, e.g. \'{"restraint": "mt"}\''),
-    max_new_tokens=typer.Option(256), batch_size=typer.Option(8, help="local batch size"),
-    concurrency=typer.Option(8, help="endpoint requests in flight"),
-    dtype=typer.Option("float32", help=" | ".join(get_args(DType))),
-    device=typer.Option("auto"), dataset=typer.Option(None, help="'rolemrc': check the published 18-task histogram"),
-    allow_drift=typer.Option(False, help="score a file that drifts from --dataset's histogram"),
-)
-SCORE = dict(
-    judge=typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
-    judge_model=typer.Option(None), judge_base_url=typer.Option(None), judge_concurrency=typer.Option(8),
-    metrics=typer.Option(",".join(METRICS.names()), help=metrics_help()),
-    bertscore_model=typer.Option(None, help="local encoder directory (default: packaged all-MiniLM-L6-v2)"),
-    bertscore_layer=typer.Option(None, help="encoder layer (default 5 for MiniLM, else the last)"),
-    rounds=typer.Option(2000, help="bootstrap resamples"),
-)
+GEN = {
+    "model": typer.Option(..., help="local HF model directory, or the model id at --base-url"),
+    "base_url": typer.Option(None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1"),
+    "restraint": typer.Option(None, help="restraint spec (YAML/JSON) applied as runtime hooks (local models)"),
+    "extra_body": typer.Option(None, help='JSON merged into each endpoint request, e.g. \'{"restraint": "mt"}\''),
+    "max_new_tokens": typer.Option(256), "batch_size": typer.Option(8, help="local batch size"),
+    "concurrency": typer.Option(8, help="endpoint requests in flight"),
+    "dtype": typer.Option("float32", help=" | ".join(get_args(DType))),
+    "device": typer.Option("auto"), "dataset": typer.Option(None, help="'rolemrc': check the published 18-task histogram"),
+    "allow_drift": typer.Option(False, help="score a file that drifts from --dataset's histogram"),
+}
+SCORE = {
+    "judge": typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
+    "judge_model": typer.Option(None), "judge_base_url": typer.Option(None), "judge_concurrency": typer.Option(8),
+    "metrics": typer.Option(",".join(METRICS.names()), help=metrics_help()),
+    "bertscore_model": typer.Option(None, help="local encoder directory (default: packaged all-MiniLM-L6-v2)"),
+    "bertscore_layer": typer.Option(None, help="encoder layer (default 5 for MiniLM, else the last)"),
+    "rounds": typer.Option(2000, help="bootstrap resamples"),
+}
 
 
 @app.command("generate")

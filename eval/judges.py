@@ -82,7 +82,7 @@ def judge_info(config: JudgeConfig) -> dict[str, Any]:
 
 
 def judge_calls(items: list[dict[str, Any]]) -> list[Call]:
-    """(item, aspect) for every judge call the items receive (DESIGN.md task -> aspects)."""
+    """(item, aspect) for every judge call the items receive (docs/ARCHITECTURE.md "Taxonomy")."""
     return [(item, aspect) for item in items for aspect in judge_aspects_for_task(item.get("task") or "")]
 
 

@@ -16,14 +16,7 @@ from rolemrc.eval.metrics import MetricUnavailable
 DEBIAN_WORDNET = Path("/usr/share/wordnet")
 NEEDED = ("data.noun", "data.verb", "data.adj", "data.adv", "index.noun", "index.verb", "index.adj", "index.adv",
           "noun.exc", "verb.exc", "adj.exc", "adv.exc", "index.sense")
-LEXNAMES = (
-    "adj.all adj.pert adv.all noun.Tops noun.act noun.animal noun.artifact noun.attribute noun.body "
-    "noun.cognition noun.communication noun.event noun.feeling noun.food noun.group noun.location noun.motive "
-    "noun.object noun.person noun.phenomenon noun.plant noun.possession noun.process noun.quantity "
-    "noun.relation noun.shape noun.state noun.substance noun.time verb.body verb.change verb.cognition "
-    "verb.communication verb.competition verb.consumption verb.contact verb.creation verb.emotion verb.motion "
-    "verb.perception verb.possession verb.social verb.stative verb.weather adj.ppl"
-).split()
+LEXNAMES = ["adj.all", "adj.pert", "adv.all", "noun.Tops", "noun.act", "noun.animal", "noun.artifact", "noun.attribute", "noun.body", "noun.cognition", "noun.communication", "noun.event", "noun.feeling", "noun.food", "noun.group", "noun.location", "noun.motive", "noun.object", "noun.person", "noun.phenomenon", "noun.plant", "noun.possession", "noun.process", "noun.quantity", "noun.relation", "noun.shape", "noun.state", "noun.substance", "noun.time", "verb.body", "verb.change", "verb.cognition", "verb.communication", "verb.competition", "verb.consumption", "verb.contact", "verb.creation", "verb.emotion", "verb.motion", "verb.perception", "verb.possession", "verb.social", "verb.stative", "verb.weather", "adj.ppl"]
 FILENUM = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
 
 

@@ -109,7 +109,7 @@ def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLik
     target = resolve_dtype(dtype)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
     r.validate(model)
-    touched_names = {n for n in fold_restraint_plan(model, r)}
+    touched_names = set(fold_restraint_plan(model, r))
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n in touched_names}
     scaled = fold_restraint(model, r)
     after = {n: p.detach() for n, p in model.named_parameters() if n in touched_names}

@@ -1,4 +1,4 @@
-"""Restraint specs (DESIGN.md "Restraint"): load, validate against a model, save."""
+"""Restraint specs (docs/ARCHITECTURE.md "Restraint spec"): load, validate against a model, save."""
 
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ class Restraint:
             return value
         if isinstance(value, dict):
             return cls.from_dict(value)
-        if isinstance(value, os.PathLike) or (isinstance(value, str) and "\n" not in value and Path(value).suffix in (".yaml", ".yml", ".json")):
+        is_path = isinstance(value, str) and "\n" not in value and Path(value).suffix in (".yaml", ".yml", ".json")
+        if isinstance(value, os.PathLike) or is_path:
             return cls.load(value)
         if isinstance(value, str):
             try:

@@ -22,7 +22,7 @@ from rolemrc.probe.hooks import check_point, num_layers, width
 
 @dataclass
 class CollectConfig:
-    """How to count (DESIGN.md "Probe"). Defaults reproduce the RoleMRC analysis on `mlp.act`."""
+    """How to count (docs/ARCHITECTURE.md "Probe file"). Defaults reproduce the RoleMRC analysis on `mlp.act`."""
 
     hook: str = "mlp.act"  # a name in HOOK_POINTS
     top_fraction: float = 0.2

@@ -1,6 +1,6 @@
 """Top-k activation counts per dimension: the streaming accumulator and the probe file.
 
-Probe file (DESIGN.md): safetensors with `count.<dim>` (int64 [layers, width]), `cases.<dim>` (int64
+Probe file (docs/ARCHITECTURE.md "Probe file"): safetensors with `count.<dim>` (int64 [layers, width]), `cases.<dim>` (int64
 scalar: prompts) and `observations.<dim>` (int64 scalar: counted token positions; equals cases with the
 `last` token policy). `freq = count / observations`. Metadata records how the counts were made.
 """

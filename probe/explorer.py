@@ -27,7 +27,7 @@ def explorer_data(result: DiffResult, max_units: int = 512, fdr: float = 0.05) -
         delta, q = result.delta[d], result.qvalue[d]
         n = min(max_units, delta.shape[1])
         top = delta.abs().topk(n, dim=1).indices  # [layers, n]
-        gather = lambda t: torch.gather(t.double(), 1, top).tolist()  # noqa: E731
+        gather = lambda t, top=top: torch.gather(t.double(), 1, top).tolist()  # noqa: E731
         dims[d] = {
             "cases_a": result.cases_a.get(d), "cases_b": result.cases_b.get(d),
             "mean_abs_delta": delta.abs().mean(1).tolist(),

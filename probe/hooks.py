@@ -1,4 +1,4 @@
-"""Hook points (DESIGN.md "Probe"): one table row each, resolved on Llama/Qwen2/Mistral and GPT-2 layouts.
+"""Hook points (docs/ARCHITECTURE.md "Hook points"): one table row each, resolved on Llama/Qwen2/Mistral and GPT-2 layouts.
 
 A hook point `layers.{i}.<point>` names a tensor of shape [batch, seq, width]. Everything that knows
 about a hook point reads its `HookPoint` row in `HOOK_POINTS`: `site()` (where the tensor lives),

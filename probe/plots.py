@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def layers_by_unit_bins(result: DiffResult, dimension: str, bins: int = 64):
     z = unit_bins(delta, bins)
     width = delta.shape[1]
     starts = [b * width // z.shape[1] for b in range(z.shape[1] + 1)]
-    edges = [str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(starts, starts[1:])]
+    edges = [str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(starts)]
     fig = go.Figure(go.Heatmap(z=z.tolist(), x=edges, y=list(range(z.shape[0])), colorscale="Magma",
                                colorbar={"title": "mean |Δfreq|"},
                                hovertemplate="units %{x}<br>layer %{y}<br>mean |Δ| %{z:.4f}<extra></extra>"))

@@ -115,7 +115,6 @@ def notes(arms: dict[str, Any]) -> list[str]:
 
 def figure(report: dict[str, Any]):
     """Bars per arm with 95% CI error bars: judge pass rate, reference metrics, latency, tokens."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     panels = [("judge score per response", lambda a: (a.get("judge") or {}).get("response_score")),

@@ -32,10 +32,9 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
-        if self.drain_deadline is not None:
-            if self.state.inflight == 0 or time.monotonic() > self.drain_deadline:
-                log.info("drained", extra={"inflight": self.state.inflight})
-                return True
+        if self.drain_deadline is not None and (self.state.inflight == 0 or time.monotonic() > self.drain_deadline):
+            log.info("drained", extra={"inflight": self.state.inflight})
+            return True
         return await super().on_tick(counter)
 
 

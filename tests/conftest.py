@@ -5,9 +5,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fixtures import corpus, test_records  # noqa: E402
+from fixtures import corpus, test_records
 
-from rolemrc.core.tiny import build_model, train_tokenizer  # noqa: E402
+from rolemrc.core.tiny import build_model, train_tokenizer
 
 ARCHS = ("llama", "qwen2", "gpt2")
 

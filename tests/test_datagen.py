@@ -158,7 +158,7 @@ def test_outputs_have_design_shapes(tiny_run):
     for r in test:
         assert prompt_turns(r)[-1]["role"] == "user" and r["reference"]
     ids = [r["id"] for f in (sft, pairs, test) for r in f]
-    assert len(set(r["id"] for r in sft)) == len(sft) and len(set(r["id"] for r in test)) == len(test)
+    assert len({r["id"] for r in sft}) == len(sft) and len({r["id"] for r in test}) == len(test)
     assert ids
     test_profiles = {r["id"].split("/")[0] for r in test}
     train_profiles = {r["id"].split("/")[0] for r in sft}
@@ -188,7 +188,7 @@ def test_replies_follow_their_task(tiny_run):
 
 
 def test_stats_table(tiny_run):
-    out, result = tiny_run
+    out, _result = tiny_run
     stats = json.loads((out / "stats.json").read_text())
     assert stats["table"]["sft"]["all"]["count"] == len(read_jsonl(out / "sft.jsonl"))
     assert sum(stats["test_tasks"].values()) == len(read_jsonl(out / "test.jsonl"))

@@ -21,11 +21,9 @@ import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from datagen_fixtures import read_outputs, small_pool
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -194,9 +192,8 @@ def test_http_errors_that_are_not_retryable_stop_the_run(tmp_path, pool):
         finally:
             await backend.aclose()
 
-    with Server(scripted_app(status=401)) as server:
-        with pytest.raises(BackendError, match="HTTP 401"):
-            asyncio.run(call(server.url))
+    with Server(scripted_app(status=401)) as server, pytest.raises(BackendError, match="HTTP 401"):
+        asyncio.run(call(server.url))
     with socket.socket() as s:  # nothing listens here: connection errors are retried, then reported
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"

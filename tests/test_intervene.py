@@ -86,7 +86,7 @@ def test_bake_is_deterministic_and_records_provenance(model_dirs, tmp_path):
     for name in ("a", "b"):  # safetensors orders header metadata by hash: compare contents, not bytes
         with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as fh:
             metas.append(fh.metadata())
-            tensors.append({k: fh.get_tensor(k) for k in fh.keys()})
+            tensors.append({k: fh.get_tensor(k) for k in fh.keys()})  # noqa: SIM118 (safe_open is not iterable)
     meta = metas[0]
     assert metas[0] == metas[1] and tensors[0].keys() == tensors[1].keys()
     assert all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])

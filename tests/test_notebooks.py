@@ -4,7 +4,6 @@ import os
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 from rolemrc.core.tiny import build_model

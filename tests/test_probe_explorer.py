@@ -4,9 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+from browser import browser_page
 from typer.testing import CliRunner
 
-from browser import browser_page
 from rolemrc.cli import app
 from rolemrc.core.tiny import build_model
 from rolemrc.probe import collect, diff, write_diff

@@ -7,11 +7,11 @@ import time
 import httpx
 import openai
 import pytest
-from rolemrc.serve.launch import running_server
 from typer.testing import CliRunner
 
 from rolemrc.cli import app as cli_app
 from rolemrc.intervene import Restraint
+from rolemrc.serve.launch import running_server
 
 KEY = "test-key-123"
 # a prompt on which the random fixture model's greedy text differs under the strong restraints

@@ -8,6 +8,7 @@ import threading
 
 import httpx
 import pytest
+
 from rolemrc.serve.launch import running_server, start_server, stop_server
 
 CHAT = [{"role": "user", "content": "the keeper of the lighthouse"}]
@@ -138,7 +139,7 @@ def test_schemathesis_finds_no_server_errors(model_dirs, tmp_path):
                 try:
                     case.validate_response(response, checks=[not_a_server_error])
                 except Exception as exc:  # collect all, report together
-                    failures.append(f"{operation.label}: {exc}"[:500])
+                    failures.append(f"{operation.label}: {exc}"[:500])  # noqa: B023 (run() is called below)
             run()
         assert not failures, "\n".join(failures[:5])
         assert len(calls) >= 60 and {200, 201} & set(calls) and any(400 <= c < 500 for c in calls)

@@ -2,8 +2,15 @@
 
 import pytest
 
-from rolemrc.train.config import (BaseTrainConfig, ConfigError, DPOTrainConfig, SFTTrainConfig, accumulation_steps,
-                                  make_config, parse_overrides)
+from rolemrc.train.config import (
+    BaseTrainConfig,
+    ConfigError,
+    DPOTrainConfig,
+    SFTTrainConfig,
+    accumulation_steps,
+    make_config,
+    parse_overrides,
+)
 from rolemrc.train.runner import trainer_arguments
 
 REQ = {"sft": {"model": "m", "data": ["d.jsonl"], "out": "o"}, "dpo": {"model": "m", "data": ["d.jsonl"], "out": "o"}}

@@ -6,8 +6,18 @@ from train_fixtures import pair_records, profile_records, sft_records
 
 from rolemrc.core.io import write_jsonl
 from rolemrc.train.corpus import gather_corpus
-from rolemrc.train.data import (BadRecord, DataError, DataReport, jsonl_files, load_examples, mix_in, pair_example,
-                                parse_mix, sft_example, sft_examples)
+from rolemrc.train.data import (
+    BadRecord,
+    DataError,
+    DataReport,
+    jsonl_files,
+    load_examples,
+    mix_in,
+    pair_example,
+    parse_mix,
+    sft_example,
+    sft_examples,
+)
 
 GOOD_PAIR = {"prompt": [{"role": "User", "content": "hi?"}], "chosen": "hello", "rejected": "go away"}
 
@@ -90,7 +100,7 @@ def test_bad_mix_specs(spec):
 
 def test_corpus_holds_out_test_records(tmp_path):
     write_jsonl(tmp_path / "sft.jsonl", sft_records(6))
-    write_jsonl(tmp_path / "pairs.jsonl", pair_records(4) + [pair_records(1)[0]])
+    write_jsonl(tmp_path / "pairs.jsonl", [*pair_records(4), pair_records(1)[0]])
     write_jsonl(tmp_path / "test.jsonl", make_test_records(5))
     write_jsonl(tmp_path / "profiles.jsonl", profile_records(2))
     write_jsonl(tmp_path / "junk.jsonl", [{"what": 1}])

@@ -5,8 +5,15 @@ import torch
 from train_fixtures import PROFILE_ARGUMENTS_BEFORE
 from trl import DPOConfig, SFTConfig
 
-from rolemrc.train.config import (STAGE_CONFIGS, ConfigError, DPOTrainConfig, SFTTrainConfig, help_text, make_config,
-                                  parse_overrides)
+from rolemrc.train.config import (
+    STAGE_CONFIGS,
+    ConfigError,
+    DPOTrainConfig,
+    SFTTrainConfig,
+    help_text,
+    make_config,
+    parse_overrides,
+)
 from rolemrc.train.runner import build_arguments, trainer_arguments
 
 REQ = {"base": {"data": ["d"], "out": "o"}, "sft": {"model": "m", "data": ["d"], "out": "o"},

@@ -15,8 +15,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from typer.testing import CliRunner
 
 from rolemrc.core.io import write_jsonl
-from rolemrc.train import (BaseTrainConfig, DataError, DPOTrainConfig, SFTTrainConfig, make_config, train_base,
-                           train_dpo, train_sft)
+from rolemrc.train import (
+    BaseTrainConfig,
+    DataError,
+    DPOTrainConfig,
+    SFTTrainConfig,
+    make_config,
+    train_base,
+    train_dpo,
+    train_sft,
+)
 from rolemrc.train.cli import app
 from rolemrc.train.sft import sft_trainer
 

@@ -6,8 +6,7 @@
 Heavy imports (torch, transformers, trl) happen on first use, so `rolemrc --help` stays fast.
 """
 
-from rolemrc.train.config import (BaseTrainConfig, ConfigError, DPOTrainConfig, SFTTrainConfig, TrainConfig,
-                                  make_config)
+from rolemrc.train.config import BaseTrainConfig, ConfigError, DPOTrainConfig, SFTTrainConfig, TrainConfig, make_config
 
 _LAZY = {"train_base": "rolemrc.train.base", "train_sft": "rolemrc.train.sft", "train_dpo": "rolemrc.train.dpo",
          "TrainResult": "rolemrc.train.runner", "DataError": "rolemrc.train.data"}

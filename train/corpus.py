@@ -41,7 +41,7 @@ class Corpus:
             passages = record["passages"]
             if not isinstance(passages, list) or not all(isinstance(p, str) for p in passages):
                 raise BadRecord("malformed passages")
-            parts = passages + [nonempty_text(record.get("question"), "question")]
+            parts = [*passages, nonempty_text(record.get("question"), "question")]
             if isinstance(record.get("answer"), str):
                 parts.append(record["answer"])
             self.plain.append("\n".join(parts))

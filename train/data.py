@@ -1,6 +1,6 @@
 """Training data: RoleMRC records -> trl datasets, with bad records skipped and counted.
 
-Record kinds (DESIGN.md "Data records"): SFT `conversations`, preference pair
+Record kinds (docs/ARCHITECTURE.md "Records"): SFT `conversations`, preference pair
 `prompt`/`chosen`/`rejected`, test `question`/`reference`, profile `text`, MRC triplet
 `passages`/`question`/`answer`. Roles may be capitalised (`User`), as in the release.
 """

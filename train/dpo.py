@@ -6,8 +6,7 @@ from transformers import TrainerCallback
 
 from rolemrc.train.config import DPOTrainConfig
 from rolemrc.train.data import DataReport, fingerprints, jsonl_files, load_examples, pair_example
-from rolemrc.train.runner import (TrainResult, build_arguments, lora_config, prepare, source_model, start_model,
-                                  train_and_save)
+from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prepare, source_model, start_model, train_and_save
 
 
 def dpo_trainer(config: DPOTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()):

@@ -6,8 +6,7 @@ from transformers import TrainerCallback
 
 from rolemrc.train.config import SFTTrainConfig
 from rolemrc.train.data import DataReport, fingerprints, jsonl_files, parse_mix
-from rolemrc.train.runner import (TrainResult, build_arguments, lora_config, prepare, source_model, start_model,
-                                  train_and_save)
+from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prepare, source_model, start_model, train_and_save
 
 
 def sft_trainer(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()):

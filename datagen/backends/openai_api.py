@@ -71,7 +71,8 @@ def profile_messages(persona: str) -> list[dict[str, str]]:
 
 def reply_messages(spec: ReplySpec) -> list[dict[str, str]]:
     """System prompt with the profile and the turn's instructions, then the conversation so far."""
-    lines = [profile_text(spec.profile["name"], spec.profile["components"]), "", f"Task for your next reply: {INTENTS[spec.intent]}"]
+    lines = [profile_text(spec.profile["name"], spec.profile["components"]), "",
+             f"Task for your next reply: {INTENTS[spec.intent]}"]
     if spec.passages:
         lines.append("Passages:\n" + "\n".join(f"[{i + 1}] {p}" for i, p in enumerate(spec.passages)))
     if spec.question:

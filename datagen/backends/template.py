@@ -236,6 +236,7 @@ class TemplateBackend:
         if about == "past":
             return f"{first_person(spec.profile['components']['background'])} It shaped who I am."
         if about == "advice":
-            return f"People call me {spec.profile['components']['personality'].lower().rstrip('.')}. My advice: take your time and do the work properly."
+            personality = spec.profile["components"]["personality"].lower().rstrip(".")
+            return f"People call me {personality}. My advice: take your time and do the work properly."
         doing = f"this {job} {_clause(facts.activity)}" if facts.activity else f"I am {_a(job)} through and through"
         return f"My days are full of what {_a(job)} does. Ask anyone and they will tell you: {doing}."

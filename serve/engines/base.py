@@ -5,6 +5,7 @@ itself (`Capabilities`, its options dataclass)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,10 +77,8 @@ class Generation:
 
     def push(self, item: str | Final | BaseException) -> None:
         """Thread-safe: deliver a delta, the Final, or an error."""
-        try:
+        with contextlib.suppress(RuntimeError):   # a closed loop: nobody is listening
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:   # the loop is closed: nobody is listening
-            pass
 
     async def __aiter__(self):
         while self.final is None:
