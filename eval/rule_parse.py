@@ -74,7 +74,7 @@ def _count(text: str | None) -> int | None:
 
 def _emoji_params(g: dict[str, str | None]) -> dict[str, Any] | None:
     if g.get("start") is not None or g.get("end") is not None:
-        return {"at": "start" if g.get("start") is not None else "end"}
+        return {"at": "start" if g.get("start") is not None else "end", "negated": g.get("negated") is not None}
     if g.get("none") is not None:
         return {"max": 0}
     if g.get("most") is not None:
@@ -85,9 +85,10 @@ def _emoji_params(g: dict[str, str | None]) -> dict[str, Any] | None:
 
 @rule_kind(
     "emoji",
-    r"\b(?:begin|start|open)\w*\b[^.\n]{0,40}?\bwith\s+(?:an?|one|a\s+single)\s+emoji\b(?P<start>)",
+    rf"(?:(?P<negated>{NOT})\s+)?\b(?:begin|start|open)\w*\b[^.\n]{{0,40}}?\bwith\s+(?:an?|one|a\s+single|any)\s+emojis?\b"
+    r"(?P<start>)",
     r"\bemoji\s+(?:at|as)\s+the\s+(?:very\s+)?(?:start|beginning|first\s+character)\b(?P<start>)",
-    rf"{END}[^.\n]{{0,40}}?\bwith\s+(?:an?|one|a\s+single)\s+emoji\b(?P<end>)",
+    rf"(?:(?P<negated>{NOT})\s+)?{END}[^.\n]{{0,40}}?\bwith\s+(?:an?|one|a\s+single|any)\s+emojis?\b(?P<end>)",
     r"\bemoji\s+(?:at|as)\s+the\s+(?:very\s+)?(?:end|last\s+character)\b(?P<end>)",
     rf"{NOT}\s+(?:(?:us|includ|add|insert|put)\w*\s+)?(?:any\s+)?emojis?\b(?P<none>)",
     r"\bno\s+emojis?\b(?P<none>)", r"\bemoji-free\b(?P<none>)",
@@ -97,10 +98,13 @@ def _emoji_params(g: dict[str, str | None]) -> dict[str, Any] | None:
     r"\b(?:include|use|add)\w*\s+emojis\b",
     params=_emoji_params)
 def emoji(params: dict[str, Any], text: str) -> str | None:
-    if params.get("at") == "start":
-        return None if starts_with_emoji(text) else "does not begin with an emoji"
-    if params.get("at") == "end":
-        return None if ends_with_emoji(text) else "does not end with an emoji"
+    if "at" in params:
+        at, negated = params["at"], params.get("negated", False)
+        found = (starts_with_emoji if at == "start" else ends_with_emoji)(text)
+        if found != negated:
+            return None
+        verb = "begin" if at == "start" else "end"
+        return f"{verb}s with an emoji" if negated else f"does not {verb} with an emoji"
     n = len(emojis(text))
     if n < params.get("min", 0) or n > params.get("max", n):
         return f"{n} emojis"

@@ -26,6 +26,8 @@ CASES = [
     ("Include at least two emojis.", "emoji", "Points of equal height 🗺️ on a map 🙂", "Points of equal height 🙂"),
     ("Use an emoji somewhere in your answer.", "emoji", "Equal height ⛰", "Equal height."),
     ("Add exactly three emojis to your reply.", "emoji", "🌟 Equal 🌟 height 🌟", "🌟🌟 Equal height."),
+    ("Do not start your reply with an emoji.", "emoji", "Equal height 🙂", "🙂 Equal height"),
+    ("Never end your answer with an emoji.", "emoji", "🙂 Equal height.", "Equal height 🙂"),
     ("Do not use any emojis.", "emoji", "Equal height.", "Equal height 🙂"),
     ("Your response must be emoji-free.", "emoji", "Equal height.", "🇫🇷 Equal height."),
     ("Never include emojis in your answer.", "emoji", "Equal height.", "Equal height ☕️"),
