@@ -1,6 +1,7 @@
 """Judge aggregates (docs/ARCHITECTURE.md "Taxonomy"): per-aspect means over judge calls, AvgSimple (mean of the aspect means),
 AvgWeighted (mean over all calls), AvgS(noMT) (aspects without multi_turn), per aspect side and per task;
-each with a bootstrap 95% CI from resampling test items (an item's calls stay together)."""
+each with a 95% CI from a stratified bootstrap of test items (an item's calls stay together; items are
+resampled within their task, so every resample has every task, aspect and dimension of the run)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,52 @@ from typing import Any
 import numpy as np
 
 from rolemrc.core.taxonomy import DIMENSIONS
-from rolemrc.eval.stats import bootstrap
+from rolemrc.eval.stats import percentile_cis, resample_counts
+
+AVERAGES = ("AvgSimple", "AvgWeighted", "AvgS(noMT)")
 
 
 def aspect_key(verdict: dict[str, Any]) -> str:
     return verdict["dimension"] + (f"/{verdict['detail']}" if verdict.get("detail") else "")
 
 
+def _order(key: str) -> tuple[int, str]:
+    head = key.split("/")[0]
+    return DIMENSIONS.index(head) if head in DIMENSIONS else len(DIMENSIONS), key
+
+
+def _onehot(keys: list[str]) -> tuple[list[str], np.ndarray]:
+    """Group names in taxonomy order and the [rows, groups] membership matrix."""
+    names = sorted(set(keys), key=_order)
+    onehot = np.zeros((len(keys), len(names)))
+    onehot[np.arange(len(keys)), [names.index(k) for k in keys]] = 1
+    return names, onehot
+
+
 def _group_means(w: np.ndarray, scores: np.ndarray, rows_item: np.ndarray, onehot: np.ndarray) -> np.ndarray:
-    """Weighted mean score per group: [rounds, groups]."""
+    """Weighted mean score per group: [rounds, groups] (NaN where a group has no weight)."""
     rw = w[:, rows_item]                        # weight of each verdict row
-    return (rw * scores) @ onehot / (rw @ onehot)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (rw * scores) @ onehot / (rw @ onehot)
+
+
+def _averages(dim_means: np.ndarray, dims: list[str], weighted: np.ndarray) -> np.ndarray:
+    """[rounds, 3]: AvgSimple (mean of the dimension means), AvgWeighted, AvgS(noMT)."""
+    no_mt = [j for j, d in enumerate(dims) if d != "multi_turn"]
+    simple = dim_means.mean(1) if dims else weighted
+    no_mt_mean = dim_means[:, no_mt].mean(1) if no_mt else np.full(len(weighted), math.nan)
+    return np.stack([simple, weighted, no_mt_mean], 1)
+
+
+def _strata(scored: list[dict[str, Any]], items: list[str]) -> np.ndarray:
+    """Stratum of each item: its task and the aspects it has scores for (the same for every item of a task
+    unless some of its calls went unscored), so a within-stratum resample never loses an aspect."""
+    aspects: dict[str, set[str]] = {}
+    tasks: dict[str, str] = {}
+    for v in scored:
+        aspects.setdefault(v["id"], set()).add(aspect_key(v))
+        tasks[v["id"]] = str(v.get("task") or "")
+    return np.array([f"{tasks[i]}|{','.join(sorted(aspects[i]))}" for i in items])
 
 
 def aggregate(verdicts: list[dict[str, Any]], *, rounds: int = 2000, seed: int = 0) -> dict[str, Any]:
@@ -35,39 +71,26 @@ def aggregate(verdicts: list[dict[str, Any]], *, rounds: int = 2000, seed: int =
     index = {item: k for k, item in enumerate(items)}
     rows_item = np.array([index[v["id"]] for v in scored])
     scores = np.array([float(v["score"]) for v in scored])
+    strata = _strata(scored, items)
+    weights = np.vstack([np.ones((1, len(items))), resample_counts(len(items), rounds, seed, strata)])
 
-    def summarise(keys: list[str]) -> tuple[list[str], np.ndarray]:
-        names = sorted(set(keys), key=lambda k: (DIMENSIONS.index(k.split("/")[0]) if k.split("/")[0] in DIMENSIONS else 99, k))
-        onehot = np.zeros((len(scored), len(names)))
-        onehot[np.arange(len(scored)), [names.index(k) for k in keys]] = 1
-        return names, onehot
+    def table(names: list[str], onehot: np.ndarray) -> tuple[dict[str, dict], np.ndarray]:
+        means = _group_means(weights, scores, rows_item, onehot)       # row 0: the point estimate
+        lo, hi = percentile_cis(means[1:])
+        return {name: {"mean": float(means[0, j]), "lo": float(lo[j]), "hi": float(hi[j]), "n": int(onehot[:, j].sum())}
+                for j, name in enumerate(names)}, means
 
-    def table(names: list[str], onehot: np.ndarray) -> dict[str, dict]:
-        point = _group_means(np.ones((1, len(items))), scores, rows_item, onehot)[0]
-        lohi = [bootstrap(lambda w, j=j: _group_means(w, scores, rows_item, onehot[:, [j]])[:, 0], len(items),
-                          rounds=rounds, seed=seed) for j in range(len(names))]
-        return {name: {"mean": float(point[j]), "lo": lohi[j][0], "hi": lohi[j][1], "n": int(onehot[:, j].sum())}
-                for j, name in enumerate(names)}
-
-    dims, dim_onehot = summarise([v["dimension"] for v in scored])
-    out["dimensions"] = table(dims, dim_onehot)
-    out["aspects"] = table(*summarise([aspect_key(v) for v in scored]))
-    out["tasks"] = table(*summarise([v["task"] for v in scored]))
-
-    def averages(w: np.ndarray) -> np.ndarray:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            means = _group_means(w, scores, rows_item, dim_onehot)
-            no_mt = [j for j, d in enumerate(dims) if d != "multi_turn"]
-            weighted = (w[:, rows_item] * scores).sum(1) / w[:, rows_item].sum(1)
-            return np.stack([np.nanmean(means, 1) if dims else weighted, weighted,
-                             np.nanmean(means[:, no_mt], 1) if no_mt else np.full(len(w), math.nan)], 1)
-
-    point = averages(np.ones((1, len(items))))[0]
-    names = ("AvgSimple", "AvgWeighted", "AvgS(noMT)")
-    out["averages"] = {}
-    for j, name in enumerate(names):
-        lo, hi = bootstrap(lambda w, j=j: averages(w)[:, j], len(items), rounds=rounds, seed=seed)
-        out["averages"][name] = {"mean": float(point[j]), "lo": lo, "hi": hi}
+    dims, dim_onehot = _onehot([v["dimension"] for v in scored])
+    out["dimensions"], dim_means = table(dims, dim_onehot)
+    out["aspects"] = table(*_onehot([aspect_key(v) for v in scored]))[0]
+    out["tasks"] = table(*_onehot([str(v["task"]) for v in scored]))[0]
+    weighted = (weights[:, rows_item] * scores).sum(1) / weights[:, rows_item].sum(1)
+    avg = _averages(dim_means, dims, weighted)
+    lo, hi = percentile_cis(avg[1:])
+    out["averages"] = {name: {"mean": float(avg[0, j]), "lo": float(lo[j]), "hi": float(hi[j])}
+                       for j, name in enumerate(AVERAGES)}
+    out["bootstrap"] = {"rounds": rounds, "strata": "task", "n_strata": int(np.unique(strata).size),
+                        "resamples_lacking_dimension": int(np.isnan(dim_means[1:]).any(1).sum())}
     missing = [d for d in DIMENSIONS if d not in dims]
     if missing:
         out["averages_note"] = f"AvgSimple/AvgS(noMT) average the dimensions present; no scored calls for {missing}"

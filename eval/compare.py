@@ -1,5 +1,5 @@
 """Paired comparison of two scored runs on their shared items: exact McNemar per judge dimension
-(and over all calls), paired bootstrap per reference metric, with effect sizes and p-values."""
+(and over all calls); per reference metric a paired bootstrap CI and a sign-flip permutation p; effect sizes."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.eval.runs import EvalRun, RunError
-from rolemrc.eval.stats import mcnemar_exact, paired_bootstrap
+from rolemrc.eval.stats import mcnemar_exact, paired_test
 
 
 @dataclass
 class Comparison:
-    """Result of compare(a, b): `verdicts` (dimension or "all" -> McNemar), `metrics` (name -> paired bootstrap)."""
+    """Result of compare(a, b): `verdicts` (dimension or "all" -> McNemar), `metrics` (name -> eval.stats.paired_test)."""
 
     a: str
     b: str
@@ -70,7 +70,7 @@ def compare(run_a: EvalRun | str | os.PathLike, run_b: EvalRun | str | os.PathLi
     ma, mb = ({m["id"]: m for m in run.metrics if m["id"] in shared} for run in (a, b))
     ids = sorted(set(ma) & set(mb))
     names = [n for n in (ma[ids[0]] if ids else {}) if n != "id" and all(n in mb[i] and n in ma[i] for i in ids)]
-    metrics = {n: paired_bootstrap([ma[i][n] for i in ids], [mb[i][n] for i in ids], rounds=rounds, seed=seed)
+    metrics = {n: paired_test([ma[i][n] for i in ids], [mb[i][n] for i in ids], rounds=rounds, seed=seed)
                for n in names}
     label = lambda run, default: str(run.path) if run.path else default  # noqa: E731
     return Comparison(label(a, "A"), label(b, "B"), len(shared), verdicts, metrics, (a.summary, b.summary))

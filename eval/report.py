@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.core.taxonomy import DIMENSIONS
-
-AVERAGES = ("AvgSimple", "AvgWeighted", "AvgS(noMT)")
+from rolemrc.eval.aggregate import AVERAGES
 
 
 def fmt(stat: dict | None, scale: float = 100.0) -> str:
@@ -45,7 +44,8 @@ def run_markdown(summary: dict[str, Any], name: str) -> str:
     parts = [f"# Eval run `{name}`", "",
              f"{summary.get('n_items', 0)} items; judge `{summary.get('judge', {}).get('name')}`: "
              f"{agg.get('calls', 0)} calls, {agg.get('scored', 0)} scored, status {agg.get('status', {})}. "
-             f"Values in percent (BLEU 0-100) with bootstrap 95% CIs ({summary.get('bootstrap_rounds')} rounds).", "",
+             f"Values in percent (BLEU 0-100) with bootstrap 95% CIs ({summary.get('bootstrap_rounds')} rounds; "
+             "judge scores: items resampled within their task).", "",
              "## Table 3 shape", "", table3([(name, summary)]), ""]
     if agg.get("aspects"):
         parts += ["## Aspects", "", "| aspect | score | calls |", "|---|---|---|",
@@ -57,6 +57,8 @@ def run_markdown(summary: dict[str, Any], name: str) -> str:
     notes += [f"- {k} not computed: {v}" for k, v in summary.get("metrics_unavailable", {}).items()]
     if agg.get("averages_note"):
         notes.append(f"- {agg['averages_note']}")
+    if agg.get("bootstrap", {}).get("resamples_lacking_dimension"):
+        notes.append(f"- {agg['bootstrap']['resamples_lacking_dimension']} bootstrap resamples lacked a dimension")
     if summary.get("unjudged_tasks"):
         notes.append(f"- tasks with no judge aspect (unknown names): {summary['unjudged_tasks']}")
     if summary.get("chart", {}).get("png_error"):
@@ -103,7 +105,9 @@ def compare_markdown(comparison) -> str:
     """Table 6 shape: per dimension before (A) / after (B) / change, McNemar p and odds ratio; then metrics."""
     lines = [f"# Compare `{comparison.a}` (A) -> `{comparison.b}` (B)", "",
              f"{comparison.shared_items} shared items. Judge: exact McNemar on paired verdicts "
-             "(improved = 0 -> 1, worsened = 1 -> 0). Metrics: paired bootstrap of mean(B - A).", "",
+             "(improved = 0 -> 1, worsened = 1 -> 0). Metrics: mean(B - A) with a paired bootstrap 95% CI and a "
+             "two-sided sign-flip permutation p (exact over all 2^n flips up to n = 16 nonzero differences, "
+             "else Monte Carlo with (hits + 1) / (rounds + 1)).", "",
              "## Table 6 shape", "",
              "| dimension | A | B | change | improved | worsened | odds ratio | p (McNemar) | pairs |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -112,9 +116,9 @@ def compare_markdown(comparison) -> str:
                      f"{r['improved']} | {r['worsened']} | {r['odds_ratio']:.2f} | {_p(r['p'])} | {r['n']} |")
     if comparison.metrics:
         lines += ["", "## Reference metrics", "",
-                  "| metric | A | B | change [95% CI] | Cohen's d_z | p (paired bootstrap) |", "|---|---|---|---|---|---|"]
+                  "| metric | A | B | change [95% CI] | Cohen's d_z | p (sign-flip) | test |", "|---|---|---|---|---|---|---|"]
         for name, r in comparison.metrics.items():
             s = metric_scale(name)
             lines.append(f"| {name} | {s * r['a_mean']:.2f} | {s * r['b_mean']:.2f} | {s * r['diff']:+.2f} "
-                         f"[{s * r['lo']:+.2f}, {s * r['hi']:+.2f}] | {r['cohen_dz']:.2f} | {_p(r['p'])} |")
+                         f"[{s * r['lo']:+.2f}, {s * r['hi']:+.2f}] | {r['cohen_dz']:.2f} | {_p(r['p'])} | {r['test']} |")
     return "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@ from rolemrc.core.taxonomy import Aspect, judge_aspects_for_task
 from rolemrc.eval import compare, parse_verdict, score
 from rolemrc.eval.aggregate import aggregate
 from rolemrc.eval.rules import find_rule, judge_item
-from rolemrc.eval.stats import mcnemar_exact, mean_ci, paired_bootstrap
+from rolemrc.eval.stats import mcnemar_exact, mean_ci, paired_test
 
 PASSAGE = ("Help me with this text, would you?\n\nPassage 1: Contour lines on a map join points of equal height above "
            "sea level. Lines close together show steep ground.\n\nQuestion: What do contour lines join?")
@@ -100,7 +100,7 @@ def test_aggregates_on_known_answers():
     assert agg["dimensions"]["nested"]["lo"] == agg["dimensions"]["nested"]["hi"] == 1.0
 
 
-def test_mcnemar_on_known_table_and_paired_bootstrap():
+def test_mcnemar_on_known_table_and_paired_test():
     # 2x2 table: both 1: 10, a1 b0: 2, a0 b1: 9, both 0: 5 -> exact p = 2 * P(Bin(11, .5) <= 2) = 0.06543
     a = [1] * 10 + [1] * 2 + [0] * 9 + [0] * 5
     b = [1] * 10 + [0] * 2 + [1] * 9 + [0] * 5
@@ -111,9 +111,9 @@ def test_mcnemar_on_known_table_and_paired_bootstrap():
     assert mcnemar_exact([1, 0], [1, 0])["p"] == 1.0
     rng = np.random.default_rng(0)
     x = rng.normal(size=200)
-    shifted = paired_bootstrap(x, x + 0.5 + rng.normal(scale=0.1, size=200), rounds=2000)
+    shifted = paired_test(x, x + 0.5 + rng.normal(scale=0.1, size=200), rounds=2000)
     assert shifted["lo"] < 0.5 < shifted["hi"] and shifted["p"] < 0.001 and shifted["cohen_dz"] > 3
-    same = paired_bootstrap(x, x + rng.normal(scale=0.1, size=200), rounds=2000)
+    same = paired_test(x, x + rng.normal(scale=0.1, size=200), rounds=2000)
     assert same["p"] > 0.05
     ci = mean_ci(x, rounds=2000)
     assert ci["lo"] < 0 < ci["hi"] and math.isclose(ci["mean"], x.mean())
