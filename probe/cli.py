@@ -29,7 +29,8 @@ class HookTableCommand(TyperCommand):
 
 @app.command("collect", cls=HookTableCommand)
 def collect_cmd(
-    model: Path = typer.Option(..., "--model", help="local HF causal-LM directory"),
+    model: list[Path] = typer.Option(..., "--model", help="local HF causal-LM directory; repeat it to collect "
+                                     "several models paired over the same cases (one paired probe file)"),
     data: Path = typer.Option(..., "--data", help="JSONL records (test, pair or SFT format)"),
     out: Path = typer.Option(..., "--out", help="probe file to write (.safetensors)"),
     hook: str = typer.Option("mlp.act"),  # help: HookTableCommand
@@ -44,15 +45,20 @@ def collect_cmd(
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto"),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)"),
 ) -> None:
-    """Count how often each unit lands in the top `top_fraction` of its layer, per dimension."""
-    from rolemrc.probe.collect import CollectConfig, collect
+    """Count how often each unit lands in the top `top_fraction` of its layer, per dimension. With several
+    `--model`s, each batch runs through every model and the paired statistics per unit are kept too."""
+    from rolemrc.probe.collect import CollectConfig, collect, collect_paired
 
     config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
                            backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
                            max_length=max_length, dtype=dtype, device=device)
-    counts = collect(model, data, config)
-    path = counts.save(out)
-    report = {"out": str(path), "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
+    if len(model) == 1:
+        counts = collect(model[0], data, config)
+        path, extra = counts.save(out), {}
+    else:
+        paired = collect_paired(model, data, config)
+        counts, path, extra = paired.counts[0], paired.save(out), {"models": paired.models}
+    report = {"out": str(path), **extra, "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
               "hook": counts.meta["hook"], "k": int(counts.meta["k"]), "layers": int(counts.meta["layers"]),
               "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
     typer.echo(json.dumps(report, indent=1))
@@ -60,19 +66,26 @@ def collect_cmd(
 
 @app.command("diff")
 def diff_cmd(
-    a: Path = typer.Argument(..., help="probe file A (e.g. SFT)"),
-    b: Path = typer.Argument(..., help="probe file B (e.g. DPO)"),
+    a: Path = typer.Argument(..., help="probe file A (e.g. SFT), or a paired probe file"),
+    b: Path = typer.Argument(None, help="probe file B (e.g. DPO); omitted for a paired probe file"),
     out: Path = typer.Option(..., "--out", help="output directory"),
+    model_a: int = typer.Option(0, "--a", help="paired file: index of model A"),
+    model_b: int = typer.Option(1, "--b", help="paired file: index of model B"),
     top_n: int = typer.Option(200, help="most changed units per dimension in units.csv/json"),
     fdr: float = typer.Option(0.05, help="Benjamini-Hochberg level for 'significant'"),
     bins: int = typer.Option(64, help="unit bins per layer in the unit heatmaps"),
     figures: bool = typer.Option(True, help="write Plotly HTML + PNG heatmaps"),
 ) -> None:
-    """delta = freq_B - freq_A per dimension and layer, unit tests with BH-FDR, tables and heatmaps."""
+    """delta = freq_B - freq_A per dimension and layer, unit tests with BH-FDR, tables and heatmaps.
+    A paired file is tested with exact McNemar (tokens=last) or a paired t-test on per-case shares (tokens=all);
+    two unpaired files with the two-proportion z-test (tokens=last only). summary.json names the test."""
     from rolemrc.probe.diff import diff
+    from rolemrc.probe.errors import ProbeError
     from rolemrc.probe.report import write_diff
 
-    result = diff(a, b)
+    if b is not None and (model_a, model_b) != (0, 1):
+        raise ProbeError("--a/--b pick models of one paired probe file; with two probe files, leave them out")
+    result = diff(a, b, models=(model_a, model_b))
     summary = write_diff(result, out, top_n=top_n, fdr=fdr, bins=bins, figures=figures)
     typer.echo(json.dumps(summary, indent=1))
 

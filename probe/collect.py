@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -18,6 +19,7 @@ from rolemrc.probe.cases import Cases, batches, build_cases, prompt_cases
 from rolemrc.probe.counts import ProbeCounts, Rank, Tokens, TopKCounter, check_top_fraction, top_k_size
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
+from rolemrc.probe.paired import PairedCounter, PairedCounts
 
 
 @dataclass
@@ -53,39 +55,107 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     data: a JSONL path or a list of records (test, pair or SFT format).
     Keyword overrides replace fields of `config`.
     """
+    config, data, data_fingerprint = _prepare(data, config, overrides)
+    model, tokenizer, model_meta = _load(model, tokenizer, config)
+    cases, meta = _cases(data, data_fingerprint, [model], tokenizer, config)
+    counter = count_cases(model, tokenizer, cases, config)
+    return _counts(counter, {**meta, **model_meta, **_shape_meta(counter)})
+
+
+def collect_paired(models: Sequence[Any], data: Any, config: CollectConfig | None = None, *,
+                   tokenizers: Sequence[Any] | None = None, **overrides: Any) -> PairedCounts:
+    """Count two or more models over the same cases in one pass (each batch runs through every model),
+    keeping per pair of models the per-unit paired statistics (probe/paired.py). The models must share
+    a tokenizer: the cases are tokenised once. Arguments as for `collect` (a tokenizer per loaded model)."""
+    if len(models) < 2:
+        raise ProbeError(f"paired collection needs two or more models, got {len(models)}")
+    config, data, data_fingerprint = _prepare(data, config, overrides)
+    tokenizers = list(tokenizers) if tokenizers is not None else [None] * len(models)
+    loaded = [_load(m, t, config) for m, t in zip(models, tokenizers, strict=True)]
+    names = [meta["model"] for _, _, meta in loaded]
+    check_same_tokenizer([t for _, t, _ in loaded], names)
+    check_same_shape([m for m, _, _ in loaded], names, config.hook)
+    models, tokenizer = [m for m, _, _ in loaded], loaded[0][1]
+    cases, meta = _cases(data, data_fingerprint, models, tokenizer, config)
+    paired = count_paired(models, tokenizer, cases, config)
+    meta = {**meta, **_shape_meta(paired.counters[0])}
+    counts = [_counts(counter, {**meta, **model_meta}) for counter, (_, _, model_meta) in zip(paired.counters, loaded)]
+    return PairedCounts(counts, paired.tensors(cases.dimensions), meta)
+
+
+def check_same_tokenizer(tokenizers: list[Any], names: list[str]) -> None:
+    """Refuse models whose tokenizers differ (vocabulary, special tokens or chat template)."""
+    def signature(tok: Any) -> dict[str, Any]:
+        return {"vocabulary": tok.get_vocab(), "chat template": getattr(tok, "chat_template", None),
+                "special tokens": (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)}
+
+    first = signature(tokenizers[0])
+    for name, tok in zip(names[1:], tokenizers[1:]):
+        other = signature(tok)
+        differ = [key for key in first if other[key] != first[key]]
+        if differ:
+            sizes = f": {len(first['vocabulary'])} vs {len(other['vocabulary'])} tokens" if "vocabulary" in differ else ""
+            raise ProbeError(f"models {names[0]} and {name} do not share a tokenizer ({', '.join(differ)} differ{sizes}); "
+                             "paired probing tokenises the cases once, so probe them separately and diff unpaired")
+
+
+def check_same_shape(models: list[Any], names: list[str], hook: str) -> None:
+    """Refuse models with different layer counts or widths at the hook point."""
+    shapes = [(num_layers(m), width(m, hook)) for m in models]
+    for name, shape in zip(names[1:], shapes[1:]):
+        if shape != shapes[0]:
+            raise ProbeError(f"models {names[0]} and {name} differ at {hook}: (layers, width) {shapes[0]} vs {shape}")
+
+
+def _prepare(data: Any, config: CollectConfig | None, overrides: dict[str, Any]) -> tuple[CollectConfig, list, str]:
+    """The config with overrides, and the records read and checked before a model loads."""
     config = CollectConfig(**{**asdict(config or CollectConfig()), **overrides})
     data_fingerprint = ""
-    if isinstance(data, (str, os.PathLike)):  # read and check the data before a model loads
+    if isinstance(data, (str, os.PathLike)):
         data_fingerprint = file_fingerprint(data)
         data = read_jsonl(data)
     prompt_cases(data)
-    model_path, fingerprint = "", ""
+    return config, data, data_fingerprint
+
+
+def _load(model: Any, tokenizer: Any, config: CollectConfig) -> tuple[Any, Any, dict[str, str]]:
+    """(model, tokenizer, per-model metadata) from a directory, or a loaded model with its tokenizer."""
     if isinstance(model, (str, os.PathLike)):
-        model_path = str(model)
-        fingerprint = dir_fingerprint(model)
+        path, fingerprint = str(model), dir_fingerprint(model)
         model, tokenizer = load_model(model, dtype=config.dtype, device=config.device)
     elif tokenizer is None:
         raise ProbeError("pass the tokenizer along with a loaded model")
     else:
         fingerprint = model_fingerprint(model)
-        model_path = getattr(model.config, "_name_or_path", "") or "<in-memory>"
+        path = getattr(model.config, "_name_or_path", "") or "<in-memory>"
+    return model, tokenizer, {
+        "model": path, "model_fingerprint": fingerprint,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "attn_implementation": str(getattr(model.config, "_attn_implementation", "")),
+    }
 
-    max_length = config.max_length or _context_window(model)
+
+def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
+           config: CollectConfig) -> tuple[Cases, dict[str, str]]:
+    """Tokenised cases (prompts cut to the shortest context window) and the shared metadata."""
+    windows = [w for w in map(_context_window, models) if w]
+    max_length = config.max_length or (min(windows) if windows else None)
     cases = build_cases(data, tokenizer, dimension_field=config.dimension_field,
                         generation_prompt=config.generation_prompt, max_length=max_length)
-    counter = count_cases(model, tokenizer, cases, config)
-    k, units, layers = counter.k, counter.width, counter.layers
-
-    meta = {
-        "model": model_path, "model_fingerprint": fingerprint, "hook": config.hook,
-        "top_fraction": repr(config.top_fraction), "k": str(k), "width": str(units), "layers": str(layers),
-        "tokens": config.tokens, "rank": config.rank, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    return cases, {
+        "hook": config.hook, "top_fraction": repr(config.top_fraction), "tokens": config.tokens, "rank": config.rank,
         "backend": config.backend, "generation_prompt": str(config.generation_prompt).lower(),
-        "attn_implementation": str(getattr(model.config, "_attn_implementation", "")),
         "data_fingerprint": data_fingerprint or cases.fingerprint, "cases_fingerprint": cases.fingerprint,
         "truncated": str(cases.truncated), "max_length": str(max_length), "toolkit_version": __version__,
     }
-    dims = cases.dimensions
+
+
+def _shape_meta(counter: TopKCounter) -> dict[str, str]:
+    return {"k": str(counter.k), "width": str(counter.width), "layers": str(counter.layers)}
+
+
+def _counts(counter: TopKCounter, meta: dict[str, str]) -> ProbeCounts:
+    dims = counter.dimensions
     return ProbeCounts(
         count={d: counter.count[j].cpu() for j, d in enumerate(dims)},
         cases={d: int(counter.cases[j]) for j, d in enumerate(dims)},
@@ -96,26 +166,53 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
 
 def count_cases(model: Any, tokenizer: Any, cases: Cases, config: CollectConfig) -> TopKCounter:
     """The hot loop: padded batches through the backend, top-k counted on the model's device."""
-    units = width(model, config.hook)
-    device = next(model.parameters()).device
-    counter = TopKCounter(cases.dimensions, num_layers(model), units, top_k_size(config.top_fraction, units),
-                          tokens=config.tokens, rank=config.rank, device=device)
-    backend = make_backend(config.backend, model, config.hook, tokenizer)
+    counters = _counters([model], cases, config, keep_cases=False)
+    _stream([model], counters, tokenizer, cases, config)
+    return counters[0]
+
+
+def count_paired(models: list[Any], tokenizer: Any, cases: Cases, config: CollectConfig) -> PairedCounter:
+    """count_cases for several models, each batch through every model, then its paired statistics."""
+    paired = PairedCounter(_counters(models, cases, config, keep_cases=True))
+    _stream(models, paired.counters, tokenizer, cases, config, after_batch=paired.add_batch)
+    return paired
+
+
+def _counters(models: list[Any], cases: Cases, config: CollectConfig, *, keep_cases: bool) -> list[TopKCounter]:
+    def counter(model: Any) -> TopKCounter:
+        units = width(model, config.hook)
+        return TopKCounter(cases.dimensions, num_layers(model), units, top_k_size(config.top_fraction, units),
+                           tokens=config.tokens, rank=config.rank, device=next(model.parameters()).device,
+                           keep_cases=keep_cases)
+
+    return [counter(m) for m in models]
+
+
+def _stream(models: list[Any], counters: list[TopKCounter], tokenizer: Any, cases: Cases, config: CollectConfig,
+            after_batch: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Each padded batch through every model's backend into its counter; then `after_batch(membership)`."""
+    backends = [make_backend(config.backend, m, config.hook, tokenizer) for m in models]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     bar = tqdm(total=len(cases), desc=f"probe {config.hook}", unit="case", disable=not config.progress)
     with torch.inference_mode():
         for idx, input_ids, mask in batches(cases, config.batch_size, pad_id):
-            counter.start_batch(cases.membership[idx], mask)
-            backend.run(input_ids.to(device), mask.to(device), counter.add)
-            counter.finish_batch()
+            membership = cases.membership[idx]
+            for model, counter, backend in zip(models, counters, backends):
+                device = next(model.parameters()).device
+                counter.start_batch(membership, mask)
+                backend.run(input_ids.to(device), mask.to(device), counter.add)
+                counter.finish_batch()
+            if after_batch is not None:
+                after_batch(membership)
             bar.update(len(idx))
     bar.close()
-    return counter
 
 
 def collect_to_file(model: Any, data: Any, out: str | os.PathLike, config: CollectConfig | None = None,
                     **overrides: Any) -> Path:
-    """collect() and save the probe file."""
+    """collect() and save the probe file; several models (a list) are collected paired (collect_paired)."""
+    if isinstance(model, (list, tuple)):
+        return collect_paired(model, data, config, **overrides).save(out)
     return collect(model, data, config, **overrides).save(out)
 
 

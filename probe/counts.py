@@ -19,7 +19,7 @@ import torch
 from rolemrc.probe.errors import ProbeError, ProbeFileError
 
 # Metadata keys that must agree for two probe files to be comparable.
-COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens")
+COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens", "rank", "generation_prompt")
 
 Tokens = Literal["last", "all"]  # the last prompt token, or every prompt token (each one observation)
 Rank = Literal["signed", "abs"]  # rank units by signed value or by magnitude
@@ -54,18 +54,31 @@ def read_tensors(path: str | os.PathLike, what: str, *, missing: str) -> tuple[d
     return meta, tensors
 
 
+def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
+    """Write a safetensors file atomically (a temporary file, then a rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
 class TopKCounter:
     """Accumulates, per dimension, how often each unit of each layer is in the top k.
 
     Feed it one batch at a time: `start_batch(membership, attention_mask)`, `add(layer, acts)` for each
     layer's activations [batch, seq, width], then `finish_batch()`. Everything stays on the model's device;
-    memory is O(dimensions x layers x width) plus one batch.
+    memory is O(dimensions x layers x width) plus one batch. With `keep_cases`, `case_share()` gives the
+    last batch's per-case activity (for paired probing, probe/paired.py).
     """
 
     def __init__(self, dimensions: list[str], layers: int, width: int, k: int, *, tokens: Tokens = "last",
-                 rank: Rank = "signed", device: torch.device | str = "cpu"):
+                 rank: Rank = "signed", device: torch.device | str = "cpu", keep_cases: bool = False):
         self.dimensions, self.layers, self.width, self.k = list(dimensions), layers, width, k
-        self.tokens, self.rank = tokens, rank
+        self.tokens, self.rank, self.keep_cases = tokens, rank, keep_cases
         d = len(self.dimensions)
         self.count = torch.zeros(d, layers, width, dtype=torch.int64, device=device)
         self.cases = torch.zeros(d, dtype=torch.int64, device=device)
@@ -73,6 +86,8 @@ class TopKCounter:
         self._rows: torch.Tensor | None = None
         self._cols: torch.Tensor | None = None
         self._weights: torch.Tensor | None = None
+        self._case_hits: torch.Tensor | None = None  # [layers, batch, width]: counted positions where a unit is active
+        self._case_tokens: torch.Tensor | None = None  # [batch]: counted positions per case
 
     def start_batch(self, membership: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """membership: [batch, dims] 0/1 (which dimensions each case counts in); mask: [batch, seq].
@@ -94,6 +109,11 @@ class TopKCounter:
         self.cases += membership.sum(0).round().long().to(device)
         self.observations += self._weights.sum(0).round().long()
         self._pending: dict[int, torch.Tensor] = {}
+        if self.keep_cases:
+            batch = mask.shape[0]
+            self._case_hits = torch.zeros(self.layers, batch, self.width, device=device)
+            per_case = mask.sum(1) if self.tokens == "all" else torch.ones(batch, device=mask.device)
+            self._case_tokens = per_case.to(device=device, dtype=torch.float64)
 
     def add(self, layer: int, acts: torch.Tensor) -> None:
         """Take one layer's activations [batch, seq, width] at the chosen positions. With the `last` policy
@@ -127,6 +147,15 @@ class TopKCounter:
             self.count[:, layers[0]:layers[-1] + 1] += hits
         else:
             self.count[:, layers] += hits
+        if self.keep_cases:  # observation -> its case (the identity with the `last` policy)
+            self._case_hits[layers] = active.new_zeros(len(layers), *self._case_hits.shape[1:]).index_add_(1, self._rows, active)
+
+    def case_share(self) -> torch.Tensor:
+        """[layers, batch, width] float64: per case of the last batch, the share of its counted positions
+        on which each unit was active (0/1 with the `last` policy). Needs `keep_cases`."""
+        if self._case_hits is None:
+            raise ProbeError("case_share() needs a TopKCounter made with keep_cases=True, after a batch")
+        return self._case_hits.double() / self._case_tokens[None, :, None]
 
 
 @dataclass
@@ -156,27 +185,32 @@ class ProbeCounts:
             raise ProbeError(f"dimension {dimension!r} has no cases: its frequency is undefined")
         return self.count[dimension].double() / n
 
-    def save(self, path: str | os.PathLike) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def tensors(self, prefix: str = "count.") -> dict[str, torch.Tensor]:
+        """The probe file's tensors; `prefix` names the counts (`count.<model>.` in a paired file)."""
         tensors = {}
         for d in self.dimensions:
-            tensors[f"count.{d}"] = self.count[d].cpu().contiguous()
+            tensors[f"{prefix}{d}"] = self.count[d].cpu().contiguous()
             tensors[f"cases.{d}"] = torch.tensor(self.cases[d], dtype=torch.int64)
             tensors[f"observations.{d}"] = torch.tensor(self.observations[d], dtype=torch.int64)
-        meta = {**self.meta, "dimensions": json.dumps(self.dimensions)}
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-        return path
+        return tensors
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return write_tensors(path, self.tensors(), {**self.meta, "dimensions": json.dumps(self.dimensions)})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeCounts:
         meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
+        if "models" in meta:
+            raise ProbeError(f"{path}: a paired probe file of {len(json.loads(meta['models']))} models, not one "
+                             "model's counts (diff it alone: `rolemrc probe diff PAIRED --a 0 --b 1 --out DIR`)")
+        return cls.from_tensors(meta, tensors)
+
+    @classmethod
+    def from_tensors(cls, meta: dict[str, str], tensors: dict[str, torch.Tensor], prefix: str = "count.") -> ProbeCounts:
+        """From a probe file's metadata and tensors; `prefix` picks one model's counts in a paired file."""
+        meta = dict(meta)
         dims = json.loads(meta.pop("dimensions"))
-        count = {d: tensors[f"count.{d}"] for d in dims}
+        count = {d: tensors[f"{prefix}{d}"] for d in dims}
         cases = {d: int(tensors[f"cases.{d}"]) for d in dims}
         observations = {d: int(tensors.get(f"observations.{d}", tensors[f"cases.{d}"])) for d in dims}
         return cls(count, cases, observations, meta)

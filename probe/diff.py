@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,9 +13,18 @@ import torch
 
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.stats import benjamini_hochberg, top_set_jaccard, two_proportion_test
+from rolemrc.probe.paired import PairedCounts, load_probe
+from rolemrc.probe.stats import benjamini_hochberg, mcnemar_exact, paired_t_test, top_set_jaccard, two_proportion_test
 
 DIFF_FILE = "diff.safetensors"
+# The per-unit test a diff used (its metadata `test`, summary.json "test").
+PAIRED = "exact McNemar (paired)"
+PAIRED_TOKENS_ALL = "paired t-test on per-case token shares (paired)"
+UNPAIRED = "two-proportion z-test (unpaired)"
+UNPAIRED_TOKENS_ALL = "none (unpaired, tokens=all)"
+NO_TEST_WHY = ("unpaired tokens=all probe files count every prompt token as a trial, but the tokens of one prompt are "
+               "correlated: no valid per-unit test, so no p- or q-values (collect both models paired: "
+               "`rolemrc probe collect --model A --model B --tokens all`)")
 
 
 class ProbeMismatchError(ProbeError):
@@ -28,7 +38,7 @@ class DiffResult:
     freq_a: dict[str, torch.Tensor]
     freq_b: dict[str, torch.Tensor]
     delta: dict[str, torch.Tensor]
-    z: dict[str, torch.Tensor]
+    z: dict[str, torch.Tensor]  # the test's signed statistic: z, McNemar's (b10 - b01) / sqrt(b01 + b10), or t
     pvalue: dict[str, torch.Tensor]
     qvalue: dict[str, torch.Tensor]
     meta: dict[str, str]
@@ -48,9 +58,19 @@ class DiffResult:
     def k(self) -> int:
         return int(self.meta["k"])
 
+    @property
+    def test(self) -> str:
+        """The per-unit test (PAIRED, PAIRED_TOKENS_ALL, UNPAIRED or UNPAIRED_TOKENS_ALL: none)."""
+        return self.meta.get("test", UNPAIRED)  # diffs written before the test was recorded used the z-test
+
+    @property
+    def tested(self) -> bool:
+        """False where no valid per-unit test exists: statistic, p and q are NaN and never reported."""
+        return self.test != UNPAIRED_TOKENS_ALL
+
     def layer_summary(self, fdr: float = 0.05) -> list[dict]:
-        """One row per dimension and layer: mean |delta|, signed mean, max |delta|, significant units,
-        Jaccard of the top-k sets under a and b."""
+        """One row per dimension and layer: mean |delta|, signed mean, max |delta|, significant units
+        (None without a test), Jaccard of the top-k sets under a and b."""
         rows = []
         for d in self.dimensions:
             delta = self.delta[d]
@@ -62,28 +82,29 @@ class DiffResult:
                     "mean_abs_delta": float(delta[layer].abs().mean()),
                     "signed_mean_delta": float(delta[layer].mean()),
                     "max_abs_delta": float(delta[layer].abs().max()),
-                    "significant_units": int(significant[layer]),
+                    "significant_units": int(significant[layer]) if self.tested else None,
                     "top_set_jaccard": float(jaccard[layer]),
                 })
         return rows
 
     def ranked_units(self, top_n: int = 200) -> list[dict]:
-        """The `top_n` most changed units per dimension by |delta| (ties: smaller q first)."""
+        """The `top_n` most changed units per dimension by |delta| (ties: smaller q first); without a test
+        the rows have no z, p or q."""
         rows = []
         for d in self.dimensions:
             delta = self.delta[d]
             width = delta.shape[1]
             n = min(top_n, delta.numel())
             # sort by |delta| desc, then q asc: composite key on a flattened view
-            key = delta.abs().reshape(-1).double() * 2.0 - self.qvalue[d].reshape(-1) * 1e-9
+            key = delta.abs().reshape(-1).double() * 2.0 - self.qvalue[d].reshape(-1).nan_to_num(1.0) * 1e-9
             for flat in key.topk(n).indices.tolist():
                 layer, unit = divmod(flat, width)
-                rows.append({
-                    "dimension": d, "layer": layer, "unit": unit,
-                    "freq_a": float(self.freq_a[d][layer, unit]), "freq_b": float(self.freq_b[d][layer, unit]),
-                    "delta": float(delta[layer, unit]), "z": float(self.z[d][layer, unit]),
-                    "p": float(self.pvalue[d][layer, unit]), "q": float(self.qvalue[d][layer, unit]),
-                })
+                row = {"dimension": d, "layer": layer, "unit": unit, "freq_a": float(self.freq_a[d][layer, unit]),
+                       "freq_b": float(self.freq_b[d][layer, unit]), "delta": float(delta[layer, unit])}
+                if self.tested:
+                    row.update(z=float(self.z[d][layer, unit]), p=float(self.pvalue[d][layer, unit]),
+                               q=float(self.qvalue[d][layer, unit]))
+                rows.append(row)
         return rows
 
     def save(self, out_dir: str | os.PathLike, *, top_n: int = 200, fdr: float = 0.05) -> Path:
@@ -120,36 +141,81 @@ class DiffResult:
             per_dim[d] = {
                 "cases_a": self.cases_a.get(d), "cases_b": self.cases_b.get(d),
                 "mean_abs_delta": float(self.delta[d].abs().mean()),
-                "significant_units": int((self.qvalue[d] < fdr).sum()),
+                "significant_units": int((self.qvalue[d] < fdr).sum()) if self.tested else None,
                 "peak_layer": peak["layer"], "peak_layer_mean_abs_delta": peak["mean_abs_delta"],
             }
         ranked = sorted(per_dim, key=lambda d: -per_dim[d]["mean_abs_delta"])
-        return {"a": self.meta.get("a"), "b": self.meta.get("b"), "hook": self.hook, "fdr": fdr,
+        return {"a": self.meta.get("a"), "b": self.meta.get("b"), "hook": self.hook, "test": self.test,
+                **({} if self.tested else {"no_test": NO_TEST_WHY}), "fdr": fdr,
                 "dimensions": per_dim, "largest_shift": ranked[0] if ranked else None,
                 "not_compared": self.empty}
 
 
 def check_comparable(a: ProbeCounts, b: ProbeCounts) -> None:
-    """Refuse two probe files whose hook point, width, layers, top fraction or token policy differ."""
+    """Refuse two probe files whose counting settings (COMPARABLE_KEYS) differ; the message names the keys."""
     diffs = [f"{key}: {a.meta.get(key)!r} vs {b.meta.get(key)!r}" for key in COMPARABLE_KEYS
              if a.meta.get(key) != b.meta.get(key)]
     if diffs:
         raise ProbeMismatchError("probe files are not comparable (" + "; ".join(diffs) + ")")
 
 
-def diff(a: ProbeCounts | str | os.PathLike, b: ProbeCounts | str | os.PathLike) -> DiffResult:
-    """Compare probe a (e.g. SFT) with probe b (e.g. DPO): delta = freq_b - freq_a per dimension."""
-    paths = {"a": str(a) if not isinstance(a, ProbeCounts) else a.meta.get("model", ""),
-             "b": str(b) if not isinstance(b, ProbeCounts) else b.meta.get("model", "")}
-    a = a if isinstance(a, ProbeCounts) else ProbeCounts.load(a)
-    b = b if isinstance(b, ProbeCounts) else ProbeCounts.load(b)
-    check_comparable(a, b)
+Probe = ProbeCounts | PairedCounts | str | os.PathLike
+Test = Callable[[str], tuple[torch.Tensor, torch.Tensor]]  # dimension -> (statistic, p) per unit
+
+
+def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) -> DiffResult:
+    """Compare probe a (e.g. SFT) with probe b (e.g. DPO): delta = freq_b - freq_a per dimension.
+
+    Two unpaired probe files: the two-proportion z-test per unit (tokens=last; no test for tokens=all).
+    One paired probe file (b omitted): models[0] vs models[1] of it, with the exact McNemar test per unit
+    (tokens=last) or the paired t-test on per-case token shares (tokens=all).
+    """
+    if b is None:
+        paired = a if isinstance(a, PairedCounts) else load_probe(a)
+        if not isinstance(paired, PairedCounts):
+            raise ProbeError(f"{a}: one model's probe file; give a second probe file, or a paired file "
+                             "(`rolemrc probe collect --model A --model B ...`)")
+        return _diff_paired(paired, *models, str(a) if not isinstance(a, PairedCounts) else "")
+    sides = [_single(x) for x in (a, b)]
+    counts = [c for c, _ in sides]
+    check_comparable(*counts)
+    if counts[0].meta.get("tokens") == "all":
+        test, name = None, UNPAIRED_TOKENS_ALL
+    else:
+        test, name = (lambda d: two_proportion_test(counts[0].count[d], counts[0].observations[d],
+                                                    counts[1].count[d], counts[1].observations[d])), UNPAIRED
+    return _compare(counts[0], counts[1], (sides[0][1], sides[1][1]), test, name)
+
+
+def _single(x: Probe) -> tuple[ProbeCounts, str]:
+    if isinstance(x, ProbeCounts):
+        return x, x.meta.get("model", "")
+    if isinstance(x, PairedCounts):
+        raise ProbeError("a paired probe file is diffed alone (diff(paired, models=(i, j)))")
+    return ProbeCounts.load(x), str(x)
+
+
+def _diff_paired(paired: PairedCounts, i: int, j: int, where: str) -> DiffResult:
+    paired.check_index(i, j)
+    if i == j:
+        raise ProbeError(f"--a and --b name the same model ({i}); pick two of 0-{len(paired.counts) - 1}")
+    a, b = paired.counts[i], paired.counts[j]
+    if paired.meta.get("tokens") == "all":
+        test = lambda d: paired_t_test(*paired.share_diff(i, j, d), a.cases[d])  # noqa: E731
+        name = PAIRED_TOKENS_ALL
+    else:
+        test, name = (lambda d: mcnemar_exact(paired.discordant(i, j, d), paired.discordant(j, i, d))), PAIRED
+    names = (f"{a.meta.get('model', '')} [{where} model {i}]", f"{b.meta.get('model', '')} [{where} model {j}]")
+    return _compare(a, b, names, test, name)
+
+
+def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], test: Test | None, test_name: str) -> DiffResult:
+    """freq, delta and the per-unit test (None: no test; statistic, p and q are NaN) per dimension."""
     result = DiffResult({}, {}, {}, {}, {}, {}, meta={
-        **{key: a.meta[key] for key in (*COMPARABLE_KEYS, "k", "rank") if key in a.meta},
-        "a": paths["a"], "b": paths["b"],
+        **{key: a.meta[key] for key in (*COMPARABLE_KEYS, "k") if key in a.meta},
+        "a": names[0], "b": names[1], "test": test_name,
         "a_model_fingerprint": a.meta.get("model_fingerprint", ""),
         "b_model_fingerprint": b.meta.get("model_fingerprint", ""),
-        "rank_b": b.meta.get("rank", ""),
     })
     for d in a.dimensions:
         if d not in b.count:
@@ -162,8 +228,12 @@ def diff(a: ProbeCounts | str | os.PathLike, b: ProbeCounts | str | os.PathLike)
             continue
         result.freq_a[d], result.freq_b[d] = a.freq(d), b.freq(d)
         result.delta[d] = result.freq_b[d] - result.freq_a[d]
-        result.z[d], result.pvalue[d] = two_proportion_test(a.count[d], na, b.count[d], nb)
-        result.qvalue[d] = benjamini_hochberg(result.pvalue[d])
+        if test is None:
+            nan = torch.full_like(result.delta[d], torch.nan)
+            result.z[d], result.pvalue[d], result.qvalue[d] = nan, nan, nan
+        else:
+            result.z[d], result.pvalue[d] = test(d)
+            result.qvalue[d] = benjamini_hochberg(result.pvalue[d])
     for d in b.dimensions:
         if d not in a.count:
             result.empty[d] = "only in b"

@@ -1,4 +1,5 @@
-"""Vectorised statistics for frequency diffs: two-proportion z-tests and Benjamini-Hochberg."""
+"""Vectorised statistics for frequency diffs (over all units at once, no loop over units): the unpaired
+two-proportion z-test, the exact McNemar test and the paired t-test for paired probe files, Benjamini-Hochberg."""
 
 from __future__ import annotations
 
@@ -17,6 +18,35 @@ def two_proportion_test(count_a: torch.Tensor, n_a: int, count_b: torch.Tensor, 
     z = torch.where(se > 0, delta / se.clamp_min(1e-300), torch.zeros_like(se))
     p = torch.special.erfc(z.abs() / math.sqrt(2.0))
     return z, p.clamp(0.0, 1.0)
+
+
+def mcnemar_exact(b01: torch.Tensor, b10: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact McNemar test per element: b01 = cases active under A only, b10 = under B only; two-sided
+    binomial test of b10 among b01 + b10 discordant cases at 1/2 (= scipy.stats.binomtest). Returns the
+    signed statistic (b10 - b01) / sqrt(b01 + b10) (0 without discordant cases) and p."""
+    from scipy.stats import binom
+
+    lo, n = torch.minimum(b01, b10).double(), (b01 + b10).double()
+    p = torch.from_numpy(binom.cdf(lo.cpu().numpy(), n.cpu().numpy(), 0.5) * 2).clamp(max=1.0)
+    stat = torch.where(n > 0, (b10 - b01).double() / n.clamp_min(1).sqrt(), torch.zeros_like(n))
+    return stat.cpu(), p
+
+
+def paired_t_test(total: torch.Tensor, squares: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paired t-test per element from streamed sums over n cases of d and d^2 (= scipy.stats.ttest_rel).
+    Returns (t, two-sided p). No variance: t = 0, p = 1 where the mean is 0 (or n < 2), else t = +-inf, p = 0."""
+    from scipy.stats import t as student
+
+    total, squares = total.double().cpu(), squares.double().cpu()
+    if n < 2:
+        return torch.zeros_like(total), torch.ones_like(total)
+    mean = total / n
+    var = ((squares - total * mean) / (n - 1)).clamp_min(0)
+    flat = var <= 1e-12 * squares / n  # numerically constant d
+    t = torch.where(flat, torch.sign(mean) * torch.inf, mean / (var / n).sqrt())
+    t = torch.where(mean == 0, torch.zeros_like(t), t)
+    p = torch.from_numpy(2 * student.sf(t.abs().numpy(), n - 1))
+    return t, p.clamp(0.0, 1.0)
 
 
 def benjamini_hochberg(p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""Paired probing: several models over the same cases, and per pair of models the per-unit paired statistics.
+
+Paired probe file (docs/ARCHITECTURE.md "Probe file"): `count.<m>.<dim>` per model m, `cases.<dim>` and
+`observations.<dim>` (shared), and per pair of models
+- tokens=last: `discordant.<i>.<j>.<dim>` (int64 [layers, width], every i != j): cases on which the unit
+  is active under model i and not under model j (McNemar's off-diagonal cells);
+- tokens=all: `share_diff_sum.<i>.<j>.<dim>` and `share_diff_sq.<i>.<j>.<dim>` (float64, i < j): the sum
+  over cases of d and of d^2, d = share_j - share_i, a case's share being the fraction of its prompt
+  tokens on which the unit is active (a paired t-test per unit, streamed).
+Metadata: the shared counting keys, `dimensions`, and `models` (JSON list, per model: model, model_fingerprint,
+dtype, attn_implementation).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rolemrc.probe.counts import ProbeCounts, TopKCounter, read_tensors, write_tensors
+from rolemrc.probe.errors import ProbeError
+
+MODEL_KEYS = ("model", "model_fingerprint", "dtype", "attn_implementation")  # per-model metadata
+STATS = {"last": ("discordant",), "all": ("share_diff_sum", "share_diff_sq")}
+
+
+class PairedCounter:
+    """TopKCounters of several models fed the same batches, plus per pair (i < j) of models the per-unit
+    paired statistics of their per-case activity, accumulated with tensor ops on the counters' device.
+
+    `stats[p]` is [2, dims, layers, width] for pair p: with tokens=last, cases active under i and not j,
+    then under j and not i; with tokens=all, the sums of d and d^2 (d = share_j - share_i per case).
+    State is O(models^2 x dims x layers x width): it never grows with the number of cases.
+    """
+
+    def __init__(self, counters: list[TopKCounter]):
+        if len(counters) < 2 or not all(c.keep_cases for c in counters):
+            raise ProbeError("paired counting needs two or more TopKCounters made with keep_cases=True")
+        first = counters[0]
+        self.counters, self.tokens = counters, first.tokens
+        self.pairs = list(itertools.combinations(range(len(counters)), 2))
+        dtype = torch.int64 if self.tokens == "last" else torch.float64
+        shape = (len(self.pairs), 2, len(first.dimensions), first.layers, first.width)
+        self.stats = torch.zeros(shape, dtype=dtype, device=first.count.device)
+
+    def add_batch(self, membership: torch.Tensor) -> None:
+        """After every model's counter saw the batch: accumulate the pairs' statistics per dimension.
+        membership: [batch, dims] 0/1, as given to the counters."""
+        weights = membership.to(device=self.stats.device, dtype=torch.float64)
+        for p, (i, j) in enumerate(self.pairs):
+            share_i = self.counters[i].case_share().to(self.stats.device)
+            share_j = self.counters[j].case_share().to(self.stats.device)
+            if self.tokens == "last":  # 0/1 per case: discordant cases, both ways
+                terms = (share_i * (1 - share_j), share_j * (1 - share_i))
+            else:
+                d = share_j - share_i
+                terms = (d, d * d)
+            for s, term in enumerate(terms):
+                acc = torch.einsum("cd,lcw->dlw", weights, term)
+                self.stats[p, s] += acc.round().long() if self.tokens == "last" else acc
+
+    def tensors(self, dimensions: list[str]) -> dict[str, torch.Tensor]:
+        """The paired file's per-pair tensors (module docstring)."""
+        out = {}
+        for p, (i, j) in enumerate(self.pairs):
+            for k, d in enumerate(dimensions):
+                first, second = self.stats[p, 0, k].cpu(), self.stats[p, 1, k].cpu()
+                if self.tokens == "last":
+                    out[f"discordant.{i}.{j}.{d}"], out[f"discordant.{j}.{i}.{d}"] = first, second
+                else:
+                    out[f"share_diff_sum.{i}.{j}.{d}"], out[f"share_diff_sq.{i}.{j}.{d}"] = first, second
+        return out
+
+
+@dataclass
+class PairedCounts:
+    """Counts of several models over the same cases (`counts[m]`, each with its model's metadata) and the
+    per-pair statistics (`pair_stats`, keyed as in the file)."""
+
+    counts: list[ProbeCounts]
+    pair_stats: dict[str, torch.Tensor]
+    meta: dict[str, str]  # shared keys (hook, tokens, ...), without the per-model ones
+
+    @property
+    def models(self) -> list[str]:
+        return [c.meta.get("model", "") for c in self.counts]
+
+    @property
+    def dimensions(self) -> list[str]:
+        return self.counts[0].dimensions
+
+    def check_index(self, *indices: int) -> None:
+        for m in indices:
+            if not 0 <= m < len(self.counts):
+                raise ProbeError(f"no model {m} in this paired probe file: it has models 0-{len(self.counts) - 1} "
+                                 f"({', '.join(self.models)})")
+
+    def discordant(self, i: int, j: int, dimension: str) -> torch.Tensor:
+        """Cases of `dimension` on which each unit is active under model i and not under model j (tokens=last)."""
+        return self.pair_stats[f"discordant.{i}.{j}.{dimension}"]
+
+    def share_diff(self, i: int, j: int, dimension: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of d, sum of d^2) over the cases of `dimension`, d = share_j - share_i (tokens=all)."""
+        lo, hi = min(i, j), max(i, j)
+        total, squares = (self.pair_stats[f"{name}.{lo}.{hi}.{dimension}"] for name in STATS["all"])
+        return (total if i < j else -total), squares
+
+    def save(self, path: str | os.PathLike) -> Path:
+        tensors = dict(self.pair_stats)
+        for m, counts in enumerate(self.counts):
+            tensors.update(counts.tensors(prefix=f"count.{m}."))
+        models = [{key: c.meta.get(key, "") for key in MODEL_KEYS} for c in self.counts]
+        meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "models": json.dumps(models)}
+        return write_tensors(path, tensors, meta)
+
+    @classmethod
+    def from_tensors(cls, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> PairedCounts:
+        models = json.loads(meta.pop("models"))
+        counts = [ProbeCounts.from_tensors({**meta, **model}, tensors, prefix=f"count.{m}.") for m, model in enumerate(models)]
+        meta.pop("dimensions")
+        stats = {k: v for k, v in tensors.items() if k.split(".", 1)[0] in (*STATS["last"], *STATS["all"])}
+        return cls(counts, stats, meta)
+
+
+def load_probe(path: str | os.PathLike) -> ProbeCounts | PairedCounts:
+    """A probe file: one model's counts (ProbeCounts) or a paired file of several models (PairedCounts)."""
+    meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
+    if "models" in meta:
+        return PairedCounts.from_tensors(meta, tensors)
+    return ProbeCounts.from_tensors(meta, tensors)
