@@ -45,15 +45,16 @@ _VARIANTS: dict[str, tuple[tuple[str, ...], Aspect]] = {
                   Aspect("multi_turn", "answerable")),
 }
 
-# The published 1,400-row test histogram (18 task names).
+# The published 1,400-row test histogram (18 task names), as counted in the release's roleMRC_test.jsonl
+# (NeMo-Gym's RoleMRC server pins the same counts).
 TASK_COUNTS: dict[str, int] = {
     **dict.fromkeys(BASE_TASKS, 100),
     "role_related_mrc_answer_with_narration-special-content": 58,
     "role_related_mrc_answer_no_narration-special-content": 58,
-    "role_related_mrc_answer_with_narration-special-format": 22,
-    "role_related_mrc_answer_no_narration-special-format": 20,
-    "role_related_mrc_answer_with_narration-refused": 20,
-    "role_related_mrc_answer_no_narration-refused": 22,
+    "role_related_mrc_answer_with_narration-special-format": 20,
+    "role_related_mrc_answer_no_narration-special-format": 22,
+    "role_related_mrc_answer_with_narration-refused": 22,
+    "role_related_mrc_answer_no_narration-refused": 20,
     "role_related_mrc_refused_with_narration-2ndrefused": 100,
     "role_related_mrc_refused_no_narration-2ndrefused": 100,
     "role_unrelated_mrc_refused_with_narration-2ndanswer": 100,

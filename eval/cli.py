@@ -10,7 +10,7 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.errors import InputError
-from rolemrc.core.io import read_jsonl
+from rolemrc.core.records import read_records
 from rolemrc.eval.compare import compare
 from rolemrc.eval.dataset import check_dataset
 from rolemrc.eval.generate import DType, GenerateConfig, generate
@@ -33,7 +33,7 @@ def _generate_config(data: Path, model: str, base_url: str | None, restraint: st
     config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, extra_body=body,
                             max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
                             device=device)
-    records = read_jsonl(data)
+    records, _ = read_records(data, "test")
     check = check_dataset(records, dataset, allow_drift=allow_drift)
     if check.get("drift"):
         typer.secho(f"warning: {len(check['drift'])} task counts differ from the {dataset} histogram (--allow-drift)",

@@ -14,8 +14,8 @@ from typing import Any, Literal, get_args
 from tqdm.auto import tqdm
 
 from rolemrc.core.errors import InputError, RolemrcError
-from rolemrc.core.io import read_jsonl, write_jsonl
-from rolemrc.core.records import prompt_turns
+from rolemrc.core.io import write_jsonl
+from rolemrc.core.records import normalize_record, read_records
 
 DType = Literal["float32", "float16", "bfloat16", "auto"]
 
@@ -58,23 +58,25 @@ class GenerateConfig:
 
 def _with_response(record: dict, response: str, latency: float, tokens: int, **extra) -> dict:
     out = {"id": record["id"], "task": record.get("task"), "question": record["question"],
-           "reference": record.get("reference"), "response": response, "latency": latency, "tokens": tokens}
+           "reference": record["reference"], "response": response, "latency": latency, "tokens": tokens,
+           "fields": record["fields"]}
     return out | extra
 
 
 def generate(data: list[dict[str, Any]] | str | os.PathLike, config: GenerateConfig | None = None, *,
              out: str | os.PathLike | None = None, **options) -> list[dict[str, Any]]:
-    """Responses for test records (`id`, `question`, `reference`, `task`) or a test JSONL path.
+    """Responses for test records (`id`, `question`, `reference`, `task`, or their aliases: core.records) or a
+    test JSONL path.
 
     `config` or keyword options (GenerateConfig fields, e.g. model="runs/dpo", base_url=..., restraint=...).
-    Each result: id, task, question, reference, response, latency (s), tokens (generated). Written to
+    Each result: id, task, question, reference, response, latency (s), tokens (generated), fields (the source
+    fields of turns, reference and id). Written to
     `out` (JSONL) when given."""
     config = config or GenerateConfig(**options)
-    records = data if isinstance(data, list) else read_jsonl(data)
-    for k, record in enumerate(records):
-        if "id" not in record or "question" not in record:
-            raise InputError(f"test record {k} needs 'id' and 'question' (got {sorted(record)})")
-        prompt_turns(record, where=f"test record {record['id']!r}")
+    if isinstance(data, list):
+        records = [normalize_record(r, k + 1, "test", where=f"test record {k}")[0] for k, r in enumerate(data)]
+    else:
+        records = read_records(data, "test")[0]
     if config.base_url:
         from rolemrc.eval.judges import run_sync
 
@@ -105,7 +107,7 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
     room = (limit - config.max_new_tokens) if limit else None
     if room is not None and room < 1:
         raise GenerationError(f"max_new_tokens {config.max_new_tokens} leaves no room for a prompt in {limit} positions")
-    prompts = [tok(render_chat(tok, prompt_turns(r)), add_special_tokens=False)["input_ids"] for r in records]
+    prompts = [tok(render_chat(tok, r["question"]), add_special_tokens=False)["input_ids"] for r in records]
     truncated = [room is not None and len(p) > room for p in prompts]
     prompts = [p[-room:] if cut else p for p, cut in zip(prompts, truncated)]
     order = sorted(range(len(records)), key=lambda i: len(prompts[i]))  # similar lengths batch together
@@ -145,7 +147,7 @@ async def _generate_endpoint(records: list[dict], config: GenerateConfig) -> lis
                 async with limit:
                     began = time.perf_counter()
                     reply = await client.chat.completions.create(
-                        model=config.model, messages=prompt_turns(record), max_tokens=config.max_new_tokens,
+                        model=config.model, messages=record["question"], max_tokens=config.max_new_tokens,
                         temperature=config.temperature, extra_body=config.extra_body or None)
                     latency = time.perf_counter() - began
                 break

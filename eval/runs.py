@@ -1,6 +1,6 @@
 """Scoring: responses -> per-item metrics and verdicts -> aggregates with CIs, saved as a run folder.
 
-A run folder holds `responses.jsonl` (id, task, question, reference, response, latency, tokens),
+A run folder holds `responses.jsonl` (id, task, question, reference, response, latency, tokens, fields),
 `verdicts.jsonl`, `metrics.jsonl` (per-sample values) and the reports (`report.json`, `report.md`,
 `chart.html`, `chart.png`).
 """
@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_jsonl, write_jsonl
+from rolemrc.core.records import merge_fields
 from rolemrc.eval.aggregate import aggregate
 from rolemrc.eval.judges import JudgeConfig, judge_info
 from rolemrc.eval.judges import judge as run_judge
@@ -96,6 +97,8 @@ def score(items: list[dict[str, Any]] | str | os.PathLike, judge: str | JudgeCon
     hyps = [str(item["response"] or "") for item in items]
     refs = [str(item["reference"] or "") for item in items]
     summary: dict[str, Any] = {"n_items": len(items), "judge": judge_info(judge_config), "bootstrap_rounds": rounds}
+    if any("fields" in item for item in items):   # where generate found turns, reference and id
+        summary["fields"] = merge_fields(item["fields"] for item in items if "fields" in item)
     per_item: list[dict[str, Any]] = [{"id": item["id"]} for item in items]
     if metric_config is not None and items:
         result = compute(hyps, refs, metric_config)

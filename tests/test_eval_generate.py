@@ -17,6 +17,7 @@ from test_datagen_openai import Server
 from typer.testing import CliRunner
 
 from rolemrc.core.io import read_jsonl, write_jsonl
+from rolemrc.core.records import normalize_turns
 from rolemrc.core.taxonomy import TASK_COUNTS, judge_aspects_for_task
 from rolemrc.eval import JudgeConfig, judge, score
 from rolemrc.eval.generate import GenerateConfig, GenerationError, generate
@@ -63,7 +64,8 @@ def test_local_generation_batched_equals_single(model_dirs, records):
     single = generate(data, model=str(model_dirs["llama"]), max_new_tokens=12, batch_size=1, progress=False)
     assert [r["response"] for r in batched] == [r["response"] for r in single]
     for rec, out in zip(data, batched):
-        assert out["id"] == rec["id"] and out["question"] == rec["question"] and out["reference"] == rec["reference"]
+        assert out["id"] == rec["id"] and out["question"] == normalize_turns(rec["question"])
+        assert out["reference"] == rec["reference"] and out["fields"] == {"turns": "question", "reference": "reference", "id": "id"}
         assert 0 < out["tokens"] <= 12 and out["latency"] > 0 and out["truncated"] is False
 
 
