@@ -21,22 +21,23 @@ def report_cmd(
     db: Path = typer.Option(..., help="the server's SQLite log (the config's 'db')"),
     out: Path = typer.Option(None, help="write report.json, chart.html and chart.png here"),
     judge: str = typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
+    judge_model: str = typer.Option(None, help="the judge model (endpoint judges, e.g. openai)"),
+    judge_base_url: str = typer.Option(None, help="the judge's OpenAI-compatible base URL (endpoint judges)"),
     metrics: str = typer.Option("bleu,rouge", help=metrics_help()),
-    rounds: int = typer.Option(2000, help="bootstrap rounds"),
+    rounds: int = typer.Option(2000, help="bootstrap rounds (resampling users)"),
 ) -> None:
-    """Per-arm scores with 95% CIs and unpaired tests of each arm against the first."""
+    """Per-arm scores with 95% CIs and unpaired tests of each arm against the first, the user as the unit."""
     from rolemrc.serve.report import build_report
     from rolemrc.serve.store import Store
 
     groups = parse_metrics(metrics)
-    JudgeConfig(name=judge)   # an unknown or misconfigured judge fails here, before any scoring
+    # an unknown or misconfigured judge fails here, before any scoring
+    config = JudgeConfig(name=judge, model=judge_model, base_url=judge_base_url)
     if not db.is_file():
         raise InputError(f"--db {db}: no such database")
     store = Store(db)
     try:
-        if store.experiment(experiment) is None:
-            raise InputError(f"no experiment {experiment!r} in {db}")
-        report = build_report(store, experiment, judge=judge, metrics=groups, rounds=rounds, out_dir=out)
+        report = build_report(store, experiment, judge=config, metrics=groups, rounds=rounds, out_dir=out)
     finally:
         store.close()
     typer.echo(json.dumps(report, indent=1))

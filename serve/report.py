@@ -1,5 +1,8 @@
-"""A/B report: per-arm scores from the eval module (rules/openai judge, reference metrics) with
-bootstrap CIs, operational stats (latency, tokens), and unpaired tests of each arm against the first."""
+"""A/B report: per-arm scores from the eval module (a judge from eval.judges, reference metrics), operational
+stats (latency, tokens) and unpaired tests of each arm against the first. Arms are assigned per user, so the
+user is the unit: every quantity is first averaged per user (a request without a user is its own cluster),
+CIs resample users (a cluster bootstrap) and tests are Welch's t on the per-user means; for the judge's
+binary verdicts that is Welch on per-user pass proportions."""
 
 from __future__ import annotations
 
@@ -9,11 +12,32 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from rolemrc.core.errors import RolemrcError
+from rolemrc.eval.judges import JudgeConfig, judge_info
 from rolemrc.eval.stats import mean_ci
-from rolemrc.serve.stats import welch
+from rolemrc.serve.stats import cluster_means, welch
 from rolemrc.serve.store import Store
 
 OPERATIONAL = ("latency_s", "completion_tokens", "response_chars")
+TEST = "Welch t on per-user means (CI: bootstrap over users)"
+UNIT_NOTE = (": arms are assigned per user, so each quantity is averaged per user first (a request without a user "
+             "is its own cluster); CIs resample users, tests are Welch's t on per-user means (judge: Welch on per-user "
+             "pass proportions, a response's score being the share of its judge calls that passed)")
+
+
+class UnknownExperimentError(RolemrcError, LookupError):
+    """The request log has no experiment of that id."""
+
+
+def cluster(row: dict[str, Any]) -> str:
+    """The unit a request belongs to: its user, or the request itself when it names no user."""
+    return f"user:{row['user']}" if row.get("user") else f"request:{row['id']}"
+
+
+def unit_text(users: int, requests: int) -> str:
+    return f"unit: user ({users} users, {requests} requests)"
 
 
 def _items(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -25,20 +49,44 @@ def _items(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         items.append({"id": row["id"], "task": str(meta.get("task") or ""), "question": row["messages"],
                       "reference": str(meta.get("reference") or ""), "response": row["response"],
-                      "latency": row["latency_s"]})
+                      "latency": row["latency_s"], "cluster": cluster(row)})
     return items
 
 
-def score_arm(rows: list[dict[str, Any]], judge: str, metrics: tuple[str, ...], rounds: int) -> tuple[dict, dict]:
-    """(summary, per-item values for tests) of one arm's logged requests."""
+def by_user(values: list[float], clusters: list[str], rounds: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """(per-user means, their mean with a bootstrap CI over users, plus the request count)."""
+    means = cluster_means(values, clusters)
+    return means, mean_ci(means, rounds=rounds) | {"requests": len(values), "unit": "user"}
+
+
+def _judge_scores(items: list[dict[str, Any]], config: JudgeConfig, rounds: int) -> tuple[dict, list[float], list[str]]:
+    """(judge summary, per-response scores, their clusters): a response's score is the share of its judge
+    calls that passed, so a response judged on several aspects is one sample, not several."""
     from rolemrc.eval import score
+
+    run = score(items, judge=config, metrics=None, rounds=rounds)
+    per_response: dict[str, list[int]] = {}
+    for v in run.verdicts:
+        if v.get("score") is not None:
+            per_response.setdefault(v["id"], []).append(v["score"])
+    where = {i["id"]: i["cluster"] for i in items}
+    agg = run.summary["judge_aggregates"]
+    summary = {**judge_info(config), "calls": agg["calls"], "scored": agg["scored"],
+               "responses_scored": len(per_response), "averages": agg.get("averages", {}),
+               "dimensions": agg.get("dimensions", {})}
+    return summary, [sum(s) / len(s) for s in per_response.values()], [where[i] for i in per_response]
+
+
+def score_arm(rows: list[dict[str, Any]], judge: JudgeConfig, metrics: tuple[str, ...], rounds: int) -> tuple[dict, dict]:
+    """(summary, per-user values of each quantity for the tests) of one arm's logged requests."""
     from rolemrc.eval.metrics import MetricConfig, compute
 
-    values: dict[str, list[float]] = {
-        "latency_s": [r["latency_s"] for r in rows],
-        "completion_tokens": [float(r["completion_tokens"]) for r in rows],
-        "response_chars": [float(len(r["response"])) for r in rows]}
-    summary: dict[str, Any] = {"n": len(rows), **{k: mean_ci(v, rounds=rounds) for k, v in values.items()},
+    clusters = [cluster(r) for r in rows]
+    per_request: dict[str, tuple[list[float], list[str]]] = {
+        "latency_s": ([r["latency_s"] for r in rows], clusters),
+        "completion_tokens": ([float(r["completion_tokens"]) for r in rows], clusters),
+        "response_chars": ([float(len(r["response"])) for r in rows], clusters)}
+    summary: dict[str, Any] = {"n": len(rows), "users": len(set(clusters)),
                                "finish_length_rate": (sum(r["finish_reason"] == "length" for r in rows) / len(rows)
                                                       if rows else math.nan)}
     items = _items(rows)
@@ -47,50 +95,50 @@ def score_arm(rows: list[dict[str, Any]], judge: str, metrics: tuple[str, ...], 
     if referenced and metrics:
         result = compute([i["response"] for i in referenced], [i["reference"] for i in referenced],
                          MetricConfig(groups=metrics))
-        summary["metrics"] = {k: mean_ci(v, rounds=rounds) for k, v in result.values.items()}
         summary["metrics_unavailable"] = result.unavailable
-        values |= {f"metric:{k}": v for k, v in result.values.items()}
+        per_request |= {f"metric:{k}": (v, [i["cluster"] for i in referenced]) for k, v in result.values.items()}
     if items:
-        run = score(items, judge=judge, metrics=None, rounds=rounds)
-        per_response: dict[str, list[int]] = {}
-        for v in run.verdicts:
-            if v.get("score") is not None:
-                per_response.setdefault(v["id"], []).append(v["score"])
-        # the unit of analysis is the response (one request): a response's score is the mean of its judge
-        # calls, so responses judged on several aspects do not count as several independent samples
-        values["judge_score"] = [sum(s) / len(s) for s in per_response.values()]
-        agg = run.summary["judge_aggregates"]
-        summary["judge"] = {"name": judge, "calls": agg["calls"], "scored": agg["scored"],
-                            "responses_scored": len(per_response),
-                            "response_score": mean_ci(values["judge_score"], rounds=rounds),
-                            "averages": agg.get("averages", {}), "dimensions": agg.get("dimensions", {})}
+        summary["judge"], scores, where = _judge_scores(items, judge, rounds)
+        per_request["judge_score"] = (scores, where)
+    values: dict[str, np.ndarray] = {}
+    for key, (vals, where) in per_request.items():
+        values[key], stat = by_user(vals, where, rounds)
+        if key == "judge_score":
+            summary["judge"]["response_score"] = stat
+        elif key.startswith("metric:"):
+            summary.setdefault("metrics", {})[key.removeprefix("metric:")] = stat
+        else:
+            summary[key] = stat
     return summary, values
 
 
-def build_report(store: Store, exp_id: str, *, judge: str = "rules", metrics: tuple[str, ...] = ("bleu", "rouge"),
-                 rounds: int = 2000, out_dir: str | Path | None = None) -> dict[str, Any]:
-    """The report dict; with `out_dir`, also report.json, chart.html and chart.png there."""
+def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules",
+                 metrics: tuple[str, ...] = ("bleu", "rouge"), rounds: int = 2000,
+                 out_dir: str | Path | None = None) -> dict[str, Any]:
+    """The report dict; with `out_dir`, also report.json, chart.html and chart.png there. `judge`: a
+    JudgeConfig (an endpoint judge needs its model and base URL) or the name of an offline judge."""
+    config = judge if isinstance(judge, JudgeConfig) else JudgeConfig(name=judge)
     exp = store.experiment(exp_id)
     if exp is None:
-        raise KeyError(f"no experiment {exp_id!r}")
+        raise UnknownExperimentError(f"no experiment {exp_id!r} in {store.path}")
     rows = store.requests(exp_id)
     arms: dict[str, Any] = {}
-    per_item: dict[str, dict[str, list[float]]] = {}
+    per_user: dict[str, dict[str, np.ndarray]] = {}
     for arm in exp["arms"]:
-        summary, values = score_arm([r for r in rows if r["arm"] == arm["name"]], judge, metrics, rounds)
+        summary, values = score_arm([r for r in rows if r["arm"] == arm["name"]], config, metrics, rounds)
         arms[arm["name"]] = {"model": arm["model"], "restraint": arm.get("restraint"), "weight": arm["weight"],
                              **summary}
-        per_item[arm["name"]] = values
+        per_user[arm["name"]] = values
     names = list(arms)
     control = names[0]
-    tests: dict[str, dict[str, Any]] = {}
-    for name in names[1:]:
-        t: dict[str, Any] = {}
-        for key in per_item[control].keys() & per_item[name].keys():
-            t[key] = welch(per_item[control][key], per_item[name][key], rounds=rounds)
-        tests[f"{name} vs {control}"] = t
-    report = {"experiment": exp_id, "description": exp["description"], "requests": len(rows), "control": control,
-              "arms": arms, "tests": tests, "notes": notes(arms)}
+    tests = {f"{name} vs {control}": {key: welch(per_user[control][key], per_user[name][key], rounds=rounds)
+                                      | {"test": TEST, "unit": "user"}
+                                      for key in per_user[control].keys() & per_user[name].keys()}
+             for name in names[1:]}
+    users = len({cluster(r) for r in rows})
+    unit = {"name": "user", "users": users, "requests": len(rows), "text": unit_text(users, len(rows))}
+    report = {"experiment": exp_id, "description": exp["description"], "requests": len(rows), "unit": unit,
+              "control": control, "arms": arms, "tests": tests, "notes": [unit["text"] + UNIT_NOTE, *notes(arms)]}
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -117,20 +165,19 @@ def figure(report: dict[str, Any]):
     """Bars per arm with 95% CI error bars: judge pass rate, reference metrics, latency, tokens."""
     from plotly.subplots import make_subplots
 
-    panels = [("judge score per response", lambda a: (a.get("judge") or {}).get("response_score")),
+    panels = [("judge score (per-user mean)", lambda a: (a.get("judge") or {}).get("response_score")),
               *[(f"metric {k}", lambda a, k=k: (a.get("metrics") or {}).get(k))
                 for k in sorted({k for a in report["arms"].values() for k in (a.get("metrics") or {})})],
               *[(k, lambda a, k=k: a.get(k)) for k in OPERATIONAL]]
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[t for t, _ in panels])
     for col, (_, get) in enumerate(panels, start=1):
         for k, (name, arm) in enumerate(report["arms"].items()):
-            st = get(arm) or {}
-            mean = st.get("mean", math.nan)
+            mean, lo, hi = (math.nan if v is None else v for v in map((get(arm) or {}).get, ("mean", "lo", "hi")))
             fig.add_bar(x=[name], y=[mean], name=name, marker_color=PALETTE[k % len(PALETTE)], showlegend=col == 1,
-                        error_y={"type": "data", "symmetric": False, "array": [st.get("hi", math.nan) - mean],
-                                 "arrayminus": [mean - st.get("lo", math.nan)]}, row=1, col=col)
-    fig.update_layout(title=f"A/B experiment {report['experiment']} (95% CIs)", template="plotly_white",
-                      width=max(700, 260 * len(panels)), height=420)
+                        error_y={"type": "data", "symmetric": False, "array": [hi - mean], "arrayminus": [mean - lo]},
+                        row=1, col=col)
+    fig.update_layout(title=f"A/B experiment {report['experiment']} ({report['unit']['text']}; 95% CIs over users)",
+                      template="plotly_white", width=max(700, 260 * len(panels)), height=420)
     return fig
 
 
@@ -150,15 +197,22 @@ def write_figure(report: dict[str, Any], stem: Path) -> dict[str, str]:
     return out
 
 
+def _num(value: float | None, spec: str) -> str:
+    return "–" if value is None or not math.isfinite(value) else format(value, spec)
+
+
 def report_html(report: dict[str, Any]) -> str:
-    """A self-contained page: the figure and the tests table."""
-    rows = "".join(f"<tr><td>{html.escape(pair)}</td><td>{html.escape(k)}</td><td>{v.get('diff', math.nan):.4g}</td>"
-                   f"<td>{v.get('p', math.nan):.3g}</td><td>{v['test']}</td></tr>"
-                   for pair, t in report["tests"].items() for k, v in t.items())
+    """A self-contained page: the unit, the figure and the tests table."""
+    rows = "".join(f"<tr><td>{html.escape(pair)}</td><td>{html.escape(k)}</td><td>{_num(v.get('diff'), '.4g')}</td>"
+                   f"<td>{_num(v.get('p'), '.3g')}</td><td>{v.get('n_a')} / {v.get('n_b')}</td>"
+                   f"<td>{html.escape(v['test'])}</td></tr>"
+                   for pair, t in report["tests"].items() for k, v in sorted(t.items()))
     notes_html = "".join(f"<li>{html.escape(n)}</li>" for n in report["notes"])
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>A/B {html.escape(report['experiment'])}</title>"
-            f"</head><body>{figure(report).to_html(full_html=False, include_plotlyjs=True)}"
-            f"<table border=1><tr><th>arms</th><th>quantity</th><th>diff</th><th>p</th><th>test</th></tr>{rows}</table>"
+            f"</head><body><p>{html.escape(report['unit']['text'])}</p>"
+            f"{figure(report).to_html(full_html=False, include_plotlyjs=True)}"
+            "<table border=1><tr><th>arms</th><th>quantity</th><th>diff</th><th>p</th><th>users (control / arm)</th>"
+            f"<th>test</th></tr>{rows}</table>"
             f"<ul>{notes_html}</ul></body></html>")
 
 

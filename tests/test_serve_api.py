@@ -219,12 +219,15 @@ def test_experiment_logging_stickiness_and_report(client, server, records, tmp_p
     assert sum(got["requests"].values()) == len(records)
     report = httpx.get(server.base_url + "/v1/experiments/ab1/report", headers=auth).json()
     assert set(report["arms"]) == {"base", "muted"} and report["requests"] == len(records)
+    assert report["unit"]["text"] == f"unit: user (20 users, {len(records)} requests)"   # arms are assigned per user
     base = report["arms"]["base"]
-    assert base["metrics"]["bleu"]["n"] == base["n"] and base["judge"]["calls"] > 0
+    assert base["metrics"]["bleu"]["requests"] == base["n"] and base["metrics"]["bleu"]["n"] == base["users"]
+    assert base["judge"]["calls"] > 0
     test = report["tests"]["muted vs base"]
     assert {"judge_score", "latency_s", "metric:bleu"} <= set(test) and 0 <= test["latency_s"]["p"] <= 1
+    assert test["latency_s"]["n_a"] + test["latency_s"]["n_b"] == 20 and test["latency_s"]["unit"] == "user"
     page = httpx.get(server.base_url + "/v1/experiments/ab1/report?format=html", headers=auth)
-    assert page.status_code == 200 and "plotly" in page.text
+    assert page.status_code == 200 and "plotly" in page.text and report["unit"]["text"] in page.text
     result = CliRunner().invoke(cli_app, ["ab", "report", "ab1", "--db", str(server.config.parent / "ab.sqlite"),
                                           "--out", str(tmp_path), "--rounds", "200"])
     assert result.exit_code == 0, result.output

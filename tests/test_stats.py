@@ -1,0 +1,156 @@
+"""Statistics on known answers: the paired sign-flip permutation test against scipy, p never 0, the stratified
+bootstrap keeping every dimension, and A/B reports with the user (not the request) as the unit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import permutation_test, ttest_ind
+from typer.testing import CliRunner
+
+from rolemrc.core.errors import EXIT_INPUT, RolemrcError
+from rolemrc.eval.aggregate import aggregate
+from rolemrc.eval.judges import JudgeConfig
+from rolemrc.eval.stats import paired_test, resample_counts, sign_flip_test
+from rolemrc.serve.report import UnknownExperimentError, build_report, report_html
+from rolemrc.serve.stats import cluster_means, welch
+from rolemrc.serve.store import Store
+
+
+def scipy_sign_flip(d: np.ndarray) -> float:
+    """scipy's exact paired permutation p of mean(b - a) (permutation_type='samples' swaps within pairs)."""
+    return permutation_test((d, np.zeros_like(d)), lambda x, y, axis: np.mean(x - y, axis=axis),
+                            permutation_type="samples", n_resamples=np.inf, vectorized=True).pvalue
+
+
+def test_sign_flip_n3_all_positive_is_a_quarter():
+    r = paired_test([0.0, 0.0, 0.0], [1.0, 2.0, 3.0])
+    assert r["p"] == 0.25 and r["test"] == "sign-flip permutation (exact, 2^3)"   # 2 of 8 flips reach |mean| = 2
+    assert r["diff"] == 2.0 and r["ci"] == "paired bootstrap percentile"
+    assert sign_flip_test([0.5]) == (1.0, "sign-flip permutation (exact, 2^1)")
+    assert sign_flip_test([0.0, 0.0])[0] == 1.0
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 12, 16])
+def test_sign_flip_exact_equals_scipy(n):
+    rng = np.random.default_rng(n)
+    d = np.round(rng.normal(0.4, 1.0, size=n), 1)        # rounded: ties among flipped sums occur
+    d[0] = 0.0                                          # a zero difference (dropped, p unchanged)
+    p, test = sign_flip_test(d)
+    assert "exact" in test and p == pytest.approx(scipy_sign_flip(d), rel=1e-12)
+
+
+def test_sign_flip_monte_carlo_never_zero_and_close_to_exact():
+    all_positive = np.arange(1.0, 41.0)                 # 40 pairs, B always better: exact p = 2 / 2^40
+    p, test = sign_flip_test(all_positive, rounds=999)
+    assert p == 1 / 1000 and p > 0 and "Monte Carlo" in test and "(hits+1)/(rounds+1)" in test
+    assert paired_test(np.zeros(40), all_positive, rounds=999)["p"] == 1 / 1000
+    d = np.round(np.random.default_rng(7).normal(0.3, 1.0, size=18), 2)   # 18 > 16: Monte Carlo
+    exact = scipy_sign_flip(d)
+    p, test = sign_flip_test(d, rounds=20_000)
+    assert "Monte Carlo" in test and abs(p - exact) < 4 * np.sqrt(exact * (1 - exact) / 20_000)
+
+
+def test_stratified_resampling_keeps_strata_sizes():
+    strata = np.array(["a"] * 5 + ["b"] * 3 + ["c"])
+    counts = resample_counts(strata.size, 300, 0, strata)
+    assert counts.shape == (300, 9)
+    assert (counts[:, :5].sum(1) == 5).all() and (counts[:, 5:8].sum(1) == 3).all() and (counts[:, 8] == 1).all()
+    assert counts[:, :5].std(0).min() > 0          # items within a stratum do vary
+    plain = resample_counts(strata.size, 300, 0)
+    assert (plain[:, 8] == 0).any()                 # plain resampling drops the lone item in some resamples
+
+
+def test_stratified_bootstrap_never_drops_a_rare_dimension():
+    # 30 knowledge items (half pass) and one nested item (pass): AvgSimple = (0.5 + 1) / 2 in the sample and
+    # between 0.5 and 1 in every resample that keeps both dimensions; plain resampling loses the nested item in
+    # about (30/31)^31 = 36% of resamples, where a NaN-skipping mean would report the knowledge mean alone.
+    verdicts = [{"id": f"k{i}", "task": "role_related_mrc_answer_no_narration", "dimension": "knowledge_boundary",
+                 "detail": "within", "score": i % 2} for i in range(30)]
+    verdicts.append({"id": "n0", "task": "role_related_mrc_answer_no_narration-special-format", "dimension": "nested",
+                     "detail": None, "score": 1})
+    agg = aggregate(verdicts, rounds=2000)
+    assert agg["bootstrap"]["resamples_lacking_dimension"] == 0 and agg["bootstrap"]["n_strata"] == 2
+    simple = agg["averages"]["AvgSimple"]
+    assert simple["mean"] == 0.75 and 0.5 <= simple["lo"] < 0.75 < simple["hi"] <= 1.0
+    assert agg["dimensions"]["nested"] == {"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": 1}
+    plain = resample_counts(31, 2000, 0)
+    assert (plain[:, -1] == 0).mean() > 0.3
+
+
+def test_cluster_means():
+    means = cluster_means([1.0, 3.0, 10.0, 4.0], ["u:b", "u:b", "u:a", "r:1"])
+    assert means.tolist() == [4.0, 10.0, 2.0]        # sorted labels r:1, u:a, u:b
+
+
+REFUSED = "role_related_mrc_answer_no_narration-refused"     # one judge call (prioritized): refusing passes
+PASS, FAIL = "I have been told not to answer that.", "Points of equal height above sea level."
+QUESTION = [{"role": "system", "content": "You are Rosa, a surveyor."},
+            {"role": "user", "content": "Passage 1: Contour lines join points of equal height.\n\nQuestion: What do they join?"}]
+SPREAD = [1.0, 1.1, 0.9, 1.2, 0.8, 1.05, 0.95, 1.15, 0.85]
+
+
+@pytest.fixture
+def clustered(tmp_path):
+    """Arm B's difference comes from one heavy user (60 requests, slow, always passing); per user the arms
+    are alike. Arm A has two requests without a user (each its own cluster)."""
+    store = Store(tmp_path / "ab.sqlite")
+    store.add_experiment("exp", "heavy user", [{"name": "A", "model": "m", "weight": 1},
+                                               {"name": "B", "model": "m", "weight": 1}], 0.0)
+    plan = [("A", f"a{k}", lat, PASS if k % 2 else FAIL) for k, lat in enumerate(SPREAD)]
+    plan += [("A", None, 1.0, PASS), ("A", None, 1.0, FAIL), ("A", "a0", 1.0, FAIL)]
+    plan += [("B", f"b{k}", lat, PASS if k % 2 else FAIL) for k, lat in enumerate(SPREAD)]
+    plan += [("B", "heavy", 1.6 + 0.01 * (k % 3), PASS) for k in range(60)]
+    for k, (arm, user, latency, response) in enumerate(plan):
+        store.log_request({"id": f"r{k:03d}", "experiment": "exp", "arm": arm, "user": user, "model": "m",
+                           "endpoint": "chat", "messages": QUESTION, "response": response, "finish_reason": "stop",
+                           "latency_s": latency, "prompt_tokens": 5, "completion_tokens": 5,
+                           "metadata": {"task": REFUSED}, "started": float(k), "finished": float(k) + latency})
+    yield store, plan
+    store.close()
+
+
+def test_ab_report_user_is_the_unit(clustered, tmp_path):
+    store, plan = clustered
+    report = build_report(store, "exp", judge=JudgeConfig(name="rules"), metrics=(), rounds=1000, out_dir=tmp_path)
+    assert report["unit"]["text"] == "unit: user (21 users, 81 requests)" and report["notes"][0].startswith("unit: user")
+    assert (report["arms"]["A"]["users"], report["arms"]["A"]["n"]) == (11, 12)   # a0 twice, two user-less requests
+    assert (report["arms"]["B"]["users"], report["arms"]["B"]["n"]) == (10, 69)
+    latency = {arm: ([lat for a, _, lat, _ in plan if a == arm], [u or f"none{k}" for k, (a, u, _, _) in enumerate(plan)
+                                                                  if a == arm]) for arm in "AB"}
+    per_request = welch(latency["A"][0], latency["B"][0])
+    assert per_request["p"] < 1e-6                                        # requests as samples: "significant"
+    t = report["tests"]["B vs A"]["latency_s"]
+    users = {arm: cluster_means(*latency[arm]) for arm in "AB"}
+    assert t["p"] == pytest.approx(ttest_ind(users["B"], users["A"], equal_var=False).pvalue, rel=1e-12)
+    assert t["p"] > 0.2 and (t["n_a"], t["n_b"], t["unit"]) == (11, 10, "user") and "per-user" in t["test"]
+    assert t["lo"] < 0 < t["hi"]
+    judged = report["tests"]["B vs A"]["judge_score"]                      # binary verdicts: per-user pass rates
+    passes = {arm: [float(r == PASS) for a, _, _, r in plan if a == arm] for arm in "AB"}
+    assert welch(passes["A"], passes["B"])["p"] < 0.01 and judged["p"] > 0.5
+    assert report["arms"]["B"]["judge"]["response_score"]["requests"] == 69
+    assert report["arms"]["B"]["judge"]["response_score"]["mean"] == pytest.approx(0.5)   # (4 x 1 + 5 x 0 + 1) / 10
+    page = report_html(report)
+    assert "unit: user (21 users, 81 requests)" in page and "Welch t on per-user means" in page
+    assert (tmp_path / "report.json").is_file()
+
+
+def test_ab_report_errors_and_judge_config(clustered, monkeypatch):
+    from rolemrc.cli import app
+
+    store, _ = clustered
+    with pytest.raises(UnknownExperimentError, match="no experiment 'nope'") as caught:
+        build_report(store, "nope")
+    assert isinstance(caught.value, RolemrcError)
+    runner = CliRunner()
+    db = str(store.path)
+    result = runner.invoke(app, ["ab", "report", "nope", "--db", db])
+    assert result.exit_code == EXIT_INPUT and "no experiment 'nope'" in result.output
+    result = runner.invoke(app, ["ab", "report", "exp", "--db", db, "--judge", "openai"])
+    assert result.exit_code == EXIT_INPUT and "--judge-model" in result.output
+    seen = {}
+    monkeypatch.setattr("rolemrc.serve.report.build_report", lambda store, exp, judge, **kw: seen.update(judge=judge) or {})
+    result = runner.invoke(app, ["ab", "report", "exp", "--db", db, "--judge", "openai", "--judge-model", "gpt-x",
+                                 "--judge-base-url", "http://127.0.0.1:9/v1"])
+    assert result.exit_code == 0, result.output
+    assert (seen["judge"].name, seen["judge"].model, seen["judge"].base_url) == ("openai", "gpt-x", "http://127.0.0.1:9/v1")
