@@ -35,7 +35,8 @@ def test_release_format_roles_are_lower_cased():
      "empty or missing assistant reply"),
     ({"conversations": [{"role": "narrator", "content": "hi"}]}, "malformed turns"),
     ({"conversations": []}, "malformed turns"),
-    ({"messages": []}, "no conversations field"),
+    ({"messages": []}, "malformed turns"),  # `messages` is an alias of `conversations` (core.records)
+    ({"turns": [{"role": "user", "content": "hi"}]}, "no conversations field"),
 ])
 def test_bad_sft_records(record, reason):
     with pytest.raises(BadRecord) as info:

@@ -2,7 +2,9 @@
 
 Record kinds (docs/ARCHITECTURE.md "Records"): SFT `conversations`, preference pair
 `prompt`/`chosen`/`rejected`, test `question`/`reference`, profile `text`, MRC triplet
-`passages`/`question`/`answer`. Roles may be capitalised (`User`), as in the release.
+`passages`/`question`/`answer`. Roles may be capitalised (`User`), as in the release. SFT and pair
+records may use the aliases `core.records` accepts (`messages`, a plain-string `prompt`, `answer`, ...);
+the data report says which fields each file used.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from typing import Any
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import JsonlError, file_fingerprint, iter_jsonl
-from rolemrc.core.records import RecordError, normalize_turns
+from rolemrc.core.records import (
+    Fields,
+    Kind,
+    RecordError,
+    announce_fields,
+    merge_fields,
+    normalize_record,
+    normalize_turns,
+    reply_text,
+)
 
 
 class DataError(RolemrcError, ValueError):
@@ -31,6 +42,10 @@ class BadRecord(RolemrcError, ValueError):
         super().__init__(reason)
         self.reason, self.detail = reason, detail
 
+    @classmethod
+    def of(cls, exc: RecordError) -> BadRecord:
+        return cls(exc.reason, str(exc).removeprefix("record: "))
+
 
 @dataclass
 class DataReport:
@@ -39,9 +54,15 @@ class DataReport:
     kept: Counter = field(default_factory=Counter)
     skipped: dict[str, Counter] = field(default_factory=dict)
     examples: dict[str, str] = field(default_factory=dict)  # reason -> first file:line seen (and detail)
+    fields: dict[str, Counter] = field(default_factory=dict)  # source -> Counter of core.records.Fields
 
-    def keep(self, source: str) -> None:
+    def keep(self, source: str, fields: Fields | None = None) -> None:
         self.kept[source] += 1
+        if fields is not None:
+            self.fields.setdefault(source, Counter())[fields] += 1
+
+    def fields_used(self, source: str) -> dict[str, str]:
+        return merge_fields(self.fields.get(source, ()))
 
     def skip(self, source: str, lineno: int, reason: str, detail: str = "") -> None:
         self.skipped.setdefault(source, Counter())[reason] += 1
@@ -79,7 +100,8 @@ class DataReport:
     def as_dict(self) -> dict[str, Any]:
         return {"kept": self.total_kept, "skipped": self.total_skipped, "reasons": dict(self.reasons()),
                 "per_file": {src: {"kept": self.kept.get(src, 0), "skipped": dict(self.skipped.get(src, {}))}
-                             for src in sorted(set(self.kept) | set(self.skipped))}}
+                             for src in sorted(set(self.kept) | set(self.skipped))},
+                "fields": {src: self.fields_used(src) for src in sorted(self.fields)}}
 
 
 def jsonl_files(paths: list[str | os.PathLike]) -> list[Path]:
@@ -113,14 +135,31 @@ def record_turns(value: Any) -> list[dict[str, str]]:
     try:
         return normalize_turns(value)
     except RecordError as exc:
-        raise BadRecord("malformed turns", str(exc).removeprefix("record: ")) from None
+        raise BadRecord.of(exc) from None
 
 
-def sft_example(record: dict[str, Any]) -> dict[str, Any]:
-    """A trl conversational example `{"messages": turns}` from an SFT record."""
-    if "conversations" not in record:
-        raise BadRecord("no conversations field")
-    turns = record_turns(record["conversations"])
+def canonical(record: dict[str, Any], kind: Kind, lineno: int | None = None) -> tuple[dict[str, Any], Fields]:
+    """core.records.normalize_record, a bad record raised as BadRecord."""
+    try:
+        return normalize_record(record, lineno, kind)
+    except RecordError as exc:
+        raise BadRecord.of(exc) from None
+
+
+@dataclass(frozen=True)
+class Converter:
+    """Record kind -> trl example; called with a raw (aliased) or canonical record."""
+
+    kind: Kind
+    build: Callable[[dict[str, Any]], dict[str, Any]]
+
+    def __call__(self, record: dict[str, Any]) -> dict[str, Any]:
+        return self.build(canonical(record, self.kind)[0])
+
+
+def _sft(record: dict[str, Any]) -> dict[str, Any]:
+    """A trl conversational example `{"messages": turns}` from a canonical SFT record."""
+    turns = record["conversations"]
     replies = [t for t in turns if t["role"] == "assistant"]
     if not replies:
         raise BadRecord("no assistant turn")
@@ -133,19 +172,16 @@ def _reply(value: Any, name: str) -> list[dict[str, str]]:
     """A pair's chosen/rejected side: a string, or turns ending in an assistant turn."""
     if value is None:
         raise BadRecord("missing chosen/rejected")
-    if isinstance(value, list):
-        turns = record_turns(value)
-        if turns[-1]["role"] != "assistant":
-            raise BadRecord(f"{name} does not end with an assistant turn")
-        value = turns[-1]["content"]
-    return [{"role": "assistant", "content": nonempty_text(value, name)}]
+    try:
+        text = reply_text(value, name)
+    except RecordError as exc:
+        raise BadRecord.of(exc) from None
+    return [{"role": "assistant", "content": nonempty_text(text, name)}]
 
 
-def pair_example(record: dict[str, Any]) -> dict[str, Any]:
-    """A trl conversational preference example from a pair record."""
-    if "prompt" not in record:
-        raise BadRecord("missing prompt")
-    prompt = record_turns(record["prompt"])
+def _pair(record: dict[str, Any]) -> dict[str, Any]:
+    """A trl conversational preference example from a canonical pair record."""
+    prompt = record["prompt"]
     if prompt[-1]["role"] != "user":
         raise BadRecord("prompt does not end with a user turn")
     chosen, rejected = _reply(record.get("chosen"), "chosen"), _reply(record.get("rejected"), "rejected")
@@ -154,26 +190,34 @@ def pair_example(record: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
-def scan(files: list[Path], handle: Callable[[dict[str, Any]], Any], report: DataReport) -> None:
-    """Call `handle` on each record; records it rejects with BadRecord are skipped and counted, a line
-    that is not a JSON object is a DataError."""
+sft_example = Converter("sft", _sft)
+pair_example = Converter("pair", _pair)
+
+
+def scan(files: list[Path], handle: Callable[[dict[str, Any]], Any], report: DataReport, kind: Kind | None = None) -> None:
+    """Call `handle` on each record (made canonical first when `kind` is given, the fields used counted and
+    noted on stderr); records rejected with BadRecord are skipped and counted, a line that is not a JSON
+    object is a DataError."""
     try:
         for path in files:
             for lineno, record in iter_jsonl(path):
                 try:
+                    record, fields = canonical(record, kind, lineno) if kind else (record, None)
                     handle(record)
                 except BadRecord as exc:
                     report.skip(str(path), lineno, exc.reason, exc.detail)
                 else:
-                    report.keep(str(path))
+                    report.keep(str(path), fields)
+            if kind:
+                announce_fields(path, kind, report.fields_used(str(path)))
     except JsonlError as exc:
         raise DataError(str(exc)) from None
 
 
 def load_examples(files: list[Path], convert: Callable[[dict[str, Any]], dict], report: DataReport) -> list[dict]:
-    """The examples `convert` makes of the records it accepts."""
+    """The examples `convert` makes of the records it accepts (a Converter's fields are counted)."""
     out: list[dict] = []
-    scan(files, lambda record: out.append(convert(record)), report)
+    scan(files, lambda record: out.append(convert(record)), report, getattr(convert, "kind", None))
     return out
 
 
