@@ -229,8 +229,7 @@ def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], test: Test 
         result.freq_a[d], result.freq_b[d] = a.freq(d), b.freq(d)
         result.delta[d] = result.freq_b[d] - result.freq_a[d]
         if test is None:
-            nan = torch.full_like(result.delta[d], torch.nan)
-            result.z[d], result.pvalue[d], result.qvalue[d] = nan, nan, nan
+            result.z[d], result.pvalue[d], result.qvalue[d] = (torch.full_like(result.delta[d], torch.nan) for _ in range(3))
         else:
             result.z[d], result.pvalue[d] = test(d)
             result.qvalue[d] = benjamini_hochberg(result.pvalue[d])

@@ -17,7 +17,7 @@ from rolemrc.probe.stats import benjamini_hochberg, top_set_jaccard, two_proport
 
 def synthetic(counts: dict, obs: dict, **meta) -> ProbeCounts:
     base = {"hook": "mlp.act", "width": "6", "layers": "2", "top_fraction": "0.5", "tokens": "last", "k": "3",
-            "rank": "signed", "model": "m"}
+            "rank": "signed", "generation_prompt": "true", "model": "m"}
     return ProbeCounts({d: torch.tensor(c) for d, c in counts.items()}, dict(obs), dict(obs), {**base, **meta})
 
 
@@ -66,7 +66,8 @@ def test_diff_of_known_counts():
 
 
 @pytest.mark.parametrize("field,value", [("hook", "attn.out"), ("width", "8"), ("layers", "3"),
-                                         ("top_fraction", "0.1"), ("tokens", "all")])
+                                         ("top_fraction", "0.1"), ("tokens", "all"), ("rank", "abs"),
+                                         ("generation_prompt", "false")])
 def test_mismatched_probe_files_are_refused(field, value):
     a = synthetic({"x": [[1] * 6, [1] * 6]}, {"x": 2})
     b = synthetic({"x": [[1] * 6, [1] * 6]}, {"x": 2}, **{field: value})
