@@ -1,6 +1,6 @@
 """`rolemrc demo`: every stage on the embedded default, offline, cached by input fingerprint.
 
-datagen (template) -> train base -> SFT -> DPO -> eval SFT and DPO -> probe both -> diff + explorer ->
+datagen (template) -> train base -> SFT -> DPO -> eval SFT and DPO -> probe both (paired) -> diff (McNemar) + explorer ->
 restraint for the dimension with the largest shift -> bake + check -> eval before/after + compare ->
 serve the restrained model and call it with the openai client -> summary.
 """
@@ -93,18 +93,17 @@ def headline(run_dir: Path) -> dict:
 
 
 def probe_stages(cache: StageCache, cfg: DemoConfig, models: dict[str, Path], test: Path) -> dict:
-    from rolemrc.probe import collect, diff, write_diff
+    """SFT and DPO probed together (one paired file), diffed with the exact McNemar test per unit."""
+    from rolemrc.probe import collect_paired, diff, write_diff
     from rolemrc.probe.explorer import write_explorer
 
-    files = {}
-    for name in ("sft", "dpo"):
-        files[name] = cfg.out / "probe" / f"{name}.safetensors"
-        cache.run(f"probe {name}", {"model": models[name], "data": test, "hook": cfg.hook},
-                  lambda name=name: _probe_report(collect(models[name], test, hook=cfg.hook).save(files[name])),
-                  [files[name]])
+    paired = cfg.out / "probe" / "sft-dpo.safetensors"
+    cache.run("probe sft+dpo", {"models": [models["sft"], models["dpo"]], "data": test, "hook": cfg.hook},
+              lambda: _probe_report(collect_paired([models["sft"], models["dpo"]], test, hook=cfg.hook).save(paired)),
+              [paired])
     diff_dir = cfg.out / "diff"
-    summary = cache.run("probe diff", {"a": files["sft"], "b": files["dpo"]},
-                        lambda: write_diff(diff(files["sft"], files["dpo"]), diff_dir), [diff_dir / "diff.safetensors"])
+    summary = cache.run("probe diff", {"paired": paired},
+                        lambda: write_diff(diff(paired), diff_dir), [diff_dir / "diff.safetensors"])
     explorer = cfg.out / "explorer.html"
     cache.run("explorer", {"diff": diff_dir / "diff.safetensors"},
               lambda: {"out": str(write_explorer(diff_dir, explorer))}, [explorer])
@@ -197,10 +196,11 @@ def verdict_sentence(comparison: dict, check: dict) -> str:
 
 
 def _probe_report(path: Path) -> dict:
-    from rolemrc.probe import ProbeCounts
+    from rolemrc.probe import load_probe
 
-    counts = ProbeCounts.load(path)
-    return {"out": str(path), "cases": counts.cases, "empty_dimensions": counts.empty_dimensions}
+    paired = load_probe(path)
+    counts = paired.counts[0]
+    return {"out": str(path), "models": paired.models, "cases": counts.cases, "empty_dimensions": counts.empty_dimensions}
 
 
 def _result(result: Any) -> dict:
