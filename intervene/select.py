@@ -34,7 +34,9 @@ def select(diff_path: str | os.PathLike, dimension: str, *, layers: str | None =
         why = result.empty.get(dimension)
         raise RestraintError(f"dimension {dimension!r} is not in the diff" + (f" ({why})" if why else "")
                              + f"; compared: {result.dimensions}")
-    delta, q = result.delta[dimension].double(), result.qvalue[dimension].double()
+    if fdr is not None and not result.tested:
+        raise RestraintError(f"{diff_path}: the diff has no q-values (test: {result.test}); select with top_k")
+    delta, q = result.delta[dimension].double(), result.qvalue[dimension].double().nan_to_num(1.0)
     n_layers, n_units = delta.shape
     chosen = parse_layers(layers, n_layers)
     allowed = torch.zeros(n_layers, dtype=torch.bool)
