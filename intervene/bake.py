@@ -96,6 +96,16 @@ def changed_elements(before: dict[str, torch.Tensor], after: dict[str, torch.Ten
     return sum(int((before[n].to(dtype) != after[n].to(dtype)).sum()) for n in before)
 
 
+def fold_and_count(model: nn.Module, r: Restraint, dtype: torch.dtype) -> tuple[dict[str, int], int]:
+    """Fold `r` into a float32 `model` in place: (elements scaled per tensor, elements that differ from the
+    original once both are stored at `dtype`), i.e. what a bake at `dtype` writes."""
+    r.validate(model)
+    names = set(fold_restraint_plan(model, r))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
+    scaled = fold_restraint(model, r)
+    return scaled, changed_elements(before, {n: p.detach() for n, p in model.named_parameters() if n in names}, dtype)
+
+
 def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLike, dtype: str = "float32") -> BakeReport:
     """Fold `restraint` into a copy of the model in `model_dir` (scaled in float32, stored at `dtype`) and
     write a standard HF checkpoint whose safetensors metadata records the source fingerprint and the spec."""
@@ -108,12 +118,7 @@ def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLik
         raise RestraintError("bake output must differ from the source model directory")
     target = resolve_dtype(dtype)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
-    r.validate(model)
-    touched_names = set(fold_restraint_plan(model, r))
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in touched_names}
-    scaled = fold_restraint(model, r)
-    after = {n: p.detach() for n, p in model.named_parameters() if n in touched_names}
-    changed = changed_elements(before, after, target)
+    scaled, changed = fold_and_count(model, r, target)
 
     if out.exists():
         shutil.rmtree(out)

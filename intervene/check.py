@@ -1,18 +1,24 @@
-"""`check`: run sample prompts through the original, hooked and baked models and say what changed."""
+"""`check`: run sample prompts through the original, hooked and baked models and say what changed.
+
+The no-op verdict judges the weights a bake writes: the folded weights at the stored dtype (read from
+the baked checkpoint, or folded here as `bake` would) against the original weights cast to that dtype,
+the same count `bake` reports. The runtime hook is judged separately (its factor rounded to the run
+dtype), so a bake that changes weights while the hook is an identity at that dtype is reported as such."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rolemrc.core.chat import render_chat
 from rolemrc.core.modeling import load_model, resolve_dtype
-from rolemrc.intervene.bake import changed_elements, fold_restraint, fold_restraint_plan
+from rolemrc.intervene.bake import changed_elements, fold_and_count, fold_restraint_plan
 from rolemrc.intervene.runtime import applied
-from rolemrc.intervene.spec import Restraint
+from rolemrc.intervene.spec import Restraint, RestraintError
 
 SAMPLE_PROMPTS = (
     [{"role": "system", "content": "You are a lighthouse keeper on a stormy coast."},
@@ -31,11 +37,13 @@ class CheckReport:
     hook: str
     units: int
     factor: float
-    dtype: str
-    factor_at_dtype: float
-    numerical_noop: bool
-    weight_elements_changed: int
+    dtype: str                      # the logits' dtype (the runtime hook runs at it)
+    factor_at_dtype: float          # 1.0: the runtime hook is an identity at `dtype`
+    numerical_noop: bool            # the bake writes no changed weight element (weight_elements_changed == 0)
+    weight_elements_changed: int    # baked vs original weights, both at weights_dtype (bake's own count)
+    weights_dtype: str              # the baked checkpoint's stored dtype, or `dtype` without one
     hook_vs_original_max_abs: float
+    baked_vs_original_max_abs: float | None = None
     baked_vs_hook_max_abs: float | None = None
     baked_vs_hook_max_rel: float | None = None
     verdict: str = ""
@@ -57,10 +65,41 @@ def _batch(tokenizer: Any, prompts: list[list[dict]], device: torch.device) -> d
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
 
+def stored_weights(baked_dir: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors as a baked checkpoint stores them (its own dtype)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(baked_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            stored = set(fh.keys())
+            found |= {n: fh.get_tensor(n) for n in names if n in stored}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise RestraintError(f"{baked_dir}: no {missing[0]} in its safetensors; was it baked from this model?")
+    return found
+
+
+def weights_changed(model_dir: str | os.PathLike, r: Restraint, baked_dir: str | os.PathLike | None,
+                    target: torch.dtype) -> tuple[int, torch.dtype]:
+    """(weight elements a bake changes, the dtype they were compared at): the baked checkpoint's tensors
+    against the original ones cast to their dtype, or, without a checkpoint, a fold at `target` as bake does."""
+    reference, _ = load_model(model_dir, dtype="float32", device="cpu")
+    if baked_dir is None:
+        return fold_and_count(reference, r, target)[1], target
+    r.validate(reference)
+    names = fold_restraint_plan(reference, r)
+    baked = stored_weights(baked_dir, names)
+    stored = baked[names[0]].dtype
+    original = {n: p.detach() for n, p in reference.named_parameters() if n in baked}
+    return changed_elements(original, baked, stored), stored
+
+
 def check(model_dir: str | os.PathLike, restraint: Any, baked_dir: str | os.PathLike | None = None,
           prompts: list[list[dict]] | None = None, dtype: str = "float32", device: str = "cpu") -> CheckReport:
-    """Compare original, runtime-hooked and (optionally) baked logits at `dtype`, count the weight elements
-    that change when the restraint is stored at `dtype`, and flag a numerical no-op loudly."""
+    """Compare original, runtime-hooked and (optionally) baked logits at `dtype`; count the weight elements the
+    bake changes (in `baked_dir`'s stored dtype, else at `dtype`), and call it a numerical no-op only when
+    that count is 0."""
     r = Restraint.from_any(restraint)
     target = resolve_dtype(dtype)
     model, tok = load_model(model_dir, dtype=dtype, device=device)
@@ -69,32 +108,45 @@ def check(model_dir: str | os.PathLike, restraint: Any, baked_dir: str | os.Path
     original = _logits(model, batch)
     with applied(model, r):
         hooked = _logits(model, batch)
-    factor_at_dtype = float(torch.tensor(r.factor, dtype=target))
-
-    reference, _ = load_model(model_dir, dtype="float32", device="cpu")
-    names = set(fold_restraint_plan(reference, r))
-    before = {n: p.detach().clone() for n, p in reference.named_parameters() if n in names}
-    fold_restraint(reference, r)
-    changed = changed_elements(before, {n: p for n, p in reference.named_parameters() if n in names}, target)
-
-    report = CheckReport(r.name, r.hook, r.num_units, r.factor, dtype, factor_at_dtype,
-                         numerical_noop=factor_at_dtype == 1.0 or (changed == 0 and torch.equal(original, hooked)),
-                         weight_elements_changed=changed,
+    changed, stored = weights_changed(model_dir, r, baked_dir, target)
+    report = CheckReport(r.name, r.hook, r.num_units, r.factor, dtype, float(torch.tensor(r.factor, dtype=target)),
+                         numerical_noop=changed == 0, weight_elements_changed=changed,
+                         weights_dtype=str(stored).removeprefix("torch."),
                          hook_vs_original_max_abs=float((hooked - original).abs().max()))
     if baked_dir is not None:
-        baked, _ = load_model(baked_dir, dtype=dtype, device=device)
-        baked_logits = _logits(baked, batch)
-        diff = (baked_logits - hooked).abs()
+        baked = _logits(load_model(baked_dir, dtype=dtype, device=device)[0], batch)
+        diff = (baked - hooked).abs()
+        report.baked_vs_original_max_abs = float((baked - original).abs().max())
         report.baked_vs_hook_max_abs = float(diff.max())
         report.baked_vs_hook_max_rel = float(diff.max() / hooked.abs().max().clamp_min(1e-12))
-    if report.numerical_noop:
-        report.verdict = (f"NUMERICAL NO-OP: factor {r.factor!r} is {factor_at_dtype!r} in {dtype}; "
-                          f"{changed} weight elements change and the runtime hook leaves logits "
-                          f"{'identical' if report.hook_vs_original_max_abs == 0 else 'changed only by rounding'}. "
-                          "Use float32 or a factor that survives this dtype.")
-    else:
-        report.verdict = (f"effective: {changed} weight elements change at {dtype}; "
-                          f"logits move by up to {report.hook_vs_original_max_abs:.3g}")
-        if report.hook_vs_original_max_abs == 0:
-            report.notes.append("weights change but the sample prompts' logits did not move at all")
+    report.verdict = _verdict(report)
+    report.notes = _notes(report)
     return report
+
+
+def _verdict(c: CheckReport) -> str:
+    moved = c.hook_vs_original_max_abs
+    hook = "leaves logits identical" if moved == 0 else f"moves logits by up to {moved:.3g}"
+    if c.numerical_noop:
+        return (f"NUMERICAL NO-OP: the bake changes no weight element at {c.weights_dtype} (factor {c.factor!r} is "
+                f"{c.factor_at_dtype!r} in {c.dtype}); the runtime hook {hook}. "
+                "Use float32 or a factor that survives this dtype.")
+    baked = "" if c.baked_vs_hook_max_abs is None else (
+        f"; baked logits move by up to {c.baked_vs_original_max_abs:.3g} and differ from hooked by up to "
+        f"{c.baked_vs_hook_max_abs:.3g}")
+    return f"effective: {c.weight_elements_changed} weight elements change at {c.weights_dtype}; the runtime hook {hook}{baked}"
+
+
+def _notes(c: CheckReport) -> list[str]:
+    notes = []
+    if c.factor_at_dtype == 1.0 and not c.numerical_noop:
+        notes.append(f"the runtime hook is an identity at {c.dtype} (factor {c.factor!r} rounds to 1.0) but the bake "
+                     f"scales in float32 before storing at {c.weights_dtype}, so {c.weight_elements_changed} weight "
+                     "elements change and hooked and baked models disagree; hook at float32 or bake at float32 to match")
+    elif c.hook_vs_original_max_abs == 0 and not c.numerical_noop:
+        notes.append("weights change but the sample prompts' logits did not move under the runtime hook")
+    if c.numerical_noop and c.hook_vs_original_max_abs > 0:
+        notes.append(f"the runtime hook moves logits at {c.dtype} though the bake writes unchanged weights")
+    if c.weights_dtype != c.dtype:
+        notes.append(f"the baked weights are stored at {c.weights_dtype}; logits were compared at {c.dtype}")
+    return notes

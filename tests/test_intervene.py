@@ -109,6 +109,43 @@ def test_bf16_paper_factor_is_a_noop_and_float32_is_not(model_dirs, tmp_path):
     assert report.baked_vs_hook_max_abs < 1e-5
 
 
+def test_bake_and_check_agree_when_the_dtype_changes(model_dirs, tmp_path):
+    """An fp32 model baked to bf16 at 0.999: the factor is 1.0 in bf16 (the runtime hook is an identity there),
+    but the bake scales in float32 before rounding, so weights change; check counts the same elements from the
+    baked checkpoint and makes no no-op claim. At 1 - 1e-6 nothing changes and both say no-op."""
+    units = {0: list(range(0, 96, 2)), 1: list(range(0, 96, 3))}
+    r = spec("mlp.act", 0.999, units)
+    original, _ = load_model(model_dirs["llama"], device="cpu")
+    expected = sum(int(((w * 0.999).bfloat16() != w.bfloat16()).sum())   # independent count: down_proj's input columns
+                   for w in (original.model.layers[layer].mlp.down_proj.weight.detach()[:, cols]
+                             for layer, cols in units.items()))
+    assert expected > 0
+    baked = bake(model_dirs["llama"], r, tmp_path / "bf16", dtype="bfloat16")
+    assert baked.elements_changed_at_dtype == expected and not baked.numerical_noop
+    for baked_dir in (tmp_path / "bf16", None):
+        report = check(model_dirs["llama"], r, baked_dir=baked_dir, dtype="bfloat16")
+        assert report.weight_elements_changed == expected and report.weights_dtype == "bfloat16"
+        assert not report.numerical_noop and "NO-OP" not in report.verdict
+        assert report.factor_at_dtype == 1.0 and report.hook_vs_original_max_abs == 0
+        assert any("identity at bfloat16" in note for note in report.notes)
+    assert report.baked_vs_hook_max_abs is None
+    report = check(model_dirs["llama"], r, baked_dir=tmp_path / "bf16", dtype="bfloat16")
+    assert report.baked_vs_hook_max_abs == report.baked_vs_original_max_abs > 0  # the hook is an identity: reported
+    assert f"differ from hooked by up to {report.baked_vs_hook_max_abs:.3g}" in report.verdict
+
+    r = spec("mlp.act", 1 - 1e-6)
+    noop = bake(model_dirs["llama"], r, tmp_path / "noop", dtype="bfloat16")
+    report = check(model_dirs["llama"], r, baked_dir=tmp_path / "noop", dtype="bfloat16")
+    assert noop.elements_changed_at_dtype == report.weight_elements_changed == 0 and noop.numerical_noop
+    assert report.numerical_noop and report.verdict.startswith("NUMERICAL NO-OP")
+    assert report.baked_vs_original_max_abs == report.baked_vs_hook_max_abs == 0 and report.notes == []
+
+
+def test_check_refuses_a_checkpoint_not_baked_from_the_model(model_dirs, tmp_path):
+    with pytest.raises(RestraintError, match="was it baked from this model"):
+        check(model_dirs["llama"], spec("mlp.act"), baked_dir=tmp_path)
+
+
 @pytest.mark.parametrize("data,message", [
     ({"name": "x", "hook": "mlp.gate", "units": {0: [1]}}, "unknown hook point"),
     ({"name": "x", "hook": 5, "units": {0: [1]}}, "hook must be one of"),
