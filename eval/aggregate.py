@@ -89,7 +89,8 @@ def aggregate(verdicts: list[dict[str, Any]], *, rounds: int = 2000, seed: int =
     lo, hi = percentile_cis(avg[1:])
     out["averages"] = {name: {"mean": float(avg[0, j]), "lo": float(lo[j]), "hi": float(hi[j])}
                        for j, name in enumerate(AVERAGES)}
-    out["bootstrap"] = {"rounds": rounds, "strata": "task", "n_strata": int(np.unique(strata).size),
+    out["bootstrap"] = {"rounds": rounds, "strata": "task (+ the aspects an item has scores for)",
+                        "n_strata": int(np.unique(strata).size),
                         "resamples_lacking_dimension": int(np.isnan(dim_means[1:]).any(1).sum())}
     missing = [d for d in DIMENSIONS if d not in dims]
     if missing:

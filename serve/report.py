@@ -143,7 +143,7 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         report["files"] = write_figure(report, out / "chart")
-        (out / "report.json").write_text(json.dumps(report, indent=1, allow_nan=True))
+        (out / "report.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
     return _finite(report)
 
 
