@@ -99,7 +99,7 @@ def normalize_record(record: dict[str, Any], lineno: int | None = None, kind: Ki
     where = where or (f"line {lineno}" if lineno else "record")
     turns_field = _first(record, CANONICAL_TURNS[kind], TURN_FIELDS)
     if turns_field is None:
-        names = ", ".join(f"'{n}'" for n in TURN_FIELDS)
+        names = ", ".join(f"'{n}'" for n in TURN_FIELDS[:-1]) + f" or '{TURN_FIELDS[-1]}'"
         raise RecordError(f"{where}: no {names} field", f"no {CANONICAL_TURNS[kind]} field")
     turns = as_turns(record[turns_field], where=where)
     reference_field = _first(record, CANONICAL_REFERENCE[kind], REFERENCE_FIELDS)
@@ -133,12 +133,12 @@ def prompt_turns(record: dict[str, Any], *, where: str = "record") -> list[dict[
 
 
 def merge_fields(fields: Iterable[Fields | dict[str, Any]]) -> dict[str, str]:
-    """One mapping for many records: each canonical field -> the source names used, comma-separated."""
+    """One mapping for many records: each canonical field -> the source names used, joined by '|'."""
     seen: dict[str, dict[str, None]] = {}
     for f in fields:
         for key, name in (f.as_dict() if isinstance(f, Fields) else f).items():
             seen.setdefault(key, {})[ABSENT if name is None else str(name)] = None
-    return {key: ", ".join(names) for key, names in seen.items()}
+    return {key: "|".join(names) for key, names in seen.items()}
 
 
 def fields_note(source: str | os.PathLike, kind: Kind, merged: dict[str, str]) -> str | None:
