@@ -205,7 +205,7 @@ def _diff_paired(paired: PairedCounts, i: int, j: int, where: str) -> DiffResult
         name = PAIRED_TOKENS_ALL
     else:
         test, name = (lambda d: mcnemar_exact(paired.discordant(i, j, d), paired.discordant(j, i, d))), PAIRED
-    names = (f"{a.meta.get('model', '')} [{where} model {i}]", f"{b.meta.get('model', '')} [{where} model {j}]")
+    names = tuple(f"{c.meta.get('model', '')} [model {m} of {where or 'the paired probe'}]" for c, m in ((a, i), (b, j)))
     return _compare(a, b, names, test, name)
 
 
