@@ -18,7 +18,7 @@ sft: {learning_rate: 5.0e-4, max_steps: 3, batch_size: 4, max_length: 1024, logg
 dpo: {learning_rate: 5.0e-5, max_steps: 2, batch_size: 2, max_length: 1024, logging_steps: 1, save_steps: 100}
 """
 TRAIN_AND_PROBE = ("datagen", "train base", "train sft", "train dpo", "eval sft", "eval dpo",
-                   "probe sft", "probe dpo", "probe diff", "explorer")
+                   "probe sft+dpo", "probe diff", "explorer")
 DOWNSTREAM = ("restraint select", "restraint bake", "restraint check", "eval dpo-restrained", "eval compare", "serve")
 
 
