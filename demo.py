@@ -179,10 +179,10 @@ def serve_stage(cache: StageCache, cfg: DemoConfig, dpo: Path, spec: Path, baked
 
 
 def verdict_sentence(comparison: dict, check: dict) -> str:
-    """One honest sentence: did the restraint change anything measurable (McNemar / paired bootstrap, p < 0.05)?"""
+    """One honest sentence: did the restraint change anything measurable (exact McNemar / sign-flip permutation, p < 0.05)?"""
     changed = [f"judge {dim} ({v['a_rate']:.3f} -> {v['b_rate']:.3f}, exact McNemar p={v['p']:.3g})"
                for dim, v in comparison.get("verdicts", {}).items() if v.get("p", 1) < 0.05]
-    changed += [f"{name} ({m['diff']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}], paired bootstrap p={m['p']:.3g})"
+    changed += [f"{name} ({m['diff']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}], sign-flip p={m['p']:.3g})"
                 for name, m in comparison.get("metrics", {}).items() if m.get("p", 1) < 0.05]
     flips = sum(v.get("improved", 0) + v.get("worsened", 0) for v in comparison.get("verdicts", {}).values())
     where = f"{check['weight_elements_changed']} weight elements changed, max logit shift " \
@@ -192,7 +192,7 @@ def verdict_sentence(comparison: dict, check: dict) -> str:
     if changed:
         return f"The restraint changed, at p < 0.05: {'; '.join(changed)} ({where})."
     return (f"The restraint changed nothing measurable: no judge dimension (McNemar; {flips} verdict flips in all) "
-            f"and no reference metric (paired bootstrap) differs at p < 0.05 ({where}).")
+            f"and no reference metric (paired sign-flip test) differs at p < 0.05 ({where}).")
 
 
 def _probe_report(path: Path) -> dict:

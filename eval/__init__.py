@@ -1,5 +1,5 @@
 """Evaluation: generate responses, score them (reference metrics + five-aspect judge, bootstrap CIs),
-compare runs (exact McNemar, paired bootstrap).
+compare runs (exact McNemar on verdicts; paired bootstrap CI + sign-flip permutation p on metrics).
 
     from rolemrc.eval import generate, score, compare
     items = generate("runs/data/test.jsonl", model="runs/dpo")            # or base_url=..., model="dpo"

@@ -127,8 +127,8 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
 def compare_cmd(run_a: Path = typer.Argument(..., help="run folder A (before)"),
                 run_b: Path = typer.Argument(..., help="run folder B (after)"),
                 out: Path = typer.Option(None, help="folder for compare.json/.md and the chart (default: print only)"),
-                rounds: int = typer.Option(10_000, help="paired bootstrap resamples")) -> None:
-    """Paired comparison: exact McNemar on verdicts, paired bootstrap on metrics."""
+                rounds: int = typer.Option(10_000, help="bootstrap resamples (CIs); Monte Carlo sign flips (n > 16)")) -> None:
+    """Paired comparison: exact McNemar on verdicts; on metrics a paired bootstrap CI and a sign-flip permutation p."""
     result = compare(run_a, run_b, rounds=rounds)
     if out:
         result.save(out)
