@@ -29,6 +29,20 @@ class Fold:
     def scales_bias(self) -> bool:
         return self.side == "out" and getattr(self.module, "bias", None) is not None
 
+    @property
+    def transposed(self) -> bool:
+        """nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out]."""
+        return type(self.module).__name__ == "Conv1D"
+
+    def untied_weight(self, model: nn.Module) -> nn.Parameter:
+        """The projection's weight, or a RestraintError when it is tied to another parameter (editing it
+        would edit both)."""
+        weight = self.module.weight
+        shared = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
+        if len(shared) > 1:
+            raise RestraintError(f"cannot edit {shared[0]}: it is tied to {shared[1:]}")
+        return weight
+
 
 def fold_target(model: nn.Module, hook: str, layer: int) -> Fold:
     """The projection and side the hook point's row in HOOK_POINTS names (e.g. mlp.act -> input units of
@@ -48,10 +62,8 @@ def lora_exportable(model: nn.Module, hook: str) -> bool:
 
 
 def _weight_index(fold: Fold, units: list[int]) -> tuple[slice | list[int], ...]:
-    """Index of the weight elements that scale with the units. nn.Linear stores [out, in]; GPT-2's Conv1D
-    stores [in, out] (transposed)."""
-    conv1d = type(fold.module).__name__ == "Conv1D"
-    in_axis = 0 if conv1d else 1
+    """Index of the weight elements that scale with the units (as stored: see `Fold.transposed`)."""
+    in_axis = 0 if fold.transposed else 1
     axis = in_axis if fold.side == "in" else 1 - in_axis
     return (units, slice(None)) if axis == 0 else (slice(None), units)
 
@@ -64,10 +76,7 @@ def fold_restraint(model: nn.Module, r: Restraint) -> dict[str, int]:
     with torch.no_grad():
         for layer, units in r.units.items():
             fold = fold_target(model, r.hook, layer)
-            weight = fold.module.weight
-            shared = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
-            if len(shared) > 1:
-                raise RestraintError(f"cannot bake into {shared[0]}: it is tied to {shared[1:]}")
+            weight = fold.untied_weight(model)
             index = _weight_index(fold, units)
             weight[index] *= r.factor
             touched[names[id(weight)]] = weight[index].numel()
@@ -106,6 +115,12 @@ def fold_and_count(model: nn.Module, r: Restraint, dtype: torch.dtype) -> tuple[
     return scaled, changed_elements(before, {n: p.detach() for n, p in model.named_parameters() if n in names}, dtype)
 
 
+def provenance_metadata(src: Path, fingerprint: str, r: Restraint) -> dict[str, str]:
+    """safetensors metadata of a file derived from the model in `src` by the restraint `r`."""
+    return {"format": "pt", "rolemrc_source_model": str(src), "rolemrc_source_fingerprint": fingerprint,
+            "rolemrc_restraint": json.dumps(r.to_dict(), sort_keys=True), "rolemrc_version": __version__}
+
+
 def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLike, dtype: str = "float32") -> BakeReport:
     """Fold `restraint` into a copy of the model in `model_dir` (scaled in float32, stored at `dtype`) and
     write a standard HF checkpoint whose safetensors metadata records the source fingerprint and the spec."""
@@ -125,8 +140,7 @@ def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLik
     model.to(target).save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
     fingerprint = dir_fingerprint(src)
-    metadata = {"format": "pt", "rolemrc_source_model": str(src), "rolemrc_source_fingerprint": fingerprint,
-                "rolemrc_restraint": json.dumps(r.to_dict(), sort_keys=True), "rolemrc_version": __version__}
+    metadata = provenance_metadata(src, fingerprint, r)
     for file in sorted(out.glob("*.safetensors")):
         save_file(load_file(file), str(file), metadata=metadata)
     report = BakeReport(str(out), fingerprint, dtype, sum(scaled.values()), changed, changed == 0, r.to_dict())

@@ -1,4 +1,4 @@
-"""`rolemrc intervene select|bake|check`."""
+"""`rolemrc intervene select|bake|lora|check`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.intervene.select import Direction
 from rolemrc.probe.hooks import HOOK_POINTS
 
-app = cli_app(help="Restraints: select units from a diff, bake them, check them.")
+app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them.")
 
 
 @app.command("select")
@@ -52,6 +52,20 @@ def bake_cmd(
     typer.echo(json.dumps(report.to_dict(), indent=1))
     if report.numerical_noop:
         typer.secho(f"NUMERICAL NO-OP: no weight element changes at {dtype}", fg=typer.colors.YELLOW, err=True)
+
+
+@app.command("lora")
+def lora_cmd(
+    model: Path = typer.Option(..., "--model", help="source HF model directory"),
+    spec: Path = typer.Option(..., "--spec", help="restraint spec at a hook point that exports as LoRA: "
+                              + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold and point.lora)),
+    out: Path = typer.Option(..., "--out", help="output PEFT adapter directory"),
+    rank: int = typer.Option(None, help="LoRA rank (default: the smallest vLLM rank that holds the largest layer)"),
+) -> None:
+    """Export the restraint as an exact PEFT LoRA adapter (B @ A = the bake's weight change)."""
+    from rolemrc.intervene.lora import export_lora
+
+    typer.echo(json.dumps(export_lora(model, spec, out, rank=rank).to_dict(), indent=1))
 
 
 @app.command("check")
