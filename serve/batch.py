@@ -20,8 +20,10 @@ class Batch:
         return self.mask.shape[0]
 
     @classmethod
-    def prefill(cls, model: Any, prompts: list[list[int]], pad_id: int) -> tuple[Batch, torch.Tensor]:
-        """Run the prompts; returns the batch and the last-position logits [B, V]."""
+    def prefill(cls, model: Any, prompts: list[list[int]], pad_id: int,
+                every_position: bool = False) -> tuple[Batch, torch.Tensor]:
+        """Run the prompts; returns the batch and the last-position logits [B, V] (every position's,
+        [B, T, V] left-padded, if asked)."""
         device = model.device
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -33,8 +35,8 @@ class Batch:
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=model.config)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
-        return cls(out.past_key_values, mask, mask.sum(-1)), out.logits[:, -1]
+                    use_cache=True, logits_to_keep=0 if every_position else 1)
+        return cls(out.past_key_values, mask, mask.sum(-1)), out.logits if every_position else out.logits[:, -1]
 
     def step(self, model: Any, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns next logits [B, V]."""

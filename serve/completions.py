@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from rolemrc.serve import protocol as p
-from rolemrc.serve.engines.base import Generation, Prompt
+from rolemrc.serve.engines.base import Generation, Piece, Prompt, TokenLogprob
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.routing import Route, route, sampling_params
 from rolemrc.serve.state import State, app_state
@@ -61,7 +61,7 @@ class Call(ABC):
         info = request.state.log
         info.update(model=target.model_id, restraint=target.resolved.label, experiment=target.experiment,
                     arm=target.arm)
-        gen = await target.engine.submit(prompt, sampling_params(state.config, body), target.resolved)
+        gen = await target.engine.submit(prompt, sampling_params(state.config, body, target.engine), target.resolved)
         call = cls(state, request, body, prompt, target, gen, p.new_id(cls.id_prefix), started, clock)
         info["id"] = call.id
         if body.stream:
@@ -72,11 +72,11 @@ class Call(ABC):
     # what differs per endpoint
 
     @abstractmethod
-    def whole_choice(self, text: str, finish_reason: str) -> BaseModel: ...
+    def whole_choice(self, out: Piece, finish_reason: str) -> BaseModel: ...
 
     @abstractmethod
-    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> BaseModel:
-        """A streamed choice: a text delta, or (text None) the finish."""
+    def delta_choice(self, out: Piece | None, finish_reason: str | None = None) -> BaseModel:
+        """A streamed choice: a piece of output, or (None) the finish."""
 
     def opening(self) -> list[BaseModel]:
         """Choices streamed before the first delta."""
@@ -100,7 +100,7 @@ class Call(ABC):
     async def whole(self) -> JSONResponse:
         """Non-streaming: wait for the text, unless the client leaves or the timeout passes."""
         async with self.gen:
-            text_task = asyncio.create_task(self.gen.text())
+            text_task = asyncio.create_task(self.gen.collect())
             gone = asyncio.create_task(_disconnected(self.request))
             try:
                 done, _ = await asyncio.wait({text_task, gone}, timeout=max(0.0, self.deadline - time.perf_counter()),
@@ -114,12 +114,12 @@ class Call(ABC):
                     return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
                                                    "param": None, "code": None}}, status_code=499)
                 raise self.timeout()
-            text = text_task.result()
+            whole = text_task.result()
             final = self.gen.final
             usage = _usage(final.prompt_tokens, final.completion_tokens)
-            await self.record(text, final.finish_reason, usage)
+            await self.record(whole.text, final.finish_reason, usage)
         out = self.response_model(id=self.id, model=self.route.model_id, usage=usage, **self.served(),
-                                  choices=[self.whole_choice(text, final.finish_reason)])
+                                  choices=[self.whole_choice(whole, final.finish_reason)])
         return JSONResponse(out.model_dump())
 
     async def events(self) -> AsyncIterator[str]:
@@ -143,7 +143,7 @@ class Call(ABC):
                 except ApiError as exc:
                     yield _sse(exc.body())
                     return
-                pieces.append(delta)
+                pieces.append(delta.text)
                 yield self.chunk(created, [self.delta_choice(delta)])
             final = self.gen.final
             usage = _usage(final.prompt_tokens, final.completion_tokens)
@@ -185,11 +185,20 @@ class ChatCall(Call):
     response_model = p.ChatCompletionResponse
     chunk_model = p.ChatCompletionChunk
 
-    def whole_choice(self, text: str, finish_reason: str) -> p.ChatChoice:
-        return p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=finish_reason)
+    def whole_choice(self, out: Piece, finish_reason: str) -> p.ChatChoice:
+        return p.ChatChoice(message=p.AssistantMessage(content=out.text), finish_reason=finish_reason,
+                            logprobs=self.logprobs(out.logprobs))
 
-    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> p.ChunkChoice:
-        return p.ChunkChoice(delta=p.Delta(content=text), finish_reason=finish_reason)
+    def delta_choice(self, out: Piece | None, finish_reason: str | None = None) -> p.ChunkChoice:
+        if out is None:
+            return p.ChunkChoice(delta=p.Delta(), finish_reason=finish_reason)
+        return p.ChunkChoice(delta=p.Delta(content=out.text), logprobs=self.logprobs(out.logprobs))
+
+    def logprobs(self, tokens: list[TokenLogprob]) -> p.ChatLogprobs | None:
+        if self.body.top_logprobs_count() is None:
+            return None
+        return p.ChatLogprobs(content=[p.TokenLogprob(**_top(t.token, t.logprob), top_logprobs=[
+            p.TopLogprob(**_top(*alt)) for alt in t.top]) for t in tokens])
 
     def opening(self) -> list[BaseModel]:
         return [p.ChunkChoice(delta=p.Delta(role="assistant", content=""))]
@@ -204,14 +213,41 @@ class TextCall(Call):
     response_model = p.CompletionResponse
     chunk_model = p.CompletionResponse
 
-    def whole_choice(self, text: str, finish_reason: str) -> p.CompletionChoice:
-        return p.CompletionChoice(text=text, finish_reason=finish_reason)
+    offset: int = 0   # text_offset of the next token
 
-    def delta_choice(self, text: str | None, finish_reason: str | None = None) -> p.CompletionChoice:
-        return p.CompletionChoice(text=text or "", finish_reason=finish_reason)
+    def echoed(self) -> str:
+        return self.prompt.text if self.body.echo_prompt() else ""
+
+    def whole_choice(self, out: Piece, finish_reason: str) -> p.CompletionChoice:
+        return p.CompletionChoice(text=self.echoed() + out.text, finish_reason=finish_reason,
+                                  logprobs=self.logprobs(out.logprobs))
+
+    def delta_choice(self, out: Piece | None, finish_reason: str | None = None) -> p.CompletionChoice:
+        if out is None:
+            return p.CompletionChoice(text="", finish_reason=finish_reason)
+        return p.CompletionChoice(text=out.text, logprobs=self.logprobs(out.logprobs))
+
+    def opening(self) -> list[BaseModel]:
+        return [p.CompletionChoice(text=self.echoed())] if self.body.echo_prompt() else []
+
+    def logprobs(self, tokens: list[TokenLogprob]) -> p.TextLogprobs | None:
+        """The legacy shape; text offsets count on from the previous piece's."""
+        if self.body.top_logprobs_count() is None:
+            return None
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t.token)
+        return p.TextLogprobs(tokens=[t.token for t in tokens], token_logprobs=[t.logprob for t in tokens],
+                              top_logprobs=[None if t.logprob is None else dict(t.top) for t in tokens],
+                              text_offset=offsets)
 
     def logged_messages(self) -> list[dict[str, str]]:
         return [{"role": "prompt", "content": self.prompt.text}]
+
+
+def _top(token: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:

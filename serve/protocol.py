@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -52,6 +53,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _off(value: Any) -> bool:
+    return not value
+
+
+# OpenAI fields accepted by the schema but not honoured: a request that sets one to anything but its
+# no-op value gets a 400 naming it, never a silent drop
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "frequency_penalty": _off, "presence_penalty": _off, "logit_bias": _off, "tools": _off, "functions": _off,
+    "tool_choice": lambda v: v in (None, "none"), "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or v.get("type") == "text", "best_of": lambda v: v in (None, 1),
+    "suffix": _off,
+}
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -76,6 +91,10 @@ class SamplingFields(BaseModel):
                                                      "and restraint, and the request is logged")
     metadata: dict[str, Any] | None = Field(None, description="kept in the A/B log (e.g. task, reference)")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence (benchmarks)")
+    # accepted, not honoured: 400 unless the no-op value (see UNSUPPORTED)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="unsupported unless 0")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="unsupported unless 0")
+    logit_bias: dict[str, float] | None = Field(None, description="unsupported unless empty")
 
     @field_validator("stop")
     @classmethod
@@ -91,22 +110,84 @@ class SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def refused(self) -> tuple[str, str] | None:
+        """(param, why) for the first field this server refuses: set to a value it does not honour."""
+        name = next((name for name, off in UNSUPPORTED.items() if name in type(self).model_fields
+                     and not off(getattr(self, name))), None)
+        return None if name is None else (name, f"{name!r} is not supported by this server")
+
+    def top_logprobs_count(self) -> int | None:
+        """None: no log-probabilities; k: each token's and its k most likely alternatives."""
+        return None
+
+    def echo_prompt(self) -> bool:
+        return False
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = Field(False, description="each generated token's log-probability (temperature 1)")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the most likely alternatives")
+    tools: list[dict[str, Any]] | None = Field(None, description="unsupported unless empty")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="unsupported unless 'none'")
+    functions: list[dict[str, Any]] | None = Field(None, description="unsupported unless empty")
+    function_call: str | dict[str, Any] | None = Field(None, description="unsupported unless 'none'")
+    response_format: dict[str, Any] | None = Field(None, description="unsupported unless {'type': 'text'}")
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().refused()
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] = Field(description="one prompt (a list must hold exactly one)")
+    logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability and this many "
+                                                               "most likely alternatives (temperature 1)")
+    echo: bool = Field(False, description="prepend the prompt (and, with logprobs, its tokens' log-probabilities)")
+    best_of: int | None = Field(None, ge=1, le=20, description="unsupported unless 1")
+    suffix: str | None = Field(None, description="unsupported unless empty")
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def echo_prompt(self) -> bool:
+        return self.echo
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class TextLogprobs(BaseModel):
+    """The legacy completions shape; with echo the first prompt token's entries are null."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class AssistantMessage(BaseModel):
@@ -118,6 +199,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
+    logprobs: ChatLogprobs | None = None
 
 
 class Served(BaseModel):
@@ -146,6 +228,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Served):
@@ -161,7 +244,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class CompletionResponse(Served):

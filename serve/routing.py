@@ -43,12 +43,20 @@ async def route(state: State, body: p.SamplingFields) -> Route:
     return Route(model_id, engine, resolved, exp["id"], arm["name"])
 
 
-def sampling_params(config: ServeConfig, body: p.SamplingFields) -> SamplingParams:
+def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine) -> SamplingParams:
+    """The request's decoding settings; 400 for what this server or `engine` does not honour."""
     if body.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
+    if (refused := body.refused()) is not None:
+        raise ApiError(400, refused[1], code="unsupported_parameter", param=refused[0])
+    logprobs = body.top_logprobs_count()
+    if logprobs is not None and not engine.capabilities.logprobs:
+        raise ApiError(400, f"the {engine.kind} engine serving this model does not return logprobs",
+                       code="unsupported_parameter", param="logprobs")
     max_tokens = body.requested_max_tokens()
     if max_tokens is not None and max_tokens > config.max_new_tokens:
         raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_new_tokens}",
                        code="max_tokens_too_large", param="max_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          stop=body.stops(), ignore_eos=body.ignore_eos)
+                          stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs,
+                          prompt_logprobs=logprobs is not None and body.echo_prompt())

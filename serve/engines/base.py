@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -34,6 +34,26 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None     # None: none; k: each token's log-probability and its k most likely alternatives
+    prompt_logprobs: bool = False   # also the prompt tokens' (from the prefill; the first token's is None)
+
+
+@dataclass
+class TokenLogprob:
+    """One token's log-probability and the `top` alternatives (most likely first), as (text, logprob)."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class Piece:
+    """A stretch of streamed output: text and the log-probabilities of the tokens it came from (when asked;
+    text may be empty, e.g. for the prompt's log-probabilities, or trail its tokens across pieces)."""
+
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -63,7 +83,7 @@ class Final:
 
 
 class Generation:
-    """Handle on one admitted request: the stream of an engine. Iterate it for text deltas; `final` is set
+    """Handle on one admitted request: the stream of an engine. Iterate it for `Piece`s; `final` is set
     at the end. Leaving `async with` cancels an unfinished generation and frees its admission slot."""
 
     def __init__(self, prompt_tokens: int, release: Any, on_cancel: Any = None) -> None:
@@ -75,23 +95,28 @@ class Generation:
         self._release = release
         self._on_cancel = on_cancel
 
-    def push(self, item: str | Final | BaseException) -> None:
-        """Thread-safe: deliver a delta, the Final, or an error."""
+    def push(self, item: str | Piece | Final | BaseException) -> None:
+        """Thread-safe: deliver a text delta or a Piece, the Final, or an error."""
         with contextlib.suppress(RuntimeError):   # a closed loop: nobody is listening
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    async def __aiter__(self):
+    async def __aiter__(self) -> AsyncIterator[Piece]:
         while self.final is None:
             item = await self.queue.get()
             if isinstance(item, Final):
                 self.final = item
             elif isinstance(item, BaseException):
                 raise item
-            elif item:
+            elif isinstance(item, str):
+                if item:
+                    yield Piece(item)
+            elif item.text or item.logprobs:
                 yield item
 
-    async def text(self) -> str:
-        return "".join([delta async for delta in self])
+    async def collect(self) -> Piece:
+        """The whole output as one Piece."""
+        pieces = [piece async for piece in self]
+        return Piece("".join(x.text for x in pieces), [lp for x in pieces for lp in x.logprobs])
 
     def cancel(self) -> None:
         self._cancel.set()

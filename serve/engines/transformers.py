@@ -22,9 +22,11 @@ from rolemrc.serve.engines.base import (
     Dtype,
     Final,
     Generation,
+    Piece,
     Prompt,
     Resolved,
     SamplingParams,
+    TokenLogprob,
 )
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.sampling import TextStream, choose, make_generator
@@ -53,6 +55,7 @@ class Sequence:
     stream: TextStream
     generator: torch.Generator | None
     out: list[int] = field(default_factory=list)
+    pending: list[TokenLogprob] = field(default_factory=list)   # log-probabilities of tokens whose text is held
 
 
 class TransformersEngine:
@@ -60,7 +63,7 @@ class TransformersEngine:
 
     kind = "transformers"
     Options = TransformersOptions
-    capabilities = Capabilities(runtime_restraints=True)
+    capabilities = Capabilities(runtime_restraints=True, logprobs=True)
 
     def __init__(self, name: str, options: TransformersOptions, *, max_batch: int, max_queue: int,
                  default_max_tokens: int) -> None:
@@ -82,6 +85,7 @@ class TransformersEngine:
         self._waiting: deque[Sequence] = deque()
         self._cv = threading.Condition()
         self._stopping = False
+        self._token_text: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     async def start(self) -> None:
@@ -180,13 +184,13 @@ class TransformersEngine:
 
     def _run_group(self, seqs: list[Sequence]) -> None:
         key, label = seqs[0].resolved.key, seqs[0].resolved.label
-        batch, logits = Batch.prefill(self.model, [s.prompt for s in seqs], self.pad_id)
+        batch, logits = self._prefill(seqs)
         self.running[label] += len(seqs)
         try:
             while seqs:
                 tokens = choose(logits, torch.tensor([s.params.temperature for s in seqs]),
                                 torch.tensor([s.params.top_p for s in seqs]), [s.generator for s in seqs])
-                done = self._advance(seqs, tokens)
+                done = self._advance(seqs, tokens, self._step_logprobs(seqs, logits, tokens))
                 keep = [i for i in range(len(seqs)) if i not in done]
                 if done:
                     self.running[label] -= len(done)
@@ -197,7 +201,7 @@ class TransformersEngine:
                     logits = batch.step(self.model, tokens)
                 if joiners:
                     self.running[label] += len(joiners)
-                    extra, extra_logits = Batch.prefill(self.model, [s.prompt for s in joiners], self.pad_id)
+                    extra, extra_logits = self._prefill(joiners)
                     if seqs:
                         batch.merge(extra)
                         logits = torch.cat([logits, extra_logits])
@@ -207,8 +211,72 @@ class TransformersEngine:
         finally:
             self.running[label] -= len(seqs)
 
-    def _advance(self, seqs: list[Sequence], tokens: torch.Tensor) -> set[int]:
-        """Record each row's new token, emit text, and return the rows that finished."""
+    def _prefill(self, seqs: list[Sequence]) -> tuple[Batch, torch.Tensor]:
+        """Prefill `seqs`; pushes the prompt log-probabilities of those that asked (`echo` with `logprobs`)
+        from the same forward. Returns the batch and the last-position logits [B, V]."""
+        rows = [i for i, s in enumerate(seqs) if s.params.prompt_logprobs]
+        batch, logits = Batch.prefill(self.model, [s.prompt for s in seqs], self.pad_id, every_position=bool(rows))
+        if not rows:
+            return batch, logits
+        width = logits.shape[1]
+        targets = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        valid = torch.zeros((len(rows), width), dtype=torch.bool)
+        for r, i in enumerate(rows):
+            prompt = seqs[i].prompt
+            targets[r, width - len(prompt):] = torch.tensor(prompt)
+            valid[r, width - len(prompt) + 1:] = True   # a token is scored by the logits one position before it
+        index = torch.tensor(rows, device=logits.device)
+        scored = self._score(logits[index, :-1][valid[:, 1:].to(logits.device)], targets[:, 1:][valid[:, 1:]],
+                             max(seqs[i].params.logprobs for i in rows))
+        start = 0
+        for i in rows:
+            seq, n = seqs[i], len(seqs[i].prompt) - 1
+            first = TokenLogprob(self._text(seq.prompt[0]), None, [])
+            seq.gen.push(Piece("", [first, *self._entries(seq.prompt[1:], scored, start, seq.params.logprobs)]))
+            start += n
+        return batch, logits[:, -1]
+
+    def _step_logprobs(self, seqs: list[Sequence], logits: torch.Tensor,
+                       tokens: torch.Tensor) -> list[TokenLogprob | None]:
+        """Each chosen token's log-probability, for the rows that asked (None for the others)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        if not rows:
+            return out
+        index = torch.tensor(rows, device=logits.device)
+        ids = tokens[index].tolist()
+        scored = self._score(logits[index], tokens[index], max(seqs[i].params.logprobs for i in rows))
+        for r, i in enumerate(rows):
+            out[i] = self._entries(ids[r:r + 1], scored, r, seqs[i].params.logprobs)[0]
+        return out
+
+    @staticmethod
+    def _score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[list, list, list]:
+        """Log-probabilities of `targets` [N] under `logits` [N, V] and the top `k` per row, as lists: one
+        log_softmax and one topk on the model's device. The distribution is the model's own (log-softmax
+        of the raw logits, temperature 1, before top-p), which is what OpenAI reports; it is the same for
+        greedy and sampled requests and shows a restraint's effect directly."""
+        logp = logits.float().log_softmax(-1)
+        chosen = logp.gather(1, targets.to(logp.device)[:, None])[:, 0]
+        top = logp.topk(k, dim=-1)
+        return chosen.tolist(), top.values.tolist(), top.indices.tolist()
+
+    def _entries(self, ids: list[int], scored: tuple[list, list, list], start: int, k: int) -> list[TokenLogprob]:
+        """TokenLogprobs for `ids`, read from rows start.. of `scored`, keeping each row's top `k`."""
+        chosen, values, indices = scored
+        return [TokenLogprob(self._text(t), chosen[start + j],
+                             [(self._text(a), v) for a, v in zip(indices[start + j][:k], values[start + j][:k])])
+                for j, t in enumerate(ids)]
+
+    def _text(self, token: int) -> str:
+        """One token's text on its own (cached)."""
+        if token not in self._token_text:
+            self._token_text[token] = self.tokenizer.decode([token], clean_up_tokenization_spaces=False)
+        return self._token_text[token]
+
+    def _advance(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: list[TokenLogprob | None]) -> set[int]:
+        """Record each row's new token, emit text (with the log-probabilities of the tokens it came from),
+        and return the rows that finished."""
         done: set[int] = set()
         is_eos = torch.isin(tokens.cpu(), self.eos_ids).tolist()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
@@ -223,17 +291,18 @@ class TransformersEngine:
                 reason = "stop"
             else:
                 seq.out.append(token)
+                if logprobs[i] is not None:
+                    seq.pending.append(logprobs[i])
                 delta, stopped = seq.stream.add(token)
                 if delta:
-                    seq.gen.push(delta)
+                    seq.gen.push(Piece(delta, seq.pending))
+                    seq.pending = []
                 if stopped:
                     reason = "stop"
                 elif len(seq.out) >= seq.max_tokens:
                     reason = "length"
             if reason:
-                rest = seq.stream.flush()
-                if rest:
-                    seq.gen.push(rest)
+                seq.gen.push(Piece(seq.stream.flush(), seq.pending))
                 seq.gen.push(Final(reason, len(seq.prompt), len(seq.out)))
                 done.add(i)
         return done
