@@ -113,6 +113,9 @@ class Generation:
             elif item.text or item.logprobs:
                 yield item
 
+    async def text(self) -> str:
+        return (await self.collect()).text
+
     async def collect(self) -> Piece:
         """The whole output as one Piece."""
         pieces = [piece async for piece in self]
