@@ -22,7 +22,7 @@ def server(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-logprobs")
     Restraint(name="faint", hook="mlp.act", factor=1 - 1e-6, units={0: EVERY, 1: EVERY}).save(root / "faint.yaml")
     config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "restraints": {"faint": "faint.yaml"},
-              "max_new_tokens": 64, "default_max_tokens": 8}
+              "max_new_tokens": 64, "default_max_tokens": 8, "db": "ab.sqlite"}
     with running_server(config, workdir=root) as srv:
         yield srv
 
