@@ -3,12 +3,19 @@
 Scaling units of one projection's input (columns U of W) or output (rows R) by f is the rank-|U| edit
 W[:, U] (f - 1) e_U^T (resp. e_R (f - 1) W[R, :]), so with lora_alpha = r (scaling 1) B @ A is exactly the
 bake's weight change: the fold's side in HOOK_POINTS decides which factor is one-hot.
+
+`LoraExporter` never loads the model: a skeleton on the meta device says where each fold lives, and only the
+folded projections' weights are read from the checkpoint, so exporting costs what the adapter holds (a
+server exports inline restraints per request this way, beside a vLLM process that holds the model).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,9 +57,11 @@ def lora_rank(max_units: int, rank: int | None = None) -> int:
     return next((v for v in VLLM_RANKS if v >= max_units), max_units)
 
 
-def lora_pair(fold: Fold, units: list[int], factor: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A [rank, in], B [out, rank]) in float32 with B @ A equal to the fold's weight change, zero-padded."""
-    w = fold.module.weight.detach().float()
+def lora_pair(weight: torch.Tensor, fold: Fold, units: list[int], factor: float,
+              rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [rank, in], B [out, rank]) in float32 with B @ A equal to the fold's change of `weight` (as stored),
+    zero-padded to `rank`."""
+    w = weight.detach().float()
     w = w.T if fold.transposed else w  # [out, in]
     idx = torch.tensor(units)
     if fold.side == "in":
@@ -61,6 +70,124 @@ def lora_pair(fold: Fold, units: list[int], factor: float, rank: int) -> tuple[t
         a, b = w[idx, :], F.one_hot(idx, w.shape[0]).float().T * (factor - 1)
     pad = rank - len(units)
     return F.pad(a, (0, 0, 0, pad)).contiguous(), F.pad(b, (0, pad)).contiguous()
+
+
+def spec_digest(r: Restraint) -> str:
+    """A short hash of what a restraint does (hook, units, factor; not its name or provenance)."""
+    what = {"hook": r.hook, "factor": r.factor, "units": {str(k): v for k, v in sorted(r.units.items())}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class CheckpointWeights:
+    """Single tensors read from a model directory's safetensors files (sharded or not), by parameter name."""
+
+    def __init__(self, model_dir: Path) -> None:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            shards = json.loads(index.read_text())["weight_map"]
+            self.files = {key: model_dir / file for key, file in shards.items()}
+        else:
+            from safetensors import safe_open
+
+            self.files = {}
+            for file in sorted(model_dir.glob("*.safetensors")):
+                with safe_open(str(file), "pt") as f:
+                    self.files.update(dict.fromkeys(f.keys(), file))
+        if not self.files:
+            raise RestraintError(f"{model_dir}: no safetensors weights to export a LoRA adapter from")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        # checkpoints may drop the base model's prefix (GPT-2's "h.0..." for "transformer.h.0...")
+        key = name if name in self.files else name.split(".", 1)[-1]
+        if key not in self.files:
+            raise RestraintError(f"the checkpoint has no tensor {name!r}")
+        with safe_open(str(self.files[key]), "pt") as f:
+            return f.get_tensor(key)
+
+
+class LoraExporter:
+    """Checks and exports restraints for one model directory without loading its weights."""
+
+    def __init__(self, model_dir: str | os.PathLike) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.src = check_model_dir(model_dir)
+        config = AutoConfig.from_pretrained(self.src, local_files_only=True)
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.names = {id(m): n for n, m in self.model.named_modules()}
+        self.fingerprint = dir_fingerprint(self.src)
+        self.weights = CheckpointWeights(self.src)
+
+    def check(self, spec: Any, max_rank: int | None = None) -> Restraint:
+        """The restraint, if LoRA expresses it exactly on this model (within `max_rank` units per layer), else
+        a RestraintError saying why."""
+        r = Restraint.from_any(spec).validate(self.model)
+        for layer in r.units:
+            self._fold(r, layer)
+        if max_rank is not None and (units := max(len(u) for u in r.units.values())) > max_rank:
+            raise RestraintError(f"restraint {r.name!r} has {units} units in one layer; this server's LoRA rank "
+                                 f"holds {max_rank} (raise max_lora_rank)")
+        return r
+
+    def _fold(self, r: Restraint, layer: int) -> Fold:
+        fold = fold_target(self.model, r.hook, layer)  # refuses, with the row's reason, points that cannot fold
+        if not lora_exportable(self.model, r.hook):
+            why = ("the fold also scales the projection's bias, and a LoRA adapter only adds to weights"
+                   if fold.scales_bias else "its HOOK_POINTS row does not allow LoRA")
+            raise RestraintError(f"{r.hook} cannot be exported as an exact LoRA adapter: {why}; bake it instead")
+        fold.untied_weight(self.model)
+        return fold
+
+    def export(self, spec: Any, out_dir: str | os.PathLike, *, rank: int | None = None) -> LoraReport:
+        """Write `spec` as a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): B @ A equals
+        the bake's weight change, computed in float32 from the checkpoint's weights."""
+        from safetensors.torch import save_file
+
+        r, out = self.check(spec), Path(out_dir)
+        if out.resolve() == self.src.resolve():
+            raise RestraintError("LoRA output must differ from the source model directory")
+        max_units = max(len(u) for u in r.units.values())
+        r_pad = lora_rank(max_units, rank)
+        tensors = {}
+        for layer, units in r.units.items():
+            fold = self._fold(r, layer)
+            name = self.names[id(fold.module)]
+            a, b = lora_pair(self.weights[f"{name}.weight"], fold, units, r.factor, r_pad)
+            tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
+        targets = [_target_name(self.model, hook_point(r.hook).fold.weight)]
+        provenance = {"source_model": str(self.src), "source_fingerprint": self.fingerprint, "restraint": r.to_dict(),
+                      "source": r.source, "version": __version__}
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(self.src),
+                  "r": r_pad, "lora_alpha": r_pad, "target_modules": targets, "layers_to_transform": list(r.units),
+                  "bias": "none", "fan_in_fan_out": fold.transposed, "lora_dropout": 0.0, "use_rslora": False,
+                  "inference_mode": True, "rolemrc": provenance}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+        save_file(tensors, str(out / "adapter_model.safetensors"),
+                  metadata=provenance_metadata(self.src, self.fingerprint, r))
+        return LoraReport(str(out), r_pad, max_units, targets, list(r.units), self.fingerprint, r.to_dict())
+
+    def cached(self, spec: Any, cache_dir: str | os.PathLike, *, rank: int | None = None) -> Path:
+        """The adapter for `spec` under `cache_dir`, keyed by model fingerprint, spec digest and rank; exported
+        once (written beside and renamed, so a killed export leaves nothing half-written)."""
+        r = self.check(spec)
+        r_pad = lora_rank(max(len(u) for u in r.units.values()), rank)
+        out = Path(cache_dir) / f"{self.fingerprint}-{spec_digest(r)}-r{r_pad}"
+        if not (out / "adapter_model.safetensors").is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-"))
+            try:
+                self.export(r, tmp, rank=r_pad)
+                tmp.rename(out)
+            except OSError:   # another process exported it first
+                if not (out / "adapter_model.safetensors").is_file():
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return out
 
 
 def _target_name(model: nn.Module, role: str) -> str:
@@ -72,50 +199,7 @@ def _target_name(model: nn.Module, role: str) -> str:
     return bare if clashes == 1 else path
 
 
-def _exportable_fold(model: nn.Module, r: Restraint, layer: int) -> Fold:
-    """The fold of `r` in `layer`, or a RestraintError saying why LoRA cannot express it exactly."""
-    fold = fold_target(model, r.hook, layer)  # refuses, with the row's reason, points that cannot fold
-    if not lora_exportable(model, r.hook):
-        why = ("the fold also scales the projection's bias, and a LoRA adapter only adds to weights"
-               if fold.scales_bias else "its HOOK_POINTS row does not allow LoRA")
-        raise RestraintError(f"{r.hook} cannot be exported as an exact LoRA adapter: {why}; bake it instead")
-    fold.untied_weight(model)
-    return fold
-
-
 def export_lora(model_dir: str | os.PathLike, spec: Any, out_dir: str | os.PathLike, *,
                 rank: int | None = None) -> LoraReport:
-    """Write `spec` as a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) for the model in
-    `model_dir`: B @ A equals the bake's weight change, computed in float32 from the model's weights."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    r = Restraint.from_any(spec)
-    src, out = check_model_dir(model_dir), Path(out_dir)
-    if out.resolve() == src.resolve():
-        raise RestraintError("LoRA output must differ from the source model directory")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
-    r.validate(model)
-    max_units = max(len(u) for u in r.units.values())
-    r_pad = lora_rank(max_units, rank)
-    names = {id(m): n for n, m in model.named_modules()}
-    tensors = {}
-    for layer, units in r.units.items():
-        fold = _exportable_fold(model, r, layer)
-        a, b = lora_pair(fold, units, r.factor, r_pad)
-        key = f"base_model.model.{names[id(fold.module)]}"
-        tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
-
-    fingerprint = dir_fingerprint(src)
-    row = hook_point(r.hook)
-    targets = [_target_name(model, row.fold.weight)]
-    provenance = {"source_model": str(src), "source_fingerprint": fingerprint, "restraint": r.to_dict(),
-                  "source": r.source, "version": __version__}
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(src), "r": r_pad,
-              "lora_alpha": r_pad, "target_modules": targets, "layers_to_transform": list(r.units), "bias": "none",
-              "fan_in_fan_out": fold.transposed, "lora_dropout": 0.0, "use_rslora": False, "inference_mode": True,
-              "rolemrc": provenance}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata=provenance_metadata(src, fingerprint, r))
-    return LoraReport(str(out), r_pad, max_units, targets, list(r.units), fingerprint, r.to_dict())
+    """Write `spec` as a PEFT LoRA adapter for the model in `model_dir` (see `LoraExporter.export`)."""
+    return LoraExporter(model_dir).export(spec, out_dir, rank=rank)

@@ -37,6 +37,7 @@ class Registry:
         for name, engine in self.engines.items():
             if not engine.capabilities.runtime_restraints:
                 continue
+            fitting = {}
             for rname, restraint in self.restraints.items():
                 try:
                     engine.check_restraint(restraint)
@@ -44,6 +45,9 @@ class Registry:
                     log.warning("restraint %r does not fit model %r: %s", rname, name, exc)
                     continue
                 self.variants[f"{name}+{rname}"] = (name, rname)
+                fitting[rname] = restraint
+            if engine.capabilities.lora_restraints:
+                engine.register_adapters(fitting)
 
     async def start(self) -> None:
         for engine in self.engines.values():

@@ -20,7 +20,7 @@ class Capabilities:
     """What an engine can do beyond plain generation; the server asks these, never the engine's name."""
 
     runtime_restraints: bool = False   # applies restraints itself (registered, inline, `model+restraint`)
-    lora_restraints: bool = False      # applies restraints baked as LoRA adapters
+    lora_restraints: bool = False      # ... as LoRA adapters, told the registered ones by `register_adapters`
     logprobs: bool = False             # returns token log-probabilities
 
 
@@ -171,3 +171,11 @@ class Engine(Protocol):
     def check_restraint(self, restraint: Any) -> None:
         """Raise if this engine cannot serve `restraint` (a Restraint, or what the client sent when the engine
         lacks `runtime_restraints`)."""
+
+
+class LoraEngine(Engine, Protocol):
+    """An engine with `lora_restraints`: it serves restraints as adapters, so it hears of the registered ones
+    before `start`."""
+
+    def register_adapters(self, restraints: Mapping[str, Any]) -> None:
+        """The registered restraints that fit this model (name -> Restraint)."""

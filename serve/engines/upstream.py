@@ -11,7 +11,16 @@ from typing import Any, ClassVar
 
 import httpx
 
-from rolemrc.serve.engines.base import Capabilities, Final, Generation, Prompt, Resolved, SamplingParams
+from rolemrc.serve.engines.base import (
+    Capabilities,
+    Final,
+    Generation,
+    Piece,
+    Prompt,
+    Resolved,
+    SamplingParams,
+    TokenLogprob,
+)
 from rolemrc.serve.errors import ApiError
 
 
@@ -28,7 +37,7 @@ class OpenAIProxy:
     closes the upstream connection (which cancels it there)."""
 
     kind: ClassVar[str]
-    capabilities = Capabilities()
+    capabilities = Capabilities(logprobs=True)
 
     def __init__(self, name: str, *, base_url: str | None, model_id: str, api_key_env: str | None,
                  pass_restraints: bool, max_queue: int) -> None:
@@ -58,8 +67,17 @@ class OpenAIProxy:
                                 "restraints (serve a baked checkpoint instead)", code="restraint_unsupported",
                            param="restraint")
 
-    def body(self, prompt: Prompt, params: SamplingParams, resolved: Resolved) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"model": self.model_id, "stream": True, "stream_options": {"include_usage": True},
+    async def upstream_model(self, resolved: Resolved) -> str:
+        """The model id to ask the upstream for (engines that map restraints to upstream models override it,
+        with `unpin` undoing what it holds for the request)."""
+        return self.model_id
+
+    def unpin(self, resolved: Resolved) -> None:
+        """Called when a request admitted with `resolved` ends."""
+
+    def body(self, prompt: Prompt, params: SamplingParams, resolved: Resolved,
+             model: str) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                                 "temperature": params.temperature, "top_p": params.top_p}
         for key in ("max_tokens", "seed"):
             if getattr(params, key) is not None:
@@ -68,35 +86,50 @@ class OpenAIProxy:
             body["stop"] = params.stop
         if params.ignore_eos:
             body["ignore_eos"] = True
-        if resolved.raw is not None:   # only reached with pass_restraints (see check_restraint)
+        if resolved.raw is not None and self.pass_restraints:
             body["restraint"] = resolved.raw
         if prompt.messages is not None:
+            if params.logprobs is not None:
+                body |= {"logprobs": True, "top_logprobs": params.logprobs}
             return "chat/completions", body | {"messages": prompt.messages}
+        if params.logprobs is not None:
+            body |= {"logprobs": params.logprobs, "echo": params.prompt_logprobs}
         return "completions", body | {"prompt": prompt.text}
 
     async def submit(self, prompt: Prompt, params: SamplingParams, resolved: Resolved) -> Generation:
         if self.admitted >= self.max_queue:
             raise ApiError(429, f"the queue of {self.name!r} is full ({self.max_queue} requests); retry later",
                            code="queue_full")
-        path, body = self.body(prompt, params, resolved)
         self.admitted += 1
+        release = lambda: self._release(resolved)   # noqa: E731
+        try:
+            path, body = self.body(prompt, params, resolved, await self.upstream_model(resolved))
+        except BaseException:
+            self.admitted -= 1
+            raise
         try:
             response = await self.client.send(self.client.build_request("POST", path, json=body), stream=True)
         except httpx.HTTPError as exc:
-            self._release()
+            release()
             raise ApiError(502, f"upstream {self.base_url} unreachable: {exc}") from None
         if response.status_code != 200:
-            self._release()
+            release()
             raise await _upstream_error(response)
         holder: dict[str, asyncio.Task] = {}
-        gen = Generation(0, self._release, on_cancel=lambda: holder["task"].cancel())
-        holder["task"] = asyncio.create_task(self._relay(response, gen, chat=prompt.messages is not None))
+        gen = Generation(0, release, on_cancel=lambda: holder["task"].cancel())
+        echoed = prompt.text if params.prompt_logprobs else None
+        holder["task"] = asyncio.create_task(self._relay(response, gen, prompt.messages is not None, params.logprobs,
+                                                         echoed))
         return gen
 
-    def _release(self) -> None:
+    def _release(self, resolved: Resolved) -> None:
         self.admitted -= 1
+        self.unpin(resolved)
 
-    async def _relay(self, response: httpx.Response, gen: Generation, chat: bool) -> None:
+    async def _relay(self, response: httpx.Response, gen: Generation, chat: bool, k: int | None,
+                     echoed: str | None) -> None:
+        """Relay the upstream's stream as Pieces; `echoed`: the prompt the upstream prepends to its first text
+        (completions with echo), dropped here since the server adds the prompt itself."""
         usage, reason = None, None
         try:
             async for line in response.aiter_lines():
@@ -110,9 +143,12 @@ class OpenAIProxy:
                     raise ApiError(502, f"upstream error: {chunk['error'].get('message')}")
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if text:
-                        gen.push(text)
+                    text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
+                    if echoed is not None and text.startswith(echoed):
+                        text, echoed = text[len(echoed):], None
+                    logprobs = _logprobs(choice.get("logprobs"), chat, k) if k is not None else []
+                    if text or logprobs:
+                        gen.push(Piece(text, logprobs))
                     reason = choice.get("finish_reason") or reason
             usage = usage or {}
             gen.push(Final(reason or "stop", int(usage.get("prompt_tokens", 0)),
@@ -125,6 +161,17 @@ class OpenAIProxy:
             gen.push(ApiError(502, f"upstream stream broke: {exc}"))
         finally:
             await response.aclose()
+
+
+def _logprobs(data: dict | None, chat: bool, k: int) -> list[TokenLogprob]:
+    """A chunk's token log-probabilities in either OpenAI shape, keeping each token's `k` best alternatives."""
+    if not data:
+        return []
+    if chat:
+        return [TokenLogprob(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e.get("top_logprobs") or []][:k])
+                for e in data.get("content") or []]
+    return [TokenLogprob(token, logprob, sorted((top or {}).items(), key=lambda kv: -kv[1])[:k])
+            for token, logprob, top in zip(data["tokens"], data["token_logprobs"], data["top_logprobs"])]
 
 
 async def _upstream_error(response: httpx.Response) -> ApiError:

