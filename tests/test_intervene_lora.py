@@ -127,3 +127,23 @@ def test_cli_lora(dirs, tmp_path):
     res = runner.invoke(app, ["intervene", "lora", "--spec", str(tmp_path / "resid.yaml"), "--model", str(dirs["qwen2"]),
                               "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "error:" in res.output and "resid.post cannot be folded" in res.output
+
+
+def test_export_reads_only_the_folded_weights_from_a_sharded_checkpoint(dirs, tmp_path, monkeypatch):
+    """A checkpoint in several safetensors shards exports the same adapter, and no full model is loaded."""
+    import transformers
+
+    from rolemrc.core.modeling import load_model
+
+    model, tok = load_model(dirs["llama"], device="cpu")
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    tok.save_pretrained(sharded)
+    assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    r = Restraint(name="r", hook="mlp.post", factor=0.25, units={0: [1, 5, 9], 1: [2]})
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("export loaded the whole model"))
+    export_lora(sharded, r, tmp_path / "a")
+    export_lora(dirs["llama"], r, tmp_path / "b")
+    a, b = load_file(tmp_path / "a" / "adapter_model.safetensors"), load_file(tmp_path / "b" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

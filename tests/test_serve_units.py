@@ -1,5 +1,6 @@
 """Serve building blocks without a server: sampling, stop strings, arm assignment, config, tests."""
 
+import asyncio
 import math
 
 import pytest
@@ -70,7 +71,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown engine 'tgi'; choose one of \('transformers', 'vllm', 'upstream'"):
         ServeConfig.from_dict({"models": {"m": {"engine": "tgi", "path": "x"}}})
     with pytest.raises(ConfigError, match=r"model 'm': unknown key\(s\) \['device'\] for engine 'vllm'; its keys: "
-                                          r"\['engine', 'path', 'dtype', 'vllm_args'\]"):
+                                          r"\['engine', 'path', 'dtype', 'python', 'memory_utilization', "):
         ServeConfig.from_dict({"models": {"m": {"engine": "vllm", "path": "x", "device": "cuda"}}})
     with pytest.raises(ConfigError, match=r"model 'm': dtype 'fp8' is not one of"):
         ServeConfig.from_dict({"models": {"m": {"path": "x", "dtype": "fp8"}}})
@@ -117,6 +118,43 @@ def test_every_registered_engine_meets_the_contract():
         cls = engine_class(name)
         assert cls.kind == name and dataclasses.is_dataclass(cls.Options) and isinstance(cls.capabilities, Capabilities)
         assert all(callable(getattr(cls, m)) for m in methods)
-        assert not cls.capabilities.lora_restraints
-    assert [n for n in ENGINES if engine_class(n).capabilities.runtime_restraints] == ["transformers"]
-    assert [n for n in ENGINES if engine_class(n).capabilities.logprobs] == ["transformers"]
+        if cls.capabilities.lora_restraints:   # LoraEngine: hears of the registered restraints before start
+            assert cls.capabilities.runtime_restraints and callable(cls.register_adapters)
+    assert [n for n in ENGINES if engine_class(n).capabilities.runtime_restraints] == ["transformers", "vllm"]
+    assert [n for n in ENGINES if engine_class(n).capabilities.lora_restraints] == ["vllm"]
+    assert all(engine_class(n).capabilities.logprobs for n in ENGINES)
+
+
+def test_inline_adapters_evict_the_least_recently_used_idle_one_and_refuse_when_all_are_busy():
+    from rolemrc.serve.engines.vllm import InlineAdapters
+    from rolemrc.serve.errors import ApiError
+
+    events = []
+
+    async def scenario():
+        slots = InlineAdapters(limit=2)
+
+        async def use(name):
+            async def load():
+                events.append(f"load {name}")
+
+            async def unload(old):
+                events.append(f"unload {old}")
+
+            await slots.acquire(name, load, unload)
+
+        await use("a")
+        await use("b")
+        await use("a")           # loaded already: no load, and "a" becomes the most recently used
+        slots.release("b")
+        await use("c")           # full: "b" is the idle one
+        with pytest.raises(ApiError) as busy:
+            await use("d")       # "a" (2 users) and "c" (1) are in use
+        assert busy.value.status == 503
+        slots.release("a")
+        slots.release("a")
+        await use("d")
+        return dict(slots.users)
+
+    assert asyncio.run(scenario()) == {"c": 1, "d": 1}
+    assert events == ["load a", "load b", "unload b", "load c", "unload a", "load d"]

