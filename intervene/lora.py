@@ -28,7 +28,7 @@ from rolemrc import __version__
 from rolemrc.core.modeling import check_model_dir, dir_fingerprint
 from rolemrc.intervene.bake import Fold, fold_target, lora_exportable, provenance_metadata
 from rolemrc.intervene.spec import Restraint, RestraintError
-from rolemrc.probe.hooks import hook_point, layout_of, module_at
+from rolemrc.probe.hooks import HOOK_POINTS, hook_point, layout_of, module_at
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
@@ -131,6 +131,12 @@ class LoraExporter:
             raise RestraintError(f"restraint {r.name!r} has {units} units in one layer; this server's LoRA rank "
                                  f"holds {max_rank} (raise max_lora_rank)")
         return r
+
+    def target_modules(self) -> list[str]:
+        """The target_modules names of every projection a restraint on this model can be exported into (a
+        server that wraps only these in LoRA layers can load any exportable restraint)."""
+        return sorted({_target_name(self.model, row.fold.weight) for row in HOOK_POINTS.values()
+                       if row.lora and lora_exportable(self.model, row.name)})
 
     def _fold(self, r: Restraint, layer: int) -> Fold:
         fold = fold_target(self.model, r.hook, layer)  # refuses, with the row's reason, points that cannot fold

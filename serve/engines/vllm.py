@@ -103,6 +103,8 @@ class VllmEngine(OpenAIProxy):
                 "--served-model-name", self.name, "--dtype", self.options.dtype,
                 "--gpu-memory-utilization", str(self.options.memory_utilization or (0.3 if cpu else 0.9)),
                 "--enable-lora", "--max-lora-rank", str(self.rank), "--max-loras", str(self.options.max_loras),
+                # only the projections restraints fold into carry LoRA layers (vLLM wraps every one otherwise)
+                "--lora-target-modules", *self.exporter.target_modules(),
                 "--max-cpu-loras", str(max(self.options.max_loras, len(modules) + self.options.max_inline_adapters))]
         if self.options.max_model_len:
             args += ["--max-model-len", str(self.options.max_model_len)]
