@@ -71,17 +71,29 @@ def intervene_cmd(
 @app.command("serve")
 def serve_cmd(
     concurrency: str = typer.Option("1,8,32", help="comma list of concurrent requests"),
-    tokens: int = typer.Option(32, help="completion tokens per request (ignore_eos)"),
+    tokens: int = typer.Option(None, help="completion tokens per request (ignore_eos; default 32, 64 with --engine)"),
     waves: int = typer.Option(2, help="requests per run = concurrency x waves"),
-    repeats: int = typer.Option(3, help="interleaved repeats (median)"),
+    repeats: int = typer.Option(None, help="interleaved repeats (median; default 3, 1 with --engine)"),
     size: str = typer.Option("demo", help="demo | medium | large"),
+    engine: str = typer.Option(None, help="comma list of vllm, transformers: benchmark a real server over HTTP "
+                                          "(unrestrained, one restraint, a mix of 4) instead of the in-process engine"),
+    model: Path = typer.Option(None, help="with --engine: a local model directory (default: a random-init --size model)"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:
-    """Engine tokens/s: batched vs naive sequential generate, restrained and baked vs unrestrained."""
-    from rolemrc.bench.serve import run
+    """Engine tokens/s: batched vs naive sequential generate, restrained and baked vs unrestrained; with --engine,
+    each engine over HTTP, restrained vs unrestrained and vLLM vs transformers."""
+    from rolemrc.bench.serve import run, run_http
+    from rolemrc.core.errors import InputError
 
-    emit(run(tuple(int(c) for c in concurrency.split(",")), tokens, waves, repeats, size, device=device), out)
+    concurrencies = tuple(int(c) for c in concurrency.split(","))
+    if engine:
+        emit(run_http(tuple(e.strip() for e in engine.split(",")), model, concurrencies, tokens or 64, waves,
+                      repeats or 1, size, device=device), out)
+    elif model:
+        raise InputError("--model applies to the HTTP benchmark; name the engine(s) with --engine")
+    else:
+        emit(run(concurrencies, tokens or 32, waves, repeats or 3, size, device=device), out)
 
 
 @app.command("all")

@@ -1,20 +1,29 @@
-"""`rolemrc bench serve`: generation throughput (completion tokens/s) of the serve engine at several
-concurrencies: batched engine vs naive sequential `generate`, runtime-restrained vs unrestrained,
-baked vs unrestrained. Every ratio is measured side by side in one run (medians of repeats)."""
+"""`rolemrc bench serve`: generation throughput (completion tokens/s) at several concurrencies.
+
+In-process (the default): the transformers engine batched vs naive sequential `generate`, runtime-restrained vs
+unrestrained, baked vs unrestrained. Over HTTP (`engines` given, `run_http`): one real `rolemrc serve` holding the
+model once per engine, driven by the `openai` client, unrestrained vs one restraint vs a mix of 4, and engine vs
+engine. Every ratio is measured side by side in one run (medians of repeats)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from rolemrc.bench.common import SIZES, make_model_dir
 from rolemrc.core.chat import render_chat
+from rolemrc.core.errors import InputError
+from rolemrc.core.modeling import check_model_dir
 from rolemrc.intervene import Restraint, bake
 from rolemrc.serve.engines.base import Prompt, Resolved, SamplingParams
 from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
@@ -109,3 +118,125 @@ def run(concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int = 32, waves: in
             "results": results,
             "targets": {"batched_vs_naive": ">= 3 at 8+", "restrained_vs_unrestrained": ">= 0.95",
                         "baked_vs_unrestrained": "~1.0"}}
+
+
+ENGINES = ("vllm", "transformers")
+VARIANTS = ("unrestrained", "one_restraint", "mix_of_4")
+
+
+def bench_restraints(layers: int, intermediate: int, n: int = 4, share: float = 0.1, seed: int = 0) -> list[Restraint]:
+    """`n` restraints silencing distinct random `share`s of each layer's MLP units (factor 0: outputs change)."""
+    rng = random.Random(seed)
+    k = max(1, round(intermediate * share))
+    return [Restraint(name=f"r{j}", hook="mlp.act", factor=0.0,
+                      units={layer: sorted(rng.sample(range(intermediate), k)) for layer in range(layers)})
+            for j in range(n)]
+
+
+def model_for(variant: str, engine: str, i: int) -> str:
+    """The model id request `i` of a run asks for."""
+    return {"unrestrained": engine, "one_restraint": f"{engine}+r0", "mix_of_4": f"{engine}+r{i % 4}"}[variant]
+
+
+async def _http_run(client: Any, chats: list, engine: str, variant: str, concurrency: int, tokens: int) -> float:
+    """Completion tokens/s of `chats` sent with `concurrency` in flight, from the returned usage over wall time."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, chat: list) -> int:
+        async with sem:
+            out = await client.chat.completions.create(model=model_for(variant, engine, i), messages=chat,
+                                                       max_tokens=tokens, temperature=0,
+                                                       extra_body={"ignore_eos": True})
+            return out.usage.completion_tokens
+
+    start = time.perf_counter()
+    done = await asyncio.gather(*(one(i, c) for i, c in enumerate(chats)))
+    return sum(done) / (time.perf_counter() - start)
+
+
+async def _measure(base_url: str, engines: tuple[str, ...], concurrencies: tuple[int, ...], tokens: int, waves: int,
+                   repeats: int, words: int) -> dict[str, dict[int, dict[str, list[float]]]]:
+    """Rates per engine, concurrency and variant (one per repeat), after one warm-up wave per engine and concurrency."""
+    from openai import AsyncOpenAI
+
+    rates = {e: {c: {v: [] for v in VARIANTS} for c in concurrencies} for e in engines}
+    bar = tqdm(total=len(engines) * len(concurrencies) * (1 + repeats * len(VARIANTS)), desc="runs", unit="run")
+    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
+        for engine in engines:
+            for c in concurrencies:
+                chats = prompts(c * waves, words)
+                bar.set_postfix_str(f"{engine} c={c} warm-up")
+                await _http_run(client, chats[:c], engine, "mix_of_4", c, tokens)
+                bar.update()
+                for _ in range(repeats):   # variants interleaved, so drift hits each alike
+                    for variant in VARIANTS:
+                        bar.set_postfix_str(f"{engine} c={c} {variant}")
+                        rates[engine][c][variant].append(await _http_run(client, chats, engine, variant, c, tokens))
+                        bar.update()
+    bar.close()
+    return rates
+
+
+def vllm_version() -> str:
+    from rolemrc.serve.engines.vllm import vllm_python
+
+    python = vllm_python("bench")
+    return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies: tuple[int, ...] = (1, 8, 32),
+             tokens: int = 64, waves: int = 2, repeats: int = 1, size: str = "demo", words: int = 40,
+             device: str = "cpu") -> dict[str, Any]:
+    """Tokens/s per engine, concurrency and variant through one real server (`model`: a local HF directory,
+    default a random-init `size` model)."""
+    from rolemrc.serve.launch import running_server
+
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        raise InputError(f"--engine: unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
+    given = check_model_dir(model).resolve() if model is not None else None
+    version = vllm_version() if "vllm" in engines else None
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = given or make_model_dir(size, root)
+        config = json.loads((model / "config.json").read_text())
+        layers, intermediate = config["num_hidden_layers"], config["intermediate_size"]
+        restraints = bench_restraints(layers, intermediate)
+        for r in restraints:
+            r.save(root / f"{r.name}.yaml")
+        entries = {"transformers": {"path": str(model), "device": device},
+                   "vllm": {"engine": "vllm", "path": str(model), "adapter_cache": str(root / "lora"),
+                            "max_model_len": min(1024, config.get("max_position_embeddings", 1024))}}
+        server_config = {"models": {e: entries[e] for e in engines},
+                         "restraints": {r.name: f"{r.name}.yaml" for r in restraints},
+                         "max_batch": max(concurrencies), "max_queue": 4 * max(concurrencies) * waves + 16,
+                         "max_new_tokens": tokens, "request_timeout_s": 3600, "db": None, "log_level": "warning"}
+        with running_server(server_config, workdir=root, timeout=900) as server:
+            rates = asyncio.run(_measure(server.base_url, engines, concurrencies, tokens, waves, repeats, words))
+    med = {e: {c: {v: statistics.median(rs) for v, rs in by_c.items()} for c, by_c in rates[e].items()} for e in engines}
+    results = {e: {str(c): {"tokens_per_s": {v: round(r, 1) for v, r in m.items()},
+                            "restrained_vs_unrestrained": round(m["one_restraint"] / m["unrestrained"], 3),
+                            "mix_vs_unrestrained": round(m["mix_of_4"] / m["unrestrained"], 3)}
+                   for c, m in med[e].items()} for e in engines}
+    out: dict[str, Any] = {
+        "benchmark": "serve-http",
+        "model": {"path": str(given) if given else f"random-init {size}", "layers": layers,
+                  "hidden": config["hidden_size"], "intermediate": intermediate},
+        "engines": list(engines), "completion_tokens": tokens, "requests_per_run": "concurrency x waves",
+        "waves": waves, "repeats": repeats, "torch_threads": torch.get_num_threads(), "device": device,
+        "vllm_version": version, "restraints": {"count": len(restraints), "hook": "mlp.act", "factor": 0.0,
+                                                "units_per_layer": len(restraints[0].units[0])},
+        "results": results}
+    both = set(engines) == set(ENGINES)
+    if both:
+        out["vllm_vs_transformers"] = {v: {str(c): round(med["vllm"][c][v] / med["transformers"][c][v], 3)
+                                           for c in concurrencies} for v in VARIANTS}
+    at32 = 32 in concurrencies
+    out["targets"] = {"vllm restrained_vs_unrestrained at c=32": ">= 0.8", "vllm_vs_transformers at c=32": ">= 2"}
+    out["meets_targets"] = {   # None: not measured in this run
+        "vllm restrained_vs_unrestrained at c=32":
+            results["vllm"]["32"]["restrained_vs_unrestrained"] >= 0.8 if at32 and "vllm" in engines else None,
+        "vllm_vs_transformers at c=32":   # every variant
+            all(out["vllm_vs_transformers"][v]["32"] >= 2 for v in VARIANTS) if at32 and both else None}
+    return out

@@ -1,0 +1,37 @@
+"""`rolemrc bench serve --engine ...` at a tiny scale over real HTTP (the transformers engine only, so no vLLM is
+needed): the report is complete and every rate positive; bad engines and model directories are input errors."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from rolemrc.bench.cli import app
+from rolemrc.core.errors import EXIT_INPUT
+
+VARIANTS = {"unrestrained", "one_restraint", "mix_of_4"}
+
+
+def test_http_bench_report():
+    result = CliRunner().invoke(app, ["serve", "--engine", "transformers", "--concurrency", "1,2", "--tokens", "4",
+                                      "--waves", "1", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["engines"] == ["transformers"] and out["vllm_version"] is None
+    assert out["model"] == {"path": "random-init demo", "layers": 4, "hidden": 192, "intermediate": 512}
+    assert out["restraints"]["count"] == 4 and out["restraints"]["units_per_layer"] == 51
+    for c in ("1", "2"):
+        run = out["results"]["transformers"][c]
+        assert set(run["tokens_per_s"]) == VARIANTS and all(v > 0 for v in run["tokens_per_s"].values())
+        assert run["restrained_vs_unrestrained"] > 0 and run["mix_vs_unrestrained"] > 0
+    assert "vllm_vs_transformers" not in out
+    assert set(out["meets_targets"]) == set(out["targets"]) and set(out["meets_targets"].values()) == {None}
+
+
+def test_bad_engine_and_model_are_input_errors(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["serve", "--engine", "vllm,tgi"])
+    assert result.exit_code == EXIT_INPUT and "unknown engine(s) ['tgi']; choose from vllm, transformers" in result.output
+    result = runner.invoke(app, ["serve", "--engine", "transformers", "--model", str(tmp_path)])
+    assert result.exit_code == EXIT_INPUT and "not a Hugging Face model directory" in result.output
