@@ -78,6 +78,8 @@ def serve_cmd(
     engine: str = typer.Option(None, help="comma list of vllm, transformers: benchmark a real server over HTTP "
                                           "(unrestrained, one restraint, a mix of 4) instead of the in-process engine"),
     model: Path = typer.Option(None, help="with --engine: a local model directory (default: a random-init --size model)"),
+    units: int = typer.Option(None, help="with --engine: units per layer of each restraint (default: 10% of the MLP "
+                                         "width; vLLM's LoRA rank follows it)"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:
@@ -89,9 +91,9 @@ def serve_cmd(
     concurrencies = tuple(int(c) for c in concurrency.split(","))
     if engine:
         emit(run_http(tuple(e.strip() for e in engine.split(",")), model, concurrencies, tokens or 64, waves,
-                      repeats or 1, size, device=device), out)
-    elif model:
-        raise InputError("--model applies to the HTTP benchmark; name the engine(s) with --engine")
+                      repeats or 1, size, units=units, device=device), out)
+    elif model or units:
+        raise InputError("--model and --units apply to the HTTP benchmark; name the engine(s) with --engine")
     else:
         emit(run(concurrencies, tokens or 32, waves, repeats or 3, size, device=device), out)
 

