@@ -47,7 +47,7 @@ class Registry:
                 self.variants[f"{name}+{rname}"] = (name, rname)
                 fitting[rname] = restraint
             if engine.capabilities.lora_restraints:
-                engine.register_adapters(fitting)
+                engine.register_adapters(fitting, inline=config.allow_inline_restraints)
 
     async def start(self) -> None:
         for engine in self.engines.values():

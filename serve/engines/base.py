@@ -177,5 +177,5 @@ class LoraEngine(Engine, Protocol):
     """An engine with `lora_restraints`: it serves restraints as adapters, so it hears of the registered ones
     before `start`."""
 
-    def register_adapters(self, restraints: Mapping[str, Any]) -> None:
-        """The registered restraints that fit this model (name -> Restraint)."""
+    def register_adapters(self, restraints: Mapping[str, Any], inline: bool) -> None:
+        """The registered restraints that fit this model (name -> Restraint), and whether inline ones may come."""

