@@ -72,7 +72,7 @@ def sha256(path: Path) -> str:
 
 def convert(path: Path, out: Path, *, source: dict[str, Any] | None = None, model: str | None = None,
             force: bool = False) -> dict[str, Any]:
-    """Convert `path` into the HF directory `out` and return its manifest."""
+    """Convert `path` into the HF directory `out` and return its manifest (`model`: the registry name, if any)."""
     info = read_info(path)
     _check_out(out, force)
     digest = sha256(path)
@@ -80,18 +80,20 @@ def convert(path: Path, out: Path, *, source: dict[str, Any] | None = None, mode
         loaded, tokenizer, loading = _load(info)
         plain = _plain_copy(loaded)
     _account(info, plain, loading)
-    partial = out.parent / f".{out.name}.partial"
+    partial = out.parent / f".{out.name}.partial"  # renamed to `out` once verified; removed on any failure
     shutil.rmtree(partial, ignore_errors=True)
-    with step(f"writing {out}"):
-        plain.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-    with step("verifying the written model"):
-        _verify(partial, loaded, tokenizer)
-    manifest = _manifest(info, digest, plain, source or {"gguf": str(path.resolve())}, model)
-    write_manifest(partial, manifest)
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    return read_manifest(out) or manifest
+    try:
+        with step(f"writing {out}"):
+            plain.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+        with step("verifying the written model"):
+            _verify(partial, loaded, tokenizer)
+        manifest = write_manifest(partial, _manifest(info, digest, plain, source or {"gguf": str(path.resolve())}, model))
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return manifest
 
 
 def _field(reader, key: str) -> Any:

@@ -12,7 +12,12 @@ from rolemrc.models.registry import MODELS
 
 
 def known_table() -> Table:
-    table = Table("name", "package", "license", "size", "description", title="known models")
+    table = Table(title="known models")
+    table.add_column("name", no_wrap=True)
+    table.add_column("package", no_wrap=True)
+    table.add_column("license")
+    table.add_column("size")
+    table.add_column("description")
     for m in MODELS.values():
         table.add_row(m.name, m.package, m.license, m.size, m.description)
     return table
@@ -20,7 +25,10 @@ def known_table() -> Table:
 
 def disk_table(root: Path) -> Table:
     """One row per directory under `root` that holds a manifest."""
-    table = Table("name", "path", "size", "manifest", title=f"on disk in {root}")
+    table = Table(title=f"on disk in {root}")
+    for column in ("name", "path", "size"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("manifest")
     directories = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     for directory in directories:
         manifest = read_manifest(directory)

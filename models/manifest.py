@@ -9,10 +9,12 @@ from typing import Any
 MANIFEST = "rolemrc-model.json"
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest, recording the size of every other file in `directory`."""
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write the manifest, recording the size of every other file in `directory`; return what was written."""
     files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
-    (directory / MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=1) + "\n")
+    manifest = {**manifest, "files": files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
@@ -33,5 +35,5 @@ def is_intact(directory: Path, manifest: dict[str, Any]) -> bool:
 def summary(manifest: dict[str, Any]) -> str:
     """One line: source, quantisation, tensor count."""
     source = manifest.get("source", {})
-    origin = f"{source['package']}=={source['version']}" if "package" in source else source.get("gguf", "?")
+    origin = f"{source['package']}=={source['version']}" if "package" in source else Path(source.get("gguf", "?")).name
     return f"{origin}; {manifest.get('conversion', '?')}; {manifest.get('tensor_count', '?')} tensors"

