@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ class OpenAIProxy:
             raise ApiError(429, f"the queue of {self.name!r} is full ({self.max_queue} requests); retry later",
                            code="queue_full")
         self.admitted += 1
-        release = lambda: self._release(resolved)   # noqa: E731
+        release = functools.partial(self._release, resolved)
         try:
             path, body = self.body(prompt, params, resolved, await self.upstream_model(resolved))
         except BaseException:
