@@ -143,17 +143,19 @@ class VllmEngine(OpenAIProxy):
             return self.unrestrained
         if resolved.key.startswith("name:"):
             return f"{self.name}+{resolved.label}"
-        from rolemrc.intervene.lora import spec_digest
-
-        name = f"{self.name}+inline-{spec_digest(resolved.restraint)}"
+        name = self._inline_name(resolved)
         await self.inline.acquire(name, lambda: self._load(name, resolved.restraint), self._unload)
         return name
 
     def unpin(self, resolved: Resolved) -> None:
         if resolved.key.startswith("inline:"):
-            from rolemrc.intervene.lora import spec_digest
+            self.inline.release(self._inline_name(resolved))
 
-            self.inline.release(f"{self.name}+inline-{spec_digest(resolved.restraint)}")
+    def _inline_name(self, resolved: Resolved) -> str:
+        """The vLLM adapter name of an inline restraint: by what it does, so equal specs share one adapter."""
+        from rolemrc.intervene.lora import spec_digest
+
+        return f"{self.name}+inline-{spec_digest(resolved.restraint)}"
 
     async def _load(self, name: str, restraint: Any) -> None:
         path = await asyncio.to_thread(self.exporter.cached, restraint, self.cache)
