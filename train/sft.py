@@ -1,4 +1,4 @@
-"""Supervised fine-tuning with trl's SFTTrainer, loss on assistant turns only."""
+"""Supervised fine-tuning with trl's SFTTrainer, loss on assistant turns only (masks: train.masks)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from transformers import TrainerCallback
 
 from rolemrc.train.config import SFTTrainConfig
 from rolemrc.train.data import DataReport, fingerprints, jsonl_files, parse_mix
+from rolemrc.train.masks import tokenize_with_assistant_mask
 from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prepare, source_model, start_model, train_and_save
 
 
@@ -21,6 +22,9 @@ def sft_trainer(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...
     report.check(config.max_bad_share, "SFT")
     args = build_arguments(config)
     model, tokenizer = start_model(config.model)
+    if args.assistant_only_loss:  # masks from the model's own template; trl's would need {% generation %} markers
+        examples = [tokenize_with_assistant_mask(tokenizer, example["messages"]) for example in examples]
+        args.assistant_only_loss = False
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
                          processing_class=tokenizer, peft_config=lora_config(config))
     prepare(trainer, config, callbacks)
