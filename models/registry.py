@@ -21,6 +21,7 @@ class KnownModel:
     license: str
     size: str
     description: str
+    aliases: tuple[str, ...] = ()   # short names `get` also accepts
 
     @property
     def package_name(self) -> str:
@@ -40,15 +41,16 @@ MODELS: dict[str, KnownModel] = {m.name: m for m in (
         license="Apache-2.0",
         size="135M, 93 MB",
         description="HuggingFaceTB's SmolLM2 instruct, Llama layout, ChatML; 538 MB as float32",
+        aliases=("smollm2",),
     ),
 )}
 
 
 def get(name: str) -> KnownModel:
-    """The registry entry called `name`."""
+    """The registry entry called `name` (or one of its aliases)."""
     try:
-        return MODELS[name]
-    except KeyError:
+        return MODELS[name] if name in MODELS else next(m for m in MODELS.values() if name in m.aliases)
+    except StopIteration:
         raise ModelsError(f"unknown model {name!r}; known models: {', '.join(MODELS)}") from None
 
 

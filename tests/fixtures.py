@@ -27,3 +27,11 @@ def test_records(n: int = 40, seed: int = 0) -> list[dict]:
         turns.pop()  # end on a user turn
         out.append({"id": f"t{i}", "question": turns, "reference": "a reference answer", "task": task})
     return out
+
+
+# SmolLM2-135M-Instruct's own chat template: ChatML, a default system turn, no {% generation %} markers
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

@@ -1,15 +1,22 @@
 """`rolemrc demo` end to end at a micro scale: every artifact exists, a rerun reuses every stage, and a
-changed setting reruns only the stages downstream of it."""
+changed setting reruns only the stages downstream of it. The pretrained path (`--base DIR`) runs on a small
+Llama whose chat template, like SmolLM2's, has no {% generation %} markers, with LoRA SFT/DPO, an ablation,
+the LoRA export and (where vLLM is installed, as under `make test`) the vLLM engine."""
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
+from fixtures import SMOLLM2_TEMPLATE
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
+from rolemrc.core.tiny import build_model
 
 MICRO_PROFILE = """
 base: {vocab_size: 400, hidden: 64, layers: 2, intermediate: 128, heads: 1, max_positions: 1024, block_size: 128,
@@ -19,7 +26,14 @@ dpo: {learning_rate: 5.0e-5, max_steps: 2, batch_size: 2, max_length: 1024, logg
 """
 TRAIN_AND_PROBE = ("datagen", "train base", "train sft", "train dpo", "eval sft", "eval dpo",
                    "probe sft+dpo", "probe diff", "explorer")
-DOWNSTREAM = ("restraint select", "restraint bake", "restraint check", "eval dpo-restrained", "eval compare", "serve")
+DOWNSTREAM = ("restraint select", "restraint bake", "restraint check", "eval dpo-restrained",
+              "eval compare dpo-restrained", "serve")
+LORA_PROFILE = """
+sft: {lora: true, lora_r: 4, lora_alpha: 8, learning_rate: 1.0e-2, max_steps: 2, batch_size: 4, max_length: 4096,
+      logging_steps: 1, save_steps: 100}
+dpo: {lora: true, lora_r: 4, lora_alpha: 8, learning_rate: 1.0e-2, max_steps: 2, batch_size: 2, max_length: 4096,
+      logging_steps: 1, save_steps: 100}
+"""
 
 
 def demo(out: Path, profile: Path, *extra: str) -> dict:
@@ -34,7 +48,7 @@ def first_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     profile = root / "micro.yaml"
     profile.write_text(MICRO_PROFILE)
-    return root / "out", profile, demo(root / "out", profile)
+    return root / "out", profile, demo(root / "out", profile, "--no-vllm")
 
 
 def test_demo_writes_every_artifact_and_an_honest_summary(first_run):
@@ -44,20 +58,66 @@ def test_demo_writes_every_artifact_and_an_honest_summary(first_run):
     assert (out / "explorer.html").is_file() and list((out / "diff").glob("*.png"))
     assert summary["largest_shift"]["dimension"] in summary["restraint_effect"]["verdicts"]
     assert summary["restraint"]["factor"] == pytest.approx(1 - 1e-6)
-    assert summary["conclusion"].startswith("The restraint changed")
+    assert summary["conclusion"].startswith(f"The restraint ({summary['restraint']['units']} units x 0.999999) changed")
     for run in ("sft", "dpo", "dpo-restrained"):
         ci = summary["eval"][run]["judge_avg_weighted"]
         assert ci["lo"] <= ci["mean"] <= ci["hi"]
     served = summary["serve"]
-    assert served["hook_equals_baked"] is True and len(served["replies"]) == 4
+    assert served["hook_equals_baked"] is True and len(served["replies"]) == 4 and served["vllm"] == "skipped: --no-vllm"
     assert set(summary["stage_seconds"]) == set(summary["stages_run"]) == {*TRAIN_AND_PROBE, *DOWNSTREAM}
     assert json.loads((out / "stages.json").read_text()).keys() == summary["stage_seconds"].keys()
 
 
 def test_rerun_reuses_every_stage_and_a_new_factor_reruns_only_downstream(first_run):
     out, profile, _ = first_run
-    again = demo(out, profile)
+    again = demo(out, profile, "--no-vllm")
     assert again["stages_run"] == [] and set(again["stage_seconds"].values()) == {0.0}
-    ablated = demo(out, profile, "--factor", "0")
+    ablated = demo(out, profile, "--no-vllm", "--factor", "0")
     assert set(ablated["stages_run"]) == set(DOWNSTREAM)   # select, bake, check, eval after, compare, serve
     assert ablated["restraint"]["factor"] == 0
+
+
+@pytest.fixture(scope="module")
+def pretrained_run(tmp_path_factory, tokenizer):
+    """The demo from a 'pretrained' directory: a Llama (head dim 32, as vLLM's CPU attention needs) with a scaled-up
+    output head, so greedy text has clear margins, and SmolLM2's marker-less chat template."""
+    root = tmp_path_factory.mktemp("demo-pretrained")
+    base, profile = root / "instruct", root / "lora.yaml"
+    model = build_model("llama", tokenizer, seed=5, hidden=64, layers=2, intermediate=96, heads=2, max_positions=4096)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(base)
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = SMOLLM2_TEMPLATE
+    tok.save_pretrained(base)
+    profile.write_text(LORA_PROFILE)
+    return root / "out", demo(root / "out", profile, "--base", str(base))
+
+
+def test_pretrained_base_runs_the_whole_method_with_lora_ablation_and_results(pretrained_run):
+    out, summary = pretrained_run
+    assert "train base" not in summary["stages_run"]
+    assert list(summary["eval"]) == ["instruct", "sft", "dpo", "dpo-restrained", "dpo-ablated"]
+    for name, path in summary["artifacts"].items():
+        assert Path(path).exists(), f"{name}: {path} missing"
+    assert json.loads((out / "dpo" / "rolemrc.json").read_text())["config"]["lora"] is True
+    assert (Path(summary["artifacts"]["restraint_lora"]) / "adapter_model.safetensors").is_file()
+    effects = summary["restraint_effects"]
+    assert effects["ablation"]["factor"] == 0 and 0 < effects["restraint"]["units"] == effects["ablation"]["units"] <= 16
+    results = (out / "results.md").read_text()
+    for model in summary["eval"]:
+        assert f"| {model} |" in results
+    assert results.count("[") >= 5 * 6 and effects["ablation"]["conclusion"] in results
+
+
+def test_pretrained_demo_serves_the_restraint_on_every_installed_engine(pretrained_run):
+    _, summary = pretrained_run
+    served = summary["serve"]
+    assert served["hook_equals_baked"] is True
+    if served["vllm"].startswith("skipped"):
+        assert os.environ.get("ROLEMRC_REQUIRE_VLLM") != "1", served["vllm"]
+        return
+    restraint = next(m for m in served["models"] if m.startswith("dpo-vllm+"))
+    agreement = served["agreement"]
+    assert agreement[f"{restraint} == {restraint.replace('dpo-vllm', 'dpo')}"] == "4/4"   # LoRA adapter == hook
+    assert agreement["dpo-vllm == dpo"] == "4/4"

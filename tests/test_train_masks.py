@@ -4,6 +4,8 @@ import copy
 
 import pytest
 
+from fixtures import SMOLLM2_TEMPLATE
+
 from rolemrc.core.chat import CHATML_TEMPLATE
 from rolemrc.train.masks import TemplateError, tokenize_with_assistant_mask
 
@@ -12,14 +14,6 @@ TURNS = [{"role": "system", "content": "You are Ada, a lighthouse keeper."},
          {"role": "assistant", "content": "A Fresnel lens, friend."},
          {"role": "user", "content": "And at night?"},
          {"role": "assistant", "content": "(smiles) It turns all night long."}]
-
-# SmolLM2-135M-Instruct's own template: ChatML, a default system turn, no generation markers
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
 
 def with_template(tokenizer, template):
     tok = copy.deepcopy(tokenizer)

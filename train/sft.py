@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from rolemrc.train.config import SFTTrainConfig
-from rolemrc.train.data import DataReport, fingerprints, jsonl_files, parse_mix
+from rolemrc.train.data import DataError, DataReport, fingerprints, jsonl_files, parse_mix
 from rolemrc.train.masks import tokenize_with_assistant_mask
 from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prepare, source_model, start_model, train_and_save
 
@@ -25,6 +25,9 @@ def sft_trainer(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...
     if args.assistant_only_loss:  # masks from the model's own template; trl's would need {% generation %} markers
         examples = [tokenize_with_assistant_mask(tokenizer, example["messages"]) for example in examples]
         args.assistant_only_loss = False
+        if not any(any(e["assistant_masks"][: args.max_length]) for e in examples):
+            raise DataError(f"every SFT example's assistant turns lie beyond max_length={args.max_length} tokens "
+                            "(trl would drop them all); raise max_length")
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
                          processing_class=tokenizer, peft_config=lora_config(config))
     prepare(trainer, config, callbacks)
