@@ -11,6 +11,7 @@ from rolemrc.demo.config import DemoConfig
 
 QUESTIONS = 4      # test prompts asked of every variant
 MAX_TOKENS = 48
+VLLM_MEMORY = 0.15   # of the machine's memory on CPU (KV cache + weights); 4 short requests need far less than 0.3
 
 
 def vllm_missing() -> str | None:
@@ -28,7 +29,7 @@ def vllm_missing() -> str | None:
 def serve_config(dpo: Path, baked: Path, restraint: str, spec: Path, out: Path, vllm: bool) -> dict:
     models = {"dpo": {"path": str(dpo.resolve())}, "dpo-restrained": {"path": str(baked.resolve())}}
     if vllm:
-        models["dpo-vllm"] = {"engine": "vllm", "path": str(dpo.resolve())}
+        models["dpo-vllm"] = {"engine": "vllm", "path": str(dpo.resolve()), "memory_utilization": VLLM_MEMORY}
     return {"models": models, "restraints": {restraint: str(spec.resolve())}, "db": str((out / "ab.sqlite").resolve())}
 
 

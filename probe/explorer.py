@@ -18,6 +18,7 @@ from rolemrc.probe.diff import DiffResult, load_diff
 from rolemrc.probe.errors import ProbeError
 
 TEMPLATE = Path(__file__).with_name("templates") / "explorer.html"
+DECIMALS = 5   # per-unit values in the page: frequencies are hits / cases, q is compared with fdr >= 1e-4
 
 
 def explorer_data(result: DiffResult, max_units: int = 512, fdr: float = 0.05) -> dict:
@@ -27,11 +28,11 @@ def explorer_data(result: DiffResult, max_units: int = 512, fdr: float = 0.05) -
         delta, q = result.delta[d], result.qvalue[d]
         n = min(max_units, delta.shape[1])
         top = delta.abs().topk(n, dim=1).indices  # [layers, n]
-        gather = lambda t, top=top: torch.gather(t.double(), 1, top).tolist()  # noqa: E731
+        gather = lambda t, top=top: torch.gather(t.double(), 1, top).round(decimals=DECIMALS).tolist()  # noqa: E731
         dims[d] = {
             "cases_a": result.cases_a.get(d), "cases_b": result.cases_b.get(d),
-            "mean_abs_delta": delta.abs().mean(1).tolist(),
-            "signed_mean_delta": delta.mean(1).tolist(),
+            "mean_abs_delta": delta.abs().mean(1).double().round(decimals=7).tolist(),
+            "signed_mean_delta": delta.mean(1).double().round(decimals=7).tolist(),
             "significant": (q < fdr).sum(1).tolist(),
             "units": top.tolist(), "freq_a": gather(result.freq_a[d]), "freq_b": gather(result.freq_b[d]),
             "delta": gather(delta), "q": gather(q),
