@@ -3,7 +3,6 @@
 import copy
 
 import pytest
-
 from fixtures import SMOLLM2_TEMPLATE
 
 from rolemrc.core.chat import CHATML_TEMPLATE
