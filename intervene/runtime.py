@@ -37,3 +37,33 @@ def applied(model: Any, *restraints: Restraint) -> Iterator[Any]:
     finally:
         for h in handles:
             h.remove()
+
+
+def row_scales(model: Any, rows: list[Restraint | None]) -> dict[tuple[str, int], torch.Tensor]:
+    """(hook, layer) -> [rows, width] multipliers: row i carries `rows[i]` (None: unrestrained, all ones)."""
+    param = next(model.parameters())
+    scales: dict[tuple[str, int], torch.Tensor] = {}
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        r.validate(model)
+        for layer, units in r.units.items():
+            key = (r.hook, layer)
+            if key not in scales:
+                scales[key] = torch.ones(len(rows), width(model, r.hook), dtype=param.dtype, device=param.device)
+            scales[key][i, units] *= torch.tensor(r.factor, dtype=param.dtype)
+    return scales
+
+
+@contextmanager
+def applied_per_row(model: Any, rows: list[Restraint | None]) -> Iterator[Any]:
+    """Apply a different restraint to each row of the batch (None: none) for the duration of the block, so one
+    batched forward or `generate` serves many restraints. Inside, every batch must have len(rows) rows."""
+    handles = []
+    try:
+        for (hook, layer), scale in row_scales(model, rows).items():
+            handles.append(site(model, hook, layer).rewrite(lambda t, s=scale: t * s.to(t.dtype)[:, None, :]))
+        yield model
+    finally:
+        for h in handles:
+            h.remove()

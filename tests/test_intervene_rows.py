@@ -1,0 +1,53 @@
+"""Building blocks of the restraint sweep: random-unit controls and per-row restraints in one batch."""
+
+import pytest
+import torch
+
+from rolemrc.core.chat import render_chat
+from rolemrc.core.modeling import load_model
+from rolemrc.intervene import Restraint, RestraintError, applied
+from rolemrc.intervene.controls import draw_controls
+from rolemrc.intervene.runtime import applied_per_row
+
+SELECTED = Restraint(name="kb", hook="mlp.act", factor=0.0, units={0: [1, 5, 7], 3: list(range(40))})
+PROMPT = [{"role": "user", "content": "the keeper of the lighthouse watched storms"}]
+
+
+def test_controls_are_reproducible_same_sized_and_disjoint():
+    controls = draw_controls(SELECTED, width=96, n=3, seed=7)
+    assert [c.to_dict() for c in controls] == [c.to_dict() for c in draw_controls(SELECTED, width=96, n=3, seed=7)]
+    assert controls[0].units != controls[1].units != controls[2].units
+    assert draw_controls(SELECTED, width=96, n=1, seed=8)[0].units != controls[0].units
+    for c in controls:
+        assert c.factor == SELECTED.factor and c.hook == SELECTED.hook
+        assert {layer: len(u) for layer, u in c.units.items()} == {0: 3, 3: 40}
+        assert all(not set(c.units[layer]) & set(SELECTED.units[layer]) for layer in SELECTED.units)
+        assert max(max(u) for u in c.units.values()) < 96
+
+
+def test_controls_refuse_a_layer_with_too_few_units_left():
+    with pytest.raises(RestraintError, match="too few remain"):
+        draw_controls(SELECTED, width=70, n=1)
+
+
+@pytest.mark.parametrize("hook", ["mlp.act", "attn.out"])
+def test_per_row_restraints_equal_each_restraint_alone(model_dirs, hook):
+    """One batch whose rows carry different restraints (or none) gives each row the logits it gets alone."""
+    model, tok = load_model(model_dirs["llama"], device="cpu")
+    a = Restraint(name="a", hook=hook, factor=0.0, units={0: [1, 5, 7], 1: [2, 3]})
+    b = Restraint(name="b", hook=hook, factor=0.5, units={1: [2, 9]})
+    rows = [a, None, b, a]
+    ids = tok([render_chat(tok, PROMPT)] * len(rows), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad(), applied_per_row(model, rows):
+        together = model(ids).logits
+    with torch.no_grad():
+        plain = model(ids[:1]).logits[0]
+        alone = {}
+        for r in (a, b):
+            with applied(model, r):
+                alone[r.name] = model(ids[:1]).logits[0]
+        after = model(ids[:1]).logits[0]
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(together[i], plain if r is None else alone[r.name], rtol=0, atol=1e-5)
+    assert not torch.allclose(alone["a"], plain) and not torch.allclose(alone["b"], plain)
+    torch.testing.assert_close(after, plain, rtol=0, atol=0)   # the hooks are gone
