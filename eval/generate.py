@@ -89,11 +89,6 @@ def generate(data: list[dict[str, Any]] | str | os.PathLike, config: GenerateCon
 
 
 def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
-    import contextlib
-
-    import torch
-
-    from rolemrc.core.chat import render_chat
     from rolemrc.core.modeling import load_model
 
     restraint = None
@@ -102,31 +97,48 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
 
         restraint = Restraint.from_any(config.restraint)
     model, tok = load_model(config.model, dtype=config.dtype, device=config.device)
+    return generate_rows(model, tok, records, [restraint] * len(records), config)
+
+
+def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[Any], config: GenerateConfig,
+                  on_batch: Any = None) -> list[dict]:
+    """Responses of a loaded model for `records`, record i under `restraints[i]` (a Restraint or None): rows
+    with different restraints share batches (intervene.runtime.applied_per_row). `on_batch(indices, results)`
+    is called after each batch with the record indices it finished."""
+    import torch
+
+    from rolemrc.core.chat import render_chat
+    from rolemrc.intervene.runtime import applied_per_row
+
     tok.padding_side = "left"
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     room = (limit - config.max_new_tokens) if limit else None
     if room is not None and room < 1:
         raise GenerationError(f"max_new_tokens {config.max_new_tokens} leaves no room for a prompt in {limit} positions")
+    for r in {id(r): r for r in restraints if r is not None}.values():
+        r.validate(model)
     prompts = [tok(render_chat(tok, r["question"]), add_special_tokens=False)["input_ids"] for r in records]
     truncated = [room is not None and len(p) > room for p in prompts]
     prompts = [p[-room:] if cut else p for p, cut in zip(prompts, truncated)]
     order = sorted(range(len(records)), key=lambda i: len(prompts[i]))  # similar lengths batch together
     results: list[dict | None] = [None] * len(records)
-    guard = restraint.validate(model).applied(model) if restraint is not None else contextlib.nullcontext()
     sampling = {"do_sample": True, "temperature": config.temperature} if config.temperature > 0 else {"do_sample": False}
     bar = tqdm(total=len(records), desc="generate", disable=not config.progress)
-    with guard, torch.inference_mode():
+    with torch.inference_mode():
         for start in range(0, len(order), config.batch_size):
             batch = order[start:start + config.batch_size]
             enc = tok.pad({"input_ids": [prompts[i] for i in batch]}, return_tensors="pt").to(model.device)
             began = time.perf_counter()
-            out = model.generate(**enc, max_new_tokens=config.max_new_tokens, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id, **sampling)
+            with applied_per_row(model, [restraints[i] for i in batch]):
+                out = model.generate(**enc, max_new_tokens=config.max_new_tokens, pad_token_id=tok.pad_token_id,
+                                     eos_token_id=tok.eos_token_id, **sampling)
             latency = (time.perf_counter() - began) / len(batch)   # amortised over the batch
             for row, i in zip(out[:, enc["input_ids"].shape[1]:].tolist(), batch):
                 n = next((k for k, t in enumerate(row) if t in (tok.eos_token_id, tok.pad_token_id)), len(row))
                 results[i] = _with_response(records[i], tok.decode(row[:n], skip_special_tokens=True).strip(), latency, n,
                                             truncated=truncated[i])
+            if on_batch is not None:
+                on_batch(batch, results)
             bar.update(len(batch))
     bar.close()
     return results

@@ -1,10 +1,14 @@
-"""Building blocks of the restraint sweep: random-unit controls and per-row restraints in one batch."""
+"""Building blocks of the restraint sweep: random-unit controls, per-row restraints in one batch, and generation
+that mixes restraints in its batches."""
 
 import pytest
 import torch
 
 from rolemrc.core.chat import render_chat
 from rolemrc.core.modeling import load_model
+from rolemrc.core.records import normalize_record
+from rolemrc.core.tiny import build_model
+from rolemrc.eval.generate import GenerateConfig, generate, generate_rows
 from rolemrc.intervene import Restraint, RestraintError, applied
 from rolemrc.intervene.controls import draw_controls
 from rolemrc.intervene.runtime import applied_per_row
@@ -51,3 +55,32 @@ def test_per_row_restraints_equal_each_restraint_alone(model_dirs, hook):
         torch.testing.assert_close(together[i], plain if r is None else alone[r.name], rtol=0, atol=1e-5)
     assert not torch.allclose(alone["a"], plain) and not torch.allclose(alone["b"], plain)
     torch.testing.assert_close(after, plain, rtol=0, atol=0)   # the hooks are gone
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory, tokenizer):
+    """A small Llama with a scaled-up output head, so greedy choices have clear margins across batchings."""
+    path = tmp_path_factory.mktemp("peaked")
+    model = build_model("llama", tokenizer, seed=3, hidden=64, layers=2, intermediate=96, heads=2, max_positions=2048)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_generate_rows_mixes_restraints_in_batches_like_separate_runs(peaked, records):
+    items = records[:6]
+    a = Restraint(name="a", hook="mlp.act", factor=0.0, units={0: list(range(48)), 1: list(range(48))})
+    config = GenerateConfig(model=str(peaked), max_new_tokens=8, batch_size=4, progress=False)
+    separate = {name: [r["response"] for r in generate(items, model=str(peaked), max_new_tokens=8, batch_size=4,
+                                                        restraint=spec, progress=False)]
+                for name, spec in (("a", a), ("none", None))}
+    assert separate["a"] != separate["none"]
+    model, tok = load_model(peaked, device="cpu")
+    rows = [*items, *items]
+    done = []
+    mixed = generate_rows(model, tok, [normalize_record(r, k, "test")[0] for k, r in enumerate(rows)],
+                          [a] * len(items) + [None] * len(items), config, on_batch=lambda batch, _: done.extend(batch))
+    assert [r["response"] for r in mixed] == separate["a"] + separate["none"]
+    assert sorted(done) == list(range(len(rows)))
