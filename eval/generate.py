@@ -100,11 +100,9 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
     return generate_rows(model, tok, records, [restraint] * len(records), config)
 
 
-def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[Any], config: GenerateConfig,
-                  on_batch: Any = None) -> list[dict]:
+def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[Any], config: GenerateConfig) -> list[dict]:
     """Responses of a loaded model for `records`, record i under `restraints[i]` (a Restraint or None): rows
-    with different restraints share batches (intervene.runtime.applied_per_row). `on_batch(indices, results)`
-    is called after each batch with the record indices it finished."""
+    with different restraints share batches (intervene.runtime.applied_per_row)."""
     import torch
 
     from rolemrc.core.chat import render_chat
@@ -137,8 +135,6 @@ def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[An
                 n = next((k for k, t in enumerate(row) if t in (tok.eos_token_id, tok.pad_token_id)), len(row))
                 results[i] = _with_response(records[i], tok.decode(row[:n], skip_special_tokens=True).strip(), latency, n,
                                             truncated=truncated[i])
-            if on_batch is not None:
-                on_batch(batch, results)
             bar.update(len(batch))
     bar.close()
     return results

@@ -35,3 +35,20 @@ SMOLLM2_TEMPLATE = (
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_diff_file(path, delta, q):
+    """A probe diff directory for hook mlp.act with one dimension, multi_turn (delta [layers, width], q-values)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    dims = ["multi_turn"]
+    tensors = {"freq_a.multi_turn": torch.zeros_like(delta).float(), "freq_b.multi_turn": delta.float().clone(),
+               "delta.multi_turn": delta.float().clone(), "z.multi_turn": delta.float().clone(),
+               "pvalue.multi_turn": q.double(), "qvalue.multi_turn": q.double()}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "diff.safetensors"), metadata={
+        "hook": "mlp.act", "layers": str(delta.shape[0]), "width": str(delta.shape[1]), "k": "2",
+        "top_fraction": "0.2", "tokens": "last", "rank": "signed", "dimensions": json.dumps(dims)})

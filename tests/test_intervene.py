@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
+from fixtures import write_diff_file
 from safetensors import safe_open
-from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
@@ -186,17 +186,6 @@ def test_spec_files_round_trip(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
     with pytest.raises(RestraintError, match="bad.yaml: not valid YAML"):
         Restraint.load(tmp_path / "bad.yaml")
-
-
-def write_diff_file(path, delta, q):
-    dims = ["multi_turn"]
-    tensors = {"freq_a.multi_turn": torch.zeros_like(delta).float(), "freq_b.multi_turn": delta.float().clone(),
-               "delta.multi_turn": delta.float().clone(), "z.multi_turn": delta.float().clone(),
-               "pvalue.multi_turn": q.double(), "qvalue.multi_turn": q.double()}
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "diff.safetensors"), metadata={
-        "hook": "mlp.act", "layers": str(delta.shape[0]), "width": str(delta.shape[1]), "k": "2",
-        "top_fraction": "0.2", "tokens": "last", "rank": "signed", "dimensions": json.dumps(dims)})
 
 
 def test_select_from_diff(tmp_path):

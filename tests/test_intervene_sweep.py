@@ -1,0 +1,81 @@
+"""The restraint sweep's plan and resumable generation (issue 17, first part)."""
+
+import importlib
+import json
+
+import pytest
+import torch
+from fixtures import test_records as make_records
+from fixtures import write_diff_file
+
+from rolemrc.core.io import write_jsonl
+from rolemrc.core.tiny import build_model
+from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer):
+    """A peaked small Llama (clear greedy margins), a diff over its mlp.act units, six test records."""
+    root = tmp_path_factory.mktemp("sweep")
+    model = build_model("llama", tokenizer, seed=3, hidden=64, layers=2, intermediate=96, heads=2, max_positions=2048)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(0))]
+    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
+    write_jsonl(root / "test.jsonl", make_records(6))
+    return root
+
+
+class Killed(Exception):
+    """The sweep process dying between two passes."""
+
+
+def config(root, out, **kw):
+    return SweepConfig(model=str(root / "model"), diff=str(root / "diff"), data=str(root / "test.jsonl"), out=str(out),
+                       dimensions=["multi_turn"], **{"factors": [0.5, 0.0], "top_k": [8], "controls": 2,
+                                                     "max_new_tokens": 6, "batch_size": 8, "cells_per_pass": 2, **kw})
+
+
+def test_plan_has_a_baseline_then_each_cell_with_its_controls(setup, tmp_path):
+    cells = plan(config(setup, tmp_path, top_k=[4, 8]), width=96, settings={"model": "m"})
+    assert [c.kind for c in cells] == ["baseline"] + ["selected", "control", "control"] * 4
+    assert len({c.id for c in cells}) == len(cells)
+    for cell in cells[1:]:
+        assert cell.restraint.factor == cell.grid["factor"] and cell.restraint.num_units == cell.grid["top_k"]
+    selected, control = cells[1], cells[2]
+    assert all(not set(control.restraint.units.get(layer, ())) & set(units)
+               for layer, units in selected.restraint.units.items())
+    assert plan(config(setup, tmp_path, top_k=[4, 8]), width=96, settings={"model": "other"})[1].id != selected.id
+
+
+def test_generation_is_resumable_and_a_killed_sweep_ends_identical(setup, tmp_path, monkeypatch):
+    whole_cells, whole = generate_cells(config(setup, tmp_path / "whole"), progress=False)
+    assert len(whole_cells) == 1 + 2 * 3 and all(whole.done(c) for c in whole_cells)
+    responses = {c.id: [r["response"] for r in whole.load(c)] for c in whole_cells}
+    assert all(len(v) == 6 for v in responses.values())
+    baseline = responses[whole_cells[0].id]
+    ablated = next(c for c in whole_cells if c.kind == "selected" and c.grid["factor"] == 0.0)
+    assert responses[ablated.id] != baseline   # zeroing 8 of 192 units moves this peaked model's greedy text
+
+    generate_module = importlib.import_module("rolemrc.eval.generate")   # rolemrc.eval.generate is also a function
+    real, passes, kill_at = generate_module.generate_rows, [], [2]
+
+    def counted(*args, **kw):   # the second pass of the first attempt dies
+        passes.append(len(args[2]))
+        if len(passes) == kill_at[0]:
+            raise Killed
+        return real(*args, **kw)
+
+    monkeypatch.setattr(generate_module, "generate_rows", counted)
+    with pytest.raises(Killed):
+        generate_cells(config(setup, tmp_path / "killed"), progress=False)
+    kept = sorted(p.name for p in (tmp_path / "killed" / "cells").glob("*.jsonl"))
+    assert len(kept) == 2 and not list((tmp_path / "killed" / "cells").glob("*.tmp"))
+    passes.clear()
+    kill_at[0] = 0
+    cells, store = generate_cells(config(setup, tmp_path / "killed"), progress=False)
+    assert sum(passes) == 6 * (len(cells) - 2)   # only the cells not kept were generated again
+    assert {c.id: [r["response"] for r in store.load(c)] for c in cells} == responses
+    assert json.loads((tmp_path / "killed" / "plan.json").read_text())["cells"][0]["kind"] == "baseline"
