@@ -1,7 +1,8 @@
-"""The restraint sweep's plan and resumable generation (issue 17, first part)."""
+"""The restraint sweep's plan, resumable generation and statistics (issue 17, first part)."""
 
 import importlib
 import json
+import math
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from fixtures import write_diff_file
 
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.tiny import build_model
+from rolemrc.eval.runs import EvalRun
 from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan
+from rolemrc.intervene.sweep_stats import cell_effects, correct_grid, holm
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +82,34 @@ def test_generation_is_resumable_and_a_killed_sweep_ends_identical(setup, tmp_pa
     assert sum(passes) == 6 * (len(cells) - 2)   # only the cells not kept were generated again
     assert {c.id: [r["response"] for r in store.load(c)] for c in cells} == responses
     assert json.loads((tmp_path / "killed" / "plan.json").read_text())["cells"][0]["kind"] == "baseline"
+
+
+def test_holm_matches_the_step_down_by_hand():
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.4]) == pytest.approx([0.8, 0.8])       # monotone: the larger p is never adjusted below
+    adjusted = holm([0.01, float("nan"), 0.02])
+    assert adjusted[0] == pytest.approx(0.02) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.02)
+
+
+def run(passes: list[int], bleu: list[float]) -> EvalRun:
+    ids = [f"i{k}" for k in range(len(passes))]
+    return EvalRun(items=[{"id": i} for i in ids], metrics=[{"id": i, "bleu": b} for i, b in zip(ids, bleu)],
+                   verdicts=[{"id": i, "dimension": "multi_turn", "score": s} for i, s in zip(ids, passes)])
+
+
+def test_effects_against_baseline_and_controls_are_paired_and_corrected():
+    n = 12
+    baseline, controls = run([0] * n, [1.0] * n), [run([0] * n, [1.0] * n), run([1] + [0] * (n - 1), [1.0] * n)]
+    planted = cell_effects(baseline, run([1] * n, [1.0] * n), controls)
+    judge = planted["judge:multi_turn"]
+    assert judge["mean"] == 1 and judge["vs_baseline"]["diff"] == 1 and judge["vs_baseline"]["p"] < 0.001
+    assert judge["vs_controls"]["diff"] == pytest.approx(1 - 1 / (2 * n)) and judge["vs_controls"]["p"] < 0.001
+    assert planted["bleu"]["vs_baseline"]["diff"] == 0 and planted["bleu"]["vs_baseline"]["p"] == 1
+    like_controls = cell_effects(baseline, run([1] + [0] * (n - 1), [1.0] * n), controls)["judge:multi_turn"]
+    assert like_controls["vs_controls"]["diff"] == pytest.approx(1 / (2 * n)) and like_controls["vs_controls"]["p"] == 1
+    effects = {"planted": planted, "like-controls": {"judge:multi_turn": like_controls}}
+    correct_grid(effects)
+    family = [planted["judge:multi_turn"], planted["bleu"], like_controls]
+    assert [e["vs_baseline"]["p_holm"] for e in family] == pytest.approx(
+        holm([e["vs_baseline"]["p"] for e in family]))
+    assert planted["judge:multi_turn"]["vs_controls"]["p_holm"] < 0.05

@@ -1,0 +1,72 @@
+"""The sweep's statistics: per item scores of a scored cell, each grid cell's paired effect against the baseline
+and against its random-unit controls (difference in differences), and Holm's correction over the grid."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from rolemrc.eval.runs import EvalRun
+from rolemrc.eval.stats import paired_test
+
+JUDGE_PREFIX = "judge:"   # score names: "judge:<dimension>" (the item's pass share on it) or a metric name
+
+
+def item_scores(run: EvalRun) -> dict[str, dict[str, float]]:
+    """score name -> {item id -> value}: per judge dimension the share of the item's verdicts that pass, per
+    reference metric its value."""
+    passes: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for v in run.verdicts:
+        if v.get("score") is not None:
+            passes[JUDGE_PREFIX + v["dimension"]][v["id"]].append(float(v["score"]))
+    scores = {name: {i: float(np.mean(vals)) for i, vals in by_item.items()} for name, by_item in passes.items()}
+    for row in run.metrics:
+        for name, value in row.items():
+            if name != "id" and value is not None:
+                scores.setdefault(name, {})[row["id"]] = float(value)
+    return scores
+
+
+def cell_effects(baseline: EvalRun, cell: EvalRun, controls: list[EvalRun], *, rounds: int = 10_000,
+                 seed: int = 0) -> dict[str, dict[str, Any]]:
+    """score -> {"mean", "vs_baseline", "vs_controls"}: paired tests (eval.stats.paired_test) of the cell against
+    the baseline, and against the per-item mean of its controls, on the items all of them scored."""
+    base, mine = item_scores(baseline), item_scores(cell)
+    ctrl = [item_scores(c) for c in controls]
+    out = {}
+    for name in sorted(set(base) & set(mine)):
+        ids = sorted(set(base[name]) & set(mine[name]).intersection(*(c.get(name, {}) for c in ctrl)))
+        if not ids:
+            continue
+        b = [base[name][i] for i in ids]
+        m = [mine[name][i] for i in ids]
+        entry = {"n": len(ids), "mean": float(np.mean(m)), "vs_baseline": paired_test(b, m, rounds=rounds, seed=seed)}
+        if ctrl:
+            c = np.mean([[scores[name][i] for i in ids] for scores in ctrl], axis=0)
+            entry["controls_mean"] = float(c.mean())
+            entry["vs_controls"] = paired_test(c, m, rounds=rounds, seed=seed)
+        out[name] = entry
+    return out
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (step-down, monotone, capped at 1), in the input order; NaN stays NaN."""
+    p = np.asarray(pvalues, dtype=np.float64)
+    finite = np.flatnonzero(~np.isnan(p))
+    order = finite[np.argsort(p[finite], kind="stable")]
+    m = len(order)
+    adjusted = np.maximum.accumulate(np.minimum(1.0, (m - np.arange(m)) * p[order])) if m else np.array([])
+    out = p.copy()
+    out[order] = adjusted
+    return out.tolist()
+
+
+def correct_grid(effects: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """Add `p_holm` to every vs_baseline and every vs_controls test in `effects` (cell -> score -> entry), each
+    family corrected over the whole grid (all cells x scores)."""
+    for family in ("vs_baseline", "vs_controls"):
+        tests = [e[family] for cell in effects.values() for e in cell.values() if family in e]
+        for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
+            test["p_holm"] = adjusted
