@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,22 +69,31 @@ def _weight_index(fold: Fold, units: list[int]) -> tuple[slice | list[int], ...]
     return (units, slice(None)) if axis == 0 else (slice(None), units)
 
 
+def fold_sites(model: nn.Module, r: Restraint) -> Iterator[tuple[nn.Parameter, tuple]]:
+    """(parameter, index) of every weight (and bias) slice that folding `r` scales."""
+    r.validate(model)
+    for layer, units in r.units.items():
+        fold = fold_target(model, r.hook, layer)
+        yield fold.untied_weight(model), _weight_index(fold, units)
+        if fold.scales_bias:
+            yield fold.module.bias, (units,)
+
+
 def fold_restraint(model: nn.Module, r: Restraint) -> dict[str, int]:
     """Scale the weights in place (float math in the weights' dtype); returns elements touched per tensor."""
-    r.validate(model)
     touched: dict[str, int] = {}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
-        for layer, units in r.units.items():
-            fold = fold_target(model, r.hook, layer)
-            weight = fold.untied_weight(model)
-            index = _weight_index(fold, units)
-            weight[index] *= r.factor
-            touched[names[id(weight)]] = weight[index].numel()
-            if fold.scales_bias:
-                fold.module.bias[units] *= r.factor
-                touched[names[id(fold.module.bias)]] = len(units)
+        for param, index in list(fold_sites(model, r)):
+            param[index] *= r.factor
+            touched[names[id(param)]] = param[index].numel()
     return touched
+
+
+def elements_changed(model: nn.Module, r: Restraint, dtype: torch.dtype) -> int:
+    """Weight elements a bake of `r` (scaled in float32, stored at `dtype`) changes, without editing `model`."""
+    with torch.no_grad():
+        return sum(int(((p[i].float() * r.factor).to(dtype) != p[i].to(dtype)).sum()) for p, i in fold_sites(model, r))
 
 
 @dataclass

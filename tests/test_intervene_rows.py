@@ -10,6 +10,7 @@ from rolemrc.core.records import normalize_record
 from rolemrc.core.tiny import build_model
 from rolemrc.eval.generate import GenerateConfig, generate, generate_rows
 from rolemrc.intervene import Restraint, RestraintError, applied
+from rolemrc.intervene.bake import elements_changed, fold_and_count
 from rolemrc.intervene.controls import draw_controls
 from rolemrc.intervene.runtime import applied_per_row
 
@@ -82,3 +83,16 @@ def test_generate_rows_mixes_restraints_in_batches_like_separate_runs(peaked, re
     mixed = generate_rows(model, tok, [normalize_record(r, k, "test")[0] for k, r in enumerate(rows)],
                           [a] * len(items) + [None] * len(items), config)
     assert [r["response"] for r in mixed] == separate["a"] + separate["none"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [1 - 1e-6, 0.5])
+def test_elements_changed_counts_what_a_bake_changes_without_editing(model_dirs, arch, dtype, factor):
+    model, _ = load_model(model_dirs[arch], device="cpu")
+    r = Restraint(name="r", hook="mlp.act", factor=factor, units={0: [1, 5, 7], 1: [0, 2, 30]})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    counted = elements_changed(model, r, dtype)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert counted == fold_and_count(model, r, dtype)[1]
+    assert (counted == 0) == (dtype == torch.bfloat16 and factor == 1 - 1e-6)
