@@ -65,6 +65,14 @@ def _batch(tokenizer: Any, prompts: list[list[dict]], device: torch.device) -> d
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
 
+def hook_shift(model: Any, tokenizer: Any, r: Restraint, prompts: list[list[dict]] | None = None) -> float:
+    """The largest |logit change| the runtime hook causes on `prompts` (default: the sample prompts)."""
+    batch = _batch(tokenizer, list(prompts or SAMPLE_PROMPTS), next(model.parameters()).device)
+    original = _logits(model, batch)
+    with applied(model, r):
+        return float((_logits(model, batch) - original).abs().max())
+
+
 def stored_weights(baked_dir: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors as a baked checkpoint stores them (its own dtype)."""
     from safetensors import safe_open

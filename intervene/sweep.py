@@ -88,6 +88,24 @@ def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell
     return cells
 
 
+def footprint(model: Any, tok: Any, r: Restraint) -> dict[str, Any]:
+    """What a restraint touches: units, weight elements a bake at the model's dtype changes, the largest logit
+    shift of its runtime hook on the sample prompts."""
+    from rolemrc.intervene.bake import elements_changed
+    from rolemrc.intervene.check import hook_shift
+
+    dtype = next(model.parameters()).dtype
+    return {"units": r.num_units, "weight_elements_changed": elements_changed(model, r, dtype),
+            "max_logit_shift": hook_shift(model, tok, r)}
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (a killed sweep never leaves half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 class CellStore:
     """OUT/cells/<id>.jsonl per finished cell (written whole, atomically) and OUT/plan.json."""
 
@@ -125,8 +143,11 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     cells = plan(config, width(model, hook), settings)
     store = CellStore(config.out)
     Path(config.out).mkdir(parents=True, exist_ok=True)
-    (Path(config.out) / "plan.json").write_text(json.dumps({"config": asdict(config), "settings": settings,
-                                                             "cells": [c.to_dict() for c in cells]}, indent=1))
+    write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,
+                                                "cells": [c.to_dict() for c in cells]})
+    path = Path(config.out) / "footprints.json"
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    write_json(path, {c.id: known.get(c.id) or footprint(model, tok, c.restraint) for c in cells if c.restraint})
     pending = [c for c in cells if not store.done(c)]
     for start in range(0, len(pending), config.cells_per_pass):
         chunk = pending[start:start + config.cells_per_pass]

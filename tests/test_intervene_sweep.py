@@ -61,6 +61,10 @@ def test_generation_is_resumable_and_a_killed_sweep_ends_identical(setup, tmp_pa
     baseline = responses[whole_cells[0].id]
     ablated = next(c for c in whole_cells if c.kind == "selected" and c.grid["factor"] == 0.0)
     assert responses[ablated.id] != baseline   # zeroing 8 of 192 units moves this peaked model's greedy text
+    prints = json.loads((tmp_path / "whole" / "footprints.json").read_text())
+    assert set(prints) == {c.id for c in whole_cells[1:]}
+    assert prints[ablated.id]["units"] == 8 and prints[ablated.id]["weight_elements_changed"] == 8 * 64
+    assert prints[ablated.id]["max_logit_shift"] > 0.1
 
     generate_module = importlib.import_module("rolemrc.eval.generate")   # rolemrc.eval.generate is also a function
     real, passes, kill_at = generate_module.generate_rows, [], [2]
