@@ -156,3 +156,38 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
         for k, cell in enumerate(chunk):
             store.save(cell, results[k * len(records):(k + 1) * len(records)])
     return cells, store
+
+
+def score_cells(cells: list[Cell], store: CellStore, out: str | os.PathLike, metrics: Any = "all",
+                progress: bool = True) -> dict[str, Any]:
+    """cell id -> its EvalRun (rules judge + `metrics`), each scored once and kept in OUT/scores/<id>."""
+    from rolemrc.eval.runs import EvalRun, score
+
+    runs = {}
+    for cell in cells:
+        folder = Path(out) / "scores" / cell.id
+        if not (folder / "report.json").is_file():
+            score(store.load(cell), judge="rules", metrics=metrics, progress=progress).save(folder, chart=False)
+        runs[cell.id] = EvalRun.load(folder)
+    return runs
+
+
+def run_sweep(config: SweepConfig, *, metrics: Any = "all", progress: bool = True) -> dict[str, Any]:
+    """Generate and score every cell (resuming what is done), then each grid cell's effect against the baseline
+    and against its controls, Holm-corrected over the grid; writes OUT/sweep.json and OUT/sweep.md."""
+    from rolemrc.intervene.sweep_report import sweep_markdown, sweep_summary
+    from rolemrc.intervene.sweep_stats import cell_effects, correct_grid
+
+    cells, store = generate_cells(config, progress=progress)
+    runs = score_cells(cells, store, config.out, metrics, progress)
+    prints = json.loads((Path(config.out) / "footprints.json").read_text())
+    baseline = cells[0]
+    selected = [c for c in cells if c.kind == "selected"]
+    controls = {c.id: [k for k in cells if k.kind == "control" and k.grid == c.grid] for c in selected}
+    effects = {c.id: cell_effects(runs[baseline.id], runs[c.id], [runs[k.id] for k in controls[c.id]])
+               for c in selected}
+    correct_grid(effects)
+    summary = sweep_summary(config, selected, effects, prints, runs[baseline.id])
+    write_json(Path(config.out) / "sweep.json", summary)
+    (Path(config.out) / "sweep.md").write_text(sweep_markdown(summary))
+    return summary

@@ -12,7 +12,7 @@ from fixtures import write_diff_file
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.tiny import build_model
 from rolemrc.eval.runs import EvalRun
-from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan
+from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan, run_sweep
 from rolemrc.intervene.sweep_stats import cell_effects, correct_grid, holm
 
 
@@ -117,3 +117,24 @@ def test_effects_against_baseline_and_controls_are_paired_and_corrected():
     assert [e["vs_baseline"]["p_holm"] for e in family] == pytest.approx(
         holm([e["vs_baseline"]["p"] for e in family]))
     assert planted["judge:multi_turn"]["vs_controls"]["p_holm"] < 0.05
+
+
+def test_a_factor_one_grid_finds_nothing_and_says_so(setup, tmp_path):
+    summary = run_sweep(config(setup, tmp_path, factors=[1.0]), metrics=("rouge",), progress=False)
+    (cell,) = summary["cells"]
+    assert cell["weight_elements_changed"] == 0 and cell["max_logit_shift"] == 0
+    assert all(e["vs_baseline"]["diff"] == 0 and e["vs_baseline"]["p_holm"] == 1 for e in cell["scores"].values())
+    assert summary["headline"].startswith("No cell beats both") and "0 of 1 cells differ" in summary["headline"]
+    markdown = (tmp_path / "sweep.md").read_text()
+    assert summary["headline"] in markdown and "| multi_turn top-8 x1 | 8 | 0 | 0 |" in markdown
+    assert json.loads((tmp_path / "sweep.json").read_text())["cells"][0]["id"] == cell["id"]
+
+
+def test_a_rerun_of_a_finished_sweep_generates_and_scores_nothing(setup, tmp_path, monkeypatch):
+    first = run_sweep(config(setup, tmp_path), metrics=("rouge",), progress=False)
+    assert len(first["cells"]) == 2 and {"judge:" in n for n in first["cells"][0]["scores"]} == {True, False}
+    generate_module = importlib.import_module("rolemrc.eval.generate")
+    runs_module = importlib.import_module("rolemrc.eval.runs")
+    monkeypatch.setattr(generate_module, "generate_rows", lambda *a, **k: pytest.fail("generated again"))
+    monkeypatch.setattr(runs_module, "score", lambda *a, **k: pytest.fail("scored again"))
+    assert run_sweep(config(setup, tmp_path), metrics=("rouge",), progress=False) == first

@@ -1,0 +1,69 @@
+"""sweep.json and sweep.md: one row per grid cell (its footprint and, per score, the effect against the baseline
+and against its controls with 95% CIs and Holm-corrected p), under one sentence saying which cells, if any,
+beat both and at what cost in metrics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from rolemrc.intervene.sweep_stats import JUDGE_PREFIX, item_scores
+
+ALPHA = 0.05
+
+
+def sweep_summary(config: Any, selected: list, effects: dict[str, dict], prints: dict[str, dict], baseline: Any) -> dict:
+    base = {name: sum(v.values()) / len(v) for name, v in item_scores(baseline).items() if v}
+    cells = [{"id": c.id, **c.grid, **prints[c.id], "scores": effects[c.id]} for c in selected]
+    return {"config": asdict(config), "alpha": ALPHA, "baseline": base, "cells": cells, "headline": headline(cells)}
+
+
+def _wins(cell: dict, family: str, sign: int) -> list[str]:
+    """Scores where the cell differs in direction `sign` under `family` at Holm-corrected p < ALPHA."""
+    return [name for name, e in cell["scores"].items()
+            if family in e and e[family]["p_holm"] < ALPHA and sign * e[family]["diff"] > 0]
+
+
+def _label(cell: dict) -> str:
+    return f"{cell['dimension']} top-{cell['top_k']} x{cell['factor']:g}"
+
+
+def headline(cells: list[dict]) -> str:
+    """Which cells beat both the baseline and their controls on a judge dimension, and what that costs."""
+    tests = sum(len(c["scores"]) for c in cells)
+    winners = []
+    for cell in cells:
+        better = [n for n in _wins(cell, "vs_baseline", 1) if n.startswith(JUDGE_PREFIX) and n in _wins(cell, "vs_controls", 1)]
+        if better:
+            costs = [n for n in _wins(cell, "vs_baseline", -1) if not n.startswith(JUDGE_PREFIX)]
+            winners.append(f"{_label(cell)} ({', '.join(n.removeprefix(JUDGE_PREFIX) for n in better)}; "
+                           f"cost: {', '.join(costs) or 'no metric significantly lower'})")
+    moved = [c for c in cells if _wins(c, "vs_baseline", 1) or _wins(c, "vs_baseline", -1)]
+    if winners:
+        return (f"{len(winners)} of {len(cells)} cells beat both the baseline and their random-unit controls on a judge "
+                f"dimension (Holm over {tests} tests per family, p < {ALPHA}): {'; '.join(winners)}.")
+    return (f"No cell beats both the baseline and its random-unit controls on any judge dimension (Holm over {tests} "
+            f"tests per family, p < {ALPHA}); {len(moved)} of {len(cells)} cells differ from the baseline on some score.")
+
+
+def _effect(entry: dict | None, family: str) -> str:
+    if not entry or family not in entry:
+        return "–"
+    t = entry[family]
+    mark = " *" if t["p_holm"] < ALPHA else ""
+    return f"{t['diff']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}] p={t['p_holm']:.2g}{mark}"
+
+
+def sweep_markdown(summary: dict) -> str:
+    cells = summary["cells"]
+    names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not n.startswith(JUDGE_PREFIX), n))
+    lines = ["# Restraint sweep", "", summary["headline"], "",
+             "Effects are paired per item: the cell minus the baseline, and the cell minus the mean of its random-unit "
+             "controls (same units per layer, same factor). Mean [95% bootstrap CI], Holm-corrected p over the grid; "
+             f"* marks p < {summary['alpha']}.", "",
+             "| cell | units | weight elements | max Δlogit |", "|---|---|---|---|"]
+    lines += [f"| {_label(c)} | {c['units']} | {c['weight_elements_changed']} | {c['max_logit_shift']:.3g} |" for c in cells]
+    for family, title in (("vs_baseline", "against the baseline"), ("vs_controls", "against the controls")):
+        lines += ["", f"## Effect {title}", "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        lines += [f"| {_label(c)} | " + " | ".join(_effect(c["scores"].get(n), family) for n in names) + " |" for c in cells]
+    return "\n".join(lines) + "\n"
