@@ -1,4 +1,4 @@
-"""`rolemrc intervene select|bake|lora|check`."""
+"""`rolemrc intervene select|bake|lora|check|sweep`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.intervene.select import Direction
 from rolemrc.probe.hooks import HOOK_POINTS
 
-app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them.")
+app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them, sweep a grid of them.")
 
 
 @app.command("select")
@@ -82,3 +82,39 @@ def check_cmd(
     report = check(model, spec, baked_dir=baked, dtype=dtype, device=device)
     typer.echo(json.dumps(report.to_dict(), indent=1))
     typer.secho(report.verdict, fg=typer.colors.YELLOW if report.numerical_noop else typer.colors.GREEN, err=True)
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{what}: comma-separated numbers, got {text!r}") from None
+
+
+@app.command("sweep")
+def sweep_cmd(
+    model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
+    diff: Path = typer.Option(..., "--diff", help="diff directory"),
+    data: Path = typer.Option(..., "--data", help="test JSONL"),
+    out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
+    dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
+    factors: str = typer.Option("0.999999,0.99,0.9,0.5,0", help="comma-separated scales"),
+    top_k: str = typer.Option("16,64,256", help="comma-separated unit counts"),
+    direction: Direction = typer.Option("both", help="up | down | both"),
+    layers: str = typer.Option(None, help="e.g. 12-31 (default: all)"),
+    controls: int = typer.Option(3, help="random-unit control sets per cell"),
+    seed: int = typer.Option(0, help="seed of the control draws"),
+    metrics: str = typer.Option("all", help="reference metric groups (all, or e.g. rouge,bleu)"),
+    max_new_tokens: int = typer.Option(96, help="generation length"),
+    batch_size: int = typer.Option(16, help="rows per generation batch (cells share batches)"),
+) -> None:
+    """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
+    controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
+    from rolemrc.intervene.sweep import SweepConfig, run_sweep
+
+    config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
+                         factors=_floats(factors, "--factors"), top_k=[int(k) for k in _floats(top_k, "--top-k")],
+                         direction=direction, layers=layers, controls=controls, seed=seed,
+                         max_new_tokens=max_new_tokens, batch_size=batch_size)
+    summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
+    typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))

@@ -8,7 +8,9 @@ import pytest
 import torch
 from fixtures import test_records as make_records
 from fixtures import write_diff_file
+from typer.testing import CliRunner
 
+from rolemrc.cli import app
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.tiny import build_model
 from rolemrc.eval.runs import EvalRun
@@ -138,3 +140,16 @@ def test_a_rerun_of_a_finished_sweep_generates_and_scores_nothing(setup, tmp_pat
     monkeypatch.setattr(generate_module, "generate_rows", lambda *a, **k: pytest.fail("generated again"))
     monkeypatch.setattr(runs_module, "score", lambda *a, **k: pytest.fail("scored again"))
     assert run_sweep(config(setup, tmp_path), metrics=("rouge",), progress=False) == first
+
+
+def test_cli_sweep_writes_the_tables(setup, tmp_path):
+    result = CliRunner().invoke(app, ["intervene", "sweep", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
+                                      "--data", str(setup / "test.jsonl"), "--out", str(tmp_path), "--dimension",
+                                      "multi_turn", "--factors", "0,0.5", "--top-k", "4", "--controls", "1",
+                                      "--metrics", "rouge", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.strip().splitlines()[-1])["cells"] == 2 and (tmp_path / "sweep.md").is_file()
+    bad = CliRunner().invoke(app, ["intervene", "sweep", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
+                                   "--data", str(setup / "test.jsonl"), "--out", str(tmp_path / "x"), "--dimension",
+                                   "multi_turn", "--factors", "half"])
+    assert bad.exit_code != 0 and "comma-separated numbers" in bad.output
