@@ -174,7 +174,8 @@ def score_cells(cells: list[Cell], store: CellStore, out: str | os.PathLike, met
 
 def run_sweep(config: SweepConfig, *, metrics: Any = "all", progress: bool = True) -> dict[str, Any]:
     """Generate and score every cell (resuming what is done), then each grid cell's effect against the baseline
-    and against its controls, Holm-corrected over the grid; writes OUT/sweep.json and OUT/sweep.md."""
+    and against its controls, Holm-corrected over the grid; writes OUT/sweep.json, OUT/sweep.md and the figures."""
+    from rolemrc.intervene.sweep_plots import write_sweep_figures
     from rolemrc.intervene.sweep_report import sweep_markdown, sweep_summary
     from rolemrc.intervene.sweep_stats import cell_effects, correct_grid
 
@@ -188,6 +189,7 @@ def run_sweep(config: SweepConfig, *, metrics: Any = "all", progress: bool = Tru
                for c in selected}
     correct_grid(effects)
     summary = sweep_summary(config, selected, effects, prints, runs[baseline.id])
+    summary["figures"] = write_sweep_figures(summary, config.out)
     write_json(Path(config.out) / "sweep.json", summary)
     (Path(config.out) / "sweep.md").write_text(sweep_markdown(summary))
     return summary

@@ -135,6 +135,9 @@ def test_a_factor_one_grid_finds_nothing_and_says_so(setup, tmp_path):
 def test_a_rerun_of_a_finished_sweep_generates_and_scores_nothing(setup, tmp_path, monkeypatch):
     first = run_sweep(config(setup, tmp_path), metrics=("rouge",), progress=False)
     assert len(first["cells"]) == 2 and {"judge:" in n for n in first["cells"][0]["scores"]} == {True, False}
+    assert set(first["figures"]) == {"effects_vs_baseline", "effects_vs_controls", "dose_multi_turn"}
+    dose = (tmp_path / "dose_multi_turn.html").read_text()
+    assert "top-8 random controls" in dose and "baseline" in dose and (tmp_path / "dose_multi_turn.png").stat().st_size > 5000
     generate_module = importlib.import_module("rolemrc.eval.generate")
     runs_module = importlib.import_module("rolemrc.eval.runs")
     monkeypatch.setattr(generate_module, "generate_rows", lambda *a, **k: pytest.fail("generated again"))

@@ -1,0 +1,67 @@
+"""The sweep's figures (Plotly HTML + PNG): dose-response per dimension, and cells x scores effects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rolemrc.intervene.sweep_report import ALPHA, JUDGE_PREFIX
+from rolemrc.probe.plots import write_figure
+
+
+def dose_response(summary: dict, dimension: str):
+    """For the cells selected on `dimension`: the judge pass share on it (or, when the test set has no verdict on
+    it, on the first judged dimension) against the factor, one line per top-k with its 95% CI band (paired
+    against the baseline), the mean of its random-unit controls dashed, the baseline flat."""
+    import plotly.graph_objects as go
+
+    cells = [c for c in summary["cells"] if c["dimension"] == dimension]
+    judged = sorted({n for c in cells for n in c["scores"] if n.startswith(JUDGE_PREFIX)})
+    score = JUDGE_PREFIX + dimension if JUDGE_PREFIX + dimension in judged else (judged or [JUDGE_PREFIX + dimension])[0]
+    cells = [c for c in cells if score in c["scores"]]
+    fig = go.Figure()
+    for k, top_k in enumerate(sorted({c["top_k"] for c in cells})):
+        row = sorted((c for c in cells if c["top_k"] == top_k), key=lambda c: c["factor"])
+        x = [c["factor"] for c in row]
+        tests = [c["scores"][score]["vs_baseline"] for c in row]
+        color = f"hsl({(k * 67) % 360}, 65%, 45%)"
+        upper, lower = [t["a_mean"] + t["hi"] for t in tests], [t["a_mean"] + t["lo"] for t in tests]
+        fig.add_trace(go.Scatter(x=x + x[::-1], y=upper + lower[::-1],
+                                 fill="toself", fillcolor=color.replace("hsl", "hsla").replace(")", ", 0.15)"),
+                                 line={"width": 0}, hoverinfo="skip", showlegend=False))
+        fig.add_trace(go.Scatter(x=x, y=[c["scores"][score]["mean"] for c in row], mode="lines+markers",
+                                 name=f"top-{top_k}", line={"color": color}))
+        if all("controls_mean" in c["scores"][score] for c in row):
+            fig.add_trace(go.Scatter(x=x, y=[c["scores"][score]["controls_mean"] for c in row], mode="lines",
+                                     name=f"top-{top_k} random controls", line={"color": color, "dash": "dash"}))
+    if score in summary["baseline"]:
+        fig.add_hline(y=summary["baseline"][score], line_dash="dot", annotation_text="baseline")
+    fig.update_layout(title=f"units of {dimension}: {score.removeprefix(JUDGE_PREFIX)} pass share vs factor "
+                            "(95% CI bands; dashed: random units)",
+                      xaxis_title="factor (1 = unrestrained, 0 = ablated)", yaxis_title="pass share", template="plotly_white")
+    return fig
+
+
+def effects_heatmap(summary: dict, family: str):
+    """Cells x scores: the effect (`vs_baseline` or `vs_controls`), centred at 0, * where Holm p < ALPHA."""
+    import plotly.graph_objects as go
+
+    cells = summary["cells"]
+    names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not n.startswith(JUDGE_PREFIX), n))
+    labels = [f"{c['dimension']} top-{c['top_k']} x{c['factor']:g}" for c in cells]
+    tests = [[c["scores"].get(n, {}).get(family) for n in names] for c in cells]
+    z = [[t["diff"] if t else None for t in row] for row in tests]
+    text = [[f"{t['diff']:+.3f}{' *' if t['p_holm'] < ALPHA else ''}" if t else "" for t in row] for row in tests]
+    fig = go.Figure(go.Heatmap(z=z, x=names, y=labels, text=text, texttemplate="%{text}", colorscale="RdBu",
+                               zmid=0, colorbar={"title": "effect"}))
+    fig.update_layout(title=f"effect {family.replace('_', ' ')} (paired per item; * Holm p < {ALPHA})",
+                      yaxis={"autorange": "reversed"}, template="plotly_white")
+    return fig
+
+
+def write_sweep_figures(summary: dict, out: str | Path) -> dict[str, dict[str, str]]:
+    out = Path(out)
+    written = {f"effects_{family}": write_figure(effects_heatmap(summary, family), out, f"effects_{family}")
+               for family in ("vs_baseline", "vs_controls")}
+    for dimension in sorted({c["dimension"] for c in summary["cells"]}):
+        written[f"dose_{dimension}"] = write_figure(dose_response(summary, dimension), out, f"dose_{dimension}")
+    return written
