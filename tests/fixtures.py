@@ -52,3 +52,19 @@ def write_diff_file(path, delta, q):
     save_file(tensors, str(path / "diff.safetensors"), metadata={
         "hook": "mlp.act", "layers": str(delta.shape[0]), "width": str(delta.shape[1]), "k": "2",
         "top_fraction": "0.2", "tokens": "last", "rank": "signed", "dimensions": json.dumps(dims)})
+
+
+def save_peaked_llama(path, tokenizer, *, seed: int = 3, max_positions: int = 2048):
+    """Save a small Llama (hidden 64, 2 layers, 96 MLP units, head dim 32 as vLLM's CPU attention needs) with a
+    scaled-up output head, so greedy choices have clear margins across batchings; returns `path`."""
+    import torch
+
+    from rolemrc.core.tiny import build_model
+
+    model = build_model("llama", tokenizer, seed=seed, hidden=64, layers=2, intermediate=96, heads=2,
+                        max_positions=max_positions)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

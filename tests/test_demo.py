@@ -11,12 +11,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-from fixtures import SMOLLM2_TEMPLATE
+from fixtures import SMOLLM2_TEMPLATE, save_peaked_llama
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
-from rolemrc.core.tiny import build_model
 
 MICRO_PROFILE = """
 base: {vocab_size: 400, hidden: 64, layers: 2, intermediate: 128, heads: 1, max_positions: 1024, block_size: 128,
@@ -83,13 +81,9 @@ def pretrained_run(tmp_path_factory, tokenizer):
     output head, so greedy text has clear margins, and SmolLM2's marker-less chat template."""
     root = tmp_path_factory.mktemp("demo-pretrained")
     base, profile = root / "instruct", root / "lora.yaml"
-    model = build_model("llama", tokenizer, seed=5, hidden=64, layers=2, intermediate=96, heads=2, max_positions=4096)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)
-    model.save_pretrained(base)
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = SMOLLM2_TEMPLATE
-    tok.save_pretrained(base)
+    save_peaked_llama(base, tok, seed=5, max_positions=4096)
     profile.write_text(LORA_PROFILE)
     return root / "out", demo(root / "out", profile, "--base", str(base))
 

@@ -3,11 +3,11 @@ that mixes restraints in its batches."""
 
 import pytest
 import torch
+from fixtures import save_peaked_llama
 
 from rolemrc.core.chat import render_chat
 from rolemrc.core.modeling import load_model
 from rolemrc.core.records import normalize_record
-from rolemrc.core.tiny import build_model
 from rolemrc.eval.generate import GenerateConfig, generate, generate_rows
 from rolemrc.intervene import Restraint, RestraintError, applied
 from rolemrc.intervene.bake import elements_changed, fold_and_count
@@ -61,13 +61,7 @@ def test_per_row_restraints_equal_each_restraint_alone(model_dirs, hook):
 @pytest.fixture(scope="module")
 def peaked(tmp_path_factory, tokenizer):
     """A small Llama with a scaled-up output head, so greedy choices have clear margins across batchings."""
-    path = tmp_path_factory.mktemp("peaked")
-    model = build_model("llama", tokenizer, seed=3, hidden=64, layers=2, intermediate=96, heads=2, max_positions=2048)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_peaked_llama(tmp_path_factory.mktemp("peaked"), tokenizer)
 
 
 def test_generate_rows_mixes_restraints_in_batches_like_separate_runs(peaked, records):

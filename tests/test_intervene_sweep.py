@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
+from fixtures import save_peaked_llama, write_diff_file
 from fixtures import test_records as make_records
-from fixtures import write_diff_file
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
 from rolemrc.core.io import write_jsonl
-from rolemrc.core.tiny import build_model
 from rolemrc.eval.runs import EvalRun
 from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan, run_sweep
 from rolemrc.intervene.sweep_stats import cell_effects, correct_grid, holm
@@ -22,11 +21,7 @@ from rolemrc.intervene.sweep_stats import cell_effects, correct_grid, holm
 def setup(tmp_path_factory, tokenizer):
     """A peaked small Llama (clear greedy margins), a diff over its mlp.act units, six test records."""
     root = tmp_path_factory.mktemp("sweep")
-    model = build_model("llama", tokenizer, seed=3, hidden=64, layers=2, intermediate=96, heads=2, max_positions=2048)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_peaked_llama(root / "model", tokenizer)
     delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(0))]
     write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
     write_jsonl(root / "test.jsonl", make_records(6))
