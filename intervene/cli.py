@@ -84,13 +84,6 @@ def check_cmd(
     typer.secho(report.verdict, fg=typer.colors.YELLOW if report.numerical_noop else typer.colors.GREEN, err=True)
 
 
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{what}: comma-separated numbers, got {text!r}") from None
-
-
 @app.command("sweep")
 def sweep_cmd(
     model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
@@ -110,10 +103,10 @@ def sweep_cmd(
 ) -> None:
     """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
     controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
-    from rolemrc.intervene.sweep import SweepConfig, run_sweep
+    from rolemrc.intervene.sweep import SweepConfig, numbers, run_sweep
 
     config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
-                         factors=_floats(factors, "--factors"), top_k=[int(k) for k in _floats(top_k, "--top-k")],
+                         factors=numbers(factors, "--factors"), top_k=[int(k) for k in numbers(top_k, "--top-k")],
                          direction=direction, layers=layers, controls=controls, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))

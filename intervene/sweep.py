@@ -50,6 +50,14 @@ class SweepConfig:
             raise RestraintError("a sweep needs at least one factor and one top-k")
 
 
+def numbers(text: str, what: str) -> list[float]:
+    """'0.5,0' -> [0.5, 0.0]; anything else is a RestraintError naming the option."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise RestraintError(f"{what}: comma-separated numbers, got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class Cell:
     """One generation pass: the baseline (no restraint), a grid cell's selected units, or one of its controls."""
