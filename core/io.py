@@ -59,6 +59,19 @@ def read_yaml(path: str | os.PathLike, error: type[Exception] = InputError, what
         raise error(f"{path}: not valid YAML ({exc})") from None
 
 
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Atomic text write (temp file + rename): a killed process never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    """Atomic JSON write (indented, UTF-8)."""
+    write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> int:
     """Write records atomically (temp file + rename); return how many were written."""
     path = Path(path)

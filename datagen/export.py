@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from rolemrc.core.io import write_jsonl
+from rolemrc.core.io import write_json, write_jsonl, write_text
 from rolemrc.core.taxonomy import TASKS, split_task
 
 CATEGORIES = ("free chat", "on-scene chat", "single-turn MRC", "multi-turn", "nested", "prioritized")
@@ -23,18 +21,6 @@ def category(task: str) -> str:
     if variant is None:
         return "single-turn MRC"
     return {"2ndrefused": "multi-turn", "2ndanswer": "multi-turn", "refused": "prioritized"}.get(variant, "nested")
-
-
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Atomic text write (temp file + rename)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_json(path: str | os.PathLike, data: Any) -> None:
-    write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def records_from_items(pid: str, items: list[dict[str, Any]], split: str) -> dict[str, list[dict[str, Any]]]:

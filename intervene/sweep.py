@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolemrc.core.io import file_fingerprint, read_jsonl, write_jsonl
+from rolemrc.core.io import file_fingerprint, read_jsonl, write_json, write_jsonl
 from rolemrc.intervene.controls import draw_controls
 from rolemrc.intervene.select import Direction, select
 from rolemrc.intervene.spec import Restraint, RestraintError
@@ -105,13 +105,6 @@ def footprint(model: Any, tok: Any, r: Restraint) -> dict[str, Any]:
     dtype = next(model.parameters()).dtype
     return {"units": r.num_units, "weight_elements_changed": elements_changed(model, r, dtype),
             "max_logit_shift": hook_shift(model, tok, r)}
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (a killed sweep never leaves half a file)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 class CellStore:
