@@ -78,9 +78,7 @@ def generate(data: list[dict[str, Any]] | str | os.PathLike, config: GenerateCon
     else:
         records = read_records(data, "test")[0]
     if config.base_url:
-        from rolemrc.eval.judges import run_sync
-
-        results = run_sync(_generate_endpoint(records, config))
+        results = generate_endpoint_rows(records, [None] * len(records), config)
     else:
         results = _generate_local(records, config)
     if out is not None:
@@ -140,7 +138,18 @@ def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[An
     return results
 
 
-async def _generate_endpoint(records: list[dict], config: GenerateConfig) -> list[dict]:
+def generate_endpoint_rows(records: list[dict], restraints: list[Any], config: GenerateConfig) -> list[dict]:
+    """Responses of `config.base_url` for `records`, record i under `restraints[i]` (a Restraint, sent inline in
+    the request body as `rolemrc serve` expects, or None), all requests in flight together up to the concurrency
+    limit, so a server batches rows with different restraints."""
+    from rolemrc.eval.judges import run_sync
+
+    bodies = [config.extra_body | {"restraint": r.to_dict()} if r is not None else config.extra_body
+              for r in restraints]
+    return run_sync(_generate_endpoint(records, bodies, config))
+
+
+async def _generate_endpoint(records: list[dict], bodies: list[dict[str, Any]], config: GenerateConfig) -> list[dict]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=config.base_url, api_key=os.environ.get(config.api_key_env) or "EMPTY",
@@ -149,14 +158,14 @@ async def _generate_endpoint(records: list[dict], config: GenerateConfig) -> lis
     retryable = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
     bar = tqdm(total=len(records), desc=f"generate ({config.model})", disable=not config.progress)
 
-    async def one(record: dict) -> dict:
+    async def one(record: dict, body: dict[str, Any]) -> dict:
         for attempt in range(config.max_retries + 1):
             try:
                 async with limit:
                     began = time.perf_counter()
                     reply = await client.chat.completions.create(
                         model=config.model, messages=record["question"], max_tokens=config.max_new_tokens,
-                        temperature=config.temperature, extra_body=config.extra_body or None)
+                        temperature=config.temperature, extra_body=body or None)
                     latency = time.perf_counter() - began
                 break
             except retryable as exc:
@@ -173,7 +182,7 @@ async def _generate_endpoint(records: list[dict], config: GenerateConfig) -> lis
         return _with_response(record, text.strip(), latency, getattr(usage, "completion_tokens", None) or 0)
 
     try:
-        return list(await asyncio.gather(*(one(r) for r in records)))
+        return list(await asyncio.gather(*(one(r, b) for r, b in zip(records, bodies))))
     finally:
         bar.close()
         await client.close()

@@ -100,6 +100,13 @@ def sweep_cmd(
     metrics: str = typer.Option("all", help="reference metric groups (all, or e.g. rouge,bleu)"),
     max_new_tokens: int = typer.Option(96, help="generation length"),
     batch_size: int = typer.Option(16, help="rows per generation batch (cells share batches)"),
+    cells_per_pass: int = typer.Option(4, help="cells generated together; each finished pass is kept"),
+    engine: str = typer.Option("transformers", help="transformers (in this process) | vllm (a rolemrc server with "
+                                                    "the vLLM engine, restraints as LoRA adapters)"),
+    base_url: str = typer.Option(None, help="generate on a running rolemrc endpoint instead (OpenAI base URL, "
+                                            ".../v1; --model is then the local copy of its weights)"),
+    served_model: str = typer.Option(None, help="the endpoint's model id (default: the one it lists)"),
+    concurrency: int = typer.Option(16, help="requests in flight (endpoint engines)"),
 ) -> None:
     """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
     controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
@@ -108,6 +115,7 @@ def sweep_cmd(
     config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
                          factors=numbers(factors, "--factors"), top_k=[int(k) for k in numbers(top_k, "--top-k")],
                          direction=direction, layers=layers, controls=controls, seed=seed,
-                         max_new_tokens=max_new_tokens, batch_size=batch_size)
+                         max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
+                         engine=engine, base_url=base_url, served_model=served_model, concurrency=concurrency)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))

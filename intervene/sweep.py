@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rolemrc.core.io import file_fingerprint, read_jsonl, write_json, write_jsonl
 from rolemrc.intervene.controls import draw_controls
@@ -38,6 +38,12 @@ class SweepConfig:
     max_new_tokens: int = 96
     batch_size: int = 16
     cells_per_pass: int = 4        # cells generated together (sharing batches); each pass is saved when done
+    engine: Literal["transformers", "vllm"] = "transformers"   # vllm: a rolemrc server started for the sweep
+    base_url: str | None = None    # instead: any OpenAI-compatible rolemrc endpoint serving `model`'s weights
+    served_model: str | None = None   # its model id (default: the one unrestrained model it lists)
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 16          # requests in flight (endpoint engines)
+    vllm_memory: float | None = None   # the vLLM engine's memory_utilization
 
     def __post_init__(self) -> None:
         if not self.dimensions:
@@ -48,6 +54,10 @@ class SweepConfig:
             raise RestraintError(f"cells_per_pass must be >= 1, got {self.cells_per_pass}")
         if not self.factors or not self.top_k:
             raise RestraintError("a sweep needs at least one factor and one top-k")
+        if self.engine not in ("transformers", "vllm"):
+            raise RestraintError(f"engine: transformers or vllm, got {self.engine!r}")
+        if self.base_url and self.engine != "transformers":
+            raise RestraintError("--base-url generates on a running server; --engine vllm starts one: choose one")
 
 
 def numbers(text: str, what: str) -> list[float]:
@@ -127,18 +137,17 @@ class CellStore:
 
 
 def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[Cell], CellStore]:
-    """Generate every cell not yet in the store (model loaded once; cells share batches); returns the plan."""
+    """Generate every cell not yet in the store (model loaded once; cells share batches, or a server's); returns
+    the plan."""
     from rolemrc.core.modeling import dir_fingerprint, load_model
     from rolemrc.core.records import read_records
-    from rolemrc.eval.generate import GenerateConfig, generate_rows
+    from rolemrc.intervene.sweep_sources import engine_label, row_source
     from rolemrc.probe.diff import load_diff
     from rolemrc.probe.hooks import width
 
     records = read_records(config.data, "test")[0]
-    gen = GenerateConfig(model=config.model, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
-                         progress=progress)
     settings = {"model": dir_fingerprint(config.model), "data": file_fingerprint(config.data),
-                "max_new_tokens": config.max_new_tokens}
+                "max_new_tokens": config.max_new_tokens, "engine": engine_label(config)}
     model, tok = load_model(config.model, device="auto")
     hook = load_diff(config.diff).hook
     cells = plan(config, width(model, hook), settings)
@@ -150,12 +159,16 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     known = json.loads(path.read_text()) if path.is_file() else {}
     write_json(path, {c.id: known.get(c.id) or footprint(model, tok, c.restraint) for c in cells if c.restraint})
     pending = [c for c in cells if not store.done(c)]
-    for start in range(0, len(pending), config.cells_per_pass):
-        chunk = pending[start:start + config.cells_per_pass]
-        results = generate_rows(model, tok, [r for _ in chunk for r in records],
-                                [c.restraint for c in chunk for _ in records], gen)
-        for k, cell in enumerate(chunk):
-            store.save(cell, results[k * len(records):(k + 1) * len(records)])
+    if not pending:
+        return cells, store
+    if config.base_url or config.engine != "transformers":
+        model = None   # generation happens in a server; the local copy only measured the footprints
+    with row_source(config, cells, model, tok, progress=progress) as rows:
+        for start in range(0, len(pending), config.cells_per_pass):
+            chunk = pending[start:start + config.cells_per_pass]
+            results = rows([r for _ in chunk for r in records], [c.restraint for c in chunk for _ in records])
+            for k, cell in enumerate(chunk):
+                store.save(cell, results[k * len(records):(k + 1) * len(records)])
     return cells, store
 
 

@@ -1,0 +1,81 @@
+"""The sweep's other engines, for real: a running `rolemrc serve` endpoint (each row's restraint sent inline) and
+`--engine vllm` (a server of the sweep's own, restraints as LoRA adapters) give the in-process sweep's responses."""
+
+import os
+
+import pytest
+import torch
+from fixtures import save_peaked_llama, write_diff_file
+from fixtures import test_records as make_records
+
+from rolemrc.core.io import write_jsonl
+from rolemrc.intervene.spec import RestraintError
+from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan
+from rolemrc.intervene.sweep_sources import served_model, vllm_server_config
+from rolemrc.serve.config import ConfigError
+from rolemrc.serve.launch import running_server
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("sweep-engines")
+    save_peaked_llama(root / "model", tokenizer, max_positions=512)
+    delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(1))]
+    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
+    write_jsonl(root / "test.jsonl", make_records(6, seed=2))
+    return root
+
+
+def config(root, out, **kw) -> SweepConfig:
+    return SweepConfig(model=str(root / "model"), diff=str(root / "diff"), data=str(root / "test.jsonl"), out=str(out),
+                       dimensions=["multi_turn"], **{"factors": [0.0], "top_k": [8], "controls": 1, "max_new_tokens": 8,
+                                                     "batch_size": 8, "cells_per_pass": 2, **kw})
+
+
+def responses(root, out, **kw) -> list[list[str]]:
+    """Each planned cell's responses, in plan order (cell ids name the engine, so they differ across engines)."""
+    cells, store = generate_cells(config(root, out, **kw), progress=False)
+    return [[r["response"].replace("\ufffd", "") for r in store.load(c)] for c in cells]
+
+
+@pytest.fixture(scope="module")
+def local(setup, tmp_path_factory):
+    return responses(setup, tmp_path_factory.mktemp("local"))
+
+
+def test_a_sweep_on_a_running_endpoint_equals_the_in_process_one(setup, local, tmp_path):
+    model = {"path": str(setup / "model")}
+    served = {"models": {"m": model, "n": model}, "allow_inline_restraints": True, "db": None}
+    with running_server(served, workdir=tmp_path) as server:
+        url = server.base_url + "/v1"
+        with pytest.raises(RestraintError, match="serves \\['m', 'n'\\]; choose one with --served-model"):
+            served_model(url, "none")
+        remote = responses(setup, tmp_path / "out", base_url=url, served_model="n")
+    assert remote == local
+    assert remote[1] != remote[0]   # the restraint reached the server: zeroing 8 units moves the text
+
+
+def test_engine_vllm_serves_every_cell_as_a_lora_adapter(setup, local, tmp_path, monkeypatch):
+    from rolemrc.serve.engines.vllm import vllm_python
+
+    try:
+        python = vllm_python("sweep")
+    except ConfigError as exc:
+        if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(f"vLLM is not installed ({exc})")
+    monkeypatch.setenv("ROLEMRC_VLLM_PYTHON", python)
+    assert responses(setup, tmp_path, engine="vllm") == local
+    assert not list(tmp_path.glob("cells/*.tmp")) and list(tmp_path.glob("server-*.log"))
+
+
+def test_the_vllm_server_is_sized_for_the_largest_cell(setup, tmp_path):
+    cfg = config(setup, tmp_path, engine="vllm", top_k=[8, 40], cells_per_pass=3)
+    cells = plan(cfg, width=96, settings={})
+    served = vllm_server_config(cfg, cells)
+    model = served["models"]["sweep"]
+    widest = max(len(u) for c in cells[1:] for u in c.restraint.units.values())
+    assert model["engine"] == "vllm" and model["max_lora_rank"] >= widest and model["max_inline_adapters"] == 3
+    assert served["allow_inline_restraints"] and served["max_inline_units"] == 40
+    with pytest.raises(RestraintError, match="choose one"):
+        config(setup, tmp_path, engine="vllm", base_url="http://x/v1")
