@@ -24,8 +24,23 @@ def _wins(cell: dict, family: str, sign: int) -> list[str]:
             if family in e and e[family]["p_holm"] < ALPHA and sign * e[family]["diff"] > 0]
 
 
-def _label(cell: dict) -> str:
+def cell_label(cell: dict) -> str:
     return f"{cell['dimension']} top-{cell['top_k']} x{cell['factor']:g}"
+
+
+def beats_both(cell: dict) -> list[str]:
+    """The judge scores on which the cell is significantly better than both its baseline and its controls."""
+    return [n for n in _wins(cell, "vs_baseline", 1) if n.startswith(JUDGE_PREFIX) and n in _wins(cell, "vs_controls", 1)]
+
+
+def rank_cells(cells: list[dict]) -> list[dict]:
+    """Best first: more judge dimensions beating both, then the larger mean lower 95% bound of the judge effects
+    against the controls (a cell whose effect the controls match ranks low)."""
+    def bound(cell: dict) -> float:
+        lows = [e["vs_controls"]["lo"] for n, e in cell["scores"].items() if n.startswith(JUDGE_PREFIX) and "vs_controls" in e]
+        return sum(lows) / len(lows) if lows else float("-inf")
+
+    return sorted(cells, key=lambda c: (-len(beats_both(c)), -bound(c)))
 
 
 def headline(cells: list[dict]) -> str:
@@ -33,10 +48,10 @@ def headline(cells: list[dict]) -> str:
     tests = sum(len(c["scores"]) for c in cells)
     winners = []
     for cell in cells:
-        better = [n for n in _wins(cell, "vs_baseline", 1) if n.startswith(JUDGE_PREFIX) and n in _wins(cell, "vs_controls", 1)]
+        better = beats_both(cell)
         if better:
             costs = [n for n in _wins(cell, "vs_baseline", -1) if not n.startswith(JUDGE_PREFIX)]
-            winners.append(f"{_label(cell)} ({', '.join(n.removeprefix(JUDGE_PREFIX) for n in better)}; "
+            winners.append(f"{cell_label(cell)} ({', '.join(n.removeprefix(JUDGE_PREFIX) for n in better)}; "
                            f"cost: {', '.join(costs) or 'no metric significantly lower'})")
     moved = [c for c in cells if _wins(c, "vs_baseline", 1) or _wins(c, "vs_baseline", -1)]
     if winners:
@@ -62,8 +77,8 @@ def sweep_markdown(summary: dict) -> str:
              "controls (same units per layer, same factor). Mean [95% bootstrap CI], Holm-corrected p over the grid; "
              f"* marks p < {summary['alpha']}.", "",
              "| cell | units | weight elements | max Δlogit |", "|---|---|---|---|"]
-    lines += [f"| {_label(c)} | {c['units']} | {c['weight_elements_changed']} | {c['max_logit_shift']:.3g} |" for c in cells]
+    lines += [f"| {cell_label(c)} | {c['units']} | {c['weight_elements_changed']} | {c['max_logit_shift']:.3g} |" for c in cells]
     for family, title in (("vs_baseline", "against the baseline"), ("vs_controls", "against the controls")):
         lines += ["", f"## Effect {title}", "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        lines += [f"| {_label(c)} | " + " | ".join(_effect(c["scores"].get(n), family) for n in names) + " |" for c in cells]
+        lines += [f"| {cell_label(c)} | " + " | ".join(_effect(c["scores"].get(n), family) for n in names) + " |" for c in cells]
     return "\n".join(lines) + "\n"

@@ -3,6 +3,7 @@ and Prometheus metrics. Every error is answered in OpenAI's shape."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -30,6 +31,8 @@ async def lifespan(app: FastAPI):
     state.registry = Registry(state.config)
     state.store = Store(state.config.db) if state.config.db else None
     await state.registry.start()
+    if state.store is not None:
+        await reregister(state)
     log.info("ready", extra={"models": sorted(state.registry.variants)})
     try:
         yield
@@ -38,6 +41,18 @@ async def lifespan(app: FastAPI):
         if state.store is not None:
             state.store.close()
         log.info("stopped")
+
+
+async def reregister(state: State) -> None:
+    """Register again the restraints registered while serving before (kept in the database); one that no longer
+    fits, or whose name the config now gives another restraint, is logged and skipped."""
+    from rolemrc.intervene import Restraint, RestraintError
+
+    for name, spec in (await asyncio.to_thread(state.store.restraints)).items():
+        try:
+            await state.registry.register(name, Restraint.from_dict(spec))
+        except (ApiError, RestraintError) as exc:
+            log.warning("restraint %r registered earlier is not served: %s", name, exc)
 
 
 def create_app(config: ServeConfig) -> FastAPI:

@@ -271,6 +271,28 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class RestraintCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=ID_PATTERN, description="the name requests and A/B arms use ('model+name' ids)")
+    spec: dict[str, Any] = Field(description="a restraint spec (hook, units, factor; as `intervene select` writes)")
+
+
+class RestraintCard(BaseModel):
+    name: str
+    object: Literal["restraint"] = "restraint"
+    hook: str
+    factor: float
+    units: int = Field(description="units scaled, over all layers")
+    models: list[str] = Field(description="the served models it fits")
+    spec: dict[str, Any]
+
+
+class RestraintList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[RestraintCard]
+
+
 class Arm(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -34,20 +35,50 @@ class Registry:
                                              max_queue=config.max_queue, default_max_tokens=config.default_max_tokens)
             for name, model in config.models.items()}
         self.variants: dict[str, tuple[str, str | None]] = {name: (name, None) for name in self.engines}
+        self._registering = asyncio.Lock()
         for name, engine in self.engines.items():
-            if not engine.capabilities.runtime_restraints:
-                continue
-            fitting = {}
-            for rname, restraint in self.restraints.items():
-                try:
-                    engine.check_restraint(restraint)
-                except RestraintError as exc:
-                    log.warning("restraint %r does not fit model %r: %s", rname, name, exc)
-                    continue
-                self.variants[f"{name}+{rname}"] = (name, rname)
-                fitting[rname] = restraint
+            fitting = {rname: r for rname, r in self.restraints.items() if self._fits(name, engine, rname, r)}
             if engine.capabilities.lora_restraints:
                 engine.register_adapters(fitting, inline=config.allow_inline_restraints)
+
+    def _fits(self, name: str, engine: Engine, rname: str, restraint: Any) -> bool:
+        """Whether `engine` serves `restraint`; if so, the variant `name+rname` exists from now on."""
+        from rolemrc.intervene import RestraintError
+
+        if not engine.capabilities.runtime_restraints:
+            return False
+        try:
+            engine.check_restraint(restraint)
+        except RestraintError as exc:
+            log.warning("restraint %r does not fit model %r: %s", rname, name, exc)
+            return False
+        self.variants[f"{name}+{rname}"] = (name, rname)
+        return True
+
+    async def register(self, rname: str, restraint: Any) -> tuple[bool, list[str]]:
+        """Register a restraint while serving (idempotent for the same units, hook and factor): (whether it is
+        new, the models it fits). 409 when the name holds a different restraint; 422 when it fits no model."""
+        from rolemrc.intervene.lora import spec_digest
+
+        async with self._registering:
+            if rname in self.restraints:
+                if spec_digest(self.restraints[rname]) != spec_digest(restraint):
+                    raise ApiError(409, f"restraint {rname!r} is registered with other units, hook or factor",
+                                   code="restraint_exists", param="name")
+                return False, self.fitted(rname)
+            fits = [name for name, engine in self.engines.items() if self._fits(name, engine, rname, restraint)]
+            if not fits:
+                raise ApiError(422, f"restraint {rname!r} fits none of the served models {sorted(self.engines)}",
+                               code="invalid_restraint", param="spec")
+            for name in fits:
+                if self.engines[name].capabilities.lora_restraints:
+                    await self.engines[name].add_adapter(rname, restraint)
+            self.restraints[rname] = restraint
+            return True, fits
+
+    def fitted(self, rname: str) -> list[str]:
+        """The models serving the registered restraint `rname`."""
+        return [name for name, r in self.variants.values() if r == rname]
 
     async def start(self) -> None:
         for engine in self.engines.values():
@@ -76,10 +107,27 @@ class Registry:
         raise ApiError(404, f"the model {model_id!r} does not exist; GET /v1/models lists them",
                        code="model_not_found", param="model")
 
+    def parse_spec(self, spec: Any, param: str) -> Any:
+        """A client's restraint spec as a Restraint: 400 when this server takes none (allow_inline_restraints),
+        422 when invalid or larger than max_inline_units."""
+        from rolemrc.intervene import Restraint, RestraintError
+
+        if not self.config.allow_inline_restraints:
+            raise ApiError(400, "restraint specs from clients are disabled on this server (allow_inline_restraints)",
+                           code="inline_restraints_disabled", param=param)
+        try:
+            restraint = Restraint.from_dict(spec)
+        except (RestraintError, TypeError, AttributeError, ValueError) as exc:
+            raise ApiError(422, f"invalid restraint spec: {exc}", code="invalid_restraint", param=param) from None
+        if restraint.num_units > self.config.max_inline_units:
+            raise ApiError(422, f"the restraint has {restraint.num_units} units; this server's limit is "
+                                f"{self.config.max_inline_units}", code="restraint_too_large", param=param)
+        return restraint
+
     def resolve(self, engine: Engine, named: str | None, requested: str | dict | None) -> Resolved:
         """The restraint for a request: from the model id, or the request's `restraint` (a registered
         name, or an inline spec if allowed). 404 unknown name, 400 not allowed, 422 invalid spec."""
-        from rolemrc.intervene import Restraint, RestraintError
+        from rolemrc.intervene import RestraintError
 
         if named is not None and requested is not None:
             raise ApiError(400, "the model id already names a restraint; drop the 'restraint' field",
@@ -97,17 +145,7 @@ class Registry:
                                code="restraint_not_found", param="restraint")
             restraint, label, key = self.restraints[requested], requested, f"name:{requested}"
         else:
-            if not self.config.allow_inline_restraints:
-                raise ApiError(400, "inline restraint specs are disabled on this server (allow_inline_restraints)",
-                               code="inline_restraints_disabled", param="restraint")
-            try:
-                restraint = Restraint.from_dict(requested)
-            except (RestraintError, TypeError, AttributeError, ValueError) as exc:
-                raise ApiError(422, f"invalid restraint spec: {exc}", code="invalid_restraint",
-                               param="restraint") from None
-            if restraint.num_units > self.config.max_inline_units:
-                raise ApiError(422, f"inline restraint has {restraint.num_units} units; the limit is "
-                                    f"{self.config.max_inline_units}", code="restraint_too_large", param="restraint")
+            restraint = self.parse_spec(requested, "restraint")
             digest = hashlib.sha256(json.dumps(restraint.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
             label, key = "inline", f"inline:{digest}"
         try:

@@ -56,6 +56,33 @@ async def models(request: Request) -> p.ModelList:
     return p.ModelList(data=app_state(request).registry.cards())
 
 
+def restraint_card(state: Any, name: str) -> p.RestraintCard:
+    r = state.registry.restraints[name]
+    return p.RestraintCard(name=name, hook=r.hook, factor=r.factor, units=r.num_units,
+                           models=state.registry.fitted(name), spec=r.to_dict())
+
+
+@v1.get("/restraints", response_model=p.RestraintList)
+async def restraints(request: Request) -> p.RestraintList:
+    state = app_state(request)
+    return p.RestraintList(data=[restraint_card(state, name) for name in state.registry.restraints])
+
+
+@v1.post("/restraints", response_model=p.RestraintCard, status_code=201,
+         responses={200: {"model": p.RestraintCard, "description": "already registered with the same units"},
+                    409: {"model": p.ErrorResponse, "description": "the name holds another restraint"}})
+async def register_restraint(body: p.RestraintCreate, request: Request) -> Any:
+    """Register a restraint while serving (allowed where clients may send specs: allow_inline_restraints); it is
+    kept in the database, if any, and registered again when the server restarts."""
+    state = app_state(request)
+    restraint = state.registry.parse_spec({**body.spec, "name": body.name}, "spec")
+    new, _ = await state.registry.register(body.name, restraint)
+    if new and state.store is not None:
+        await asyncio.to_thread(state.store.add_restraint, body.name, restraint.to_dict(), time.time())
+    card = restraint_card(state, body.name)
+    return card if new else JSONResponse(card.model_dump(), status_code=200)
+
+
 @v1.post("/experiments", response_model=p.Experiment, status_code=201,
          responses={409: {"model": p.ErrorResponse, "description": "id taken"}})
 async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Experiment:

@@ -18,6 +18,7 @@ CREATE TABLE IF NOT EXISTS requests (
   finish_reason TEXT, latency_s REAL NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
   metadata TEXT, started REAL NOT NULL, finished REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS requests_by_experiment ON requests(experiment, arm);
+CREATE TABLE IF NOT EXISTS restraints (name TEXT PRIMARY KEY, spec TEXT NOT NULL, created REAL NOT NULL);
 """
 REQUEST_FIELDS = ("id", "experiment", "arm", "user", "model", "restraint", "endpoint", "messages", "response",
                   "finish_reason", "latency_s", "prompt_tokens", "completion_tokens", "metadata", "started", "finished")
@@ -61,6 +62,17 @@ class Store:
                                            (exp_id,)).fetchall())
         return {"id": row["id"], "description": row["description"], "arms": json.loads(row["arms"]),
                 "created": row["created"], "requests": counts}
+
+    def add_restraint(self, name: str, spec: dict[str, Any], created: float) -> None:
+        """Keep a restraint registered while serving (the first spec under a name stays)."""
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO restraints VALUES (?, ?, ?)", (name, json.dumps(spec), created))
+
+    def restraints(self) -> dict[str, dict[str, Any]]:
+        """name -> spec of the restraints registered while serving, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT name, spec FROM restraints ORDER BY created, name").fetchall()
+        return {row["name"]: json.loads(row["spec"]) for row in rows}
 
     def log_request(self, row: dict[str, Any]) -> None:
         """Insert one request row (committed and fsynced before returning)."""

@@ -174,6 +174,15 @@ def test_inline_restraints_load_at_runtime_within_the_bound(server, client):
     assert len(cached) == len(RESTRAINTS) + 1 + len(INLINE)
 
 
+def test_a_restraint_registered_while_serving_becomes_an_adapter(server, client):
+    spec = {"hook": "mlp.act", "factor": 0.0, "units": {"1": list(range(50, 90))}}
+    made = httpx.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": spec})
+    assert made.status_code == 201 and sorted(made.json()["models"]) == ["t", "v"]
+    assert_same(chat(client, "v+late"), chat(client, "t+late"))
+    assert shown(chat(client, "v+late").choices[0].message.content) != shown(chat(client, "v").choices[0].message.content)
+    assert {"v+late", "t+late"} <= {m.id for m in client.models.list().data}
+
+
 def test_unknown_and_inexpressible_restraints_are_refused(client):
     with pytest.raises(openai.NotFoundError, match="unknown restraint 'nope'"):
         chat(client, "v", restraint="nope")

@@ -179,3 +179,6 @@ class LoraEngine(Engine, Protocol):
 
     def register_adapters(self, restraints: Mapping[str, Any], inline: bool) -> None:
         """The registered restraints that fit this model (name -> Restraint), and whether inline ones may come."""
+
+    async def add_adapter(self, name: str, restraint: Any) -> None:
+        """Serve a restraint registered while running (it passed `check_restraint`)."""

@@ -147,6 +147,15 @@ class VllmEngine(OpenAIProxy):
         await self.inline.acquire(name, lambda: self._load(name, resolved.restraint), self._unload)
         return name
 
+    async def add_adapter(self, name: str, restraint: Any) -> None:
+        """A restraint registered while running: exported and loaded now, then served like those given at start."""
+        if not self.lora:
+            raise ApiError(422, f"model {self.name!r} runs without LoRA, so it cannot take restraints while running",
+                           code="invalid_restraint", param="spec")
+        adapter = f"{self.name}+{name}"
+        await self._load(adapter, restraint)
+        self.registered[adapter] = restraint
+
     def unpin(self, resolved: Resolved) -> None:
         if resolved.key.startswith("inline:"):
             self.inline.release(self._inline_name(resolved))

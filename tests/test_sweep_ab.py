@@ -1,0 +1,103 @@
+"""From the offline sweep to a served A/B experiment: `rolemrc ab create --from-sweep` registers the chosen cells'
+restraints on a running server (POST /v1/restraints, kept across restarts) and creates the experiment, whose arms
+answer as the sweep's cells did."""
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+from fixtures import save_peaked_llama, write_diff_file
+from fixtures import test_records as make_records
+from typer.testing import CliRunner
+
+from rolemrc.cli import app
+from rolemrc.core.errors import InputError
+from rolemrc.core.io import read_jsonl, write_jsonl
+from rolemrc.intervene.sweep import SweepConfig, run_sweep
+from rolemrc.serve.from_sweep import arm_name, choose_cells
+from rolemrc.serve.launch import running_server
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, tokenizer):
+    """A finished sweep on a peaked small Llama: factors 0 and 0.5 at top-8, one control each."""
+    root = tmp_path_factory.mktemp("sweep-ab")
+    save_peaked_llama(root / "model", tokenizer)
+    delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(0))]
+    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
+    write_jsonl(root / "test.jsonl", make_records(6))
+    config = SweepConfig(model=str(root / "model"), diff=str(root / "diff"), data=str(root / "test.jsonl"),
+                         out=str(root / "sweep"), dimensions=["multi_turn"], factors=[0.0, 0.5], top_k=[8], controls=1,
+                         max_new_tokens=6, batch_size=8)
+    return root, run_sweep(config, metrics=("rouge",), progress=False)
+
+
+def cell(label_factor: float, lo: float, beats: bool) -> dict:
+    family = {"diff": 1.0, "lo": lo, "hi": 2.0, "p_holm": 0.001 if beats else 0.5}
+    return {"id": f"selected-{int(label_factor * 10):012d}", "dimension": "multi_turn", "top_k": 8, "factor": label_factor,
+            "units": 8, "scores": {"judge:multi_turn": {"vs_baseline": family, "vs_controls": family}}}
+
+
+def test_cells_are_chosen_best_first_or_by_name():
+    cells = [cell(0.9, -0.5, False), cell(0.5, 0.1, True), cell(0.0, 0.3, True), cell(0.99, 0.2, False)]
+    assert [c["factor"] for c in choose_cells(cells, "best:3")] == [0.0, 0.5, 0.99]
+    assert choose_cells(cells, "multi_turn top-8 x0.9, " + cells[3]["id"]) == [cells[0], cells[3]]
+    for bad, match in (("best:0", "best:N"), ("nope", "no cell \\['nope'\\]"), ("", "no cell")):
+        with pytest.raises(InputError, match=match):
+            choose_cells(cells, bad)
+
+
+def test_ab_create_from_sweep_serves_the_cells_as_arms(sweep, tmp_path):
+    root, summary = sweep
+    served = {"models": {"m": {"path": str(root / "model")}}, "allow_inline_restraints": True, "db": "ab.sqlite"}
+    args = ["ab", "create", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--id", "from-sweep"]
+    with running_server(served, workdir=tmp_path) as server:
+        result = CliRunner().invoke(app, [*args, "--base-url", server.base_url + "/v1"])
+        assert result.exit_code == 0, result.output
+        created = json.loads(result.output)
+        arms = created["experiment"]["arms"]
+        assert [a["name"] for a in arms] == ["baseline", *(e["arm"] for e in created["cells"])]
+        assert {e["arm"] for e in created["cells"]} == {arm_name(c) for c in summary["cells"]}   # best:2 of 2 cells
+        assert len(arms) == 3 and {a["model"] for a in arms} == {"m"} and arms[0].get("restraint") is None
+        assert "multi_turn top-8 x0" in created["experiment"]["description"]
+        listed = httpx.get(server.base_url + "/v1/restraints").json()["data"]
+        assert {r["name"]: (r["units"], r["models"]) for r in listed} == {a["name"]: (8, ["m"]) for a in arms[1:]}
+
+        # each arm answers as the sweep's cell did (greedy, same length)
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        for entry in created["cells"]:
+            for row in read_jsonl(root / "sweep" / "cells" / f"{entry['cell']}.jsonl")[:3]:
+                reply = client.chat.completions.create(model=f"m+{entry['arm']}", messages=row["question"], max_tokens=6,
+                                                       temperature=0)
+                assert reply.choices[0].message.content.strip() == row["response"]
+
+        # registering is idempotent for the same units, refused for others under the same name
+        spec = listed[0]["spec"]
+        again = httpx.post(server.base_url + "/v1/restraints", json={"name": listed[0]["name"], "spec": spec})
+        assert again.status_code == 200
+        other = httpx.post(server.base_url + "/v1/restraints",
+                           json={"name": listed[0]["name"], "spec": {**spec, "factor": 0.25}})
+        assert other.status_code == 409 and other.json()["error"]["code"] == "restraint_exists"
+        taken = CliRunner().invoke(app, [*args, "--base-url", server.base_url + "/v1"])
+        assert taken.exit_code != 0 and "HTTP 409" in taken.output and "exists" in taken.output
+
+    # a restart registers them again from the database, so the experiment's arms are still served
+    with running_server(served, workdir=tmp_path) as server:
+        assert {r["name"] for r in httpx.get(server.base_url + "/v1/restraints").json()["data"]} == {
+            a["name"] for a in arms[1:]}
+        reply = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="from-sweep", messages=[{"role": "user", "content": "the keeper"}], max_tokens=4, user="u1",
+            extra_body={"experiment": "from-sweep"})
+        assert reply.model_extra["arm"] in {a["name"] for a in arms}
+
+
+def test_servers_without_client_specs_refuse_registration(sweep, tmp_path):
+    root, _ = sweep
+    with running_server({"models": {"m": {"path": str(root / "model")}}, "db": None}, workdir=tmp_path) as server:
+        result = CliRunner().invoke(app, ["ab", "create", "--from-sweep", str(root / "sweep"), "--base-url",
+                                          server.base_url + "/v1"])
+    assert result.exit_code != 0 and "allow_inline_restraints" in result.output
+    missing = CliRunner().invoke(app, ["ab", "create", "--from-sweep", str(tmp_path), "--base-url", "http://127.0.0.1:9/v1"])
+    assert missing.exit_code != 0 and "no finished sweep" in missing.output
