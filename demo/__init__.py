@@ -2,7 +2,8 @@
 
 From the embedded default (`--base embedded`, `make demo`): datagen -> train base -> SFT -> DPO -> eval SFT and DPO ->
 probe both (paired) -> diff (McNemar) + explorer -> restraint for the dimension with the largest shift -> bake +
-check -> eval after + compare -> serve and call with the openai client -> summary.
+check -> eval after + compare -> restraint sweep (factors x top-k, each against random-unit controls) -> serve and
+call with the openai client -> summary.
 From a pretrained model (`--base smollm2`, `make demo-real`): the same with LoRA SFT/DPO from that model, its own
 eval ("instruct"), an ablation of the same units, the restraint exported as a LoRA adapter, vLLM in the serve
 stage where installed, and results.md with every table.
@@ -28,6 +29,7 @@ from rolemrc.demo.stages import (
     lora_stage,
     probe_stages,
     restraint_stages,
+    sweep_stage,
     train_stages,
 )
 
@@ -59,6 +61,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         effects[kind] = {"factor": factor, "units": r["check"]["units"], "check_verdict": r["check"]["verdict"],
                          "verdicts": comparison["verdicts"], "metrics": comparison["metrics"],
                          "conclusion": verdict_sentence(comparison, r["check"], label)}
+    sweep = sweep_stage(cache, cfg, models["dpo"], probe["diff_dir"], dimension, test) if cfg.sweep else None
     restraint = restraints["restraint"]
     lora = lora_stage(cache, cfg, models["dpo"], restraint["spec"]) if cfg.pretrained else None
     summary = {
@@ -82,6 +85,9 @@ def run_demo(cfg: DemoConfig) -> dict:
         "restraint_effects": effects,
         "conclusion": effects["restraint"]["conclusion"],
     }
+    if sweep:
+        summary["artifacts"]["sweep"] = sweep["out"]
+        summary["sweep"] = sweep
     if cfg.serve:
         summary["serve"] = serve_stage(cache, cfg, models["dpo"], restraint["spec"], restraint["baked"], test)
     summary["stage_seconds"] = cache.timings
@@ -106,18 +112,23 @@ def register(app: typer.Typer) -> None:
                                                   "(default: none; 0 for a pretrained base)"),
         max_new_tokens: int = typer.Option(None, help="eval generation length (default: 96; 64 for a pretrained base)"),
         serve: bool = typer.Option(True, help="serve the restrained model briefly and call it"),
+        sweep: bool = typer.Option(True, help="sweep factors x top-k with random-unit controls"),
+        sweep_items: int = typer.Option(None, help="test cases the sweep generates for (default: 72; 48 pretrained)"),
         vllm: bool = typer.Option(None, "--vllm/--no-vllm", help="also serve on vLLM (the restraint as a LoRA adapter) "
                                                                "(default: where vLLM is installed)"),
         force: bool = typer.Option(False, help="rerun every stage even if its inputs are unchanged"),
     ) -> None:
         """The whole method, offline; a rerun reuses finished stages."""
         cfg = DemoConfig.for_base(base, out=out, size=size, profile=profile, hook=hook, top_k=top_k, factor=factor,
-                                  ablation=ablation, max_new_tokens=max_new_tokens, serve=serve, vllm=vllm,
-                                  force=force)
+                                  ablation=ablation, max_new_tokens=max_new_tokens, serve=serve, sweep=sweep,
+                                  sweep_items=sweep_items, vllm=vllm, force=force)
         summary = run_demo(cfg)
         console.rule("[bold]summary")
         console.print_json(json.dumps({k: v for k, v in summary.items() if k not in ("restraint_effect",
-                                                                                    "restraint_effects")}, default=str))
+                                                                                    "restraint_effects", "sweep")},
+                                      default=str))
         for effect in summary["restraint_effects"].values():
             console.print(f"[bold]{effect['conclusion']}[/bold]")
+        if "sweep" in summary:
+            console.print(f"[bold]Sweep: {summary['sweep']['headline']}[/bold]")
         console.print(f"everything is under {out}; summary: {out / 'summary.json'}, tables: {out / 'results.md'}")

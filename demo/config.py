@@ -12,9 +12,13 @@ EMBEDDED = "embedded"
 # its own 2.6M-parameter base (10 minutes in all); a pretrained base (SmolLM2-135M-Instruct) is fine-tuned
 # with LoRA on a subset (datagen with 20 personas: 48 test cases; the steps in train/profiles/smollm2.yaml)
 # and is also restrained at an ablation factor (30 minutes in all).
+# The sweep stage (factors x top-k, each with random-unit controls) runs on `sweep_items` test cases spread
+# evenly over the test set.
 PRESETS: dict[str, dict] = {
-    "embedded": {"size": "small", "profile": "tiny", "top_k": 64, "max_new_tokens": 96, "ablation": None},
-    "pretrained": {"size": 20, "profile": "smollm2", "top_k": 512, "max_new_tokens": 64, "ablation": 0.0},
+    "embedded": {"size": "small", "profile": "tiny", "top_k": 64, "max_new_tokens": 96, "ablation": None,
+                 "sweep_factors": (PAPER_FACTOR, 0.5, 0.0), "sweep_top_k": (16, 64), "sweep_items": 72},
+    "pretrained": {"size": 20, "profile": "smollm2", "top_k": 512, "max_new_tokens": 64, "ablation": 0.0,
+                   "sweep_factors": (0.5, 0.0), "sweep_top_k": (512,), "sweep_items": 48},
 }
 
 
@@ -31,6 +35,12 @@ class DemoConfig:
     factor: float = PAPER_FACTOR   # the paper's 1 - 1e-6
     ablation: float | None = None  # also restrain the same units at this factor (0: ablate) and evaluate that
     max_new_tokens: int = 96       # eval generation
+    sweep: bool = True             # the restraint sweep with random-unit controls
+    sweep_factors: tuple[float, ...] = (PAPER_FACTOR, 0.5, 0.0)
+    sweep_top_k: tuple[int, ...] = (16, 64)
+    sweep_controls: int = 2
+    sweep_items: int = 72          # test cases the sweep generates for (spread over the test set), at most
+    #                                48 new tokens each
     serve: bool = True
     vllm: bool | None = None       # serve on vLLM too: None = where installed
     force: bool = False

@@ -68,4 +68,20 @@ def results_markdown(summary: dict) -> str:
               f"{shift['significant_units']} units significant at BH q < 0.05 (exact McNemar), peak layer "
               f"{shift['peak_layer']}).", ""]
     lines += [f"- {effect['conclusion']}" for effect in summary["restraint_effects"].values()]
+    if "sweep" in summary:
+        lines += ["", *sweep_section(summary["sweep"])]
     return "\n".join(lines) + "\n"
+
+
+def sweep_section(sweep: dict) -> list[str]:
+    """The sweep's headline and, per cell, its judge effects against the baseline and against its controls."""
+    from rolemrc.intervene.sweep_report import JUDGE_PREFIX, cell_label, effect_text
+
+    judged = sorted({n for c in sweep["cells"] for n in c["scores"] if n.startswith(JUDGE_PREFIX)})
+    lines = ["## Restraint sweep", "", f"{sweep['headline']} ({sweep['items']} test cases; full tables and figures: "
+             f"{sweep['out']}/sweep.md)", ""]
+    header = ["cell", "units", "max Δlogit", *(f"{n.removeprefix(JUDGE_PREFIX)} vs {family}" for n in judged
+                                             for family in ("baseline", "controls"))]
+    return lines + _table(header, [[cell_label(c), str(c["units"]), f"{c['max_logit_shift']:.3g}",
+                                    *(effect_text(c["scores"].get(n), f"vs_{family}") for n in judged
+                                      for family in ("baseline", "controls"))] for c in sweep["cells"]])

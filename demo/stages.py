@@ -11,6 +11,8 @@ from rolemrc.core.stages import StageCache
 from rolemrc.demo.config import DemoConfig
 from rolemrc.demo.report import headline
 
+SWEEP_METRICS = ("bleu", "rouge")   # the sweep's reference metrics (the judge covers every dimension)
+
 
 def data_stage(cache: StageCache, cfg: DemoConfig) -> Path:
     from rolemrc.datagen.config import DatagenConfig
@@ -137,6 +139,31 @@ def compare_stage(cache: StageCache, cfg: DemoConfig, before: Path, after: Path)
 
     return cache.run(f"eval compare {after.name}", {"a": before / "report.json", "b": after / "report.json"}, run,
                      [out / "compare.json"])
+
+
+def sweep_stage(cache: StageCache, cfg: DemoConfig, dpo: Path, diff_dir: Path, dimension: str, test: Path) -> dict:
+    """The restraint sweep on the DPO model: `cfg.sweep_factors` x `cfg.sweep_top_k` for `dimension`, each cell
+    against the baseline and `cfg.sweep_controls` random-unit controls, on `cfg.sweep_items` test cases."""
+    from rolemrc.core.io import read_jsonl, write_jsonl
+    from rolemrc.intervene.sweep import SweepConfig, run_sweep
+
+    out = cfg.out / "sweep"
+    items = out / "test.jsonl"
+    rows = read_jsonl(test)
+    step = max(1, len(rows) / cfg.sweep_items)
+    config = SweepConfig(model=str(dpo), diff=str(diff_dir), data=str(items), out=str(out), dimensions=[dimension],
+                         factors=list(cfg.sweep_factors), top_k=list(cfg.sweep_top_k), controls=cfg.sweep_controls,
+                         max_new_tokens=min(48, cfg.max_new_tokens))
+
+    def run() -> dict:
+        write_jsonl(items, [rows[int(k * step)] for k in range(min(cfg.sweep_items, len(rows)))])
+        summary = run_sweep(config, metrics=SWEEP_METRICS)
+        return {"out": str(out), "headline": summary["headline"], "cells": summary["cells"],
+                "figures": summary["figures"], "items": sum(1 for _ in items.open())}
+
+    return cache.run("restraint sweep", {"model": dpo, "diff": diff_dir / "diff.safetensors", "test": test,
+                                         "config": dataclasses.asdict(config) | {"metrics": SWEEP_METRICS}},
+                     run, [out / "sweep.json"])
 
 
 def _probe_report(path: Path) -> dict:

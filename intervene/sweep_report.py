@@ -61,7 +61,7 @@ def headline(cells: list[dict]) -> str:
             f"tests per family, p < {ALPHA}); {len(moved)} of {len(cells)} cells differ from the baseline on some score.")
 
 
-def _effect(entry: dict | None, family: str) -> str:
+def effect_text(entry: dict | None, family: str) -> str:
     if not entry or family not in entry:
         return "–"
     t = entry[family]
@@ -80,5 +80,6 @@ def sweep_markdown(summary: dict) -> str:
     lines += [f"| {cell_label(c)} | {c['units']} | {c['weight_elements_changed']} | {c['max_logit_shift']:.3g} |" for c in cells]
     for family, title in (("vs_baseline", "against the baseline"), ("vs_controls", "against the controls")):
         lines += ["", f"## Effect {title}", "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        lines += [f"| {cell_label(c)} | " + " | ".join(_effect(c["scores"].get(n), family) for n in names) + " |" for c in cells]
+        lines += [f"| {cell_label(c)} | " + " | ".join(effect_text(c["scores"].get(n), family) for n in names) + " |"
+                  for c in cells]
     return "\n".join(lines) + "\n"

@@ -22,8 +22,8 @@ base: {vocab_size: 400, hidden: 64, layers: 2, intermediate: 128, heads: 1, max_
 sft: {learning_rate: 5.0e-4, max_steps: 3, batch_size: 4, max_length: 1024, logging_steps: 1, save_steps: 100}
 dpo: {learning_rate: 5.0e-5, max_steps: 2, batch_size: 2, max_length: 1024, logging_steps: 1, save_steps: 100}
 """
-TRAIN_AND_PROBE = ("datagen", "train base", "train sft", "train dpo", "eval sft", "eval dpo",
-                   "probe sft+dpo", "probe diff", "explorer")
+UPSTREAM = ("datagen", "train base", "train sft", "train dpo", "eval sft", "eval dpo",
+            "probe sft+dpo", "probe diff", "explorer", "restraint sweep")   # the restraint's factor changes none
 DOWNSTREAM = ("restraint select", "restraint bake", "restraint check", "eval dpo-restrained",
               "eval compare dpo-restrained", "serve")
 LORA_PROFILE = """
@@ -46,7 +46,7 @@ def first_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     profile = root / "micro.yaml"
     profile.write_text(MICRO_PROFILE)
-    return root / "out", profile, demo(root / "out", profile, "--no-vllm")
+    return root / "out", profile, demo(root / "out", profile, "--no-vllm", "--sweep-items", "12")
 
 
 def test_demo_writes_every_artifact_and_an_honest_summary(first_run):
@@ -62,15 +62,28 @@ def test_demo_writes_every_artifact_and_an_honest_summary(first_run):
         assert ci["lo"] <= ci["mean"] <= ci["hi"]
     served = summary["serve"]
     assert served["hook_equals_baked"] is True and len(served["replies"]) == 4 and served["vllm"] == "skipped: --no-vllm"
-    assert set(summary["stage_seconds"]) == set(summary["stages_run"]) == {*TRAIN_AND_PROBE, *DOWNSTREAM}
+    assert set(summary["stage_seconds"]) == set(summary["stages_run"]) == {*UPSTREAM, *DOWNSTREAM}
     assert json.loads((out / "stages.json").read_text()).keys() == summary["stage_seconds"].keys()
+
+
+def test_demo_sweeps_factors_and_unit_counts_against_controls(first_run):
+    out, _, summary = first_run
+    sweep = summary["sweep"]
+    assert [(c["top_k"], c["factor"]) for c in sweep["cells"]] == [(k, f) for k in (16, 64) for f in (1 - 1e-6, 0.5, 0.0)]
+    plan = json.loads((out / "sweep" / "plan.json").read_text())["cells"]
+    assert len(plan) == 1 + 6 * 3 and len(list((out / "sweep" / "cells").glob("*.jsonl"))) == len(plan)
+    assert sweep["cells"][0]["max_logit_shift"] < 1e-4 < sweep["cells"][2]["max_logit_shift"]   # x(1-1e-6) vs x0
+    results = (out / "results.md").read_text()
+    dimension = summary["largest_shift"]["dimension"]
+    assert "## Restraint sweep" in results and sweep["headline"] in results and f"| {dimension} top-64 x0 | 64 |" in results
+    assert (out / "sweep" / "effects_vs_controls.png").stat().st_size > 5000
 
 
 def test_rerun_reuses_every_stage_and_a_new_factor_reruns_only_downstream(first_run):
     out, profile, _ = first_run
-    again = demo(out, profile, "--no-vllm")
+    again = demo(out, profile, "--no-vllm", "--sweep-items", "12")
     assert again["stages_run"] == [] and set(again["stage_seconds"].values()) == {0.0}
-    ablated = demo(out, profile, "--no-vllm", "--factor", "0")
+    ablated = demo(out, profile, "--no-vllm", "--sweep-items", "12", "--factor", "0")
     assert set(ablated["stages_run"]) == set(DOWNSTREAM)   # select, bake, check, eval after, compare, serve
     assert ablated["restraint"]["factor"] == 0
 
@@ -85,7 +98,7 @@ def pretrained_run(tmp_path_factory, tokenizer):
     tok.chat_template = SMOLLM2_TEMPLATE
     save_peaked_llama(base, tok, seed=5, max_positions=4096)
     profile.write_text(LORA_PROFILE)
-    return root / "out", demo(root / "out", profile, "--base", str(base))
+    return root / "out", demo(root / "out", profile, "--base", str(base), "--no-sweep")   # the sweep: first_run
 
 
 def test_pretrained_base_runs_the_whole_method_with_lora_ablation_and_results(pretrained_run):

