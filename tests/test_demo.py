@@ -75,7 +75,7 @@ def test_demo_sweeps_factors_and_unit_counts_against_controls(first_run):
     assert sweep["cells"][0]["max_logit_shift"] < 1e-4 < sweep["cells"][2]["max_logit_shift"]   # x(1-1e-6) vs x0
     results = (out / "results.md").read_text()
     dimension = summary["largest_shift"]["dimension"]
-    assert "## Restraint sweep" in results and sweep["headline"] in results and f"| {dimension} top-64 x0 | 64 |" in results
+    assert "## Restraint sweep" in results and sweep["headline"] in results and f"| {dimension} top-64 x0 | {sweep['cells'][5]['units']} |" in results
     assert (out / "sweep" / "effects_vs_controls.png").stat().st_size > 5000
 
 

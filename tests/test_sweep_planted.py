@@ -1,0 +1,182 @@
+"""The restraint sweep end to end on a model with a planted effect, and a sweep resumed after a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures import save_peaked_llama, write_diff_file
+from fixtures import test_records as make_records
+
+from rolemrc.core.io import read_jsonl, write_jsonl
+from rolemrc.core.tiny import build_model
+from rolemrc.intervene import sweep_plots
+from rolemrc.intervene.sweep import SweepConfig, run_sweep
+
+UNITS = [3, 10, 17, 25]      # the planted units U, in layer 1's mlp.act (32 wide)
+WIDTH = 32
+ANSWERABLE = ("role_unrelated_mrc_refused_no_narration-2ndanswer", "role_unrelated_mrc_refused_with_narration-2ndanswer")
+TOPICS = ["lighthouse", "storms", "ships", "baker", "dough", "ovens", "rivers", "mountains", "trains", "libraries",
+          "history", "science", "water", "quarter"]
+
+
+def save_planted_llama(path: Path, tokenizer) -> Path:
+    """A Llama whose only working MLP units are UNITS (layer 1): they fire on every token (all embeddings share
+    dimension 0) and write dimension 1, which the output head turns into the bigram loop "cannot answer cannot
+    answer ..." ("cannot" and "answer" also have a dimension of their own). Attention and every other unit write
+    nothing, so the next token depends on the current token and UNITS alone, and as the final RMS norm only
+    rescales, it is the argmax of head @ residual; with UNITS at 0 only "keeper" has a logit: "keeper keeper ..."."""
+    cannot, answer, keeper = tokenizer.convert_tokens_to_ids(["Ġcannot", "Ġanswer", "Ġkeeper"])
+    model = build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=WIDTH, heads=2)
+    with torch.no_grad():
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed.zero_()
+        embed[:, 0] = 1                  # shared by every token: drives UNITS on any input
+        embed[cannot, 2] = embed[answer, 3] = 1
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.zero_()
+        mlp = model.model.layers[1].mlp
+        mlp.gate_proj.weight[UNITS, 0] = mlp.up_proj.weight[UNITS, 0] = 1
+        # normed, a plain token's residual is 8 e0: each unit gives silu(8) * 8 ~ 64, so dimension 1 ~ 2 (~1 on
+        # "cannot" and "answer", whose residual norms to 5.7 (e0 + e2|e3))
+        mlp.down_proj.weight[1, UNITS] = 0.5 / 64
+        head.zero_()
+        head[keeper, 0] = 1                             # wins only while dimension 1 is 0
+        head[cannot, 1], head[cannot, 3] = 6, 10        # first, and after "answer"
+        head[answer, 1], head[answer, 2] = 5, 10        # after "cannot"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def answerable_records(n: int) -> list[dict]:
+    """Multi-turn items whose second turn must be answered; the reference shares no word with the user turns, so
+    any non-empty reply without a refusal cue passes the rules judge and any refusal fails it."""
+    system = {"role": "System", "content": "You are the keeper of the lighthouse"}
+    return [{"id": f"p{i}", "task": ANSWERABLE[i % 2], "reference": "a reference answer",
+             "question": [system, {"role": "User", "content": f"tell me about the {TOPICS[i % len(TOPICS)]}"},
+                          {"role": "Assistant", "content": "i cannot say"},
+                          {"role": "User", "content": f"please, the {TOPICS[(i + 5) % len(TOPICS)]} matter to me"}]}
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory, tokenizer) -> Path:
+    root = tmp_path_factory.mktemp("planted")
+    save_planted_llama(root / "model", tokenizer)
+    delta = torch.linspace(-0.1, 0.1, 2 * WIDTH).reshape(2, WIDTH)   # every unit moved a little, UNITS most
+    delta[1, UNITS] = torch.tensor([0.9, -1.0, 0.8, 0.7])
+    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.01))
+    write_jsonl(root / "test.jsonl", answerable_records(12))
+    return root
+
+
+def responses(out: Path, cell_id: str) -> list[str]:
+    return [r["response"] for r in read_jsonl(out / "cells" / f"{cell_id}.jsonl")]
+
+
+def test_a_planted_refusal_is_found_and_beats_its_controls(planted, tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})   # PNGs: ~10 s, tested elsewhere
+    config = SweepConfig(model=str(planted / "model"), diff=str(planted / "diff"), data=str(planted / "test.jsonl"),
+                         out=str(tmp_path), dimensions=["multi_turn"], factors=[0.0, 1.0], top_k=[len(UNITS)],
+                         controls=2, max_new_tokens=6, batch_size=16)
+    summary = run_sweep(config, metrics=("rouge",), progress=False)
+    plan = json.loads((tmp_path / "plan.json").read_text())["cells"]
+    zeroed, kept = summary["cells"]
+    assert [(c["factor"], c["units"]) for c in (zeroed, kept)] == [(0.0, 4), (1.0, 4)]
+    assert plan[1]["restraint"]["units"] == {"1": sorted(UNITS)}
+
+    base = responses(tmp_path, plan[0]["id"])
+    assert all(r.startswith("cannot answer cannot answer") for r in base)   # the planted refusal
+    assert all("keeper" in r and "cannot" not in r for r in responses(tmp_path, zeroed["id"]))
+    controls = [c["id"] for c in plan if c["kind"] == "control"]
+    assert len(controls) == 4 and all(responses(tmp_path, c) == base for c in controls)
+    assert responses(tmp_path, kept["id"]) == base
+
+    judge = zeroed["scores"]["judge:multi_turn"]
+    assert summary["baseline"]["judge:multi_turn"] == 0 and judge["mean"] == 1 and judge["controls_mean"] == 0
+    for family in ("vs_baseline", "vs_controls"):
+        test = judge[family]
+        assert test["diff"] == 1 and test["lo"] > 0 and test["p_holm"] < 0.05, (family, test)
+    assert zeroed["weight_elements_changed"] == 4 and zeroed["max_logit_shift"] > 1   # one nonzero weight per column
+    assert kept["weight_elements_changed"] == 0 and kept["max_logit_shift"] == 0
+    assert all(e["vs_baseline"]["diff"] == 0 and e["vs_controls"]["diff"] == 0 and e["vs_baseline"]["p_holm"] == 1
+               for e in kept["scores"].values())
+    assert summary["headline"].startswith("1 of 2 cells beat both the baseline and their random-unit controls")
+    # the refusal shared "answer" with the reference, so ROUGE drops: the headline names that cost
+    assert "multi_turn top-4 x0 (multi_turn; cost: rouge1, rougeL, rougeLsum)." in summary["headline"]
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory, tokenizer) -> Path:
+    """The peaked small Llama of test_intervene_sweep, a diff over its 2 x 96 mlp.act units, 32 test records."""
+    root = tmp_path_factory.mktemp("sweep-kill")
+    save_peaked_llama(root / "model", tokenizer)
+    delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(0))]
+    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
+    write_jsonl(root / "test.jsonl", make_records(32))
+    return root
+
+
+def sweep_cli(root: Path, out: Path) -> subprocess.Popen:
+    """`rolemrc intervene sweep` in its own process, on one thread (two run side by side; stderr to OUT.log):
+    1 baseline + 4 factors x (1 + 2 controls) = 13 cells, so 4 passes (the CLI generates 4 cells per pass)."""
+    args = [sys.executable, "-m", "rolemrc.cli", "intervene", "sweep", "--model", str(root / "model"),
+            "--diff", str(root / "diff"), "--data", str(root / "test.jsonl"), "--out", str(out), "--dimension",
+            "multi_turn", "--factors", "0.75,0.5,0.25,0", "--top-k", "8", "--controls", "2", "--metrics", "rouge",
+            "--max-new-tokens", "24", "--batch-size", "8"]
+    with out.with_suffix(".log").open("a") as log:
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finish(proc: subprocess.Popen, out: Path) -> None:
+    assert proc.wait(timeout=300) == 0, out.with_suffix(".log").read_text()[-3000:]
+
+
+def first_pass(out: Path) -> list[Path]:
+    """The cell files of the first pass: the first 4 cells of OUT/plan.json."""
+    return [out / "cells" / f"{c['id']}.jsonl" for c in json.loads((out / "plan.json").read_text())["cells"][:4]]
+
+
+def first_pass_saved(out: Path) -> bool:
+    return (out / "plan.json").is_file() and all(p.is_file() for p in first_pass(out))
+
+
+def outputs(out: Path) -> tuple[dict, dict[str, list[str]]]:
+    """sweep.json less what depends on the folder (config.out, figure paths), and every cell's responses."""
+    summary = json.loads((out / "sweep.json").read_text())
+    summary["config"].pop("out")
+    summary.pop("figures")
+    return summary, {p.stem: [r["response"] for r in read_jsonl(p)] for p in (out / "cells").glob("*.jsonl")}
+
+
+def test_a_sweep_killed_mid_generation_resumes_to_identical_results(peaked, tmp_path):
+    """SIGKILL as soon as the first pass is saved (so during the second pass's generation), rerun in the same
+    folder, and compare with an uninterrupted sweep run alongside."""
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    proc = sweep_cli(peaked, killed)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not first_pass_saved(killed):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep ended before it could be killed: " + killed.with_suffix(".log").read_text()[-3000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    kept = sorted((killed / "cells").glob("*.jsonl"))
+    assert kept == sorted(first_pass(killed)), "killed outside the second pass"
+    assert not list(killed.rglob("*.tmp")) and not (killed / "sweep.json").exists()
+    stamps = [p.stat().st_mtime_ns for p in kept]
+
+    resumed, fresh = sweep_cli(peaked, killed), sweep_cli(peaked, whole)
+    finish(resumed, killed)
+    finish(fresh, whole)
+    assert [p.stat().st_mtime_ns for p in kept] == stamps   # the kept cells were not generated again
+    assert outputs(killed) == outputs(whole)
+    assert len(outputs(whole)[1]) == 13
