@@ -1,5 +1,6 @@
 """`rolemrc bench probe`: collection speed against the forward-pass floor and the RoleMRC-code approach,
-and peak memory at N vs 4N cases. Prints JSON; every ratio is measured side by side in one run."""
+peak memory at N vs 4N cases and, with nproc > 1, collection in nproc processes (torchrun) against one.
+Prints JSON; every ratio is measured side by side in one run."""
 
 from __future__ import annotations
 
@@ -110,9 +111,55 @@ def peak_memory(path: Path, n: int, length: int, batch_size: int, device: str) -
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+NPROC_SCRIPT = """
+import json, statistics, sys, time, torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from rolemrc.bench.common import random_cases, sync
+from rolemrc.probe.collect import CollectConfig, count_cases, rank_device
+from rolemrc.probe.distributed import process_group
+path, n, length, bs, repeats, device = *sys.argv[1:2], *map(int, sys.argv[2:6]), rank_device(sys.argv[6])
+tok = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+cases, config = random_cases(n, length, len(tok)), CollectConfig(hook="mlp.act", batch_size=bs, progress=False)
+with process_group(torch.device(device)) as shard:  # one process group for every pass
+    count_cases(model, tok, cases, config)  # warm-up
+    times = []
+    for _ in range(repeats):
+        if shard.world > 1:
+            dist.barrier()
+        sync(device)
+        start = time.perf_counter()
+        count_cases(model, tok, cases, config)  # each rank's share, then the all-reduce
+        sync(device)
+        times.append(time.perf_counter() - start)
+    if shard.main:
+        print(json.dumps({"seconds": statistics.median(times)}))
+"""
+
+
+def processes(path: Path, nproc: int, prompts: int, length: int, batch_size: int, repeats: int, device: str) -> dict:
+    """Collection in 1 and in `nproc` processes (`torchrun`, the CPU threads split evenly among them), launched
+    one after the other over the same cases: median seconds per pass, cases/s and the speedup."""
+    threads = torch.get_num_threads()
+    out: dict = {"processes": nproc, "threads_per_process": {1: threads, nproc: max(1, threads // nproc)}}
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
+        script.write(NPROC_SCRIPT)
+        script.flush()
+        for n in (1, nproc):
+            env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": str(out["threads_per_process"][n])}
+            res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                                  script.name, str(path), str(prompts), str(length), str(batch_size), str(repeats), device],
+                                 capture_output=True, text=True, check=True, env=env)
+            seconds = json.loads(res.stdout.strip().splitlines()[-1])["seconds"]
+            out[f"nproc_{n}_s"], out[f"nproc_{n}_cases_per_s"] = round(seconds, 3), round(prompts / seconds, 1)
+    out[f"speedup_{nproc}_over_1"] = round(out[f"nproc_{nproc}_cases_per_s"] / out["nproc_1_cases_per_s"], 3)
+    return out
+
+
 def run(prompts: int = 256, length: int = 64, batch_size: int = 16, repeats: int = 3,
-        sizes: tuple[str, ...] = ("demo", "large"), device: str = "cpu") -> dict:
-    """Run the probe benchmark; returns a JSON-able dict."""
+        sizes: tuple[str, ...] = ("demo", "large"), device: str = "cpu", nproc: int = 1) -> dict:
+    """Run the probe benchmark; returns a JSON-able dict. With nproc > 1, each size also compares collection
+    in nproc processes with one (`processes`)."""
     result: dict = {"benchmark": "probe", "prompts": prompts, "tokens_per_prompt": length, "batch_size": batch_size,
                     "threads": torch.get_num_threads(), "device": device,
                     "targets": {"collect_over_forward": "<= 1.10", "speedup_demo": ">= 3", "speedup_large": ">= 1.4",
@@ -121,6 +168,8 @@ def run(prompts: int = 256, length: int = 64, batch_size: int = 16, repeats: int
         root = Path(tmp)
         for size in sizes:
             result[size] = bench_size(size, root, prompts, length, batch_size, repeats, device)
+            if nproc > 1:
+                result[size]["processes"] = processes(root / size, nproc, prompts, length, batch_size, repeats, device)
         small, big = (peak_memory(root / sizes[0], n, length, batch_size, device) for n in (prompts, 4 * prompts))
         result["memory"] = {"n": prompts, "n_cases": small, "4n_cases": big,
                             "peak_ratio_4n_over_n": round(big["peak_mb"] / small["peak_mb"], 3)}

@@ -6,6 +6,7 @@
     result = diff(sft, dpo)                                         # DiffResult (unpaired z-test)
     paired = collect_paired(["runs/sft", "runs/dpo"], "test.jsonl")  # PairedCounts: one pass, same cases
     result = diff(paired)                                           # exact McNemar per unit
+    whole = merge(["part-0.safetensors", "part-1.safetensors"])     # shards of the cases, summed
     write_diff(result, "runs/diff")                                 # tables + heatmaps
 """
 
@@ -13,6 +14,7 @@ from rolemrc.probe.collect import CollectConfig, collect, collect_paired, collec
 from rolemrc.probe.counts import ProbeCounts
 from rolemrc.probe.diff import DiffResult, ProbeMismatchError, diff, load_diff
 from rolemrc.probe.hooks import HOOK_POINTS, site
+from rolemrc.probe.merge import merge
 from rolemrc.probe.paired import PairedCounts, load_probe
 from rolemrc.probe.report import write_diff
 
@@ -29,6 +31,7 @@ __all__ = [
     "diff",
     "load_diff",
     "load_probe",
+    "merge",
     "site",
     "write_diff",
 ]

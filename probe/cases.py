@@ -18,16 +18,38 @@ UNGROUPED = "all"
 
 @dataclass
 class Cases:
-    """Tokenised prompts (unpadded) and a [cases, dimensions] 0/1 membership matrix."""
+    """Tokenised prompts (unpadded), a [cases, dimensions] 0/1 membership matrix and, from `build_cases`,
+    each case's identity hash (int64 [cases], `case_hash`)."""
 
     input_ids: list[list[int]]
     membership: torch.Tensor
     dimensions: list[str]
     truncated: int
     fingerprint: str
+    hashes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+def case_hash(record_id: Any, input_ids: list[int], dimensions: list[str]) -> int:
+    """A case's identity as a signed 64-bit int: the record's `id` (None when it has none), its prompt
+    tokens and its dimensions. Probe files keep these to refuse merging files that share a case."""
+    digest = hashlib.sha256(repr((record_id, input_ids, dimensions)).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def cases_fingerprint(hashes: torch.Tensor) -> str:
+    """16 hex digits over the sorted case hashes: the same set of cases gives the same fingerprint in any
+    order, so a merged probe file's equals that of one collection over all its cases."""
+    return hashlib.sha256(hashes.sort().values.numpy().tobytes()).hexdigest()[:16]
+
+
+def dimension_order(seen: set[str], by_field: bool) -> list[str]:
+    """The probe's dimensions given those seen: with a dimension field, sorted with `all` last; else the
+    five RoleMRC dimensions, empty ones included, then `all` if seen."""
+    named = sorted(seen - {UNGROUPED}) if by_field else list(DIMENSIONS)
+    return named + ([UNGROUPED] if UNGROUPED in seen else [])
 
 
 def case_dimensions(record: dict[str, Any], dimension_field: str | None) -> list[str]:
@@ -56,11 +78,7 @@ def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
     """
     texts = [render_chat(tokenizer, turns, add_generation_prompt=generation_prompt) for turns in prompt_cases(records)]
     per_case = [case_dimensions(record, dimension_field) or [UNGROUPED] for record in records]
-    seen = {d for dims in per_case for d in dims}
-    if dimension_field:
-        dimensions = sorted(seen - {UNGROUPED}) + ([UNGROUPED] if UNGROUPED in seen else [])
-    else:  # the five RoleMRC dimensions always appear, empty ones included
-        dimensions = list(DIMENSIONS) + ([UNGROUPED] if UNGROUPED in seen else [])
+    dimensions = dimension_order({d for dims in per_case for d in dims}, bool(dimension_field))
     index = {d: j for j, d in enumerate(dimensions)}
     membership = torch.zeros(len(records), len(dimensions))
     for i, dims in enumerate(per_case):
@@ -70,23 +88,27 @@ def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
     if max_length:
         truncated = sum(len(x) > max_length for x in ids)
         ids = [x[-max_length:] for x in ids]
-    digest = hashlib.sha256()
-    for x, dims in zip(ids, per_case):
-        digest.update(repr((x, dims)).encode())
-    return Cases(ids, membership, dimensions, truncated, digest.hexdigest()[:16])
+    hashes = torch.tensor([case_hash(record.get("id"), x, dims) for record, x, dims in zip(records, ids, per_case)],
+                          dtype=torch.int64)
+    return Cases(ids, membership, dimensions, truncated, cases_fingerprint(hashes), hashes)
 
 
-def batches(cases: Cases, batch_size: int, pad_id: int):
-    """Yield (indices, input_ids, attention_mask), right-padded, longest prompts first.
+def batch_indices(cases: Cases, batch_size: int, rank: int = 0, world: int = 1) -> list[list[int]]:
+    """Case indices per batch, longest prompts first; of `world` processes, rank `rank` takes every
+    world-th batch from its rank on, so each batch is the one a single process would run."""
+    if batch_size < 1:
+        raise ProbeError(f"batch size must be >= 1, got {batch_size}")
+    order = sorted(range(len(cases)), key=lambda i: -len(cases.input_ids[i]))
+    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)][rank::world]
+
+
+def batches(cases: Cases, batch_size: int, pad_id: int, rank: int = 0, world: int = 1):
+    """Yield (indices, input_ids, attention_mask), right-padded, for the batches of `batch_indices`.
 
     Right padding keeps every real token at its unpadded position, so with causal attention the real
     tokens' activations do not depend on the batch they share.
     """
-    if batch_size < 1:
-        raise ProbeError(f"batch size must be >= 1, got {batch_size}")
-    order = sorted(range(len(cases)), key=lambda i: -len(cases.input_ids[i]))
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
+    for idx in batch_indices(cases, batch_size, rank, world):
         rows = [cases.input_ids[i] for i in idx]
         longest = max(map(len, rows))
         input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)

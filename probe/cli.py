@@ -1,4 +1,4 @@
-"""`rolemrc probe collect|diff|explore`."""
+"""`rolemrc probe collect|merge|diff|explore`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typer.core import TyperCommand
 
 from rolemrc.core.cli import cli_app
 from rolemrc.probe.backends import Backend
+from rolemrc.probe.collect import DeviceMap
 from rolemrc.probe.counts import Rank, Tokens
 from rolemrc.probe.hooks import HOOK_POINTS
 
@@ -43,25 +44,47 @@ def collect_cmd(
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
     max_length: int = typer.Option(None, help="keep at most this many prompt tokens (the last ones)"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto"),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)"),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; launched as "
+                               "several processes, each rank's own GPU)"),
+    device_map: DeviceMap = typer.Option(None, help="spread each model's layers over this process's GPUs (then the "
+                                         "CPU) with accelerate's big-model placement, instead of --device"),
 ) -> None:
     """Count how often each unit lands in the top `top_fraction` of its layer, per dimension. With several
-    `--model`s, each batch runs through every model and the paired statistics per unit are kept too."""
+    `--model`s, each batch runs through every model and the paired statistics per unit are kept too.
+    Under `torchrun --nproc_per_node N -m rolemrc.cli probe collect ...` (or `accelerate launch`) each process
+    counts every N-th batch, the counts are summed over the processes, and rank 0 alone writes and prints."""
     from rolemrc.probe.collect import CollectConfig, collect, collect_paired
+    from rolemrc.probe.distributed import shard_from_env
 
     config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
                            backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
-                           max_length=max_length, dtype=dtype, device=device)
-    if len(model) == 1:
-        counts = collect(model[0], data, config)
-        path, extra = counts.save(out), {}
-    else:
-        paired = collect_paired(model, data, config)
-        counts, path, extra = paired.counts[0], paired.save(out), {"models": paired.models}
-    report = {"out": str(path), **extra, "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
-              "hook": counts.meta["hook"], "k": int(counts.meta["k"]), "layers": int(counts.meta["layers"]),
-              "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
-    typer.echo(json.dumps(report, indent=1))
+                           max_length=max_length, dtype=dtype, device=device, device_map=device_map)
+    probe = collect(model[0], data, config) if len(model) == 1 else collect_paired(model, data, config)
+    if shard_from_env().main:
+        typer.echo(json.dumps({"out": str(probe.save(out)), **_report(probe)}, indent=1))
+
+
+def _report(probe: Any) -> dict[str, Any]:
+    """What a probe file holds, for the CLI's JSON."""
+    from rolemrc.probe.paired import PairedCounts
+
+    counts, extra = (probe.counts[0], {"models": probe.models}) if isinstance(probe, PairedCounts) else (probe, {})
+    return {**extra, "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
+            "hook": counts.meta["hook"], "k": int(counts.meta["k"]), "layers": int(counts.meta["layers"]),
+            "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
+
+
+@app.command("merge")
+def merge_cmd(
+    probes: list[Path] = typer.Argument(..., help="probe files (single or paired) counted over disjoint cases"),
+    out: Path = typer.Option(..., "--out", help="merged probe file to write (.safetensors)"),
+) -> None:
+    """Sum probe files collected anywhere (shards of the data) into one, equal to collecting all their cases at
+    once. Refuses files counted differently (as `diff` does, plus the models and dtype) or sharing a case."""
+    from rolemrc.probe.merge import merge
+
+    merged = merge(probes)
+    typer.echo(json.dumps({"out": str(merged.save(out)), "merged": [str(p) for p in probes], **_report(merged)}, indent=1))
 
 
 @app.command("diff")

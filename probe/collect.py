@@ -6,20 +6,23 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from tqdm.auto import tqdm
 
 from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
-from rolemrc.core.modeling import dir_fingerprint, load_model, model_fingerprint
+from rolemrc.core.modeling import check_model_dir, dir_fingerprint, load_model, model_fingerprint, resolve_dtype
 from rolemrc.probe.backends import Backend, make_backend
-from rolemrc.probe.cases import Cases, batches, build_cases, prompt_cases
+from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prompt_cases
 from rolemrc.probe.counts import ProbeCounts, Rank, Tokens, TopKCounter, check_top_fraction, top_k_size
+from rolemrc.probe.distributed import all_reduce_sum, process_group, rank_gpus, shard_from_env
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
 from rolemrc.probe.paired import PairedCounter, PairedCounts
+
+DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]  # transformers' placement strategies
 
 
 @dataclass
@@ -37,6 +40,7 @@ class CollectConfig:
     max_length: int | None = None  # default: the model's context window
     dtype: str = "float32"
     device: str = "auto"
+    device_map: DeviceMap | None = None  # place a model loaded from a directory over this process's devices
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -45,6 +49,10 @@ class CollectConfig:
         check_choice("token policy", self.tokens, get_args(Tokens))
         check_choice("rank", self.rank, get_args(Rank))
         check_choice("backend", self.backend, get_args(Backend))
+        if self.device_map is not None:
+            check_choice("device map", self.device_map, get_args(DeviceMap))
+            if self.device != "auto":
+                raise ProbeError(f"give a device ({self.device}) or a device map ({self.device_map}), not both")
 
 
 def collect(model: Any, data: Any, config: CollectConfig | None = None, *, tokenizer: Any = None,
@@ -59,7 +67,7 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     model, tokenizer, model_meta = _load(model, tokenizer, config)
     cases, meta = _cases(data, data_fingerprint, [model], tokenizer, config)
     counter = count_cases(model, tokenizer, cases, config)
-    return _counts(counter, {**meta, **model_meta, **_shape_meta(counter)})
+    return _counts(counter, cases, {**meta, **model_meta, **_shape_meta(counter)})
 
 
 def collect_paired(models: Sequence[Any], data: Any, config: CollectConfig | None = None, *,
@@ -79,7 +87,7 @@ def collect_paired(models: Sequence[Any], data: Any, config: CollectConfig | Non
     cases, meta = _cases(data, data_fingerprint, models, tokenizer, config)
     paired = count_paired(models, tokenizer, cases, config)
     meta = {**meta, **_shape_meta(paired.counters[0])}
-    counts = [_counts(counter, {**meta, **model_meta}) for counter, (_, _, model_meta) in zip(paired.counters, loaded)]
+    counts = [_counts(counter, cases, {**meta, **model_meta}) for counter, (_, _, model_meta) in zip(paired.counters, loaded)]
     return PairedCounts(counts, paired.tensors(cases.dimensions), meta)
 
 
@@ -122,7 +130,10 @@ def _load(model: Any, tokenizer: Any, config: CollectConfig) -> tuple[Any, Any, 
     """(model, tokenizer, per-model metadata) from a directory, or a loaded model with its tokenizer."""
     if isinstance(model, (str, os.PathLike)):
         path, fingerprint = str(model), dir_fingerprint(model)
-        model, tokenizer = load_model(model, dtype=config.dtype, device=config.device)
+        if config.device_map:
+            model, tokenizer = load_placed(model, config.dtype, config.device_map)
+        else:
+            model, tokenizer = load_model(model, dtype=config.dtype, device=rank_device(config.device))
     elif tokenizer is None:
         raise ProbeError("pass the tokenizer along with a loaded model")
     else:
@@ -135,6 +146,33 @@ def _load(model: Any, tokenizer: Any, config: CollectConfig) -> tuple[Any, Any, 
     }
 
 
+def load_placed(path: str | os.PathLike, dtype: str, device_map: DeviceMap) -> tuple[Any, Any]:
+    """load_model with accelerate's big-model placement (transformers' `device_map`): the layers spread over
+    the GPUs (then the CPU); launched as several processes, over this rank's share of the GPUs (`rank_gpus`)."""
+    from accelerate.utils import get_max_memory
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_model_dir(path)
+    shard, max_memory = shard_from_env(), None
+    if shard.world > 1 and torch.cuda.is_available():
+        mine = rank_gpus(shard)
+        max_memory = {key: size for key, size in get_max_memory().items() if not isinstance(key, int) or key in mine}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), device_map=device_map,
+                                                 max_memory=max_memory, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def rank_device(device: str) -> str:
+    """`device`, except that launched as several processes, `auto`/`cuda` is this rank's GPU."""
+    shard = shard_from_env()
+    if device in ("auto", "cuda") and shard.world > 1 and torch.cuda.is_available():
+        return f"cuda:{rank_gpus(shard)[0]}"
+    return device
+
+
 def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
            config: CollectConfig) -> tuple[Cases, dict[str, str]]:
     """Tokenised cases (prompts cut to the shortest context window) and the shared metadata."""
@@ -145,6 +183,7 @@ def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
     return cases, {
         "hook": config.hook, "top_fraction": repr(config.top_fraction), "tokens": config.tokens, "rank": config.rank,
         "backend": config.backend, "generation_prompt": str(config.generation_prompt).lower(),
+        "dimension_field": config.dimension_field or "",
         "data_fingerprint": data_fingerprint or cases.fingerprint, "cases_fingerprint": cases.fingerprint,
         "truncated": str(cases.truncated), "max_length": str(max_length), "toolkit_version": __version__,
     }
@@ -154,27 +193,29 @@ def _shape_meta(counter: TopKCounter) -> dict[str, str]:
     return {"k": str(counter.k), "width": str(counter.width), "layers": str(counter.layers)}
 
 
-def _counts(counter: TopKCounter, meta: dict[str, str]) -> ProbeCounts:
+def _counts(counter: TopKCounter, cases: Cases, meta: dict[str, str]) -> ProbeCounts:
     dims = counter.dimensions
     return ProbeCounts(
         count={d: counter.count[j].cpu() for j, d in enumerate(dims)},
         cases={d: int(counter.cases[j]) for j, d in enumerate(dims)},
         observations={d: int(counter.observations[j]) for j, d in enumerate(dims)},
         meta=meta,
+        case_hashes=cases.hashes.sort().values,
     )
 
 
 def count_cases(model: Any, tokenizer: Any, cases: Cases, config: CollectConfig) -> TopKCounter:
-    """The hot loop: padded batches through the backend, top-k counted on the model's device."""
+    """The hot loop: padded batches through the backend, top-k counted on the model's device. Launched as
+    several processes, each counts its share of the batches and the counters are summed over the ranks."""
     counters = _counters([model], cases, config, keep_cases=False)
-    _stream([model], counters, tokenizer, cases, config)
+    _stream([model], counters, tokenizer, cases, config, totals=counters[0].totals)
     return counters[0]
 
 
 def count_paired(models: list[Any], tokenizer: Any, cases: Cases, config: CollectConfig) -> PairedCounter:
     """count_cases for several models, each batch through every model, then its paired statistics."""
     paired = PairedCounter(_counters(models, cases, config, keep_cases=True))
-    _stream(models, paired.counters, tokenizer, cases, config, after_batch=paired.add_batch)
+    _stream(models, paired.counters, tokenizer, cases, config, after_batch=paired.add_batch, totals=paired.totals)
     return paired
 
 
@@ -189,31 +230,36 @@ def _counters(models: list[Any], cases: Cases, config: CollectConfig, *, keep_ca
 
 
 def _stream(models: list[Any], counters: list[TopKCounter], tokenizer: Any, cases: Cases, config: CollectConfig,
-            after_batch: Callable[[torch.Tensor], None] | None = None) -> None:
-    """Each padded batch through every model's backend into its counter; then `after_batch(membership)`."""
+            after_batch: Callable[[torch.Tensor], None] | None = None, totals: Sequence[torch.Tensor] = ()) -> None:
+    """This process's batches (`batch_indices`) through every model's backend into its counter, then
+    `after_batch(membership)`; at the end `totals` (the counters' sums) are summed over the processes."""
     backends = [make_backend(config.backend, m, config.hook, tokenizer) for m in models]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    bar = tqdm(total=len(cases), desc=f"probe {config.hook}", unit="case", disable=not config.progress)
-    with torch.inference_mode():
-        for idx, input_ids, mask in batches(cases, config.batch_size, pad_id):
-            membership = cases.membership[idx]
-            for model, counter, backend in zip(models, counters, backends):
-                device = next(model.parameters()).device
-                counter.start_batch(membership, mask)
-                backend.run(input_ids.to(device), mask.to(device), counter.add)
-                counter.finish_batch()
-            if after_batch is not None:
-                after_batch(membership)
-            bar.update(len(idx))
-    bar.close()
+    with process_group(counters[0].count.device) as shard:
+        mine = sum(map(len, batch_indices(cases, config.batch_size, shard.rank, shard.world)))
+        bar = tqdm(total=mine, desc=f"probe {config.hook}", unit="case", disable=not (config.progress and shard.main))
+        with torch.inference_mode():
+            for idx, input_ids, mask in batches(cases, config.batch_size, pad_id, shard.rank, shard.world):
+                membership = cases.membership[idx]
+                for model, counter, backend in zip(models, counters, backends):
+                    device = next(model.parameters()).device
+                    counter.start_batch(membership, mask)
+                    backend.run(input_ids.to(device), mask.to(device), counter.add)
+                    counter.finish_batch()
+                if after_batch is not None:
+                    after_batch(membership)
+                bar.update(len(idx))
+        bar.close()
+        all_reduce_sum(totals, shard)
 
 
 def collect_to_file(model: Any, data: Any, out: str | os.PathLike, config: CollectConfig | None = None,
                     **overrides: Any) -> Path:
-    """collect() and save the probe file; several models (a list) are collected paired (collect_paired)."""
-    if isinstance(model, (list, tuple)):
-        return collect_paired(model, data, config, **overrides).save(out)
-    return collect(model, data, config, **overrides).save(out)
+    """collect() and save the probe file; several models (a list) are collected paired (collect_paired).
+    Launched as several processes, only rank 0 writes."""
+    counts = collect_paired(model, data, config, **overrides) if isinstance(model, (list, tuple)) \
+        else collect(model, data, config, **overrides)
+    return counts.save(out) if shard_from_env().main else Path(out)
 
 
 def _context_window(model: Any) -> int | None:

@@ -1,8 +1,9 @@
 """Top-k activation counts per dimension: the streaming accumulator and the probe file.
 
 Probe file (docs/ARCHITECTURE.md "Probe file"): safetensors with `count.<dim>` (int64 [layers, width]), `cases.<dim>` (int64
-scalar: prompts) and `observations.<dim>` (int64 scalar: counted token positions; equals cases with the
-`last` token policy). `freq = count / observations`. Metadata records how the counts were made.
+scalar: prompts), `observations.<dim>` (int64 scalar: counted token positions; equals cases with the
+`last` token policy) and `case_hashes` (int64 [cases], sorted: which cases were counted, `cases.case_hash`).
+`freq = count / observations`. Metadata records how the counts were made.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rolemrc.probe.errors import ProbeError, ProbeFileError
 
 # Metadata keys that must agree for two probe files to be comparable.
 COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens", "rank", "generation_prompt")
+CASE_HASHES = "case_hashes"  # the probe file's tensor of case identities
 
 Tokens = Literal["last", "all"]  # the last prompt token, or every prompt token (each one observation)
 Rank = Literal["signed", "abs"]  # rank units by signed value or by magnitude
@@ -88,6 +90,11 @@ class TopKCounter:
         self._weights: torch.Tensor | None = None
         self._case_hits: torch.Tensor | None = None  # [layers, batch, width]: counted positions where a unit is active
         self._case_tokens: torch.Tensor | None = None  # [batch]: counted positions per case
+
+    @property
+    def totals(self) -> list[torch.Tensor]:
+        """The accumulated sums over cases (what processes counting shards of the cases add up)."""
+        return [self.count, self.cases, self.observations]
 
     def start_batch(self, membership: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """membership: [batch, dims] 0/1 (which dimensions each case counts in); mask: [batch, seq].
@@ -166,6 +173,7 @@ class ProbeCounts:
     cases: dict[str, int]
     observations: dict[str, int]
     meta: dict[str, str] = field(default_factory=dict)
+    case_hashes: torch.Tensor | None = None  # int64 [cases], sorted (None: not recorded)
 
     @property
     def dimensions(self) -> list[str]:
@@ -192,6 +200,8 @@ class ProbeCounts:
             tensors[f"{prefix}{d}"] = self.count[d].cpu().contiguous()
             tensors[f"cases.{d}"] = torch.tensor(self.cases[d], dtype=torch.int64)
             tensors[f"observations.{d}"] = torch.tensor(self.observations[d], dtype=torch.int64)
+        if self.case_hashes is not None:
+            tensors[CASE_HASHES] = self.case_hashes
         return tensors
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -213,4 +223,4 @@ class ProbeCounts:
         count = {d: tensors[f"{prefix}{d}"] for d in dims}
         cases = {d: int(tensors[f"cases.{d}"]) for d in dims}
         observations = {d: int(tensors.get(f"observations.{d}", tensors[f"cases.{d}"])) for d in dims}
-        return cls(count, cases, observations, meta)
+        return cls(count, cases, observations, meta, tensors.get(CASE_HASHES))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,12 +151,14 @@ class DiffResult:
                 "not_compared": self.empty}
 
 
-def check_comparable(a: ProbeCounts, b: ProbeCounts) -> None:
-    """Refuse two probe files whose counting settings (COMPARABLE_KEYS) differ; the message names the keys."""
-    diffs = [f"{key}: {a.meta.get(key)!r} vs {b.meta.get(key)!r}" for key in COMPARABLE_KEYS
-             if a.meta.get(key) != b.meta.get(key)]
+def check_comparable(a: ProbeCounts, b: ProbeCounts, keys: Sequence[str] = COMPARABLE_KEYS,
+                     names: tuple[str, str] | None = None) -> None:
+    """Refuse two probe files whose metadata differ at `keys` (by default the counting settings, COMPARABLE_KEYS);
+    the message names the files (`names`, when given) and the keys."""
+    diffs = [f"{key}: {a.meta.get(key)!r} vs {b.meta.get(key)!r}" for key in keys if a.meta.get(key) != b.meta.get(key)]
     if diffs:
-        raise ProbeMismatchError("probe files are not comparable (" + "; ".join(diffs) + ")")
+        files = f" {names[0]} and {names[1]}" if names else ""
+        raise ProbeMismatchError(f"probe files{files} are not comparable (" + "; ".join(diffs) + ")")
 
 
 Probe = ProbeCounts | PairedCounts | str | os.PathLike

@@ -4,9 +4,11 @@ Paired probe file (docs/ARCHITECTURE.md "Probe file"): `count.<m>.<dim>` per mod
 `observations.<dim>` (shared), and per pair of models
 - tokens=last: `discordant.<i>.<j>.<dim>` (int64 [layers, width], every i != j): cases on which the unit
   is active under model i and not under model j (McNemar's off-diagonal cells);
-- tokens=all: `share_diff_sum.<i>.<j>.<dim>` and `share_diff_sq.<i>.<j>.<dim>` (float64, i < j): the sum
-  over cases of d and of d^2, d = share_j - share_i, a case's share being the fraction of its prompt
-  tokens on which the unit is active (a paired t-test per unit, streamed).
+- tokens=all: `share_diff_sum.<i>.<j>.<dim>` and `share_diff_sq.<i>.<j>.<dim>` (int64 fixed point, units of
+  SHARE_UNIT, i < j): the sum over cases of d and of d^2, d = share_j - share_i, a case's share being the
+  fraction of its prompt tokens on which the unit is active (a paired t-test per unit, streamed). Each case's
+  d and d^2 are rounded to SHARE_UNIT before they are summed, so the sums are exact in any order: shards
+  counted in several processes, or probe files merged, give the same tensors as one pass.
 Metadata: the shared counting keys, `dimensions`, and `models` (JSON list, per model: model, model_fingerprint,
 dtype, attn_implementation).
 """
@@ -26,14 +28,17 @@ from rolemrc.probe.errors import ProbeError
 
 MODEL_KEYS = ("model", "model_fingerprint", "dtype", "attn_implementation")  # per-model metadata
 STATS = {"last": ("discordant",), "all": ("share_diff_sum", "share_diff_sq")}
+SHARE_BITS = 36
+SHARE_UNIT = 2.0 ** -SHARE_BITS  # per-case rounding of d and d^2; sums stay exact below 2^27 cases
+MAX_BATCH = 2 ** (53 - SHARE_BITS)  # a batch's float64 sum of SHARE_UNIT multiples in [-1, 1] is exact below this
 
 
 class PairedCounter:
     """TopKCounters of several models fed the same batches, plus per pair (i < j) of models the per-unit
     paired statistics of their per-case activity, accumulated with tensor ops on the counters' device.
 
-    `stats[p]` is [2, dims, layers, width] for pair p: with tokens=last, cases active under i and not j,
-    then under j and not i; with tokens=all, the sums of d and d^2 (d = share_j - share_i per case).
+    `stats[p]` is [2, dims, layers, width] int64 for pair p: with tokens=last, cases active under i and not j,
+    then under j and not i; with tokens=all, the sums of d and d^2 (d = share_j - share_i per case) in SHARE_UNITs.
     State is O(models^2 x dims x layers x width): it never grows with the number of cases.
     """
 
@@ -43,25 +48,30 @@ class PairedCounter:
         first = counters[0]
         self.counters, self.tokens = counters, first.tokens
         self.pairs = list(itertools.combinations(range(len(counters)), 2))
-        dtype = torch.int64 if self.tokens == "last" else torch.float64
         shape = (len(self.pairs), 2, len(first.dimensions), first.layers, first.width)
-        self.stats = torch.zeros(shape, dtype=dtype, device=first.count.device)
+        self.stats = torch.zeros(shape, dtype=torch.int64, device=first.count.device)
+
+    @property
+    def totals(self) -> list[torch.Tensor]:
+        """Every counter's sums and the pairs' statistics: all sums over cases."""
+        return [t for counter in self.counters for t in counter.totals] + [self.stats]
 
     def add_batch(self, membership: torch.Tensor) -> None:
         """After every model's counter saw the batch: accumulate the pairs' statistics per dimension.
         membership: [batch, dims] 0/1, as given to the counters."""
         weights = membership.to(device=self.stats.device, dtype=torch.float64)
+        if len(weights) >= MAX_BATCH:
+            raise ProbeError(f"paired probing takes batches of fewer than {MAX_BATCH} cases, got {len(weights)}")
         for p, (i, j) in enumerate(self.pairs):
             share_i = self.counters[i].case_share().to(self.stats.device)
             share_j = self.counters[j].case_share().to(self.stats.device)
             if self.tokens == "last":  # 0/1 per case: discordant cases, both ways
                 terms = (share_i * (1 - share_j), share_j * (1 - share_i))
-            else:
+            else:  # per case in whole SHARE_UNITs: the sums below are integers, exact in float64
                 d = share_j - share_i
-                terms = (d, d * d)
+                terms = ((d / SHARE_UNIT).round(), (d * d / SHARE_UNIT).round())
             for s, term in enumerate(terms):
-                acc = torch.einsum("cd,lcw->dlw", weights, term)
-                self.stats[p, s] += acc.round().long() if self.tokens == "last" else acc
+                self.stats[p, s] += torch.einsum("cd,lcw->dlw", weights, term).round().long()
 
     def tensors(self, dimensions: list[str]) -> dict[str, torch.Tensor]:
         """The paired file's per-pair tensors (module docstring)."""
@@ -104,9 +114,14 @@ class PairedCounts:
         return self.pair_stats[f"discordant.{i}.{j}.{dimension}"]
 
     def share_diff(self, i: int, j: int, dimension: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of d, sum of d^2) over the cases of `dimension`, d = share_j - share_i (tokens=all)."""
+        """(sum of d, sum of d^2) over the cases of `dimension`, d = share_j - share_i (tokens=all), float64."""
         lo, hi = min(i, j), max(i, j)
-        total, squares = (self.pair_stats[f"{name}.{lo}.{hi}.{dimension}"] for name in STATS["all"])
+
+        def sums(name: str) -> torch.Tensor:
+            t = self.pair_stats[f"{name}.{lo}.{hi}.{dimension}"]
+            return t.double() if t.is_floating_point() else t.double() * SHARE_UNIT  # float: written before fixed point
+
+        total, squares = map(sums, STATS["all"])
         return (total if i < j else -total), squares
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -1,0 +1,95 @@
+"""`merge`: sum probe files counted over disjoint cases (shards collected anywhere) into the one file a single
+collection over all their cases would give (docs/ARCHITECTURE.md "Probe file")."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rolemrc import __version__
+from rolemrc.probe.cases import cases_fingerprint, dimension_order
+from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
+from rolemrc.probe.diff import Probe, ProbeMismatchError, check_comparable
+from rolemrc.probe.errors import ProbeError
+from rolemrc.probe.paired import MODEL_KEYS, PairedCounts, load_probe
+
+# Metadata that must agree for counts to add up: the counting settings, and each model's identity at its dtype.
+MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field",
+              *(key for key in MODEL_KEYS if key != "model"))
+
+
+def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
+    """Sum probe files (paths, or loaded probes) of the same model(s) and counting settings over disjoint
+    cases: counts, cases, observations and paired statistics add up. Refuses files that are not comparable
+    (MERGE_KEYS, checked as `probe diff` checks) or that share a case (`case_hashes`)."""
+    if len(probes) < 2:
+        raise ProbeError(f"merging needs two or more probe files, got {len(probes)}")
+    names = [str(p) if isinstance(p, (str, os.PathLike)) else f"probe {i}" for i, p in enumerate(probes)]
+    loaded = [load_probe(p) if isinstance(p, (str, os.PathLike)) else p for p in probes]
+    models = [x.counts if isinstance(x, PairedCounts) else [x] for x in loaded]
+    parts = [counts[0].case_hashes for counts in models]
+    for name, h in zip(names, parts):
+        if h is None:
+            raise ProbeError(f"{name}: records no case hashes (collected by an older rolemrc), so overlaps with the "
+                             "other files cannot be ruled out; collect it again to merge it")
+    for name, probe, counts in zip(names[1:], loaded[1:], models[1:]):
+        if type(probe) is not type(loaded[0]) or len(counts) != len(models[0]):
+            raise ProbeMismatchError(f"probe files {names[0]} and {name} are not comparable "
+                                     f"({_kind(loaded[0])} vs {_kind(probe)})")
+        for first, other in zip(models[0], counts):
+            check_comparable(first, other, MERGE_KEYS, (names[0], name))
+    hashes = _disjoint_cases(names, parts)
+    fingerprint = cases_fingerprint(hashes)
+    meta = {**loaded[0].meta, "cases_fingerprint": fingerprint, "data_fingerprint": fingerprint,
+            "truncated": str(sum(int(x.meta["truncated"]) for x in loaded)), "toolkit_version": __version__,
+            "merged_from": json.dumps([{"file": name, "data_fingerprint": x.meta.get("data_fingerprint", ""), "cases": len(h)}
+                                       for name, x, h in zip(names, loaded, parts)])}
+    seen = {d for counts in models for d in counts[0].dimensions}
+    dims = dimension_order(seen, bool(meta.get("dimension_field")))
+    summed = [_sum([counts[m] for counts in models], dims, hashes) for m in range(len(models[0]))]
+    if not isinstance(loaded[0], PairedCounts):
+        summed[0].meta = meta
+        return summed[0]
+    for m, counts in enumerate(summed):
+        counts.meta = {**meta, **{key: loaded[0].counts[m].meta.get(key, "") for key in MODEL_KEYS}}
+    keys = dict.fromkeys(key for x in loaded for key in x.pair_stats)
+    stats = {key: _add([x.pair_stats[key] for x in loaded if key in x.pair_stats]) for key in keys}
+    return PairedCounts(summed, stats, meta)
+
+
+def merge_files(paths: Sequence[str | os.PathLike], out: str | os.PathLike) -> Path:
+    """merge() and save the result."""
+    return merge(paths).save(out)
+
+
+def _kind(probe: ProbeCounts | PairedCounts) -> str:
+    return f"a paired file of {len(probe.counts)} models" if isinstance(probe, PairedCounts) else "one model's counts"
+
+
+def _disjoint_cases(names: list[str], hashes: list[torch.Tensor]) -> torch.Tensor:
+    """The sorted union of the inputs' case hashes; refuses inputs that share a case."""
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            shared = int(torch.isin(hashes[i], hashes[j]).sum())
+            if shared:
+                raise ProbeError(f"probe files {names[i]} and {names[j]} share {shared} case(s) (same record id, prompt "
+                                 "and dimensions): merging would count them twice; merge files of disjoint cases")
+    return torch.cat(hashes).sort().values
+
+
+def _add(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(tensors).sum(0)
+
+
+def _sum(parts: list[ProbeCounts], dims: list[str], hashes: torch.Tensor) -> ProbeCounts:
+    """One model's counts summed over the parts (a dimension a part lacks counts zero there)."""
+    return ProbeCounts(
+        count={d: _add([p.count[d] for p in parts if d in p.count]) for d in dims},
+        cases={d: sum(p.cases.get(d, 0) for p in parts) for d in dims},
+        observations={d: sum(p.observations.get(d, 0) for p in parts) for d in dims},
+        case_hashes=hashes,
+    )
