@@ -28,12 +28,14 @@ def probe_cmd(
     repeats: int = typer.Option(3, help="interleaved timed repeats of forward and collect (median)"),
     sizes: str = typer.Option("demo,large", help="comma list of: demo, medium, large"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
+    nproc: int = typer.Option(1, min=1, help="also time collection in this many processes (torchrun) against one, "
+                                             "CPU threads split evenly"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:
     """Collect vs plain forward, vs the RoleMRC-code approach, and memory at N vs 4N."""
     from rolemrc.bench.probe import run
 
-    emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(",")), device), out)
+    emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(",")), device, nproc=nproc), out)
 
 
 @app.command("retrieval")
