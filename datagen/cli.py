@@ -24,6 +24,8 @@ def run_cmd(
     api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable holding the API key"),
     concurrency: int = typer.Option(8, help="openai backend: requests in flight"),
     max_attempts: int = typer.Option(3, help="attempts per item before a malformed reply drops it"),
+    timeout: float = typer.Option(60.0, help="openai backend: seconds per request before it is retried (raise it for "
+                                             "slow servers at high concurrency)"),
     seed_requests: bool = typer.Option(True, help="openai backend: send attempt k with seed=k (--no-seed-requests for "
                                                   "servers that refuse seeds, e.g. vLLM's CPU build)"),
     personas: Path | None = typer.Option(None, help="PersonaHub-style JSONL (default: bundled sample)"),
@@ -44,7 +46,8 @@ def run_cmd(
         out=out, size=int(size) if size.isdigit() else size, seed=seed, personas=personas, mrc=mrc,
         embedder=embedder, index=index, test_fraction=test_fraction, progress=progress,
         backend=BackendConfig(name=backend, base_url=base_url, model=model, api_key_env=api_key_env,
-                              concurrency=concurrency, max_attempts=max_attempts, seed_requests=seed_requests))
+                              concurrency=concurrency, max_attempts=max_attempts, seed_requests=seed_requests,
+                              timeout_s=timeout))
     result = run(config)
     table = Table(title=f"datagen -> {out}")
     for col in ("file", "category", "count", "turns/record", "words/reply"):
