@@ -3,6 +3,7 @@ every world-th batch of the cases and the counters are summed over ranks with to
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ def rank_gpus(shard: Shard) -> list[int]:
 def process_group(device: torch.device) -> Iterator[Shard]:
     """This process's shard while counting: alone, (0, 1); launched as several processes, its rank, with the
     default process group initialised (nccl on CUDA devices, one per rank; else gloo, which also sums CUDA
-    tensors of ranks sharing a GPU) unless it already is, and destroyed on exit if initialised here."""
+    tensors of ranks sharing a GPU) unless it already is; a group initialised here lives until the process exits."""
     import torch.distributed as dist
 
     shard = shard_from_env()
@@ -60,10 +61,10 @@ def process_group(device: torch.device) -> Iterator[Shard]:
         torch.cuda.set_device(device)
     nccl = device.type == "cuda" and torch.cuda.device_count() >= shard.local_world
     dist.init_process_group("nccl" if nccl else "gloo", device_id=device if nccl else None)
-    try:
-        yield shard
-    finally:
-        dist.destroy_process_group()
+    # kept for the life of the process: a second init after a destroy can read the first group's stale
+    # addresses from the launcher's store (seen as "connection refused" between gloo ranks)
+    atexit.register(dist.destroy_process_group)
+    yield shard
 
 
 def all_reduce_sum(tensors: Iterable[torch.Tensor], shard: Shard) -> None:
