@@ -68,3 +68,17 @@ def save_peaked_llama(path, tokenizer, *, seed: int = 3, max_positions: int = 20
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def write_sweep_inputs(root, tokenizer, records: int = 6):
+    """A sweep's inputs under `root`: the peaked small Llama (model/), a diff ranking its 2 x 96 mlp.act units in a
+    seeded random order (diff/), and `records` test records (test.jsonl); returns `root`."""
+    import torch
+
+    from rolemrc.core.io import write_jsonl
+
+    save_peaked_llama(root / "model", tokenizer)
+    delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(0))]
+    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
+    write_jsonl(root / "test.jsonl", test_records(records))
+    return root

@@ -5,13 +5,10 @@ import json
 import math
 
 import pytest
-import torch
-from fixtures import save_peaked_llama, write_diff_file
-from fixtures import test_records as make_records
+from fixtures import write_sweep_inputs
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
-from rolemrc.core.io import write_jsonl
 from rolemrc.eval.runs import EvalRun
 from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan, run_sweep
 from rolemrc.intervene.sweep_stats import cell_effects, correct_grid, holm
@@ -21,10 +18,7 @@ from rolemrc.intervene.sweep_stats import cell_effects, correct_grid, holm
 def setup(tmp_path_factory, tokenizer):
     """A peaked small Llama (clear greedy margins), a diff over its mlp.act units, six test records."""
     root = tmp_path_factory.mktemp("sweep")
-    save_peaked_llama(root / "model", tokenizer)
-    delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(0))]
-    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
-    write_jsonl(root / "test.jsonl", make_records(6))
+    write_sweep_inputs(root, tokenizer, 6)
     return root
 
 

@@ -7,14 +7,12 @@ import json
 import httpx
 import openai
 import pytest
-import torch
-from fixtures import save_peaked_llama, write_diff_file
-from fixtures import test_records as make_records
+from fixtures import write_sweep_inputs
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
 from rolemrc.core.errors import InputError
-from rolemrc.core.io import read_jsonl, write_jsonl
+from rolemrc.core.io import read_jsonl
 from rolemrc.intervene.sweep import SweepConfig, run_sweep
 from rolemrc.serve.from_sweep import arm_name, choose_cells
 from rolemrc.serve.launch import running_server
@@ -24,10 +22,7 @@ from rolemrc.serve.launch import running_server
 def sweep(tmp_path_factory, tokenizer):
     """A finished sweep on a peaked small Llama: factors 0 and 0.5 at top-8, one control each."""
     root = tmp_path_factory.mktemp("sweep-ab")
-    save_peaked_llama(root / "model", tokenizer)
-    delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(0))]
-    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
-    write_jsonl(root / "test.jsonl", make_records(6))
+    write_sweep_inputs(root, tokenizer, 6)
     config = SweepConfig(model=str(root / "model"), diff=str(root / "diff"), data=str(root / "test.jsonl"),
                          out=str(root / "sweep"), dimensions=["multi_turn"], factors=[0.0, 0.5], top_k=[8], controls=1,
                          max_new_tokens=6, batch_size=8)

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import save_peaked_llama, write_diff_file
-from fixtures import test_records as make_records
+from fixtures import write_diff_file, write_sweep_inputs
 
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.core.tiny import build_model
@@ -119,10 +118,7 @@ def test_a_planted_refusal_is_found_and_beats_its_controls(planted, tmp_path, mo
 def peaked(tmp_path_factory, tokenizer) -> Path:
     """The peaked small Llama of test_intervene_sweep, a diff over its 2 x 96 mlp.act units, 32 test records."""
     root = tmp_path_factory.mktemp("sweep-kill")
-    save_peaked_llama(root / "model", tokenizer)
-    delta = torch.linspace(-1, 1, 2 * 96).reshape(2, 96)[:, torch.randperm(96, generator=torch.Generator().manual_seed(0))]
-    write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
-    write_jsonl(root / "test.jsonl", make_records(32))
+    write_sweep_inputs(root, tokenizer, 32)
     return root
 
 
