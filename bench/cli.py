@@ -49,6 +49,7 @@ def retrieval_cmd(
     key_block: int = typer.Option(None, help="keys per score block of the one-pass search (default: datagen's)"),
     nlist: int = typer.Option(0, help="with --index ivf: inverted lists (0: about sqrt(triplets))"),
     nprobe: int = typer.Option(8, help="with --index ivf: lists probed per query"),
+    rounds: int = typer.Option(5, help="query slices the measurements take turns on (evens out changes in machine load)"),
     out: Path = typer.Option(None, help="also write the JSON here"),
 ) -> None:
     """Exact one-pass search (both ends) vs one faiss exact top-1 search, vs the matmul rate; exactness checked."""
@@ -56,7 +57,7 @@ def retrieval_cmd(
     from rolemrc.datagen.retrieval import KEY_BLOCK, QUERY_BLOCK
 
     emit(run(profiles, triplets, dim, kind=index, seed=seed, query_block=query_block or QUERY_BLOCK,
-             key_block=key_block or KEY_BLOCK, nlist=nlist, nprobe=nprobe), out)
+             key_block=key_block or KEY_BLOCK, nlist=nlist, nprobe=nprobe, rounds=rounds), out)
 
 
 @app.command("intervene")

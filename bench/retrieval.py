@@ -2,8 +2,9 @@
 
 10.2k profile vectors against 808.7k triplet vectors (random unit vectors, dim 384, float32). Side
 by side in one run: the exact one-pass search that `datagen` uses (both ends from one matmul), one
-faiss exact top-1 search (what a single search of the old two-search path cost), and the rates of
-plain numpy and torch matmuls on a slice of the same problem. Both ends of the one-pass result are
+faiss exact top-1 search (what a single search of the old two-search path cost), and the rate of a
+plain numpy matmul on a slice of the same problem, taking turns on slices of the queries.
+Both ends of the one-pass result are
 checked against numpy brute force on a sample of queries. With `kind="ivf"` the faiss IVF path is
 also built and timed, and its recall@1 at both ends is measured against the exact result.
 """
@@ -11,8 +12,10 @@ also built and timed, and its recall@1 at both ends is measured against the exac
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from rolemrc.datagen.config import INDEXES, DatagenError
 from rolemrc.datagen.retrieval import KEY_BLOCK, QUERY_BLOCK, Extremes, build_index, one_pass, search_extremes, top1
@@ -30,23 +33,6 @@ def unit_vectors(rng: np.random.Generator, n: int, dim: int, *, block: int = 65_
     return x
 
 
-def matmul_rates(queries: np.ndarray, keys: np.ndarray, *, query_block: int = 2048, repeats: int = 3) -> dict[str, float]:
-    """Best flops/s of `queries @ keys.T` with numpy and with torch, in query blocks (bounded memory)."""
-    import torch
-
-    tq, tk = torch.from_numpy(queries), torch.from_numpy(keys)
-    calls = {"numpy": lambda a, b: np.matmul(queries[a:b], keys.T), "torch": lambda a, b: torch.mm(tq[a:b], tk.T)}
-    best = dict.fromkeys(calls, float("inf"))
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for i in range(0, len(queries), query_block):
-                call(i, i + query_block)
-            best[name] = min(best[name], time.perf_counter() - start)
-    flops = 2.0 * len(queries) * len(keys) * queries.shape[1]
-    return {name: flops / seconds for name, seconds in best.items()}
-
-
 def brute_force(queries: np.ndarray, keys: np.ndarray, *, chunk: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """numpy argmax and argmin of `queries @ keys.T`, a few queries at a time."""
     found = [(s.argmax(1), s.argmin(1)) for s in (queries[i:i + chunk] @ keys.T for i in range(0, len(queries), chunk))]
@@ -55,8 +41,12 @@ def brute_force(queries: np.ndarray, keys: np.ndarray, *, chunk: int = 32) -> tu
 
 def run(profiles: int = 10_200, triplets: int = 808_700, dim: int = 384, *, kind: str = "flat", seed: int = 0,
         query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK, nlist: int = 0, nprobe: int = 8,
-        matmul_keys: int = 32_768, check: int = 256, progress: bool = True) -> dict:
-    """Time the one-pass exact search and one faiss top-1 search; return seconds, rates and checks."""
+        rounds: int = 5, matmul_keys: int = 65_536, check: int = 256, progress: bool = True) -> dict:
+    """Time the one-pass exact search, one faiss top-1 search and a plain matmul; return seconds, rates and checks.
+
+    The queries are split into `rounds` slices and the three measurements take turns on each slice (order
+    reversed every other round), so a change in machine load hits them alike.
+    """
     import faiss
     import torch
 
@@ -65,36 +55,50 @@ def run(profiles: int = 10_200, triplets: int = 808_700, dim: int = 384, *, kind
     rng = np.random.default_rng(seed)
     queries = unit_vectors(rng, profiles, dim)
     keys = unit_vectors(rng, triplets, dim)
-    flops = 2.0 * profiles * triplets * dim
+    mm_keys = keys[:matmul_keys]
+    out = np.empty((min(1024, profiles), len(mm_keys)), dtype=np.float32)  # preallocated: no page faults timed
 
-    warm = build_index(dim, "flat")  # warm up the BLAS and thread pools of both paths before timing
+    def chunks(a: int, b: int):
+        return ((i, min(i + len(out), b)) for i in range(a, b, len(out)))
+
+    warm = build_index(dim, "flat")  # warm up the BLAS and thread pools of every path before timing
     warm.add(keys[:2 * key_block])
     top1(warm, queries[:64])
     one_pass(queries[:64], keys[:2 * key_block], query_block=query_block, key_block=key_block)
     index = build_index(dim, "flat")
     index.add(keys)
-    start = time.perf_counter()
-    faiss_top, _ = top1(index, queries)
-    single = time.perf_counter() - start
-    del index
 
-    start = time.perf_counter()
-    exact = one_pass(queries, keys, query_block=query_block, key_block=key_block, progress=progress)
-    both = time.perf_counter() - start
+    found: dict[str, list] = {"single_search": [], "one_pass": []}
+    steps = {"single_search": lambda a, b: found["single_search"].append(top1(index, queries[a:b])[0]),
+             "one_pass": lambda a, b: found["one_pass"].append(
+                 one_pass(queries[a:b], keys, query_block=query_block, key_block=key_block)),
+             "numpy": lambda a, b: [np.matmul(queries[i:j], mm_keys.T, out=out[:j - i]) for i, j in chunks(a, b)]}
+    seconds = dict.fromkeys(steps, 0.0)
+    bounds = np.linspace(0, profiles, max(1, min(rounds, profiles)) + 1).astype(int)
+    for r, (a, b) in enumerate(tqdm(list(pairwise(bounds)), desc="rounds", disable=not progress, leave=False)):
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            start = time.perf_counter()
+            steps[name](a, b)
+            seconds[name] += time.perf_counter() - start
+    index.reset()  # frees its copy of the keys
+    faiss_top = np.concatenate(found["single_search"])
+    exact = Extremes(*(np.concatenate([getattr(e, f) for e in found["one_pass"]]) for f in Extremes.__dataclass_fields__))
 
-    rates = matmul_rates(queries, keys[:matmul_keys])
-    ratio = both / single
+    flops = 2.0 * profiles * triplets * dim
+    mm_rate = 2.0 * profiles * len(mm_keys) * dim / seconds["numpy"]
+    ratio = seconds["one_pass"] / seconds["single_search"]
 
-    def timing(seconds: float) -> dict:
-        return {"seconds": round(seconds, 3), "gflops": round(flops / seconds / 1e9, 2),
-                "fraction_of_matmul": round(flops / seconds / rates["numpy"], 3)}
+    def timing(name: str) -> dict:
+        rate = flops / seconds[name]
+        return {"seconds": round(seconds[name], 3), "gflops": round(rate / 1e9, 2),
+                "fraction_of_matmul": round(rate / mm_rate, 3)}
 
     sample = rng.choice(profiles, size=min(check, profiles), replace=False)
     want_top, want_bottom = brute_force(queries[sample], keys)
     result = {"profiles": profiles, "triplets": triplets, "dim": dim, "index": kind, "threads": torch.get_num_threads(),
               "faiss_threads": faiss.omp_get_max_threads(), "query_block": query_block, "key_block": key_block,
-              "numpy_matmul_gflops": round(rates["numpy"] / 1e9, 2), "torch_matmul_gflops": round(rates["torch"] / 1e9, 2),
-              "one_pass": timing(both), "single_search": timing(single),
+              "rounds": len(bounds) - 1, "numpy_matmul_gflops": round(mm_rate / 1e9, 2),
+              "one_pass": timing("one_pass"), "single_search": timing("single_search"),
               "one_pass_vs_single_search": round(ratio, 3), "target_ratio": TARGET_RATIO, "meets_target": ratio <= TARGET_RATIO,
               "checked_queries": len(sample),
               "exact": bool(np.array_equal(exact.top[sample], want_top) and np.array_equal(exact.bottom[sample], want_bottom)),

@@ -9,10 +9,10 @@ def test_retrieval_bench_small_is_exact_and_complete():
     result = run(300, 6000, 64, query_block=128, key_block=1000, check=64, progress=False)
     assert result["exact"] is True and result["checked_queries"] == 64 and result["faiss_top_agreement"] == 1.0
     for name in ("one_pass", "single_search"):
-        assert result[name]["seconds"] > 0 and result[name]["fraction_of_matmul"] > 0 and result[name]["gflops"] > 0
-    assert result["numpy_matmul_gflops"] > 0 and result["torch_matmul_gflops"] > 0
+        assert result[name]["seconds"] > 0 and result[name]["gflops"] > 0 and result[name]["fraction_of_matmul"] > 0
+    assert result["numpy_matmul_gflops"] > 0
     assert result["one_pass_vs_single_search"] > 0 and isinstance(result["meets_target"], bool)
-    assert (result["query_block"], result["key_block"]) == (128, 1000) and "ivf" not in result
+    assert (result["query_block"], result["key_block"], result["rounds"]) == (128, 1000, 5) and "ivf" not in result
 
 
 def test_retrieval_bench_ivf_reports_recall():

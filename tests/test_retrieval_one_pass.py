@@ -96,3 +96,17 @@ def test_ivf_path_still_searches_both_ends():
     np.testing.assert_array_equal(full.bottom, exact.bottom)
     approx = extremes(q, k, "ivf", nlist=8, nprobe=1)
     assert np.all(approx.top_score <= exact.top_score + 1e-5) and np.all(approx.bottom_score >= exact.bottom_score - 1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_worker_threads_give_the_same_answer_and_restore_the_thread_count(threads):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    q, k = _ints(rng, 45), _ints(rng, 90)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _assert_numpy(one_pass(q, k, query_block=4, key_block=16), q, k)   # 12 blocks: uneven shares rebalanced
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
