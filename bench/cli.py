@@ -60,6 +60,28 @@ def retrieval_cmd(
              key_block=key_block or KEY_BLOCK, nlist=nlist, nprobe=nprobe, rounds=rounds), out)
 
 
+@app.command("datagen")
+def datagen_cmd(
+    base_url: str = typer.Option(None, help="an OpenAI-compatible endpoint, e.g. `rolemrc serve` at http://127.0.0.1:8000/v1 "
+                                            "(without it only the template backend runs)"),
+    model: str = typer.Option(None, help="the served model id"),
+    size: str = typer.Option("tiny", help="tiny | small | medium, or a number of personas"),
+    seed: int = typer.Option(0),
+    concurrency: int = typer.Option(16, help="requests in flight"),
+    timeout: float = typer.Option(300.0, help="seconds per request before it is retried"),
+    max_tokens: int = typer.Option(512, help="completion tokens per request at most"),
+    seed_requests: bool = typer.Option(True, help="send attempt k with seed=k (--no-seed-requests for vLLM on CPU)"),
+    mrc: Path = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
+    keep: Path = typer.Option(None, help="write both datagen runs here (template/, openai/; must not hold earlier runs)"),
+    out: Path = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Records per minute and malformed share: the template backend vs a served model, same personas, cold."""
+    from rolemrc.bench.datagen import run
+
+    emit(run(base_url, model, size=int(size) if size.isdigit() else size, seed=seed, concurrency=concurrency,
+             timeout_s=timeout, max_tokens=max_tokens, seed_requests=seed_requests, mrc=mrc, keep=keep), out)
+
+
 @app.command("intervene")
 def intervene_cmd(
     prompts: int = typer.Option(256, help="cases per timed pass"),

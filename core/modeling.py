@@ -46,15 +46,22 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def load_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = "float32", device: str | None = "auto"):
-    """Load (model, tokenizer) from a local HF directory, in eval mode, never touching the hub."""
+def load_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = "float32", device: str | None = "auto",
+               device_map: str | dict | None = None, max_memory: dict | None = None):
+    """Load (model, tokenizer) from a local HF directory, in eval mode, never touching the hub.
+
+    `device_map` (with optional `max_memory`) places the layers with accelerate's big-model loading instead of
+    moving the whole model to `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True)
-    model.to(resolve_device(device)).eval()
+    placement = {"device_map": device_map, "max_memory": max_memory} if device_map else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True, **placement)
+    if not device_map:
+        model.to(resolve_device(device))
+    model.eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

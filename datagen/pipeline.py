@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,7 @@ async def _synthesise(synth: Synthesizer, units_of: dict[str, list], profiles: d
 
 
 async def arun(config: DatagenConfig) -> dict[str, Any]:
-    """Run (or resume) every stage; return the stats plus the backend's event counts."""
+    """Run (or resume) every stage; return the stats, the backend's event counts and each stage's seconds."""
     out, work = config.out, config.out / "work"
     _check_resume(work, config)
     n_personas, test_rows = resolve_size(config.size)
@@ -177,17 +178,28 @@ async def arun(config: DatagenConfig) -> dict[str, Any]:
     personas = rng_for(config.seed, "personas").sample(personas, n)
     backend = make_backend(config.backend, seed=config.seed, cache_path=work / "cache.sqlite")
     drops: dict[str, Counter] = {"profiles": Counter(), "synthesis": Counter()}
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        seconds[stage] = round(time.perf_counter() - clock, 3)
+        clock = time.perf_counter()
+
     try:
         pj = Journal(work / "profiles.jsonl")
         await _profiles(backend, personas, pj, config.progress)
         pj.close()
+        lap("profiles")
         profiles = [pj.done[p["id"]]["profile"] for p in personas if "profile" in pj.done[p["id"]]]
         drops["profiles"].update(pj.done[p["id"]]["dropped"] for p in personas if "dropped" in pj.done[p["id"]])
         if len(profiles) < 2:
             export(out, profiles, [], drops)
-            return {"stats": json.loads((out / "stats.json").read_text()), "events": dict(backend.events)}
+            return {"stats": json.loads((out / "stats.json").read_text()), "events": dict(backend.events),
+                    "seconds": seconds}
         by_id = {t["id"]: t for t in triplets}
         chosen = _retrieve(config, profiles, triplets, work)
+        lap("retrieval")
         material = {pid: Material(*(by_id[ids[k]] for k in ("related", "unanswerable", "unrelated")))
                     for pid, ids in chosen.items()}
         ids = [p["id"] for p in profiles]
@@ -207,6 +219,7 @@ async def arun(config: DatagenConfig) -> dict[str, Any]:
         await _synthesise(Synthesizer(backend, config.seed), units_of, {p["id"]: p for p in profiles}, material,
                           split_of, ij, config.progress)
         ij.close()
+        lap("synthesis")
         units = [ij.done[pid] for pid in ids]
         for u in units:
             drops["synthesis"].update(u["dropped"])
@@ -215,7 +228,7 @@ async def arun(config: DatagenConfig) -> dict[str, Any]:
     finally:
         if hasattr(backend, "aclose"):
             await backend.aclose()
-    return {"stats": stats, "events": dict(backend.events)}
+    return {"stats": stats, "events": dict(backend.events), "seconds": seconds}
 
 
 def run(config: DatagenConfig) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
-from rolemrc.core.modeling import check_model_dir, dir_fingerprint, load_model, model_fingerprint, resolve_dtype
+from rolemrc.core.modeling import dir_fingerprint, load_model, model_fingerprint
 from rolemrc.probe.backends import Backend, make_backend
 from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prompt_cases
 from rolemrc.probe.counts import ProbeCounts, Rank, Tokens, TopKCounter, check_top_fraction, top_k_size
@@ -150,19 +150,12 @@ def load_placed(path: str | os.PathLike, dtype: str, device_map: DeviceMap) -> t
     """load_model with accelerate's big-model placement (transformers' `device_map`): the layers spread over
     the GPUs (then the CPU); launched as several processes, over this rank's share of the GPUs (`rank_gpus`)."""
     from accelerate.utils import get_max_memory
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_model_dir(path)
     shard, max_memory = shard_from_env(), None
     if shard.world > 1 and torch.cuda.is_available():
         mine = rank_gpus(shard)
         max_memory = {key: size for key, size in get_max_memory().items() if not isinstance(key, int) or key in mine}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), device_map=device_map,
-                                                 max_memory=max_memory, local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return load_model(path, dtype=dtype, device_map=device_map, max_memory=max_memory)
 
 
 def rank_device(device: str) -> str:

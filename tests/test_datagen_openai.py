@@ -275,3 +275,41 @@ def test_openai_backend_against_rolemrc_serve(tmp_path, model_dirs):
         first, again, events = asyncio.run(go())
     assert isinstance(first, str) and first and first == again
     assert events["requests"] == 3 and events["cache_hits"] == 1 and events["malformed"] == 2
+
+
+def test_bench_datagen_side_by_side(tmp_path, pool):
+    """`rolemrc bench datagen`: the template backend and a served model over the same personas, cold; the
+    JSON's shares agree with the backend's own counts and with the files written."""
+    from typer.testing import CliRunner
+
+    from rolemrc.bench.cli import app
+    from rolemrc.core.errors import InputError
+
+    keep = tmp_path / "runs"
+    with Server(scripted_app()) as server:
+        result = CliRunner().invoke(app, ["datagen", "--base-url", server.url, "--model", "scripted", "--mrc", str(pool),
+                                          "--concurrency", "4", "--keep", str(keep), "--out", str(tmp_path / "b.json")])
+        assert result.exit_code == 0, result.output
+        report = json.loads((tmp_path / "b.json").read_text())
+        hits = server.app.state.hits
+        with pytest.raises(InputError, match="fresh directory"):   # a second run would replay the cache
+            from rolemrc.bench.datagen import run as bench_run
+            bench_run(server.url, "scripted", mrc=pool, keep=keep, progress=False)
+    template, served = report["template"], report["openai"]
+    for side, name in ((template, "template"), (served, "openai")):
+        assert set(side["seconds"]) == {"profiles", "retrieval", "synthesis"}
+        written = {f: len(read_jsonl(keep / name / f"{f}.jsonl")) for f in ("sft", "pairs", "test")}
+        assert side["records"] == {**written, "total": sum(written.values())} and side["records_per_min"] > 0
+    assert template["items"]["dropped"] == 0 and template["profiles"]["dropped"] == 0
+    events = served["events"]
+    assert events["requests"] >= hits["requests"]   # every try the server saw was counted (+ any dropped connection)
+    assert served["replies"] == events["requests"] - events["retries"] == events["completion_tokens"]  # 1 token each
+    assert served["malformed_reply_share"] == round(events["malformed"] / served["replies"], 4)
+    assert 0 < served["malformed_reply_share"] < 1
+    assert served["profiles"]["dropped"] > 0 and served["items"]["dropped"] > 0     # the scripted always-bad ones
+    assert served["drop_reasons"]["synthesis"]["speaks for another role"] > 0
+    assert 0 < report["records_kept_share"] < 1
+    assert len(report["examples"]) == 3
+    for example in report["examples"]:
+        for name in ("template", "openai"):
+            assert [t["role"] for t in example[name]][-1] == "assistant"

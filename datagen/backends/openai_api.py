@@ -139,6 +139,8 @@ class OpenAIBackend:
                 await asyncio.sleep(self.config.backoff_s * 2 ** retry)
             except openai.APIStatusError as exc:
                 raise BackendError(f"{self.config.base_url}: HTTP {exc.status_code}: {exc.message}") from None
+        usage = getattr(response, "usage", None)
+        self.events["completion_tokens"] += int(getattr(usage, "completion_tokens", 0) or 0)
         choices = getattr(response, "choices", None) or []
         text = choices[0].message.content if choices and choices[0].message else None
         text = text if isinstance(text, str) else ""
