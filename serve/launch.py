@@ -60,10 +60,10 @@ class Server:
         return self.proc.wait(timeout)
 
 
-def start_server(config: dict[str, Any] | str | os.PathLike, *, env: dict[str, str] | None = None,
-                 workdir: str | os.PathLike | None = None, port: int | None = None, timeout: float = 120) -> Server:
-    """Launch and wait for /health; raises with the server's log if it does not come up. The server gets SIGTERM
-    (and drains) if the calling thread's process dies, so call it from a thread that outlives the server."""
+def launch_server(config: dict[str, Any] | str | os.PathLike, *, env: dict[str, str] | None = None,
+                  workdir: str | os.PathLike | None = None, port: int | None = None) -> Server:
+    """Launch `python -m rolemrc.serve` without waiting for it; it gets SIGTERM (and drains) if the calling
+    thread's process dies, so call it from a thread that outlives the server."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="rolemrc-serve-"))
     if isinstance(config, dict):
         path = workdir / "serve.yaml"
@@ -76,7 +76,14 @@ def start_server(config: dict[str, Any] | str | os.PathLike, *, env: dict[str, s
         proc = subprocess.Popen([sys.executable, "-m", "rolemrc.serve", "--config", str(path), "--port", str(port)],
                                 stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                 preexec_fn=die_with_parent)
-    server = Server(proc, port, path, log)
+    return Server(proc, port, path, log)
+
+
+def start_server(config: dict[str, Any] | str | os.PathLike, *, env: dict[str, str] | None = None,
+                 workdir: str | os.PathLike | None = None, port: int | None = None, timeout: float = 120) -> Server:
+    """`launch_server`, then wait for /health; raises with the server's log if it does not come up."""
+    server = launch_server(config, env=env, workdir=workdir, port=port)
+    proc = server.proc
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

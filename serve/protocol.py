@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 SEED_MAX = 2**63 - 1
@@ -49,6 +49,31 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
+class JsonSchema(BaseModel):
+    name: str = Field("response", max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the reply must satisfy")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON satisfying a schema (engines with
+    structured outputs only)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("type 'json_schema' goes with json_schema: {name, schema}, and only it")
+        return self
+
+    def constrained(self) -> dict[str, Any] | None:
+        """The OpenAI body field for an engine to enforce; None for free text."""
+        return None if self.type == "text" else self.model_dump(by_alias=True, exclude_none=True)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -62,7 +87,7 @@ def _off(value: Any) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": _off, "presence_penalty": _off, "logit_bias": _off, "tools": _off, "functions": _off,
     "tool_choice": lambda v: v in (None, "none"), "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v.get("type") == "text", "best_of": lambda v: v in (None, 1),
+    "best_of": lambda v: v in (None, 1),
     "suffix": _off,
 }
 
@@ -132,7 +157,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = Field(None, description="unsupported unless 'none'")
     functions: list[dict[str, Any]] | None = Field(None, description="unsupported unless empty")
     function_call: str | dict[str, Any] | None = Field(None, description="unsupported unless 'none'")
-    response_format: dict[str, Any] | None = Field(None, description="unsupported unless {'type': 'text'}")
+    response_format: ResponseFormat | None = Field(None, description="json_object / json_schema: constrained "
+                                                                     "decoding, on engines with structured outputs")
 
     def refused(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -53,10 +53,15 @@ def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine)
     if logprobs is not None and not engine.capabilities.logprobs:
         raise ApiError(400, f"the {engine.kind} engine serving this model does not return logprobs",
                        code="unsupported_parameter", param="logprobs")
+    response_format = body.response_format.constrained() if getattr(body, "response_format", None) else None
+    if response_format is not None and not engine.capabilities.structured_outputs:
+        raise ApiError(400, f"the {engine.kind} engine serving this model cannot constrain replies to "
+                            f"{response_format['type']} (serve it with engine: vllm)",
+                       code="unsupported_parameter", param="response_format")
     max_tokens = body.requested_max_tokens()
     if max_tokens is not None and max_tokens > config.max_new_tokens:
         raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_new_tokens}",
                        code="max_tokens_too_large", param="max_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                           stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs,
-                          prompt_logprobs=logprobs is not None and body.echo_prompt())
+                          prompt_logprobs=logprobs is not None and body.echo_prompt(), response_format=response_format)

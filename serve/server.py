@@ -24,7 +24,11 @@ class DrainingServer(uvicorn.Server):
         self.drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.drain_deadline is None:
+        if not self.started and self.state.stop_requested is not None:   # still starting: nothing to drain
+            log.info("stopping while starting", extra={"signal": int(sig)})
+            self.should_exit = True
+            self.state.loop.call_soon_threadsafe(self.state.stop_requested.set)
+        elif self.drain_deadline is None:
             self.state.draining = True
             self.drain_deadline = time.monotonic() + self.drain_timeout_s
             log.info("draining", extra={"signal": int(sig), "inflight": self.state.inflight})

@@ -25,6 +25,8 @@ class State:
     store: Store | None = None
     draining: bool = False
     inflight: int = 0
+    stop_requested: asyncio.Event | None = None   # set by a signal that arrives while the engines start
+    loop: asyncio.AbstractEventLoop | None = None
 
     async def experiment(self, exp_id: str) -> dict[str, Any]:
         if self.store is None:

@@ -89,6 +89,7 @@ def scripted_app(delay_s: float = 0.0, status: int | None = None):
     app = FastAPI()
     hits: Counter = Counter()
     app.state.hits = hits
+    app.state.formats = []
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -99,6 +100,8 @@ def scripted_app(delay_s: float = 0.0, status: int | None = None):
         key = json.dumps([body["messages"], body.get("seed")], sort_keys=True)
         hits[key] += 1
         hits["seeded"] += "seed" in body
+        hits["structured " + json.dumps(body["messages"][0]["content"] == PROFILE_SYSTEM)] += "response_format" in body
+        app.state.formats.append(body.get("response_format"))
         if hits[key] == 1 and _h(key) % 5 == 0:
             hits["429"] += 1
             return JSONResponse({"error": {"message": "slow down", "type": "rate_limit"}}, status_code=429)
@@ -204,6 +207,21 @@ def test_requests_go_without_seeds_when_told(tmp_path):
             asyncio.run(go(config))
             hits = server.app.state.hits   # (the scripted server may answer 429 or 500 first: a retry)
             assert hits["requests"] >= 1 and hits["seeded"] == (hits["requests"] if seeded else 0)
+
+
+def test_structured_output_asks_for_profiles_by_json_schema(tmp_path, pool):
+    """--structured-output: profile requests carry a JSON Schema response_format that fits max_tokens and
+    requires exactly the components the validator requires; reply requests stay free text."""
+    from rolemrc.datagen.backends.openai_api import profile_schema
+
+    with Server(scripted_app()) as server:
+        run(_config(tmp_path / "run", server.url, pool, structured=True, max_tokens=300))
+        hits, formats = server.app.state.hits, [f for f in server.app.state.formats if f]
+    assert hits["structured true"] >= 16 and hits["structured false"] == 0
+    assert formats and all(f == profile_schema(300) for f in formats)
+    components = formats[0]["json_schema"]["schema"]["properties"]["components"]
+    assert components["required"] == list(COMPONENTS) and components["additionalProperties"] is False
+    assert components["properties"]["background"]["maxLength"] * len(COMPONENTS) <= (300 - 100) * 3
 
 
 def test_http_errors_that_are_not_retryable_stop_the_run(tmp_path, pool):

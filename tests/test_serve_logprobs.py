@@ -116,6 +116,7 @@ def test_a_tiny_restraint_shifts_logprobs_but_not_tokens(client):
     ("chat/completions", "logit_bias", {"5": 10}), ("chat/completions", "presence_penalty", 0.5),
     ("chat/completions", "frequency_penalty", -1.0), ("chat/completions", "tools", [{"type": "function"}]),
     ("chat/completions", "response_format", {"type": "json_object"}), ("chat/completions", "top_logprobs", 2),
+    ("chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("completions", "best_of", 3), ("completions", "suffix", "end"), ("completions", "logit_bias", {"1": 1}),
 ])
 def test_unsupported_parameters_are_refused(server, endpoint, field, value):
@@ -125,6 +126,14 @@ def test_unsupported_parameters_are_refused(server, endpoint, field, value):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("value", [{"type": "json_schema"}, {"type": "text", "json_schema": {"schema": {}}},
+                                   {"type": "xml"}])
+def test_malformed_response_format_is_invalid(server, value):
+    body = {"model": "tiny", "max_tokens": 2, "messages": CHAT, "response_format": value}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body)
+    assert response.status_code == 422 and response.json()["error"]["param"].startswith("response_format"), response.text
 
 
 def test_no_op_values_of_unsupported_parameters_pass(server):

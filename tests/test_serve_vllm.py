@@ -63,7 +63,9 @@ def server(peaked_model, tmp_path_factory):
     for name, r in RESTRAINTS.items():
         r.save(root / f"{name}.yaml")
     config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "adapter_cache": "lora",
-                               "max_model_len": 512, "max_inline_adapters": 2},
+                               "max_model_len": 512, "max_inline_adapters": 2,
+                               # a random model pads JSON with whitespace until max_tokens runs out otherwise
+                               "vllm_args": ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']},
                          "t": {"path": str(peaked_model)}},
               "restraints": {name: f"{name}.yaml" for name in RESTRAINTS}, "allow_inline_restraints": True,
               "max_new_tokens": 64, "default_max_tokens": 12, "db": "ab.sqlite", "drain_timeout_s": 60}
@@ -207,6 +209,33 @@ def test_ab_experiment_arms_on_the_vllm_engine(server, client):
     assert report["requests"] == 16 and set(report["arms"]) == {"base", "silenced"}
 
 
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["mood", "words"], "properties": {
+    "mood": {"type": "string", "enum": ["calm", "stormy"]},
+    "words": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "minLength": 1, "maxLength": 6}}}}
+
+
+@pytest.mark.parametrize("model", ["v", "v+silence"])
+def test_json_schema_response_format_constrains_vllm_replies(client, model):
+    """Structured outputs pass through to vLLM (with a restraint's adapter too): a random model's reply parses
+    and satisfies the schema."""
+    import json
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    for chat_messages in CHATS[:2]:
+        reply = chat(client, model, chat_messages, max_tokens=64, response_format=fmt).choices[0].message.content
+        data = json.loads(reply, strict=False)   # (xgrammar lets the random model's control characters into strings)
+        assert set(data) == {"mood", "words"} and data["mood"] in ("calm", "stormy")
+        assert 1 <= len(data["words"]) <= 3 and all(1 <= len(w) <= 6 for w in data["words"])
+
+
+def test_json_response_format_is_refused_by_the_transformers_engine(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, "t", response_format=fmt)
+    assert refused.value.body["param"] == "response_format" and "engine: vllm" in refused.value.body["message"]
+    assert chat(client, "t", response_format={"type": "text"}).choices[0].message.content is not None
+
+
 def test_sigterm_drains_the_request_in_flight_and_stops_vllm(server):
     """Runs last: it stops the module's server."""
     children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
@@ -229,3 +258,54 @@ def test_sigterm_drains_the_request_in_flight_and_stops_vllm(server):
     while Path(f"/proc/{vllm_pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not Path(f"/proc/{vllm_pid}").exists(), "vLLM outlived the server"
+
+
+def descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo += kids - found
+            found |= kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_while_vllm_starts_stops_everything_promptly(peaked_model, tmp_path):
+    """A signal while vLLM is still loading (minutes on a big model) stops the server at once, with vLLM's whole
+    process tree, instead of waiting for the start to finish."""
+    from rolemrc.serve.launch import launch_server
+
+    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "max_model_len": 512}}, "db": None}
+    server = launch_server(config, workdir=tmp_path, env={"ROLEMRC_VLLM_PYTHON": VLLM})
+    try:
+        deadline, tree = time.monotonic() + 120, set()
+        while time.monotonic() < deadline and server.proc.poll() is None:   # vLLM's engine process is up
+            tree = descendants(server.proc.pid)
+            if len(tree) >= 3:
+                break
+            time.sleep(0.2)
+        assert len(tree) >= 3, server.logs()[-3000:]
+        start = time.monotonic()
+        server.signal(signal.SIGTERM)
+        assert server.wait(90) == 0, server.logs()[-3000:]
+        deadline = time.monotonic() + 30
+        while any(map(alive, tree)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [pid for pid in tree if alive(pid)]
+        assert not left, f"left running: {left}"
+        assert time.monotonic() - start < 90
+        assert "stopping while starting" in server.logs()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()

@@ -5,6 +5,8 @@
   other HTTP errors (bad key, unknown model) stop the run with a clear BackendError;
 - a SQLite cache keyed by the full request, so reruns and resumed runs replay earlier answers
   instead of paying for them again;
+- `structured`: profiles are asked for with a JSON Schema `response_format` (constrained decoding on servers
+  with structured outputs: vLLM, rolemrc serve's vLLM engine, OpenAI), so a small model cannot break the JSON;
 - content attempts: a malformed reply (bad JSON, broken rule, missing answer, ...) is asked for
   again up to `max_attempts` times (attempt k is sent with `seed=k`, so a deterministic server
   can answer differently), then the item is dropped with its reason (DroppedError).
@@ -24,7 +26,7 @@ from typing import Any
 
 from rolemrc.datagen.backends import BackendError, DroppedError
 from rolemrc.datagen.config import BackendConfig
-from rolemrc.datagen.profiles import COMPONENTS, ProfileError, profile_text, validate_profile
+from rolemrc.datagen.profiles import COMPONENTS, MAX_COMPONENT_CHARS, ProfileError, profile_text, validate_profile
 from rolemrc.datagen.replies import INTENTS, ReplySpec, check_reply
 
 PROFILE_SYSTEM = (
@@ -67,6 +69,18 @@ def profile_messages(persona: str) -> list[dict[str, str]]:
                                     f'{{"name": "<a fitting personal name>", "components": {{...}}}} '
                                     f"where components has exactly these string fields: {keys}."},
     ]
+
+
+def profile_schema(max_tokens: int) -> dict[str, Any]:
+    """`response_format` for a profile: the JSON shape `validate_profile` accepts, each component short enough
+    (at a conservative 3 characters per token) that the whole object fits in `max_tokens`."""
+    chars = min(MAX_COMPONENT_CHARS, max(40, (max_tokens - 100) * 3 // len(COMPONENTS)))
+    text = {"type": "string", "minLength": 1, "maxLength": chars}
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "components"], "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 80},
+        "components": {"type": "object", "additionalProperties": False, "required": list(COMPONENTS),
+                       "properties": dict.fromkeys(COMPONENTS, text)}}}
+    return {"type": "json_schema", "json_schema": {"name": "role_profile", "schema": schema}}
 
 
 def reply_messages(spec: ReplySpec) -> list[dict[str, str]]:
@@ -113,12 +127,16 @@ class OpenAIBackend:
         self.limit = asyncio.Semaphore(max(1, config.concurrency))
         self.events: Counter = Counter()
 
-    async def complete(self, messages: list[dict[str, str]], attempt: int) -> str:
+    async def complete(self, messages: list[dict[str, str]], attempt: int,
+                       response_format: dict[str, Any] | None = None) -> str:
         """Reply text for one request: from the cache, or from the endpoint with transport retries."""
         import openai
 
         request = {"model": self.config.model, "messages": messages, "temperature": self.config.temperature,
                    "max_tokens": self.config.max_tokens, "attempt": attempt}
+        extra = {"seed": attempt} if self.config.seed_requests else {}
+        if response_format is not None:
+            request["response_format"] = extra["response_format"] = response_format
         key = ResponseCache.key(request)
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             self.events["cache_hits"] += 1
@@ -130,7 +148,7 @@ class OpenAIBackend:
                     self.events["requests"] += 1
                     response = await self.client.chat.completions.create(
                         model=self.config.model, messages=messages, temperature=self.config.temperature,
-                        max_tokens=self.config.max_tokens, **({"seed": attempt} if self.config.seed_requests else {}))
+                        max_tokens=self.config.max_tokens, **extra)
                 break
             except retryable as exc:
                 if retry == self.config.max_retries:
@@ -151,7 +169,8 @@ class OpenAIBackend:
     async def profile(self, persona: dict[str, str]) -> tuple[str, dict[str, str]]:
         reason = "no attempt"
         for attempt in range(self.config.max_attempts):
-            text = await self.complete(profile_messages(persona["persona"]), attempt)
+            text = await self.complete(profile_messages(persona["persona"]), attempt,
+                                       profile_schema(self.config.max_tokens) if self.config.structured else None)
             try:
                 data = parse_json_object(text)
                 if not isinstance(data, dict):

@@ -22,6 +22,7 @@ class Capabilities:
     runtime_restraints: bool = False   # applies restraints itself (registered, inline, `model+restraint`)
     lora_restraints: bool = False      # ... as LoRA adapters, told the registered ones by `register_adapters`
     logprobs: bool = False             # returns token log-probabilities
+    structured_outputs: bool = False   # constrains decoding to `response_format` (JSON object / JSON Schema)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None     # None: none; k: each token's log-probability and its k most likely alternatives
     prompt_logprobs: bool = False   # also the prompt tokens' (from the prefill; the first token's is None)
+    response_format: dict[str, Any] | None = None   # OpenAI's json_object / json_schema (structured outputs)
 
 
 @dataclass

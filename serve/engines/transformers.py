@@ -98,7 +98,8 @@ class TransformersEngine:
                 seq.gen.push(ApiError(503, "the server is shutting down", code="shutting_down"))
             self._waiting.clear()
             self._cv.notify_all()
-        await asyncio.to_thread(self._thread.join, 30)
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 30)
 
     def queue_depth(self) -> Counter[str]:
         """Waiting requests per restraint label."""

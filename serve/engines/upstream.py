@@ -38,7 +38,7 @@ class OpenAIProxy:
     closes the upstream connection (which cancels it there)."""
 
     kind: ClassVar[str]
-    capabilities = Capabilities(logprobs=True)
+    capabilities = Capabilities(logprobs=True, structured_outputs=True)
 
     def __init__(self, name: str, *, base_url: str | None, model_id: str, api_key_env: str | None,
                  pass_restraints: bool, max_queue: int) -> None:
@@ -87,6 +87,8 @@ class OpenAIProxy:
             body["stop"] = params.stop
         if params.ignore_eos:
             body["ignore_eos"] = True
+        if params.response_format is not None:
+            body["response_format"] = params.response_format
         if resolved.raw is not None and self.pass_restraints:
             body["restraint"] = resolved.raw
         if prompt.messages is not None:

@@ -53,7 +53,8 @@ class VllmEngine(OpenAIProxy):
 
     kind = "vllm"
     Options = VllmOptions
-    capabilities = Capabilities(runtime_restraints=True, lora_restraints=True, logprobs=True)
+    capabilities = Capabilities(runtime_restraints=True, lora_restraints=True, logprobs=True,
+                                structured_outputs=True)
     start_timeout_s = 600.0
 
     def __init__(self, name: str, options: VllmOptions, *, max_queue: int, **_: Any) -> None:
