@@ -17,6 +17,11 @@ COMPONENTS: dict[str, str] = {
     "speech_examples": "Speech examples",
 }
 MAX_COMPONENT_CHARS = 1200
+PLACEHOLDERS = {"", "n/a", "na", "none", "unknown", "tbd", "todo", "null", "string", "text", "..."}
+
+
+def _folded(text: str) -> str:
+    return " ".join(text.lower().replace("_", " ").replace("-", " ").split()).strip(" .:;,!?\"'")
 
 
 class ProfileError(RolemrcError, ValueError):
@@ -44,7 +49,20 @@ def validate_profile(name: Any, components: Any) -> tuple[str, dict[str, str]]:
         if len(value) > MAX_COMPONENT_CHARS:
             raise ProfileError(f"component {key} too long")
         clean[key] = value.strip()
+    _check_content(name.strip(), clean)
     return name.strip(), clean
+
+
+def _check_content(name: str, components: dict[str, str]) -> None:
+    """Refuse a profile that has the right shape but says nothing: a placeholder or a heading for a component,
+    or components that repeat the name or each other (what a small model does under a JSON Schema)."""
+    for key, value in components.items():
+        folded = _folded(value)
+        if folded in PLACEHOLDERS or folded in (_folded(key), _folded(COMPONENTS[key])):
+            raise ProfileError(f"placeholder component {key}")
+    values = [_folded(v) for v in components.values()]
+    if len(set(values)) < len(values) - 1 or sum(v == _folded(name) for v in values) > 1:
+        raise ProfileError("components repeat each other")
 
 
 def profile_text(name: str, components: dict[str, str]) -> str:

@@ -15,7 +15,7 @@ from rolemrc.core.records import normalize_turns, prompt_turns
 from rolemrc.core.taxonomy import TASK_COUNTS, TASKS
 from rolemrc.datagen.config import DatagenConfig
 from rolemrc.datagen.pipeline import ResumeMismatch, allocate, run
-from rolemrc.datagen.profiles import COMPONENTS
+from rolemrc.datagen.profiles import COMPONENTS, ProfileError, validate_profile
 from rolemrc.datagen.replies import ReplySpec, Rule, check_reply
 from rolemrc.datagen.retrieval import extremes
 from rolemrc.datagen.sources import load_personas, load_triplets
@@ -227,3 +227,30 @@ def test_config_errors_are_clear():
         DatagenConfig(size="huge")
     with pytest.raises(ValueError, match="base-url"):
         DatagenConfig(backend=__import__("rolemrc.datagen.config", fromlist=["BackendConfig"]).BackendConfig(name="openai"))
+
+
+GOOD_PROFILE = {
+    "name_and_description": "Aino, a falconer from Kuopio who trains goshawks.",
+    "abilities_and_skills": "Reads the weather from the wind; fits jesses and hoods.",
+    "speech_style": "Short sentences, dry humour.",
+    "personality": "Patient, stubborn, kind to animals.",
+    "background": "Grew up on a farm; apprenticed to an old falconer.",
+    "knowledge_boundaries": "Knows birds of prey, not city life or computers.",
+    "speech_examples": "Hold still. The bird feels your fear.",
+}
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"background": "N/A"}, "placeholder component background"),
+    ({"speech_style": "Speech_style"}, "placeholder component speech_style"),
+    ({"personality": "Personality characteristics:"}, "placeholder component personality"),
+    ({"background": "Aino", "personality": "Aino"}, "components repeat each other"),
+    ({k: "A falconer." for k in ("background", "personality", "speech_style")}, "components repeat each other"),
+])
+def test_profiles_that_say_nothing_are_refused(change, reason):
+    """The shape a JSON Schema guarantees is not enough: placeholders and repeated components are refused
+    with a reason that the stats count."""
+    assert validate_profile("Aino", GOOD_PROFILE) == ("Aino", GOOD_PROFILE)
+    assert validate_profile("Aino", {**GOOD_PROFILE, "name_and_description": "Aino"})[0] == "Aino"  # once is fine
+    with pytest.raises(ProfileError, match=reason):
+        validate_profile("Aino", {**GOOD_PROFILE, **change})
