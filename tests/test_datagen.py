@@ -245,7 +245,7 @@ GOOD_PROFILE = {
     ({"speech_style": "Speech_style"}, "placeholder component speech_style"),
     ({"personality": "Personality characteristics:"}, "placeholder component personality"),
     ({"background": "Aino", "personality": "Aino"}, "components repeat each other"),
-    ({k: "A falconer." for k in ("background", "personality", "speech_style")}, "components repeat each other"),
+    (dict.fromkeys(("background", "personality", "speech_style"), "A falconer."), "components repeat each other"),
 ])
 def test_profiles_that_say_nothing_are_refused(change, reason):
     """The shape a JSON Schema guarantees is not enough: placeholders and repeated components are refused
