@@ -3,7 +3,7 @@
 Both runs sample the same personas (same size and seed) into fresh output directories, so nothing comes from
 the SQLite cache. Per backend: wall time per stage, records written, records per minute (overall, and over the
 generation stages only: retrieval is the same work for both), the share of replies rejected as malformed and of
-profiles and items dropped after every attempt, and three examples of the same tasks from each."""
+profiles and items dropped after every attempt, and three examples (the same profile and task in each run, one per category)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 from rolemrc.core.errors import InputError
 from rolemrc.core.io import read_jsonl
 from rolemrc.datagen.config import BackendConfig, DatagenConfig
+from rolemrc.datagen.export import CATEGORIES, category
 from rolemrc.datagen.pipeline import run as run_datagen
 
 EXAMPLE_CHARS = 600
@@ -62,20 +63,24 @@ def measure(config: DatagenConfig) -> dict[str, Any]:
 
 
 def examples(dirs: dict[str, Path], count: int = 3) -> list[dict[str, Any]]:
-    """The first SFT record of `count` tasks that every run produced, each run's last two turns side by side."""
-    by_run = {name: {} for name in dirs}
+    """SFT records every run wrote (same profile and task where possible), one per category in the paper's
+    order, each run's last two turns side by side."""
+    by_run: dict[str, dict[str, dict]] = {}
     for name, root in dirs.items():
         path = root / "sft.jsonl"
-        for record in read_jsonl(path) if path.exists() else []:
-            by_run[name].setdefault(record["task"], record)
-    shared = sorted(set.intersection(*(set(tasks) for tasks in by_run.values()))) if by_run else []
-    picked = [t for t in shared if t.startswith(("free_chat", "on_scene"))][:1]
-    picked += [t for t in shared if t not in picked][: count - len(picked)]
+        by_run[name] = {record["id"]: record for record in (read_jsonl(path) if path.exists() else [])}
+    shared = set.intersection(*(set(records) for records in by_run.values())) if by_run else set()
+    first = next(iter(by_run.values()), {})
+    picked: list[str] = []
+    for cat in CATEGORIES:
+        ids = [rid for rid in first if rid in shared and category(first[rid]["task"]) == cat]
+        picked += ids[:1]
 
     def tail(record: dict[str, Any]) -> list[dict[str, str]]:
         return [{"role": t["role"], "content": t["content"][:EXAMPLE_CHARS]} for t in record["conversations"][-2:]]
 
-    return [{"task": task, **{name: tail(by_run[name][task]) for name in dirs}} for task in picked]
+    return [{"id": rid, "task": first[rid]["task"], **{name: tail(by_run[name][rid]) for name in dirs}}
+            for rid in picked[:count]]
 
 
 def run(base_url: str | None, model: str | None, *, size: str | int = "tiny", seed: int = 0, concurrency: int = 16,
