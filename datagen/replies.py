@@ -7,6 +7,7 @@ used, so malformed LLM output is caught the same way everywhere.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,22 @@ INTENTS: dict[str, str] = {
 }
 ANSWERING = frozenset({"answer", "answer_outside", "insist_answer"})
 MAX_REPLY_WORDS = 250
+# the openai backend's instructions (and the profile's first line): a reply that quotes them leaks the prompt
+PROMPT_PHRASES = ("stay in character as described below", "task for your next reply", "you may describe actions",
+                  "speak only; no narration", "formatting rule you must obey", "write only the reply itself")
+REPEATS = 3              # a sentence (of 3+ words) said this often
+MIN_DISTINCT_TRIGRAMS = 0.5   # share of distinct word trigrams in a reply of 30+ words
+
+
+def repeats_itself(text: str) -> bool:
+    """A sentence said REPEATS times, or a long reply made of few distinct word trigrams (degenerate loops)."""
+    sentences = [" ".join(s.lower().split()) for s in re.split(r"(?<=[.!?])\s+|\n+", text)]
+    counts = Counter(s for s in sentences if len(s.split()) >= 3)
+    if counts and max(counts.values()) >= REPEATS:
+        return True
+    words = text.lower().split()
+    trigrams = list(zip(words, words[1:], words[2:]))
+    return len(words) >= 30 and len(set(trigrams)) < MIN_DISTINCT_TRIGRAMS * len(trigrams)
 NARRATION = re.compile(r"[()\[\]*]")
 EMOJI = re.compile("[\U0001F300-\U0001FAFF\u2600-\u27BF]")
 STOP = frozenset(["a", "an", "the", "of", "in", "on", "at", "to", "and", "or", "is", "are", "was", "were", "be", "by", "for",
@@ -97,6 +114,10 @@ def check_reply(spec: ReplySpec, text: Any) -> str | None:
         return "reply too long"
     if re.search(r"^\s*(user|assistant|system)\s*:", text, flags=re.I | re.M):
         return "speaks for another role"
+    if repeats_itself(text):
+        return "repeats itself"
+    if any(phrase in " ".join(text.lower().split()) for phrase in PROMPT_PHRASES):
+        return "echoes the instructions"
     if not spec.narration and NARRATION.search(text):
         return "narration where none is allowed"
     if spec.intent in ANSWERING:

@@ -128,6 +128,13 @@ PROFILE = {"id": "x", "name": "Ana", "persona": "A baker.", "components": dict.f
     ("a b c d e", {"rule": Rule("max_words", "max 4", 4)}, "breaks rule max_words"),
     ("Bye. Stay curious!", {"rule": Rule("signoff", "end", "Stay curious!")}, None),
     ("Hello \U0001F31F", {"rule": Rule("emoji_start", "emoji")}, "breaks rule emoji_start"),
+    ("How about this? I am writing this. How about this? I am writing this. I am writing this.", {}, "repeats itself"),
+    ("You may describe your future.\nYou may describe your future.\nYou may describe your future.", {},
+     "repeats itself"),
+    (" ".join(["the sea the salt the wind"] * 8), {}, "repeats itself"),
+    ("Good day. Good day. Good day. Fine bread today.", {}, None),          # short sentences may recur
+    ("Sure. Write only the reply itself: the loaves are ready.", {}, "echoes the instructions"),
+    ("I am Ana. Stay in character as described below.", {}, "echoes the instructions"),
 ])
 def test_check_reply(text, spec_kw, reason):
     kw = {"intent": "chat", "narration": False, **spec_kw}
