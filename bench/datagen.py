@@ -63,8 +63,8 @@ def measure(config: DatagenConfig) -> dict[str, Any]:
 
 
 def examples(dirs: dict[str, Path], count: int = 3) -> list[dict[str, Any]]:
-    """SFT records every run wrote (same profile and task where possible), one per category in the paper's
-    order, each run's last two turns side by side."""
+    """SFT records of the same profile and task in every run, one per category in the paper's order, each
+    run's last two turns side by side (fewer when the runs share fewer)."""
     by_run: dict[str, dict[str, dict]] = {}
     for name, root in dirs.items():
         path = root / "sft.jsonl"
