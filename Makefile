@@ -48,7 +48,7 @@ demo-real: $(STAMP) $(VLLM_STAMP) sysdeps
 	$(VLLM_ENV) $(VENV)/bin/rolemrc demo --base smollm2 --out runs/demo-real
 
 test: $(STAMP) $(VLLM_STAMP) sysdeps
-	$(VLLM_ENV) ROLEMRC_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider
+	$(VLLM_ENV) ROLEMRC_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
