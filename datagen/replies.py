@@ -28,7 +28,7 @@ INTENTS: dict[str, str] = {
 ANSWERING = frozenset({"answer", "answer_outside", "insist_answer"})
 MAX_REPLY_WORDS = 250
 # the openai backend's instructions (and the profile's first line): a reply that quotes them leaks the prompt
-PROMPT_PHRASES = ("stay in character as described below", "task for your next reply", "you may describe actions",
+PROMPT_PHRASES = ("stay in character as described below", "task for your next reply", "describe at least one action",
                   "speak only; no narration", "formatting rule you must obey", "write only the reply itself")
 REPEATS = 3              # a sentence (of 3+ words) said this often
 MIN_DISTINCT_TRIGRAMS = 0.5   # share of distinct word trigrams in a reply of 30+ words
@@ -120,6 +120,8 @@ def check_reply(spec: ReplySpec, text: Any) -> str | None:
         return "echoes the instructions"
     if not spec.narration and NARRATION.search(text):
         return "narration where none is allowed"
+    if spec.narration and not NARRATION.search(text):
+        return "narration missing"
     if spec.intent in ANSWERING:
         needed = set(content_words(spec.answer or ""))
         found = needed & set(content_words(text))

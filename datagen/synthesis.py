@@ -18,7 +18,7 @@ from rolemrc.datagen.replies import ReplySpec, Rule, check_reply, content_words
 from rolemrc.datagen.seeding import rng_for
 from rolemrc.datagen.sources import MSMARCO_NO_ANSWER
 
-NARRATION_ON = "You may describe actions, expressions and tone in brackets, like (smiles)."
+NARRATION_ON = "Besides speaking, describe at least one action, expression or tone in brackets, like (smiles)."
 NARRATION_OFF = "Reply with speech only: no narration, no brackets."
 LEADS = ("I found these passages and I have a question.", "Could you read this for me?",
          "Here is something I was reading.", "Help me with this text, would you?",

@@ -119,6 +119,7 @@ PROFILE = {"id": "x", "name": "Ana", "persona": "A baker.", "components": dict.f
     ("", {}, "empty reply"),
     ("(smiles) Hello.", {"narration": False}, "narration where none is allowed"),
     ("(smiles) Hello.", {"narration": True}, None),
+    ("Hello.", {"narration": True}, "narration missing"),
     ("User: hi", {}, "speaks for another role"),
     ("I have no idea.", {"intent": "answer", "answer": "forty two loaves"}, "answer missing"),
     ("It was forty two loaves.", {"intent": "answer", "answer": "forty two loaves"}, None),
@@ -182,7 +183,7 @@ def test_replies_follow_their_task(tiny_run):
         replies = [t["content"] for t in r["conversations"] if t["role"] == "assistant"]
         if "no_narration" in r["task"]:
             assert not any("(" in x for x in replies), r["id"]
-        elif "with_narration" in r["task"] and not r["task"].endswith("special-format"):
+        elif "with_narration" in r["task"]:
             assert all("(" in x for x in replies), r["id"]
     pairs = read_jsonl(out / "pairs.jsonl")
     for p in pairs:

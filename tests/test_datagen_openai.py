@@ -54,7 +54,7 @@ def _solve(system: str) -> str:
     """A reply that satisfies the instructions in the backend's system prompt."""
     answer = re.search(r"The answer according to the passages: (.*)", system)
     text = f"Well, the passage says {answer.group(1)}." if answer else "I would rather not say, friend."
-    if "You may describe actions" in system:
+    if "describe at least one action" in system:
         text = "(nods) " + text
     rule = re.search(r"Formatting rule you must obey: (.*)", system)
     if rule:
