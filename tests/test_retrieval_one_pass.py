@@ -110,3 +110,23 @@ def test_worker_threads_give_the_same_answer_and_restore_the_thread_count(thread
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_calls_from_several_threads_are_exact_and_restore_the_thread_count():
+    """Four threads searching at once (each sets torch's process-wide thread count to 1 while its workers run):
+    every answer is exact and the process keeps its thread count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    q, k = _ints(rng, 64), _ints(rng, 400)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            found = list(pool.map(lambda _: one_pass(q, k, query_block=4, key_block=8), range(8)))
+        for ex in found:
+            _assert_numpy(ex, q, k)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
