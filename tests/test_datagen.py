@@ -120,9 +120,14 @@ PROFILE = {"id": "x", "name": "Ana", "persona": "A baker.", "components": dict.f
     ("(smiles) Hello.", {"narration": False}, "narration where none is allowed"),
     ("(smiles) Hello.", {"narration": True}, None),
     ("Hello.", {"narration": True}, "narration missing"),
+    ("Hello there.", {"narration": True, "rule": Rule("max_words", "max 4", 4)}, None),
     ("User: hi", {}, "speaks for another role"),
     ("I have no idea.", {"intent": "answer", "answer": "forty two loaves"}, "answer missing"),
     ("It was forty two loaves.", {"intent": "answer", "answer": "forty two loaves"}, None),
+    ("(smiles) It was forty two loaves.", {"intent": "answer", "answer": "forty two loaves", "narration": True}, None),
+    ("The answer is (forty two loaves)", {"intent": "answer", "answer": "forty two loaves", "narration": True},
+     "answer missing"),                                                      # narrated, not said
+    ("I will never forget my end.\nI love it.\nI will never forget my end.", {}, "repeats itself"),
     ("Quiet, please.", {"rule": Rule("upper", "caps")}, "breaks rule upper"),
     ("QUIET, PLEASE.", {"rule": Rule("upper", "caps")}, None),
     ("one, two", {"rule": Rule("no_commas", "no commas")}, "breaks rule no_commas"),
@@ -183,7 +188,7 @@ def test_replies_follow_their_task(tiny_run):
         replies = [t["content"] for t in r["conversations"] if t["role"] == "assistant"]
         if "no_narration" in r["task"]:
             assert not any("(" in x for x in replies), r["id"]
-        elif "with_narration" in r["task"]:
+        elif "with_narration" in r["task"] and not r["task"].endswith("special-format"):   # word limits drop it
             assert all("(" in x for x in replies), r["id"]
     pairs = read_jsonl(out / "pairs.jsonl")
     for p in pairs:
