@@ -26,6 +26,10 @@ INTENTS: dict[str, str] = {
     "scene": "React in character to the text in the scene, summarising what it is about.",
 }
 ANSWERING = frozenset({"answer", "answer_outside", "insist_answer"})
+REFUSING = frozenset({"refuse_unanswerable", "refuse_outside", "refuse_directive", "insist_refuse"})
+# a refusal says no somehow; one without any of these words gives something else (often an invented answer)
+DECLINING = re.compile(r"\b(not|no|never|nothing|nowhere|cannot|unable|sorry|decline|refuse|outside|afraid|rather)\b|n['’]t\b",
+                       flags=re.I)
 MAX_REPLY_WORDS = 250
 # the openai backend's instructions (and the profile's first line): a reply that quotes them leaks the prompt
 PROMPT_PHRASES = ("stay in character as described below", "task for your next reply", "describe at least one action",
@@ -130,6 +134,8 @@ def check_reply(spec: ReplySpec, text: Any) -> str | None:
         found = needed & set(content_words(NARRATION_SPAN.sub(" ", text)))   # said, not narrated
         if needed and len(found) < max(1, len(needed) // 2):
             return "answer missing"
+    if spec.intent in REFUSING and not DECLINING.search(NARRATION_SPAN.sub(" ", text)):
+        return "refusal missing"
     if spec.rule is not None:
         return check_rule(spec.rule, text)
     return None

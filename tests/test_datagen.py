@@ -128,6 +128,9 @@ PROFILE = {"id": "x", "name": "Ana", "persona": "A baker.", "components": dict.f
     ("The answer is (forty two loaves)", {"intent": "answer", "answer": "forty two loaves", "narration": True},
      "answer missing"),                                                      # narrated, not said
     ("I will never forget my end.\nI love it.\nI will never forget my end.", {}, "repeats itself"),
+    ("12 people controlled 1000 games.", {"intent": "insist_refuse"}, "refusal missing"),   # an invented answer
+    ("(shakes head) The page won't tell us that.", {"intent": "insist_refuse", "narration": True}, None),
+    ("Sorry, that is beyond me.", {"intent": "refuse_outside"}, None),
     ("Quiet, please.", {"rule": Rule("upper", "caps")}, "breaks rule upper"),
     ("QUIET, PLEASE.", {"rule": Rule("upper", "caps")}, None),
     ("one, two", {"rule": Rule("no_commas", "no commas")}, "breaks rule no_commas"),
