@@ -129,12 +129,13 @@ def check_reply(spec: ReplySpec, text: Any) -> str | None:
         return "narration where none is allowed"
     if spec.narration and not NARRATION.search(text) and not (spec.rule and spec.rule.kind == "max_words"):
         return "narration missing"      # under a word limit narration is optional (the template drops it)
+    spoken = NARRATION_SPAN.sub(" ", text)     # the answer and the refusal must be said, not narrated
     if spec.intent in ANSWERING:
         needed = set(content_words(spec.answer or ""))
-        found = needed & set(content_words(NARRATION_SPAN.sub(" ", text)))   # said, not narrated
+        found = needed & set(content_words(spoken))
         if needed and len(found) < max(1, len(needed) // 2):
             return "answer missing"
-    if spec.intent in REFUSING and not DECLINING.search(NARRATION_SPAN.sub(" ", text)):
+    if spec.intent in REFUSING and not DECLINING.search(spoken):
         return "refusal missing"
     if spec.rule is not None:
         return check_rule(spec.rule, text)
