@@ -1,5 +1,5 @@
-"""Probe collection across processes: `torchrun --nproc_per_node 2` (gloo on the CPU) writes the same probe file as
-one process, single and paired; sharding; `--device-map auto`."""
+"""Probe collection across processes: `torchrun --nproc_per_node 2` and `accelerate launch --num_processes 2` (gloo
+on the CPU) write the same probe file as one process, single and paired; sharding; `--device-map auto`."""
 
 import json
 import os
@@ -15,7 +15,7 @@ from rolemrc.core.io import write_jsonl
 from rolemrc.probe import collect, collect_to_file
 from rolemrc.probe.cases import batch_indices, build_cases
 
-# Each rank collects single then paired in one process (the process group is set up and torn down twice).
+# Each rank collects single then paired in one process (the second collection reuses the process group).
 API_SCRIPT = """
 import sys
 from rolemrc.probe import collect_to_file
@@ -25,12 +25,22 @@ collect_to_file([llama, qwen], data, out + "/paired.safetensors", tokens="last",
 """
 
 
-def torchrun(*args, nproc=2):
+def launch(launcher, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on the CPU
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                          *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-m", *launcher, *map(str, args)], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout
+
+
+def torchrun(*args):
+    return launch(["torch.distributed.run", "--standalone", "--nproc_per_node", "2"], *args)
+
+
+def accelerate_launch(*args):
+    # --multi_gpu is accelerate's torchrun launcher; with no GPU visible the ranks run on the CPU (gloo)
+    return launch(["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"], *args)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +68,15 @@ def test_torchrun_cli_paired_tokens_all_with_device_map(model_dirs, data, tmp_pa
     out = torchrun("-m", "rolemrc.cli", *args, "--device-map", "auto", "--out", tmp_path / "two.safetensors")
     report = json.loads(out)  # rank 0's report alone
     assert report["out"] == str(tmp_path / "two.safetensors") and sum(report["cases"].values()) >= 30
+    res = CliRunner().invoke(app, [*map(str, args), "--device", "cpu", "--out", str(tmp_path / "one.safetensors")])
+    assert res.exit_code == 0, res.output
+    assert_same_file(tmp_path / "two.safetensors", tmp_path / "one.safetensors", ignore=())
+
+
+def test_accelerate_launch_cli_writes_what_one_process_writes(model_dirs, data, tmp_path):
+    args = ["probe", "collect", "--model", model_dirs["llama"], "--data", data, "--batch-size", 4]
+    report = json.loads(accelerate_launch("-m", "rolemrc.cli", *args, "--out", tmp_path / "two.safetensors"))
+    assert report["out"] == str(tmp_path / "two.safetensors")
     res = CliRunner().invoke(app, [*map(str, args), "--device", "cpu", "--out", str(tmp_path / "one.safetensors")])
     assert res.exit_code == 0, res.output
     assert_same_file(tmp_path / "two.safetensors", tmp_path / "one.safetensors", ignore=())
