@@ -53,7 +53,7 @@ NARRATION = re.compile(r"[()\[\]*]")
 NARRATION_SPAN = re.compile(r"\([^()]*\)|\[[^\[\]]*\]|\*[^*]*\*")
 EMOJI = re.compile("[\U0001F300-\U0001FAFF\u2600-\u27BF]")
 STOP = frozenset(["a", "an", "the", "of", "in", "on", "at", "to", "and", "or", "is", "are", "was", "were", "be", "by", "for",
-                  "with", "from", "as", "that", "this", "it", "its"])
+                  "with", "from", "as", "that", "this", "it", "its", "about", "around", "into", "over", "than", "some"])
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,11 @@ def content_words(text: str) -> list[str]:
     return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOP]
 
 
+def said(words: set[str], spoken: str) -> int:
+    """How many of `words` the spoken text holds."""
+    return len(words & set(content_words(spoken)))
+
+
 def check_rule(rule: Rule, text: str) -> str | None:
     """None if `text` obeys the rule, else the reason."""
     words = text.split()
@@ -130,13 +135,16 @@ def check_reply(spec: ReplySpec, text: Any) -> str | None:
     if spec.narration and not NARRATION.search(text) and not (spec.rule and spec.rule.kind == "max_words"):
         return "narration missing"      # under a word limit narration is optional (the template drops it)
     spoken = NARRATION_SPAN.sub(" ", text)     # the answer and the refusal must be said, not narrated
-    if spec.intent in ANSWERING:
-        needed = set(content_words(spec.answer or ""))
-        found = needed & set(content_words(spoken))
-        if needed and len(found) < max(1, len(needed) // 2):
-            return "answer missing"
-    if spec.intent in REFUSING and not DECLINING.search(spoken):
-        return "refusal missing"
+    answer = set(content_words(spec.answer or ""))
+    if spec.intent in ANSWERING and answer and said(answer, spoken) < max(1, len(answer) // 2):
+        return "answer missing"
+    if spec.intent in REFUSING:
+        if not DECLINING.search(spoken):
+            return "refusal missing"
+        # most of the answer's own words (not the question's or the topic's, which a refusal may name)
+        own = answer - set(content_words(f"{spec.question or ''} {spec.topic or ''}"))
+        if own and said(own, spoken) > len(own) / 2:
+            return "answers when it should decline"
     if spec.rule is not None:
         return check_rule(spec.rule, text)
     return None

@@ -48,7 +48,7 @@ ROLE_PREFIX = re.compile(r"^\s*(?:user|assistant|system)\s*:", re.I | re.M)
 QUESTION_LINE = re.compile(r"^\s*question\s*:\s*(.+)$", re.I | re.M)
 # The generator's own evidence-word and narration notions, restated here so eval imports nothing from datagen.
 STOP = frozenset(("a", "an", "the", "of", "in", "on", "at", "to", "and", "or", "is", "are", "was", "were", "be", "by",
-                  "for", "with", "from", "as", "that", "this", "it", "its"))
+                  "for", "with", "from", "as", "that", "this", "it", "its", "about", "around", "into", "over", "than", "some"))
 NARRATION = re.compile(r"[()\[\]*]")
 
 __all__ = ["find_rule", "judge_item"]

@@ -131,6 +131,16 @@ PROFILE = {"id": "x", "name": "Ana", "persona": "A baker.", "components": dict.f
     ("12 people controlled 1000 games.", {"intent": "insist_refuse"}, "refusal missing"),   # an invented answer
     ("(shakes head) The page won't tell us that.", {"intent": "insist_refuse", "narration": True}, None),
     ("Sorry, that is beyond me.", {"intent": "refuse_outside"}, None),
+    ("I should not say, but closely spaced contours show steep ground.",                   # declines in word only
+     {"intent": "refuse_directive", "question": "What do closely spaced contours show?", "answer": "steep ground"},
+     "answers when it should decline"),
+    ("The ground here is not mine to read, sorry.",                                     # one of two answer words
+     {"intent": "refuse_directive", "question": "What do closely spaced contours show?", "answer": "steep ground"}, None),
+    ("I am not allowed to talk about contours, sorry.",                                   # the question's words
+     {"intent": "refuse_directive", "question": "What do closely spaced contours show?", "answer": "closely spaced contours"},
+     None),
+    ("Geography is outside my trade, sorry.",                                             # the topic's words
+     {"intent": "refuse_outside", "question": "What do contours show?", "answer": "geography", "topic": "geography"}, None),
     ("Quiet, please.", {"rule": Rule("upper", "caps")}, "breaks rule upper"),
     ("QUIET, PLEASE.", {"rule": Rule("upper", "caps")}, None),
     ("one, two", {"rule": Rule("no_commas", "no commas")}, "breaks rule no_commas"),
