@@ -295,6 +295,19 @@ def test_openai_backend_against_rolemrc_serve(tmp_path, model_dirs):
     assert events["requests"] == 3 and events["cache_hits"] == 1 and events["malformed"] == 2
 
 
+def test_bench_datagen_without_a_model_name_is_one_error_line(tmp_path):
+    """A served endpoint without --model is refused before anything runs: one `error:` line, exit 2, no files."""
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+    from rolemrc.core.errors import EXIT_INPUT
+
+    keep = tmp_path / "runs"
+    result = CliRunner().invoke(app, ["bench", "datagen", "--base-url", "http://127.0.0.1:9/v1", "--keep", str(keep)])
+    assert result.exit_code == EXIT_INPUT, result.output
+    assert "error: name the served model with --model" in result.output and not keep.exists()
+
+
 def test_bench_datagen_side_by_side(tmp_path, pool):
     """`rolemrc bench datagen`: the template backend and a served model over the same personas, cold; the
     JSON's shares agree with the backend's own counts and with the files written."""
