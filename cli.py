@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from rolemrc.core.cli import cli_app
 
@@ -13,26 +14,37 @@ SUBAPPS: dict[str, tuple[str, str]] = {
     "eval": ("rolemrc.eval.cli", "generate, score with metrics and judges, compare runs"),
     "probe": ("rolemrc.probe.cli", "collect top-k unit frequencies, diff them, explore"),
     "intervene": ("rolemrc.intervene.cli", "select, bake and check restraints"),
-    "ab": ("rolemrc.serve.ab_cli", "reports on A/B experiments"),
+    "sweep": ("rolemrc.sweep.cli", "sweep a grid of restraints against random-unit controls; the best as an A/B test"),
+    "ab": ("rolemrc.serve.ab_cli", "A/B experiments: create one from a sweep, report on one"),
     "bench": ("rolemrc.bench.cli", "benchmarks that print JSON"),
     "models": ("rolemrc.models.cli", "pull pretrained models from the registry, convert GGUF files"),
+}
+
+# Commands that live in a higher package than the sub-app users know them from: (sub-app, name) -> (module, function).
+ALIASES: dict[tuple[str, str], tuple[str, str]] = {
+    ("intervene", "sweep"): ("rolemrc.sweep.cli", "run_cmd"),
+    ("ab", "create"): ("rolemrc.sweep.cli", "ab_cmd"),
 }
 
 app = cli_app(name="rolemrc", help="RoleMRC end to end: datagen -> train -> eval -> probe -> intervene -> serve.")
 
 
-def _register(name: str, module: str, help_text: str) -> None:
+def _optional(module: str) -> Any:
+    """`module`, or None when it is not part of this installation."""
     try:
-        mod = importlib.import_module(module)
+        return importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name == module:  # that module is not part of this installation
-            return
+        if exc.name == module:
+            return None
         raise
-    app.add_typer(mod.app, name=name, help=help_text)
 
 
-for _name, (_module, _help) in SUBAPPS.items():
-    _register(_name, _module, _help)
+subapps = {name: mod.app for name, (module, _) in SUBAPPS.items() if (mod := _optional(module))}
+for _name, _app in subapps.items():
+    app.add_typer(_app, name=_name, help=SUBAPPS[_name][1])
+for (_name, _command), (_module, _function) in ALIASES.items():
+    if _name in subapps and (_mod := _optional(_module)):
+        subapps[_name].command(_command)(getattr(_mod, _function))
 
 for _module in ("rolemrc.serve.cli", "rolemrc.demo"):
     try:

@@ -75,7 +75,8 @@ def results_markdown(summary: dict) -> str:
 
 def sweep_section(sweep: dict) -> list[str]:
     """The sweep's headline and, per cell, its judge effects against the baseline and against its controls."""
-    from rolemrc.intervene.sweep_report import JUDGE_PREFIX, cell_label, effect_text
+    from rolemrc.sweep.report import cell_label, effect_text
+    from rolemrc.sweep.stats import JUDGE_PREFIX
 
     judged = sorted({n for c in sweep["cells"] for n in c["scores"] if n.startswith(JUDGE_PREFIX)})
     lines = ["## Restraint sweep", "", f"{sweep['headline']} ({sweep['items']} test cases; full tables and figures: "

@@ -145,7 +145,7 @@ def sweep_stage(cache: StageCache, cfg: DemoConfig, dpo: Path, diff_dir: Path, d
     """The restraint sweep on the DPO model: `cfg.sweep_factors` x `cfg.sweep_top_k` for `dimension`, each cell
     against the baseline and `cfg.sweep_controls` random-unit controls, on `cfg.sweep_items` test cases."""
     from rolemrc.core.io import read_jsonl, write_jsonl
-    from rolemrc.intervene.sweep import SweepConfig, run_sweep
+    from rolemrc.sweep import SweepConfig, run_sweep
 
     out = cfg.out / "sweep"
     items = out / "test.jsonl"

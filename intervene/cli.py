@@ -1,4 +1,4 @@
-"""`rolemrc intervene select|bake|lora|check|sweep`."""
+"""`rolemrc intervene select|bake|lora|check` (and `sweep`, mounted here by `rolemrc.cli` from `rolemrc.sweep.cli`)."""
 
 from __future__ import annotations
 
@@ -82,40 +82,3 @@ def check_cmd(
     report = check(model, spec, baked_dir=baked, dtype=dtype, device=device)
     typer.echo(json.dumps(report.to_dict(), indent=1))
     typer.secho(report.verdict, fg=typer.colors.YELLOW if report.numerical_noop else typer.colors.GREEN, err=True)
-
-
-@app.command("sweep")
-def sweep_cmd(
-    model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
-    diff: Path = typer.Option(..., "--diff", help="diff directory"),
-    data: Path = typer.Option(..., "--data", help="test JSONL"),
-    out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
-    dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
-    factors: str = typer.Option("0.999999,0.99,0.9,0.5,0", help="comma-separated scales"),
-    top_k: str = typer.Option("16,64,256", help="comma-separated unit counts"),
-    direction: Direction = typer.Option("both", help="up | down | both"),
-    layers: str = typer.Option(None, help="e.g. 12-31 (default: all)"),
-    controls: int = typer.Option(3, help="random-unit control sets per cell"),
-    seed: int = typer.Option(0, help="seed of the control draws"),
-    metrics: str = typer.Option("all", help="reference metric groups (all, or e.g. rouge,bleu)"),
-    max_new_tokens: int = typer.Option(96, help="generation length"),
-    batch_size: int = typer.Option(16, help="rows per generation batch (cells share batches)"),
-    cells_per_pass: int = typer.Option(4, help="cells generated together; each finished pass is kept"),
-    engine: str = typer.Option("transformers", help="transformers (in this process) | vllm (a rolemrc server with "
-                                                    "the vLLM engine, restraints as LoRA adapters)"),
-    base_url: str = typer.Option(None, help="generate on a running rolemrc endpoint instead (OpenAI base URL, "
-                                            ".../v1; --model is then the local copy of its weights)"),
-    served_model: str = typer.Option(None, help="the endpoint's model id (default: the one it lists)"),
-    concurrency: int = typer.Option(16, help="requests in flight (endpoint engines)"),
-) -> None:
-    """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
-    controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
-    from rolemrc.intervene.sweep import SweepConfig, numbers, run_sweep
-
-    config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
-                         factors=numbers(factors, "--factors"), top_k=[int(k) for k in numbers(top_k, "--top-k")],
-                         direction=direction, layers=layers, controls=controls, seed=seed,
-                         max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
-                         engine=engine, base_url=base_url, served_model=served_model, concurrency=concurrency)
-    summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
-    typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))

@@ -1,10 +1,9 @@
-"""`rolemrc ab create --from-sweep DIR`: chosen sweep cells as a served experiment; `rolemrc ab report EXPERIMENT
---db ab.sqlite`: the A/B report from the request log."""
+"""`rolemrc ab report EXPERIMENT --db ab.sqlite`: the A/B report from the request log (and `ab create --from-sweep`,
+mounted here by `rolemrc.cli` from `rolemrc.sweep.cli`)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
@@ -15,26 +14,6 @@ from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import metrics_help, parse_metrics
 
 app = cli_app(help="A/B experiments served by `rolemrc serve`.")
-
-
-@app.command("create")
-def create_cmd(
-    from_sweep: Path = typer.Option(..., "--from-sweep", help="a finished `rolemrc intervene sweep` folder"),
-    cells: str = typer.Option("best:2", help="best:N (ranked by effect against the controls) or cell ids/labels, "
-                                             "comma-separated"),
-    base_url: str = typer.Option(..., help="the running rolemrc server's OpenAI base URL (http://host:port/v1)"),
-    model: str = typer.Option(None, help="the served model id (default: the one unrestrained model it lists)"),
-    id: str = typer.Option(None, "--id", help="experiment id (default: generated)"),
-    description: str = typer.Option(None, help="default: which cells, and what the sweep found for each"),
-    api_key_env: str = typer.Option("OPENAI_API_KEY", help="env var holding the server's API key"),
-) -> None:
-    """Register the chosen cells' restraints on the server and create an A/B experiment: the unrestrained model,
-    then one arm per cell (the server must allow client restraint specs: allow_inline_restraints)."""
-    from rolemrc.serve.from_sweep import experiment_from_sweep
-
-    created = experiment_from_sweep(from_sweep, cells, base_url, model=model, exp_id=id, description=description,
-                                    api_key=os.environ.get(api_key_env))
-    typer.echo(json.dumps(created, indent=1))
 
 
 @app.command("report")

@@ -11,8 +11,8 @@ from rolemrc.core.records import normalize_record
 from rolemrc.eval.generate import GenerateConfig, generate, generate_rows
 from rolemrc.intervene import Restraint, RestraintError, applied
 from rolemrc.intervene.bake import elements_changed, fold_and_count
-from rolemrc.intervene.controls import draw_controls
 from rolemrc.intervene.runtime import applied_per_row
+from rolemrc.sweep.controls import draw_controls
 
 SELECTED = Restraint(name="kb", hook="mlp.act", factor=0.0, units={0: [1, 5, 7], 3: list(range(40))})
 PROMPT = [{"role": "user", "content": "the keeper of the lighthouse watched storms"}]

@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from rolemrc.cli import app
 from rolemrc.eval.runs import EvalRun
-from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan, run_sweep
-from rolemrc.intervene.sweep_stats import cell_effects, correct_grid, holm
+from rolemrc.sweep.plan import SweepConfig, plan
+from rolemrc.sweep.run import generate_cells, run_sweep
+from rolemrc.sweep.stats import cell_effects, correct_grid, holm
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 from rolemrc.cli import app
 from rolemrc.core.errors import InputError
 from rolemrc.core.io import read_jsonl
-from rolemrc.intervene.sweep import SweepConfig, run_sweep
-from rolemrc.serve.from_sweep import arm_name, choose_cells
 from rolemrc.serve.launch import running_server
+from rolemrc.sweep import SweepConfig, run_sweep
+from rolemrc.sweep.to_ab import arm_name, choose_cells
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,11 @@ from fixtures import test_records as make_records
 
 from rolemrc.core.io import write_jsonl
 from rolemrc.intervene.spec import RestraintError
-from rolemrc.intervene.sweep import SweepConfig, generate_cells, plan
-from rolemrc.intervene.sweep_sources import served_model, vllm_server_config
 from rolemrc.serve.config import ConfigError
 from rolemrc.serve.launch import running_server
+from rolemrc.sweep.plan import SweepConfig, plan
+from rolemrc.sweep.run import generate_cells
+from rolemrc.sweep.sources import served_model, server_config
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_engine_vllm_serves_every_cell_as_a_lora_adapter(setup, local, tmp_path,
 def test_the_vllm_server_is_sized_for_the_largest_cell(setup, tmp_path):
     cfg = config(setup, tmp_path, engine="vllm", top_k=[8, 40], cells_per_pass=3)
     cells = plan(cfg, width=96, settings={})
-    served = vllm_server_config(cfg, cells)
+    served = server_config(cfg, cells)
     model = served["models"]["sweep"]
     widest = max(len(u) for c in cells[1:] for u in c.restraint.units.values())
     assert model["engine"] == "vllm" and model["max_lora_rank"] >= widest and model["max_inline_adapters"] == 3

@@ -16,8 +16,8 @@ from fixtures import write_diff_file, write_sweep_inputs
 
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.core.tiny import build_model
-from rolemrc.intervene import sweep_plots
-from rolemrc.intervene.sweep import SweepConfig, run_sweep
+from rolemrc.sweep import SweepConfig, run_sweep
+from rolemrc.sweep import plots as sweep_plots
 
 UNITS = [3, 10, 17, 25]      # the planted units U, in layer 1's mlp.act (32 wide)
 WIDTH = 32

@@ -1,6 +1,7 @@
-"""Where a sweep's responses come from: the model loaded in this process (restraints as runtime hooks, rows with
-different restraints sharing batches), any OpenAI-compatible `rolemrc serve` endpoint (each row's restraint sent
-inline), or a `rolemrc serve` with the vLLM engine started for the sweep (restraints become LoRA adapters)."""
+"""Where a sweep's responses come from: the model loaded in this process (engine `transformers`: restraints as
+runtime hooks, rows with different restraints sharing batches), any OpenAI-compatible `rolemrc serve` endpoint
+(`--base-url`: each row's restraint sent inline), or a `rolemrc serve` started for the sweep with another engine of
+serve's registry that runs a local model (`vllm`: restraints become LoRA adapters)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,21 @@ from typing import Any
 from rolemrc.intervene.spec import Restraint, RestraintError
 
 Rows = Callable[[list[dict], list[Restraint | None]], list[dict]]   # (records, restraint per record) -> responses
+
+
+IN_PROCESS = "transformers"   # this engine's name runs in this process, not behind a server
+
+
+def check_engine(name: str) -> None:
+    """`name` must be an engine of serve's registry (`serve.engines.ENGINES`) that serves a local model directory."""
+    from dataclasses import fields
+
+    from rolemrc.serve.engines import ENGINES, engine_class
+
+    if name not in ENGINES:
+        raise RestraintError(f"engine: {name!r} is not a serving engine; choose from {', '.join(ENGINES)}")
+    if "path" not in {f.name for f in fields(engine_class(name).Options)}:
+        raise RestraintError(f"engine {name!r} does not run a local model; point --base-url at a running server instead")
 
 
 def engine_label(config: Any) -> str:
@@ -32,17 +48,23 @@ def served_model(base_url: str, api_key: str) -> str:
     return roots[0]
 
 
-def vllm_server_config(config: Any, cells: list[Any]) -> dict[str, Any]:
-    """A `rolemrc serve` config serving the sweep's model on vLLM, sized for its largest cell and its passes."""
+def server_config(config: Any, cells: list[Any]) -> dict[str, Any]:
+    """A `rolemrc serve` config serving the sweep's model on `config.engine`, sized for its largest cell and its
+    passes (the sizing options that engine's `Options` has: LoRA rank and slots, memory)."""
+    from dataclasses import fields
     from pathlib import Path
 
     from rolemrc.intervene.lora import lora_rank
+    from rolemrc.serve.engines import engine_class
 
     widest = max((len(u) for c in cells if c.restraint for u in c.restraint.units.values()), default=1)
     largest = max((c.restraint.num_units for c in cells if c.restraint), default=1)
     slots = max(2, config.cells_per_pass)
-    model = {"engine": "vllm", "path": str(Path(config.model).resolve()), "max_lora_rank": lora_rank(widest),
-             "max_loras": slots, "max_inline_adapters": slots, "memory_utilization": config.vllm_memory}
+    sizing = {"max_lora_rank": lora_rank(widest), "max_loras": slots, "max_inline_adapters": slots,
+              "memory_utilization": config.vllm_memory}
+    options = {f.name for f in fields(engine_class(config.engine).Options)}
+    model = {"engine": config.engine, "path": str(Path(config.model).resolve()),
+             **{k: v for k, v in sizing.items() if k in options}}
     return {"models": {"sweep": model}, "allow_inline_restraints": True, "max_inline_units": largest, "db": None,
             "max_new_tokens": config.max_new_tokens, "max_batch": config.batch_size}
 
@@ -57,7 +79,7 @@ def row_source(config: Any, cells: list[Any], model: Any, tok: Any, *, progress:
     from rolemrc.eval.generate import GenerateConfig
 
     common = {"max_new_tokens": config.max_new_tokens, "progress": progress}
-    if config.base_url is None and config.engine == "transformers":
+    if config.base_url is None and config.engine == IN_PROCESS:
         gen = GenerateConfig(model=config.model, batch_size=config.batch_size, **common)
 
         def local(records: list[dict], restraints: list[Restraint | None]) -> list[dict]:
@@ -67,10 +89,10 @@ def row_source(config: Any, cells: list[Any], model: Any, tok: Any, *, progress:
         yield local
         return
     server = None
-    if config.base_url is None:   # engine vllm: a rolemrc server of our own
+    if config.base_url is None:   # a rolemrc server of our own
         from rolemrc.serve.launch import start_server, stop_server
 
-        server = start_server(vllm_server_config(config, cells), workdir=config.out, timeout=900)
+        server = start_server(server_config(config, cells), workdir=config.out, timeout=900)
     try:
         base_url = config.base_url or f"{server.base_url}/v1"
         api_key = os.environ.get(config.api_key_env) or "EMPTY"

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from rolemrc.core.errors import InputError, RolemrcError
-from rolemrc.intervene.sweep_report import beats_both, cell_label, rank_cells
+from rolemrc.sweep.report import beats_both, cell_label, rank_cells
 
 
 class ServerError(RolemrcError, RuntimeError):
@@ -69,7 +69,7 @@ def experiment_from_sweep(folder: str | os.PathLike, which: str, base_url: str, 
     """Register the chosen cells' restraints on the server at `base_url` (OpenAI base, .../v1) and create the
     experiment: arm `baseline` (the model unrestrained), then one arm per cell. `model`: the served model id
     (default: the one unrestrained model the server lists). Returns the experiment and what each arm's cell showed."""
-    from rolemrc.intervene.sweep_sources import served_model
+    from rolemrc.sweep.sources import served_model
 
     cells, specs = load_sweep(folder)
     chosen = choose_cells(cells, which)

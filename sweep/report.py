@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from rolemrc.intervene.sweep_stats import JUDGE_PREFIX, item_scores
+from rolemrc.sweep.stats import COMPARISONS, JUDGE_PREFIX, item_scores
 
 ALPHA = 0.05
 
@@ -78,7 +78,7 @@ def sweep_markdown(summary: dict) -> str:
              f"* marks p < {summary['alpha']}.", "",
              "| cell | units | weight elements | max Δlogit |", "|---|---|---|---|"]
     lines += [f"| {cell_label(c)} | {c['units']} | {c['weight_elements_changed']} | {c['max_logit_shift']:.3g} |" for c in cells]
-    for family, title in (("vs_baseline", "against the baseline"), ("vs_controls", "against the controls")):
+    for family, title in COMPARISONS.items():
         lines += ["", f"## Effect {title}", "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         lines += [f"| {cell_label(c)} | " + " | ".join(effect_text(c["scores"].get(n), family) for n in names) + " |"
                   for c in cells]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rolemrc.intervene.sweep_report import ALPHA, JUDGE_PREFIX
 from rolemrc.probe.plots import write_figure
+from rolemrc.sweep.report import ALPHA
+from rolemrc.sweep.stats import COMPARISONS, JUDGE_PREFIX
 
 
 def dose_response(summary: dict, dimension: str):
@@ -61,7 +62,7 @@ def effects_heatmap(summary: dict, family: str):
 def write_sweep_figures(summary: dict, out: str | Path) -> dict[str, dict[str, str]]:
     out = Path(out)
     written = {f"effects_{family}": write_figure(effects_heatmap(summary, family), out, f"effects_{family}")
-               for family in ("vs_baseline", "vs_controls")}
+               for family in COMPARISONS}
     for dimension in sorted({c["dimension"] for c in summary["cells"]}):
         written[f"dose_{dimension}"] = write_figure(dose_response(summary, dimension), out, f"dose_{dimension}")
     return written

@@ -12,6 +12,8 @@ from rolemrc.eval.runs import EvalRun
 from rolemrc.eval.stats import paired_test
 
 JUDGE_PREFIX = "judge:"   # score names: "judge:<dimension>" (the item's pass share on it) or a metric name
+# What each grid cell is compared with (paired per item), one Holm family each over the whole grid: key -> in words.
+COMPARISONS = {"vs_baseline": "against the baseline", "vs_controls": "against the controls"}
 
 
 def item_scores(run: EvalRun) -> dict[str, dict[str, float]]:
@@ -66,7 +68,7 @@ def holm(pvalues: list[float]) -> list[float]:
 def correct_grid(effects: dict[str, dict[str, dict[str, Any]]]) -> None:
     """Add `p_holm` to every vs_baseline and every vs_controls test in `effects` (cell -> score -> entry), each
     family corrected over the whole grid (all cells x scores)."""
-    for family in ("vs_baseline", "vs_controls"):
+    for family in COMPARISONS:
         tests = [e[family] for cell in effects.values() for e in cell.values() if family in e]
         for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
             test["p_holm"] = adjusted

@@ -1,0 +1,79 @@
+"""`rolemrc sweep run` (also `rolemrc intervene sweep`) and `rolemrc sweep ab` (also `rolemrc ab create --from-sweep`).
+The commands keep the names users had before the sweep got its own package: `rolemrc.cli` mounts them there too."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+
+from rolemrc.core.cli import cli_app
+from rolemrc.eval.judges import JUDGES
+from rolemrc.intervene.select import Direction
+
+app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls; the best "
+                   "cells as a served A/B experiment.")
+
+
+@app.command("run")
+def run_cmd(
+    model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
+    diff: Path = typer.Option(..., "--diff", help="diff directory"),
+    data: Path = typer.Option(..., "--data", help="test JSONL"),
+    out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
+    dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
+    factors: str = typer.Option("0.999999,0.99,0.9,0.5,0", help="comma-separated scales"),
+    top_k: str = typer.Option("16,64,256", help="comma-separated unit counts"),
+    direction: Direction = typer.Option("both", help="up | down | both"),
+    layers: str = typer.Option(None, help="e.g. 12-31 (default: all)"),
+    controls: int = typer.Option(3, help="random-unit control sets per cell"),
+    seed: int = typer.Option(0, help="seed of the control draws"),
+    metrics: str = typer.Option("all", help="reference metric groups (all, or e.g. rouge,bleu)"),
+    judge: str = typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
+    judge_model: str = typer.Option(None, help="the judge model (endpoint judges, e.g. openai)"),
+    judge_base_url: str = typer.Option(None, help="the judge's OpenAI-compatible base URL (endpoint judges)"),
+    max_new_tokens: int = typer.Option(96, help="generation length"),
+    batch_size: int = typer.Option(16, help="rows per generation batch (cells share batches)"),
+    cells_per_pass: int = typer.Option(4, help="cells generated together; each finished pass is kept"),
+    engine: str = typer.Option("transformers", help="a serve engine: transformers (in this process) | vllm (a rolemrc "
+                                                    "server with the vLLM engine, restraints as LoRA adapters)"),
+    base_url: str = typer.Option(None, help="generate on a running rolemrc endpoint instead (OpenAI base URL, "
+                                            ".../v1; --model is then the local copy of its weights)"),
+    served_model: str = typer.Option(None, help="the endpoint's model id (default: the one it lists)"),
+    concurrency: int = typer.Option(16, help="requests in flight (endpoint engines)"),
+) -> None:
+    """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
+    controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
+    from rolemrc.sweep.plan import SweepConfig, numbers
+    from rolemrc.sweep.run import run_sweep
+
+    config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
+                         factors=numbers(factors, "--factors"), top_k=[int(k) for k in numbers(top_k, "--top-k")],
+                         direction=direction, layers=layers, controls=controls, seed=seed,
+                         max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
+                         engine=engine, base_url=base_url, served_model=served_model, concurrency=concurrency,
+                         judge=judge, judge_model=judge_model, judge_base_url=judge_base_url)
+    summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
+    typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))
+
+
+@app.command("ab")
+def ab_cmd(
+    from_sweep: Path = typer.Option(..., "--from-sweep", help="a finished `rolemrc sweep run` folder"),
+    cells: str = typer.Option("best:2", help="best:N (ranked by effect against the controls) or cell ids/labels, "
+                                             "comma-separated"),
+    base_url: str = typer.Option(..., help="the running rolemrc server's OpenAI base URL (http://host:port/v1)"),
+    model: str = typer.Option(None, help="the served model id (default: the one unrestrained model it lists)"),
+    id: str = typer.Option(None, "--id", help="experiment id (default: generated)"),
+    description: str = typer.Option(None, help="default: which cells, and what the sweep found for each"),
+    api_key_env: str = typer.Option("OPENAI_API_KEY", help="env var holding the server's API key"),
+) -> None:
+    """Register the chosen cells' restraints on the server and create an A/B experiment: the unrestrained model,
+    then one arm per cell (the server must allow client restraint specs: allow_inline_restraints)."""
+    from rolemrc.sweep.to_ab import experiment_from_sweep
+
+    created = experiment_from_sweep(from_sweep, cells, base_url, model=model, exp_id=id, description=description,
+                                    api_key=os.environ.get(api_key_env))
+    typer.echo(json.dumps(created, indent=1))

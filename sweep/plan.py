@@ -1,0 +1,114 @@
+"""The sweep's plan: a grid of cells (dimension x factor x top-k), each with seeded random-unit controls, and one
+shared unrestrained baseline. A cell's id digests everything its responses depend on, so a rerun finds the cells
+it already has."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolemrc.intervene.select import Direction
+from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.sweep.sources import IN_PROCESS, check_engine
+
+BASELINE = "baseline"
+
+
+@dataclass
+class SweepConfig:
+    """What a sweep runs: the grid, its controls, and how each cell generates."""
+
+    model: str
+    diff: str
+    data: str
+    out: str
+    dimensions: list[str]
+    factors: list[float] = field(default_factory=lambda: [1 - 1e-6, 0.99, 0.9, 0.5, 0.0])
+    top_k: list[int] = field(default_factory=lambda: [16, 64, 256])
+    direction: Direction = "both"
+    layers: str | None = None
+    controls: int = 3
+    seed: int = 0
+    max_new_tokens: int = 96
+    batch_size: int = 16
+    cells_per_pass: int = 4        # cells generated together (sharing batches); each pass is saved when done
+    engine: str = "transformers"   # a serve engine: transformers runs in this process; others (vllm) in a rolemrc server
+    base_url: str | None = None    # instead: any OpenAI-compatible rolemrc endpoint serving `model`'s weights
+    served_model: str | None = None   # its model id (default: the one unrestrained model it lists)
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 16          # requests in flight (endpoint engines)
+    vllm_memory: float | None = None   # the vLLM engine's memory_utilization
+    judge: str = "rules"           # a judge of eval's registry (eval.judges.JUDGES)
+    judge_model: str | None = None     # endpoint judges: the judge model and its OpenAI-compatible base URL
+    judge_base_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.dimensions:
+            raise RestraintError("a sweep needs at least one dimension")
+        if self.controls < 0:
+            raise RestraintError(f"controls must be >= 0, got {self.controls}")
+        if self.cells_per_pass < 1:
+            raise RestraintError(f"cells_per_pass must be >= 1, got {self.cells_per_pass}")
+        if not self.factors or not self.top_k:
+            raise RestraintError("a sweep needs at least one factor and one top-k")
+        if self.base_url and self.engine != IN_PROCESS:
+            raise RestraintError(f"--base-url generates on a running server; --engine {self.engine} starts one: choose one")
+        check_engine(self.engine)
+        self.judge_config()
+
+    def judge_config(self) -> Any:
+        """The `eval.judges.JudgeConfig` scoring every cell (an unknown or misconfigured judge is an error)."""
+        from rolemrc.eval.judges import JudgeConfig
+
+        return JudgeConfig(name=self.judge, model=self.judge_model, base_url=self.judge_base_url)
+
+
+def numbers(text: str, what: str) -> list[float]:
+    """'0.5,0' -> [0.5, 0.0]; anything else is a RestraintError naming the option."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise RestraintError(f"{what}: comma-separated numbers, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One generation pass: the baseline (no restraint), a grid cell's selected units, or one of its controls."""
+
+    id: str
+    kind: str                      # baseline | selected | control
+    grid: dict[str, Any]           # dimension, factor, top_k of the grid cell ({} for the baseline)
+    restraint: Restraint | None
+    draw: int | None = None        # control index
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "grid": self.grid, "draw": self.draw,
+                "restraint": self.restraint.to_dict() if self.restraint else None}
+
+
+def cell_id(kind: str, restraint: Restraint | None, settings: dict[str, Any]) -> str:
+    """A name that changes whenever anything the cell's responses depend on changes."""
+    key = json.dumps({"restraint": restraint.to_dict() if restraint else None, **settings}, sort_keys=True, default=str)
+    return f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell]:
+    """The baseline, then per grid cell its selected units and `config.controls` controls. `width`: units at the
+    diff's hook point; `settings`: what else responses depend on (model, data, generation)."""
+    from rolemrc.intervene.select import select
+    from rolemrc.sweep.controls import draw_controls
+
+    cells = [Cell(cell_id(BASELINE, None, settings), BASELINE, {}, None)]
+    for dimension in config.dimensions:
+        for top_k in config.top_k:
+            for factor in config.factors:
+                grid = {"dimension": dimension, "factor": factor, "top_k": top_k}
+                name = f"{dimension.replace('_', '-')}-k{top_k}-x{factor:g}"
+                chosen = select(config.diff, dimension, layers=config.layers, top_k=top_k, direction=config.direction,
+                                factor=factor, name=name)
+                cells.append(Cell(cell_id("selected", chosen, settings), "selected", grid, chosen))
+                cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k)
+                          for k, c in enumerate(draw_controls(chosen, width, config.controls, seed=config.seed))]
+    return cells

@@ -1,0 +1,122 @@
+"""The sweep's run: generate every planned cell with the model loaded once (different cells sharing batches) or on a
+server, score each, then each grid cell's effects. Every finished pass is kept in OUT/cells/<id>.jsonl and every scored
+cell in OUT/scores/<id>, so a killed sweep continues where it stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rolemrc.core.io import file_fingerprint, read_jsonl, write_json, write_jsonl
+from rolemrc.intervene.spec import Restraint
+from rolemrc.sweep.plan import Cell, SweepConfig, plan
+
+
+def footprint(model: Any, tok: Any, r: Restraint) -> dict[str, Any]:
+    """What a restraint touches: units, weight elements a bake at the model's dtype changes, the largest logit
+    shift of its runtime hook on the sample prompts."""
+    from rolemrc.intervene.bake import elements_changed
+    from rolemrc.intervene.check import hook_shift
+
+    dtype = next(model.parameters()).dtype
+    return {"units": r.num_units, "weight_elements_changed": elements_changed(model, r, dtype),
+            "max_logit_shift": hook_shift(model, tok, r)}
+
+
+class CellStore:
+    """OUT/cells/<id>.jsonl per finished cell (written whole, atomically) and OUT/plan.json."""
+
+    def __init__(self, out: str | os.PathLike) -> None:
+        self.dir = Path(out) / "cells"
+
+    def path(self, cell: Cell) -> Path:
+        return self.dir / f"{cell.id}.jsonl"
+
+    def done(self, cell: Cell) -> bool:
+        return self.path(cell).is_file()
+
+    def save(self, cell: Cell, rows: list[dict[str, Any]]) -> None:
+        write_jsonl(self.path(cell), rows)
+
+    def load(self, cell: Cell) -> list[dict[str, Any]]:
+        return read_jsonl(self.path(cell))
+
+
+def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[Cell], CellStore]:
+    """Generate every cell not yet in the store (model loaded once; cells share batches, or a server's); returns
+    the plan."""
+    from rolemrc.core.modeling import dir_fingerprint, load_model
+    from rolemrc.core.records import read_records
+    from rolemrc.probe.diff import load_diff
+    from rolemrc.probe.hooks import width
+    from rolemrc.sweep.sources import engine_label, row_source
+
+    records = read_records(config.data, "test")[0]
+    settings = {"model": dir_fingerprint(config.model), "data": file_fingerprint(config.data),
+                "max_new_tokens": config.max_new_tokens, "engine": engine_label(config)}
+    model, tok = load_model(config.model, device="auto")
+    hook = load_diff(config.diff).hook
+    cells = plan(config, width(model, hook), settings)
+    store = CellStore(config.out)
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,
+                                                "cells": [c.to_dict() for c in cells]})
+    path = Path(config.out) / "footprints.json"
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    write_json(path, {c.id: known.get(c.id) or footprint(model, tok, c.restraint) for c in cells if c.restraint})
+    pending = [c for c in cells if not store.done(c)]
+    if not pending:
+        return cells, store
+    if config.base_url or config.engine != "transformers":
+        model = None   # generation happens in a server; the local copy only measured the footprints
+    with row_source(config, cells, model, tok, progress=progress) as rows:
+        for start in range(0, len(pending), config.cells_per_pass):
+            chunk = pending[start:start + config.cells_per_pass]
+            results = rows([r for _ in chunk for r in records], [c.restraint for c in chunk for _ in records])
+            for k, cell in enumerate(chunk):
+                store.save(cell, results[k * len(records):(k + 1) * len(records)])
+    return cells, store
+
+
+def score_cells(cells: list[Cell], store: CellStore, config: SweepConfig, metrics: Any = "all",
+                progress: bool = True) -> dict[str, Any]:
+    """cell id -> its EvalRun (the config's judge + `metrics`), kept in OUT/scores/<id> and scored again only when
+    missing or scored by another judge."""
+    from rolemrc.eval.judges import judge_info
+    from rolemrc.eval.runs import EvalRun, score
+
+    judge = config.judge_config()
+    runs = {}
+    for cell in cells:
+        folder = Path(config.out) / "scores" / cell.id
+        kept = (folder / "report.json").is_file() and EvalRun.load(folder).summary["judge"] == judge_info(judge)
+        if not kept:
+            score(store.load(cell), judge=judge, metrics=metrics, progress=progress).save(folder, chart=False)
+        runs[cell.id] = EvalRun.load(folder)
+    return runs
+
+
+def run_sweep(config: SweepConfig, *, metrics: Any = "all", progress: bool = True) -> dict[str, Any]:
+    """Generate and score every cell (resuming what is done), then each grid cell's effect against the baseline
+    and against its controls, Holm-corrected over the grid; writes OUT/sweep.json, OUT/sweep.md and the figures."""
+    from rolemrc.sweep.plots import write_sweep_figures
+    from rolemrc.sweep.report import sweep_markdown, sweep_summary
+    from rolemrc.sweep.stats import cell_effects, correct_grid
+
+    cells, store = generate_cells(config, progress=progress)
+    runs = score_cells(cells, store, config, metrics, progress)
+    prints = json.loads((Path(config.out) / "footprints.json").read_text())
+    baseline = cells[0]
+    selected = [c for c in cells if c.kind == "selected"]
+    controls = {c.id: [k for k in cells if k.kind == "control" and k.grid == c.grid] for c in selected}
+    effects = {c.id: cell_effects(runs[baseline.id], runs[c.id], [runs[k.id] for k in controls[c.id]])
+               for c in selected}
+    correct_grid(effects)
+    summary = sweep_summary(config, selected, effects, prints, runs[baseline.id])
+    summary["figures"] = write_sweep_figures(summary, config.out)
+    write_json(Path(config.out) / "sweep.json", summary)
+    (Path(config.out) / "sweep.md").write_text(sweep_markdown(summary))
+    return summary
