@@ -1,6 +1,6 @@
 """Generation: responses for a test set from a local HF model directory (batched, left-padded, greedy,
 chat template, optional restraint as runtime hooks) or from any OpenAI-compatible endpoint
-(concurrency limit, retries with backoff, `extra_body`). Output records keep `question` and
+(`core.openai_client`: concurrency limit, retries with backoff; `extra_body`). Output records keep `question` and
 `reference` so scoring can be rerun without regenerating."""
 
 from __future__ import annotations
@@ -150,39 +150,20 @@ def generate_endpoint_rows(records: list[dict], restraints: list[Any], config: G
 
 
 async def _generate_endpoint(records: list[dict], bodies: list[dict[str, Any]], config: GenerateConfig) -> list[dict]:
-    import openai
+    from rolemrc.core.openai_client import OpenAIClient
 
-    client = openai.AsyncOpenAI(base_url=config.base_url, api_key=os.environ.get(config.api_key_env) or "EMPTY",
-                                max_retries=0, timeout=config.timeout_s)
-    limit = asyncio.Semaphore(max(1, config.concurrency))
-    retryable = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
+    client = OpenAIClient(config.base_url, config.model, temperature=config.temperature, max_tokens=config.max_new_tokens,
+                          concurrency=config.concurrency, max_retries=config.max_retries, backoff_s=config.backoff_s,
+                          timeout_s=config.timeout_s, api_key_env=config.api_key_env, error=GenerationError)
     bar = tqdm(total=len(records), desc=f"generate ({config.model})", disable=not config.progress)
 
     async def one(record: dict, body: dict[str, Any]) -> dict:
-        for attempt in range(config.max_retries + 1):
-            try:
-                async with limit:
-                    began = time.perf_counter()
-                    reply = await client.chat.completions.create(
-                        model=config.model, messages=record["question"], max_tokens=config.max_new_tokens,
-                        temperature=config.temperature, extra_body=body or None)
-                    latency = time.perf_counter() - began
-                break
-            except retryable as exc:
-                if attempt == config.max_retries:
-                    raise GenerationError(f"{config.base_url}: giving up on {record['id']!r} after "
-                                          f"{attempt + 1} tries: {exc}") from None
-                await asyncio.sleep(config.backoff_s * 2 ** attempt)
-            except openai.APIStatusError as exc:
-                raise GenerationError(f"{config.base_url}: HTTP {exc.status_code}: {exc.message}") from None
-        choice = reply.choices[0] if reply.choices else None
-        text = (choice.message.content if choice and choice.message else None) or ""
-        usage = getattr(reply, "usage", None)
+        reply = await client.create(record["question"], label=record["id"], extra_body=body or None)
         bar.update()
-        return _with_response(record, text.strip(), latency, getattr(usage, "completion_tokens", None) or 0)
+        return _with_response(record, reply.text.strip(), reply.latency, reply.tokens)
 
     try:
         return list(await asyncio.gather(*(one(r, b) for r, b in zip(records, bodies))))
     finally:
         bar.close()
-        await client.close()
+        await client.aclose()

@@ -2,8 +2,8 @@
 compatible endpoint). A judge is one function decorated with `@register_judge(name)`; JudgeConfig
 validation, the CLI's --judge help and the run summary read the registry.
 
-The openai judge goes through the datagen OpenAI backend (concurrency limit, retries with backoff on
-429/5xx/timeouts, SQLite cache keyed by the full request), so reruns replay cached verdicts.
+The openai judge goes through `core.openai_client.OpenAIClient` (concurrency limit, retries with backoff on
+429/5xx/timeouts, SQLite cache keyed by the full request, seed 0), so reruns replay cached verdicts.
 """
 
 from __future__ import annotations
@@ -107,20 +107,18 @@ def openai_judge(calls: list[Call], config: JudgeConfig, progress: bool) -> list
 
 
 async def _judge_openai(calls: list[Call], config: JudgeConfig, progress: bool) -> list[Verdict]:
-    from rolemrc.datagen.backends.openai_api import OpenAIBackend
-    from rolemrc.datagen.config import BackendConfig
+    from rolemrc.core.openai_client import OpenAIClient
     from rolemrc.eval.prompts import judge_messages
 
-    backend = OpenAIBackend(BackendConfig(
-        name="openai", base_url=config.base_url, model=config.model, api_key_env=config.api_key_env,
-        concurrency=config.concurrency, max_retries=config.max_retries, timeout_s=config.timeout_s,
-        temperature=config.temperature, max_tokens=config.max_tokens, backoff_s=config.backoff_s), cache_path=config.cache)
+    client = OpenAIClient(config.base_url, config.model, temperature=config.temperature, max_tokens=config.max_tokens,
+                          concurrency=config.concurrency, max_retries=config.max_retries, backoff_s=config.backoff_s,
+                          timeout_s=config.timeout_s, api_key_env=config.api_key_env, cache_path=config.cache)
     bar = tqdm(total=len(calls), desc=f"judge ({config.model})", disable=not progress)
 
     async def one(item: dict, aspect: Aspect) -> Verdict:
         messages = judge_messages(aspect, prompt_turns(item, where=f"item {item['id']!r}"), str(item.get("reference") or ""),
                                   str(item.get("response") or ""))
-        raw = await backend.complete(messages, attempt=0)
+        raw = await client.complete(messages, attempt=0)
         bar.update()
         score = parse_verdict(raw)
         if score is None:
@@ -131,7 +129,7 @@ async def _judge_openai(calls: list[Call], config: JudgeConfig, progress: bool) 
         return list(await asyncio.gather(*(one(item, aspect) for item, aspect in calls)))
     finally:
         bar.close()
-        await backend.aclose()
+        await client.aclose()
 
 
 def run_sync(coro):

@@ -1,6 +1,6 @@
 """Nested formatting rules: parsed from the system prompt's wording, each checked exactly on the reply.
 
-This is eval's own verifier: it never imports rolemrc.datagen, so a bug in the generator's rules shows
+This is eval's own verifier: it never imports the datagen package, so a bug in the generator's rules shows
 up here instead of being graded by itself, and rules phrased in other ways (the RoleMRC release's) are
 judged too. Each rule kind registers its phrasings (regexes whose named groups carry the parameters)
 and one checker. Where phrasings overlap, the longest match wins, so "Do not use any capital letters"

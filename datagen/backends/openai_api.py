@@ -1,10 +1,7 @@
-"""The `openai` backend: any OpenAI-compatible chat endpoint through the official async client.
+"""The `openai` backend: any OpenAI-compatible chat endpoint through `core.openai_client.OpenAIClient`.
 
-- concurrency limit (a semaphore around each request);
-- transport retries with exponential backoff on 429, 5xx, timeouts and dropped connections;
-  other HTTP errors (bad key, unknown model) stop the run with a clear BackendError;
-- a SQLite cache keyed by the full request, so reruns and resumed runs replay earlier answers
-  instead of paying for them again;
+- the client's concurrency limit, transport retries with backoff (giving up stops the run with a clear
+  BackendError) and SQLite response cache, so reruns and resumed runs replay earlier answers;
 - `structured`: profiles are asked for with a JSON Schema `response_format` (constrained decoding on servers
   with structured outputs: vLLM, rolemrc serve's vLLM engine, OpenAI), so a small model cannot break the JSON;
 - content attempts: a malformed reply (bad JSON, broken rule, missing answer, ...) is asked for
@@ -14,16 +11,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import json
 import os
 import re
-import sqlite3
-from collections import Counter
-from pathlib import Path
 from typing import Any
 
+from rolemrc.core.openai_client import OpenAIClient
 from rolemrc.datagen.backends import BackendError, DroppedError
 from rolemrc.datagen.config import BackendConfig
 from rolemrc.datagen.profiles import COMPONENTS, MAX_COMPONENT_CHARS, ProfileError, profile_text, validate_profile
@@ -33,32 +26,6 @@ PROFILE_SYSTEM = (
     "You turn a one-sentence persona into a standardised role profile for role-play data. "
     "Reply with one JSON object and nothing else."
 )
-
-
-class ResponseCache:
-    """SQLite map from request key to reply text (WAL, committed per write)."""
-
-    def __init__(self, path: str | os.PathLike):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path))
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, text TEXT NOT NULL)")
-        self.db.commit()
-
-    @staticmethod
-    def key(request: dict[str, Any]) -> str:
-        return hashlib.sha256(json.dumps(request, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-    def get(self, key: str) -> str | None:
-        row = self.db.execute("SELECT text FROM responses WHERE key = ?", (key,)).fetchone()
-        return row[0] if row else None
-
-    def put(self, key: str, text: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO responses (key, text) VALUES (?, ?)", (key, text))
-        self.db.commit()
-
-    def close(self) -> None:
-        self.db.close()
 
 
 def profile_messages(persona: str) -> list[dict[str, str]]:
@@ -114,57 +81,17 @@ def parse_json_object(text: str) -> Any:
         raise ProfileError("invalid JSON in reply") from None
 
 
-class OpenAIBackend:
+class OpenAIBackend(OpenAIClient):
+    """The openai backend: a `core.openai_client.OpenAIClient` configured by `config` that writes profiles and replies."""
+
     name = "openai"
 
     def __init__(self, config: BackendConfig, *, cache_path: str | os.PathLike | None = None):
-        from openai import AsyncOpenAI
-
+        super().__init__(config.base_url, config.model, temperature=config.temperature, max_tokens=config.max_tokens,
+                         concurrency=config.concurrency, max_retries=config.max_retries, backoff_s=config.backoff_s,
+                         timeout_s=config.timeout_s, api_key_env=config.api_key_env, seed_requests=config.seed_requests,
+                         cache_path=cache_path, error=BackendError)
         self.config = config
-        self.client = AsyncOpenAI(base_url=config.base_url, api_key=os.environ.get(config.api_key_env) or "EMPTY",
-                                  max_retries=0, timeout=config.timeout_s)
-        self.cache = ResponseCache(cache_path) if cache_path else None
-        self.limit = asyncio.Semaphore(max(1, config.concurrency))
-        self.events: Counter = Counter()
-
-    async def complete(self, messages: list[dict[str, str]], attempt: int,
-                       response_format: dict[str, Any] | None = None) -> str:
-        """Reply text for one request: from the cache, or from the endpoint with transport retries."""
-        import openai
-
-        request = {"model": self.config.model, "messages": messages, "temperature": self.config.temperature,
-                   "max_tokens": self.config.max_tokens, "attempt": attempt}
-        extra = {"seed": attempt} if self.config.seed_requests else {}
-        if response_format is not None:
-            request["response_format"] = extra["response_format"] = response_format
-        key = ResponseCache.key(request)
-        if self.cache is not None and (hit := self.cache.get(key)) is not None:
-            self.events["cache_hits"] += 1
-            return hit
-        retryable = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
-        for retry in range(self.config.max_retries + 1):
-            try:
-                async with self.limit:
-                    self.events["requests"] += 1
-                    response = await self.client.chat.completions.create(
-                        model=self.config.model, messages=messages, temperature=self.config.temperature,
-                        max_tokens=self.config.max_tokens, **extra)
-                break
-            except retryable as exc:
-                if retry == self.config.max_retries:
-                    raise BackendError(f"{self.config.base_url}: giving up after {retry + 1} tries: {exc}") from None
-                self.events["retries"] += 1
-                await asyncio.sleep(self.config.backoff_s * 2 ** retry)
-            except openai.APIStatusError as exc:
-                raise BackendError(f"{self.config.base_url}: HTTP {exc.status_code}: {exc.message}") from None
-        usage = getattr(response, "usage", None)
-        self.events["completion_tokens"] += int(getattr(usage, "completion_tokens", 0) or 0)
-        choices = getattr(response, "choices", None) or []
-        text = choices[0].message.content if choices and choices[0].message else None
-        text = text if isinstance(text, str) else ""
-        if self.cache is not None:
-            self.cache.put(key, text)
-        return text
 
     async def profile(self, persona: dict[str, str]) -> tuple[str, dict[str, str]]:
         reason = "no attempt"
@@ -190,8 +117,3 @@ class OpenAIBackend:
                 return text
             self.events["malformed"] += 1
         raise DroppedError(reason)
-
-    async def aclose(self) -> None:
-        await self.client.close()
-        if self.cache is not None:
-            self.cache.close()
