@@ -16,6 +16,14 @@ class DatagenError(RolemrcError, ValueError):
     """A datagen setting or input cannot be used."""
 
 
+class BackendError(RolemrcError, RuntimeError):
+    """The backend cannot serve requests (not a malformed reply): the run stops and can be resumed."""
+
+
+class DroppedError(RolemrcError, ValueError):
+    """An item could not be produced after all attempts; the message is the counted reason."""
+
+
 # preset -> (personas sampled, test rows). "small" is the demo default: a few hundred SFT records.
 SIZES: dict[str, tuple[int, int]] = {
     "tiny": (16, 36),

@@ -19,8 +19,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from rolemrc.core.taxonomy import BASE_TASKS, TASK_COUNTS, TASKS
-from rolemrc.datagen.backends import DroppedError, make_backend
-from rolemrc.datagen.config import DatagenConfig, DatagenError, resolve_size
+from rolemrc.datagen.backends import make_backend
+from rolemrc.datagen.config import DatagenConfig, DatagenError, DroppedError, resolve_size
 from rolemrc.datagen.export import export, write_json
 from rolemrc.datagen.journal import Journal
 from rolemrc.datagen.profiles import ProfileError, make_profile

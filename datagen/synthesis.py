@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolemrc.core.taxonomy import split_task
-from rolemrc.datagen.backends import DroppedError
+from rolemrc.datagen.config import DroppedError
 from rolemrc.datagen.replies import ReplySpec, Rule, check_reply, content_words
 from rolemrc.datagen.seeding import rng_for
 from rolemrc.datagen.sources import MSMARCO_NO_ANSWER

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from rolemrc.core.stats import percentile_cis, resample_counts
 from rolemrc.core.taxonomy import DIMENSIONS
-from rolemrc.eval.stats import percentile_cis, resample_counts
 
 AVERAGES = ("AvgSimple", "AvgWeighted", "AvgS(noMT)")
 

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolemrc.core.stats import mcnemar_outcomes, paired_test
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.eval.runs import EvalRun, RunError
-from rolemrc.eval.stats import mcnemar_exact, paired_test
 
 
 @dataclass
 class Comparison:
-    """Result of compare(a, b): `verdicts` (dimension or "all" -> McNemar), `metrics` (name -> eval.stats.paired_test)."""
+    """Result of compare(a, b): `verdicts` (dimension or "all" -> McNemar), `metrics` (name -> core.stats.paired_test)."""
 
     a: str
     b: str
@@ -66,7 +66,7 @@ def compare(run_a: EvalRun | str | os.PathLike, run_b: EvalRun | str | os.PathLi
     for dim in (*DIMENSIONS, "all"):
         keys = [k for k in pairs if dim in ("all", k[1])]
         if keys:
-            verdicts[dim] = mcnemar_exact([va[k] for k in keys], [vb[k] for k in keys])
+            verdicts[dim] = mcnemar_outcomes([va[k] for k in keys], [vb[k] for k in keys])
     ma, mb = ({m["id"]: m for m in run.metrics if m["id"] in shared} for run in (a, b))
     ids = sorted(set(ma) & set(mb))
     names = [n for n in (ma[ids[0]] if ids else {}) if n != "id" and all(n in mb[i] and n in ma[i] for i in ids)]

@@ -17,11 +17,11 @@ from typing import Any, Literal
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.core.records import merge_fields
+from rolemrc.core.stats import mean_ci
 from rolemrc.eval.aggregate import aggregate
 from rolemrc.eval.judges import JudgeConfig, judge_info
 from rolemrc.eval.judges import judge as run_judge
 from rolemrc.eval.metrics import MetricConfig, compute
-from rolemrc.eval.stats import mean_ci
 
 REQUIRED = ("id", "task", "reference", "response")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from rolemrc.core.stats import benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.paired import PairedCounts, load_probe
-from rolemrc.probe.stats import benjamini_hochberg, mcnemar_exact, paired_t_test, top_set_jaccard, two_proportion_test
 
 DIFF_FILE = "diff.safetensors"
 # The per-unit test a diff used (its metadata `test`, summary.json "test").
@@ -206,7 +206,11 @@ def _diff_paired(paired: PairedCounts, i: int, j: int, where: str) -> DiffResult
         test = lambda d: paired_t_test(*paired.share_diff(i, j, d), a.cases[d])  # noqa: E731
         name = PAIRED_TOKENS_ALL
     else:
-        test, name = (lambda d: mcnemar_exact(paired.discordant(i, j, d), paired.discordant(j, i, d))), PAIRED
+        def test(d: str) -> tuple[torch.Tensor, torch.Tensor]:   # b01: active under j (B) only, b10: under i (A) only
+            stat, p = mcnemar(paired.discordant(j, i, d).cpu(), paired.discordant(i, j, d).cpu())
+            return torch.from_numpy(stat), torch.from_numpy(p)
+
+        name = PAIRED
     names = tuple(f"{c.meta.get('model', '')} [model {m} of {where or 'the paired probe'}]" for c, m in ((a, i), (b, j)))
     return _compare(a, b, names, test, name)
 
@@ -251,3 +255,14 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
     tables = {name: {d: tensors[f"{name}.{d}"] for d in dims} for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue")}
     return DiffResult(**tables, meta=meta, cases_a=json.loads(meta.pop("cases_a", "{}")),
                       cases_b=json.loads(meta.pop("cases_b", "{}")), empty=json.loads(meta.pop("empty", "{}")))
+
+
+def top_set_jaccard(freq_a: torch.Tensor, freq_b: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row (layer): Jaccard index of the k most frequent units under a and under b."""
+    layers, width = freq_a.shape
+    k = min(k, width)
+    mask_a = torch.zeros(layers, width, dtype=torch.bool).scatter_(1, freq_a.topk(k, dim=1).indices, True)
+    mask_b = torch.zeros(layers, width, dtype=torch.bool).scatter_(1, freq_b.topk(k, dim=1).indices, True)
+    inter = (mask_a & mask_b).sum(1).double()
+    union = (mask_a | mask_b).sum(1).double()
+    return inter / union

@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 
 from rolemrc.core.errors import RolemrcError
+from rolemrc.core.stats import cluster_means, mean_ci, welch
 from rolemrc.eval.judges import JudgeConfig, judge_info
-from rolemrc.eval.stats import mean_ci
-from rolemrc.serve.stats import cluster_means, welch
 from rolemrc.serve.store import Store
 
 OPERATIONAL = ("latency_s", "completion_tokens", "response_chars")

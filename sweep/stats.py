@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from rolemrc.core.stats import holm, paired_test
 from rolemrc.eval.runs import EvalRun
-from rolemrc.eval.stats import paired_test
 
 JUDGE_PREFIX = "judge:"   # score names: "judge:<dimension>" (the item's pass share on it) or a metric name
 # What each grid cell is compared with (paired per item), one Holm family each over the whole grid: key -> in words.
@@ -33,7 +33,7 @@ def item_scores(run: EvalRun) -> dict[str, dict[str, float]]:
 
 def cell_effects(baseline: EvalRun, cell: EvalRun, controls: list[EvalRun], *, rounds: int = 10_000,
                  seed: int = 0) -> dict[str, dict[str, Any]]:
-    """score -> {"mean", "vs_baseline", "vs_controls"}: paired tests (eval.stats.paired_test) of the cell against
+    """score -> {"mean", "vs_baseline", "vs_controls"}: paired tests (core.stats.paired_test) of the cell against
     the baseline, and against the per-item mean of its controls, on the items all of them scored."""
     base, mine = item_scores(baseline), item_scores(cell)
     ctrl = [item_scores(c) for c in controls]
@@ -51,18 +51,6 @@ def cell_effects(baseline: EvalRun, cell: EvalRun, controls: list[EvalRun], *, r
             entry["vs_controls"] = paired_test(c, m, rounds=rounds, seed=seed)
         out[name] = entry
     return out
-
-
-def holm(pvalues: list[float]) -> list[float]:
-    """Holm-Bonferroni adjusted p-values (step-down, monotone, capped at 1), in the input order; NaN stays NaN."""
-    p = np.asarray(pvalues, dtype=np.float64)
-    finite = np.flatnonzero(~np.isnan(p))
-    order = finite[np.argsort(p[finite], kind="stable")]
-    m = len(order)
-    adjusted = np.maximum.accumulate(np.minimum(1.0, (m - np.arange(m)) * p[order])) if m else np.array([])
-    out = p.copy()
-    out[order] = adjusted
-    return out.tolist()
 
 
 def correct_grid(effects: dict[str, dict[str, dict[str, Any]]]) -> None:

@@ -28,9 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rolemrc.core.io import read_jsonl
-from rolemrc.datagen.backends import BackendError
 from rolemrc.datagen.backends.openai_api import PROFILE_SYSTEM, OpenAIBackend
-from rolemrc.datagen.config import BackendConfig, DatagenConfig
+from rolemrc.datagen.config import BackendConfig, BackendError, DatagenConfig
 from rolemrc.datagen.pipeline import run
 from rolemrc.datagen.profiles import COMPONENTS
 

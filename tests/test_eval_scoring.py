@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
+from rolemrc.core.stats import mcnemar_outcomes, mean_ci, paired_test
 from rolemrc.core.taxonomy import Aspect, judge_aspects_for_task
 from rolemrc.eval import compare, parse_verdict, score
 from rolemrc.eval.aggregate import aggregate
 from rolemrc.eval.rules import find_rule, judge_item
-from rolemrc.eval.stats import mcnemar_exact, mean_ci, paired_test
 
 PASSAGE = ("Help me with this text, would you?\n\nPassage 1: Contour lines on a map join points of equal height above "
            "sea level. Lines close together show steep ground.\n\nQuestion: What do contour lines join?")
@@ -104,11 +104,11 @@ def test_mcnemar_on_known_table_and_paired_test():
     # 2x2 table: both 1: 10, a1 b0: 2, a0 b1: 9, both 0: 5 -> exact p = 2 * P(Bin(11, .5) <= 2) = 0.06543
     a = [1] * 10 + [1] * 2 + [0] * 9 + [0] * 5
     b = [1] * 10 + [0] * 2 + [1] * 9 + [0] * 5
-    r = mcnemar_exact(a, b)
+    r = mcnemar_outcomes(a, b)
     assert (r["improved"], r["worsened"], r["n"]) == (9, 2, 26)
     assert r["p"] == pytest.approx(0.0654296875) and r["odds_ratio"] == pytest.approx(4.5)
     assert r["diff"] == pytest.approx(7 / 26)
-    assert mcnemar_exact([1, 0], [1, 0])["p"] == 1.0
+    assert mcnemar_outcomes([1, 0], [1, 0])["p"] == 1.0
     rng = np.random.default_rng(0)
     x = rng.normal(size=200)
     shifted = paired_test(x, x + 0.5 + rng.normal(scale=0.1, size=200), rounds=2000)

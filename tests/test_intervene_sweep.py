@@ -9,10 +9,11 @@ from fixtures import write_sweep_inputs
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
+from rolemrc.core.stats import holm
 from rolemrc.eval.runs import EvalRun
 from rolemrc.sweep.plan import SweepConfig, plan
 from rolemrc.sweep.run import generate_cells, run_sweep
-from rolemrc.sweep.stats import cell_effects, correct_grid, holm
+from rolemrc.sweep.stats import cell_effects, correct_grid
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ from scipy import stats
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
+from rolemrc.core.stats import benjamini_hochberg, two_proportion_test
 from rolemrc.core.tiny import build_model
 from rolemrc.probe import ProbeCounts, ProbeMismatchError, collect, diff, load_diff, write_diff
-from rolemrc.probe.stats import benjamini_hochberg, top_set_jaccard, two_proportion_test
+from rolemrc.probe.diff import top_set_jaccard
 
 
 def synthetic(counts: dict, obs: dict, **meta) -> ProbeCounts:

@@ -17,6 +17,7 @@ from rolemrc.core.chat import render_chat
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.modeling import load_model
 from rolemrc.core.records import prompt_turns
+from rolemrc.core.stats import mcnemar
 from rolemrc.core.taxonomy import dimensions_for_task
 from rolemrc.core.tiny import build_model, train_tokenizer
 from rolemrc.probe import ProbeMismatchError, collect, collect_paired, diff, load_probe
@@ -24,7 +25,6 @@ from rolemrc.probe.cases import build_cases
 from rolemrc.probe.collect import CollectConfig, count_paired
 from rolemrc.probe.diff import PAIRED, PAIRED_TOKENS_ALL, UNPAIRED, UNPAIRED_TOKENS_ALL
 from rolemrc.probe.hooks import site
-from rolemrc.probe.stats import mcnemar_exact
 
 SIZES = {"hidden": 64, "layers": 2, "intermediate": 96}
 
@@ -109,12 +109,12 @@ def test_discordant_counts_equal_brute_force(loaded, records, tmp_path):
 def test_mcnemar_matches_binomtest_on_a_grid():
     b01 = torch.tensor([[0, 3, 10, 40, 7], [1, 0, 25, 500, 12]])
     b10 = torch.tensor([[0, 9, 10, 2, 0], [1, 6, 5, 470, 13]])
-    stat, p = mcnemar_exact(b01, b10)
+    stat, p = mcnemar(b01, b10)
     for i, j in np.ndindex(*b01.shape):
         n = int(b01[i, j] + b10[i, j])
-        want = stats.binomtest(int(b10[i, j]), n, 0.5).pvalue if n else 1.0
+        want = stats.binomtest(int(b01[i, j]), n, 0.5).pvalue if n else 1.0
         assert float(p[i, j]) == pytest.approx(want, rel=1e-12)
-        assert math.copysign(1, float(stat[i, j])) == math.copysign(1, int(b10[i, j] - b01[i, j])) or n == 0
+        assert math.copysign(1, float(stat[i, j])) == math.copysign(1, int(b01[i, j] - b10[i, j])) or n == 0
 
 
 def test_tokens_all_paired_t_test_matches_ttest_rel(loaded, records):

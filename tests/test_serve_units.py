@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from rolemrc.core.errors import RolemrcError
+from rolemrc.core.stats import welch
 from rolemrc.serve.config import ConfigError, ServeConfig
 from rolemrc.serve.experiments import assign
 from rolemrc.serve.sampling import TextStream, choose, make_generator
-from rolemrc.serve.stats import welch
 
 
 def test_choose_greedy_nucleus_and_seeds():

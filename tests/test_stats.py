@@ -9,11 +9,10 @@ from scipy.stats import permutation_test, ttest_ind
 from typer.testing import CliRunner
 
 from rolemrc.core.errors import EXIT_INPUT, RolemrcError
+from rolemrc.core.stats import cluster_means, paired_test, resample_counts, sign_flip_test, welch
 from rolemrc.eval.aggregate import aggregate
 from rolemrc.eval.judges import JudgeConfig
-from rolemrc.eval.stats import paired_test, resample_counts, sign_flip_test
 from rolemrc.serve.report import UnknownExperimentError, build_report, report_html
-from rolemrc.serve.stats import cluster_means, welch
 from rolemrc.serve.store import Store
 
 

@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-from rolemrc.core.errors import RolemrcError
 from rolemrc.datagen.config import BackendConfig, DatagenError
-
-
-class BackendError(RolemrcError, RuntimeError):
-    """The backend cannot serve requests (not a malformed reply): the run stops and can be resumed."""
-
-
-class DroppedError(RolemrcError, ValueError):
-    """An item could not be produced after all attempts; the message is the counted reason."""
 
 
 def make_backend(config: BackendConfig, *, seed: int, cache_path=None):

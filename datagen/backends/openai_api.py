@@ -17,8 +17,7 @@ import re
 from typing import Any
 
 from rolemrc.core.openai_client import OpenAIClient
-from rolemrc.datagen.backends import BackendError, DroppedError
-from rolemrc.datagen.config import BackendConfig
+from rolemrc.datagen.config import BackendConfig, BackendError, DroppedError
 from rolemrc.datagen.profiles import COMPONENTS, MAX_COMPONENT_CHARS, ProfileError, profile_text, validate_profile
 from rolemrc.datagen.replies import INTENTS, ReplySpec, check_reply
 
