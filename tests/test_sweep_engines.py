@@ -8,6 +8,7 @@ import torch
 from fixtures import save_peaked_llama, write_diff_file
 from fixtures import test_records as make_records
 
+from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import write_jsonl
 from rolemrc.intervene.spec import RestraintError
 from rolemrc.serve.config import ConfigError
@@ -80,3 +81,20 @@ def test_the_vllm_server_is_sized_for_the_largest_cell(setup, tmp_path):
     assert served["allow_inline_restraints"] and served["max_inline_units"] == 40
     with pytest.raises(RestraintError, match="choose one"):
         config(setup, tmp_path, engine="vllm", base_url="http://x/v1")
+
+
+def test_engine_and_judge_come_from_the_registries(setup, tmp_path):
+    """Any serving engine that runs a local model may generate a sweep; a name outside serve's registry, or an engine
+    that only proxies another server, is refused naming the choices, and so is a judge outside eval's registry."""
+    from rolemrc.core.registry import UnknownNameError
+    from rolemrc.eval.judges import JUDGES
+    from rolemrc.serve.engines import ENGINES
+
+    with pytest.raises(RestraintError, match="not a serving engine; choose from " + ", ".join(ENGINES)):
+        config(setup, tmp_path, engine="tgi")
+    with pytest.raises(RestraintError, match="'upstream' does not run a local model"):
+        config(setup, tmp_path, engine="upstream")
+    with pytest.raises(UnknownNameError, match=f"unknown judge 'gpt'; choose from {JUDGES.listing()}"):
+        config(setup, tmp_path, judge="gpt")
+    with pytest.raises(RolemrcError, match="needs a model and a base URL"):
+        config(setup, tmp_path, judge="openai")
