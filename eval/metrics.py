@@ -17,16 +17,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rolemrc.core.errors import InputError, RolemrcError
+from rolemrc.core.errors import InputError
 from rolemrc.core.registry import Registry
+from rolemrc.eval.errors import MetricUnavailable
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 ROUGE = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-
-
-class MetricUnavailable(RolemrcError, RuntimeError):
-    """A resource a metric needs is missing; `compute` reports the group as unavailable instead of stopping."""
 
 
 @dataclass
