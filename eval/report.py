@@ -10,6 +10,7 @@ from typing import Any
 from rolemrc.core.figures import write_figure
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.eval.aggregate import AVERAGES
+from rolemrc.eval.metrics import metric_scale
 
 
 def fmt(stat: dict | None, scale: float = 100.0) -> str:
@@ -20,10 +21,6 @@ def fmt(stat: dict | None, scale: float = 100.0) -> str:
     if "lo" in stat and not math.isnan(stat["lo"]):
         text += f" [{stat['lo'] * scale:.1f}, {stat['hi'] * scale:.1f}]"
     return text
-
-
-def metric_scale(name: str) -> float:
-    return 1.0 if name == "bleu" else 100.0
 
 
 def table3(runs: list[tuple[str, dict[str, Any]]]) -> str:
