@@ -67,6 +67,20 @@ def load_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = "fl
     return model, tokenizer
 
 
+def context_window(model_or_config: Any, tokenizer: Any = None, *, default: int | None = None) -> int | None:
+    """The most positions a model takes, the first set of: its config's `max_position_embeddings`, its
+    `n_positions` (GPT-2 style configs), the tokenizer's `model_max_length` (not transformers' placeholder for
+    an unknown length), `default` (None: no known limit)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not window and tokenizer is not None:
+        from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+
+        length = getattr(tokenizer, "model_max_length", None)
+        window = length if length and length < VERY_LARGE_INTEGER else None
+    return int(window) if window else default
+
+
 def dir_fingerprint(path: str | os.PathLike) -> str:
     """Fingerprint of a model directory's config and weights."""
     path = check_model_dir(path)

@@ -1,10 +1,12 @@
 """A tiny name -> object registry filled by a decorator, for pluggable pieces (metrics, judges).
 
-    METRICS: Registry[Metric] = Registry("metric")
+    THINGS: Registry[Thing] = Registry("thing")
 
-    @METRICS.register("bleu")
-    def bleu(...): ...
+    @THINGS.register("one")
+    def one(...): ...
 
+An entry with metadata is a small frozen dataclass holding the function and its fields (eval's `Metric`: scale,
+higher_is_better; `Judge`: endpoint), registered by its package's own decorator (`@metric(name, scale=...)`).
 Every list of names a user sees (CLI help, error messages, defaults) reads `names()`, so adding an entry
 is one decorated definition; `get` of an unknown name raises `UnknownNameError` listing the known ones.
 """

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rolemrc.eval.metrics import metric_scale
+
 
 def headline(run_dir: Path) -> dict:
     """The run's key numbers with 95% CIs: judge AvgWeighted and per-dimension means, metric means."""
@@ -43,6 +45,11 @@ def _ci(value: dict | None, digits: int) -> str:
     return f"{value['mean']:.{digits}f}{ci}"
 
 
+def _metric_digits(name: str) -> int:
+    """Decimals of a raw metric value: 2 for values already in percent (scale 1, BLEU), 3 for fractions."""
+    return 2 if metric_scale(name) == 1 else 3
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
@@ -61,7 +68,7 @@ def results_markdown(summary: dict) -> str:
                     [[name, _ci(e["judge_avg_weighted"], 3), *(_ci(e["judge_dimensions"].get(d), 3) for d in dims)]
                      for name, e in evals.items()])
     lines += ["", "## Reference metrics", ""]
-    lines += _table(["model", *metrics], [[name, *(_ci(e["metrics"].get(m), 2 if m == "bleu" else 3) for m in metrics)]
+    lines += _table(["model", *metrics], [[name, *(_ci(e["metrics"].get(m), _metric_digits(m)) for m in metrics)]
                                           for name, e in evals.items()])
     lines += ["", "## Probe and restraints", "",
               f"Largest SFT -> DPO shift: **{shift['dimension']}** (mean |Δ frequency| {shift['mean_abs_delta']:.4f}, "

@@ -7,8 +7,9 @@ compare runs (exact McNemar on verdicts; paired bootstrap CI + sign-flip permuta
     run.save("runs/eval/dpo")
     result = compare("runs/eval/sft", "runs/eval/dpo")                    # Comparison; .verdicts, .metrics
 
-A new metric group or judge is one decorated function: `@metric("name")` (fn(hyps, refs, config) -> Scores)
-or `@register_judge("name")` (fn(calls, config, progress) -> list[Verdict]); CLIs read METRICS and JUDGES.
+A new metric group or judge is one decorated function: `@metric("name", scale=100.0, higher_is_better=True)`
+(fn(hyps, refs, config) -> Scores) or `@register_judge("name")` (fn(calls, config, progress) -> list[Verdict]);
+CLIs and reports read METRICS and JUDGES.
 """
 
 from rolemrc.eval.compare import Comparison, compare

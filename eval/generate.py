@@ -104,10 +104,11 @@ def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[An
     import torch
 
     from rolemrc.core.chat import render_chat
+    from rolemrc.core.modeling import context_window
     from rolemrc.intervene.runtime import applied_per_row
 
     tok.padding_side = "left"
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    limit = context_window(model, tok)
     room = (limit - config.max_new_tokens) if limit else None
     if room is not None and room < 1:
         raise GenerationError(f"max_new_tokens {config.max_new_tokens} leaves no room for a prompt in {limit} positions")

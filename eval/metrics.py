@@ -6,9 +6,9 @@ bert-score with a local model directory (default: the all-MiniLM-L6-v2 of `gt-al
 layer 5 of 6); figures from it are not comparable to the roberta-large figures of most papers, so
 the report names the model and layer.
 
-Each metric group is one function registered in `METRICS` with `@metric(name)`: it takes the responses,
-the references and the MetricConfig and returns `Scores`; CLI help, validation and the default groups
-read the registry, so a new group is one decorated function.
+Each metric group is one function registered in `METRICS` with `@metric(name, ...)`: it takes the responses,
+the references and the MetricConfig and returns `Scores`; CLI help, validation, the default groups and every
+display (`metric_scale`) read the registry, so a new group is one decorated function.
 """
 
 from __future__ import annotations
@@ -17,16 +17,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rolemrc.core.errors import InputError, RolemrcError
+from rolemrc.core.errors import InputError
 from rolemrc.core.registry import Registry
+from rolemrc.eval.errors import MetricUnavailable
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 ROUGE = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-
-
-class MetricUnavailable(RolemrcError, RuntimeError):
-    """A resource a metric needs is missing; `compute` reports the group as unavailable instead of stopping."""
 
 
 @dataclass
@@ -67,8 +64,35 @@ class MetricResult:
 
 
 MetricFn = Callable[[list[str], list[str], MetricConfig], Scores]
-METRICS: Registry[MetricFn] = Registry("metric")
-metric = METRICS.register   # @metric("name") registers fn(hyps, refs, config) -> Scores as a metric group
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A registered metric group: `fn(hyps, refs, config) -> Scores` and how its values read."""
+
+    fn: MetricFn
+    values: tuple[str, ...]   # the value names fn returns (the keys of Scores.values)
+    scale: float              # display factor to percent: 100 for values in 0-1, 1 for values already 0-100 (BLEU)
+    higher_is_better: bool
+
+
+METRICS: Registry[Metric] = Registry("metric")
+
+
+def metric(name: str, *, values: tuple[str, ...] | None = None, scale: float = 100.0,
+           higher_is_better: bool = True) -> Callable[[MetricFn], MetricFn]:
+    """Decorator registering `fn(hyps, refs, config) -> Scores` as metric group `name`; `values`: the value
+    names it returns (default: just `name`), `scale`: what displays multiply them by to show percent."""
+    def add(fn: MetricFn) -> MetricFn:
+        METRICS.register(name)(Metric(fn, values or (name,), scale, higher_is_better))
+        return fn
+    return add
+
+
+def metric_scale(value: str) -> float:
+    """Display factor of a metric value (e.g. "rouge1"): its group's `scale`; 100 for a value no registered
+    group returns (a run scored with a metric since unregistered)."""
+    return next((m.scale for m in map(METRICS.get, METRICS.names()) if value in m.values), 100.0)
 
 
 def parse_metrics(text: str) -> tuple[str, ...]:
@@ -84,7 +108,7 @@ def tokens(text: str) -> list[str]:
     return TOKEN.findall(text.lower())
 
 
-@metric("bleu")
+@metric("bleu", scale=1.0, higher_is_better=True)
 def bleu(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     import sacrebleu
     from sacrebleu.metrics import BLEU
@@ -95,7 +119,7 @@ def bleu(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
                   {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score})
 
 
-@metric("rouge")
+@metric("rouge", values=ROUGE, scale=100.0, higher_is_better=True)
 def rouge(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     from rouge_score import rouge_scorer
 
@@ -109,7 +133,7 @@ def rouge(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     return Scores(out, "rouge-score F-measure, Porter stemmer; Lsum splits sentences at . ! ?")
 
 
-@metric("meteor")
+@metric("meteor", scale=100.0, higher_is_better=True)
 def meteor(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     from nltk.translate.meteor_score import meteor_score
 
@@ -133,7 +157,7 @@ def bertscore_model(config: MetricConfig) -> tuple[str, int]:
     return config.bertscore_model, AutoConfig.from_pretrained(config.bertscore_model, local_files_only=True).num_hidden_layers
 
 
-@metric("bertscore")
+@metric("bertscore", scale=100.0, higher_is_better=True)
 def bertscore(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     """BERTScore F1 per pair; a pair with an empty side scores 0, as bert-score itself defines it
     (and its empty-string path breaks under transformers 5)."""
@@ -159,7 +183,7 @@ def compute(hyps: list[str], refs: list[str], config: MetricConfig | None = None
     result = MetricResult({}, {}, {})
     for name in (n for n in METRICS.names() if n in config.groups):
         try:
-            scores = METRICS.get(name)(hyps, refs, config)
+            scores = METRICS.get(name).fn(hyps, refs, config)
         except MetricUnavailable as exc:
             result.unavailable[name] = str(exc)
             continue

@@ -7,8 +7,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rolemrc.core.figures import write_figure
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.eval.aggregate import AVERAGES
+from rolemrc.eval.metrics import metric_scale
 
 
 def fmt(stat: dict | None, scale: float = 100.0) -> str:
@@ -19,10 +21,6 @@ def fmt(stat: dict | None, scale: float = 100.0) -> str:
     if "lo" in stat and not math.isnan(stat["lo"]):
         text += f" [{stat['lo'] * scale:.1f}, {stat['hi'] * scale:.1f}]"
     return text
-
-
-def metric_scale(name: str) -> float:
-    return 1.0 if name == "bleu" else 100.0
 
 
 def table3(runs: list[tuple[str, dict[str, Any]]]) -> str:
@@ -86,15 +84,7 @@ def write_chart(runs: list[tuple[str, dict[str, Any]]], stem: str | Path) -> dic
     fig.update_layout(barmode="group", title="Judge scores with bootstrap 95% CIs", yaxis_title="score (%)",
                       yaxis_range=[0, 105], template="plotly_white")
     stem = Path(stem)
-    out = {"html": str(stem.with_suffix(".html"))}
-    fig.write_html(out["html"], include_plotlyjs=True)
-    try:
-        fig.write_image(str(stem.with_suffix(".png")), width=1000, height=500)
-        out["png"] = str(stem.with_suffix(".png"))
-    except Exception as exc:  # kaleido raises several types when Chromium is absent or fails to start
-        out["png_error"] = (f"{type(exc).__name__}: {exc}".splitlines()[0] +
-                            " (PNG export needs Chromium: apt-get install -y chromium)")
-    return out
+    return write_figure(fig, stem.parent, stem.name, plotlyjs=True, width=1000, height=500)
 
 
 def _p(p: float) -> str:

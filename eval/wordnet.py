@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from rolemrc.eval.metrics import MetricUnavailable
+from rolemrc.eval.errors import MetricUnavailable
 
 DEBIAN_WORDNET = Path("/usr/share/wordnet")
 NEEDED = ("data.noun", "data.verb", "data.adj", "data.adv", "index.noun", "index.verb", "index.adj", "index.adv",

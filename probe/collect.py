@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
-from rolemrc.core.modeling import dir_fingerprint, load_model, model_fingerprint
+from rolemrc.core.modeling import context_window, dir_fingerprint, load_model, model_fingerprint
 from rolemrc.probe.backends import Backend, make_backend
 from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prompt_cases
 from rolemrc.probe.counts import ProbeCounts, Rank, Tokens, TopKCounter, check_top_fraction, top_k_size
@@ -169,7 +169,7 @@ def rank_device(device: str) -> str:
 def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
            config: CollectConfig) -> tuple[Cases, dict[str, str]]:
     """Tokenised cases (prompts cut to the shortest context window) and the shared metadata."""
-    windows = [w for w in map(_context_window, models) if w]
+    windows = [w for w in (context_window(m, tokenizer) for m in models) if w]
     max_length = config.max_length or (min(windows) if windows else None)
     cases = build_cases(data, tokenizer, dimension_field=config.dimension_field,
                         generation_prompt=config.generation_prompt, max_length=max_length)
@@ -253,8 +253,3 @@ def collect_to_file(model: Any, data: Any, out: str | os.PathLike, config: Colle
     counts = collect_paired(model, data, config, **overrides) if isinstance(model, (list, tuple)) \
         else collect(model, data, config, **overrides)
     return counts.save(out) if shard_from_env().main else Path(out)
-
-
-def _context_window(model: Any) -> int | None:
-    cfg = model.config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)

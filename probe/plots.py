@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from pathlib import Path
 
 import torch
 
+from rolemrc.core.figures import write_figure
 from rolemrc.probe.diff import DiffResult
-
-log = logging.getLogger(__name__)
-
-
-def write_figure(fig, out: Path, stem: str) -> dict[str, str]:
-    """Write `stem`.html next to a shared plotly.min.js, and `stem`.png where Chromium is available.
-    Returns the paths written; a PNG that could not be made is reported under `png_error`."""
-    html = out / f"{stem}.html"
-    fig.write_html(str(html), include_plotlyjs="directory", full_html=True)
-    written = {"html": str(html)}
-    try:
-        fig.write_image(str(out / f"{stem}.png"), width=1100, height=650, scale=1)
-        written["png"] = str(out / f"{stem}.png")
-    except Exception as exc:  # kaleido raises several types when Chromium is missing or fails
-        log.warning("PNG export of %s failed (%s); install Debian chromium for PNGs", stem, exc)
-        written["png_error"] = f"{type(exc).__name__}: {exc}"
-    return written
 
 
 def layers_by_dimensions(result: DiffResult):

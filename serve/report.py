@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rolemrc.core.errors import RolemrcError
+from rolemrc.core.figures import write_figure
 from rolemrc.core.stats import cluster_means, mean_ci, welch
 from rolemrc.eval.judges import JudgeConfig, judge_info
 from rolemrc.serve.store import Store
@@ -141,7 +142,7 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        report["files"] = write_figure(report, out / "chart")
+        report["files"] = write_figure(figure(report), out, "chart", plotlyjs=True, width=None, height=None)
         (out / "report.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
     return _finite(report)
 
@@ -181,19 +182,6 @@ def figure(report: dict[str, Any]):
 
 
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
-
-
-def write_figure(report: dict[str, Any], stem: Path) -> dict[str, str]:
-    """HTML always; PNG when kaleido finds Chromium (the error is reported otherwise)."""
-    fig = figure(report)
-    out = {"html": str(stem.with_suffix(".html"))}
-    fig.write_html(out["html"], include_plotlyjs=True)
-    try:
-        fig.write_image(str(stem.with_suffix(".png")))
-        out["png"] = str(stem.with_suffix(".png"))
-    except Exception as exc:  # kaleido raises several types when Chromium is missing
-        out["png_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0] + " (needs chromium)"
-    return out
 
 
 def _num(value: float | None, spec: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rolemrc.probe.plots import write_figure
+from rolemrc.core.figures import write_figure
 from rolemrc.sweep.report import ALPHA
 from rolemrc.sweep.stats import COMPARISONS, JUDGE_PREFIX
 

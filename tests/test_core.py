@@ -4,7 +4,7 @@ import torch
 
 from rolemrc.core.chat import render_chat
 from rolemrc.core.io import JsonlError, read_jsonl, write_jsonl
-from rolemrc.core.modeling import dir_fingerprint, load_model, model_fingerprint
+from rolemrc.core.modeling import context_window, dir_fingerprint, load_model, model_fingerprint
 from rolemrc.core.records import RecordError, normalize_turns, prompt_turns
 from rolemrc.core.taxonomy import TASK_COUNTS, TASKS, dimensions_for_task, judge_aspects_for_task
 
@@ -63,3 +63,18 @@ def test_fixture_models_load_and_chat(model_dirs, arch):
 def test_load_model_rejects_non_model_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
         load_model(tmp_path)
+
+
+def test_context_window_fallback_order():
+    from types import SimpleNamespace as NS
+
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+
+    from rolemrc.core.tiny import tiny_config
+
+    assert context_window(tiny_config("llama", 300, max_positions=512)) == 512
+    assert context_window(NS(config=tiny_config("gpt2", 300, max_positions=256))) == 256   # a model: its config
+    assert context_window(NS(n_positions=128), NS(model_max_length=64)) == 128
+    assert context_window(NS(), NS(model_max_length=64)) == 64
+    assert context_window(NS(), NS(model_max_length=VERY_LARGE_INTEGER)) is None   # transformers' "unknown"
+    assert context_window(NS(), default=2048) == 2048

@@ -26,7 +26,8 @@ from rolemrc.eval import (
     register_judge,
     score,
 )
-from rolemrc.eval.metrics import parse_metrics
+from rolemrc.eval.metrics import metric_scale, parse_metrics
+from rolemrc.eval.report import table3
 
 
 @pytest.fixture
@@ -119,3 +120,20 @@ def test_registry_register_get_unregister():
     assert things.unregister("one") == 1 and things.names() == ("two",)
     with pytest.raises(UnknownNameError, match="unknown thing 'one'; choose from two"):
         things.get("one")
+
+
+def test_metric_metadata_drives_the_display_scale():
+    assert {n: (METRICS.get(n).scale, METRICS.get(n).higher_is_better) for n in METRICS.names()} == {
+        "bleu": (1.0, True), "rouge": (100.0, True), "meteor": (100.0, True), "bertscore": (100.0, True)}
+    assert (metric_scale("bleu"), metric_scale("rougeLsum"), metric_scale("unregistered")) == (1.0, 100.0, 100.0)
+
+    @metric("chrf", scale=1.0)
+    def chrf(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
+        return Scores({"chrf": [50.0] * len(hyps)}, "a score already on 0-100")
+
+    try:
+        stat = {"mean": 0.5, "lo": 0.25, "hi": 0.75}
+        row = table3([("run", {"metrics": {"chrf": stat, "rouge1": stat}})]).splitlines()[2]
+        assert row.startswith("| run | 0.5 [0.2, 0.8] | 50.0 [25.0, 75.0] |")
+    finally:
+        METRICS.unregister("chrf")

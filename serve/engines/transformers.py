@@ -69,13 +69,12 @@ class TransformersEngine:
                  default_max_tokens: int) -> None:
         from transformers.utils import logging as hf_logging
 
-        from rolemrc.core.modeling import load_model
+        from rolemrc.core.modeling import context_window, load_model
 
         hf_logging.disable_progress_bar()
         self.name = name
         self.model, self.tokenizer = load_model(options.path, dtype=options.dtype, device=options.device)
-        cfg = self.model.config
-        self.context_window = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
+        self.context_window = int(context_window(self.model, self.tokenizer, default=2048))
         eos = {self.tokenizer.eos_token_id, *_as_list(getattr(self.model.generation_config, "eos_token_id", None))}
         self.eos_ids = torch.tensor(sorted(e for e in eos if e is not None), dtype=torch.long)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos_ids[0])
