@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rolemrc.intervene.runtime import applied
 from rolemrc.serve.batch import Batch
 from rolemrc.serve.engines.base import (
     LOCAL_PATH,
@@ -176,7 +177,7 @@ class TransformersEngine:
                 continue
             restraint = group[0].resolved.restraint
             try:
-                with torch.inference_mode(), (restraint.applied(self.model) if restraint else nullcontext()):
+                with torch.inference_mode(), (applied(self.model, restraint) if restraint else nullcontext()):
                     self._run_group(group)
             except Exception as exc:  # a failed forward must not take the server down
                 log.exception("generation failed")
