@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rolemrc.bench.common import SIZES, interleaved, make_model_dir, random_cases
-from rolemrc.intervene import Restraint, bake
+from rolemrc.intervene import Restraint, applied, bake
 from rolemrc.probe.cases import Cases, batches
 
 
@@ -42,7 +42,7 @@ def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int
     cases = random_cases(prompts, length, len(tok))
 
     def hooked():
-        with restraint.applied(original):
+        with applied(original, restraint):
             return logits(original, cases, batch_size, tok.pad_token_id)
 
     times = interleaved({"original": lambda: logits(original, cases, batch_size, tok.pad_token_id),

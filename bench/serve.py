@@ -64,6 +64,8 @@ def engine_rate(model_dir: Path, chats: list, concurrency: int, tokens: int, res
                                     max_queue=len(chats) + 1, default_max_tokens=tokens)
         await engine.start()
         try:
+            if restraint:
+                engine.check_restraint(restraint)   # what a server does once, before engines apply it unchecked
             resolved = Resolved(restraint, "bench", "name:bench", "bench") if restraint else Resolved()
             await _engine_run(engine, chats[:concurrency], concurrency, tokens, resolved)   # warm-up
             return await _engine_run(engine, chats, concurrency, tokens, resolved)

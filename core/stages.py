@@ -14,11 +14,12 @@ from rich.console import Console
 
 from rolemrc.core.errors import InputError
 from rolemrc.core.io import file_fingerprint
-from rolemrc.core.modeling import dir_fingerprint
 
 
 def fingerprint(value: Any) -> Any:
     """JSON-able fingerprint of a stage input: paths by content, everything else as is."""
+    from rolemrc.core.modeling import dir_fingerprint  # imports torch; the demo's CLI help must not
+
     if isinstance(value, Path):
         if not value.exists():
             raise InputError(f"stage input {value} does not exist")

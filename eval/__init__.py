@@ -12,12 +12,16 @@ A new metric group or judge is one decorated function: `@metric("name", scale=10
 CLIs and reports read METRICS and JUDGES.
 """
 
-from rolemrc.eval.compare import Comparison, compare
-from rolemrc.eval.generate import GenerateConfig, GenerationError, generate
-from rolemrc.eval.judges import JUDGES, JudgeConfig, judge, register_judge
+from rolemrc.core.lazy import lazy_package
 from rolemrc.eval.metrics import METRICS, MetricConfig, Scores, metric
-from rolemrc.eval.runs import EvalRun, RunError, score
 from rolemrc.eval.verdicts import Verdict, parse_verdict
+
+lazy_package(__name__, {   # numpy (aggregates, statistics) and tqdm on first use: the CLI's help needs neither
+    "rolemrc.eval.compare": ["Comparison", "compare"],
+    "rolemrc.eval.generate": ["GenerateConfig", "GenerationError", "generate"],
+    "rolemrc.eval.judges": ["JUDGES", "JudgeConfig", "judge", "register_judge"],
+    "rolemrc.eval.runs": ["EvalRun", "RunError", "score"],
+})
 
 __all__ = ["JUDGES", "METRICS", "Comparison", "EvalRun", "GenerateConfig", "GenerationError", "JudgeConfig",
            "MetricConfig", "RunError", "Scores", "Verdict", "compare", "generate", "judge", "metric", "parse_verdict",

@@ -11,13 +11,10 @@ import typer
 from rolemrc.core.cli import cli_app
 from rolemrc.core.errors import InputError
 from rolemrc.core.records import read_records
-from rolemrc.eval.compare import compare
 from rolemrc.eval.dataset import check_dataset
 from rolemrc.eval.generate import DType, GenerateConfig, generate
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import METRICS, MetricConfig, metrics_help, parse_metrics
-from rolemrc.eval.report import compare_markdown, table3, write_chart
-from rolemrc.eval.runs import EvalRun, score
 
 app = cli_app(help="Generate responses, score them (metrics + judge, CIs), compare runs.")
 
@@ -53,6 +50,8 @@ def _score_configs(out: Path, judge: str, judge_model: str | None, judge_base_ur
 
 
 def _score(responses: Path, out: Path, configs: tuple[JudgeConfig, MetricConfig | None], rounds: int) -> None:
+    from rolemrc.eval.runs import score  # numpy
+
     run = score(responses, *configs, rounds=rounds, progress=True)
     run.save(out)
     typer.echo((out / "report.md").read_text())
@@ -129,6 +128,9 @@ def compare_cmd(run_a: Path = typer.Argument(..., help="run folder A (before)"),
                 out: Path = typer.Option(None, help="folder for compare.json/.md and the chart (default: print only)"),
                 rounds: int = typer.Option(10_000, help="bootstrap resamples (CIs); Monte Carlo sign flips (n > 16)")) -> None:
     """Paired comparison: exact McNemar on verdicts; on metrics a paired bootstrap CI and a sign-flip permutation p."""
+    from rolemrc.eval.compare import compare
+    from rolemrc.eval.report import compare_markdown
+
     result = compare(run_a, run_b, rounds=rounds)
     if out:
         result.save(out)
@@ -139,6 +141,9 @@ def compare_cmd(run_a: Path = typer.Argument(..., help="run folder A (before)"),
 def report_cmd(runs: list[Path] = typer.Argument(..., help="run folders"),
                out: Path = typer.Option(None, help="folder for table3.md and the chart")) -> None:
     """One Table 3 (metrics + judge dimensions per run) and a chart across runs."""
+    from rolemrc.eval.report import table3, write_chart
+    from rolemrc.eval.runs import EvalRun
+
     loaded = [(str(p), EvalRun.load(p).summary) for p in runs]
     text = table3(loaded)
     if out:

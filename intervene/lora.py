@@ -11,7 +11,6 @@ server exports inline restraints per request this way, beside a vLLM process tha
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -72,12 +71,6 @@ def lora_pair(weight: torch.Tensor, fold: Fold, units: list[int], factor: float,
     return F.pad(a, (0, 0, 0, pad)).contiguous(), F.pad(b, (0, pad)).contiguous()
 
 
-def spec_digest(r: Restraint) -> str:
-    """A short hash of what a restraint does (hook, units, factor; not its name or provenance)."""
-    what = {"hook": r.hook, "factor": r.factor, "units": {str(k): v for k, v in sorted(r.units.items())}}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-
-
 class CheckpointWeights:
     """Single tensors read from a model directory's safetensors files (sharded or not), by parameter name."""
 
@@ -124,13 +117,20 @@ class LoraExporter:
     def check(self, spec: Any, max_rank: int | None = None) -> Restraint:
         """The restraint, if LoRA expresses it exactly on this model (within `max_rank` units per layer), else
         a RestraintError saying why."""
-        r = Restraint.from_any(spec).validate(self.model)
-        for layer in r.units:
-            self._fold(r, layer)
+        return self._plan(spec, max_rank)[0]
+
+    def _plan(self, spec: Any, max_rank: int | None = None, *,
+              checked: bool = False) -> tuple[Restraint, dict[int, Fold]]:
+        """The restraint and its fold per layer (each layer folded once), or a RestraintError; `checked`: it was
+        validated against this model already."""
+        r = Restraint.from_any(spec)
+        if not checked:
+            r.validate(self.model)
+        folds = self._folds(r)
         if max_rank is not None and (units := max(len(u) for u in r.units.values())) > max_rank:
             raise RestraintError(f"restraint {r.name!r} has {units} units in one layer; this server's LoRA rank "
                                  f"holds {max_rank} (raise max_lora_rank)")
-        return r
+        return r, folds
 
     def target_modules(self) -> list[str]:
         """The target_modules names of every projection a restraint on this model can be exported into (a
@@ -138,28 +138,34 @@ class LoraExporter:
         return sorted({_target_name(self.model, row.fold.weight) for row in HOOK_POINTS.values()
                        if row.lora and lora_exportable(self.model, row.name)})
 
-    def _fold(self, r: Restraint, layer: int) -> Fold:
-        fold = fold_target(self.model, r.hook, layer)  # refuses, with the row's reason, points that cannot fold
-        if not lora_exportable(self.model, r.hook):
+    def _folds(self, r: Restraint) -> dict[int, Fold]:
+        """Each layer's fold, or a RestraintError when LoRA cannot express `r` exactly."""
+        # fold_target refuses, with the row's reason, points that cannot fold
+        folds = {layer: fold_target(self.model, r.hook, layer) for layer in r.units}
+        bias = any(fold.scales_bias for fold in folds.values())
+        if bias or not hook_point(r.hook).lora:
             why = ("the fold also scales the projection's bias, and a LoRA adapter only adds to weights"
-                   if fold.scales_bias else "its HOOK_POINTS row does not allow LoRA")
+                   if bias else "its HOOK_POINTS row does not allow LoRA")
             raise RestraintError(f"{r.hook} cannot be exported as an exact LoRA adapter: {why}; bake it instead")
-        fold.untied_weight(self.model)
-        return fold
+        for fold in folds.values():
+            fold.untied_weight(self.model)
+        return folds
 
     def export(self, spec: Any, out_dir: str | os.PathLike, *, rank: int | None = None) -> LoraReport:
         """Write `spec` as a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): B @ A equals
         the bake's weight change, computed in float32 from the checkpoint's weights."""
+        return self._write(*self._plan(spec), Path(out_dir), rank)
+
+    def _write(self, r: Restraint, folds: dict[int, Fold], out: Path, rank: int | None) -> LoraReport:
         from safetensors.torch import save_file
 
-        r, out = self.check(spec), Path(out_dir)
         if out.resolve() == self.src.resolve():
             raise RestraintError("LoRA output must differ from the source model directory")
         max_units = max(len(u) for u in r.units.values())
         r_pad = lora_rank(max_units, rank)
         tensors = {}
         for layer, units in r.units.items():
-            fold = self._fold(r, layer)
+            fold = folds[layer]
             name = self.names[id(fold.module)]
             a, b = lora_pair(self.weights[f"{name}.weight"], fold, units, r.factor, r_pad)
             tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
@@ -176,17 +182,19 @@ class LoraExporter:
                   metadata=provenance_metadata(self.src, self.fingerprint, r))
         return LoraReport(str(out), r_pad, max_units, targets, list(r.units), self.fingerprint, r.to_dict())
 
-    def cached(self, spec: Any, cache_dir: str | os.PathLike, *, rank: int | None = None) -> Path:
-        """The adapter for `spec` under `cache_dir`, keyed by model fingerprint, spec digest and rank; exported
-        once (written beside and renamed, so a killed export leaves nothing half-written)."""
-        r = self.check(spec)
+    def cached(self, spec: Any, cache_dir: str | os.PathLike, *, rank: int | None = None,
+               checked: bool = False) -> Path:
+        """The adapter for `spec` under `cache_dir`, keyed by model fingerprint, `Restraint.digest` and rank;
+        exported once (written beside and renamed, so a killed export leaves nothing half-written). `checked`: `spec`
+        passed `check` on this exporter already (a server checks each restraint once, when it resolves it)."""
+        r = Restraint.from_any(spec)
         r_pad = lora_rank(max(len(u) for u in r.units.values()), rank)
-        out = Path(cache_dir) / f"{self.fingerprint}-{spec_digest(r)}-r{r_pad}"
+        out = Path(cache_dir) / f"{self.fingerprint}-{r.digest}-r{r_pad}"
         if not (out / "adapter_model.safetensors").is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-"))
             try:
-                self.export(r, tmp, rank=r_pad)
+                self._write(*self._plan(r, checked=checked), tmp, r_pad)
                 tmp.rename(out)
             except OSError:   # another process exported it first
                 if not (out / "adapter_model.safetensors").is_file():

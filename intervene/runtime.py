@@ -20,11 +20,13 @@ def scale_vector(r: Restraint, layer: int, n_units: int, dtype: torch.dtype, dev
 
 
 @contextmanager
-def applied(model: Any, *restraints: Restraint) -> Iterator[Any]:
+def applied(model: Any, *restraints: Restraint, checked: bool = False) -> Iterator[Any]:
     """Apply restraints as forward hooks for the duration of the block; several compose
-    (multiplicatively, in the order given). On exit the hooks are removed and the model is untouched."""
-    for r in restraints:
-        r.validate(model)
+    (multiplicatively, in the order given). On exit the hooks are removed and the model is untouched.
+    `checked`: the restraints were validated against `model` already (a server does so once per request)."""
+    if not checked:
+        for r in restraints:
+            r.validate(model)
     param = next(model.parameters())
     handles = []
     try:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, get_args
 
 import torch
 
-from rolemrc.intervene.spec import Restraint, RestraintError, parse_layers
+from rolemrc.intervene.spec import DIRECTIONS, Direction, Restraint, RestraintError, parse_layers
 from rolemrc.probe.diff import DIFF_FILE, load_diff
-
-Direction = Literal["both", "up", "down"]  # |delta|, delta > 0 (more active under B), delta < 0
-DIRECTIONS: tuple[str, ...] = get_args(Direction)
 
 
 def select(diff_path: str | os.PathLike, dimension: str, *, layers: str | None = None, top_k: int | None = None,

@@ -1,19 +1,24 @@
-"""Restraint specs (docs/ARCHITECTURE.md "Restraint spec"): load, validate against a model, save."""
+"""Restraint specs (docs/ARCHITECTURE.md "Restraint spec"): load, validate against a model, save, and the
+digest that identifies what a restraint does. Imports no torch (serve and the CLI's help import it)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
+
+Direction = Literal["both", "up", "down"]  # units selected by |delta|, delta > 0 (more active under B), delta < 0
+DIRECTIONS: tuple[str, ...] = get_args(Direction)
 
 
 class RestraintError(RolemrcError, ValueError):
@@ -88,6 +93,13 @@ class Restraint:
     def num_units(self) -> int:
         return sum(len(v) for v in self.units.values())
 
+    @property
+    def digest(self) -> str:
+        """A short hash of what the restraint does (hook, units, factor; not its name or source): the one identity
+        that batches, caches and adapters key restraints by."""
+        what = {"hook": self.hook, "factor": self.factor, "units": {str(k): v for k, v in sorted(self.units.items())}}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
     def validate(self, model: Any) -> Restraint:
         """Check layers and units against the model; returns self for chaining."""
         n, w = num_layers(model), width(model, self.hook)
@@ -113,12 +125,6 @@ class Restraint:
         text = json.dumps(data, indent=1) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
         path.write_text(text)
         return path
-
-    def applied(self, model: Any):
-        """Context manager: this restraint as runtime forward hooks on `model`."""
-        from rolemrc.intervene.runtime import applied
-
-        return applied(model, self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Restraint:

@@ -8,15 +8,21 @@
     result = diff(paired)                                           # exact McNemar per unit
     whole = merge(["part-0.safetensors", "part-1.safetensors"])     # shards of the cases, summed
     write_diff(result, "runs/diff")                                 # tables + heatmaps
+
+The hook table imports no torch; the rest is imported on first use (`core.lazy`).
 """
 
-from rolemrc.probe.collect import CollectConfig, collect, collect_paired, collect_to_file
-from rolemrc.probe.counts import ProbeCounts
-from rolemrc.probe.diff import DiffResult, ProbeMismatchError, diff, load_diff
+from rolemrc.core.lazy import lazy_package
 from rolemrc.probe.hooks import HOOK_POINTS, site
-from rolemrc.probe.merge import merge
-from rolemrc.probe.paired import PairedCounts, load_probe
-from rolemrc.probe.report import write_diff
+
+lazy_package(__name__, {
+    "rolemrc.probe.collect": ["CollectConfig", "collect", "collect_paired", "collect_to_file"],
+    "rolemrc.probe.counts": ["ProbeCounts"],
+    "rolemrc.probe.diff": ["DiffResult", "ProbeMismatchError", "diff", "load_diff"],
+    "rolemrc.probe.merge": ["merge"],
+    "rolemrc.probe.paired": ["PairedCounts", "load_probe"],
+    "rolemrc.probe.report": ["write_diff"],
+})
 
 __all__ = [
     "HOOK_POINTS",

@@ -10,15 +10,15 @@ All three read the same tensors, so on the same model they give identical counts
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import hook_point, module_at, num_layers, site
+from rolemrc.probe.options import Backend
 
-Backend = Literal["torch", "nnsight", "transformer-lens"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
 Sink = Callable[[int, torch.Tensor], None]  # (layer, activations [batch, seq, width])

@@ -10,10 +10,8 @@ import typer
 from typer.core import TyperCommand
 
 from rolemrc.core.cli import cli_app
-from rolemrc.probe.backends import Backend
-from rolemrc.probe.collect import DeviceMap
-from rolemrc.probe.counts import Rank, Tokens
 from rolemrc.probe.hooks import HOOK_POINTS
+from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 from tqdm.auto import tqdm
@@ -14,15 +14,14 @@ from tqdm.auto import tqdm
 from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
 from rolemrc.core.modeling import context_window, dir_fingerprint, load_model, model_fingerprint
-from rolemrc.probe.backends import Backend, make_backend
+from rolemrc.probe.backends import make_backend
 from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prompt_cases
-from rolemrc.probe.counts import ProbeCounts, Rank, Tokens, TopKCounter, check_top_fraction, top_k_size
+from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, top_k_size
 from rolemrc.probe.distributed import all_reduce_sum, process_group, rank_gpus, shard_from_env
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
+from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
 from rolemrc.probe.paired import PairedCounter, PairedCounts
-
-DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]  # transformers' placement strategies
 
 
 @dataclass

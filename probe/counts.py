@@ -13,18 +13,15 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from rolemrc.probe.errors import ProbeError, ProbeFileError
+from rolemrc.probe.options import Rank, Tokens
 
 # Metadata keys that must agree for two probe files to be comparable.
 COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens", "rank", "generation_prompt")
 CASE_HASHES = "case_hashes"  # the probe file's tensor of case identities
-
-Tokens = Literal["last", "all"]  # the last prompt token, or every prompt token (each one observation)
-Rank = Literal["signed", "abs"]  # rank units by signed value or by magnitude
 
 
 def check_top_fraction(top_fraction: float) -> float:

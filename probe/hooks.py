@@ -4,18 +4,20 @@ A hook point `layers.{i}.<point>` names a tensor of shape [batch, seq, width]. E
 about a hook point reads its `HookPoint` row in `HOOK_POINTS`: `site()` (where the tensor lives),
 `width()`, the collector backends (TransformerBridge names), bake (which weight absorbs a restraint)
 and the CLI help. Adding a hook point is adding a row (and, for a new module, a role in each `Layout`).
+The module imports no torch: it only walks a model's attributes and registers hooks on its modules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Literal
 
 from rolemrc.probe.errors import ProbeError, check_choice
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 class UnsupportedModelError(ProbeError):

@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.middleware import BodyLimit, Lifecycle
@@ -70,8 +71,6 @@ async def start_unless_stopped(state: State) -> bool:
 async def reregister(state: State) -> None:
     """Register again the restraints registered while serving before (kept in the database); one that no longer
     fits, or whose name the config now gives another restraint, is logged and skipped."""
-    from rolemrc.intervene import Restraint, RestraintError
-
     for name, spec in (await asyncio.to_thread(state.store.restraints)).items():
         try:
             await state.registry.register(name, Restraint.from_dict(spec))

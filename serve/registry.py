@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 from typing import Any
 
+from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.config import ConfigError, ServeConfig
 from rolemrc.serve.engines import engine_class
-from rolemrc.serve.engines.base import Engine, Resolved
+from rolemrc.serve.engines.base import ClientRestraint, Engine, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.protocol import ModelCard
 
@@ -20,11 +19,9 @@ log = logging.getLogger("rolemrc.serve")
 
 class Registry:
     def __init__(self, config: ServeConfig) -> None:
-        from rolemrc.intervene import Restraint, RestraintError
-
         self.config = config
         self.created = int(time.time())
-        self.restraints: dict[str, Any] = {}
+        self.restraints: dict[str, Restraint] = {}
         for name, path in config.restraints.items():
             try:
                 self.restraints[name] = Restraint.load(path)
@@ -41,10 +38,8 @@ class Registry:
             if engine.capabilities.lora_restraints:
                 engine.register_adapters(fitting, inline=config.allow_inline_restraints)
 
-    def _fits(self, name: str, engine: Engine, rname: str, restraint: Any) -> bool:
+    def _fits(self, name: str, engine: Engine, rname: str, restraint: Restraint) -> bool:
         """Whether `engine` serves `restraint`; if so, the variant `name+rname` exists from now on."""
-        from rolemrc.intervene import RestraintError
-
         if not engine.capabilities.runtime_restraints:
             return False
         try:
@@ -55,14 +50,13 @@ class Registry:
         self.variants[f"{name}+{rname}"] = (name, rname)
         return True
 
-    async def register(self, rname: str, restraint: Any) -> tuple[bool, list[str]]:
-        """Register a restraint while serving (idempotent for the same units, hook and factor): (whether it is
-        new, the models it fits). 409 when the name holds a different restraint; 422 when it fits no model."""
-        from rolemrc.intervene.lora import spec_digest
-
+    async def register(self, rname: str, restraint: Restraint) -> tuple[bool, list[str]]:
+        """Register a restraint while serving (idempotent for the same `Restraint.digest`: units, hook and factor):
+        (whether it is new, the models it fits). 409 when the name holds a different restraint; 422 when it fits
+        no model."""
         async with self._registering:
             if rname in self.restraints:
-                if spec_digest(self.restraints[rname]) != spec_digest(restraint):
+                if self.restraints[rname].digest != restraint.digest:
                     raise ApiError(409, f"restraint {rname!r} is registered with other units, hook or factor",
                                    code="restraint_exists", param="name")
                 return False, self.fitted(rname)
@@ -107,11 +101,9 @@ class Registry:
         raise ApiError(404, f"the model {model_id!r} does not exist; GET /v1/models lists them",
                        code="model_not_found", param="model")
 
-    def parse_spec(self, spec: Any, param: str) -> Any:
+    def parse_spec(self, spec: dict[str, Any], param: str) -> Restraint:
         """A client's restraint spec as a Restraint: 400 when this server takes none (allow_inline_restraints),
         422 when invalid or larger than max_inline_units."""
-        from rolemrc.intervene import Restraint, RestraintError
-
         if not self.config.allow_inline_restraints:
             raise ApiError(400, "restraint specs from clients are disabled on this server (allow_inline_restraints)",
                            code="inline_restraints_disabled", param=param)
@@ -124,11 +116,10 @@ class Registry:
                                 f"{self.config.max_inline_units}", code="restraint_too_large", param=param)
         return restraint
 
-    def resolve(self, engine: Engine, named: str | None, requested: str | dict | None) -> Resolved:
+    def resolve(self, engine: Engine, named: str | None, requested: ClientRestraint | None) -> Resolved:
         """The restraint for a request: from the model id, or the request's `restraint` (a registered
-        name, or an inline spec if allowed). 404 unknown name, 400 not allowed, 422 invalid spec."""
-        from rolemrc.intervene import RestraintError
-
+        name, or an inline spec if allowed). 404 unknown name, 400 not allowed, 422 invalid spec. The restraint is
+        validated against the model once: a registered one when it was registered, an inline one here."""
         if named is not None and requested is not None:
             raise ApiError(400, "the model id already names a restraint; drop the 'restraint' field",
                            param="restraint")
@@ -144,10 +135,11 @@ class Registry:
                 raise ApiError(404, f"unknown restraint {requested!r}; registered: {sorted(self.restraints)}",
                                code="restraint_not_found", param="restraint")
             restraint, label, key = self.restraints[requested], requested, f"name:{requested}"
+            if f"{engine.name}+{requested}" in self.variants:   # checked against this model when registered
+                return Resolved(restraint, label, key, requested)
         else:
             restraint = self.parse_spec(requested, "restraint")
-            digest = hashlib.sha256(json.dumps(restraint.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-            label, key = "inline", f"inline:{digest}"
+            label, key = "inline", f"inline:{restraint.digest}"   # by what it does: equal specs batch together
         try:
             engine.check_restraint(restraint)
         except RestraintError as exc:

@@ -9,8 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolemrc.intervene.select import Direction
-from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.intervene.spec import Direction, Restraint, RestraintError
 from rolemrc.sweep.sources import IN_PROCESS, check_engine
 
 BASELINE = "baseline"

@@ -14,7 +14,7 @@ import rolemrc
 from rolemrc.cli import app
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.modeling import load_model
-from rolemrc.intervene import Restraint, RestraintError, bake
+from rolemrc.intervene import Restraint, RestraintError, applied, bake
 from rolemrc.intervene.bake import fold_target, lora_exportable
 from rolemrc.probe import collect, hooks
 from rolemrc.probe.backends import make_backend
@@ -54,7 +54,7 @@ def test_a_new_row_collects_and_restrains(gate_row, model_dirs, records):
 
     captured = {}
     r = Restraint(name="g", hook="mlp.gate", factor=0.0, units={0: [3, 4]})
-    with r.applied(model), torch.no_grad():  # a hook registered after the restraint's sees its result
+    with applied(model, r), torch.no_grad():  # a hook registered after the restraint's sees its result
         handle = model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, a, out: captured.update(t=out))
         model(torch.tensor([[5, 6, 7]]))
     handle.remove()

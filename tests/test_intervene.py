@@ -36,7 +36,7 @@ def test_hook_and_baked_logits_agree(model_dirs, tmp_path, arch, hook):
     model, tok = load_model(model_dirs[arch], device="cpu")
     base = logits(model, tok)
     r = spec(hook)
-    with r.applied(model):
+    with applied(model, r):
         hooked = logits(model, tok)
     assert torch.equal(logits(model, tok), base)  # hooks gone: bit-identical
     assert (hooked - base).abs().max() > 1e-4  # the restraint does something at factor 0.5
@@ -62,9 +62,9 @@ def test_factor_zero_equals_zeroing_and_factor_one_changes_nothing(model_dirs):
     zeroed = logits(model, tok)
     for h in handles:
         h.remove()
-    with spec("mlp.act", 0.0, units).applied(model):
+    with applied(model, spec("mlp.act", 0.0, units)):
         assert torch.equal(logits(model, tok), zeroed)
-    with spec("mlp.act", 1.0, units).applied(model):
+    with applied(model, spec("mlp.act", 1.0, units)):
         assert torch.equal(logits(model, tok), base)
 
 
@@ -73,7 +73,7 @@ def test_restraints_compose_multiplicatively(model_dirs):
     units = {0: [1, 2], 1: [5]}
     with applied(model, spec("mlp.act", 0.5, units), spec("mlp.act", 0.5, units)):
         twice = logits(model, tok)
-    with spec("mlp.act", 0.25, units).applied(model):
+    with applied(model, spec("mlp.act", 0.25, units)):
         once = logits(model, tok)
     torch.testing.assert_close(twice, once, rtol=1e-6, atol=1e-6)
 
@@ -173,7 +173,7 @@ def test_out_of_range_and_unfoldable(model_dirs, tmp_path):
         spec("attn.out", units={0: [64]}).validate(model)
     with pytest.raises(RestraintError, match="cannot be folded"):
         bake(model_dirs["gpt2"], spec("resid.post"), tmp_path / "x")
-    with spec("resid.post", 0.0).applied(model):  # but it works as a runtime hook
+    with applied(model, spec("resid.post", 0.0)):  # but it works as a runtime hook
         pass
 
 

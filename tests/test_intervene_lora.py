@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from rolemrc.cli import app
 from rolemrc.core.modeling import dir_fingerprint
 from rolemrc.core.tiny import build_model
-from rolemrc.intervene import Restraint, RestraintError, bake, export_lora
+from rolemrc.intervene import Restraint, RestraintError, applied, bake, export_lora
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unexpected keyword arguments \\[.rolemrc.\\]:UserWarning")
 TEXTS = ["the keeper of the lighthouse watched storms", "sing to the ovens"]
@@ -52,7 +52,7 @@ def test_lora_equals_hook_equals_bake(dirs, tokenizer, tmp_path, arch, hook):
         export_lora(dirs[arch], r, tmp_path / "lora")
         bake(dirs[arch], r, tmp_path / "baked")
         model = load(dirs[arch])
-        with r.applied(model):
+        with applied(model, r):
             hooked = logits(model, tokenizer)
         baked = logits(load(tmp_path / "baked"), tokenizer)
         peft_model = PeftModel.from_pretrained(model, tmp_path / "lora").eval()
@@ -72,7 +72,7 @@ def test_gpt2_mlp_act_exports_on_conv1d(dirs, tokenizer, tmp_path):
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert config["fan_in_fan_out"] is True
     model = load(dirs["gpt2"])
-    with r.applied(model):
+    with applied(model, r):
         hooked = logits(model, tokenizer)
     torch.testing.assert_close(logits(PeftModel.from_pretrained(model, tmp_path / "lora"), tokenizer), hooked,
                                rtol=0, atol=1e-5)

@@ -209,3 +209,74 @@ def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
     engine.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     engine.proc.wait()
     assert engine.dead() == "vllm exited with code 3"
+
+
+def counting_validations(monkeypatch) -> list[str]:
+    """Record the name of every restraint validated against a model from now on."""
+    from rolemrc.intervene import Restraint
+
+    names: list[str] = []
+    validate = Restraint.validate
+    monkeypatch.setattr(Restraint, "validate", lambda self, model: names.append(self.name) or validate(self, model))
+    return names
+
+
+def test_a_request_validates_its_inline_restraint_once_and_equal_units_batch_together(model_dirs, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from rolemrc.serve.app import create_app
+
+    config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "allow_inline_restraints": True})
+    spec = {"name": "a", "hook": "mlp.act", "factor": 0.0, "units": {0: [1, 2], 1: [3]}}
+    app = create_app(config)
+    with TestClient(app) as client:
+        validated = counting_validations(monkeypatch)
+        out = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "restraint": spec,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert out.status_code == 200
+        assert validated == ["a"]
+
+    registry = app.state.rolemrc.registry
+    engine = registry.engines["tiny"]
+    key = registry.resolve(engine, None, spec).key
+    assert key.startswith("inline:")
+    # the batching key is what a restraint does: name and source do not split a batch, units or factor do
+    assert registry.resolve(engine, None, dict(spec, name="b", source={"diff": "elsewhere"})).key == key
+    assert registry.resolve(engine, None, dict(spec, factor=0.5)).key != key
+
+
+def test_an_inline_restraint_on_the_vllm_engine_is_validated_once_and_shares_its_adapter(model_dirs, tmp_path,
+                                                                                         monkeypatch):
+    from rolemrc.intervene import lora
+    from rolemrc.serve.engines.vllm import VllmEngine
+    from rolemrc.serve.registry import Registry
+
+    config = ServeConfig.from_dict({"models": {"v": {"engine": "vllm", "path": str(model_dirs["llama"]),
+                                                     "adapter_cache": str(tmp_path)}},
+                                    "allow_inline_restraints": True})
+    registry = Registry(config)
+    engine = registry.engines["v"]
+    loaded = []
+
+    async def adapter_call(self, path, body):
+        loaded.append((path, body["lora_name"]))
+
+    monkeypatch.setattr(VllmEngine, "_adapter_call", adapter_call)
+    folds = []
+    fold_target = lora.fold_target
+    monkeypatch.setattr(lora, "fold_target", lambda model, hook, layer: folds.append(layer) or fold_target(model, hook, layer))
+    validated = counting_validations(monkeypatch)
+    spec = {"name": "a", "hook": "mlp.act", "factor": 0.0, "units": {0: [1, 2], 1: [3]}}
+
+    async def one_request(spec):
+        resolved = registry.resolve(engine, None, spec)
+        model = await engine.upstream_model(resolved)
+        engine.unpin(resolved)
+        return model
+
+    first = asyncio.run(one_request(spec))
+    assert validated == ["a"]
+    assert folds == [0, 1, 0, 1]   # checked when resolved, folded once more by the export
+    second = asyncio.run(one_request(dict(spec, name="b")))
+    assert first == second and loaded == [("load_lora_adapter", first)]   # one adapter for both names
+    assert validated == ["a", "b"]

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
+from rolemrc.intervene.spec import Restraint
+
 Dtype = Literal["float32", "float16", "bfloat16", "auto"]
 LOCAL_PATH = {"local_path": True}   # field metadata: a path resolved against the config file's folder
 
@@ -66,15 +68,20 @@ class Prompt:
     text: str | None = None
 
 
+ClientRestraint = str | dict[str, Any]   # what a request's `restraint` field holds: a registered name or a spec
+
+
 @dataclass
 class Resolved:
-    """A restraint resolved for one request: the object (local engines), its metric label, its
-    grouping key and what the client sent (forwarded by upstream engines)."""
+    """A restraint resolved for one request: the Restraint (engines with `runtime_restraints`; it passed the
+    engine's `check_restraint`, so engines apply it without validating it again), its metric label, its grouping
+    key (`name:<name>`, `inline:<Restraint.digest>` or empty) and what the client sent (forwarded by upstream
+    engines)."""
 
-    restraint: Any = None
+    restraint: Restraint | None = None
     label: str = "none"
     key: str = ""
-    raw: Any = None
+    raw: ClientRestraint | None = None
 
 
 @dataclass
@@ -170,17 +177,17 @@ class Engine(Protocol):
     def queue_depth(self) -> Mapping[str, int]:
         """Requests waiting for a slot, per restraint label."""
 
-    def check_restraint(self, restraint: Any) -> None:
-        """Raise if this engine cannot serve `restraint` (a Restraint, or what the client sent when the engine
-        lacks `runtime_restraints`)."""
+    def check_restraint(self, restraint: Restraint | ClientRestraint) -> None:
+        """Raise if this engine cannot serve `restraint` (a Restraint, validated against the model here and only
+        here; or what the client sent when the engine lacks `runtime_restraints`)."""
 
 
 class LoraEngine(Engine, Protocol):
     """An engine with `lora_restraints`: it serves restraints as adapters, so it hears of the registered ones
     before `start`."""
 
-    def register_adapters(self, restraints: Mapping[str, Any], inline: bool) -> None:
+    def register_adapters(self, restraints: Mapping[str, Restraint], inline: bool) -> None:
         """The registered restraints that fit this model (name -> Restraint), and whether inline ones may come."""
 
-    async def add_adapter(self, name: str, restraint: Any) -> None:
+    async def add_adapter(self, name: str, restraint: Restraint) -> None:
         """Serve a restraint registered while running (it passed `check_restraint`)."""

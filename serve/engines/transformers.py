@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from rolemrc.intervene.runtime import applied
+from rolemrc.intervene.spec import Restraint
 from rolemrc.serve.batch import Batch
 from rolemrc.serve.engines.base import (
     LOCAL_PATH,
@@ -105,7 +107,7 @@ class TransformersEngine:
         with self._cv:
             return Counter(seq.resolved.label for seq in self._waiting)
 
-    def check_restraint(self, restraint: Any) -> None:
+    def check_restraint(self, restraint: Restraint) -> None:
         restraint.validate(self.model)
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -175,7 +177,7 @@ class TransformersEngine:
                 continue
             restraint = group[0].resolved.restraint
             try:
-                with torch.inference_mode(), (restraint.applied(self.model) if restraint else nullcontext()):
+                with torch.inference_mode(), (applied(self.model, restraint, checked=True) if restraint else nullcontext()):
                     self._run_group(group)
             except Exception as exc:  # a failed forward must not take the server down
                 log.exception("generation failed")

