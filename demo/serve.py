@@ -16,8 +16,8 @@ VLLM_MEMORY = 0.15   # of the machine's memory on CPU (KV cache + weights); 4 sh
 
 def vllm_missing() -> str | None:
     """Why the vLLM engine cannot run here (None when it can)."""
-    from rolemrc.serve.config import ConfigError
     from rolemrc.serve.engines.vllm import vllm_python
+    from rolemrc.serve.errors import ConfigError
 
     try:
         vllm_python("dpo-vllm")
@@ -55,7 +55,7 @@ def serve_stage(cache: StageCache, cfg: DemoConfig, dpo: Path, spec: Path, baked
     from rolemrc.core.io import read_jsonl
     from rolemrc.core.records import prompt_turns
     from rolemrc.intervene import Restraint
-    from rolemrc.serve.config import ConfigError
+    from rolemrc.serve.errors import ConfigError
     from rolemrc.serve.launch import running_server
 
     out = cfg.out / "serve"

@@ -7,17 +7,13 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_yaml
 from rolemrc.serve.engines import ENGINES, engine_class
+from rolemrc.serve.errors import ConfigError
 
 T = TypeVar("T")
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
-
-
-class ConfigError(RolemrcError, ValueError):
-    """The serve config is malformed."""
 
 
 @dataclass

@@ -1,12 +1,22 @@
-"""API errors carried as exceptions and rendered in OpenAI's error shape."""
+"""Serve's errors: a malformed serve config (`ConfigError`, for the CLI), and API errors carried as exceptions and
+rendered in OpenAI's error shape (`ApiError`, for HTTP clients)."""
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from typing import TYPE_CHECKING
+
+from rolemrc.core.errors import RolemrcError
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 502: "upstream_error",
          503: "service_unavailable", 504: "timeout_error"}
+
+
+class ConfigError(RolemrcError, ValueError):
+    """The serve config is malformed."""
 
 
 class ApiError(Exception):
@@ -22,5 +32,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
+        from fastapi.responses import JSONResponse
+
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)

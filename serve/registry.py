@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 from rolemrc.intervene.spec import Restraint, RestraintError
-from rolemrc.serve.config import ConfigError, ServeConfig
+from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines import engine_class
 from rolemrc.serve.engines.base import ClientRestraint, Engine, Resolved
-from rolemrc.serve.errors import ApiError
+from rolemrc.serve.errors import ApiError, ConfigError
 from rolemrc.serve.protocol import ModelCard
 
 log = logging.getLogger("rolemrc.serve")

@@ -9,7 +9,8 @@ import torch
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.stats import welch
-from rolemrc.serve.config import ConfigError, ServeConfig
+from rolemrc.serve.config import ServeConfig
+from rolemrc.serve.errors import ConfigError
 from rolemrc.serve.experiments import assign
 from rolemrc.serve.sampling import TextStream, choose, make_generator
 

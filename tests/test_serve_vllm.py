@@ -20,8 +20,8 @@ import torch
 
 from rolemrc.core.tiny import build_model
 from rolemrc.intervene import Restraint
-from rolemrc.serve.config import ConfigError
 from rolemrc.serve.engines.vllm import vllm_python
+from rolemrc.serve.errors import ConfigError
 from rolemrc.serve.launch import start_server, stop_server
 
 try:

@@ -11,7 +11,7 @@ from fixtures import test_records as make_records
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import write_jsonl
 from rolemrc.intervene.spec import RestraintError
-from rolemrc.serve.config import ConfigError
+from rolemrc.serve.errors import ConfigError
 from rolemrc.serve.launch import running_server
 from rolemrc.sweep.plan import SweepConfig, plan
 from rolemrc.sweep.run import generate_cells

@@ -23,10 +23,9 @@ from typing import Any
 import httpx
 
 from rolemrc.intervene.spec import Restraint
-from rolemrc.serve.config import ConfigError
 from rolemrc.serve.engines.base import LOCAL_PATH, Capabilities, Dtype, Resolved
 from rolemrc.serve.engines.upstream import OpenAIProxy
-from rolemrc.serve.errors import ApiError
+from rolemrc.serve.errors import ApiError, ConfigError
 from rolemrc.serve.launch import die_with_parent
 
 VLLM_PYTHON_ENV = "ROLEMRC_VLLM_PYTHON"   # the interpreter of an environment that has vLLM
