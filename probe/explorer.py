@@ -46,8 +46,9 @@ def explorer_data(result: DiffResult, max_units: int = 512, fdr: float = 0.05) -
         n = min(max_units, width)
         top = order[first_per_group(order, layer_of, n)]
         top = top[torch.sort(layer_of[top], stable=True).indices].reshape(layers, n)  # per layer, in rank order
-        embed, group = torch.zeros_like(sig), layer_of * 2 + (flat_delta > 0)  # for the preview: per layer and sign,
-        for pool in (moved(flat_delta, "both"), moved(flat_delta, "both") & sig):  # the top max_units (top-k), and of q < fdr
+        movers, group = moved(flat_delta, "both"), layer_of * 2 + (flat_delta > 0)
+        embed = torch.zeros_like(sig)  # the preview's units: per layer and sign, the first max_units and those with q < fdr
+        for pool in (movers, movers & sig):
             members = order[pool[order]]
             embed[members[first_per_group(members, group, max_units)]] = True
         ranked = order[embed[order]]
