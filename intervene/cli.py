@@ -9,8 +9,8 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.taxonomy import DIMENSIONS
-from rolemrc.intervene.spec import Direction
 from rolemrc.probe.hooks import HOOK_POINTS
+from rolemrc.probe.options import Direction
 
 app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them, sweep a grid of them.")
 

@@ -7,17 +7,19 @@ from pathlib import Path
 
 import torch
 
-from rolemrc.intervene.spec import DIRECTIONS, Direction, Restraint, RestraintError, parse_layers
+from rolemrc.intervene.spec import Restraint, RestraintError, parse_layers
 from rolemrc.probe.diff import DIFF_FILE, load_diff
+from rolemrc.probe.options import DIRECTIONS, Direction
+from rolemrc.probe.ranking import moved, rank_units
 
 
 def select(diff_path: str | os.PathLike, dimension: str, *, layers: str | None = None, top_k: int | None = None,
            fdr: float | None = None, direction: Direction = "both", factor: float = 1 - 1e-6,
            name: str | None = None) -> Restraint:
-    """Units of `dimension` whose frequency moved most between A and B.
+    """Units of `dimension` whose frequency moved most between A and B, in `probe.ranking.rank_units` order.
 
-    top_k: the k largest |delta| over the chosen layers (ties broken by smaller q, then position);
-    fdr: every unit with BH q < fdr. direction: both (|delta|), up (delta > 0) or down (delta < 0).
+    top_k: the first k over the chosen layers; fdr: every unit with BH q < fdr.
+    direction: both (delta != 0), up (delta > 0) or down (delta < 0).
     """
     if (top_k is None) == (fdr is None):
         raise RestraintError("choose exactly one of top_k or fdr")
@@ -32,23 +34,20 @@ def select(diff_path: str | os.PathLike, dimension: str, *, layers: str | None =
                              + f"; compared: {result.dimensions}")
     if fdr is not None and not result.tested:
         raise RestraintError(f"{diff_path}: the diff has no q-values (test: {result.test}); select with top_k")
-    delta, q = result.delta[dimension].double(), result.qvalue[dimension].double().nan_to_num(1.0)
+    delta, q = result.delta[dimension], result.qvalue[dimension].double()
     n_layers, n_units = delta.shape
     chosen = parse_layers(layers, n_layers)
     allowed = torch.zeros(n_layers, dtype=torch.bool)
     allowed[chosen if chosen is not None else slice(None)] = True
 
-    score = {"both": delta.abs(), "up": delta, "down": -delta}[direction]
-    eligible = allowed[:, None] & (score > 0)
+    eligible = allowed[:, None] & moved(delta, direction)
     if fdr is not None:
         eligible &= q < fdr
-    n = int(eligible.sum()) if top_k is None else min(top_k, int(eligible.sum()))
-    if n == 0:
+    order = rank_units(delta, q)
+    flat = order[eligible.reshape(-1)[order]][:top_k]
+    if len(flat) == 0:
         raise RestraintError(f"no unit of {dimension!r} qualifies (layers {layers or 'all'}, direction {direction}"
                              + (f", q < {fdr}" if fdr is not None else "") + ")")
-    # rank by score, then by smaller q: a composite key that keeps score order exact
-    key = torch.where(eligible, score * 4.0 - q * 1e-9, torch.tensor(-torch.inf, dtype=torch.float64))
-    flat = key.reshape(-1).topk(n).indices
     units: dict[int, list[int]] = {}
     for layer, unit in zip((flat // n_units).tolist(), (flat % n_units).tolist()):
         units.setdefault(layer, []).append(unit)

@@ -9,16 +9,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import yaml
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
-
-Direction = Literal["both", "up", "down"]  # units selected by |delta|, delta > 0 (more active under B), delta < 0
-DIRECTIONS: tuple[str, ...] = get_args(Direction)
 
 
 class RestraintError(RolemrcError, ValueError):

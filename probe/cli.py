@@ -115,8 +115,8 @@ def diff_cmd(
 def explore_cmd(
     diff_dir: Path = typer.Argument(..., help="directory written by `rolemrc probe diff`"),
     out: Path = typer.Option(..., "--out", help="HTML file to write"),
-    max_units: int = typer.Option(512, help="most changed units embedded per layer"),
-    fdr: float = typer.Option(0.05, help="q threshold for highlighting"),
+    max_units: int = typer.Option(512, help="most changed units embedded per layer (for the preview: per layer and sign)"),
+    fdr: float = typer.Option(0.05, help="q threshold for highlighting and for the preview's q < fdr"),
 ) -> None:
     """Write a self-contained interactive layer explorer (open it in a browser)."""
     from rolemrc.probe.explorer import write_explorer

@@ -15,6 +15,7 @@ from rolemrc.core.stats import benjamini_hochberg, mcnemar, paired_t_test, two_p
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.paired import PairedCounts, load_probe
+from rolemrc.probe.ranking import rank_units
 
 DIFF_FILE = "diff.safetensors"
 # The per-unit test a diff used (its metadata `test`, summary.json "test").
@@ -88,16 +89,13 @@ class DiffResult:
         return rows
 
     def ranked_units(self, top_n: int = 200) -> list[dict]:
-        """The `top_n` most changed units per dimension by |delta| (ties: smaller q first); without a test
-        the rows have no z, p or q."""
+        """The `top_n` most changed units per dimension (`ranking.rank_units` order); without a test the rows have
+        no z, p or q."""
         rows = []
         for d in self.dimensions:
             delta = self.delta[d]
             width = delta.shape[1]
-            n = min(top_n, delta.numel())
-            # sort by |delta| desc, then q asc: composite key on a flattened view
-            key = delta.abs().reshape(-1).double() * 2.0 - self.qvalue[d].reshape(-1).nan_to_num(1.0) * 1e-9
-            for flat in key.topk(n).indices.tolist():
+            for flat in rank_units(delta, self.qvalue[d])[:top_n].tolist():
                 layer, unit = divmod(flat, width)
                 row = {"dimension": d, "layer": layer, "unit": unit, "freq_a": float(self.freq_a[d][layer, unit]),
                        "freq_b": float(self.freq_b[d][layer, unit]), "delta": float(delta[layer, unit])}

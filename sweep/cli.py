@@ -11,7 +11,7 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.eval.judges import JUDGES
-from rolemrc.intervene.spec import Direction
+from rolemrc.probe.options import Direction
 
 app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls; the best "
                    "cells as a served A/B experiment.")

@@ -9,7 +9,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolemrc.intervene.spec import Direction, Restraint, RestraintError
+from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.probe.options import Direction
 from rolemrc.sweep.sources import IN_PROCESS, check_engine
 
 BASELINE = "baseline"

@@ -14,6 +14,7 @@ from rolemrc.core.stats import benjamini_hochberg, two_proportion_test
 from rolemrc.core.tiny import build_model
 from rolemrc.probe import ProbeCounts, ProbeMismatchError, collect, diff, load_diff, write_diff
 from rolemrc.probe.diff import top_set_jaccard
+from rolemrc.probe.ranking import first_per_group, rank_units
 
 
 def synthetic(counts: dict, obs: dict, **meta) -> ProbeCounts:
@@ -131,3 +132,15 @@ def test_cli_collect_and_diff(model_dirs, records, tmp_path):
     res = runner.invoke(app, ["probe", "collect", "--model", str(tmp_path / "nomodel"), "--data", str(data),
                               "--hook", "mlp.nope", "--out", str(tmp_path / "y.safetensors")])
     assert res.exit_code == 2 and "unknown hook point 'mlp.nope'" in res.output
+
+
+def test_rank_units_is_one_lexicographic_order():
+    """|delta| descending, q ascending (NaN after every q), then layer, then unit: Python's sort on that key."""
+    gen = torch.Generator().manual_seed(0)
+    for layers, width in ((1, 1), (3, 7), (5, 16)):
+        delta = torch.tensor([-0.5, -0.25, -0.0, 0.0, 0.25, 0.5])[torch.randint(0, 6, (layers, width), generator=gen)]
+        q = torch.tensor([1e-9, 0.01, 0.5, math.nan])[torch.randint(0, 4, (layers, width), generator=gen)]
+        rows = [(-abs(d), math.inf if math.isnan(p) else p, f) for f, (d, p) in enumerate(zip(delta.view(-1).tolist(), q.view(-1).tolist()))]
+        assert rank_units(delta, q).tolist() == [f for *_, f in sorted(rows)]
+    group = torch.tensor([0, 1, 0, 1, 0, 0])
+    assert first_per_group(torch.tensor([5, 4, 3, 2, 1, 0]), group, 2).tolist() == [True, True, True, False, True, False]
