@@ -11,19 +11,24 @@ from rolemrc.core.figures import write_figure
 from rolemrc.probe.diff import DiffResult
 
 
-def layers_by_dimensions(result: DiffResult):
-    """Mean |delta| per layer (rows) and dimension (columns)."""
+def layer_heatmap(z: torch.Tensor, x: list[str], *, across: str, title: str, colorscale: str, hover: str | None = None):
+    """Mean |Δfreq| per layer (rows) and `across` (columns, labelled `x`; `hover` names a column on hover)."""
     import plotly.graph_objects as go
 
-    dims = result.dimensions
-    z = torch.stack([result.delta[d].abs().mean(1) for d in dims], dim=1)  # [layers, dims]
-    fig = go.Figure(go.Heatmap(z=z.tolist(), x=dims, y=list(range(z.shape[0])), colorscale="Viridis",
+    fig = go.Figure(go.Heatmap(z=z.tolist(), x=x, y=list(range(z.shape[0])), colorscale=colorscale,
                                colorbar={"title": "mean |Δfreq|"},
-                               hovertemplate="dimension %{x}<br>layer %{y}<br>mean |Δ| %{z:.4f}<extra></extra>"))
-    fig.update_layout(title=f"{result.hook}: mean |freq_b − freq_a| per layer and dimension",
-                      xaxis_title="dimension", yaxis_title="layer", template="plotly_white",
+                               hovertemplate=f"{hover or across} %{{x}}<br>layer %{{y}}<br>mean |Δ| %{{z:.4f}}<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title=across, yaxis_title="layer", template="plotly_white",
                       xaxis_type="category", yaxis_dtick=1)
     return fig
+
+
+def layers_by_dimensions(result: DiffResult):
+    """Mean |delta| per layer (rows) and dimension (columns)."""
+    dims = result.dimensions
+    z = torch.stack([result.delta[d].abs().mean(1) for d in dims], dim=1)  # [layers, dims]
+    return layer_heatmap(z, dims, across="dimension", colorscale="Viridis",
+                         title=f"{result.hook}: mean |freq_b − freq_a| per layer and dimension")
 
 
 def unit_bins(delta: torch.Tensor, bins: int) -> torch.Tensor:
@@ -37,20 +42,14 @@ def unit_bins(delta: torch.Tensor, bins: int) -> torch.Tensor:
 
 
 def layers_by_unit_bins(result: DiffResult, dimension: str, bins: int = 64):
-    import plotly.graph_objects as go
-
+    """Mean |delta| per layer (rows) and contiguous bin of unit indices (columns)."""
     delta = result.delta[dimension]
     z = unit_bins(delta, bins)
     width = delta.shape[1]
     starts = [b * width // z.shape[1] for b in range(z.shape[1] + 1)]
     edges = [str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(starts)]
-    fig = go.Figure(go.Heatmap(z=z.tolist(), x=edges, y=list(range(z.shape[0])), colorscale="Magma",
-                               colorbar={"title": "mean |Δfreq|"},
-                               hovertemplate="units %{x}<br>layer %{y}<br>mean |Δ| %{z:.4f}<extra></extra>"))
-    fig.update_layout(title=f"{dimension} · {result.hook}: mean |Δfreq| per layer and unit bin",
-                      xaxis_title="unit index bin", yaxis_title="layer", template="plotly_white",
-                      xaxis_type="category", yaxis_dtick=1)
-    return fig
+    return layer_heatmap(z, edges, across="unit index bin", hover="units", colorscale="Magma",
+                         title=f"{dimension} · {result.hook}: mean |Δfreq| per layer and unit bin")
 
 
 def write_heatmaps(result: DiffResult, out_dir: str | Path, bins: int = 64) -> dict[str, dict[str, str]]:
