@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP = {"tests", "notebooks", "docs", "scripts", "runs"}
+SKIP = {"tests"}
 
 # Lowest first. A package may import from its own package and from packages in lower rows only; packages in one row
 # are siblings and import nothing of each other. `rolemrc` itself (`__version__`) counts as core, `rolemrc.cli` is on top.
@@ -34,7 +34,8 @@ def modules() -> dict[str, Path]:
     found = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
-        if parts[0] in SKIP or parts[0].startswith("."):
+        folders = [ROOT.joinpath(*parts[:i]) for i in range(1, len(parts))]
+        if parts[0] in SKIP or not all((f / "__init__.py").is_file() for f in folders):   # build/, .venv/: not ours
             continue
         name = ".".join(("rolemrc", *parts)).removesuffix(".__init__")
         found[name] = path
