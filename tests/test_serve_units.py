@@ -227,7 +227,8 @@ def test_a_request_validates_its_inline_restraint_once_and_equal_units_batch_tog
 
     from rolemrc.serve.app import create_app
 
-    config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "allow_inline_restraints": True})
+    config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "allow_inline_restraints": True,
+                                    "db": None})
     spec = {"name": "a", "hook": "mlp.act", "factor": 0.0, "units": {0: [1, 2], 1: [3]}}
     app = create_app(config)
     with TestClient(app) as client:
