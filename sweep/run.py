@@ -52,7 +52,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     from rolemrc.core.records import read_records
     from rolemrc.probe.diff import load_diff
     from rolemrc.probe.hooks import width
-    from rolemrc.sweep.sources import engine_label, row_source
+    from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
     records = read_records(config.data, "test")[0]
     settings = {"model": dir_fingerprint(config.model), "data": file_fingerprint(config.data),
@@ -70,7 +70,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     pending = [c for c in cells if not store.done(c)]
     if not pending:
         return cells, store
-    if config.base_url or config.engine != "transformers":
+    if config.base_url or config.engine != IN_PROCESS:
         model = None   # generation happens in a server; the local copy only measured the footprints
     with row_source(config, cells, model, tok, progress=progress) as rows:
         for start in range(0, len(pending), config.cells_per_pass):
