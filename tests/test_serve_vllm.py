@@ -16,9 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
-from rolemrc.core.tiny import build_model
 from rolemrc.intervene import Restraint
 from rolemrc.serve.engines.vllm import vllm_python
 from rolemrc.serve.errors import ConfigError
@@ -42,19 +40,6 @@ INLINE = [{"name": f"inline{k}", "hook": "mlp.act", "factor": 0.0, "units": {str
 CHATS = [[{"role": "user", "content": text}] for text in
          ("the storms quarter the old", "a keeper of the light", "tell me of the harbour", "why do gulls cry")]
 ATOL = 2e-4   # vLLM's CPU kernels vs torch's, float32
-
-
-@pytest.fixture(scope="module")
-def peaked_model(tmp_path_factory, tokenizer):
-    """A random Llama with head dim 32 (vLLM's CPU attention needs 32 or 64) and a scaled-up output head, so
-    greedy choices have clear margins and batching noise cannot flip them."""
-    path = tmp_path_factory.mktemp("vllm-model")
-    model = build_model("llama", tokenizer, seed=3, hidden=64, layers=2, intermediate=96, heads=2)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
