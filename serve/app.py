@@ -31,6 +31,9 @@ async def lifespan(app: FastAPI):
     state: State = app.state.rolemrc
     state.registry = Registry(state.config)
     state.store = Store(state.config.db) if state.config.db else None
+    for engine in state.registry.engines.values():
+        if hasattr(engine, "on_dead"):
+            engine.on_dead = state.engine_dead
     if not await start_unless_stopped(state):
         if state.store is not None:
             state.store.close()
@@ -59,6 +62,9 @@ async def start_unless_stopped(state: State) -> bool:
     await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
     stop.cancel()
     if start.done():
+        if start.exception() is not None:
+            state.startup_error = str(start.exception())
+            await state.registry.stop()
         start.result()
         return True
     start.cancel()

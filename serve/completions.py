@@ -114,7 +114,11 @@ class Call(ABC):
                     return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
                                                    "param": None, "code": None}}, status_code=499)
                 raise self.timeout()
-            whole = text_task.result()
+            try:
+                whole = text_task.result()
+            except ApiError:
+                await self.log_failed()
+                raise
             final = self.gen.final
             usage = _usage(final.prompt_tokens, final.completion_tokens)
             await self.record(whole.text, final.finish_reason, usage)
@@ -141,6 +145,7 @@ class Call(ABC):
                     yield _sse(self.timeout().body())
                     return
                 except ApiError as exc:
+                    await self.log_failed()
                     yield _sse(exc.body())
                     return
                 pieces.append(delta.text)
@@ -168,6 +173,14 @@ class Call(ABC):
                                       finish_reason=finish_reason)
         self.state.metrics.observe(self.route.engine.name, self.route.resolved.label, self.endpoint, 200, latency,
                                    usage.prompt_tokens, usage.completion_tokens)
+        await self.log_ab(text, finish_reason, usage, latency)
+
+    async def log_failed(self) -> None:
+        """An experiment request that failed after admission (e.g. its engine crashed) is logged with finish_reason
+        `error`, so the A/B log holds every request its arms were given."""
+        await self.log_ab("", "error", _usage(0, 0), time.perf_counter() - self.clock)
+
+    async def log_ab(self, text: str, finish_reason: str, usage: p.Usage, latency: float) -> None:
         if self.route.experiment is None:
             return
         row = {"id": self.id, "experiment": self.route.experiment, "arm": self.route.arm, "user": self.body.user,

@@ -75,8 +75,11 @@ class Registry:
         return [name for name, r in self.variants.values() if r == rname]
 
     async def start(self) -> None:
-        for engine in self.engines.values():
-            await engine.start()
+        for name, engine in self.engines.items():
+            try:
+                await engine.start()
+            except (OSError, RuntimeError, ConfigError) as exc:
+                raise ConfigError(f"model {name!r} did not start: {exc}") from exc
 
     async def stop(self) -> None:
         for engine in self.engines.values():
