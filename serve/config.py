@@ -163,7 +163,7 @@ def check_model_dir(where: str, path: str) -> None:
         json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{where} {path}: config.json is unreadable ({exc})") from None
-    if not any(folder.glob(pattern) for pattern in ("*.safetensors", "*.bin", "*.pt")):
+    if not any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt")):
         raise ConfigError(f"{where} {path}: no weights (*.safetensors or *.bin)")
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise ConfigError(f"{where} {path}: no tokenizer (tokenizer.json or tokenizer_config.json)")
