@@ -76,13 +76,13 @@ class OpenAIProxy:
             await self.supervisor.stop()
         if self.client is not None:
             await self.client.aclose()
-        await self.terminate()
+        await self.terminate(graceful=True)
 
     async def launch(self) -> None:
         """Start the upstream (engines that run it themselves)."""
 
-    async def terminate(self) -> None:
-        """Stop the upstream (engines that run it themselves)."""
+    async def terminate(self, graceful: bool) -> None:
+        """Stop the upstream (engines that run it themselves): `graceful`, letting it finish its requests."""
 
     async def probe(self) -> str | None:
         """Why the upstream cannot answer, or None (engines that run it themselves)."""
@@ -92,7 +92,7 @@ class OpenAIProxy:
         """After a restart: serve again what was served before it (engines that run it themselves)."""
 
     async def _restart(self) -> None:
-        await self.terminate()
+        await self.terminate(graceful=False)
         await self.launch()
         await self.client.aclose()
         self.connect()

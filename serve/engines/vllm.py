@@ -166,11 +166,11 @@ class VllmEngine(OpenAIProxy):
         await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s)
         self.healthy = True
 
-    async def terminate(self) -> None:
-        """Stop vLLM's whole process group: gracefully when it is healthy (it finishes its requests), else at once."""
+    async def terminate(self, graceful: bool) -> None:
+        """Stop vLLM's whole process group: `graceful` (it finishes its requests) when it is healthy, else at once."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        if graceful and self.proc.poll() is None:
             self.proc.terminate()
             # a vLLM still loading ignores SIGTERM until it is up (a minute on CPU) and has nothing to finish
             with contextlib.suppress(subprocess.TimeoutExpired):
