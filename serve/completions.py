@@ -47,7 +47,7 @@ class Call(ABC):
     body: p.SamplingFields
     prompt: Prompt
     route: Route
-    gen: Generation
+    gen: Generation | None   # set once admitted
     id: str
     started: float
     clock: float
@@ -61,9 +61,15 @@ class Call(ABC):
         info = request.state.log
         info.update(model=target.model_id, restraint=target.resolved.label, experiment=target.experiment,
                     arm=target.arm)
-        gen = await target.engine.submit(prompt, sampling_params(state.config, body, target.engine), target.resolved)
-        call = cls(state, request, body, prompt, target, gen, p.new_id(cls.id_prefix), started, clock)
+        call = cls(state, request, body, prompt, target, None, p.new_id(cls.id_prefix), started, clock)
         info["id"] = call.id
+        try:
+            call.gen = await target.engine.submit(prompt, sampling_params(state.config, body, target.engine),
+                                                  target.resolved)
+        except ApiError as exc:
+            if exc.status >= 500:   # the arm failed it (e.g. its engine crashed), not the client
+                await call.log_failed()
+            raise
         if body.stream:
             return StreamingResponse(call.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -176,8 +182,8 @@ class Call(ABC):
         await self.log_ab(text, finish_reason, usage, latency)
 
     async def log_failed(self) -> None:
-        """An experiment request that failed after admission (e.g. its engine crashed) is logged with finish_reason
-        `error`, so the A/B log holds every request its arms were given."""
+        """An experiment request that failed on the server's side (e.g. its engine crashed) is logged with
+        finish_reason `error`, so the A/B log holds every request its arms were given."""
         await self.log_ab("", "error", _usage(0, 0), time.perf_counter() - self.clock)
 
     async def log_ab(self, text: str, finish_reason: str, usage: p.Usage, latency: float) -> None:
