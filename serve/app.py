@@ -29,9 +29,17 @@ log = logging.getLogger("rolemrc.serve")
 async def lifespan(app: FastAPI):
     """Load the engines and open the A/B database; stop and close them on shutdown."""
     state: State = app.state.rolemrc
-    state.registry = Registry(state.config)
-    state.store = Store(state.config.db) if state.config.db else None
-    if not await start_unless_stopped(state):
+    try:
+        state.registry = Registry(state.config)
+        state.store = Store(state.config.db) if state.config.db else None
+        for engine in state.registry.engines.values():
+            if hasattr(engine, "on_dead"):
+                engine.on_dead = state.engine_dead
+        started = await start_unless_stopped(state)
+    except Exception as exc:   # reported by `serve` as one error line once uvicorn gives up
+        state.startup_error = str(exc)
+        raise
+    if not started:
         if state.store is not None:
             state.store.close()
         log.info("stopped while starting")
@@ -59,6 +67,8 @@ async def start_unless_stopped(state: State) -> bool:
     await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
     stop.cancel()
     if start.done():
+        if start.exception() is not None:
+            await state.registry.stop()
         start.result()
         return True
     start.cancel()

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from rolemrc.serve import protocol as p
-from rolemrc.serve.engines.base import Engine, Generation, Piece, Prompt, Resolved, SamplingParams, TokenLogprob
+from rolemrc.serve.engines.base import Engine, Final, Generation, Piece, Prompt, Resolved, SamplingParams, TokenLogprob
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.routing import Route, route, sampling_params
 from rolemrc.serve.state import State, app_state
@@ -91,7 +91,8 @@ class Call(ABC):
     state: State
     request: Request
     body: p.SamplingFields
-    choices: list[Choice]
+    prompts: list[Prompt]
+    choices: list[Choice]     # set once admitted
     route: Route
     id: str
     started: float
@@ -106,10 +107,15 @@ class Call(ABC):
         info = request.state.log
         info.update(model=target.model_id, restraint=target.resolved.label, experiment=target.experiment,
                     arm=target.arm)
-        params = sampling_params(state.config, body, target.engine)
-        choices = await submit_all(target.engine, prompts, params, body.n, target.resolved)
-        call = cls(state, request, body, choices, target, p.new_id(cls.id_prefix), started, clock)
+        call = cls(state, request, body, prompts, [], target, p.new_id(cls.id_prefix), started, clock)
         info["id"] = call.id
+        try:
+            call.choices = await submit_all(target.engine, prompts, sampling_params(state.config, body, target.engine),
+                                            body.n, target.resolved)
+        except ApiError as exc:
+            if exc.status >= 500:   # the arm failed it (e.g. its engine crashed), not the client
+                await call.log_failed()
+            raise
         if body.stream:
             return StreamingResponse(call.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -129,7 +135,7 @@ class Call(ABC):
         return []
 
     @abstractmethod
-    def logged_messages(self, choice: Choice) -> list[dict[str, Any]]:
+    def logged_messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         """The prompt as the A/B table stores it."""
 
     # the shared core
@@ -175,7 +181,11 @@ class Call(ABC):
                     return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
                                                    "param": None, "code": None}}, status_code=499)
                 raise self.timeout()
-            pieces = outs.result()
+            try:
+                pieces = outs.result()
+            except ApiError:
+                await self.log_failed()
+                raise
             usage = self.usage()
             await self.record([out.text for out in pieces], usage)
         choices = [self.whole_choice(c, out, c.gen.final.finish_reason) for c, out in zip(self.choices, pieces)]
@@ -205,6 +215,7 @@ class Call(ABC):
                         yield _sse(self.timeout().body())
                         return
                     except ApiError as exc:
+                        await self.log_failed()
                         yield _sse(exc.body())
                         return
                     texts[i] += delta.text
@@ -242,17 +253,29 @@ class Call(ABC):
                                       finish_reason=reasons[0] if len(set(reasons)) == 1 else reasons)
         self.state.metrics.observe(self.route.engine.name, self.route.resolved.label, self.endpoint, 200, latency,
                                    usage.prompt_tokens, usage.completion_tokens)
+        await self.log_ab([(c.index, c.prompt, text, c.gen.final) for c, text in zip(self.choices, texts)], latency)
+
+    async def log_failed(self) -> None:
+        """An experiment request that failed on the server's side (e.g. its engine crashed) is logged with
+        finish_reason `error`, a row per choice it asked for, so the A/B log holds every request its arms were given."""
+        n = self.body.n
+        asked = [(i * n + k, prompt, "", None) for i, prompt in enumerate(self.prompts) for k in range(n)]
+        await self.log_ab(asked, time.perf_counter() - self.clock)
+
+    async def log_ab(self, choices: list[tuple[int, Prompt, str, Final | None]], latency: float) -> None:
+        """The A/B rows of an experiment request, one per choice (index, prompt, text, its final or None: failed)."""
         if self.route.experiment is None:
             return
         finished = time.time()
-        rows = [{"id": self.id if len(self.choices) == 1 else f"{self.id}:{c.index}", "experiment": self.route.experiment,
-                 "arm": self.route.arm, "user": self.body.user, "model": self.route.model_id,
-                 "restraint": self.served()["restraint"], "endpoint": self.endpoint,
-                 "messages": self.logged_messages(c), "response": text, "finish_reason": c.gen.final.finish_reason,
-                 "latency_s": latency, "prompt_tokens": c.gen.final.prompt_tokens,
-                 "completion_tokens": c.gen.final.completion_tokens, "metadata": self.body.metadata,
-                 "started": self.started, "finished": finished} for c, text in zip(self.choices, texts)]
-        for row in rows:
+        for index, prompt, text, final in choices:
+            row = {"id": self.id if len(choices) == 1 else f"{self.id}:{index}", "experiment": self.route.experiment,
+                   "arm": self.route.arm, "user": self.body.user, "model": self.route.model_id,
+                   "restraint": self.served()["restraint"], "endpoint": self.endpoint,
+                   "messages": self.logged_messages(prompt), "response": text,
+                   "finish_reason": final.finish_reason if final else "error", "latency_s": latency,
+                   "prompt_tokens": final.prompt_tokens if final else 0,
+                   "completion_tokens": final.completion_tokens if final else 0, "metadata": self.body.metadata,
+                   "started": self.started, "finished": finished}
             await asyncio.to_thread(self.state.store.log_request, row)
 
 
@@ -280,8 +303,8 @@ class ChatCall(Call):
     def opening(self, choice: Choice) -> list[BaseModel]:
         return [p.ChunkChoice(index=choice.index, delta=p.Delta(role="assistant", content=""))]
 
-    def logged_messages(self, choice: Choice) -> list[dict[str, Any]]:
-        return choice.prompt.messages
+    def logged_messages(self, prompt: Prompt) -> list[dict[str, Any]]:
+        return prompt.messages
 
 
 class TextCall(Call):
@@ -316,10 +339,10 @@ class TextCall(Call):
                                             for t in tokens],
                               text_offset=offsets)
 
-    def logged_messages(self, choice: Choice) -> list[dict[str, Any]]:
-        if choice.prompt.token_ids is not None:
-            return [{"role": "prompt", "token_ids": choice.prompt.token_ids}]
-        return [{"role": "prompt", "content": choice.prompt.text}]
+    def logged_messages(self, prompt: Prompt) -> list[dict[str, Any]]:
+        if prompt.token_ids is not None:
+            return [{"role": "prompt", "token_ids": prompt.token_ids}]
+        return [{"role": "prompt", "content": prompt.text}]
 
 
 def _top(token: str, logprob: float | None) -> dict[str, Any]:

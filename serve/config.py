@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -14,6 +15,7 @@ from rolemrc.serve.errors import ConfigError
 T = TypeVar("T")
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+OnEngineDead = Literal["serve_others", "exit"]
 
 
 @dataclass
@@ -44,7 +46,20 @@ class ModelConfig:
                 raise ConfigError(f"{where}: engine {engine!r} needs {key}")
             if f.metadata.get("local_path") and entry.get(key):
                 entry[key] = str(_resolve(base, entry[key]))
-        return cls(engine, check_choices(options(**entry), where))
+        try:
+            made = options(**entry)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        return cls(engine, check_choices(made, where))
+
+    def preflight(self, name: str) -> None:
+        """ConfigError unless its model directories hold models and its engine's environment can serve."""
+        for f in fields(self.options):
+            if f.metadata.get("model_dir"):
+                check_model_dir(f"model {name!r}: {f.name}", getattr(self.options, f.name))
+        preflight = getattr(engine_class(self.engine), "preflight", None)
+        if preflight is not None:
+            preflight(name, self.options)
 
 
 @dataclass
@@ -69,6 +84,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: LogLevel = "info"
+    on_engine_dead: OnEngineDead = "serve_others"   # or exit (non-zero, for an orchestrator to restart the server)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -109,6 +125,11 @@ class ServeConfig:
         path = Path(path)
         return cls.from_dict(read_yaml(path, ConfigError, "config file"), path.parent, engine)
 
+    def preflight(self) -> None:
+        """What can be checked before serving without loading anything: ConfigError naming the model and setting."""
+        for name, model in self.models.items():
+            model.preflight(name)
+
     def api_keys(self) -> set[str]:
         """Keys accepted in `Authorization: Bearer`; empty means no auth."""
         keys: set[str] = set()
@@ -125,6 +146,27 @@ class ServeConfig:
 def _resolve(base: Path, value: str) -> Path:
     path = Path(os.path.expanduser(str(value)))
     return path if path.is_absolute() else (base / path).resolve()
+
+
+def check_model_dir(where: str, path: str) -> None:
+    """ConfigError unless `path` is a Hugging Face model directory: a readable config.json, weights and a tokenizer
+    (a GGUF file is named as one, with the command that converts it)."""
+    folder = Path(path)
+    ggufs = [folder] if folder.is_file() and folder.suffix == ".gguf" else sorted(folder.glob("*.gguf"))
+    if not (folder / "config.json").is_file():
+        what = ("no such directory" if not folder.exists() else "not a directory" if not folder.is_dir()
+                else "not a Hugging Face model directory (no config.json)")
+        if ggufs:
+            what = f"a GGUF file, not a model directory: convert it first (`rolemrc models convert {ggufs[0]} --out DIR`)"
+        raise ConfigError(f"{where} {path}: {what}")
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where} {path}: config.json is unreadable ({exc})") from None
+    if not any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt")):
+        raise ConfigError(f"{where} {path}: no weights (*.safetensors or *.bin)")
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"{where} {path}: no tokenizer (tokenizer.json or tokenizer_config.json)")
 
 
 def check_choices(obj: T, where: str) -> T:

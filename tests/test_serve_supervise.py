@@ -1,0 +1,246 @@
+"""The vllm engine comes back after a crash, for real: one server holds `v` (vLLM) and `t` (the transformers engine)
+on the same model. SIGKILL of vLLM's worker during a concurrent burst of `openai` clients, then of vLLM itself:
+every request ends (none hangs), those in flight fail cleanly (503 or an error event; experiment ones are logged as
+failed), `/health` goes restarting -> ok, and afterwards every greedy reply (registered, late-registered and inline
+restraints too) is what it was before. When vLLM cannot start again the engine is dead: with `serve_others` the
+other model goes on; with `exit` the server exits non-zero."""
+
+import asyncio
+import os
+import signal
+import stat
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same, descendants, peaked_model  # noqa: F401
+
+from rolemrc.serve.launch import start_server, stop_server
+
+BURST = 24
+TIMEOUT = 120   # no request may take longer: none hangs
+
+
+def wrapper(folder: Path) -> tuple[Path, Path]:
+    """An interpreter for the engine that runs vLLM's until `broken` exists, then fails at once (a vLLM that
+    cannot start again)."""
+    broken, script = folder / "broken", folder / "vllm-python"
+    script.write_text(f'#!/bin/sh\n[ -e "{broken}" ] && exit 1\nexec "{VLLM}" "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script, broken
+
+
+def vllm_process(server, name: str) -> int:
+    """The pid of a vLLM process under the server: the API server (`api_server`), or its engine's `VLLM::Worker`
+    (or `VLLM::EngineCore` where the engine runs in one process)."""
+    found = {}
+    for pid in descendants(server.proc.pid):
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+    for marker in ([b"api_server"] if name == "api" else [b"VLLM::Worker", b"VLLM::EngineCore"]):
+        pids = [pid for pid, cmd in found.items() if marker in cmd and alive(pid)]
+        if pids:
+            return min(pids)
+    raise AssertionError(f"no {name} process among {found}")
+
+
+@pytest.fixture(scope="module")
+def setup(peaked_model, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("serve-supervise")
+    python, broken = wrapper(root)
+    RESTRAINTS["silence"].save(root / "silence.yaml")
+    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "python": str(python),
+                               "adapter_cache": "lora", "max_model_len": 512, "max_inline_adapters": 2, "memory_utilization": 0.05,
+                               "restart_max": 3, "restart_window_s": 3600, "restart_backoff_s": 0.5},
+                         "t": {"path": str(peaked_model)}},
+              "restraints": {"silence": "silence.yaml"}, "allow_inline_restraints": True, "max_new_tokens": 400,
+              "db": "ab.sqlite", "on_engine_dead": "serve_others"}
+    server = start_server(config, workdir=root, timeout=600)
+    yield server, broken
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    return setup[0]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+
+def replies(client) -> list:
+    """Greedy replies with log-probabilities: unrestrained, a restraint registered at start, one registered while
+    serving, an inline one."""
+    def ask(model, messages, **extra):
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                              logprobs=True, top_logprobs=3, extra_body=extra or None)
+
+    return [ask(model, messages, **extra) for model, extra in (("v", {}), ("v+silence", {}), ("v+late", {}),
+                                                               ("v", {"restraint": INLINE[0]}))
+            for messages in CHATS[:2]]
+
+
+def health(server) -> tuple[int, dict]:
+    try:
+        response = httpx.get(server.base_url + "/health", timeout=5)
+    except httpx.HTTPError:
+        return 0, {}
+    return response.status_code, response.json()
+
+
+class Watcher:
+    """Polls /health in a thread: the states seen, and when it is ok again."""
+
+    def __init__(self, server) -> None:
+        self.server, self.seen, self.ok_at, self.refused = server, [], None, None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            _, body = health(self.server)
+            status = body.get("status")
+            if not self.seen or self.seen[-1] != status:
+                self.seen.append(status)
+            if status == "restarting" and self.refused is None:   # what a new request gets meanwhile
+                self.refused = httpx.post(self.server.base_url + "/v1/completions", timeout=30,
+                                          json={"model": "v", "prompt": "the", "max_tokens": 2, "temperature": 0})
+            if status == "ok" and "restarting" in self.seen:
+                self.ok_at = time.monotonic()
+                return
+            time.sleep(0.1)
+
+    def wait(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        self.stop.set()
+
+
+async def burst(server, experiment: str) -> list:
+    """BURST long generations at once, streamed and whole, half of them in an A/B experiment; each ends as its
+    completion (with its streamed text) or its exception."""
+    aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+    async def one(k: int):
+        extra = {"ignore_eos": True} | ({"experiment": experiment} if k % 2 else {})
+        try:
+            if k % 4 < 2:
+                return await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=400,
+                                                             temperature=0, user=f"u{k}", extra_body=extra)
+            stream = await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=400,
+                                                           temperature=0, user=f"u{k}", extra_body=extra, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        except openai.APIError as exc:
+            return exc
+
+    return await asyncio.wait_for(asyncio.gather(*[one(k) for k in range(BURST)]), TIMEOUT)
+
+
+def metric(server, line_start: str) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    return float(next(line for line in text.splitlines() if line.startswith(line_start)).rsplit(" ", 1)[1])
+
+
+def crash_during_burst(server, client, target: str) -> tuple[list, Watcher, float]:
+    """Run a burst, SIGKILL `target` once generation is under way, and wait for the engine to be back."""
+    exp = f"crash-{target}"
+    arms = [{"name": "a", "model": "v"}, {"name": "b", "model": "v+silence"}]
+    assert httpx.post(server.base_url + "/v1/experiments", json={"id": exp, "arms": arms}).status_code == 201
+    pid = vllm_process(server, target)
+    results: list = []
+    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp))))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while metric(server, 'rolemrc_inflight ') <= BURST and time.monotonic() < deadline:   # all admitted
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    watcher = Watcher(server)
+    runner.join(TIMEOUT + 10)
+    assert not runner.is_alive(), "a request hung"
+    watcher.wait(600)
+    assert watcher.ok_at is not None, (watcher.seen, server.logs()[-3000:])
+    return results, watcher, watcher.ok_at - killed
+
+
+def check_burst(results: list, server, exp: str) -> None:
+    assert len(results) == BURST
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert failed, "the kill came after the burst"
+    for exc in failed:   # in flight at the crash: a clean 503, or an error event in the stream
+        assert "is restarting" in str(exc), exc
+        assert getattr(exc, "status_code", 503) == 503, exc
+    logged = httpx.get(server.base_url + f"/v1/experiments/{exp}/report").json()
+    in_experiment = [r for k, r in enumerate(results) if k % 2]
+    assert logged["requests"] == BURST // 2   # every experiment request is in the A/B log
+    assert sum(arm["failed"] for arm in logged["arms"].values()) == sum(isinstance(r, Exception) for r in in_experiment)
+
+
+def test_worker_sigkill_during_a_burst_restarts_the_engine(server, client):
+    made = httpx.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": {
+        "hook": "mlp.act", "factor": 0.0, "units": {"1": list(range(50, 90))}}})
+    assert made.status_code == 201
+    before = replies(client)
+    results, watcher, seconds = crash_during_burst(server, client, "worker")
+    print(f"worker SIGKILL -> /health ok in {seconds:.1f} s; states {watcher.seen}")
+    check_burst(results, server, "crash-worker")
+    assert watcher.seen[-2:] == ["restarting", "ok"], watcher.seen
+    refused = watcher.refused
+    assert refused is not None and refused.status_code == 503, watcher.seen
+    assert refused.json()["error"]["code"] == "engine_restarting" and int(refused.headers["Retry-After"]) >= 1
+    assert "127.0.0.1" not in refused.text
+    for a, b in zip(replies(client), before):   # the same greedy tokens, adapters restored
+        assert_same(a, b)
+    assert metric(server, 'rolemrc_engine_restarts_total{model="v"}') == 1
+    assert metric(server, 'rolemrc_engine_state{model="v",state="ok"}') == 1
+
+
+def test_vllm_sigkill_restarts_it_too(server, client):
+    before = replies(client)
+    results, watcher, seconds = crash_during_burst(server, client, "api")
+    print(f"vLLM SIGKILL -> /health ok in {seconds:.1f} s; states {watcher.seen}")
+    check_burst(results, server, "crash-api")
+    for a, b in zip(replies(client), before):
+        assert_same(a, b)
+    assert metric(server, 'rolemrc_engine_restarts_total{model="v"}') == 2
+
+
+def test_an_engine_that_cannot_start_again_is_dead_and_the_others_serve_on(setup, client):
+    """Runs after the restarts above: restart_max 3 within the window, so the third crash's failed restart is the
+    last straw."""
+    server, broken = setup
+    broken.touch()
+    os.kill(vllm_process(server, "api"), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while health(server)[1].get("status") != "engine_dead" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    code, body = health(server)
+    assert body["status"] == "engine_dead" and body["engines"]["v"]["state"] == "dead", body
+    assert code == 200   # `t` still answers
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.chat.completions.create(model="v", messages=CHATS[0], max_tokens=4, temperature=0)
+    assert refused.value.status_code == 503 and refused.value.body["code"] == "engine_dead"
+    assert client.chat.completions.create(model="t", messages=CHATS[0], max_tokens=4, temperature=0).choices
+    assert server.proc.poll() is None
+    assert metric(server, 'rolemrc_engine_state{model="v",state="dead"}') == 1
+
+
+def test_on_engine_dead_exit_ends_the_server_non_zero(peaked_model, tmp_path):  # noqa: F811
+    python, _ = wrapper(tmp_path)
+    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "python": str(python),
+                               "max_model_len": 512, "memory_utilization": 0.05, "restart_max": 0}}, "db": None, "on_engine_dead": "exit"}
+    server = start_server(config, workdir=tmp_path, timeout=600)
+    try:
+        os.kill(vllm_process(server, "api"), signal.SIGKILL)
+        assert server.wait(60) == 1
+        assert "error: the engine of model 'v' is dead: " in server.logs()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
