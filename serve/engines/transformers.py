@@ -1,7 +1,7 @@
 """The `transformers` engine runs in-process over a local HF directory: one scheduler thread batches
-concurrent requests that share a restraint, applies the restraint as runtime hooks around the group's
-forward passes, decodes token by token over a shared KV cache (so streaming and cancellation are per
-step), lets same-group arrivals join a running batch and drops finished or cancelled rows."""
+concurrent requests whatever their restraints (each row carries its own as per-row runtime multipliers,
+`intervene.runtime.RowScales`), decodes token by token over a shared KV cache (so streaming and cancellation
+are per step), lets arrivals join a running batch in order and drops finished or cancelled rows."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import asyncio
 import logging
 import threading
 from collections import Counter, deque
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rolemrc.intervene.runtime import applied
+from rolemrc.intervene.runtime import RowScales
 from rolemrc.intervene.spec import Restraint
 from rolemrc.serve.batch import Batch
 from rolemrc.serve.engines.base import (
@@ -156,9 +155,8 @@ class TransformersEngine:
 
     # scheduler thread -------------------------------------------------------------------------
 
-    def _take(self, key: str | None, room: int, block: bool) -> list[Sequence]:
-        """Up to `room` waiting requests of group `key` (None: the oldest waiting request's group).
-        Joining a running group (block=False) only happens while no other group waits, so none starves."""
+    def _take(self, room: int, block: bool) -> list[Sequence]:
+        """Up to `room` waiting requests, oldest first, whatever their restraints (block: wait for one)."""
         with self._cv:
             while block and not self._waiting and not self._stopping:
                 self._cv.wait()
@@ -169,23 +167,16 @@ class TransformersEngine:
             if not waiting:
                 self._waiting.clear()
                 return []
-            key = waiting[0].resolved.key if key is None else key
-            if not block and any(s.resolved.key != key for s in waiting):
-                self._waiting = deque(waiting)
-                return []
-            taken = [s for s in waiting if s.resolved.key == key][:room]
-            chosen = {id(s) for s in taken}
-            self._waiting = deque(s for s in waiting if id(s) not in chosen)
-            return taken
+            self._waiting = deque(waiting[room:])
+            return waiting[:room]
 
     def _run(self) -> None:
         while not self._stopping:
-            group = self._take(None, self.max_batch, block=True)
+            group = self._take(self.max_batch, block=True)
             if not group:
                 continue
-            restraint = group[0].resolved.restraint
             try:
-                with torch.inference_mode(), (applied(self.model, restraint, checked=True) if restraint else nullcontext()):
+                with torch.inference_mode():
                     self._run_group(group)
             except Exception as exc:  # a failed forward must not take the server down
                 log.exception("generation failed")
@@ -193,9 +184,8 @@ class TransformersEngine:
                     seq.gen.push(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}"))
 
     def _run_group(self, seqs: list[Sequence]) -> None:
-        key, label = seqs[0].resolved.key, seqs[0].resolved.label
         batch, logits = self._prefill(seqs)
-        self.running[label] += len(seqs)
+        self.running.update(s.resolved.label for s in seqs)
         try:
             while seqs:
                 tokens = choose(logits, torch.tensor([s.params.temperature for s in seqs]),
@@ -203,14 +193,14 @@ class TransformersEngine:
                 done = self._advance(seqs, tokens, self._step_logprobs(seqs, logits, tokens))
                 keep = [i for i in range(len(seqs)) if i not in done]
                 if done:
-                    self.running[label] -= len(done)
+                    self.running.subtract(seqs[i].resolved.label for i in done)
                     batch.select(keep)
                     seqs, tokens = [seqs[i] for i in keep], tokens[keep]
-                joiners = self._take(key, self.max_batch - len(seqs), block=False) if batch.can_merge() else []
+                joiners = self._take(self.max_batch - len(seqs), block=False) if batch.can_merge() else []
                 if seqs:
                     logits = batch.step(self.model, tokens)
                 if joiners:
-                    self.running[label] += len(joiners)
+                    self.running.update(s.resolved.label for s in joiners)
                     extra, extra_logits = self._prefill(joiners)
                     if seqs:
                         batch.merge(extra)
@@ -219,13 +209,14 @@ class TransformersEngine:
                         batch, logits = extra, extra_logits
                     seqs = seqs + joiners
         finally:
-            self.running[label] -= len(seqs)
+            self.running.subtract(s.resolved.label for s in seqs)
 
     def _prefill(self, seqs: list[Sequence]) -> tuple[Batch, torch.Tensor]:
         """Prefill `seqs`; pushes the prompt log-probabilities of those that asked (`echo` with `logprobs`)
         from the same forward. Returns the batch and the last-position logits [B, V]."""
         rows = [i for i, s in enumerate(seqs) if s.params.prompt_logprobs]
-        batch, logits = Batch.prefill(self.model, [s.prompt for s in seqs], self.pad_id, every_position=bool(rows))
+        scales = RowScales.of(self.model, [s.resolved.restraint for s in seqs], checked=True)
+        batch, logits = Batch.prefill(self.model, [s.prompt for s in seqs], self.pad_id, scales, every_position=bool(rows))
         if not rows:
             return batch, logits
         width = logits.shape[1]

@@ -1,0 +1,136 @@
+"""Mixed restraints in one batch on the transformers engine: rows under different restraints (and none) share every
+forward, rows join a running batch whatever its restraints, and each row's tokens and log-probabilities are those of
+its restraint alone (engine level and over real HTTP)."""
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from fixtures import save_peaked_llama
+
+from rolemrc.intervene import Restraint
+from rolemrc.serve.engines.base import Generation, Prompt, Resolved, SamplingParams
+from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
+from rolemrc.serve.launch import running_server
+
+CHAT = [{"role": "user", "content": "the keeper of the lighthouse watched storms"}]
+NAMES = ["r0", "r1", "r2", "r3"]
+
+
+def restraints() -> list[Restraint]:
+    """Four different restraints on the 2 x 96 mlp.act units of the peaked Llama."""
+    rng = random.Random(0)
+    return [Restraint(name=n, hook="mlp.act", factor=f, units={0: sorted(rng.sample(range(96), 48)),
+                                                               1: sorted(rng.sample(range(96), 48))})
+            for n, f in zip(NAMES, (0.0, 0.0, 0.5, 2.0))]
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory, tokenizer):
+    return save_peaked_llama(tmp_path_factory.mktemp("peaked-mixed"), tokenizer)
+
+
+def test_rows_under_different_restraints_share_forwards_and_join_running_batches(peaked):
+    """Five requests (4 restraints and none) admitted together run as one batch (every forward has 5 rows); a
+    request with another restraint arriving mid-generation joins the running batch; each equals its run alone."""
+    rs = restraints()
+    variants = [None, *rs]
+
+    async def go() -> tuple[list[int], list, list, list, list[int]]:
+        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=8, max_queue=16,
+                                    default_max_tokens=8)
+        rows: list[int] = []
+        engine.model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+
+        async def submit(r: Restraint | None, tokens: int) -> Generation:
+            return await engine.submit(Prompt(messages=CHAT), SamplingParams(max_tokens=tokens, temperature=0,
+                                                                             ignore_eos=True, logprobs=1),
+                                       Resolved(r, r.name if r else "none", f"name:{r.name}" if r else ""))
+
+        async def tokens(gen: Generation) -> tuple[list[str], list[float]]:
+            async with gen:
+                out = await gen.collect()
+            return [lp.token for lp in out.logprobs], [lp.logprob for lp in out.logprobs]
+
+        async def run(r: Restraint | None, n: int) -> tuple[list[str], list[float]]:
+            return await tokens(await submit(r, n))
+
+        admitted = [await submit(r, 8) for r in variants]   # all waiting before the scheduler starts
+        await engine.start()
+        try:
+            together = await asyncio.gather(*map(tokens, admitted))
+            shared = list(rows)
+            rows.clear()
+            long = asyncio.ensure_future(run(rs[0], 200))
+            while not rows:
+                await asyncio.sleep(0.01)
+            late = await run(rs[1], 8)
+            await long
+            joined = list(rows)
+            alone = [await run(r, 8) for r in variants]
+        finally:
+            await engine.stop()
+        return shared, together, alone, late, joined
+
+    shared, together, alone, late, joined = asyncio.run(go())
+    assert shared == [5] * 8                     # one prefill and 7 steps, all 5 rows in each
+    assert len({tuple(tokens) for tokens, _ in alone}) >= 3   # the restraints change the output: a mix-up would show
+    assert 2 in joined                           # r1 joined r0's running batch
+    for (tokens, logprobs), (want, want_logprobs) in zip([*together, late], [*alone, alone[2]]):
+        assert tokens == want
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=0, atol=1e-4)
+
+
+def test_row_scales_follow_rows_through_select_and_merge(model_dirs):
+    from rolemrc.core.modeling import load_model
+    from rolemrc.intervene.runtime import RowScales
+
+    model, _ = load_model(model_dirs["llama"], device="cpu")
+    a, b = Restraint(name="a", hook="mlp.act", factor=0.0, units={0: [1, 5]}), restraints()[2]
+    left, right = [a, None, b], [None, a]
+    merged = RowScales.of(model, left).merge(RowScales.of(model, right))
+    direct = RowScales.of(model, left + right)
+    assert merged.scales.keys() == direct.scales.keys()
+    assert all(torch.equal(merged.scales[k], direct.scales[k]) for k in direct.scales)
+    kept, alone = merged.select([4, 1]), RowScales.of(model, [a, None])
+    assert kept.restraints == (a, None) and set(kept.scales) == set(alone.scales) == {("mlp.act", 0)}   # b's layer 1 left
+    assert torch.equal(kept.scales[("mlp.act", 0)], alone.scales[("mlp.act", 0)])
+    assert merged.select([1, 3]).scales == {}
+    assert RowScales.of(model, [None, None]).scales == {}
+
+
+@pytest.fixture(scope="module")
+def server(peaked, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-mixed")
+    for r in restraints():
+        r.save(root / f"{r.name}.yaml")
+    config = {"models": {"peaked": {"path": str(peaked)}}, "restraints": {n: f"{n}.yaml" for n in NAMES},
+              "max_batch": 16, "db": None}
+    with running_server(config, workdir=root) as srv:
+        yield srv
+
+
+def test_mixed_restraints_sent_concurrently_match_sequential_runs_over_http(server):
+    """Greedy requests under 4 restraints and none, sent concurrently, get the tokens of sequential runs of each
+    variant alone and its log-probabilities within float tolerance."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+    def ask(model: str) -> tuple[list[str], list[float]]:
+        out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, logprobs=True,
+                                             extra_body={"ignore_eos": True})
+        content = out.choices[0].logprobs.content
+        return [t.token for t in content], [t.logprob for t in content]
+
+    models = ["peaked", *(f"peaked+{n}" for n in NAMES)]
+    alone = {m: ask(m) for m in models}
+    assert len({tuple(tokens) for tokens, _ in alone.values()}) >= 3
+    jobs = models * 4
+    random.Random(1).shuffle(jobs)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(ask, jobs))
+    for model, (tokens, logprobs) in zip(jobs, got):
+        assert tokens == alone[model][0], model
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(alone[model][1]), rtol=0, atol=1e-4)
