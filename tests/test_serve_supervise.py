@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same, descendants, peaked_model  # noqa: F401
+from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same, descendants
 
 from rolemrc.serve.launch import start_server, stop_server
 
