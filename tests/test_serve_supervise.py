@@ -50,7 +50,7 @@ def vllm_process(server, name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def setup(peaked_model, tmp_path_factory):  # noqa: F811
+def setup(peaked_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-supervise")
     python, broken = wrapper(root)
     RESTRAINTS["silence"].save(root / "silence.yaml")
@@ -232,7 +232,7 @@ def test_an_engine_that_cannot_start_again_is_dead_and_the_others_serve_on(setup
     assert metric(server, 'rolemrc_engine_state{model="v",state="dead"}') == 1
 
 
-def test_on_engine_dead_exit_ends_the_server_non_zero(peaked_model, tmp_path):  # noqa: F811
+def test_on_engine_dead_exit_ends_the_server_non_zero(peaked_model, tmp_path):
     python, _ = wrapper(tmp_path)
     config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "python": str(python),
                                "max_model_len": 512, "memory_utilization": 0.05, "restart_max": 0}}, "db": None, "on_engine_dead": "exit"}
