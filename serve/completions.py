@@ -1,10 +1,17 @@
-"""Serving /v1/chat/completions and /v1/completions. `Call` is the shared core: route, admit, generate with
-timeout and disconnect handling, record, answer whole or as server-sent events. `ChatCall` and `TextCall`
-only shape what differs: the response and chunk objects, and how the prompt is logged."""
+"""Serving /v1/chat/completions and /v1/completions. `Call` is the shared core: route, admit one engine request per
+prompt and choice, generate with timeout and disconnect handling, record, answer whole or as server-sent events.
+`ChatCall` and `TextCall` only shape what differs: the response and chunk objects, and how the prompt is logged.
+
+A request with several prompts or `n` > 1 fans out here, so every engine sees one prompt per `submit`: choice
+`index` is `p * n + k` for prompt p and sample k (vLLM's order), sample k samples with `seed + k`, usage counts
+each prompt's tokens once and every choice's completion tokens. The request has one id, one deadline and one
+metrics entry; the A/B log gets one row per choice (id `<id>` for a single choice, else `<id>:<index>`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import time
 from abc import ABC, abstractmethod
@@ -17,20 +24,59 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from rolemrc.serve import protocol as p
-from rolemrc.serve.engines.base import Generation, Piece, Prompt, TokenLogprob
+from rolemrc.serve.engines.base import Engine, Generation, Piece, Prompt, Resolved, SamplingParams, TokenLogprob
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.routing import Route, route, sampling_params
 from rolemrc.serve.state import State, app_state
 
 
 async def chat_completion(request: Request, body: p.ChatCompletionRequest) -> Response:
-    return await ChatCall.serve(request, body, Prompt(messages=[m.turn() for m in body.messages]))
+    return await ChatCall.serve(request, body, [Prompt(messages=[m.turn() for m in body.messages])])
 
 
 async def text_completion(request: Request, body: p.CompletionRequest) -> Response:
-    if isinstance(body.prompt, list) and len(body.prompt) != 1:
-        raise ApiError(400, "send exactly one prompt per request", param="prompt")
-    return await TextCall.serve(request, body, Prompt(text=body.text()))
+    prompts = body.prompts()
+    if not prompts:
+        raise ApiError(400, "the prompt list is empty", param="prompt")
+    return await TextCall.serve(request, body, [_text_prompt(item) for item in prompts])
+
+
+def _text_prompt(item: str | list[int]) -> Prompt:
+    if isinstance(item, str):
+        return Prompt(text=item)
+    if not item:
+        raise ApiError(400, "a token-id prompt is empty", param="prompt")
+    if min(item) < 0:
+        raise ApiError(400, f"token id {min(item)} is negative", param="prompt")
+    return Prompt(token_ids=item)
+
+
+@dataclass
+class Choice:
+    """One engine request of a call: choice `index` of `prompt`; `counted`: the first sample of its prompt (whose
+    prompt tokens count in usage)."""
+
+    index: int
+    prompt: Prompt
+    gen: Generation
+    counted: bool
+    offset: int = 0   # completions: text_offset of the next token
+
+
+async def submit_all(engine: Engine, prompts: list[Prompt], params: SamplingParams, n: int,
+                     resolved: Resolved) -> list[Choice]:
+    """Admit one request per prompt and sample, concurrently; if one is refused, the others are closed and its
+    error raised."""
+    asks = [(prompt, k, params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k))
+            for prompt in prompts for k in range(n)]
+    gens = await asyncio.gather(*(engine.submit(prompt, sp, resolved) for prompt, _, sp in asks), return_exceptions=True)
+    refused = next((g for g in gens if isinstance(g, BaseException)), None)
+    if refused is not None:
+        for gen in gens:
+            if isinstance(gen, Generation):
+                gen.close()
+        raise refused
+    return [Choice(i, prompt, gen, k == 0) for i, ((prompt, k, _), gen) in enumerate(zip(asks, gens))]
 
 
 @dataclass
@@ -45,15 +91,14 @@ class Call(ABC):
     state: State
     request: Request
     body: p.SamplingFields
-    prompt: Prompt
+    choices: list[Choice]
     route: Route
-    gen: Generation
     id: str
     started: float
     clock: float
 
     @classmethod
-    async def serve(cls, request: Request, body: p.SamplingFields, prompt: Prompt) -> Response:
+    async def serve(cls, request: Request, body: p.SamplingFields, prompts: list[Prompt]) -> Response:
         """Pick model and restraint (or an experiment's arm), admit, and answer whole or streamed."""
         state = app_state(request)
         started, clock = time.time(), time.perf_counter()
@@ -61,8 +106,9 @@ class Call(ABC):
         info = request.state.log
         info.update(model=target.model_id, restraint=target.resolved.label, experiment=target.experiment,
                     arm=target.arm)
-        gen = await target.engine.submit(prompt, sampling_params(state.config, body, target.engine), target.resolved)
-        call = cls(state, request, body, prompt, target, gen, p.new_id(cls.id_prefix), started, clock)
+        params = sampling_params(state.config, body, target.engine)
+        choices = await submit_all(target.engine, prompts, params, body.n, target.resolved)
+        call = cls(state, request, body, choices, target, p.new_id(cls.id_prefix), started, clock)
         info["id"] = call.id
         if body.stream:
             return StreamingResponse(call.events(), media_type="text/event-stream",
@@ -72,18 +118,18 @@ class Call(ABC):
     # what differs per endpoint
 
     @abstractmethod
-    def whole_choice(self, out: Piece, finish_reason: str) -> BaseModel: ...
+    def whole_choice(self, choice: Choice, out: Piece, finish_reason: str) -> BaseModel: ...
 
     @abstractmethod
-    def delta_choice(self, out: Piece | None, finish_reason: str | None = None) -> BaseModel:
+    def delta_choice(self, choice: Choice, out: Piece | None, finish_reason: str | None = None) -> BaseModel:
         """A streamed choice: a piece of output, or (None) the finish."""
 
-    def opening(self) -> list[BaseModel]:
+    def opening(self, choice: Choice) -> list[BaseModel]:
         """Choices streamed before the first delta."""
         return []
 
     @abstractmethod
-    def logged_messages(self) -> list[dict[str, str]]:
+    def logged_messages(self, choice: Choice) -> list[dict[str, Any]]:
         """The prompt as the A/B table stores it."""
 
     # the shared core
@@ -97,58 +143,78 @@ class Call(ABC):
                 or self.route.resolved.raw is not None else None,
                 "experiment": self.route.experiment, "arm": self.route.arm}
 
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Every generation of the call, closed (cancelled if unfinished) on the way out."""
+        try:
+            yield
+        finally:
+            for choice in self.choices:
+                choice.gen.close()
+
+    def cancel(self) -> None:
+        for choice in self.choices:
+            choice.gen.cancel()
+
     async def whole(self) -> JSONResponse:
-        """Non-streaming: wait for the text, unless the client leaves or the timeout passes."""
-        async with self.gen:
-            text_task = asyncio.create_task(self.gen.collect())
+        """Non-streaming: wait for every choice, unless the client leaves or the timeout passes."""
+        async with self.held():
+            tasks = [asyncio.create_task(c.gen.collect()) for c in self.choices]
+            outs = asyncio.gather(*tasks)
             gone = asyncio.create_task(_disconnected(self.request))
             try:
-                done, _ = await asyncio.wait({text_task, gone}, timeout=max(0.0, self.deadline - time.perf_counter()),
+                done, _ = await asyncio.wait({outs, gone}, timeout=max(0.0, self.deadline - time.perf_counter()),
                                              return_when=asyncio.FIRST_COMPLETED)
             finally:
                 gone.cancel()
-            if text_task not in done:
-                text_task.cancel()
-                self.gen.cancel()
+                for task in tasks:
+                    task.cancel()
+            if outs not in done:
+                self.cancel()
                 if gone in done:
                     return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
                                                    "param": None, "code": None}}, status_code=499)
                 raise self.timeout()
-            whole = text_task.result()
-            final = self.gen.final
-            usage = _usage(final.prompt_tokens, final.completion_tokens)
-            await self.record(whole.text, final.finish_reason, usage)
-        out = self.response_model(id=self.id, model=self.route.model_id, usage=usage, **self.served(),
-                                  choices=[self.whole_choice(whole, final.finish_reason)])
+            pieces = outs.result()
+            usage = self.usage()
+            await self.record([out.text for out in pieces], usage)
+        choices = [self.whole_choice(c, out, c.gen.final.finish_reason) for c, out in zip(self.choices, pieces)]
+        out = self.response_model(id=self.id, model=self.route.model_id, usage=usage, **self.served(), choices=choices)
         return JSONResponse(out.model_dump())
 
     async def events(self) -> AsyncIterator[str]:
-        """Server-sent events: deltas as they are produced, the finish chunk, usage if asked, [DONE].
-        A client that disconnects cancels the generation (Starlette cancels this iterator)."""
+        """Server-sent events: deltas as they are produced (each tagged with its choice's index), the finish
+        chunks, usage if asked, [DONE]. A client that disconnects cancels the generation (Starlette cancels this
+        iterator)."""
         created = int(self.started)
-        pieces: list[str] = []
-        async with self.gen:
-            for choice in self.opening():
-                yield self.chunk(created, [choice])
-            stream = self.gen.__aiter__()
-            while True:
-                try:
-                    delta = await asyncio.wait_for(stream.__anext__(), max(0.0, self.deadline - time.perf_counter()))
-                except StopAsyncIteration:
-                    break
-                except (TimeoutError, asyncio.TimeoutError):
-                    self.gen.cancel()
-                    yield _sse(self.timeout().body())
-                    return
-                except ApiError as exc:
-                    yield _sse(exc.body())
-                    return
-                pieces.append(delta.text)
-                yield self.chunk(created, [self.delta_choice(delta)])
-            final = self.gen.final
-            usage = _usage(final.prompt_tokens, final.completion_tokens)
-            await self.record("".join(pieces), final.finish_reason, usage)
-        yield self.chunk(created, [self.delta_choice(None, final.finish_reason)])
+        texts = [""] * len(self.choices)
+        async with self.held():
+            for choice in self.choices:
+                for opening in self.opening(choice):
+                    yield self.chunk(created, [opening])
+            stream = _merged([c.gen for c in self.choices])
+            try:
+                while True:
+                    try:
+                        i, delta = await asyncio.wait_for(stream.__anext__(),
+                                                          max(0.0, self.deadline - time.perf_counter()))
+                    except StopAsyncIteration:
+                        break
+                    except (TimeoutError, asyncio.TimeoutError):
+                        self.cancel()
+                        yield _sse(self.timeout().body())
+                        return
+                    except ApiError as exc:
+                        yield _sse(exc.body())
+                        return
+                    texts[i] += delta.text
+                    yield self.chunk(created, [self.delta_choice(self.choices[i], delta)])
+            finally:
+                await stream.aclose()
+            usage = self.usage()
+            await self.record(texts, usage)
+        for choice in self.choices:
+            yield self.chunk(created, [self.delta_choice(choice, None, choice.gen.final.finish_reason)])
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
             yield self.chunk(created, [], usage=usage)
         yield "data: [DONE]\n\n"
@@ -161,22 +227,33 @@ class Call(ABC):
     def timeout(self) -> ApiError:
         return ApiError(504, f"the request took longer than {self.state.config.request_timeout_s} s", code="timeout")
 
-    async def record(self, text: str, finish_reason: str, usage: p.Usage) -> None:
-        """Metrics, and for experiment requests the A/B row, written before anything is acknowledged."""
+    def usage(self) -> p.Usage:
+        """Each prompt's tokens once, every choice's completion tokens (as vLLM and OpenAI count)."""
+        prompt = sum(c.gen.final.prompt_tokens for c in self.choices if c.counted)
+        completion = sum(c.gen.final.completion_tokens for c in self.choices)
+        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def record(self, texts: list[str], usage: p.Usage) -> None:
+        """Metrics, and for experiment requests the A/B rows (one per choice), written before anything is
+        acknowledged."""
         latency = time.perf_counter() - self.clock
+        reasons = [c.gen.final.finish_reason for c in self.choices]
         self.request.state.log.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                                      finish_reason=finish_reason)
+                                      finish_reason=reasons[0] if len(set(reasons)) == 1 else reasons)
         self.state.metrics.observe(self.route.engine.name, self.route.resolved.label, self.endpoint, 200, latency,
                                    usage.prompt_tokens, usage.completion_tokens)
         if self.route.experiment is None:
             return
-        row = {"id": self.id, "experiment": self.route.experiment, "arm": self.route.arm, "user": self.body.user,
-               "model": self.route.model_id, "restraint": self.served()["restraint"], "endpoint": self.endpoint,
-               "messages": self.logged_messages(), "response": text, "finish_reason": finish_reason,
-               "latency_s": latency, "prompt_tokens": usage.prompt_tokens,
-               "completion_tokens": usage.completion_tokens, "metadata": self.body.metadata,
-               "started": self.started, "finished": time.time()}
-        await asyncio.to_thread(self.state.store.log_request, row)
+        finished = time.time()
+        rows = [{"id": self.id if len(self.choices) == 1 else f"{self.id}:{c.index}", "experiment": self.route.experiment,
+                 "arm": self.route.arm, "user": self.body.user, "model": self.route.model_id,
+                 "restraint": self.served()["restraint"], "endpoint": self.endpoint,
+                 "messages": self.logged_messages(c), "response": text, "finish_reason": c.gen.final.finish_reason,
+                 "latency_s": latency, "prompt_tokens": c.gen.final.prompt_tokens,
+                 "completion_tokens": c.gen.final.completion_tokens, "metadata": self.body.metadata,
+                 "started": self.started, "finished": finished} for c, text in zip(self.choices, texts)]
+        for row in rows:
+            await asyncio.to_thread(self.state.store.log_request, row)
 
 
 class ChatCall(Call):
@@ -185,14 +262,14 @@ class ChatCall(Call):
     response_model = p.ChatCompletionResponse
     chunk_model = p.ChatCompletionChunk
 
-    def whole_choice(self, out: Piece, finish_reason: str) -> p.ChatChoice:
-        return p.ChatChoice(message=p.AssistantMessage(content=out.text), finish_reason=finish_reason,
-                            logprobs=self.logprobs(out.logprobs))
+    def whole_choice(self, choice: Choice, out: Piece, finish_reason: str) -> p.ChatChoice:
+        return p.ChatChoice(index=choice.index, message=p.AssistantMessage(content=out.text),
+                            finish_reason=finish_reason, logprobs=self.logprobs(out.logprobs))
 
-    def delta_choice(self, out: Piece | None, finish_reason: str | None = None) -> p.ChunkChoice:
+    def delta_choice(self, choice: Choice, out: Piece | None, finish_reason: str | None = None) -> p.ChunkChoice:
         if out is None:
-            return p.ChunkChoice(delta=p.Delta(), finish_reason=finish_reason)
-        return p.ChunkChoice(delta=p.Delta(content=out.text), logprobs=self.logprobs(out.logprobs))
+            return p.ChunkChoice(index=choice.index, delta=p.Delta(), finish_reason=finish_reason)
+        return p.ChunkChoice(index=choice.index, delta=p.Delta(content=out.text), logprobs=self.logprobs(out.logprobs))
 
     def logprobs(self, tokens: list[TokenLogprob]) -> p.ChatLogprobs | None:
         if self.body.top_logprobs_count() is None:
@@ -200,59 +277,81 @@ class ChatCall(Call):
         return p.ChatLogprobs(content=[p.TokenLogprob(**_top(t.token, t.logprob), top_logprobs=[
             p.TopLogprob(**_top(*alt)) for alt in t.top]) for t in tokens])
 
-    def opening(self) -> list[BaseModel]:
-        return [p.ChunkChoice(delta=p.Delta(role="assistant", content=""))]
+    def opening(self, choice: Choice) -> list[BaseModel]:
+        return [p.ChunkChoice(index=choice.index, delta=p.Delta(role="assistant", content=""))]
 
-    def logged_messages(self) -> list[dict[str, str]]:
-        return self.prompt.messages
+    def logged_messages(self, choice: Choice) -> list[dict[str, Any]]:
+        return choice.prompt.messages
 
 
 class TextCall(Call):
+    """Completions; with `echo` the engine's output starts with the prompt's text (and, with logprobs, its
+    tokens' entries)."""
+
     endpoint = "completion"
     id_prefix = "cmpl"
     response_model = p.CompletionResponse
     chunk_model = p.CompletionResponse
 
-    offset: int = 0   # text_offset of the next token
+    def whole_choice(self, choice: Choice, out: Piece, finish_reason: str) -> p.CompletionChoice:
+        return p.CompletionChoice(index=choice.index, text=out.text, finish_reason=finish_reason,
+                                  logprobs=self.logprobs(choice, out.logprobs))
 
-    def echoed(self) -> str:
-        return self.prompt.text if self.body.echo_prompt() else ""
-
-    def whole_choice(self, out: Piece, finish_reason: str) -> p.CompletionChoice:
-        return p.CompletionChoice(text=self.echoed() + out.text, finish_reason=finish_reason,
-                                  logprobs=self.logprobs(out.logprobs))
-
-    def delta_choice(self, out: Piece | None, finish_reason: str | None = None) -> p.CompletionChoice:
+    def delta_choice(self, choice: Choice, out: Piece | None, finish_reason: str | None = None) -> p.CompletionChoice:
         if out is None:
-            return p.CompletionChoice(text="", finish_reason=finish_reason)
-        return p.CompletionChoice(text=out.text, logprobs=self.logprobs(out.logprobs))
+            return p.CompletionChoice(index=choice.index, text="", finish_reason=finish_reason)
+        return p.CompletionChoice(index=choice.index, text=out.text, logprobs=self.logprobs(choice, out.logprobs))
 
-    def opening(self) -> list[BaseModel]:
-        return [p.CompletionChoice(text=self.echoed())] if self.body.echo_prompt() else []
-
-    def logprobs(self, tokens: list[TokenLogprob]) -> p.TextLogprobs | None:
-        """The legacy shape; text offsets count on from the previous piece's."""
+    def logprobs(self, choice: Choice, tokens: list[TokenLogprob]) -> p.TextLogprobs | None:
+        """The legacy shape: each token's alternatives hold the token itself and the k best (as vLLM and OpenAI);
+        text offsets count on from the choice's previous piece."""
         if self.body.top_logprobs_count() is None:
             return None
         offsets = []
         for t in tokens:
-            offsets.append(self.offset)
-            self.offset += len(t.token)
+            offsets.append(choice.offset)
+            choice.offset += len(t.token)
         return p.TextLogprobs(tokens=[t.token for t in tokens], token_logprobs=[t.logprob for t in tokens],
-                              top_logprobs=[None if t.logprob is None else dict(t.top) for t in tokens],
+                              top_logprobs=[None if t.logprob is None else {t.token: t.logprob, **dict(t.top)}
+                                            for t in tokens],
                               text_offset=offsets)
 
-    def logged_messages(self) -> list[dict[str, str]]:
-        return [{"role": "prompt", "content": self.prompt.text}]
+    def logged_messages(self, choice: Choice) -> list[dict[str, Any]]:
+        if choice.prompt.token_ids is not None:
+            return [{"role": "prompt", "token_ids": choice.prompt.token_ids}]
+        return [{"role": "prompt", "content": choice.prompt.text}]
 
 
 def _top(token: str, logprob: float | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:
-    return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+    """The pieces of several generations as they come, each with its generation's position."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for piece in gen:
+                queue.put_nowait((i, piece))
+            queue.put_nowait((i, None))
+        except Exception as exc:   # an engine's error (ApiError), raised where the pieces are read
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                left -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _sse(data: dict) -> str:

@@ -102,7 +102,7 @@ class SamplingFields(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=128, description="choices per prompt; with a seed, choice k samples with seed + k")
     stop: str | list[str] | None = Field(None)
     seed: int | None = Field(None, ge=-SEED_MAX, le=SEED_MAX)
     stream: bool = False
@@ -127,6 +127,12 @@ class SamplingFields(BaseModel):
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
         return v
+
+    @model_validator(mode="after")
+    def _seeds(self) -> SamplingFields:
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise ValueError(f"seed + n - 1 must be at most {SEED_MAX} (choice k samples with seed + k)")
+        return self
 
     def stops(self) -> list[str]:
         items = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -170,15 +176,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] = Field(description="one prompt (a list must hold exactly one)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists: one choice per "
+                    "prompt (times n)")
     logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability and this many "
                                                                "most likely alternatives (temperature 1)")
     echo: bool = Field(False, description="prepend the prompt (and, with logprobs, its tokens' log-probabilities)")
     best_of: int | None = Field(None, ge=1, le=20, description="unsupported unless 1")
     suffix: str | None = Field(None, description="unsupported unless empty")
 
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt the request holds: a string or a list of token ids."""
+        single = isinstance(self.prompt, str) or (bool(self.prompt) and isinstance(self.prompt[0], int))
+        return [self.prompt] if single else list(self.prompt)
 
     def top_logprobs_count(self) -> int | None:
         return self.logprobs

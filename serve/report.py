@@ -32,8 +32,9 @@ class UnknownExperimentError(RolemrcError, LookupError):
 
 
 def cluster(row: dict[str, Any]) -> str:
-    """The unit a request belongs to: its user, or the request itself when it names no user."""
-    return f"user:{row['user']}" if row.get("user") else f"request:{row['id']}"
+    """The unit a request belongs to: its user, or the request itself when it names no user (the choices of one
+    request, logged as `<id>:<index>`, are one cluster)."""
+    return f"user:{row['user']}" if row.get("user") else f"request:{row['id'].split(':')[0]}"
 
 
 def unit_text(users: int, requests: int) -> str:

@@ -45,8 +45,6 @@ async def route(state: State, body: p.SamplingFields) -> Route:
 
 def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine) -> SamplingParams:
     """The request's decoding settings; 400 for what this server or `engine` does not honour."""
-    if body.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
     if (refused := body.refused()) is not None:
         raise ApiError(400, refused[1], code="unsupported_parameter", param=refused[0])
     logprobs = body.top_logprobs_count()
@@ -63,5 +61,5 @@ def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine)
         raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_new_tokens}",
                        code="max_tokens_too_large", param="max_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs,
+                          stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs, echo=body.echo_prompt(),
                           prompt_logprobs=logprobs is not None and body.echo_prompt(), response_format=response_format)

@@ -31,5 +31,35 @@ def model_dirs(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def peaked_model(tmp_path_factory, tokenizer):
+    """A random Llama with head dim 32 (vLLM's CPU attention needs 32 or 64) and a scaled-up output head, so
+    greedy choices have clear margins and batching noise cannot flip them."""
+    import torch
+
+    path = tmp_path_factory.mktemp("peaked-model")
+    model = build_model("llama", tokenizer, seed=3, hidden=64, layers=2, intermediate=96, heads=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def eos_split_prompts(peaked_model, tokenizer):
+    """Token-id prompts for log-likelihood requests on `peaked_model`: two whose greedy next token is EOS and two
+    whose is not (found by one batched forward over random prompts)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(peaked_model, dtype=torch.float32).eval()
+    ids = torch.randint(10, len(tokenizer), (2000, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        eos = model(input_ids=ids).logits[:, -1].argmax(-1) == tokenizer.eos_token_id
+    assert int(eos.sum()) >= 2
+    return {"eos": ids[eos][:2].tolist(), "other": ids[~eos][:2].tolist()}
+
+
+@pytest.fixture(scope="session")
 def records():
     return test_records(40)

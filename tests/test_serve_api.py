@@ -142,7 +142,7 @@ def test_error_statuses(client, server):
     code, err = status_of(lambda: chat(model="tiny", messages=[{"role": "user", "content": "the keeper " * 200}],
                                        max_tokens=250))
     assert code == 400 and err["code"] == "context_length_exceeded"
-    assert status_of(lambda: chat(model="tiny", messages=CHAT, n=2))[0] == 400
+    assert status_of(lambda: chat(model="tiny", messages=CHAT, n=200))[0] == 422
     assert status_of(lambda: chat(model="nope", messages=CHAT))[0] == 404
     assert status_of(lambda: chat(model="tiny+nope", messages=CHAT))[0] == 404
     assert status_of(lambda: chat(model="tiny+wide", messages=CHAT))[0] == 400

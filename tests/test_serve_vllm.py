@@ -16,9 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
-from rolemrc.core.tiny import build_model
 from rolemrc.intervene import Restraint
 from rolemrc.serve.engines.vllm import vllm_python
 from rolemrc.serve.errors import ConfigError
@@ -42,19 +40,6 @@ INLINE = [{"name": f"inline{k}", "hook": "mlp.act", "factor": 0.0, "units": {str
 CHATS = [[{"role": "user", "content": text}] for text in
          ("the storms quarter the old", "a keeper of the light", "tell me of the harbour", "why do gulls cry")]
 ATOL = 2e-4   # vLLM's CPU kernels vs torch's, float32
-
-
-@pytest.fixture(scope="module")
-def peaked_model(tmp_path_factory, tokenizer):
-    """A random Llama with head dim 32 (vLLM's CPU attention needs 32 or 64) and a scaled-up output head, so
-    greedy choices have clear margins and batching noise cannot flip them."""
-    path = tmp_path_factory.mktemp("vllm-model")
-    model = build_model("llama", tokenizer, seed=3, hidden=64, layers=2, intermediate=96, heads=2)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +114,7 @@ def test_completion_logprobs_with_echo_equal_the_transformers_engine(client):
     assert v.logprobs.token_logprobs[0] is None and v.logprobs.top_logprobs[0] is None   # the first prompt token
     assert len(v.logprobs.tokens) == len(t.logprobs.tokens)
     assert v.logprobs.token_logprobs[1:] == pytest.approx(t.logprobs.token_logprobs[1:], abs=ATOL)
-    assert all(len(top) <= 2 for top in v.logprobs.top_logprobs[1:])
+    assert all(len(top) <= 3 for top in v.logprobs.top_logprobs[1:])   # the chosen token and the 2 best
 
 
 def test_logprobs_shape(client):

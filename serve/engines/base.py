@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
 from rolemrc.intervene.spec import Restraint
+from rolemrc.serve.errors import ApiError
 
 Dtype = Literal["float32", "float16", "bfloat16", "auto"]
 LOCAL_PATH = {"local_path": True}   # field metadata: a path resolved against the config file's folder
@@ -38,6 +39,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # None: none; k: each token's log-probability and its k most likely alternatives
+    echo: bool = False              # the output starts with the prompt's text (completions)
     prompt_logprobs: bool = False   # also the prompt tokens' (from the prefill; the first token's is None)
     response_format: dict[str, Any] | None = None   # OpenAI's json_object / json_schema (structured outputs)
 
@@ -62,10 +64,18 @@ class Piece:
 
 @dataclass
 class Prompt:
-    """A chat (`messages`) or a raw text prompt."""
+    """A chat (`messages`), a raw text prompt, or token ids (ints >= 0; engines check them against their vocabulary
+    with `check_token_ids`)."""
 
     messages: list[dict[str, str]] | None = None
     text: str | None = None
+    token_ids: list[int] | None = None
+
+
+def check_token_ids(ids: list[int], vocab: int) -> None:
+    """400 naming `prompt` for a token id outside [0, vocab)."""
+    if ids and max(ids) >= vocab:
+        raise ApiError(400, f"token id {max(ids)} is outside this model's vocabulary of {vocab}", param="prompt")
 
 
 ClientRestraint = str | dict[str, Any]   # what a request's `restraint` field holds: a registered name or a spec

@@ -29,6 +29,7 @@ from rolemrc.serve.engines.base import (
     Resolved,
     SamplingParams,
     TokenLogprob,
+    check_token_ids,
 )
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.sampling import TextStream, choose, make_generator
@@ -113,6 +114,9 @@ class TransformersEngine:
     def encode(self, prompt: Prompt) -> list[int]:
         from rolemrc.core.chat import render_chat
 
+        if prompt.token_ids is not None:
+            check_token_ids(prompt.token_ids, self.model.get_input_embeddings().num_embeddings)
+            return prompt.token_ids
         text = render_chat(self.tokenizer, prompt.messages) if prompt.messages is not None else prompt.text
         return self.tokenizer(text, add_special_tokens=prompt.messages is None)["input_ids"]
 
@@ -122,7 +126,8 @@ class TransformersEngine:
         room = self.context_window - len(ids)
         if room < 1:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context window is "
-                                f"{self.context_window}", code="context_length_exceeded", param="messages")
+                                f"{self.context_window}", code="context_length_exceeded",
+                           param="messages" if prompt.messages is not None else "prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else min(self.default_max_tokens, room)
         if max_tokens > room:
             raise ApiError(400, f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the context window "
@@ -137,6 +142,9 @@ class TransformersEngine:
                                code="queue_full")
             self.admitted += 1
             gen = Generation(len(ids), self._release)
+            if params.echo:   # the prompt as sent; token ids decoded, as vLLM does
+                gen.push(Piece(prompt.text if prompt.text is not None
+                               else self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)))
             self._waiting.append(Sequence(gen, ids, params, resolved, max_tokens,
                                           TextStream(self.tokenizer, params.stop), make_generator(params.seed)))
             self._cv.notify()
@@ -278,7 +286,8 @@ class TransformersEngine:
 
     def _advance(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: list[TokenLogprob | None]) -> set[int]:
         """Record each row's new token, emit text (with the log-probabilities of the tokens it came from),
-        and return the rows that finished."""
+        and return the rows that finished. A final EOS counts as generated and keeps its log-probability
+        entry, but adds no text (as vLLM)."""
         done: set[int] = set()
         is_eos = torch.isin(tokens.cpu(), self.eos_ids).tolist()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
@@ -289,12 +298,12 @@ class TransformersEngine:
                 done.add(i)
                 continue
             reason = None
+            seq.out.append(token)
+            if logprobs[i] is not None:
+                seq.pending.append(logprobs[i])
             if is_eos[i] and not seq.params.ignore_eos:
                 reason = "stop"
             else:
-                seq.out.append(token)
-                if logprobs[i] is not None:
-                    seq.pending.append(logprobs[i])
                 delta, stopped = seq.stream.add(token)
                 if delta:
                     seq.gen.push(Piece(delta, seq.pending))

