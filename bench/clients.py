@@ -108,7 +108,7 @@ def lm_eval(out: Path, tasks: Path, task: str, model: str, model_args: str, *ext
 
 def guidellm(out: Path, base_url: str, model: str, tokenizer: Path, *, streams: int = 4, requests: int = 16,
              prompt_tokens: int = 64, output_tokens: int = 32) -> dict[str, Any]:
-    """Run guidellm's concurrent profile (synthetic prompts) against `model`; its benchmark's metrics."""
+    """Run guidellm's concurrent profile (synthetic prompts) against `model`; its benchmark (`metrics`, `duration`)."""
     report = out / "guidellm.json"
     cmd = [client_python("guidellm"), "-m", "guidellm", "run",
            "--backend", f"kind=openai_http,target={base_url},model={model}",
@@ -121,7 +121,7 @@ def guidellm(out: Path, base_url: str, model: str, tokenizer: Path, *, streams: 
                           env={**os.environ, **OFFLINE, "HF_HOME": str(out / "hf")})
     if done.returncode != 0:
         raise RuntimeError(f"guidellm failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(report.read_text())["benchmarks"][0]["metrics"]
+    return json.loads(report.read_text())["benchmarks"][0]
 
 
 def choice_lls(docs: dict[int, list]) -> list[float]:
@@ -201,7 +201,8 @@ def _summary(mc: Any, chat: Any, load: Any, hf_mc: tuple[dict, dict], hf_text: d
     if isinstance(load, Exception):
         out["guidellm"] = {"error": str(load)[:600]}
     else:
-        out["guidellm"] = {"requests": load["request_totals"],
-                           "output_tokens_per_s": round(load["output_tokens_per_second"]["successful"]["mean"], 1),
-                           "total_tokens_per_s": round(load["tokens_per_second"]["successful"]["mean"], 1)}
+        metrics, seconds = load["metrics"], load["duration"]   # guidellm's per-second means are not the run's rates
+        out["guidellm"] = {"requests": metrics["request_totals"], "seconds": round(seconds, 1),
+                           "output_tokens_per_s": round(metrics["output_token_count"]["successful"]["total_sum"] / seconds, 1),
+                           "total_tokens_per_s": round(metrics["total_token_count"]["successful"]["total_sum"] / seconds, 1)}
     return out

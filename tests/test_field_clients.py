@@ -138,7 +138,7 @@ def answered(server, model: str) -> Counter:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_guidellm_concurrency_profile_has_no_failures(server, model_dir, engine, tmp_path):
     before = answered(server, engine)
-    metrics = guidellm(tmp_path, server.base_url, engine, model_dir, streams=4, requests=16)
+    metrics = guidellm(tmp_path, server.base_url, engine, model_dir, streams=4, requests=16)["metrics"]
     deadline = time.monotonic() + 30   # the last answers may still be on their way when guidellm exits
     while (delta := answered(server, engine) - before).total() < 16 and time.monotonic() < deadline:
         time.sleep(0.2)
