@@ -8,6 +8,9 @@ from rolemrc.core.taxonomy import TASKS
 
 WORDS = ["the", "keeper", "of", "the", "lighthouse", "watched", "storms", "roll", "over", "grey", "water", "while", "ships", "passed", "a", "baker", "in", "the", "old", "quarter", "kneads", "dough", "before", "dawn", "and", "sings", "to", "the", "ovens", "passages", "about", "rivers", "mountains", "trains", "and", "libraries", "answer", "questions", "on", "history", "science", "i", "cannot", "answer", "that", "because", "it", "lies", "outside", "what", "my", "character", "knows", "sorry", "traveller", "please", "reply", "in", "capital", "letters", "with", "an", "emoji", "and", "no", "more", "than", "twenty", "words"]
 
+# a chat on which conftest's `peaked_model` ends its greedy reply with EOS (after 31 tokens of text)
+STOPS_ON_EOS = [{"role": "user", "content": "character more that because"}]
+
 
 def corpus(n: int = 200, seed: int = 0) -> list[str]:
     rng = random.Random(seed)

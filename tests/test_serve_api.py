@@ -267,6 +267,16 @@ def test_upstream_engine_proxies_a_rolemrc_server(server, client, tmp_path):
         via, direct = echoed(pc, "proxy"), echoed(client, "tiny")
         assert via.text == direct.text and via.text.startswith("the keeper")   # the prompt once, not twice
         assert via.logprobs.model_dump() == direct.logprobs.model_dump()
+        lists = {"prompt": [[5, 17, 40, 9], [60, 61]], "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0,
+                 "n": 2}   # token prompts pass through; one choice per prompt and sample
+        outs = [httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                           json={"model": model, **lists}).json() for url, model in ((proxy.base_url, "proxy"),
+                                                                                      (server.base_url, "tiny"))]
+        assert outs[0]["usage"] == outs[1]["usage"]
+        for via, direct in zip(*(o["choices"] for o in outs)):   # batched differently: float noise only
+            assert (via["text"], via["logprobs"]["tokens"]) == (direct["text"], direct["logprobs"]["tokens"])
+            assert via["logprobs"]["token_logprobs"][1:] == pytest.approx(direct["logprobs"]["token_logprobs"][1:], abs=1e-5)
+        assert [c["index"] for c in outs[0]["choices"]] == [0, 1, 2, 3]
         assert status_of(lambda: pc.chat.completions.create(model="proxy", messages=CHAT, max_tokens=300))[0] == 400
         assert status_of(lambda: greedy(pc, "proxy", restraint="nope"))[0] == 404   # the upstream's answer
         assert status_of(lambda: greedy(pc, "plain", restraint="mute"))[0] == 400   # cannot apply restraints

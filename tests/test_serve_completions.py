@@ -9,12 +9,12 @@ import httpx
 import openai
 import pytest
 import torch
+from fixtures import STOPS_ON_EOS
 from transformers import AutoModelForCausalLM
 
 from rolemrc.serve.launch import running_server
 
 TEXTS = ["the keeper of the", "a baker in the old"]
-STOPS_ON_EOS = [{"role": "user", "content": "character more that because"}]   # greedy ends with EOS at token 32
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fixtures import STOPS_ON_EOS
 
 from rolemrc.intervene import Restraint
 from rolemrc.serve.engines.vllm import vllm_python
@@ -115,6 +116,39 @@ def test_completion_logprobs_with_echo_equal_the_transformers_engine(client):
     assert len(v.logprobs.tokens) == len(t.logprobs.tokens)
     assert v.logprobs.token_logprobs[1:] == pytest.approx(t.logprobs.token_logprobs[1:], abs=ATOL)
     assert all(len(top) <= 3 for top in v.logprobs.top_logprobs[1:])   # the chosen token and the 2 best
+
+
+def test_every_prompt_form_and_n_equal_the_transformers_engine(server, eos_split_prompts, tokenizer):
+    """lm-eval's log-likelihood request (token-id prompts, max_tokens 1, echo, logprobs 1) where greedy stops on EOS
+    and where it does not, string lists, and n > 1: the proxy passes token prompts through, and both engines list
+    the generated token (an EOS too) and count it."""
+    def complete(model, **body):
+        response = httpx.post(f"{server.base_url}/v1/completions", json={"model": model, **body}, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    loglikelihood = {"prompt": eos_split_prompts["eos"] + eos_split_prompts["other"], "max_tokens": 1, "echo": True,
+                     "logprobs": 1, "temperature": 0, "seed": 1234}
+    for body in (loglikelihood,
+                 {"prompt": [c[0]["content"] for c in CHATS[:2]], "max_tokens": 6, "temperature": 0, "n": 2}):
+        v, t = complete("v", **body), complete("t", **body)
+        assert v["usage"] == t["usage"] and len(v["choices"]) == len(t["choices"]) == 4
+        for a, b in zip(v["choices"], t["choices"]):
+            assert (a["index"], shown(a["text"]), a["finish_reason"]) == (b["index"], shown(b["text"]), b["finish_reason"])
+            if body is loglikelihood:
+                # (token strings of partial UTF-8 bytes differ: vLLM renders its own way, we show U+FFFD)
+                assert len(a["logprobs"]["tokens"]) == len(b["logprobs"]["tokens"]) == len(body["prompt"][a["index"]]) + 1
+                assert shown(a["logprobs"]["tokens"][-1]) == shown(b["logprobs"]["tokens"][-1])
+                assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=ATOL)
+                assert (a["logprobs"]["tokens"][-1] == tokenizer.eos_token) == (a["index"] < 2)
+    chats = [httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": STOPS_ON_EOS, "max_tokens": 40, "temperature": 0, "logprobs": True,
+        "top_logprobs": 1}).json() for model in ("v", "t")]
+    assert chats[0]["usage"] == chats[1]["usage"] and chats[0]["choices"][0]["finish_reason"] == "stop"
+    assert [e["token"] for e in chats[0]["choices"][0]["logprobs"]["content"]][-1] == tokenizer.eos_token
+    assert len(chats[0]["choices"][0]["logprobs"]["content"]) == len(chats[1]["choices"][0]["logprobs"]["content"])
+    bad = httpx.post(f"{server.base_url}/v1/completions", json={"model": "v", "prompt": [5, len(tokenizer)]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
 
 
 def test_logprobs_shape(client):
