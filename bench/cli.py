@@ -132,6 +132,22 @@ def serve_cmd(
         emit(run(concurrencies, tokens or 32, waves, repeats or 3, size, device=device), out)
 
 
+@app.command("clients")
+def clients_cmd(
+    model: Path = typer.Option(..., help="a local model directory (with a chat template), e.g. "
+                                         "~/.cache/rolemrc/models/smollm2-135m-instruct after `rolemrc models pull smollm2`"),
+    engine: str = typer.Option("transformers,vllm", help="comma list of transformers, vllm"),
+    streams: int = typer.Option(4, min=1, help="guidellm's concurrent streams"),
+    requests: int = typer.Option(16, min=1, help="guidellm's requests"),
+    out: Path = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """lm-eval (log-likelihoods and accuracy vs its hf backend, chat generations) and guidellm (tokens/s, failures)
+    against a real `rolemrc serve` per engine; needs ROLEMRC_LMEVAL_PYTHON and ROLEMRC_GUIDELLM_PYTHON."""
+    from rolemrc.bench.clients import run
+
+    emit(run(model, tuple(e.strip() for e in engine.split(",")), streams, requests), out)
+
+
 @app.command("all")
 def all_cmd(
     out: Path = typer.Option(Path("runs/bench"), help="folder for one JSON per benchmark"),

@@ -85,3 +85,28 @@ def write_sweep_inputs(root, tokenizer, records: int = 6):
     write_diff_file(root / "diff", delta, torch.full_like(delta, 0.5))
     write_jsonl(root / "test.jsonl", test_records(records))
     return root
+
+
+def save_eos_llama(path, tokenizer, texts: list[str], *, share: float = 0.25, seed: int = 5, head_scale: float = 8.0):
+    """Save a small Llama (head dim 32, as vLLM's CPU attention needs) whose greedy next token is the EOS token at
+    `share` of the positions of `texts`: its EOS output row points along the mean final hidden state, scaled to that
+    quantile, so clients meet end-of-sequence often (the other rows are scaled by `head_scale` for clear margins)."""
+    import torch
+
+    from rolemrc.core.tiny import build_model
+
+    model = build_model("llama", tokenizer, seed=seed, hidden=64, layers=2, intermediate=96, heads=2)
+    eos = tokenizer.eos_token_id
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+        hidden = model.model(**batch).last_hidden_state[batch.attention_mask.bool()]
+        direction = hidden.mean(0) / hidden.mean(0).norm()
+        others = hidden @ model.lm_head.weight.T
+        others[:, eos] = float("-inf")
+        along = hidden @ direction
+        ratio = torch.where(along > 0, others.max(-1).values / along, torch.inf)   # EOS wins where scale > ratio
+        model.lm_head.weight[eos] = direction * ratio.sort().values[int(share * len(ratio))]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
