@@ -123,9 +123,9 @@ class Watcher:
         self.stop.set()
 
 
-async def burst(server, experiment: str) -> list:
+async def burst(server, experiment: str, generating: threading.Event) -> list:
     """BURST long generations at once, streamed and whole, half of them in an A/B experiment; each ends as its
-    completion (with its streamed text) or its exception."""
+    completion (with its streamed text) or its exception. `generating` is set when a streamed one gets its first text."""
     aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
 
     async def one(k: int):
@@ -136,7 +136,12 @@ async def burst(server, experiment: str) -> list:
                                                              temperature=0, user=f"u{k}", extra_body=extra)
             stream = await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=400,
                                                            temperature=0, user=f"u{k}", extra_body=extra, stream=True)
-            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            pieces = []
+            async for c in stream:
+                if c.choices and c.choices[0].delta.content:
+                    pieces.append(c.choices[0].delta.content)
+                    generating.set()
+            return "".join(pieces)
         except openai.APIError as exc:
             return exc
 
@@ -155,11 +160,12 @@ def crash_during_burst(server, client, target: str) -> tuple[list, Watcher, floa
     assert httpx.post(server.base_url + "/v1/experiments", json={"id": exp, "arms": arms}).status_code == 201
     pid = vllm_process(server, target)
     results: list = []
-    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp))))
+    generating = threading.Event()
+    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp, generating))))
     runner.start()
-    deadline = time.monotonic() + 60
-    while metric(server, 'rolemrc_inflight ') <= BURST and time.monotonic() < deadline:   # all admitted
-        time.sleep(0.02)
+    # kill once vLLM is generating for the burst (a streamed response's text has begun; each asks 400 tokens): counting
+    # requests in flight cannot tell, since a streamed response leaves the count once its headers are sent
+    assert generating.wait(120), "no streamed text within 120 s"
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     watcher = Watcher(server)
