@@ -280,3 +280,50 @@ def test_upstream_engine_proxies_a_rolemrc_server(server, client, tmp_path):
         assert status_of(lambda: pc.chat.completions.create(model="proxy", messages=CHAT, max_tokens=300))[0] == 400
         assert status_of(lambda: greedy(pc, "proxy", restraint="nope"))[0] == 404   # the upstream's answer
         assert status_of(lambda: greedy(pc, "plain", restraint="mute"))[0] == 400   # cannot apply restraints
+
+
+def cut_short_upstream(abrupt: bool):
+    """A real HTTP upstream whose stream stops after two words: its chunked body ends cleanly with no finish_reason
+    and no [DONE] (how a killed server's connection looks to a relay), or the connection drops mid-body."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for word in ("Hello", " there"):
+                event = f'data: {json.dumps({"choices": [{"index": 0, "delta": {"content": word}}]})}\n\n'.encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            if not abrupt:
+                self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+@pytest.mark.parametrize("abrupt", [False, True], ids=["clean-close", "dropped"])
+def test_an_upstream_stream_cut_short_is_an_error_not_a_finished_reply(tmp_path, abrupt):
+    upstream = cut_short_upstream(abrupt)
+    try:
+        base = f"http://127.0.0.1:{upstream.server_address[1]}/v1"
+        with running_server({"models": {"up": {"engine": "upstream", "base_url": base}}, "db": None},
+                            workdir=tmp_path) as proxy:
+            pc = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="none", max_retries=0)
+            status, error = status_of(lambda: pc.chat.completions.create(model="up", messages=CHAT, max_tokens=8))
+            assert status == 502 and "upstream stream" in error["message"], error
+            with pytest.raises(openai.APIError, match="upstream stream"):
+                list(pc.chat.completions.create(model="up", messages=CHAT, max_tokens=8, stream=True))
+    finally:
+        upstream.shutdown()

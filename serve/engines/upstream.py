@@ -187,13 +187,14 @@ class OpenAIProxy:
 
     async def _relay(self, response: httpx.Response, gen: Generation, chat: bool, k: int | None) -> None:
         """Relay the upstream's stream as Pieces (with echo, the first carries the prompt's text)."""
-        usage, reason = None, None
+        usage, reason, done = None, None, False
         try:
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -205,6 +206,8 @@ class OpenAIProxy:
                     if text or logprobs:
                         gen.push(Piece(text, logprobs))
                     reason = choice.get("finish_reason") or reason
+            if not done and reason is None:   # the connection closed mid-answer (a killed upstream closes it cleanly)
+                raise ApiError(502, "upstream stream ended before its answer did")
             usage = usage or {}
             gen.push(Final(reason or "stop", int(usage.get("prompt_tokens", 0)),
                            int(usage.get("completion_tokens", 0))))
