@@ -21,6 +21,7 @@ from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same,
 from rolemrc.serve.launch import start_server, stop_server
 
 BURST = 24
+LENGTH = 400    # tokens each burst request generates (ignore_eos): the kill comes long before the last one
 TIMEOUT = 120   # no request may take longer: none hangs
 
 
@@ -123,25 +124,30 @@ class Watcher:
         self.stop.set()
 
 
-async def burst(server, experiment: str, generating: threading.Event) -> list:
-    """BURST long generations at once, streamed and whole, half of them in an A/B experiment; each ends as its
-    completion (with its streamed text) or its exception. `generating` is set when a streamed one gets its first text."""
+async def burst(server, experiment: str, streaming: threading.Event) -> list:
+    """BURST long generations at once, streamed and whole, half of them in an A/B experiment; each ends as
+    (finish_reason, completion tokens) or its exception. `streaming` is set when a streamed one has its response
+    headers: vLLM has taken it and is generating (LENGTH tokens, one engine step each)."""
     aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
 
     async def one(k: int):
         extra = {"ignore_eos": True} | ({"experiment": experiment} if k % 2 else {})
         try:
             if k % 4 < 2:
-                return await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=400,
-                                                             temperature=0, user=f"u{k}", extra_body=extra)
-            stream = await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=400,
-                                                           temperature=0, user=f"u{k}", extra_body=extra, stream=True)
-            pieces = []
+                whole = await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=LENGTH,
+                                                              temperature=0, user=f"u{k}", extra_body=extra)
+                return whole.choices[0].finish_reason, whole.usage.completion_tokens
+            stream = await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=LENGTH,
+                                                           temperature=0, user=f"u{k}", extra_body=extra, stream=True,
+                                                           stream_options={"include_usage": True})
+            streaming.set()
+            reason, tokens = None, None
             async for c in stream:
-                if c.choices and c.choices[0].delta.content:
-                    pieces.append(c.choices[0].delta.content)
-                    generating.set()
-            return "".join(pieces)
+                if c.choices and c.choices[0].finish_reason:
+                    reason = c.choices[0].finish_reason
+                if c.usage:
+                    tokens = c.usage.completion_tokens
+            return reason, tokens
         except openai.APIError as exc:
             return exc
 
@@ -160,12 +166,13 @@ def crash_during_burst(server, client, target: str) -> tuple[list, Watcher, floa
     assert httpx.post(server.base_url + "/v1/experiments", json={"id": exp, "arms": arms}).status_code == 201
     pid = vllm_process(server, target)
     results: list = []
-    generating = threading.Event()
-    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp, generating))))
+    streaming = threading.Event()
+    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp, streaming))))
     runner.start()
-    # kill once vLLM is generating for the burst (a streamed response's text has begun; each asks 400 tokens): counting
-    # requests in flight cannot tell, since a streamed response leaves the count once its headers are sent
-    assert generating.wait(120), "no streamed text within 120 s"
+    # kill as soon as vLLM streams the burst's first answer: the engine is fast enough on this model to finish every
+    # token of the burst while its API server is still relaying the first ones (a kill at the first streamed text
+    # found the whole burst generated), so the kill must come before LENGTH engine steps have passed
+    assert streaming.wait(120), "no streamed response within 120 s"
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     watcher = Watcher(server)
@@ -178,9 +185,11 @@ def crash_during_burst(server, client, target: str) -> tuple[list, Watcher, floa
 
 def check_burst(results: list, server, exp: str) -> None:
     assert len(results) == BURST
-    # which requests the crash catches in flight is a race with vLLM's speed (a killed API server's streams were all
-    # answered in one run): every request must end, and those that failed must have failed cleanly
+    # an answer is whole or an error: a stream cut by the crash is never passed off as a finished reply
     failed = [r for r in results if isinstance(r, Exception)]
+    assert all(r == ("length", LENGTH) for r in results if not isinstance(r, Exception)), results
+    assert failed, "no request was in flight at the kill"
+    print(f"{len(failed)} of {BURST} requests in flight at the kill failed cleanly")
     for exc in failed:   # in flight at the crash: a clean 503, or an error event in the stream
         assert "is restarting" in str(exc), exc
         assert getattr(exc, "status_code", 503) == 503, exc

@@ -85,9 +85,9 @@ ClientRestraint = str | dict[str, Any]   # what a request's `restraint` field ho
 @dataclass
 class Resolved:
     """A restraint resolved for one request: the Restraint (engines with `runtime_restraints`; it passed the
-    engine's `check_restraint`, so engines apply it without validating it again), its metric label, its grouping
-    key (`name:<name>`, `inline:<Restraint.digest>` or empty) and what the client sent (forwarded by upstream
-    engines)."""
+    engine's `check_restraint`, so engines apply it without validating it again), its metric label, its identity
+    (`name:<name>` for a registered one, `inline:<Restraint.digest>`, or empty: what vLLM's adapter names follow) and
+    what the client sent (forwarded by upstream engines)."""
 
     restraint: Restraint | None = None
     label: str = "none"
