@@ -6,6 +6,7 @@ restraints too) is what it was before. When vLLM cannot start again the engine i
 other model goes on; with `exit` the server exits non-zero."""
 
 import asyncio
+import json
 import os
 import signal
 import stat
@@ -21,6 +22,7 @@ from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same,
 from rolemrc.serve.launch import start_server, stop_server
 
 BURST = 24
+BROKEN = "vllm-python: broken on purpose"   # what the wrapper says on stderr when it cannot start vLLM
 LENGTH = 400    # tokens each burst request generates (ignore_eos): the kill comes long before the last one
 TIMEOUT = 120   # no request may take longer: none hangs
 
@@ -29,7 +31,7 @@ def wrapper(folder: Path) -> tuple[Path, Path]:
     """An interpreter for the engine that runs vLLM's until `broken` exists, then fails at once (a vLLM that
     cannot start again)."""
     broken, script = folder / "broken", folder / "vllm-python"
-    script.write_text(f'#!/bin/sh\n[ -e "{broken}" ] && exit 1\nexec "{VLLM}" "$@"\n')
+    script.write_text(f'#!/bin/sh\n[ -e "{broken}" ] && echo "{BROKEN}" >&2 && exit 1\nexec "{VLLM}" "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script, broken
 
@@ -239,6 +241,7 @@ def test_an_engine_that_cannot_start_again_is_dead_and_the_others_serve_on(setup
         time.sleep(0.2)
     code, body = health(server)
     assert body["status"] == "engine_dead" and body["engines"]["v"]["state"] == "dead", body
+    assert BROKEN in json.dumps(body), body   # why: the last line vLLM's interpreter printed on stderr
     assert code == 200   # `t` still answers
     with pytest.raises(openai.InternalServerError) as refused:
         client.chat.completions.create(model="v", messages=CHATS[0], max_tokens=4, temperature=0)

