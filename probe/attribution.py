@@ -330,7 +330,7 @@ def attribute_pairs(sft: Any, dpo: Any, tokenizer: Any, pairs: Pairs, config: At
     gradient), then through the SFT model (its activations, scored at once). Launched as several processes, each
     scores every world-th batch and the sums are added over the ranks."""
     layers, units = num_layers(dpo), width(dpo, config.hook)
-    device = next(dpo.parameters()).device
+    device, sft_device = next(dpo.parameters()).device, next(sft.parameters()).device
     sums = torch.zeros(len(pairs.dimensions), layers, units, dtype=torch.int64, device=device)
     dpo_sites, sft_sites = ([site(m, config.hook, i) for i in range(layers)] for m in (dpo, sft))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -347,7 +347,7 @@ def attribute_pairs(sft: Any, dpo: Any, tokenizer: Any, pairs: Pairs, config: At
             input_ids, mask = input_ids.to(device), mask.to(device)
             acts, grads = margin_gradients(dpo, dpo_sites, input_ids, mask, targets.to(device), sign)
             scores = torch.zeros(2 * n, layers, units, dtype=torch.float64, device=device)
-            unit_scores(sft, sft_sites, input_ids.to(next(sft.parameters()).device), mask, acts, grads, scores)
+            unit_scores(sft, sft_sites, input_ids.to(sft_device), mask.to(sft_device), acts, grads, scores)
             sums += in_score_units(scores[:n] + scores[n:], pairs.membership[idx])
             bar.update(n)
         bar.close()

@@ -15,6 +15,13 @@ from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
 
+# where and how the models of `collect` and `attribute` load
+DTYPE = typer.Option("float32", help="float32 | bfloat16 | float16 | auto")
+DEVICE = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; launched as several processes, "
+                      "each rank's own GPU)")
+DEVICE_MAP = typer.Option(None, help="spread each model's layers over this process's GPUs (then the CPU) with "
+                          "accelerate's big-model placement, instead of --device")
+
 
 class HookTableCommand(TyperCommand):
     """A command whose `--hook` help lists the rows of HOOK_POINTS as they are when the CLI is built."""
@@ -41,11 +48,9 @@ def collect_cmd(
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
     max_length: int = typer.Option(None, help="keep at most this many prompt tokens (the last ones)"),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto"),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; launched as "
-                               "several processes, each rank's own GPU)"),
-    device_map: DeviceMap = typer.Option(None, help="spread each model's layers over this process's GPUs (then the "
-                                         "CPU) with accelerate's big-model placement, instead of --device"),
+    dtype: str = DTYPE,
+    device: str = DEVICE,
+    device_map: DeviceMap = DEVICE_MAP,
 ) -> None:
     """Count how often each unit lands in the top `top_fraction` of its layer, per dimension. With several
     `--model`s, each batch runs through every model and the paired statistics per unit are kept too.
@@ -83,11 +88,9 @@ def attribute_cmd(
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     max_length: int = typer.Option(None, help="keep at most this many tokens per sequence (the first ones; default: "
                                    "the context window)"),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto"),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; launched as "
-                               "several processes, each rank's own GPU)"),
-    device_map: DeviceMap = typer.Option(None, help="spread each model's layers over this process's GPUs (then the "
-                                         "CPU) with accelerate's big-model placement, instead of --device"),
+    dtype: str = DTYPE,
+    device: str = DEVICE,
+    device_map: DeviceMap = DEVICE_MAP,
 ) -> None:
     """Attribution patching: per unit and dimension, the DPO preference margin's gradient with respect to the unit's
     activation times the unit's SFT -> DPO activation change, summed over every position of each pair's chosen and

@@ -88,34 +88,35 @@ def plain_score(sft, dpo, arch, hook, ids, start, sign):
     positions of one unpadded sequence, the activation made a leaf of its own layer's forward pass."""
     path, side = PLAIN_SITES[(arch, hook)]
     ids = torch.tensor([ids])
-    rows = []
-    for layer in range(LAYERS):
-        target = module(sft, path.format(layer))
-        seen = {}
+    return torch.stack([plain_layer_score(module(sft, path.format(i)), module(dpo, path.format(i)), side, sft, dpo, ids,
+                                          start, sign) for i in range(LAYERS)])
+
+
+def plain_layer_score(sft_site, dpo_site, side, sft, dpo, ids, start, sign):
+    seen = {}
+
+    def read(_m, args, out=None):
+        first = args[0] if side == "input" else (out[0] if isinstance(out, tuple) else out)
+        seen["sft"] = first.detach()
+
+    def swap(_m, args, out=None):
+        first = args[0] if side == "input" else (out[0] if isinstance(out, tuple) else out)
+        seen["leaf"] = leaf = first.detach().requires_grad_()
         if side == "input":
-            handle = target.register_forward_pre_hook(lambda m, args: seen.update(a=args[0].detach()))
-        else:
-            handle = target.register_forward_hook(lambda m, a, out: seen.update(a=(out[0] if isinstance(out, tuple) else out).detach()))
-        with torch.no_grad():
-            sft(input_ids=ids)
-        handle.remove()
-        target = module(dpo, path.format(layer))
-        if side == "input":
-            def swap(m, args):
-                seen["leaf"] = args[0].detach().requires_grad_()
-                return (seen["leaf"], *args[1:])
-            handle = target.register_forward_pre_hook(swap)
-        else:
-            def swap(m, a, out):
-                first = out[0] if isinstance(out, tuple) else out
-                seen["leaf"] = first.detach().requires_grad_()
-                return (seen["leaf"], *out[1:]) if isinstance(out, tuple) else seen["leaf"]
-            handle = target.register_forward_hook(swap)
-        logp = dpo(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
-        handle.remove()
-        (sign * logp[start - 1:].sum()).backward()
-        rows.append((seen["leaf"].grad[0].double() * (seen["leaf"][0].detach().double() - seen["a"][0].double())).sum(0))
-    return torch.stack(rows)
+            return (leaf, *args[1:])
+        return (leaf, *out[1:]) if isinstance(out, tuple) else leaf
+
+    register = "register_forward_pre_hook" if side == "input" else "register_forward_hook"
+    handle = getattr(sft_site, register)(read)
+    with torch.no_grad():
+        sft(input_ids=ids)
+    handle.remove()
+    handle = getattr(dpo_site, register)(swap)
+    logp = dpo(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+    handle.remove()
+    (sign * logp[start - 1:].sum()).backward()
+    leaf = seen["leaf"]
+    return (leaf.grad[0].double() * (leaf[0].detach().double() - seen["sft"][0].double())).sum(0)
 
 
 @pytest.mark.parametrize("arch,hook", list(PLAIN_SITES))
@@ -145,7 +146,7 @@ def test_changed_units_carry_the_score_and_unchanged_ones_score_exactly_zero(sft
     assert all((s == 0).all() for s in same.sums.values())
     for scale in (1.5, 1.01):
         got = attribute(sft, changed(sft, scale), pairs, **kw)
-        for d, score in got.scores.items():
+        for score in got.scores.values():
             assert (score[:CHANGED_LAYER] == 0).all()  # upstream: activations identical, so exactly 0
             moved = score[CHANGED_LAYER].nonzero().flatten().tolist()
             assert moved == CHANGED and (score[CHANGED_LAYER + 1:] != 0).any()  # downstream moves too
@@ -252,6 +253,10 @@ def test_cli_refuses_bad_input_before_loading_a_model(dirs, pairs, tmp_path, no_
     write_jsonl(no_rejected, [pairs[0], {k: v for k, v in pairs[1].items() if k != "rejected"}])
     no_chosen = tmp_path / "no-chosen.jsonl"
     write_jsonl(no_chosen, [{"prompt": "hello?", "rejected": "no"}])
+    wider = tmp_path / "wider"
+    shutil.copytree(dirs["dpo"], wider)
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": 512, "intermediate_size": 128}))
     cases = {
         "missing sft": ({"--sft": tmp_path / "nowhere"}, "nowhere: no such directory"),
         "missing pairs": ({"--pairs": tmp_path / "none.jsonl"}, "none.jsonl: no such file"),
@@ -259,6 +264,7 @@ def test_cli_refuses_bad_input_before_loading_a_model(dirs, pairs, tmp_path, no_
         "no chosen": ({"--pairs": no_chosen}, f"{no_chosen}:1: a preference pair needs a non-empty 'chosen' reply"),
         "bad hook": ({"--hook": "mlp.nothing"}, "unknown hook point 'mlp.nothing'"),
         "other layers": ({"--dpo": dirs["short"]}, "differ (layers: 3 vs 2); attribution compares"),
+        "other vocabulary and width": ({"--dpo": wider}, "differ (vocabulary: 400 vs 512; width: 96 vs 128)"),
         "bad batch": ({"--batch-size": 0}, "Invalid value for '--batch-size'"),
     }
     for name, (change, message) in cases.items():
