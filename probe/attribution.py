@@ -227,8 +227,8 @@ def build_pairs(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
 
 
 def bucket_length(n: int, cap: int | None) -> int:
-    """The padded length of a sequence of n tokens: n rounded up to a multiple of a quarter of its power of two
-    (at least 8; at most 25% padding), capped at `cap`."""
+    """The padded length of a sequence of n tokens: n rounded up to a multiple of a quarter of its power of two, at
+    least 8 (under 25% padding from 32 tokens on), capped at `cap`."""
     step = max(8, 1 << max(0, n.bit_length() - 3))
     length = -(-n // step) * step
     return min(length, cap) if cap else length
