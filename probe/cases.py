@@ -62,6 +62,16 @@ def case_dimensions(record: dict[str, Any], dimension_field: str | None) -> list
     return list(dimensions_for_task(record.get("task")))
 
 
+def membership_matrix(per_case: list[list[str]], by_field: bool) -> tuple[list[str], torch.Tensor]:
+    """(the dimensions in `dimension_order`, a [cases, dimensions] 0/1 matrix) from each case's dimensions."""
+    dimensions = dimension_order({d for dims in per_case for d in dims}, by_field)
+    index = {d: j for j, d in enumerate(dimensions)}
+    membership = torch.zeros(len(per_case), len(dimensions))
+    for i, dims in enumerate(per_case):
+        membership[i, [index[d] for d in dims]] = 1.0
+    return dimensions, membership
+
+
 def prompt_cases(records: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
     """Each record's prompt turns, checked; cheap, so collect() runs it before loading a model."""
     if not records:
@@ -78,11 +88,7 @@ def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
     """
     texts = [render_chat(tokenizer, turns, add_generation_prompt=generation_prompt) for turns in prompt_cases(records)]
     per_case = [case_dimensions(record, dimension_field) or [UNGROUPED] for record in records]
-    dimensions = dimension_order({d for dims in per_case for d in dims}, bool(dimension_field))
-    index = {d: j for j, d in enumerate(dimensions)}
-    membership = torch.zeros(len(records), len(dimensions))
-    for i, dims in enumerate(per_case):
-        membership[i, [index[d] for d in dims]] = 1.0
+    dimensions, membership = membership_matrix(per_case, bool(dimension_field))
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     truncated = 0
     if max_length:
@@ -109,11 +115,16 @@ def batches(cases: Cases, batch_size: int, pad_id: int, rank: int = 0, world: in
     tokens' activations do not depend on the batch they share.
     """
     for idx in batch_indices(cases, batch_size, rank, world):
-        rows = [cases.input_ids[i] for i in idx]
-        longest = max(map(len, rows))
-        input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for r, row in enumerate(rows):
-            input_ids[r, :len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[r, :len(row)] = 1
-        yield torch.tensor(idx), input_ids, mask
+        yield torch.tensor(idx), *pad_right([cases.input_ids[i] for i in idx], pad_id)
+
+
+def pad_right(rows: list[list[int]], pad_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [rows, length] of token-id rows padded on the right to `length` (default: the
+    longest row)."""
+    length = length or max(map(len, rows))
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for r, row in enumerate(rows):
+        input_ids[r, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[r, :len(row)] = 1
+    return input_ids, mask

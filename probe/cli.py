@@ -1,4 +1,4 @@
-"""`rolemrc probe collect|merge|diff|explore`."""
+"""`rolemrc probe collect|attribute|merge|diff|explore`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
+
+# where and how the models of `collect` and `attribute` load
+DTYPE = typer.Option("float32", help="float32 | bfloat16 | float16 | auto")
+DEVICE = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; launched as several processes, "
+                      "each rank's own GPU)")
+DEVICE_MAP = typer.Option(None, help="spread each model's layers over this process's GPUs (then the CPU) with "
+                          "accelerate's big-model placement, instead of --device")
 
 
 class HookTableCommand(TyperCommand):
@@ -41,11 +48,9 @@ def collect_cmd(
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
     max_length: int = typer.Option(None, help="keep at most this many prompt tokens (the last ones)"),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto"),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; launched as "
-                               "several processes, each rank's own GPU)"),
-    device_map: DeviceMap = typer.Option(None, help="spread each model's layers over this process's GPUs (then the "
-                                         "CPU) with accelerate's big-model placement, instead of --device"),
+    dtype: str = DTYPE,
+    device: str = DEVICE,
+    device_map: DeviceMap = DEVICE_MAP,
 ) -> None:
     """Count how often each unit lands in the top `top_fraction` of its layer, per dimension. With several
     `--model`s, each batch runs through every model and the paired statistics per unit are kept too.
@@ -72,17 +77,66 @@ def _report(probe: Any) -> dict[str, Any]:
             "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
 
 
+@app.command("attribute", cls=HookTableCommand)
+def attribute_cmd(
+    sft: Path = typer.Option(..., "--sft", help="the SFT model (local HF directory): the reference"),
+    dpo: Path = typer.Option(..., "--dpo", help="the DPO model trained from it (same tokenizer and shape)"),
+    pairs: Path = typer.Option(..., "--pairs", help="JSONL preference pairs (prompt, chosen, rejected, task)"),
+    out: Path = typer.Option(..., "--out", help="attribution file to write (.safetensors)"),
+    hook: str = typer.Option("mlp.act"),  # help: HookTableCommand
+    batch_size: int = typer.Option(4, min=1, help="preference pairs per batch (twice as many sequences)"),
+    dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
+    max_length: int = typer.Option(None, help="keep at most this many tokens per sequence (the first ones; default: "
+                                   "the context window)"),
+    dtype: str = DTYPE,
+    device: str = DEVICE,
+    device_map: DeviceMap = DEVICE_MAP,
+) -> None:
+    """Attribution patching: per unit and dimension, the DPO preference margin's gradient with respect to the unit's
+    activation times the unit's SFT -> DPO activation change, summed over every position of each pair's chosen and
+    rejected sequence. Positive: the change favours the chosen reply. Under `torchrun --nproc_per_node N -m
+    rolemrc.cli probe attribute ...` each process scores every N-th batch and rank 0 alone writes and prints."""
+    from rolemrc.probe.attribution import AttributeConfig, attribute
+    from rolemrc.probe.distributed import shard_from_env
+
+    config = AttributeConfig(hook=hook, batch_size=batch_size, dimension_field=dimension_field, max_length=max_length,
+                             dtype=dtype, device=device, device_map=device_map)
+    result = attribute(sft, dpo, pairs, config)
+    if shard_from_env().main:
+        typer.echo(json.dumps({"out": str(result.save(out)), **_attribution_report(result)}, indent=1))
+
+
+def _attribution_report(result: Any, top: int = 5) -> dict[str, Any]:
+    """What an attribution file holds, with each dimension's `top` units by |mean score|, for the CLI's JSON."""
+    import torch
+
+    from rolemrc.probe.ranking import rank_units
+
+    def units(score: torch.Tensor) -> list[dict[str, Any]]:
+        flat = rank_units(score, torch.full_like(score, float("nan")))[:top].tolist()
+        return [{"layer": i // score.shape[1], "unit": i % score.shape[1], "score": score.reshape(-1)[i].item()}
+                for i in flat]
+
+    return {"pairs": result.pairs, "empty_dimensions": result.empty_dimensions, "hook": result.meta["hook"],
+            "layers": int(result.meta["layers"]), "width": int(result.meta["width"]),
+            "truncated": int(result.meta["truncated"]), "top": {d: units(s) for d, s in result.scores.items()}}
+
+
 @app.command("merge")
 def merge_cmd(
-    probes: list[Path] = typer.Argument(..., help="probe files (single or paired) counted over disjoint cases"),
-    out: Path = typer.Option(..., "--out", help="merged probe file to write (.safetensors)"),
+    probes: list[Path] = typer.Argument(..., help="probe files (single or paired) counted over disjoint cases, or "
+                                        "attribution files over disjoint pairs"),
+    out: Path = typer.Option(..., "--out", help="merged file to write (.safetensors)"),
 ) -> None:
     """Sum probe files collected anywhere (shards of the data) into one, equal to collecting all their cases at
-    once. Refuses files counted differently (as `diff` does, plus the models and dtype) or sharing a case."""
-    from rolemrc.probe.merge import merge
+    once. Refuses files counted differently (as `diff` does, plus the models and dtype) or sharing a case.
+    Attribution files (`probe attribute`) sum the same way; the two kinds do not mix."""
+    from rolemrc.probe.attribution import Attribution
+    from rolemrc.probe.merge import merge_any
 
-    merged = merge(probes)
-    typer.echo(json.dumps({"out": str(merged.save(out)), "merged": [str(p) for p in probes], **_report(merged)}, indent=1))
+    merged = merge_any(probes)
+    report = _attribution_report(merged) if isinstance(merged, Attribution) else _report(merged)
+    typer.echo(json.dumps({"out": str(merged.save(out)), "merged": [str(p) for p in probes], **report}, indent=1))
 
 
 @app.command("diff")

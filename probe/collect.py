@@ -48,10 +48,15 @@ class CollectConfig:
         check_choice("token policy", self.tokens, get_args(Tokens))
         check_choice("rank", self.rank, get_args(Rank))
         check_choice("backend", self.backend, get_args(Backend))
-        if self.device_map is not None:
-            check_choice("device map", self.device_map, get_args(DeviceMap))
-            if self.device != "auto":
-                raise ProbeError(f"give a device ({self.device}) or a device map ({self.device_map}), not both")
+        check_placement(self.device, self.device_map)
+
+
+def check_placement(device: str, device_map: DeviceMap | None) -> None:
+    """Refuse an unknown device map, or one given with a device."""
+    if device_map is not None:
+        check_choice("device map", device_map, get_args(DeviceMap))
+        if device != "auto":
+            raise ProbeError(f"give a device ({device}) or a device map ({device_map}), not both")
 
 
 def collect(model: Any, data: Any, config: CollectConfig | None = None, *, tokenizer: Any = None,
@@ -63,7 +68,7 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     Keyword overrides replace fields of `config`.
     """
     config, data, data_fingerprint = _prepare(data, config, overrides)
-    model, tokenizer, model_meta = _load(model, tokenizer, config)
+    model, tokenizer, model_meta = load_probed(model, tokenizer, config)
     cases, meta = _cases(data, data_fingerprint, [model], tokenizer, config)
     counter = count_cases(model, tokenizer, cases, config)
     return _counts(counter, cases, {**meta, **model_meta, **_shape_meta(counter)})
@@ -78,7 +83,7 @@ def collect_paired(models: Sequence[Any], data: Any, config: CollectConfig | Non
         raise ProbeError(f"paired collection needs two or more models, got {len(models)}")
     config, data, data_fingerprint = _prepare(data, config, overrides)
     tokenizers = list(tokenizers) if tokenizers is not None else [None] * len(models)
-    loaded = [_load(m, t, config) for m, t in zip(models, tokenizers, strict=True)]
+    loaded = [load_probed(m, t, config) for m, t in zip(models, tokenizers, strict=True)]
     names = [meta["model"] for _, _, meta in loaded]
     check_same_tokenizer([t for _, t, _ in loaded], names)
     check_same_shape([m for m, _, _ in loaded], names, config.hook)
@@ -90,8 +95,11 @@ def collect_paired(models: Sequence[Any], data: Any, config: CollectConfig | Non
     return PairedCounts(counts, paired.tensors(cases.dimensions), meta)
 
 
-def check_same_tokenizer(tokenizers: list[Any], names: list[str]) -> None:
-    """Refuse models whose tokenizers differ (vocabulary, special tokens or chat template)."""
+PAIRED_TOKENS = "paired probing tokenises the cases once, so probe them separately and diff unpaired"
+
+
+def check_same_tokenizer(tokenizers: list[Any], names: list[str], why: str = PAIRED_TOKENS) -> None:
+    """Refuse models whose tokenizers differ (vocabulary, special tokens or chat template); `why` ends the message."""
     def signature(tok: Any) -> dict[str, Any]:
         return {"vocabulary": tok.get_vocab(), "chat template": getattr(tok, "chat_template", None),
                 "special tokens": (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)}
@@ -102,8 +110,7 @@ def check_same_tokenizer(tokenizers: list[Any], names: list[str]) -> None:
         differ = [key for key in first if other[key] != first[key]]
         if differ:
             sizes = f": {len(first['vocabulary'])} vs {len(other['vocabulary'])} tokens" if "vocabulary" in differ else ""
-            raise ProbeError(f"models {names[0]} and {name} do not share a tokenizer ({', '.join(differ)} differ{sizes}); "
-                             "paired probing tokenises the cases once, so probe them separately and diff unpaired")
+            raise ProbeError(f"models {names[0]} and {name} do not share a tokenizer ({', '.join(differ)} differ{sizes}); {why}")
 
 
 def check_same_shape(models: list[Any], names: list[str], hook: str) -> None:
@@ -125,8 +132,9 @@ def _prepare(data: Any, config: CollectConfig | None, overrides: dict[str, Any])
     return config, data, data_fingerprint
 
 
-def _load(model: Any, tokenizer: Any, config: CollectConfig) -> tuple[Any, Any, dict[str, str]]:
-    """(model, tokenizer, per-model metadata) from a directory, or a loaded model with its tokenizer."""
+def load_probed(model: Any, tokenizer: Any, config: Any) -> tuple[Any, Any, dict[str, str]]:
+    """(model, tokenizer, per-model metadata) from a directory, or a loaded model with its tokenizer; `config`
+    (a CollectConfig, or any with its dtype, device and device_map) says how to load a directory."""
     if isinstance(model, (str, os.PathLike)):
         path, fingerprint = str(model), dir_fingerprint(model)
         if config.device_map:
@@ -168,8 +176,7 @@ def rank_device(device: str) -> str:
 def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
            config: CollectConfig) -> tuple[Cases, dict[str, str]]:
     """Tokenised cases (prompts cut to the shortest context window) and the shared metadata."""
-    windows = [w for w in (context_window(m, tokenizer) for m in models) if w]
-    max_length = config.max_length or (min(windows) if windows else None)
+    max_length = shared_window(models, tokenizer, config.max_length)
     cases = build_cases(data, tokenizer, dimension_field=config.dimension_field,
                         generation_prompt=config.generation_prompt, max_length=max_length)
     return cases, {
@@ -179,6 +186,12 @@ def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
         "data_fingerprint": data_fingerprint or cases.fingerprint, "cases_fingerprint": cases.fingerprint,
         "truncated": str(cases.truncated), "max_length": str(max_length), "toolkit_version": __version__,
     }
+
+
+def shared_window(models: list[Any], tokenizer: Any, max_length: int | None) -> int | None:
+    """`max_length`, else the shortest context window of the models (None: no known limit)."""
+    windows = [w for w in (context_window(m, tokenizer) for m in models) if w]
+    return max_length or (min(windows) if windows else None)
 
 
 def _shape_meta(counter: TopKCounter) -> dict[str, str]:

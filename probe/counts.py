@@ -53,6 +53,15 @@ def read_tensors(path: str | os.PathLike, what: str, *, missing: str) -> tuple[d
     return meta, tensors
 
 
+def read_probe_tensors(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a probe file of counts; another kind of rolemrc file (`kind` in its metadata, as an
+    attribution file has) is refused by name."""
+    meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
+    if "kind" in meta:
+        raise ProbeError(f"{path}: an {meta['kind']} file, not a probe file of counts")
+    return meta, tensors
+
+
 def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
     """Write a safetensors file atomically (a temporary file, then a rename)."""
     from safetensors.torch import save_file
@@ -206,7 +215,7 @@ class ProbeCounts:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeCounts:
-        meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
+        meta, tensors = read_probe_tensors(path)
         if "models" in meta:
             raise ProbeError(f"{path}: a paired probe file of {len(json.loads(meta['models']))} models, not one "
                              "model's counts (diff it alone: `rolemrc probe diff PAIRED --a 0 --b 1 --out DIR`)")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from rolemrc import __version__
+from rolemrc.probe.attribution import ATTRIBUTION_KEYS, Attribution, is_attribution_file, load_attribution
 from rolemrc.probe.cases import cases_fingerprint, dimension_order
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
 from rolemrc.probe.diff import Probe, ProbeMismatchError, check_comparable
@@ -62,8 +63,40 @@ def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
 
 
 def merge_files(paths: Sequence[str | os.PathLike], out: str | os.PathLike) -> Path:
-    """merge() and save the result."""
-    return merge(paths).save(out)
+    """merge() (merge_attribution() for attribution files) and save the result."""
+    return merge_any(paths).save(out)
+
+
+def merge_any(paths: Sequence[str | os.PathLike]) -> ProbeCounts | PairedCounts | Attribution:
+    """merge() of probe files or merge_attribution() of attribution files; refuses a mix of the two kinds."""
+    kinds = [is_attribution_file(p) for p in paths]
+    if any(kinds) and not all(kinds):
+        raise ProbeMismatchError(f"{paths[kinds.index(True)]} is an attribution file and {paths[kinds.index(False)]} is "
+                                 "not: merge attribution files with attribution files only")
+    return merge_attribution(paths) if any(kinds) else merge(paths)
+
+
+def merge_attribution(paths: Sequence[str | os.PathLike]) -> Attribution:
+    """Sum attribution files of the same models and settings over disjoint pairs into the file one pass over all
+    their pairs gives (each pair's score is an integer of SCORE_UNITs: exact in any order). Refuses files of another
+    hook, shape, policy or models (fingerprints and dtype), and files that share a pair (`case_hashes`)."""
+    if len(paths) < 2:
+        raise ProbeError(f"merging needs two or more attribution files, got {len(paths)}")
+    names, loaded = [str(p) for p in paths], [load_attribution(p) for p in paths]
+    for name, other in zip(names[1:], loaded[1:]):
+        check_comparable(loaded[0], other, ATTRIBUTION_KEYS, (names[0], name))
+        if other.model_identity != loaded[0].model_identity:
+            raise ProbeMismatchError(f"attribution files {names[0]} and {name} are not comparable (models: "
+                                     f"{loaded[0].model_identity} vs {other.model_identity})")
+    hashes = _disjoint_cases(names, [x.case_hashes for x in loaded])
+    fingerprint = cases_fingerprint(hashes)
+    dims = dimension_order({d for x in loaded for d in x.dimensions}, bool(loaded[0].meta["dimension_field"]))
+    meta = {**loaded[0].meta, "data_fingerprint": fingerprint, "pairs_fingerprint": fingerprint,
+            "truncated": str(sum(int(x.meta["truncated"]) for x in loaded)), "toolkit_version": __version__,
+            "merged_from": json.dumps([{"file": name, "data_fingerprint": x.meta["data_fingerprint"], "pairs": len(x.case_hashes)}
+                                       for name, x in zip(names, loaded)])}
+    return Attribution({d: _add([x.sums[d] for x in loaded if d in x.sums]) for d in dims},
+                       {d: sum(x.pairs.get(d, 0) for x in loaded) for d in dims}, meta, hashes)
 
 
 def _kind(probe: ProbeCounts | PairedCounts) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rolemrc.probe.counts import ProbeCounts, TopKCounter, read_tensors, write_tensors
+from rolemrc.probe.counts import ProbeCounts, TopKCounter, read_probe_tensors, write_tensors
 from rolemrc.probe.errors import ProbeError
 
 MODEL_KEYS = ("model", "model_fingerprint", "dtype", "attn_implementation")  # per-model metadata
@@ -143,7 +143,7 @@ class PairedCounts:
 
 def load_probe(path: str | os.PathLike) -> ProbeCounts | PairedCounts:
     """A probe file: one model's counts (ProbeCounts) or a paired file of several models (PairedCounts)."""
-    meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
+    meta, tensors = read_probe_tensors(path)
     if "models" in meta:
         return PairedCounts.from_tensors(meta, tensors)
     return ProbeCounts.from_tensors(meta, tensors)
