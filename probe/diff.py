@@ -304,7 +304,7 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
     meta, tensors = read_tensors(file, "diff file",
                                  missing="no diff file (run `rolemrc probe diff A B --out DIR` first)")
     if meta.get("kind", "diff") != "diff":
-        raise ProbeError(f"{file}: a {meta['kind']} file, not a probe diff (`rolemrc probe diff` writes those)")
+        raise ProbeError(f"{file}: not a probe diff (its kind is {meta['kind']!r}; `rolemrc probe diff` writes diffs)")
     dims = json.loads(meta.pop("dimensions"))
     tables = {name: {d: tensors[f"{name}.{d}"] for d in dims} for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue")}
     tables |= {name: {d: tensors[f"{name}.{d}"] for d in dims if f"{name}.{d}" in tensors} for name in EFFECT_TABLES}
