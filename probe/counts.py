@@ -29,11 +29,15 @@ MOMENT_MAX = 2.0 ** 14  # |activation| must stay below this (checked), so x^2, a
 
 
 def fixed_point(x: torch.Tensor) -> torch.Tensor:
-    """x rounded once to MOMENT_UNIT, as int64 limbs [2, *x.shape]: the integer part (floor) and the fraction in
-    MOMENT_UNITs ([0, 2^32)); |x| < 2^31. Limbs add up exactly in any order: sums over up to 2^31 observations hold in
-    int64, and a float64 sum of fewer than 2^21 of them is exact too. `fixed_value` reads a (summed) pair of limbs."""
-    q = (x.double() / MOMENT_UNIT).round().long()
-    return torch.stack([q >> FRACTION_BITS, q & (2 ** FRACTION_BITS - 1)])
+    """x rounded once to MOMENT_UNIT, as two limbs [2, *x.shape] (float64 holding integers, |x| < 2^31): the integer
+    part floor(x) and the fraction in MOMENT_UNITs, in [0, 2^32]. Every step is exact, so the limbs are a function of x
+    alone, and sums of limbs are exact in any order: in float64 below 2^21 terms, in int64 (the probe file's sums)
+    below 2^31. `fixed_value` reads a (summed) pair of limbs."""
+    x = x.double()
+    limbs = x.new_empty(2, *x.shape)
+    torch.floor(x, out=limbs[0])
+    torch.sub(x, limbs[0], out=limbs[1]).mul_(2.0 ** FRACTION_BITS).round_()
+    return limbs
 
 
 def fixed_value(limbs: torch.Tensor) -> torch.Tensor:
@@ -43,9 +47,9 @@ def fixed_value(limbs: torch.Tensor) -> torch.Tensor:
 
 def dimension_sums(weights: torch.Tensor, limbs: torch.Tensor) -> torch.Tensor:
     """Per dimension, the sum of fixed-point `limbs` [2, layers, n, width] over the n observations (or cases) in it
-    (`weights` [n, dims], 0/1): [2, dims, layers, width] int64. One float64 einsum, exact (limbs are below 2^32 and
-    a batch has fewer than 2^21 observations)."""
-    return torch.einsum("nd,klnw->kdlw", weights.double(), limbs.double()).round().long()
+    (`weights` [n, dims], 0/1): [2, dims, layers, width] int64. One float64 einsum, exact: limbs are integers of at
+    most 2^32 (or per-case sums of them), and a batch holds fewer than 2^21 observations."""
+    return torch.einsum("nd,klnw->kdlw", weights.double(), limbs).long()
 
 
 def check_top_fraction(top_fraction: float) -> float:
@@ -109,13 +113,14 @@ class TopKCounter:
         self.cases = torch.zeros(d, dtype=torch.int64, device=device)
         self.observations = torch.zeros(d, dtype=torch.int64, device=device)
         self.moments = torch.zeros(2, 2, d, layers, width, dtype=torch.int64, device=device)  # sums of x, of x^2
-        self.largest = torch.zeros((), dtype=torch.float64, device=device)  # the largest |x| seen (< MOMENT_MAX)
+        self.largest = torch.zeros((), dtype=torch.float64, device=device)  # the largest floor(x^2) seen
         self._rows: torch.Tensor | None = None
         self._cols: torch.Tensor | None = None
-        self._weights: torch.Tensor | None = None
+        self._weights: torch.Tensor | None = None  # [observations, dims] 0/1
+        self._membership: torch.Tensor | None = None  # [batch, dims] 0/1
         self._case_hits: torch.Tensor | None = None  # [layers, batch, width]: counted positions where a unit is active
         self._case_tokens: torch.Tensor | None = None  # [batch]: counted positions per case
-        self._case_sums: torch.Tensor | None = None  # [2, layers, batch, width]: limbs of the sum of x per case
+        self._case_sums: torch.Tensor | None = None  # [2, layers, batch, width] float64: limbs of the sum of x per case
 
     @property
     def totals(self) -> list[torch.Tensor]:
@@ -139,13 +144,14 @@ class TopKCounter:
             weights = membership[rows.to(membership.device)]
         self._rows, self._cols = rows.to(device), cols.to(device)
         self._weights = weights.to(device)
+        self._membership = membership.to(device)
         self.cases += membership.sum(0).round().long().to(device)
         self.observations += self._weights.sum(0).round().long()
         self._pending: dict[int, torch.Tensor] = {}
         if self.keep_cases:
             batch = mask.shape[0]
             self._case_hits = torch.zeros(self.layers, batch, self.width, device=device)
-            self._case_sums = torch.zeros(2, self.layers, batch, self.width, dtype=torch.int64, device=device)
+            self._case_sums = torch.zeros(2, self.layers, batch, self.width, dtype=torch.float64, device=device)
             per_case = mask.sum(1) if self.tokens == "all" else torch.ones(batch, device=mask.device)
             self._case_tokens = per_case.to(device=device, dtype=torch.float64)
 
@@ -185,21 +191,24 @@ class TopKCounter:
 
     def _add_moments(self, index: slice | list[int], selected: torch.Tensor) -> None:
         """moments[..., index, :] += per dimension the sums over the observations of x and x^2 (each rounded once to
-        MOMENT_UNIT); with `keep_cases`, each case's sum of x is kept for the batch."""
+        MOMENT_UNIT), summed per case first (with `last`, observation i is case i); with `keep_cases`, each case's sum
+        of x is kept for the batch."""
         x = selected.double()
-        self.largest = torch.maximum(self.largest, x.abs().amax())
         for s, values in enumerate((x, x * x)):
             limbs = fixed_point(values)   # [2, layers, obs, width]
-            self.moments[s][:, :, index] += dimension_sums(self._weights, limbs)
-            if self.keep_cases and s == 0:   # observations -> their cases (with `last`, observation i is case i)
-                per_case = limbs.new_zeros(2, len(x), *self._case_sums.shape[2:])
-                self._case_sums[:, index] = per_case.index_add_(2, self._rows, limbs)
+            if s == 1:
+                self.largest = torch.maximum(self.largest, limbs[0].amax())
+            if self.tokens == "all":
+                limbs = limbs.new_zeros(2, len(x), len(self._membership), self.width).index_add_(2, self._rows, limbs)
+            self.moments[s][:, :, index] += dimension_sums(self._membership, limbs)
+            if self.keep_cases and s == 0:
+                self._case_sums[:, index] = limbs
 
     def check_moments(self) -> None:
         """Refuse moments of activations at or beyond MOMENT_MAX, which the fixed-point limbs cannot hold."""
-        if float(self.largest) >= MOMENT_MAX:
-            raise ProbeError(f"an activation of {float(self.largest):.4g} at this hook point: activation moments hold "
-                             f"|x| < {MOMENT_MAX:g}; probe another hook point")
+        if float(self.largest) >= MOMENT_MAX ** 2:
+            raise ProbeError(f"an activation of magnitude {float(self.largest) ** 0.5:.4g} at this hook point: activation "
+                             f"moments hold |x| < {MOMENT_MAX:g}; probe another hook point")
 
     def case_share(self) -> torch.Tensor:
         """[layers, batch, width] float64: per case of the last batch, the share of its counted positions
@@ -209,8 +218,8 @@ class TopKCounter:
         return self._case_hits.double() / self._case_tokens[None, :, None]
 
     def case_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of x per case as fixed-point limbs [2, layers, batch, width], counted positions per case [batch]
-        float64) of the last batch. Needs `keep_cases`."""
+        """(sum of x per case as fixed-point limbs [2, layers, batch, width] float64, counted positions per case
+        [batch] float64) of the last batch. Needs `keep_cases`."""
         if self._case_sums is None:
             raise ProbeError("case_sums() needs a TopKCounter made with keep_cases=True, after a batch")
         return self._case_sums, self._case_tokens
