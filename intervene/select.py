@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -29,7 +30,7 @@ def select(source: str | os.PathLike, dimension: str, *, method: str = "frequenc
         raise RestraintError(f"top_k must be >= 1, got {top_k}")
     if direction not in DIRECTIONS:
         raise RestraintError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    scores = entry.scores(source, dimension)
+    scores = entry.scores(Path(source), dimension)
     if fdr is not None and scores.q is None:
         raise RestraintError(f"{scores.file}: --method {method} has no q-values here ({scores.no_q}); select with top_k")
     score = scores.score.double()

@@ -62,7 +62,7 @@ def selector(name: str, *, description: str, reads: str, ranks: str) -> Callable
 
 def selectors_help() -> str:
     """One line per selector: name, what it reads, how it ranks (for `intervene select --help`)."""
-    return "; ".join(f"{name}: {s.description} (reads a {s.reads}; ranks by {s.ranks})"
+    return "; ".join(f"{name}: {s.description} (input: {s.reads}; rank: {s.ranks})"
                      for name, s in ((n, SELECTORS.get(n)) for n in SELECTORS.names()))
 
 
@@ -85,20 +85,19 @@ TOKEN_METHODS = {"last": "frequency", "all": "frequency-all"}  # a diff's token 
 
 
 @selector("frequency", reads="diff", ranks="|freq_b - freq_a|, then the diff's q",
-          description="the paper's: change in how often a unit is in its layer's top fraction at the last prompt token")
+          description="the paper's: change in top-fraction frequency at the last prompt token")
 def frequency(path: Path, dimension: str) -> Scores:
     return _frequency(path, dimension, "last")
 
 
 @selector("frequency-all", reads="diff", ranks="|freq_b - freq_a|, then the diff's q",
-          description="the same change counted over every prompt token (tokens=all probe files)")
+          description="the same over every prompt token (tokens=all probe files)")
 def frequency_all(path: Path, dimension: str) -> Scores:
     return _frequency(path, dimension, "all")
 
 
 @selector("standardized", reads="diff", ranks="|effect|, then the effect test's q",
-          description="mean activation difference over the pooled per-unit SD, (mean_b - mean_a) / "
-                      "sqrt((var_a + var_b) / 2), from the probe files' activation moments")
+          description="mean activation change over the pooled per-unit SD (the diff's effect)")
 def standardized(path: Path, dimension: str) -> Scores:
     result, file = _diff(path, dimension)
     if dimension not in result.effect:
@@ -108,9 +107,8 @@ def standardized(path: Path, dimension: str) -> Scores:
     return Scores(result.effect[dimension], q, result.hook, file, no_q=f"effect test: {result.effect_test}")
 
 
-@selector("attribution", reads="attribution", ranks="the mean attribution score (no q)",
-          description="gradient of the DPO preference margin times the unit's SFT -> DPO activation change, "
-                      "summed over preference pairs (attribution patching)")
+@selector("attribution", reads="attribution", ranks="mean score per pair, no q",
+          description="DPO preference-margin gradient times the SFT -> DPO activation change, over preference pairs")
 def attribution(path: Path, dimension: str) -> Scores:
     scores, meta = load_attribution(path)
     if dimension not in scores:
