@@ -140,7 +140,8 @@ def _diff(path: Path, dimension: str) -> tuple[DiffResult, Path]:
     return result, input_file(path)
 
 
-# --- Attribution files: this branch's reader, to be reconciled with `probe.attribution` (the attribution branch) ---
+# --- Attribution files (`rolemrc probe attribute`, branch `attribution`): this branch's own reader of that format, to
+# be replaced by `probe.attribution.load_attribution(path)` (its `.scores` and `.meta`) when both are merged ---
 ATTRIBUTION_BITS = 32   # attribution.<dim> holds sums of per-pair scores in units of 2^-ATTRIBUTION_BITS
 
 
@@ -150,11 +151,11 @@ def load_attribution(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     models), tensors `attribution.<dim>` (int64 [layers, width]), `pairs.<dim>` (int64 scalar), `case_hashes`."""
     from rolemrc.probe.counts import read_tensors
 
-    missing = "no such attribution file (--method attribution reads an attribution file, not a probe diff)"
+    missing = "no such attribution file (--method attribution reads what `rolemrc probe attribute` writes, not a diff)"
     meta, tensors = read_tensors(path, "attribution file", missing=missing)
     if meta.get("kind") != "attribution":
         raise RestraintError(f"{path}: not an attribution file (kind {meta.get('kind', 'unset')!r}); --method "
-                             "attribution reads the file probe.attribution writes")
+                             "attribution reads what `rolemrc probe attribute` writes")
     scores = {}
     for d in json.loads(meta["dimensions"]):
         pairs = int(tensors[f"pairs.{d}"])
