@@ -4,7 +4,8 @@ tests of `probe diff` run on torch tensors over all units at once):
 - bootstrap CIs (plain or stratified) and per-item means;
 - paired tests: exact McNemar on paired binary outcomes (eval's verdicts, probe's per-unit activity), the paired
   sign-flip permutation test with a paired bootstrap CI (eval, sweep), the paired t-test from streamed sums (probe);
-- unpaired tests: Welch's t on cluster (user) means with a bootstrap CI (A/B), the pooled two-proportion z-test (probe);
+- unpaired tests: Welch's t on cluster (user) means with a bootstrap CI (A/B), the pooled two-proportion z-test and
+  Welch's t from streamed moments (probe);
 - multiplicity: Benjamini-Hochberg (probe), Holm (sweep).
 
 McNemar's convention, everywhere: b01 counts pairs 0 under A and 1 under B (B gained), b10 pairs 1 under A and 0
@@ -199,6 +200,28 @@ def paired_t_test(total: torch.Tensor, squares: torch.Tensor, n: int) -> tuple[t
     t = torch.where(flat, torch.sign(mean) * torch.inf, mean / (var / n).sqrt())
     t = torch.where(mean == 0, torch.zeros_like(t), t)
     p = torch.from_numpy(2 * student.sf(t.abs().numpy(), n - 1))
+    return t, p.clamp(0.0, 1.0)
+
+
+def welch_t_test(mean_a: torch.Tensor, var_a: torch.Tensor, n_a: int, mean_b: torch.Tensor, var_b: torch.Tensor,
+                 n_b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Welch's t-test of b - a per element from each side's mean, sample variance and size
+    (= scipy.stats.ttest_ind_from_stats(equal_var=False)); returns (t, two-sided p). No variance: t = 0, p = 1 where
+    the means are equal (or a side has fewer than 2 observations), else t = +-inf, p = 0."""
+    import torch
+    from scipy.stats import t as student
+
+    mean_a, var_a, mean_b, var_b = (x.double().cpu() for x in (mean_a, var_a, mean_b, var_b))
+    if min(n_a, n_b) < 2:
+        return torch.zeros_like(mean_a), torch.ones_like(mean_a)
+    share_a, share_b = var_a / n_a, var_b / n_b
+    se2, diff = share_a + share_b, mean_b - mean_a
+    flat = se2 == 0
+    satterthwaite = se2 ** 2 / (share_a ** 2 / (n_a - 1) + share_b ** 2 / (n_b - 1)).clamp_min(1e-300)
+    df = torch.where(flat, torch.ones_like(se2), satterthwaite)
+    t = torch.where(flat, torch.sign(diff) * torch.inf, diff / se2.sqrt().clamp_min(1e-300))
+    t = torch.where(diff == 0, torch.zeros_like(t), t)
+    p = torch.from_numpy(2 * student.sf(t.abs().numpy(), df.numpy()))
     return t, p.clamp(0.0, 1.0)
 
 

@@ -2,6 +2,7 @@
 
     from rolemrc.intervene import Restraint, applied, bake, check, select
     r = select("runs/diff", "multi_turn", layers="1-3", top_k=64)      # or Restraint.load("spec.yaml")
+    r = select("runs/diff", "multi_turn", method="standardized", top_k=64)   # any selector in SELECTORS
     with applied(model, r): ...                                         # runtime hooks
     bake("runs/dpo", r, "runs/dpo-restrained")                          # the same scaling in the weights
     export_lora("runs/dpo", r, "runs/dpo-restrained-lora")              # ... or as an exact LoRA adapter
@@ -19,7 +20,8 @@ lazy_package(__name__, {
     "rolemrc.intervene.lora": ["LoraReport", "export_lora"],
     "rolemrc.intervene.runtime": ["applied"],
     "rolemrc.intervene.select": ["select"],
+    "rolemrc.intervene.selectors": ["SELECTORS"],
 })
 
-__all__ = ["BakeReport", "CheckReport", "LoraReport", "Restraint", "RestraintError", "applied", "bake", "check",
+__all__ = ["SELECTORS", "BakeReport", "CheckReport", "LoraReport", "Restraint", "RestraintError", "applied", "bake", "check",
            "export_lora", "parse_layers", "select"]

@@ -9,6 +9,7 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.taxonomy import DIMENSIONS
+from rolemrc.intervene.selectors import SELECTORS, selectors_help
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Direction
 
@@ -17,8 +18,10 @@ app = cli_app(help="Restraints: select units from a diff, bake them or export th
 
 @app.command("select")
 def select_cmd(
-    diff: Path = typer.Option(..., "--diff", help="diff directory (or its diff.safetensors)"),
+    diff: Path = typer.Option(..., "--diff", "--input", help="the selector's input: a diff directory (or its "
+                              "diff.safetensors); for --method attribution, an attribution file"),
     dimension: str = typer.Option(..., help=f"a dimension of the diff: {' | '.join(DIMENSIONS)}, or your own"),
+    method: str = typer.Option("frequency", "--method", help=f"unit selector. {selectors_help()}"),
     out: Path = typer.Option(..., "--out", help="spec file to write (.yaml or .json)"),
     layers: str = typer.Option(None, help="e.g. 12-31 or 3,5,7-9 (default: all)"),
     top_k: int = typer.Option(None, help="the k most changed units"),
@@ -27,13 +30,15 @@ def select_cmd(
     factor: float = typer.Option(1 - 1e-6, help="scale; the paper's 1 - 1e-6; 0 ablates"),
     name: str = typer.Option(None, help="restraint name (default: <dimension>-restraint)"),
 ) -> None:
-    """Write a restraint spec for the most changed units of one dimension."""
+    """Write a restraint spec for the units of one dimension a selector ranks highest (default: the most changed
+    top-fraction frequency, the paper's method)."""
+    SELECTORS.check([method])   # before torch loads
     from rolemrc.intervene.select import select
 
-    r = select(diff, dimension, layers=layers, top_k=top_k if fdr is None else None, fdr=fdr,
+    r = select(diff, dimension, method=method, layers=layers, top_k=top_k if fdr is None else None, fdr=fdr,
                direction=direction, factor=factor, name=name)
     r.save(out)
-    typer.echo(json.dumps({"out": str(out), "name": r.name, "hook": r.hook, "units": r.num_units,
+    typer.echo(json.dumps({"out": str(out), "name": r.name, "method": method, "hook": r.hook, "units": r.num_units,
                            "per_layer": {k: len(v) for k, v in r.units.items()}}))
 
 

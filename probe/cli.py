@@ -153,7 +153,9 @@ def diff_cmd(
 ) -> None:
     """delta = freq_B - freq_A per dimension and layer, unit tests with BH-FDR, tables and heatmaps.
     A paired file is tested with exact McNemar (tokens=last) or a paired t-test on per-case shares (tokens=all);
-    two unpaired files with the two-proportion z-test (tokens=last only). summary.json names the test."""
+    two unpaired files with the two-proportion z-test (tokens=last only). Beside it, from the activation moments, the
+    standardized effect (mean_B - mean_A) / pooled SD with a paired t-test on per-case differences (paired files) or
+    Welch's t (two tokens=last files). summary.json names both tests."""
     from rolemrc.probe.diff import diff
     from rolemrc.probe.errors import ProbeError
     from rolemrc.probe.report import write_diff

@@ -199,6 +199,7 @@ def _shape_meta(counter: TopKCounter) -> dict[str, str]:
 
 
 def _counts(counter: TopKCounter, cases: Cases, meta: dict[str, str]) -> ProbeCounts:
+    counter.check_moments()
     dims = counter.dimensions
     return ProbeCounts(
         count={d: counter.count[j].cpu() for j, d in enumerate(dims)},
@@ -206,6 +207,8 @@ def _counts(counter: TopKCounter, cases: Cases, meta: dict[str, str]) -> ProbeCo
         observations={d: int(counter.observations[j]) for j, d in enumerate(dims)},
         meta=meta,
         case_hashes=cases.hashes.sort().values,
+        act_sum={d: counter.moments[0, :, j].cpu() for j, d in enumerate(dims)},
+        act_sq={d: counter.moments[1, :, j].cpu() for j, d in enumerate(dims)},
     )
 
 

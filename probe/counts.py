@@ -2,8 +2,9 @@
 
 Probe file (docs/ARCHITECTURE.md "Probe file"): safetensors with `count.<dim>` (int64 [layers, width]), `cases.<dim>` (int64
 scalar: prompts), `observations.<dim>` (int64 scalar: counted token positions; equals cases with the
-`last` token policy) and `case_hashes` (int64 [cases], sorted: which cases were counted, `cases.case_hash`).
-`freq = count / observations`. Metadata records how the counts were made.
+`last` token policy), `act_sum.<dim>` and `act_sq.<dim>` (int64 [2, layers, width]: the activation's sum and sum
+of squares over the counted positions, as fixed-point limbs, `fixed_point`) and `case_hashes` (int64 [cases], sorted:
+which cases were counted, `cases.case_hash`). `freq = count / observations`. Metadata records how the counts were made.
 """
 
 from __future__ import annotations
@@ -22,6 +23,33 @@ from rolemrc.probe.options import Rank, Tokens
 # Metadata keys that must agree for two probe files to be comparable.
 COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens", "rank", "generation_prompt")
 CASE_HASHES = "case_hashes"  # the probe file's tensor of case identities
+FRACTION_BITS = 32
+MOMENT_UNIT = 2.0 ** -FRACTION_BITS  # each observation's x and x^2 are rounded to this once, before any sum
+MOMENT_MAX = 2.0 ** 14  # |activation| must stay below this (checked), so x^2, a paired case's d and d^2 fit the limbs
+
+
+def fixed_point(x: torch.Tensor) -> torch.Tensor:
+    """x rounded once to MOMENT_UNIT, as two limbs [2, *x.shape] (float64 holding integers, |x| < 2^31): the integer
+    part floor(x) and the fraction in MOMENT_UNITs, in [0, 2^32]. Every step is exact, so the limbs are a function of x
+    alone, and sums of limbs are exact in any order: in float64 below 2^21 terms, in int64 (the probe file's sums)
+    below 2^31. `fixed_value` reads a (summed) pair of limbs."""
+    x = x.double()
+    limbs = x.new_empty(2, *x.shape)
+    torch.floor(x, out=limbs[0])
+    torch.sub(x, limbs[0], out=limbs[1]).mul_(2.0 ** FRACTION_BITS).round_()
+    return limbs
+
+
+def fixed_value(limbs: torch.Tensor) -> torch.Tensor:
+    """The float64 value of fixed-point limbs [2, ...] (`fixed_point`, or sums of them)."""
+    return limbs[0].double() + limbs[1].double() * MOMENT_UNIT
+
+
+def dimension_sums(weights: torch.Tensor, limbs: torch.Tensor) -> torch.Tensor:
+    """Per dimension, the sum of fixed-point `limbs` [2, layers, n, width] over the n observations (or cases) in it
+    (`weights` [n, dims], 0/1): [2, dims, layers, width] int64. One float64 einsum, exact: limbs are integers of at
+    most 2^32 (or per-case sums of them), and a batch holds fewer than 2^21 observations."""
+    return torch.einsum("nd,klnw->kdlw", weights.double(), limbs).long()
 
 
 def check_top_fraction(top_fraction: float) -> float:
@@ -78,9 +106,11 @@ class TopKCounter:
     """Accumulates, per dimension, how often each unit of each layer is in the top k.
 
     Feed it one batch at a time: `start_batch(membership, attention_mask)`, `add(layer, acts)` for each
-    layer's activations [batch, seq, width], then `finish_batch()`. Everything stays on the model's device;
-    memory is O(dimensions x layers x width) plus one batch. With `keep_cases`, `case_share()` gives the
-    last batch's per-case activity (for paired probing, probe/paired.py).
+    layer's activations [batch, seq, width], then `finish_batch()`. At the same positions it sums each unit's
+    activation x and x^2 per dimension (`moments`: [2 (x, x^2), 2 limbs, dims, layers, width] int64). Everything
+    stays on the model's device; memory is O(dimensions x layers x width) plus one batch. With `keep_cases`,
+    `case_share()` and `case_sums()` give the last batch's per-case activity and activation sums (for paired
+    probing, probe/paired.py).
     """
 
     def __init__(self, dimensions: list[str], layers: int, width: int, k: int, *, tokens: Tokens = "last",
@@ -91,16 +121,20 @@ class TopKCounter:
         self.count = torch.zeros(d, layers, width, dtype=torch.int64, device=device)
         self.cases = torch.zeros(d, dtype=torch.int64, device=device)
         self.observations = torch.zeros(d, dtype=torch.int64, device=device)
+        self.moments = torch.zeros(2, 2, d, layers, width, dtype=torch.int64, device=device)  # sums of x, of x^2
+        self.largest = torch.zeros((), dtype=torch.float64, device=device)  # the largest floor(x^2) seen
         self._rows: torch.Tensor | None = None
         self._cols: torch.Tensor | None = None
-        self._weights: torch.Tensor | None = None
+        self._weights: torch.Tensor | None = None  # [observations, dims] 0/1
+        self._membership: torch.Tensor | None = None  # [batch, dims] 0/1
         self._case_hits: torch.Tensor | None = None  # [layers, batch, width]: counted positions where a unit is active
         self._case_tokens: torch.Tensor | None = None  # [batch]: counted positions per case
+        self._case_sums: torch.Tensor | None = None  # [2, layers, batch, width] float64: limbs of the sum of x per case
 
     @property
     def totals(self) -> list[torch.Tensor]:
         """The accumulated sums over cases (what processes counting shards of the cases add up)."""
-        return [self.count, self.cases, self.observations]
+        return [self.count, self.cases, self.observations, self.moments]
 
     def start_batch(self, membership: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """membership: [batch, dims] 0/1 (which dimensions each case counts in); mask: [batch, seq].
@@ -119,12 +153,14 @@ class TopKCounter:
             weights = membership[rows.to(membership.device)]
         self._rows, self._cols = rows.to(device), cols.to(device)
         self._weights = weights.to(device)
+        self._membership = membership.to(device)
         self.cases += membership.sum(0).round().long().to(device)
         self.observations += self._weights.sum(0).round().long()
         self._pending: dict[int, torch.Tensor] = {}
         if self.keep_cases:
             batch = mask.shape[0]
             self._case_hits = torch.zeros(self.layers, batch, self.width, device=device)
+            self._case_sums = torch.zeros(2, self.layers, batch, self.width, dtype=torch.float64, device=device)
             per_case = mask.sum(1) if self.tokens == "all" else torch.ones(batch, device=mask.device)
             self._case_tokens = per_case.to(device=device, dtype=torch.float64)
 
@@ -148,7 +184,7 @@ class TopKCounter:
             self._pending = {}
 
     def _count(self, layers: list[int], selected: torch.Tensor) -> None:
-        """selected: [layers, obs, width] -> count[:, layers] += per-dimension top-k hits."""
+        """selected: [layers, obs, width] -> count[:, layers] += per-dimension top-k hits, and the moments."""
         scores = selected.float()
         if self.rank == "abs":
             scores = scores.abs()
@@ -156,12 +192,32 @@ class TopKCounter:
         active = torch.zeros_like(scores).scatter_(-1, top, 1.0)
         # [obs, dims] x [layers, obs, width]: exact integer sums in float32 for any realistic batch
         hits = torch.einsum("od,low->dlw", self._weights, active).round().long()
-        if layers == list(range(layers[0], layers[-1] + 1)):
-            self.count[:, layers[0]:layers[-1] + 1] += hits
-        else:
-            self.count[:, layers] += hits
+        index = slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else layers
+        self.count[:, index] += hits
         if self.keep_cases:  # observation -> its case (the identity with the `last` policy)
             self._case_hits[layers] = active.new_zeros(len(layers), *self._case_hits.shape[1:]).index_add_(1, self._rows, active)
+        self._add_moments(index, selected)
+
+    def _add_moments(self, index: slice | list[int], selected: torch.Tensor) -> None:
+        """moments[..., index, :] += per dimension the sums over the observations of x and x^2 (each rounded once to
+        MOMENT_UNIT), summed per case first (with `last`, observation i is case i); with `keep_cases`, each case's sum
+        of x is kept for the batch."""
+        x = selected.double()
+        for s, values in enumerate((x, x * x)):
+            limbs = fixed_point(values)   # [2, layers, obs, width]
+            if s == 1:
+                self.largest = torch.maximum(self.largest, limbs[0].amax())
+            if self.tokens == "all":
+                limbs = limbs.new_zeros(2, len(x), len(self._membership), self.width).index_add_(2, self._rows, limbs)
+            self.moments[s][:, :, index] += dimension_sums(self._membership, limbs)
+            if self.keep_cases and s == 0:
+                self._case_sums[:, index] = limbs
+
+    def check_moments(self) -> None:
+        """Refuse moments of activations at or beyond MOMENT_MAX, which the fixed-point limbs cannot hold."""
+        if float(self.largest) >= MOMENT_MAX ** 2:
+            raise ProbeError(f"an activation of magnitude {float(self.largest) ** 0.5:.4g} at this hook point: activation "
+                             f"moments hold |x| < {MOMENT_MAX:g}; probe another hook point")
 
     def case_share(self) -> torch.Tensor:
         """[layers, batch, width] float64: per case of the last batch, the share of its counted positions
@@ -170,16 +226,25 @@ class TopKCounter:
             raise ProbeError("case_share() needs a TopKCounter made with keep_cases=True, after a batch")
         return self._case_hits.double() / self._case_tokens[None, :, None]
 
+    def case_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of x per case as fixed-point limbs [2, layers, batch, width] float64, counted positions per case
+        [batch] float64) of the last batch. Needs `keep_cases`."""
+        if self._case_sums is None:
+            raise ProbeError("case_sums() needs a TopKCounter made with keep_cases=True, after a batch")
+        return self._case_sums, self._case_tokens
+
 
 @dataclass
 class ProbeCounts:
-    """Counts for every dimension plus the metadata that makes them comparable."""
+    """Counts and activation moments for every dimension plus the metadata that makes them comparable."""
 
     count: dict[str, torch.Tensor]
     cases: dict[str, int]
     observations: dict[str, int]
     meta: dict[str, str] = field(default_factory=dict)
     case_hashes: torch.Tensor | None = None  # int64 [cases], sorted (None: not recorded)
+    act_sum: dict[str, torch.Tensor] = field(default_factory=dict)  # int64 [2, layers, width] limbs ({}: not recorded)
+    act_sq: dict[str, torch.Tensor] = field(default_factory=dict)   # sums of x^2, likewise
 
     @property
     def dimensions(self) -> list[str]:
@@ -190,22 +255,51 @@ class ProbeCounts:
         """Dimensions with no observations: they have no frequency, only the fact of being empty."""
         return [d for d in self.count if self.observations[d] == 0]
 
+    @property
+    def has_moments(self) -> bool:
+        """Whether the activation moments were recorded (probe files written before them have counts only)."""
+        return all(d in self.act_sum and d in self.act_sq for d in self.count)
+
     def freq(self, dimension: str) -> torch.Tensor:
         """count / observations for one dimension; raises for an empty dimension (never divides by 0)."""
+        return self.count[dimension].double() / self._observed(dimension)
+
+    def moments(self, dimension: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, sample variance) of each unit's activation over the dimension's observations, float64. A variance
+        within the fixed point's resolution, MOMENT_UNIT * (1/2 + |mean|) * n / (n - 1), is 0 (a constant unit);
+        with one observation the variance is 0."""
+        n = self._observed(dimension)
+        if not self.has_moments:
+            raise ProbeError(f"{self.meta.get('model', 'this probe')}: no activation moments (a probe file written "
+                             "before they were recorded); collect it again with `rolemrc probe collect`")
+        total, squares = fixed_value(self.act_sum[dimension]), fixed_value(self.act_sq[dimension])
+        mean = total / n
+        if n < 2:
+            return mean, torch.zeros_like(mean)
+        var = ((squares - total * mean) / (n - 1)).clamp_min(0)
+        resolution = MOMENT_UNIT * (0.5 + mean.abs()) * n / (n - 1)
+        return mean, torch.where(var <= resolution, torch.zeros_like(var), var)
+
+    def _observed(self, dimension: str) -> int:
+        """The dimension's observations; raises for an unknown or empty dimension (never divides by 0)."""
         if dimension not in self.count:
             raise KeyError(f"no dimension {dimension!r}; have {self.dimensions}")
         n = self.observations[dimension]
         if n == 0:
-            raise ProbeError(f"dimension {dimension!r} has no cases: its frequency is undefined")
-        return self.count[dimension].double() / n
+            raise ProbeError(f"dimension {dimension!r} has no cases: its frequency and moments are undefined")
+        return n
 
-    def tensors(self, prefix: str = "count.") -> dict[str, torch.Tensor]:
-        """The probe file's tensors; `prefix` names the counts (`count.<model>.` in a paired file)."""
+    def tensors(self, model: int | None = None) -> dict[str, torch.Tensor]:
+        """The probe file's tensors; `model` adds its index to the per-model names (`count.<m>.<dim>` in a paired file)."""
+        tag = "" if model is None else f"{model}."
         tensors = {}
         for d in self.dimensions:
-            tensors[f"{prefix}{d}"] = self.count[d].cpu().contiguous()
+            tensors[f"count.{tag}{d}"] = self.count[d].cpu().contiguous()
             tensors[f"cases.{d}"] = torch.tensor(self.cases[d], dtype=torch.int64)
             tensors[f"observations.{d}"] = torch.tensor(self.observations[d], dtype=torch.int64)
+            if self.has_moments:
+                tensors[f"act_sum.{tag}{d}"] = self.act_sum[d].cpu().contiguous()
+                tensors[f"act_sq.{tag}{d}"] = self.act_sq[d].cpu().contiguous()
         if self.case_hashes is not None:
             tensors[CASE_HASHES] = self.case_hashes
         return tensors
@@ -222,11 +316,13 @@ class ProbeCounts:
         return cls.from_tensors(meta, tensors)
 
     @classmethod
-    def from_tensors(cls, meta: dict[str, str], tensors: dict[str, torch.Tensor], prefix: str = "count.") -> ProbeCounts:
-        """From a probe file's metadata and tensors; `prefix` picks one model's counts in a paired file."""
+    def from_tensors(cls, meta: dict[str, str], tensors: dict[str, torch.Tensor], model: int | None = None) -> ProbeCounts:
+        """From a probe file's metadata and tensors; `model` picks one model's counts in a paired file."""
+        tag = "" if model is None else f"{model}."
         meta = dict(meta)
         dims = json.loads(meta.pop("dimensions"))
-        count = {d: tensors[f"{prefix}{d}"] for d in dims}
+        count = {d: tensors[f"count.{tag}{d}"] for d in dims}
         cases = {d: int(tensors[f"cases.{d}"]) for d in dims}
         observations = {d: int(tensors.get(f"observations.{d}", tensors[f"cases.{d}"])) for d in dims}
-        return cls(count, cases, observations, meta, tensors.get(CASE_HASHES))
+        moments = [{d: tensors[key] for d in dims if (key := f"{name}.{tag}{d}") in tensors} for name in ("act_sum", "act_sq")]
+        return cls(count, cases, observations, meta, tensors.get(CASE_HASHES), *moments)

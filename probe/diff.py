@@ -1,4 +1,5 @@
-"""`diff`: compare two probe files (a = SFT, b = DPO by convention) layer by layer and unit by unit."""
+"""`diff`: compare two probe files (a = SFT, b = DPO by convention) layer by layer and unit by unit: the top-k
+frequency delta with its test, and (from the activation moments) the standardized effect with its own test."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rolemrc.core.stats import benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test
+from rolemrc.core.stats import benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test, welch_t_test
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.paired import PairedCounts, load_probe
@@ -23,6 +24,12 @@ PAIRED = "exact McNemar (paired)"
 PAIRED_TOKENS_ALL = "paired t-test on per-case token shares (paired)"
 UNPAIRED = "two-proportion z-test (unpaired)"
 UNPAIRED_TOKENS_ALL = "none (unpaired, tokens=all)"
+# The per-unit test of the standardized effect (diff metadata `effect_test`, summary.json "effect_test").
+EFFECT_PAIRED = "paired t-test on per-case mean activation differences (paired)"
+EFFECT_UNPAIRED = "Welch t-test from activation moments (unpaired)"
+NO_MOMENTS = "none (no activation moments: probe files collected before they were recorded)"
+EFFECT_TESTS = (EFFECT_PAIRED, EFFECT_UNPAIRED)  # the effect tests that give p and q
+EFFECT_TABLES = ("mean_a", "mean_b", "effect", "effect_t", "effect_p", "effect_q")  # DiffResult fields, diff tensors
 NO_TEST_WHY = ("unpaired tokens=all probe files count every prompt token as a trial, but the tokens of one prompt are "
                "correlated: no valid per-unit test, so no p- or q-values (collect both models paired: "
                "`rolemrc probe collect --model A --model B --tokens all`)")
@@ -46,6 +53,14 @@ class DiffResult:
     cases_a: dict[str, int] = field(default_factory=dict)
     cases_b: dict[str, int] = field(default_factory=dict)
     empty: dict[str, str] = field(default_factory=dict)  # dimension -> why it was not compared
+    # From the activation moments ({} without them): each unit's mean activation under a and b, the standardized
+    # effect (mean_b - mean_a) / sqrt((var_a + var_b) / 2) (0 where both variances are 0), and its test (NaN: none).
+    mean_a: dict[str, torch.Tensor] = field(default_factory=dict)
+    mean_b: dict[str, torch.Tensor] = field(default_factory=dict)
+    effect: dict[str, torch.Tensor] = field(default_factory=dict)
+    effect_t: dict[str, torch.Tensor] = field(default_factory=dict)
+    effect_p: dict[str, torch.Tensor] = field(default_factory=dict)
+    effect_q: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def dimensions(self) -> list[str]:
@@ -68,6 +83,15 @@ class DiffResult:
     def tested(self) -> bool:
         """False where no valid per-unit test exists: statistic, p and q are NaN and never reported."""
         return self.test != UNPAIRED_TOKENS_ALL
+
+    @property
+    def effect_test(self) -> str:
+        """The standardized effect's per-unit test (EFFECT_TESTS), or why there is none."""
+        return self.meta.get("effect_test", NO_MOMENTS)  # diffs written before the moments have no effect
+
+    @property
+    def effect_tested(self) -> bool:
+        return self.effect_test in EFFECT_TESTS
 
     def layer_summary(self, fdr: float = 0.05) -> list[dict]:
         """One row per dimension and layer: mean |delta|, signed mean, max |delta|, significant units
@@ -102,6 +126,8 @@ class DiffResult:
                 if self.tested:
                     row.update(z=float(self.z[d][layer, unit]), p=float(self.pvalue[d][layer, unit]),
                                q=float(self.qvalue[d][layer, unit]))
+                names = EFFECT_TABLES if self.effect_tested else EFFECT_TABLES[:3]
+                row.update({name: float(getattr(self, name)[d][layer, unit]) for name in names if d in self.effect})
                 rows.append(row)
         return rows
 
@@ -117,6 +143,10 @@ class DiffResult:
                                        ("delta", self.delta, torch.float32), ("z", self.z, torch.float32),
                                        ("pvalue", self.pvalue, torch.float64), ("qvalue", self.qvalue, torch.float64)):
                 tensors[f"{name}.{d}"] = table[d].to(dtype).contiguous()
+            if d in self.effect:
+                for name in EFFECT_TABLES:
+                    dtype = torch.float64 if name in ("effect_p", "effect_q") else torch.float32
+                    tensors[f"{name}.{d}"] = getattr(self, name)[d].to(dtype).contiguous()
         meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "cases_a": json.dumps(self.cases_a),
                 "cases_b": json.dumps(self.cases_b), "empty": json.dumps(self.empty)}
         save_file(tensors, str(out / DIFF_FILE), metadata=meta)
@@ -140,11 +170,12 @@ class DiffResult:
                 "cases_a": self.cases_a.get(d), "cases_b": self.cases_b.get(d),
                 "mean_abs_delta": float(self.delta[d].abs().mean()),
                 "significant_units": int((self.qvalue[d] < fdr).sum()) if self.tested else None,
+                "significant_effect_units": int((self.effect_q[d] < fdr).sum()) if self.effect_tested else None,
                 "peak_layer": peak["layer"], "peak_layer_mean_abs_delta": peak["mean_abs_delta"],
             }
         ranked = sorted(per_dim, key=lambda d: -per_dim[d]["mean_abs_delta"])
         return {"a": self.meta.get("a"), "b": self.meta.get("b"), "hook": self.hook, "test": self.test,
-                **({} if self.tested else {"no_test": NO_TEST_WHY}), "fdr": fdr,
+                **({} if self.tested else {"no_test": NO_TEST_WHY}), "effect_test": self.effect_test, "fdr": fdr,
                 "dimensions": per_dim, "largest_shift": ranked[0] if ranked else None,
                 "not_compared": self.empty}
 
@@ -161,6 +192,7 @@ def check_comparable(a: ProbeCounts, b: ProbeCounts, keys: Sequence[str] = COMPA
 
 Probe = ProbeCounts | PairedCounts | str | os.PathLike
 Test = Callable[[str], tuple[torch.Tensor, torch.Tensor]]  # dimension -> (statistic, p) per unit
+Named = tuple[Test | None, str]  # a per-unit test (None: no test) and its name
 
 
 def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) -> DiffResult:
@@ -169,6 +201,8 @@ def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) 
     Two unpaired probe files: the two-proportion z-test per unit (tokens=last; no test for tokens=all).
     One paired probe file (b omitted): models[0] vs models[1] of it, with the exact McNemar test per unit
     (tokens=last) or the paired t-test on per-case token shares (tokens=all).
+    The standardized effect (files with activation moments) is tested by Welch's t (unpaired, tokens=last; no test
+    for tokens=all) or the paired t-test on per-case mean activation differences (paired, either policy).
     """
     if b is None:
         paired = a if isinstance(a, PairedCounts) else load_probe(a)
@@ -176,15 +210,16 @@ def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) 
             raise ProbeError(f"{a}: one model's probe file; give a second probe file, or a paired file "
                              "(`rolemrc probe collect --model A --model B ...`)")
         return _diff_paired(paired, *models, str(a) if not isinstance(a, PairedCounts) else "")
-    sides = [_single(x) for x in (a, b)]
-    counts = [c for c, _ in sides]
-    check_comparable(*counts)
-    if counts[0].meta.get("tokens") == "all":
-        test, name = None, UNPAIRED_TOKENS_ALL
-    else:
-        test, name = (lambda d: two_proportion_test(counts[0].count[d], counts[0].observations[d],
-                                                    counts[1].count[d], counts[1].observations[d])), UNPAIRED
-    return _compare(counts[0], counts[1], (sides[0][1], sides[1][1]), test, name)
+    (a, name_a), (b, name_b) = _single(a), _single(b)
+    check_comparable(a, b)
+    if a.meta.get("tokens") == "all":
+        return _compare(a, b, (name_a, name_b), (None, UNPAIRED_TOKENS_ALL), (None, UNPAIRED_TOKENS_ALL))
+
+    def welch(d: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return welch_t_test(*a.moments(d), a.observations[d], *b.moments(d), b.observations[d])
+
+    frequency = (lambda d: two_proportion_test(a.count[d], a.observations[d], b.count[d], b.observations[d])), UNPAIRED
+    return _compare(a, b, (name_a, name_b), frequency, (welch, EFFECT_UNPAIRED))
 
 
 def _single(x: Probe) -> tuple[ProbeCounts, str]:
@@ -200,6 +235,7 @@ def _diff_paired(paired: PairedCounts, i: int, j: int, where: str) -> DiffResult
     if i == j:
         raise ProbeError(f"--a and --b name the same model ({i}); pick two of 0-{len(paired.counts) - 1}")
     a, b = paired.counts[i], paired.counts[j]
+    effect = (lambda d: paired_t_test(*paired.act_diff(i, j, d), a.cases[d])), EFFECT_PAIRED
     if paired.meta.get("tokens") == "all":
         test = lambda d: paired_t_test(*paired.share_diff(i, j, d), a.cases[d])  # noqa: E731
         name = PAIRED_TOKENS_ALL
@@ -210,14 +246,18 @@ def _diff_paired(paired: PairedCounts, i: int, j: int, where: str) -> DiffResult
 
         name = PAIRED
     names = tuple(f"{c.meta.get('model', '')} [model {m} of {where or 'the paired probe'}]" for c, m in ((a, i), (b, j)))
-    return _compare(a, b, names, test, name)
+    return _compare(a, b, names, (test, name), effect if paired.has_moments else (None, NO_MOMENTS))
 
 
-def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], test: Test | None, test_name: str) -> DiffResult:
-    """freq, delta and the per-unit test (None: no test; statistic, p and q are NaN) per dimension."""
+def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], frequency: Named, effect: Named) -> DiffResult:
+    """freq, delta and the frequency test, and (where both have moments) the standardized effect and its test, per
+    dimension (a test of None: statistic, p and q are NaN)."""
+    moments = a.has_moments and b.has_moments
+    effect_test, effect_name = effect if moments else (None, NO_MOMENTS)
+    test, test_name = frequency
     result = DiffResult({}, {}, {}, {}, {}, {}, meta={
         **{key: a.meta[key] for key in (*COMPARABLE_KEYS, "k") if key in a.meta},
-        "a": names[0], "b": names[1], "test": test_name,
+        "a": names[0], "b": names[1], "test": test_name, "effect_test": effect_name,
         "a_model_fingerprint": a.meta.get("model_fingerprint", ""),
         "b_model_fingerprint": b.meta.get("model_fingerprint", ""),
     })
@@ -232,15 +272,29 @@ def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], test: Test 
             continue
         result.freq_a[d], result.freq_b[d] = a.freq(d), b.freq(d)
         result.delta[d] = result.freq_b[d] - result.freq_a[d]
-        if test is None:
-            result.z[d], result.pvalue[d], result.qvalue[d] = (torch.full_like(result.delta[d], torch.nan) for _ in range(3))
-        else:
-            result.z[d], result.pvalue[d] = test(d)
-            result.qvalue[d] = benjamini_hochberg(result.pvalue[d])
+        result.z[d], result.pvalue[d], result.qvalue[d] = _tested(test, d, result.delta[d])
+        if moments:
+            (result.mean_a[d], var_a), (result.mean_b[d], var_b) = a.moments(d), b.moments(d)
+            result.effect[d] = standardized_effect(result.mean_a[d], var_a, result.mean_b[d], var_b)
+            result.effect_t[d], result.effect_p[d], result.effect_q[d] = _tested(effect_test, d, result.effect[d])
     for d in b.dimensions:
         if d not in a.count:
             result.empty[d] = "only in b"
     return result
+
+
+def _tested(test: Test | None, dimension: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(statistic, p, BH q over the dimension's units), all NaN without a test."""
+    if test is None:
+        return tuple(torch.full_like(like, torch.nan, dtype=torch.float64) for _ in range(3))
+    statistic, p = test(dimension)
+    return statistic, p, benjamini_hochberg(p)
+
+
+def standardized_effect(mean_a: torch.Tensor, var_a: torch.Tensor, mean_b: torch.Tensor, var_b: torch.Tensor) -> torch.Tensor:
+    """(mean_b - mean_a) / sqrt((var_a + var_b) / 2) per unit; 0 where both variances are 0."""
+    pooled = ((var_a + var_b) / 2).sqrt()
+    return torch.where(pooled > 0, (mean_b - mean_a) / pooled.clamp_min(1e-300), torch.zeros_like(pooled))
 
 
 def load_diff(path: str | os.PathLike) -> DiffResult:
@@ -249,8 +303,11 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
     file = path / DIFF_FILE if path.is_dir() else path
     meta, tensors = read_tensors(file, "diff file",
                                  missing="no diff file (run `rolemrc probe diff A B --out DIR` first)")
+    if meta.get("kind", "diff") != "diff":
+        raise ProbeError(f"{file}: not a probe diff (its kind is {meta['kind']!r}; `rolemrc probe diff` writes diffs)")
     dims = json.loads(meta.pop("dimensions"))
     tables = {name: {d: tensors[f"{name}.{d}"] for d in dims} for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue")}
+    tables |= {name: {d: tensors[f"{name}.{d}"] for d in dims if f"{name}.{d}" in tensors} for name in EFFECT_TABLES}
     return DiffResult(**tables, meta=meta, cases_a=json.loads(meta.pop("cases_a", "{}")),
                       cases_b=json.loads(meta.pop("cases_b", "{}")), empty=json.loads(meta.pop("empty", "{}")))
 

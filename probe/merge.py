@@ -4,6 +4,7 @@ collection over all their cases would give (docs/ARCHITECTURE.md "Probe file")."
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +17,9 @@ from rolemrc.probe.cases import cases_fingerprint, dimension_order
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
 from rolemrc.probe.diff import Probe, ProbeMismatchError, check_comparable
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.paired import MODEL_KEYS, PairedCounts, load_probe
+from rolemrc.probe.paired import ACT_DIFF, MODEL_KEYS, PairedCounts, load_probe
+
+log = logging.getLogger(__name__)
 
 # Metadata that must agree for counts to add up: the counting settings, and each model's identity at its dtype.
 MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field",
@@ -51,13 +54,17 @@ def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
                                        for name, x, h in zip(names, loaded, parts)])}
     seen = {d for counts in models for d in counts[0].dimensions}
     dims = dimension_order(seen, bool(meta.get("dimension_field")))
-    summed = [_sum([counts[m] for counts in models], dims, hashes) for m in range(len(models[0]))]
+    moments = all(x.has_moments for x in loaded)
+    if not moments:
+        log.warning("merging probe files of which some have no activation moments (%s): the merged file has none",
+                    ", ".join(name for name, x in zip(names, loaded) if not x.has_moments))
+    summed = [_sum([counts[m] for counts in models], dims, hashes, moments) for m in range(len(models[0]))]
     if not isinstance(loaded[0], PairedCounts):
         summed[0].meta = meta
         return summed[0]
     for m, counts in enumerate(summed):
         counts.meta = {**meta, **{key: loaded[0].counts[m].meta.get(key, "") for key in MODEL_KEYS}}
-    keys = dict.fromkeys(key for x in loaded for key in x.pair_stats)
+    keys = dict.fromkeys(key for x in loaded for key in x.pair_stats if moments or key.split(".", 1)[0] not in ACT_DIFF)
     stats = {key: _add([x.pair_stats[key] for x in loaded if key in x.pair_stats]) for key in keys}
     return PairedCounts(summed, stats, meta)
 
@@ -118,11 +125,17 @@ def _add(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tensors).sum(0)
 
 
-def _sum(parts: list[ProbeCounts], dims: list[str], hashes: torch.Tensor) -> ProbeCounts:
-    """One model's counts summed over the parts (a dimension a part lacks counts zero there)."""
+def _sum(parts: list[ProbeCounts], dims: list[str], hashes: torch.Tensor, moments: bool) -> ProbeCounts:
+    """One model's counts (and, with `moments`, its activation moments) summed over the parts (a dimension a part
+    lacks counts zero there)."""
+    def total(table: str) -> dict[str, torch.Tensor]:
+        return {d: _add([getattr(p, table)[d] for p in parts if d in p.count]) for d in dims}
+
     return ProbeCounts(
-        count={d: _add([p.count[d] for p in parts if d in p.count]) for d in dims},
+        count=total("count"),
         cases={d: sum(p.cases.get(d, 0) for p in parts) for d in dims},
         observations={d: sum(p.observations.get(d, 0) for p in parts) for d in dims},
         case_hashes=hashes,
+        act_sum=total("act_sum") if moments else {},
+        act_sq=total("act_sq") if moments else {},
     )

@@ -9,6 +9,10 @@ Paired probe file (docs/ARCHITECTURE.md "Probe file"): `count.<m>.<dim>` per mod
   fraction of its prompt tokens on which the unit is active (a paired t-test per unit, streamed). Each case's
   d and d^2 are rounded to SHARE_UNIT before they are summed, so the sums are exact in any order: shards
   counted in several processes, or probe files merged, give the same tensors as one pass.
+Per model `act_sum.<m>.<dim>`, `act_sq.<m>.<dim>` (its activation moments, as in a single file), and per pair (i < j,
+both token policies) `act_diff_sum.<i>.<j>.<dim>`, `act_diff_sq.<i>.<j>.<dim>` (int64 [2, layers, width], fixed-point
+limbs as `counts.fixed_point`): the sums over cases of d and d^2, d = the case's mean over its counted positions of
+x_j - x_i (each case's d and d^2 rounded once to MOMENT_UNIT), for a paired t-test of each unit's activation.
 Metadata: the shared counting keys, `dimensions`, and `models` (JSON list, per model: model, model_fingerprint,
 dtype, attn_implementation).
 """
@@ -18,16 +22,27 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rolemrc.probe.counts import ProbeCounts, TopKCounter, read_probe_tensors, write_tensors
+from rolemrc.probe.counts import (
+    ProbeCounts,
+    TopKCounter,
+    dimension_sums,
+    fixed_point,
+    fixed_value,
+    read_probe_tensors,
+    write_tensors,
+)
 from rolemrc.probe.errors import ProbeError
 
 MODEL_KEYS = ("model", "model_fingerprint", "dtype", "attn_implementation")  # per-model metadata
 STATS = {"last": ("discordant",), "all": ("share_diff_sum", "share_diff_sq")}
+ACT_DIFF = ("act_diff_sum", "act_diff_sq")  # per pair, both token policies
+PAIR_STATS = (*STATS["last"], *STATS["all"], *ACT_DIFF)  # every per-pair tensor's name
 SHARE_BITS = 36
 SHARE_UNIT = 2.0 ** -SHARE_BITS  # per-case rounding of d and d^2; sums stay exact below 2^27 cases
 MAX_BATCH = 2 ** (53 - SHARE_BITS)  # a batch's float64 sum of SHARE_UNIT multiples in [-1, 1] is exact below this
@@ -39,7 +54,8 @@ class PairedCounter:
 
     `stats[p]` is [2, dims, layers, width] int64 for pair p: with tokens=last, cases active under i and not j,
     then under j and not i; with tokens=all, the sums of d and d^2 (d = share_j - share_i per case) in SHARE_UNITs.
-    State is O(models^2 x dims x layers x width): it never grows with the number of cases.
+    `act_diff[p]` [2, 2 limbs, dims, layers, width] holds the sums of d and d^2 for d = the case's mean activation
+    under j minus under i, in fixed point. State is O(models^2 x dims x layers x width): it never grows with the number of cases.
     """
 
     def __init__(self, counters: list[TopKCounter]):
@@ -50,11 +66,12 @@ class PairedCounter:
         self.pairs = list(itertools.combinations(range(len(counters)), 2))
         shape = (len(self.pairs), 2, len(first.dimensions), first.layers, first.width)
         self.stats = torch.zeros(shape, dtype=torch.int64, device=first.count.device)
+        self.act_diff = torch.zeros(len(self.pairs), 2, *shape[1:], dtype=torch.int64, device=first.count.device)
 
     @property
     def totals(self) -> list[torch.Tensor]:
         """Every counter's sums and the pairs' statistics: all sums over cases."""
-        return [t for counter in self.counters for t in counter.totals] + [self.stats]
+        return [t for counter in self.counters for t in counter.totals] + [self.stats, self.act_diff]
 
     def add_batch(self, membership: torch.Tensor) -> None:
         """After every model's counter saw the batch: accumulate the pairs' statistics per dimension.
@@ -72,6 +89,18 @@ class PairedCounter:
                 terms = ((d / SHARE_UNIT).round(), (d * d / SHARE_UNIT).round())
             for s, term in enumerate(terms):
                 self.stats[p, s] += torch.einsum("cd,lcw->dlw", weights, term).round().long()
+            d = self._activation_diff(i, j)
+            for s, values in enumerate((d, d * d)):
+                self.act_diff[p, s] += dimension_sums(weights, fixed_point(values))
+
+    def _activation_diff(self, i: int, j: int) -> torch.Tensor:
+        """[layers, batch, width] float64: per case of the batch, d = its mean activation under model j minus under
+        model i (from the fixed-point per-case sums: the same d in any process)."""
+        sums_i, tokens = self.counters[i].case_sums()
+        sums_j = self.counters[j].case_sums()[0]
+        means = [fixed_value(sums.to(self.act_diff.device)) / tokens.to(self.act_diff.device)[None, :, None]
+                 for sums in (sums_i, sums_j)]
+        return means[1] - means[0]
 
     def tensors(self, dimensions: list[str]) -> dict[str, torch.Tensor]:
         """The paired file's per-pair tensors (module docstring)."""
@@ -83,6 +112,8 @@ class PairedCounter:
                     out[f"discordant.{i}.{j}.{d}"], out[f"discordant.{j}.{i}.{d}"] = first, second
                 else:
                     out[f"share_diff_sum.{i}.{j}.{d}"], out[f"share_diff_sq.{i}.{j}.{d}"] = first, second
+                for s, name in enumerate(ACT_DIFF):
+                    out[f"{name}.{i}.{j}.{d}"] = self.act_diff[p, s, :, k].cpu().contiguous()
         return out
 
 
@@ -113,21 +144,34 @@ class PairedCounts:
         """Cases of `dimension` on which each unit is active under model i and not under model j (tokens=last)."""
         return self.pair_stats[f"discordant.{i}.{j}.{dimension}"]
 
+    @property
+    def has_moments(self) -> bool:
+        """Whether activation moments were recorded (per model and per pair; older files have counts only)."""
+        return all(c.has_moments for c in self.counts) and any(k.startswith(ACT_DIFF[0] + ".") for k in self.pair_stats)
+
     def share_diff(self, i: int, j: int, dimension: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of d, sum of d^2) over the cases of `dimension`, d = share_j - share_i (tokens=all), float64."""
-        lo, hi = min(i, j), max(i, j)
-
-        def sums(name: str) -> torch.Tensor:
-            t = self.pair_stats[f"{name}.{lo}.{hi}.{dimension}"]
+        def value(t: torch.Tensor) -> torch.Tensor:
             return t.double() if t.is_floating_point() else t.double() * SHARE_UNIT  # float: written before fixed point
 
-        total, squares = map(sums, STATS["all"])
+        return self._diff_sums(STATS["all"], value, i, j, dimension)
+
+    def act_diff(self, i: int, j: int, dimension: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of d, sum of d^2) over the cases of `dimension`, d = a case's mean activation under j minus under i
+        (both token policies), float64."""
+        return self._diff_sums(ACT_DIFF, fixed_value, i, j, dimension)
+
+    def _diff_sums(self, names: tuple[str, str], value: Callable[[torch.Tensor], torch.Tensor], i: int, j: int,
+                   dimension: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of d, sum of d^2), float64, read by `value` from the pair's tensors `names`; d's sign follows i -> j."""
+        lo, hi = min(i, j), max(i, j)
+        total, squares = (value(self.pair_stats[f"{name}.{lo}.{hi}.{dimension}"]) for name in names)
         return (total if i < j else -total), squares
 
     def save(self, path: str | os.PathLike) -> Path:
         tensors = dict(self.pair_stats)
         for m, counts in enumerate(self.counts):
-            tensors.update(counts.tensors(prefix=f"count.{m}."))
+            tensors.update(counts.tensors(model=m))
         models = [{key: c.meta.get(key, "") for key in MODEL_KEYS} for c in self.counts]
         meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "models": json.dumps(models)}
         return write_tensors(path, tensors, meta)
@@ -135,9 +179,9 @@ class PairedCounts:
     @classmethod
     def from_tensors(cls, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> PairedCounts:
         models = json.loads(meta.pop("models"))
-        counts = [ProbeCounts.from_tensors({**meta, **model}, tensors, prefix=f"count.{m}.") for m, model in enumerate(models)]
+        counts = [ProbeCounts.from_tensors({**meta, **model}, tensors, model=m) for m, model in enumerate(models)]
         meta.pop("dimensions")
-        stats = {k: v for k, v in tensors.items() if k.split(".", 1)[0] in (*STATS["last"], *STATS["all"])}
+        stats = {k: v for k, v in tensors.items() if k.split(".", 1)[0] in PAIR_STATS}
         return cls(counts, stats, meta)
 
 

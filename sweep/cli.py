@@ -11,6 +11,7 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.eval.judges import JUDGES
+from rolemrc.intervene.selectors import SELECTORS
 from rolemrc.probe.options import Direction
 
 app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls; the best "
@@ -20,12 +21,14 @@ app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline 
 @app.command("run")
 def run_cmd(
     model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
-    diff: Path = typer.Option(..., "--diff", help="diff directory"),
+    diff: Path = typer.Option(..., "--diff", "--input", help="diff directory (for --method attribution: an attribution file)"),
     data: Path = typer.Option(..., "--data", help="test JSONL"),
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
     dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
     factors: str = typer.Option("0.999999,0.99,0.9,0.5,0", help="comma-separated scales"),
     top_k: str = typer.Option("16,64,256", help="comma-separated unit counts"),
+    method: str = typer.Option("frequency", "--method", help=f"unit selector: {SELECTORS.listing(' | ')} "
+                               "(see `rolemrc intervene select --help`)"),
     direction: Direction = typer.Option("both", help="up | down | both"),
     layers: str = typer.Option(None, help="e.g. 12-31 (default: all)"),
     controls: int = typer.Option(3, help="random-unit control sets per cell"),
@@ -51,7 +54,7 @@ def run_cmd(
 
     config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
                          factors=numbers(factors, "--factors"), top_k=[int(k) for k in numbers(top_k, "--top-k")],
-                         direction=direction, layers=layers, controls=controls, seed=seed,
+                         method=method, direction=direction, layers=layers, controls=controls, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
                          engine=engine, base_url=base_url, served_model=served_model, concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url)

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolemrc.intervene.selectors import SELECTORS
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.probe.options import Direction
 from rolemrc.sweep.sources import IN_PROCESS, check_engine
@@ -27,6 +28,7 @@ class SweepConfig:
     dimensions: list[str]
     factors: list[float] = field(default_factory=lambda: [1 - 1e-6, 0.99, 0.9, 0.5, 0.0])
     top_k: list[int] = field(default_factory=lambda: [16, 64, 256])
+    method: str = "frequency"      # the unit selector (intervene.selectors.SELECTORS); `diff` is its input
     direction: Direction = "both"
     layers: str | None = None
     controls: int = 3
@@ -56,6 +58,7 @@ class SweepConfig:
         if self.base_url and self.engine != IN_PROCESS:
             raise RestraintError(f"--base-url generates on a running server; --engine {self.engine} starts one: choose one")
         check_engine(self.engine)
+        SELECTORS.check([self.method])
         self.judge_config()
 
     def judge_config(self) -> Any:
@@ -106,8 +109,8 @@ def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell
             for factor in config.factors:
                 grid = {"dimension": dimension, "factor": factor, "top_k": top_k}
                 name = f"{dimension.replace('_', '-')}-k{top_k}-x{factor:g}"
-                chosen = select(config.diff, dimension, layers=config.layers, top_k=top_k, direction=config.direction,
-                                factor=factor, name=name)
+                chosen = select(config.diff, dimension, method=config.method, layers=config.layers, top_k=top_k,
+                                direction=config.direction, factor=factor, name=name)
                 cells.append(Cell(cell_id("selected", chosen, settings), "selected", grid, chosen))
                 cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k)
                           for k, c in enumerate(draw_controls(chosen, width, config.controls, seed=config.seed))]

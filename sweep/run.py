@@ -50,7 +50,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     the plan."""
     from rolemrc.core.modeling import dir_fingerprint, load_model
     from rolemrc.core.records import read_records
-    from rolemrc.probe.diff import load_diff
+    from rolemrc.intervene.selectors import input_hook
     from rolemrc.probe.hooks import width
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
@@ -58,7 +58,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     settings = {"model": dir_fingerprint(config.model), "data": file_fingerprint(config.data),
                 "max_new_tokens": config.max_new_tokens, "engine": engine_label(config)}
     model, tok = load_model(config.model, device="auto")
-    hook = load_diff(config.diff).hook
+    hook = input_hook(config.diff)
     cells = plan(config, width(model, hook), settings)
     store = CellStore(config.out)
     Path(config.out).mkdir(parents=True, exist_ok=True)

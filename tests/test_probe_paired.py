@@ -1,6 +1,6 @@
-"""Paired probing: one pass over several models equals separate collections; discordant counts and
-per-case share sums equal a brute-force per-case computation; McNemar and the paired t-test equal scipy;
-state does not grow with cases; mismatches are refused; CLI end to end."""
+"""Paired probing: one pass over several models equals separate collections (counts and activation moments);
+discordant counts and per-case share sums equal a brute-force per-case computation; McNemar and the paired t-test
+equal scipy; state does not grow with cases; mismatches are refused; CLI end to end."""
 
 import json
 import math
@@ -83,6 +83,8 @@ def test_paired_counts_equal_separate_collections(model_dirs, other_llama, recor
         for d in alone.dimensions:
             assert torch.equal(paired.counts[m].count[d], alone.count[d]), (m, d)
             assert paired.counts[m].observations[d] == alone.observations[d]
+            for table in ("act_sum", "act_sq"):   # the same batches: the same activations, the same fixed-point sums
+                assert torch.equal(getattr(paired.counts[m], table)[d], getattr(alone, table)[d]), (m, d, table)
 
 
 def test_discordant_counts_equal_brute_force(loaded, records, tmp_path):

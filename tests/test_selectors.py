@@ -1,0 +1,183 @@
+"""Unit selectors (intervene/selectors.py): each picks the units it should on a constructed diff or attribution file,
+ties fall by layer then unit, every selector writes the same restraint spec with its method recorded, bad input is
+one `error:` line with exit 2 before torch loads, and the sweep passes its method through."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from fixtures import write_diff_file
+from typer.testing import CliRunner
+
+from rolemrc.cli import app
+from rolemrc.core.errors import RolemrcError
+from rolemrc.intervene import SELECTORS, Restraint, select
+from rolemrc.probe.attribution import load_attribution
+from rolemrc.probe.counts import write_tensors
+from rolemrc.probe.diff import EFFECT_PAIRED, PAIRED, UNPAIRED_TOKENS_ALL, DiffResult
+
+DELTA = torch.tensor([[0.9, -0.8, 0.1, 0.0], [0.0, 0.5, -0.95, 0.2], [0.3, 0.0, 0.0, -0.4]])
+EFFECT = torch.tensor([[0.1, 0.2, 3.0, -0.1], [-2.5, 0.0, 0.3, 1.0], [0.0, 4.0, -0.2, 0.05]])
+# mean attribution per unit, with ties at 0.5 across layers
+ATTRIBUTION = torch.tensor([[0.5, -0.5, 0.25, 0.0], [0.5, 0.5, -1.0, 0.0], [-0.5, 0.0, 0.0, 0.75]])
+
+
+def write_diff(path, tokens="last", effect_test=EFFECT_PAIRED, delta=DELTA, effect=EFFECT):
+    """A diff directory (written by DiffResult.save) with one dimension, multi_turn: frequency delta and q, and the
+    standardized effect with its test's q (NaN without a test)."""
+    d = "multi_turn"
+    q = torch.where(delta.abs() > 0.45, 0.001, 0.5).double()
+    effect_q = torch.where(effect.abs() > 0.9, 1e-4, 0.6).double()
+    if effect_test == UNPAIRED_TOKENS_ALL:
+        effect_q = torch.full_like(effect_q, torch.nan)
+    tables = [{d: t.clone()} for t in (torch.zeros_like(delta), delta, delta, delta, q, q)]   # separate tensors
+    result = DiffResult(*tables, meta={
+        "hook": "mlp.act", "layers": "3", "width": "4", "k": "1", "top_fraction": "0.2", "tokens": tokens,
+        "rank": "signed", "generation_prompt": "true", "test": PAIRED, "effect_test": effect_test},
+        cases_a={d: 10}, cases_b={d: 10}, mean_a={d: torch.zeros_like(effect)}, mean_b={d: effect.clone()},
+        effect={d: effect.clone()}, effect_t={d: effect.clone()}, effect_p={d: effect_q.clone()}, effect_q={d: effect_q})
+    result.save(path)
+    return path
+
+
+def write_attribution(path, scores=ATTRIBUTION, pairs=4, **meta):
+    """An attribution file in the attribution branch's format: sums over pairs in units of 2^-32."""
+    sums = (scores.double() * pairs * 2.0 ** 32).round().long()
+    meta = {"kind": "attribution", "hook": "mlp.act", "width": "4", "layers": "3", "models": json.dumps(["sft", "dpo"]),
+            "dimensions": json.dumps(["multi_turn", "nested"]), **meta}
+    return write_tensors(path, {"attribution.multi_turn": sums, "pairs.multi_turn": torch.tensor(pairs),
+                                "attribution.nested": torch.zeros_like(sums), "pairs.nested": torch.tensor(0),
+                                "case_hashes": torch.arange(pairs)}, meta)
+
+
+def test_registry_lists_every_selector_with_its_metadata():
+    assert SELECTORS.names() == ("frequency", "frequency-all", "standardized", "attribution")
+    assert {SELECTORS.get(n).reads for n in SELECTORS.names()} == {"diff", "attribution"}
+    assert all(SELECTORS.get(n).description and SELECTORS.get(n).ranks for n in SELECTORS.names())
+    with pytest.raises(RolemrcError, match="unknown selector 'nope'; choose from frequency, frequency-all"):
+        select("anything", "multi_turn", method="nope", top_k=3)
+
+
+def test_frequency_is_todays_selection(tmp_path):
+    diff = write_diff(tmp_path / "d")
+    r = select(diff, "multi_turn", top_k=3)
+    assert r.units == {0: [0, 1], 1: [2]} and r.hook == "mlp.act"
+    assert r.source == {"diff": str(diff / "diff.safetensors"), "method": "frequency", "dimension": "multi_turn",
+                        "direction": "both", "layers": "all", "top_k": 3}
+    assert select(diff, "multi_turn", fdr=0.05).num_units == 4
+    assert select(diff, "multi_turn", top_k=2, direction="up").units == {0: [0], 1: [1]}
+    all_tokens = write_diff(tmp_path / "a", tokens="all")
+    assert select(all_tokens, "multi_turn", method="frequency-all", top_k=3).units == r.units
+    with pytest.raises(RolemrcError, match=r"a/diff.safetensors: a diff of tokens=all probe files.*--method frequency "
+                                           r"reads tokens=last.*use --method frequency-all.*probe collect --tokens last"):
+        select(all_tokens, "multi_turn", top_k=3)
+    with pytest.raises(RolemrcError, match=r"d/diff.safetensors: a diff of tokens=last.*use --method frequency,.*--tokens all"):
+        select(diff, "multi_turn", method="frequency-all", top_k=3)
+
+
+def test_standardized_ranks_by_effect_and_tests_with_its_q(tmp_path):
+    diff = write_diff(tmp_path / "d")
+    r = select(diff, "multi_turn", method="standardized", top_k=3)
+    assert r.units == {0: [2], 1: [0], 2: [1]} and r.source["method"] == "standardized"
+    assert select(diff, "multi_turn", method="standardized", top_k=3, direction="up").units == {0: [2], 1: [3], 2: [1]}
+    assert select(diff, "multi_turn", method="standardized", top_k=2, direction="down").units == {1: [0], 2: [2]}
+    assert select(diff, "multi_turn", method="standardized", fdr=0.05).units == {0: [2], 1: [0, 3], 2: [1]}
+    assert select(diff, "multi_turn", method="standardized", top_k=2, layers="1-2").units == {1: [0], 2: [1]}
+    untested = write_diff(tmp_path / "u", tokens="all", effect_test=UNPAIRED_TOKENS_ALL)
+    assert select(untested, "multi_turn", method="standardized", top_k=1).units == {2: [1]}
+    with pytest.raises(RolemrcError, match="u/diff.safetensors: --method standardized has no q-values here.*select with top_k"):
+        select(untested, "multi_turn", method="standardized", fdr=0.05)
+    write_diff_file(tmp_path / "old", DELTA, torch.full_like(DELTA, 0.01))   # a diff from probe files without moments
+    with pytest.raises(RolemrcError, match="old/diff.safetensors: the diff has no standardized effect.*rolemrc probe collect"):
+        select(tmp_path / "old", "multi_turn", method="standardized", top_k=3)
+
+
+def test_attribution_ranks_by_mean_score_with_ties_by_layer_then_unit(tmp_path):
+    path = write_attribution(tmp_path / "attr.safetensors")
+    loaded = load_attribution(path)
+    scores, meta = loaded.scores, loaded.meta
+    assert set(scores) == {"multi_turn"} and meta["hook"] == "mlp.act"   # nested has no pairs
+    torch.testing.assert_close(scores["multi_turn"], ATTRIBUTION.double(), rtol=0, atol=1e-12)
+    r = select(path, "multi_turn", method="attribution", top_k=4)
+    assert r.units == {0: [0, 1], 1: [2], 2: [3]}   # 1.0, 0.75, then the first two 0.5s: (0, 0), (0, 1)
+    assert r.source["attribution"] == str(path) and r.source["method"] == "attribution" and "diff" not in r.source
+    assert select(path, "multi_turn", method="attribution", top_k=3, direction="up").units == {0: [0], 1: [0], 2: [3]}
+    assert select(path, "multi_turn", method="attribution", top_k=2, direction="down").units == {0: [1], 1: [2]}
+    again = [select(path, "multi_turn", method="attribution", top_k=k).to_dict() for k in (4, 4)]
+    assert again[0] == again[1] == r.to_dict()
+    with pytest.raises(RolemrcError, match="has no q-values here .attribution scores carry no test"):
+        select(path, "multi_turn", method="attribution", fdr=0.05)
+    with pytest.raises(RolemrcError, match="'nested' is not in the attribution file.*no pairs"):
+        select(path, "nested", method="attribution", top_k=2)
+    diff = write_diff(tmp_path / "d")
+    with pytest.raises(RolemrcError, match="no such attribution file"):
+        select(diff, "multi_turn", method="attribution", top_k=2)
+    with pytest.raises(RolemrcError, match="not a probe diff .its kind is 'attribution'"):
+        select(path, "multi_turn", top_k=2)
+    with pytest.raises(RolemrcError, match="not an attribution file .kind 'other'"):
+        select(write_attribution(tmp_path / "other.safetensors", kind="other"), "multi_turn", method="attribution", top_k=2)
+
+
+def test_every_selector_writes_the_same_kind_of_spec(tmp_path):
+    diff, attr = write_diff(tmp_path / "d"), write_attribution(tmp_path / "a.safetensors")
+    for method in ("frequency", "standardized", "attribution"):
+        r = select(attr if method == "attribution" else diff, "multi_turn", method=method, top_k=3, factor=0.5, name="x")
+        again = Restraint.load(r.save(tmp_path / f"{method}.yaml"))
+        assert again.to_dict() == r.to_dict() and again.num_units == 3 and again.factor == 0.5
+
+
+def run_cli(*args):
+    res = CliRunner().invoke(app, ["intervene", "select", *map(str, args)])
+    return res.exit_code, res.output
+
+
+def test_cli_methods_and_one_line_errors(tmp_path):
+    diff = write_diff(tmp_path / "d")
+    code, out = run_cli("--diff", diff, "--dimension", "multi_turn", "--method", "standardized", "--top-k", 3,
+                        "--out", tmp_path / "s.yaml")
+    assert code == 0, out
+    assert json.loads(out)["method"] == "standardized"
+    assert Restraint.load(tmp_path / "s.yaml").units == {0: [2], 1: [0], 2: [1]}
+    code, out = run_cli("--input", write_attribution(tmp_path / "a.safetensors"), "--dimension", "multi_turn",
+                        "--method", "attribution", "--top-k", 2, "--out", tmp_path / "a.yaml")
+    assert code == 0 and Restraint.load(tmp_path / "a.yaml").source["method"] == "attribution"
+    for args, message in (
+        (("--method", "nope"), "error: unknown selector 'nope'; choose from frequency, frequency-all, standardized, attribution"),
+        (("--method", "frequency-all"), "--method frequency-all reads tokens=all ones"),
+        (("--method", "attribution"), "no such attribution file"),
+        (("--method", "standardized", "--layers", "3-4"), "out of range"),
+    ):
+        code, out = run_cli("--diff", diff, "--dimension", "multi_turn", "--top-k", 3, *args, "--out", tmp_path / "x.yaml")
+        assert code == 2 and out.startswith("error: ") and len(out.strip().splitlines()) == 1 and message in out, out
+    code, out = run_cli("--help")
+    assert code == 0 and all(name in out for name in SELECTORS.names())
+
+
+def test_an_unknown_method_fails_before_torch_loads(tmp_path):
+    script = f"""
+import sys
+from typer.testing import CliRunner
+import rolemrc.cli
+res = CliRunner().invoke(rolemrc.cli.app, ["intervene", "select", "--diff", {str(tmp_path)!r}, "--dimension", "x",
+                                           "--method", "nope", "--top-k", "3", "--out", {str(tmp_path / "s.yaml")!r}])
+print(res.exit_code, "torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2", "False"]
+
+
+def test_sweep_plans_cells_with_its_method(tmp_path):
+    from rolemrc.sweep.plan import SweepConfig, plan
+
+    diff = write_diff(tmp_path / "d")
+    common = {"model": "m", "diff": str(diff), "data": "t.jsonl", "out": str(tmp_path / "s"), "dimensions": ["multi_turn"],
+              "factors": [0.5], "top_k": [2], "controls": 1}
+    with pytest.raises(RolemrcError, match="unknown selector 'nope'"):
+        SweepConfig(**common, method="nope")
+    for method, units in (("frequency", {0: [0], 1: [2]}), ("standardized", {0: [2], 2: [1]})):
+        cells = plan(SweepConfig(**common, method=method), 4, {})
+        selected = [c for c in cells if c.kind == "selected"]
+        assert len(selected) == 1 and selected[0].restraint.units == units
+        assert selected[0].restraint.source["method"] == method
