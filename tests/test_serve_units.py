@@ -192,7 +192,7 @@ def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
     import sys
 
     from rolemrc.serve.engines.base import Prompt, Resolved, SamplingParams
-    from rolemrc.serve.engines.vllm import VllmEngine, VllmOptions
+    from rolemrc.serve.engines.vllm import StderrTail, VllmEngine, VllmOptions
     from rolemrc.serve.errors import ApiError
 
     engine = VllmEngine("m", VllmOptions(path=str(model_dirs["llama"])), max_queue=4)
@@ -207,9 +207,11 @@ def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
     assert engine.body(prompt, SamplingParams(max_tokens=4, temperature=0.0, seed=3), Resolved(), "m")[1]["seed"] == 3
 
     assert asyncio.run(engine.probe()) is None   # not started
-    engine.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    engine.proc = subprocess.Popen([sys.executable, "-c", "import sys; print('loading', file=sys.stderr); "
+                                    "sys.exit('error: unrecognized arguments: --bad')"], stderr=subprocess.PIPE, text=True)
+    engine.stderr = StderrTail(engine.proc.stderr)   # as `launch` starts vLLM: its last stderr line says why
     engine.proc.wait()
-    assert asyncio.run(engine.probe()) == "vllm exited with code 3"
+    assert asyncio.run(engine.probe()) == "vllm exited with code 1: error: unrecognized arguments: --bad"
 
 
 def counting_validations(monkeypatch) -> list[str]:

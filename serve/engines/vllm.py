@@ -199,7 +199,8 @@ class VllmEngine(OpenAIProxy):
         if self.proc is None:
             return None
         if self.proc.poll() is not None:
-            return f"vllm exited with code {self.proc.returncode}: {await asyncio.to_thread(self.stderr.last)}"
+            said = f": {await asyncio.to_thread(self.stderr.last)}" if self.stderr is not None else ""
+            return f"vllm exited with code {self.proc.returncode}{said}"
         try:
             status = (await self.client.get(self.base_url.removesuffix("/v1") + "/health", timeout=5)).status_code
         except httpx.TimeoutException:
