@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,7 +18,7 @@ from rolemrc.serve.launch import free_port
 
 
 def serve(config: dict, workdir, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, int]:
-    path = workdir / f"serve-{len(list(workdir.glob('serve-*.yaml')))}.yaml"
+    path = workdir / f"serve-{uuid.uuid4().hex}.yaml"   # a name of its own: the cases run in parallel threads
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     done = subprocess.run([sys.executable, "-m", "rolemrc.serve", "--config", str(path), "--port", str(port)],
