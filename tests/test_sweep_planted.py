@@ -12,60 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import write_diff_file, write_sweep_inputs
+from fixtures import ANSWERABLE_UNITS as UNITS
+from fixtures import PLANTED_WIDTH as WIDTH
+from fixtures import answerable_records, save_planted_llama, write_diff_file, write_sweep_inputs
 
 from rolemrc.core.io import read_jsonl, write_jsonl
-from rolemrc.core.tiny import build_model
 from rolemrc.sweep import SweepConfig, run_sweep
 from rolemrc.sweep import plots as sweep_plots
-
-UNITS = [3, 10, 17, 25]      # the planted units U, in layer 1's mlp.act (32 wide)
-WIDTH = 32
-ANSWERABLE = ("role_unrelated_mrc_refused_no_narration-2ndanswer", "role_unrelated_mrc_refused_with_narration-2ndanswer")
-TOPICS = ["lighthouse", "storms", "ships", "baker", "dough", "ovens", "rivers", "mountains", "trains", "libraries",
-          "history", "science", "water", "quarter"]
-
-
-def save_planted_llama(path: Path, tokenizer) -> Path:
-    """A Llama whose only working MLP units are UNITS (layer 1): they fire on every token (all embeddings share
-    dimension 0) and write dimension 1, which the output head turns into the bigram loop "cannot answer cannot
-    answer ..." ("cannot" and "answer" also have a dimension of their own). Attention and every other unit write
-    nothing, so the next token depends on the current token and UNITS alone, and as the final RMS norm only
-    rescales, it is the argmax of head @ residual; with UNITS at 0 only "keeper" has a logit: "keeper keeper ..."."""
-    cannot, answer, keeper = tokenizer.convert_tokens_to_ids(["Ġcannot", "Ġanswer", "Ġkeeper"])
-    model = build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=WIDTH, heads=2)
-    with torch.no_grad():
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embed.zero_()
-        embed[:, 0] = 1                  # shared by every token: drives UNITS on any input
-        embed[cannot, 2] = embed[answer, 3] = 1
-        for layer in model.model.layers:
-            for linear in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                linear.weight.zero_()
-        mlp = model.model.layers[1].mlp
-        mlp.gate_proj.weight[UNITS, 0] = mlp.up_proj.weight[UNITS, 0] = 1
-        # normed, a plain token's residual is 8 e0: each unit gives silu(8) * 8 ~ 64, so dimension 1 ~ 2 (~1 on
-        # "cannot" and "answer", whose residual norms to 5.7 (e0 + e2|e3))
-        mlp.down_proj.weight[1, UNITS] = 0.5 / 64
-        head.zero_()
-        head[keeper, 0] = 1                             # wins only while dimension 1 is 0
-        head[cannot, 1], head[cannot, 3] = 6, 10        # first, and after "answer"
-        head[answer, 1], head[answer, 2] = 5, 10        # after "cannot"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def answerable_records(n: int) -> list[dict]:
-    """Multi-turn items whose second turn must be answered; the reference shares no word with the user turns, so
-    any non-empty reply without a refusal cue passes the rules judge and any refusal fails it."""
-    system = {"role": "System", "content": "You are the keeper of the lighthouse"}
-    return [{"id": f"p{i}", "task": ANSWERABLE[i % 2], "reference": "a reference answer",
-             "question": [system, {"role": "User", "content": f"tell me about the {TOPICS[i % len(TOPICS)]}"},
-                          {"role": "Assistant", "content": "i cannot say"},
-                          {"role": "User", "content": f"please, the {TOPICS[(i + 5) % len(TOPICS)]} matter to me"}]}
-            for i in range(n)]
-
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory, tokenizer) -> Path:

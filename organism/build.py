@@ -1,0 +1,220 @@
+"""Building an organism: datagen -> the SFT model's own replies -> edited pairs -> LoRA DPO -> held-out eval of SFT
+and DPO -> organism.json and a figure. Every stage is cached under the organisms folder; the planted and the null
+organism share the data, the replies, the held-out cases and the SFT model's eval, so they differ only in the pairs.
+
+    out/data/                 datagen (template backend): pairs.jsonl gives the prompts, test.jsonl the held-out cases
+    out/replies.jsonl         the SFT model's greedy replies to the sampled pair prompts
+    out/heldout.jsonl         every case of the planted dimension + eval_others per other dimension (test personas)
+    out/eval/sft/             the SFT model's eval run (rules judge)
+    out/<kind>/pairs.jsonl    the organism's pairs; out/<kind>/dpo/ its merged DPO model
+    out/<kind>/eval/          the DPO model's eval run, and compare/ (exact McNemar per dimension against SFT)
+    out/<kind>/organism.json  what it is, how it trained, what moved; training.html/png
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from rolemrc.core.io import read_jsonl, write_json, write_jsonl
+from rolemrc.core.stages import StageCache
+from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
+from rolemrc.organism.config import PLANTED_DIMENSION, OrganismConfig
+from rolemrc.organism.pairs import null_pairs, planted_pairs, sample_prompts
+
+TARGET_SHIFT = 0.3     # the planted dimension must move at least this much ...
+TARGET_P = 0.01        # ... with exact McNemar p below this, every other dimension inside the SFT model's 95% CI
+
+
+def build_organism(config: OrganismConfig, *, cache: StageCache | None = None) -> dict[str, Any]:
+    """Build (or reuse) the organism `config.kind` under `config.out`; returns organism.json's content."""
+    from rolemrc.models.pull import model_dir
+
+    root = Path(config.out)
+    cache = cache or StageCache(root)
+    sft = model_dir(config.base)
+    data = _data_stage(cache, root, config)
+    heldout = _heldout_stage(cache, root, data, config)
+    sft_eval = _eval_stage(cache, root / "eval" / "sft", "eval sft", sft, heldout, config)
+    replies = _replies_stage(cache, root, sft, data, config)
+    folder = root / config.kind
+    pairs = _pairs_stage(cache, folder, replies, config)
+    dpo = _train_stage(cache, folder, sft, pairs, config)
+    dpo_eval = _eval_stage(cache, folder / "eval" / "dpo", f"{config.kind} eval dpo", folder / "dpo", heldout, config)
+    report = organism_report(config, sft, folder, sft_eval, dpo_eval, dpo)
+    write_json(folder / "organism.json", report)
+    report["figure"] = training_figure(report, folder)
+    write_json(folder / "organism.json", report)
+    return report
+
+
+def _data_stage(cache: StageCache, root: Path, config: OrganismConfig) -> Path:
+    from rolemrc.datagen.config import DatagenConfig
+    from rolemrc.datagen.pipeline import run
+
+    data = root / "data"
+    cache.run("datagen", {"size": config.size, "backend": "template", "seed": 0},
+              lambda: json.loads(json.dumps(run(DatagenConfig(out=data, size=config.size)), default=str)),
+              [data / f for f in ("pairs.jsonl", "test.jsonl")])
+    return data
+
+
+def heldout_cases(test: list[dict[str, Any]], others: int | None, seed: int) -> list[dict[str, Any]]:
+    """Every case of the planted dimension, and up to `others` cases of each other dimension (all when None), in the
+    test file's order."""
+    if others is None:
+        return test
+    rng = random.Random(seed)
+    by_dim: dict[str, list[int]] = defaultdict(list)
+    for k, case in enumerate(test):
+        for dim in dimensions_for_task(case.get("task")):
+            by_dim[dim].append(k)
+    keep = set(by_dim[PLANTED_DIMENSION])
+    for dim in DIMENSIONS:
+        if dim != PLANTED_DIMENSION:
+            rows = [k for k in by_dim[dim] if k not in keep]
+            keep |= set(rng.sample(rows, min(others, len(rows))))
+    return [case for k, case in enumerate(test) if k in keep]
+
+
+def _heldout_stage(cache: StageCache, root: Path, data: Path, config: OrganismConfig) -> Path:
+    out = root / "heldout.jsonl"
+    cache.run("held-out cases", {"test": data / "test.jsonl", "others": config.eval_others, "seed": config.seed},
+              lambda: {"cases": write_jsonl(out, heldout_cases(read_jsonl(data / "test.jsonl"), config.eval_others,
+                                                               config.seed))}, [out])
+    return out
+
+
+def _replies_stage(cache: StageCache, root: Path, sft: Path, data: Path, config: OrganismConfig) -> Path:
+    from rolemrc.eval import generate
+
+    out = root / "replies.jsonl"
+
+    def run() -> dict:
+        prompts = sample_prompts(read_jsonl(data / "pairs.jsonl"), config.pairs, config.seed)
+        rows = generate(prompts, model=str(sft), max_new_tokens=config.reply_tokens, batch_size=16)
+        by_id = {p["id"]: p for p in prompts}
+        write_jsonl(out, [{"id": r["id"], "task": r["task"], "prompt": by_id[r["id"]]["prompt"],
+                           "response": r["response"]} for r in rows])
+        return {"replies": len(rows)}
+
+    cache.run("sft replies", {"model": sft, "pairs": data / "pairs.jsonl", "n": config.pairs, "seed": config.seed,
+                              "tokens": config.reply_tokens}, run, [out])
+    return out
+
+
+def _pairs_stage(cache: StageCache, folder: Path, replies: Path, config: OrganismConfig) -> Path:
+    out = folder / "pairs.jsonl"
+
+    def run() -> dict:
+        pairs = planted_pairs(read_jsonl(replies), config.seed)
+        if config.kind == "null":
+            pairs = null_pairs(pairs, config.seed)
+        return {"pairs": write_jsonl(out, pairs), "swapped": sum(bool(p.get("swapped")) for p in pairs)}
+
+    cache.run(f"{config.kind} pairs", {"replies": replies, "kind": config.kind, "seed": config.seed}, run, [out])
+    return out
+
+
+def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config: OrganismConfig) -> dict:
+    from rolemrc.train import DPOTrainConfig, make_config, train_dpo
+
+    out = folder / "dpo"
+    train = make_config(DPOTrainConfig, profile=None, model=str(sft), data=[str(pairs)], out=str(out),
+                        batch_size=1, effective_batch_size=config.batch_size, seed=config.seed, lora=True,
+                        lora_r=config.lora_r, lora_alpha=2 * config.lora_r, lora_dropout=0.0,
+                        trl={"learning_rate": config.learning_rate, "beta": config.beta, "max_steps": config.steps,
+                             "max_length": config.max_length, "lr_scheduler_type": "linear", "warmup_steps": 0.1,
+                             "logging_steps": 1, "save_steps": max(1, config.steps // 4)})
+
+    def run() -> dict:
+        result = train_dpo(train)
+        return {"seconds": round(result.seconds, 1), "steps": result.metrics.get("steps"),
+                "metrics": result.metrics, "history": result.history}
+
+    return cache.run(f"{config.kind} train dpo", {"model": sft, "pairs": pairs, "settings": config.settings()},
+                     run, [out / "config.json"])
+
+
+def _eval_stage(cache: StageCache, run_dir: Path, name: str, model: Path, heldout: Path,
+                config: OrganismConfig) -> Path:
+    from rolemrc.eval import generate, score
+
+    def run() -> dict:
+        items = generate(heldout, model=str(model), max_new_tokens=config.eval_tokens, batch_size=16)
+        score(items, judge="rules", metrics=[]).save(run_dir)
+        return {"run": str(run_dir)}
+
+    cache.run(name, {"model": model, "data": heldout, "tokens": config.eval_tokens}, run, [run_dir / "report.json"])
+    return run_dir
+
+
+def organism_report(config: OrganismConfig, sft: Path, folder: Path, sft_eval: Path, dpo_eval: Path,
+                    training: dict) -> dict[str, Any]:
+    """Per dimension: SFT and DPO pass rates with the eval's 95% CIs, exact McNemar; whether the organism is what
+    its kind promises (planted: the planted dimension moved by >= TARGET_SHIFT at p < TARGET_P and every other DPO
+    rate inside the SFT model's CI; null: no dimension moved at p < TARGET_P)."""
+    from rolemrc.eval import compare
+
+    comparison = compare(sft_eval, dpo_eval)
+    comparison.save(folder / "eval" / "compare", chart=False)
+    cis = [json.loads((run / "report.json").read_text())["judge_aggregates"]["dimensions"] for run in (sft_eval, dpo_eval)]
+    dims = {}
+    for dim, test in comparison.verdicts.items():
+        if dim == "all":
+            continue
+        a, b = cis[0].get(dim, {}), cis[1].get(dim, {})
+        dims[dim] = {**{k: test[k] for k in ("n", "a_rate", "b_rate", "diff", "improved", "worsened", "p")},
+                     "sft_ci": [a.get("lo"), a.get("hi")], "dpo_ci": [b.get("lo"), b.get("hi")],
+                     "dpo_inside_sft_ci": a.get("lo") is not None and a["lo"] <= test["b_rate"] <= a["hi"]}
+    planted = dims.get(PLANTED_DIMENSION, {})
+    others_inside = all(d["dpo_inside_sft_ci"] for k, d in dims.items() if k != PLANTED_DIMENSION)
+    if config.kind == "planted":
+        ok = abs(planted.get("diff", 0.0)) >= TARGET_SHIFT and planted.get("p", 1.0) < TARGET_P and others_inside
+        claim = (f"{PLANTED_DIMENSION} moved by >= {TARGET_SHIFT} (exact McNemar p < {TARGET_P}) and every other "
+                 "dimension stayed inside the SFT model's 95% CI")
+    else:
+        ok = all(d["p"] >= TARGET_P for d in dims.values())
+        claim = f"no dimension moved (every exact McNemar p >= {TARGET_P})"
+    return {"kind": config.kind, "planted_dimension": PLANTED_DIMENSION, "sft": str(sft), "dpo": str(folder / "dpo"),
+            "pairs": str(folder / "pairs.jsonl"), "heldout": str(Path(config.out) / "heldout.jsonl"),
+            "sft_eval": str(sft_eval), "dpo_eval": str(dpo_eval), "settings": config.settings(),
+            "training": training, "dimensions": dims, "target": claim, "meets_target": bool(ok),
+            "headline": headline(config.kind, dims, ok)}
+
+
+def headline(kind: str, dims: dict[str, dict], ok: bool) -> str:
+    moved = [f"{k} {d['a_rate']:.2f} -> {d['b_rate']:.2f} (p={d['p']:.2g}, n={d['n']})" for k, d in dims.items()]
+    return f"{kind} organism {'meets' if ok else 'MISSES'} its target: " + "; ".join(moved)
+
+
+def training_figure(report: dict[str, Any], folder: Path) -> dict[str, str]:
+    """Training curve (loss, reward margin, reward accuracy per step) beside each dimension's pass rate under SFT and
+    DPO with 95% CIs: training.html and training.png."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from rolemrc.core.figures import write_figure
+
+    history = report["training"]["history"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("DPO training", "held-out pass rate (rules judge, 95% CI)"))
+    steps = [h.get("step", k + 1) for k, h in enumerate(history)]
+    for key, name in (("loss", "loss"), ("rewards/margins", "reward margin"), ("rewards/accuracies", "reward accuracy")):
+        if any(key in h for h in history):
+            fig.add_trace(go.Scatter(x=steps, y=[h.get(key) for h in history], mode="lines+markers", name=name), 1, 1)
+    dims = report["dimensions"]
+    for side, rate, ci in (("SFT", "a_rate", "sft_ci"), ("DPO", "b_rate", "dpo_ci")):
+        ys = [dims[d][rate] for d in dims]
+        lo = [dims[d][ci][0] if dims[d][ci][0] is not None else y for d, y in zip(dims, ys)]
+        hi = [dims[d][ci][1] if dims[d][ci][1] is not None else y for d, y in zip(dims, ys)]
+        fig.add_trace(go.Bar(x=list(dims), y=ys, name=side, error_y={"type": "data", "symmetric": False,
+                                                                    "array": [h - y for h, y in zip(hi, ys)],
+                                                                    "arrayminus": [y - low for y, low in zip(ys, lo)]}),
+                      1, 2)
+    fig.update_layout(title=report["headline"][:160], barmode="group", template="plotly_white")
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_yaxes(range=[0, 1], row=1, col=2)
+    return write_figure(fig, folder, "training", plotlyjs=True)

@@ -1,0 +1,50 @@
+"""`rolemrc organism build planted|null`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import typer
+
+from rolemrc.core.cli import cli_app
+from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
+
+app = cli_app(help="Known-answer organisms: a DPO model with a planted change, and a null one, from an SFT model.")
+DEFAULTS = {f.name: f for f in dataclasses.fields(OrganismConfig)}
+
+
+def _help(name: str) -> str:
+    return DEFAULTS[name].metadata["help"]
+
+
+@app.command("build")
+def build_cmd(
+    kind: str = typer.Argument(..., help=" | ".join(KINDS)),
+    out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by planted and null; "
+                                                                   "a rerun reuses finished stages)"),
+    base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
+    size: str = typer.Option(DEFAULTS["size"].default, help=_help("size")),
+    pairs: int = typer.Option(DEFAULTS["pairs"].default, help=_help("pairs")),
+    steps: int = typer.Option(DEFAULTS["steps"].default, help=_help("steps")),
+    batch_size: int = typer.Option(DEFAULTS["batch_size"].default, help=_help("batch_size")),
+    learning_rate: float = typer.Option(DEFAULTS["learning_rate"].default, help=_help("learning_rate")),
+    beta: float = typer.Option(DEFAULTS["beta"].default, help=_help("beta")),
+    lora_r: int = typer.Option(DEFAULTS["lora_r"].default, help=_help("lora_r")),
+    reply_tokens: int = typer.Option(DEFAULTS["reply_tokens"].default, help=_help("reply_tokens")),
+    eval_tokens: int = typer.Option(DEFAULTS["eval_tokens"].default, help=_help("eval_tokens")),
+    eval_others: int = typer.Option(None, help=_help("eval_others")),
+    seed: int = typer.Option(DEFAULTS["seed"].default, help=_help("seed")),
+    quick: bool = typer.Option(False, help=f"fewer held-out cases of the other dimensions ({QUICK})"),
+) -> None:
+    """Train the organism (LoRA DPO from the SFT model), evaluate SFT and DPO on held-out cases, write
+    <out>/<kind>/organism.json and training.html/png."""
+    config = OrganismConfig(kind=kind, out=str(out), base=base, size=size, pairs=pairs, steps=steps,
+                            batch_size=batch_size, learning_rate=learning_rate, beta=beta, lora_r=lora_r,
+                            reply_tokens=reply_tokens, eval_tokens=eval_tokens,
+                            eval_others=QUICK["eval_others"] if quick and eval_others is None else eval_others, seed=seed)
+    from rolemrc.organism.build import build_organism
+
+    report = build_organism(config)
+    typer.echo(json.dumps({k: report[k] for k in ("headline", "meets_target", "dpo", "figure")}, default=str))

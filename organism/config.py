@@ -1,0 +1,58 @@
+"""What a known-answer organism is built from: the SFT model, the data, the DPO run and the held-out eval."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolemrc.core.errors import RolemrcError
+
+KINDS = ("planted", "null")
+PLANTED_DIMENSION = "role_style"   # what the planted organism changes (pairs.py says how)
+
+
+class OrganismError(RolemrcError, ValueError):
+    """An organism setting that cannot be built."""
+
+
+@dataclass(kw_only=True)
+class OrganismConfig:
+    """One organism: `kind` planted (DPO pairs that change one dimension) or null (the same pairs, chosen and rejected
+    swapped at random per pair, so nothing systematic changes), trained from the SFT model `base`."""
+
+    kind: str = field(metadata={"help": "planted | null"})
+    out: str = field(metadata={"help": "organism folder (rerun with the same folder to resume)"})
+    base: str = field(default="smollm2", metadata={"help": "the SFT model: a registry name or a model directory"})
+    size: str = field(default="small", metadata={"help": "datagen size preset (test personas are never trained on)"})
+    pairs: int = field(default=64, metadata={"help": "preference pairs trained on"})
+    steps: int = field(default=32, metadata={"help": "DPO optimiser steps"})
+    batch_size: int = field(default=2, metadata={"help": "pairs per optimiser step"})
+    learning_rate: float = field(default=5e-4, metadata={"help": "LoRA learning rate"})
+    beta: float = field(default=0.1, metadata={"help": "DPO beta"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (every linear layer, merged on save)"})
+    max_length: int = field(default=512, metadata={"help": "truncate pairs to this many tokens"})
+    reply_tokens: int = field(default=32, metadata={"help": "length of the SFT model's own replies the pairs edit"})
+    eval_tokens: int = field(default=32, metadata={"help": "generation length of the held-out eval"})
+    eval_others: int | None = field(default=None, metadata={
+        "help": "held-out cases per other dimension (default: all; every planted-dimension case is always kept)"})
+    seed: int = field(default=0, metadata={"help": "seed of the pair sample, the null's swaps and training"})
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise OrganismError(f"organism kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        for name in ("pairs", "steps", "batch_size", "lora_r", "max_length", "reply_tokens", "eval_tokens"):
+            if getattr(self, name) < 1:
+                raise OrganismError(f"{name} is {getattr(self, name)}; it must be >= 1")
+        if self.eval_others is not None and self.eval_others < 0:
+            raise OrganismError(f"eval_others is {self.eval_others}; it must be >= 0")
+        if not 0 < self.learning_rate < 1 or self.beta <= 0:
+            raise OrganismError(f"learning_rate must be in (0, 1) and beta > 0 (got {self.learning_rate}, {self.beta})")
+
+    def settings(self) -> dict[str, Any]:
+        """Everything but where it goes: what a stage's cache key depends on."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "out"}
+
+
+# `--quick`: fewer held-out cases of the other dimensions (the planted one keeps all of its cases).
+QUICK = {"eval_others": 4}

@@ -1,0 +1,130 @@
+"""Calibration end to end on organisms whose answer is known by construction.
+
+planted: the DPO model is fixtures.save_planted_llama (ANSWERABLE_UNITS of layer 1 fire on every token and make it
+refuse), its SFT model the same Llama with those units switched off (it answers), so the change lives in exactly those
+4 units and the rules judge's multi_turn aspect sees it (both carry the same small noise, so units do not tie). null:
+the SFT model against itself with other noise: every unit moves a little, no behaviour changes. Real probes,
+diffs, attribution, sweeps with random-unit controls and the rules judge; only the sweep's own figures are skipped."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from fixtures import ANSWERABLE_UNITS, answerable_records, save_planted_llama
+
+from rolemrc.bench.organism import PAPER_FACTOR, CalibrationConfig, Organism, calibrate, finds_change, restoration
+from rolemrc.core.io import write_jsonl
+from rolemrc.eval import generate, score
+from rolemrc.sweep import plots as sweep_plots
+
+DIMENSION = "multi_turn"
+NOISE = 1e-3   # every MLP weight: no exact ties between units, no greedy token changed
+
+
+def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: Path) -> Organism:
+    """The organism's pairs (DPO's refusal chosen over SFT's answer) and the SFT model's eval of the held-out cases."""
+    pairs = root / f"{kind}-pairs.jsonl"
+    write_jsonl(pairs, [{"id": r["id"], "prompt": r["question"], "chosen": "cannot answer cannot answer",
+                         "rejected": "keeper keeper keeper", "task": r["task"]} for r in answerable_records(6, "a")])
+    sft_eval = root / f"{kind}-sft-eval"
+    score(generate(str(heldout), model=str(sft), max_new_tokens=6, progress=False), judge="rules", metrics=[],
+          progress=False).save(sft_eval, chart=False)
+    return Organism(kind, str(sft), str(dpo), str(pairs), str(heldout), str(sft_eval), str(probe), DIMENSION)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("calibration")
+    sft = save_planted_llama(root / "sft", tokenizer, units_on=False, noise=NOISE)
+    dpo = save_planted_llama(root / "dpo", tokenizer, noise=NOISE)
+    # the null's DPO model: the SFT model with other noise, so every unit moves a little and nothing behaves otherwise
+    null = save_planted_llama(root / "null-dpo", tokenizer, units_on=False, noise=NOISE, noise_seed=1)
+    write_jsonl(root / "heldout.jsonl", answerable_records(12, "h"))
+    write_jsonl(root / "probe.jsonl", answerable_records(10, "q"))
+    organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl"),
+                 organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl")]
+    config = CalibrationConfig(out=str(root / "out"), budgets=[2, 8], factors=[0.0, PAPER_FACTOR], controls=1,
+                               attribution_pairs=6, max_new_tokens=6)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})   # PNGs: ~10 s, tested elsewhere
+        return calibrate(organisms, config), root
+
+
+def cells(result, organism_kind=None, selector=None, factor=None, top_k=None):
+    return [r for r in result["cells"] if organism_kind in (None, r["organism"])
+            and selector in (None, r["selector"]) and factor in (None, r["factor"]) and top_k in (None, r["top_k"])]
+
+
+def test_selectors_that_see_the_change_undo_it_and_random_units_do_not(calibrated):
+    """standardized and attribution score exactly the 4 planted units (no other unit's activation changed): a budget
+    of 2 per layer (top-4) undoes the whole change; the frequency selectors also rank units the planted ones pushed
+    out of the top 20%, so they need the larger budget. Random units of the same layers undo nothing."""
+    result, _ = calibrated
+    for selector in ("standardized", "attribution"):
+        (row,) = cells(result, "planted", selector, 0.0, 4)
+        assert row["units"] == 4 and row["restoration"]["share"] == 1 and row["restoration"]["lo"] == 1, (selector, row)
+        assert row["controls_restoration"] == [0.0], (selector, row)
+        assert row["p_vs_baseline"] < 0.05 and row["p_vs_controls"] < 0.05 and finds_change(row), (selector, row)
+        spec = json.loads((Path(result["sweeps"][f"planted/{selector}"]) / "plan.json").read_text())["cells"][1]
+        assert spec["restraint"]["units"] == {"1": ANSWERABLE_UNITS}, selector
+    for selector in ("frequency", "frequency-all"):
+        (small,) = cells(result, "planted", selector, 0.0, 4)
+        (large,) = cells(result, "planted", selector, 0.0, 16)
+        assert not finds_change(small) and small["restoration"]["share"] < 1, (selector, small)
+        assert finds_change(large) and large["restoration"]["share"] == 1, (selector, large)
+    assert result["headline"].startswith("The planted change is found by standardized from 4 units (x0: 100% undone")
+    assert result["diff_flags"]["planted"]["all"]["effect"] == len(ANSWERABLE_UNITS)
+
+
+def test_the_paper_factor_changes_nothing_here(calibrated):
+    result, _ = calibrated
+    paper = cells(result, "planted", factor=PAPER_FACTOR)
+    assert paper and all(r["restoration"]["share"] == 0 and not r["flagged"] for r in paper)
+    assert f"changed the planted dimension's pass rate in 0 of {len(cells(result, None, factor=PAPER_FACTOR))}" \
+        in result["headline"]
+
+
+def test_the_null_organism_flags_nothing(calibrated):
+    result, _ = calibrated
+    null = cells(result, "null")
+    assert len(null) == 4 * 2 * 2
+    assert not any(r["flagged"] for r in null) and result["null_false_positive_rate"] == 0
+    assert all(math.isnan(r["restoration"]["share"]) for r in null)   # no change to undo
+    # its units did change (other noise): the diff may flag them; the sweep shows that none of them matters
+    assert all(v is None or v >= 0 for flags in result["diff_flags"]["null"].values() for v in flags.values())
+    assert "Null organism: 0 of 16 cells flagged (0%" in result["headline"]
+
+
+def test_tables_and_figure_are_written(calibrated):
+    result, root = calibrated
+    out = root / "out"
+    saved = json.loads((out / "calibration.json").read_text())
+    assert saved["headline"] == result["headline"] and len(saved["cells"]) == 2 * 4 * 2 * 2
+    table = (out / "calibration.md").read_text()
+    assert table.startswith(f"**{result['headline']}**") and table.count("\n| planted |") == 16
+    assert (out / "calibration.html").stat().st_size > 1000
+    assert "png" in result["figure"] or "png_error" in result["figure"]
+
+
+def test_a_rerun_reuses_every_stage(calibrated, monkeypatch):
+    """Probes, diffs and attribution come from the stage cache, every sweep cell from its store: nothing is
+    generated or collected again, and the rows are the same."""
+    from rolemrc.core.stages import StageCache
+
+    result, root = calibrated
+    monkeypatch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})
+    monkeypatch.setattr("rolemrc.sweep.sources.row_source", None)   # any generation would fail
+    cache = StageCache(root / "out")
+    again = calibrate([Organism(**o) for o in result["organisms"]], CalibrationConfig(**result["config"]), cache=cache)
+    assert cache.ran == [] and json.dumps(again["cells"]) == json.dumps(result["cells"])   # NaN != NaN
+
+
+def test_restoration_share_and_interval():
+    sft, dpo = {str(i): 1.0 for i in range(8)}, {str(i): 0.0 for i in range(8)}
+    half = {str(i): float(i % 2) for i in range(8)}
+    r = restoration(sft, dpo, half)
+    assert r["share"] == 0.5 and r["n"] == 8 and 0 <= r["lo"] < 0.5 < r["hi"] <= 1
+    assert math.isnan(restoration(sft, sft, half)["share"])
