@@ -20,6 +20,7 @@ from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.sweep import SweepConfig, run_sweep
 from rolemrc.sweep import plots as sweep_plots
 
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory, tokenizer) -> Path:
     root = tmp_path_factory.mktemp("planted")
