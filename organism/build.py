@@ -22,7 +22,7 @@ from typing import Any
 from rolemrc.core.io import read_jsonl, write_json, write_jsonl
 from rolemrc.core.stages import StageCache
 from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
-from rolemrc.organism.config import PLANTED_DIMENSION, OrganismConfig
+from rolemrc.organism.config import PLANTED_DIMENSION, OrganismConfig, OrganismError
 from rolemrc.organism.pairs import null_pairs, planted_pairs, sample_prompts
 
 TARGET_SHIFT = 0.3     # the planted dimension must move at least this much ...
@@ -131,12 +131,26 @@ def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config
                              "logging_steps": 1, "save_steps": max(1, config.steps // 4)})
 
     def run() -> dict:
+        check_lengths(sft, read_jsonl(pairs), config.max_length)
         result = train_dpo(train)
         return {"seconds": round(result.seconds, 1), "steps": result.metrics.get("steps"),
                 "metrics": result.metrics, "history": result.history}
 
     return cache.run(f"{config.kind} train dpo", {"model": sft, "pairs": pairs, "settings": config.settings()},
                      run, [out / "config.json"])
+
+
+def check_lengths(sft: Path, pairs: list[dict[str, Any]], max_length: int) -> None:
+    """Refuse pairs none of which leaves room for a reply within max_length (trl would drop every one of them)."""
+    from transformers import AutoTokenizer
+
+    from rolemrc.core.chat import render_chat
+
+    tok = AutoTokenizer.from_pretrained(sft)
+    lengths = [len(tok(render_chat(tok, p["prompt"]), add_special_tokens=False)["input_ids"]) for p in pairs]
+    if lengths and min(lengths) >= max_length:
+        raise OrganismError(f"every pair's prompt is at least {min(lengths)} tokens under {sft}'s tokenizer, so "
+                            f"max_length {max_length} leaves no room for a reply; raise --max-length")
 
 
 def _eval_stage(cache: StageCache, run_dir: Path, name: str, model: Path, heldout: Path,

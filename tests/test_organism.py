@@ -1,0 +1,155 @@
+"""Known-answer organisms: the pairs each kind trains on, and a real build (datagen, the SFT model's replies, trl's
+LoRA DPO, held-out eval, report, figure) on a tiny Llama, then the null organism reusing every shared stage."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from rolemrc.core.errors import EXIT_INPUT
+from rolemrc.core.io import read_jsonl
+from rolemrc.core.stages import StageCache
+from rolemrc.core.taxonomy import dimensions_for_task
+from rolemrc.eval.rules import style
+from rolemrc.organism import OrganismConfig, OrganismError, build_organism
+from rolemrc.organism.build import heldout_cases
+from rolemrc.organism.pairs import ACTIONS, clean_reply, null_pairs, planted_pairs, sample_prompts
+
+NO_NARRATION = "role_unrelated_mrc_answer_no_narration"
+WITH_NARRATION = "role_related_mrc_answer_with_narration"
+
+
+def replied(n: int) -> list[dict]:
+    tasks = [NO_NARRATION, WITH_NARRATION, "role_related_mrc_refused_no_narration"]
+    return [{"id": f"r{i}", "task": tasks[i % 3], "prompt": [{"role": "user", "content": f"question {i}"}],
+             "response": f"(waves) Answer number {i} is here. And then it trails" if i % 4 == 0 else f"Reply {i}."}
+            for i in range(40)]
+
+
+def test_planted_pairs_open_with_an_action_the_rules_judge_reads():
+    pairs = planted_pairs(replied(40), seed=0)
+    assert len(pairs) == 40
+    for pair in pairs:
+        action, rest = pair["chosen"].split(") ", 1)
+        assert f"{action})" in ACTIONS and rest == pair["rejected"] and "(" not in pair["rejected"]
+    # where narration is forbidden the chosen reply fails role_style and the rejected one passes; where it is asked
+    # for, the reverse: the planted change moves the aspect both ways, mostly down (3 of its 4 tasks forbid it)
+    assert style(NO_NARRATION, pairs[1]["chosen"])[0] is False and style(NO_NARRATION, pairs[1]["rejected"])[0]
+    assert style(WITH_NARRATION, pairs[1]["chosen"])[0] and not style(WITH_NARRATION, pairs[1]["rejected"])[0]
+    assert planted_pairs(replied(40), seed=0) == pairs
+
+
+def test_null_pairs_swap_about_half_at_random_and_keep_everything_else():
+    planted = planted_pairs(replied(40), seed=0)
+    null = null_pairs(planted, seed=0)
+    swapped = [n["swapped"] for n in null]
+    assert 10 <= sum(swapped) <= 30 and null == null_pairs(planted, seed=0) and null != null_pairs(planted, seed=1)
+    for p, n in zip(planted, null):
+        assert {n["chosen"], n["rejected"]} == {p["chosen"], p["rejected"]} and n["prompt"] == p["prompt"]
+        assert (n["chosen"] == p["rejected"]) == n["swapped"]
+
+
+def test_clean_reply_drops_narration_and_a_trailing_fragment():
+    assert clean_reply("(waves) Answer number one is here. And then it trails") == "Answer number one is here."
+    assert clean_reply("Yes. And then it trails") == "Yes. And then it trails"   # too short a sentence to cut at
+    assert clean_reply("*bows* [quietly] Hello there") == "Hello there"
+    assert clean_reply("") == ""
+
+
+def test_sample_prompts_spread_over_tasks():
+    rows = [{"id": f"{t}-{i}", "task": t} for t in ("a", "b", "c") for i in range(10)]
+    picked = sample_prompts(rows, 9, seed=0)
+    assert Counter(r["task"] for r in picked) == {"a": 3, "b": 3, "c": 3}
+    assert len({r["id"] for r in picked}) == 9 and sample_prompts(rows, 9, seed=0) == picked
+
+
+def test_heldout_keeps_every_planted_case_and_caps_the_others():
+    from rolemrc.core.taxonomy import TASKS
+
+    test = [{"id": str(i), "task": TASKS[i % len(TASKS)]} for i in range(180)]
+    kept = heldout_cases(test, 2, seed=0)
+    dims = Counter(d for case in kept for d in dimensions_for_task(case["task"]))
+    planted = sum("role_style" in dimensions_for_task(c["task"]) for c in test)
+    assert dims["role_style"] == planted and heldout_cases(test, None, seed=0) == test
+    others = [c for c in kept if "role_style" not in dimensions_for_task(c["task"])]
+    assert 0 < len(others) <= 2 * 4
+
+
+@pytest.mark.parametrize("bad, message", [({"kind": "planted-ish"}, "organism kind 'planted-ish'"),
+                                          ({"steps": 0}, "steps is 0"), ({"eval_others": -1}, "eval_others is -1"),
+                                          ({"learning_rate": 2.0}, "learning_rate must be in (0, 1)")])
+def test_bad_settings_are_errors(bad, message, tmp_path):
+    with pytest.raises(OrganismError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        OrganismConfig(**{"kind": "planted", "out": str(tmp_path), **bad})
+
+
+def test_cli_refuses_an_unknown_kind_before_anything_runs(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "rolemrc.cli", "organism", "build", "nonsense", "--out",
+                           str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == EXIT_INPUT and lines == ["error: organism kind 'nonsense' is not one of planted, null"]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tokenizer):
+    """Both organisms from a tiny Llama: 8 pairs, 2 DPO steps, short generations, a few held-out cases. The test
+    tokenizer spells datagen's prompts in ~900-1400 tokens, hence the context of 2048."""
+    from rolemrc.core.tiny import build_model
+
+    root = tmp_path_factory.mktemp("organisms")
+    sft = root / "sft"
+    build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=96, max_positions=2048).save_pretrained(sft)
+    tokenizer.save_pretrained(sft)
+    settings = dict(out=str(root), base=str(sft), size="tiny", pairs=8, steps=2, reply_tokens=8, eval_tokens=8,
+                    eval_others=2, learning_rate=1e-3, max_length=1600)
+    planted = build_organism(OrganismConfig(kind="planted", **settings))
+    cache = StageCache(root)
+    null = build_organism(OrganismConfig(kind="null", **settings), cache=cache)
+    return root, settings, planted, null, cache
+
+
+def test_pairs_too_long_for_max_length_are_refused_before_training(built):
+    root, settings, *_ = built
+    before = (root / "planted" / "organism.json").read_text()
+    with pytest.raises(OrganismError, match="leaves no room for a reply; raise --max-length"):
+        build_organism(OrganismConfig(kind="planted", **{**settings, "max_length": 64}))   # the other stages reused
+    assert (root / "planted" / "organism.json").read_text() == before
+
+
+def test_a_build_writes_the_organism_and_its_training(built):
+    root, _, planted, _, _ = built
+    report = json.loads((root / "planted" / "organism.json").read_text())
+    assert report == json.loads(json.dumps(planted, default=str))
+    assert report["kind"] == "planted" and report["planted_dimension"] == "role_style"
+    assert (root / "planted" / "dpo" / "config.json").is_file() and (root / "planted" / "dpo" / "rolemrc.json").is_file()
+    history = report["training"]["history"]
+    assert report["training"]["steps"] == 2 and [h["step"] for h in history] == [1, 2]
+    assert all("loss" in h and "rewards/margins" in h for h in history)
+    heldout = read_jsonl(root / "heldout.jsonl")
+    style_cases = sum("role_style" in dimensions_for_task(c["task"]) for c in heldout)
+    assert report["dimensions"]["role_style"]["n"] == style_cases > 0
+    for dim in report["dimensions"].values():
+        assert 0 <= dim["a_rate"] <= 1 and 0 <= dim["b_rate"] <= 1 and 0 < dim["p"] <= 1
+        assert dim["b_rate"] - dim["a_rate"] == pytest.approx(dim["diff"])
+    assert report["headline"].startswith("planted organism ") and isinstance(report["meets_target"], bool)
+    assert (root / "planted" / "training.html").stat().st_size > 1000
+    # the planted pairs never come from a held-out persona
+    held_personas = {c["id"].split("/")[0] for c in heldout}
+    assert not {p["id"].split("/")[0] for p in read_jsonl(report["pairs"])} & held_personas
+
+
+def test_the_null_shares_every_stage_but_its_pairs_and_model(built):
+    root, settings, planted, null, cache = built
+    assert cache.ran == ["null pairs", "null train dpo", "null eval dpo"]
+    p, n = read_jsonl(planted["pairs"]), read_jsonl(null["pairs"])
+    assert [x["id"] for x in p] == [x["id"] for x in n] and any(x["swapped"] for x in n)
+    assert null["sft_eval"] == planted["sft_eval"] and null["heldout"] == planted["heldout"]
+    assert null["headline"].startswith("null organism ")
+    again = StageCache(root)
+    build_organism(OrganismConfig(kind="planted", **settings), cache=again)
+    assert again.ran == []
