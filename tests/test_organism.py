@@ -105,8 +105,8 @@ def built(tmp_path_factory, tokenizer):
     sft = root / "sft"
     build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=96, max_positions=2048).save_pretrained(sft)
     tokenizer.save_pretrained(sft)
-    settings = dict(out=str(root), base=str(sft), size="tiny", pairs=8, steps=2, reply_tokens=8, eval_tokens=8,
-                    eval_others=2, learning_rate=1e-3, max_length=1600)
+    settings = {"out": str(root), "base": str(sft), "size": "tiny", "pairs": 8, "steps": 2, "reply_tokens": 8,
+                "eval_tokens": 8, "eval_others": 2, "learning_rate": 1e-3, "max_length": 1600}
     planted = build_organism(OrganismConfig(kind="planted", **settings))
     cache = StageCache(root)
     null = build_organism(OrganismConfig(kind="null", **settings), cache=cache)
