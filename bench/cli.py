@@ -152,6 +152,8 @@ def clients_cmd(
 def organism_cmd(
     out: Path = typer.Option(Path("runs/bench-organism"), "--out", help="folder of every stage (a rerun reuses them)"),
     base: str = typer.Option("smollm2", help="the SFT model: a registry name or a model directory"),
+    organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
+                                              "build` filled with the same settings is reused"),
     quick: bool = typer.Option(False, help="fewer held-out cases of the other dimensions, budgets 16 and 256 units "
                                            "per layer, factors 0 and 1 - 1e-6"),
     probe_cases: int = typer.Option(48, help="cases (datagen pair prompts no organism trained on) the probes read"),
@@ -165,7 +167,8 @@ def organism_cmd(
     from rolemrc.bench.organism import run
 
     overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
-    emit(run(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides), json_out)
+    emit(run(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides, organisms_dir=organisms),
+         json_out)
 
 
 @app.command("all")

@@ -67,6 +67,7 @@ class CalibrationConfig:
     controls: int = 1
     attribution_pairs: int = 16       # organism pairs (of the planted dimension first) attribution runs over
     max_new_tokens: int = 32          # as the organisms' held-out eval, so the SFT run is comparable
+    batch_size: int = 32              # rows per generation batch (the sweep's cells share batches)
     hook: str = "mlp.act"
     seed: int = 0
 
@@ -152,7 +153,7 @@ def sweep_stage(organism: Organism, selector: str, source: str, config: Calibrat
     sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(root / f"sweep-{selector}"),
                         dimensions=[organism.dimension], factors=list(config.factors),
                         top_k=[b * layers for b in config.budgets], method=selector, controls=config.controls,
-                        seed=config.seed, max_new_tokens=config.max_new_tokens)
+                        seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
     return run_sweep(sweep, metrics=[])
 
 
@@ -344,21 +345,23 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
 
 
 def run(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int = 48,
-        organism_overrides: dict[str, Any] | None = None) -> dict:
-    """Build both organisms from `base` (cached), then calibrate; the bench's JSON."""
+        organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None) -> dict:
+    """Build both organisms from `base` under `organisms_dir` (default out/organisms; cached there, so a folder that
+    `rolemrc organism build` filled with the same settings is reused), then calibrate; the bench's JSON."""
     from rolemrc.organism import OrganismConfig, build_organism
     from rolemrc.organism.config import QUICK as ORGANISM_QUICK
 
     started = time.perf_counter()
     cache = StageCache(out)
     settings = {**(ORGANISM_QUICK if quick else {}), **(organism_overrides or {})}
-    reports = {kind: build_organism(OrganismConfig(kind=kind, out=str(out / "organisms"), base=base, **settings))
+    folder = organisms_dir or out / "organisms"
+    reports = {kind: build_organism(OrganismConfig(kind=kind, out=str(folder), base=base, **settings))
                for kind in ("planted", "null")}
     trained = {p["id"] for r in reports.values() for p in read_jsonl(r["pairs"])}
     probe = out / "probe-cases.jsonl"
-    cache.run("probe cases", {"pairs": out / "organisms" / "data" / "pairs.jsonl", "n": probe_n},
-              lambda: {"cases": write_jsonl(probe, probe_cases(out / "organisms" / "data" / "pairs.jsonl", trained,
-                                                               probe_n, 0))}, [probe])
+    source = folder / "data" / "pairs.jsonl"
+    cache.run("probe cases", {"pairs": source, "trained": sorted(trained), "n": probe_n},
+              lambda: {"cases": write_jsonl(probe, probe_cases(source, trained, probe_n, 0))}, [probe])
     organisms = [Organism.from_report(reports[k], probe) for k in ("planted", "null")]
     config = CalibrationConfig(out=str(out), **(QUICK if quick else {}))
     result = calibrate(organisms, config, cache=cache)

@@ -228,7 +228,11 @@ def training_figure(report: dict[str, Any], folder: Path) -> dict[str, str]:
                                                                     "array": [h - y for h, y in zip(hi, ys)],
                                                                     "arrayminus": [y - low for y, low in zip(ys, lo)]}),
                       1, 2)
-    fig.update_layout(title=report["headline"][:160], barmode="group", template="plotly_white")
+    dim = dims.get(report["planted_dimension"])
+    moved = f": {report['planted_dimension']} {dim['a_rate']:.2f} -> {dim['b_rate']:.2f} (p={dim['p']:.2g})" if dim else ""
+    verdict = "meets" if report["meets_target"] else "misses"
+    fig.update_layout(title=f"{report['kind']} organism {verdict} its target{moved}", barmode="group",
+                      template="plotly_white")
     fig.update_xaxes(title_text="step", row=1, col=1)
     fig.update_yaxes(range=[0, 1], row=1, col=2)
     return write_figure(fig, folder, "training", plotlyjs=True)
