@@ -236,7 +236,15 @@ def headline(rows: list[dict[str, Any]], flags: dict[str, dict]) -> str:
         first += f"; not by {', '.join(missed)}." if missed else "."
     else:
         first = (f"No selector finds the planted change: none of {len(planted)} cells undoes it beyond its random-unit "
-                 "controls and its baseline (Holm p < 0.05).")
+                 "controls and its baseline (Holm p < 0.05)")
+        scored = [r for r in planted if r["restoration"]["lo"] == r["restoration"]["lo"]]
+        if scored:
+            r = max(scored, key=lambda r: r["restoration"]["lo"])
+            first += (f"; closest: {r['selector']} at {r['units']} units x{r['factor']:g}, "
+                      f"{r['restoration']['share']:.0%} undone (95% CI {r['restoration']['lo']:.0%} to "
+                      f"{r['restoration']['hi']:.0%}), Holm p {_p(r['p_vs_baseline'])} against the baseline and "
+                      f"{_p(r['p_vs_controls'])} against the controls")
+        first += "."
     paper = [r for r in rows if r["factor"] == PAPER_FACTOR]
     moved = [r for r in paper if r["flagged"] or abs(r["restoration"]["cell_minus_dpo"]) > 0]
     fp = sum(bool(r["flagged"]) for r in null)

@@ -126,6 +126,7 @@ def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config
     train = make_config(DPOTrainConfig, profile=None, model=str(sft), data=[str(pairs)], out=str(out),
                         batch_size=1, effective_batch_size=config.batch_size, seed=config.seed, lora=True,
                         lora_r=config.lora_r, lora_alpha=2 * config.lora_r, lora_dropout=0.0,
+                        lora_target_modules=config.lora_targets,
                         trl={"learning_rate": config.learning_rate, "beta": config.beta, "max_steps": config.steps,
                              "max_length": config.max_length, "lr_scheduler_type": "linear", "warmup_steps": 0.1,
                              "logging_steps": 1, "save_steps": max(1, config.steps // 4)})

@@ -32,6 +32,7 @@ def build_cmd(
     learning_rate: float = typer.Option(DEFAULTS["learning_rate"].default, help=_help("learning_rate")),
     beta: float = typer.Option(DEFAULTS["beta"].default, help=_help("beta")),
     lora_r: int = typer.Option(DEFAULTS["lora_r"].default, help=_help("lora_r")),
+    lora_targets: str = typer.Option(DEFAULTS["lora_targets"].default, help=_help("lora_targets")),
     max_length: int = typer.Option(DEFAULTS["max_length"].default, help=_help("max_length")),
     reply_tokens: int = typer.Option(DEFAULTS["reply_tokens"].default, help=_help("reply_tokens")),
     eval_tokens: int = typer.Option(DEFAULTS["eval_tokens"].default, help=_help("eval_tokens")),
@@ -43,7 +44,7 @@ def build_cmd(
     <out>/<kind>/organism.json and training.html/png."""
     config = OrganismConfig(kind=kind, out=str(out), base=base, size=size, pairs=pairs, steps=steps,
                             batch_size=batch_size, learning_rate=learning_rate, beta=beta, lora_r=lora_r,
-                            max_length=max_length, reply_tokens=reply_tokens, eval_tokens=eval_tokens,
+                            lora_targets=lora_targets, max_length=max_length, reply_tokens=reply_tokens, eval_tokens=eval_tokens,
                             eval_others=QUICK["eval_others"] if quick and eval_others is None else eval_others, seed=seed)
     from rolemrc.organism.build import build_organism
 

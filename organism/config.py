@@ -30,7 +30,10 @@ class OrganismConfig:
     batch_size: int = field(default=2, metadata={"help": "pairs per optimiser step"})
     learning_rate: float = field(default=5e-4, metadata={"help": "LoRA learning rate"})
     beta: float = field(default=0.1, metadata={"help": "DPO beta"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank (every linear layer, merged on save)"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (merged on save)"})
+    lora_targets: str = field(default="all-linear", metadata={
+        "help": "modules LoRA adapts: all-linear, or names separated by commas (gate_proj,up_proj: the change can "
+                "only reach the model through its MLP units, where the probe reads)"})
     max_length: int = field(default=512, metadata={"help": "truncate pairs to this many tokens"})
     reply_tokens: int = field(default=32, metadata={"help": "length of the SFT model's own replies the pairs edit"})
     eval_tokens: int = field(default=32, metadata={"help": "generation length of the held-out eval"})

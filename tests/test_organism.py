@@ -106,7 +106,8 @@ def built(tmp_path_factory, tokenizer):
     build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=96, max_positions=2048).save_pretrained(sft)
     tokenizer.save_pretrained(sft)
     settings = {"out": str(root), "base": str(sft), "size": "tiny", "pairs": 8, "steps": 2, "reply_tokens": 8,
-                "eval_tokens": 8, "eval_others": 2, "learning_rate": 1e-3, "max_length": 1600}
+                "eval_tokens": 8, "eval_others": 2, "learning_rate": 1e-3, "max_length": 1600,
+                "lora_targets": "gate_proj,up_proj"}
     planted = build_organism(OrganismConfig(kind="planted", **settings))
     cache = StageCache(root)
     null = build_organism(OrganismConfig(kind="null", **settings), cache=cache)
@@ -127,6 +128,8 @@ def test_a_build_writes_the_organism_and_its_training(built):
     assert report == json.loads(json.dumps(planted, default=str))
     assert report["kind"] == "planted" and report["planted_dimension"] == "role_style"
     assert (root / "planted" / "dpo" / "config.json").is_file() and (root / "planted" / "dpo" / "rolemrc.json").is_file()
+    manifest = json.loads((root / "planted" / "dpo" / "rolemrc.json").read_text())
+    assert "gate_proj" in json.dumps(manifest) and report["settings"]["lora_targets"] == "gate_proj,up_proj"
     history = report["training"]["history"]
     assert report["training"]["steps"] == 2 and [h["step"] for h in history] == [1, 2]
     assert all("loss" in h and "rewards/margins" in h for h in history)

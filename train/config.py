@@ -181,7 +181,8 @@ class LoraOptions:
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
+    lora_target_modules: str = field(default="all-linear", metadata={
+        "help": "peft target_modules: all-linear, a module name or regex, or names separated by commas"})
 
 
 @dataclass(kw_only=True)

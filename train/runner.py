@@ -181,5 +181,8 @@ def lora_config(config):
         return None
     from peft import LoraConfig
 
+    targets = config.lora_target_modules   # "all-linear", a module name or regex, or a comma-separated list of names
+    if "," in targets:
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
     return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
+                      target_modules=targets, task_type="CAUSAL_LM")
