@@ -157,6 +157,7 @@ def organism_cmd(
     quick: bool = typer.Option(False, help="fewer held-out cases of the other dimensions, budgets 16 and 256 units "
                                            "per layer, factors 0 and 1 - 1e-6"),
     probe_cases: int = typer.Option(48, help="cases (datagen pair prompts no organism trained on) the probes read"),
+    hook: str = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use (e.g. mlp.post)"),
     steps: int = typer.Option(None, help="DPO steps of each organism (default: organism build's)"),
     learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
@@ -167,7 +168,8 @@ def organism_cmd(
     from rolemrc.bench.organism import run
 
     overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
-    emit(run(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides, organisms_dir=organisms),
+    emit(run(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides, organisms_dir=organisms,
+             hook=hook),
          json_out)
 
 

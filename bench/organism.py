@@ -72,6 +72,9 @@ class CalibrationConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        from rolemrc.probe.hooks import check_point
+
+        check_point(self.hook)
         unknown = sorted(set(self.selectors) - set(SELECTOR_INPUTS))
         if unknown:
             from rolemrc.core.errors import InputError
@@ -353,12 +356,14 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
 
 
 def run(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int = 48,
-        organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None) -> dict:
+        organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None,
+        hook: str = "mlp.act") -> dict:
     """Build both organisms from `base` under `organisms_dir` (default out/organisms; cached there, so a folder that
     `rolemrc organism build` filled with the same settings is reused), then calibrate; the bench's JSON."""
     from rolemrc.organism import OrganismConfig, build_organism
     from rolemrc.organism.config import QUICK as ORGANISM_QUICK
 
+    config = CalibrationConfig(out=str(out), hook=hook, **(QUICK if quick else {}))   # checked before any work
     started = time.perf_counter()
     cache = StageCache(out)
     settings = {**(ORGANISM_QUICK if quick else {}), **(organism_overrides or {})}
@@ -371,7 +376,6 @@ def run(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int =
     cache.run("probe cases", {"pairs": source, "trained": sorted(trained), "n": probe_n},
               lambda: {"cases": write_jsonl(probe, probe_cases(source, trained, probe_n, 0))}, [probe])
     organisms = [Organism.from_report(reports[k], probe) for k in ("planted", "null")]
-    config = CalibrationConfig(out=str(out), **(QUICK if quick else {}))
     result = calibrate(organisms, config, cache=cache)
     cells = sum(t["cells"] for t in result["timing"].values())
     grid_seconds = sum(t["seconds"] for t in result["timing"].values())

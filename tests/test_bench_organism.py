@@ -128,3 +128,13 @@ def test_restoration_share_and_interval():
     r = restoration(sft, dpo, half)
     assert r["share"] == 0.5 and r["n"] == 8 and 0 <= r["lo"] < 0.5 < r["hi"] <= 1
     assert math.isnan(restoration(sft, sft, half)["share"])
+
+
+def test_bad_grid_settings_are_errors_before_any_work(tmp_path):
+    from rolemrc.core.errors import RolemrcError
+
+    with pytest.raises(RolemrcError, match="unknown hook point 'mlp.nothing'"):
+        CalibrationConfig(out=str(tmp_path), hook="mlp.nothing")
+    with pytest.raises(RolemrcError, match=r"unknown selector\(s\) \['best-guess'\]"):
+        CalibrationConfig(out=str(tmp_path), selectors=["standardized", "best-guess"])
+    assert not list(tmp_path.iterdir())
