@@ -45,7 +45,6 @@ def build_organism(config: OrganismConfig, *, cache: StageCache | None = None) -
     dpo = _train_stage(cache, folder, sft, pairs, config)
     dpo_eval = _eval_stage(cache, folder / "eval" / "dpo", f"{config.kind} eval dpo", folder / "dpo", heldout, config)
     report = organism_report(config, sft, folder, sft_eval, dpo_eval, dpo)
-    write_json(folder / "organism.json", report)
     report["figure"] = training_figure(report, folder)
     write_json(folder / "organism.json", report)
     return report
