@@ -6,6 +6,7 @@ restraints too) is what it was before. When vLLM cannot start again the engine i
 other model goes on; with `exit` the server exits non-zero."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same,
 from rolemrc.serve.launch import start_server, stop_server
 
 BURST = 24
+LATE = 4        # of them, sent while the engine is stopped just before the kill
 BROKEN = "vllm-python: broken on purpose"   # what the wrapper says on stderr when it cannot start vLLM
 LENGTH = 400    # tokens each burst request generates (ignore_eos): the kill comes long before the last one
 TIMEOUT = 120   # no request may take longer: none hangs
@@ -126,14 +128,17 @@ class Watcher:
         self.stop.set()
 
 
-async def burst(server, experiment: str, streaming: threading.Event) -> list:
-    """BURST long generations at once, streamed and whole, half of them in an A/B experiment; each ends as
-    (finish_reason, completion tokens) or its exception. `streaming` is set when a streamed one has its response
-    headers: vLLM has taken it and is generating (LENGTH tokens, one engine step each)."""
+async def burst(server, experiment: str, streaming: threading.Event, late: threading.Event) -> list:
+    """BURST long generations, streamed and whole, half of them in an A/B experiment; each ends as
+    (finish_reason, completion tokens) or its exception. The first BURST - LATE start at once; `streaming` is set
+    when a streamed one has its response headers (vLLM has taken it and is generating). The last LATE wait for
+    `late`: they are sent while vLLM's engine is stopped, so they are surely in flight at the kill."""
     aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
 
     async def one(k: int):
         extra = {"ignore_eos": True} | ({"experiment": experiment} if k % 2 else {})
+        if k >= BURST - LATE:
+            assert await asyncio.to_thread(late.wait, TIMEOUT)
         try:
             if k % 4 < 2:
                 whole = await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=LENGTH,
@@ -166,17 +171,25 @@ def crash_during_burst(server, client, target: str) -> tuple[list, Watcher, floa
     exp = f"crash-{target}"
     arms = [{"name": "a", "model": "v"}, {"name": "b", "model": "v+silence"}]
     assert httpx.post(server.base_url + "/v1/experiments", json={"id": exp, "arms": arms}).status_code == 201
-    pid = vllm_process(server, target)
+    pid, engine = vllm_process(server, target), vllm_process(server, "worker")
     results: list = []
-    streaming = threading.Event()
-    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp, streaming))))
+    streaming, late = threading.Event(), threading.Event()
+    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp, streaming, late))))
     runner.start()
-    # kill as soon as vLLM streams the burst's first answer: the engine is fast enough on this model to finish every
-    # token of the burst while its API server is still relaying the first ones (a kill at the first streamed text
-    # found the whole burst generated), so the kill must come before LENGTH engine steps have passed
+    # once vLLM streams the burst's first answer, stop its engine: what is unfinished then (on a fast machine the
+    # engine can finish all LENGTH steps of the burst before the test sees a header, as CI did once) stays
+    # unfinished, and the LATE requests sent now wait in vLLM, so the kill surely finds requests in flight
     assert streaming.wait(120), "no streamed response within 120 s"
+    os.kill(engine, signal.SIGSTOP)
+    late.set()
+    deadline = time.monotonic() + 60
+    while metric(server, "rolemrc_inflight ") < LATE + 1 and time.monotonic() < deadline:   # + the /metrics call
+        time.sleep(0.1)
+    time.sleep(1)   # their relays reach vLLM
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    with contextlib.suppress(ProcessLookupError):   # a stopped engine left behind ends as it would have
+        os.kill(engine, signal.SIGCONT)
     watcher = Watcher(server)
     runner.join(TIMEOUT + 10)
     assert not runner.is_alive(), "a request hung"
