@@ -6,7 +6,6 @@ restraints too) is what it was before. When vLLM cannot start again the engine i
 other model goes on; with `exit` the server exits non-zero."""
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -23,7 +22,6 @@ from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same,
 from rolemrc.serve.launch import start_server, stop_server
 
 BURST = 24
-LATE = 4        # of them, sent while the engine is stopped just before the kill
 BROKEN = "vllm-python: broken on purpose"   # what the wrapper says on stderr when it cannot start vLLM
 LENGTH = 400    # tokens each burst request generates (ignore_eos): the kill comes long before the last one
 TIMEOUT = 120   # no request may take longer: none hangs
@@ -128,17 +126,13 @@ class Watcher:
         self.stop.set()
 
 
-async def burst(server, experiment: str, streaming: threading.Event, late: threading.Event) -> list:
-    """BURST long generations, streamed and whole, half of them in an A/B experiment; each ends as
-    (finish_reason, completion tokens) or its exception. The first BURST - LATE start at once; `streaming` is set
-    when a streamed one has its response headers (vLLM has taken it and is generating). The last LATE wait for
-    `late`: they are sent while vLLM's engine is stopped, so they are surely in flight at the kill."""
+async def burst(server, experiment: str) -> list:
+    """BURST long generations at once, streamed and whole, half of them in an A/B experiment; each ends as
+    (finish_reason, completion tokens) or its exception."""
     aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
 
     async def one(k: int):
         extra = {"ignore_eos": True} | ({"experiment": experiment} if k % 2 else {})
-        if k >= BURST - LATE:
-            assert await asyncio.to_thread(late.wait, TIMEOUT)
         try:
             if k % 4 < 2:
                 whole = await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=LENGTH,
@@ -147,7 +141,6 @@ async def burst(server, experiment: str, streaming: threading.Event, late: threa
             stream = await aclient.chat.completions.create(model="v", messages=CHATS[k % 4], max_tokens=LENGTH,
                                                            temperature=0, user=f"u{k}", extra_body=extra, stream=True,
                                                            stream_options={"include_usage": True})
-            streaming.set()
             reason, tokens = None, None
             async for c in stream:
                 if c.choices and c.choices[0].finish_reason:
@@ -173,23 +166,19 @@ def crash_during_burst(server, client, target: str) -> tuple[list, Watcher, floa
     assert httpx.post(server.base_url + "/v1/experiments", json={"id": exp, "arms": arms}).status_code == 201
     pid, engine = vllm_process(server, target), vllm_process(server, "worker")
     results: list = []
-    streaming, late = threading.Event(), threading.Event()
-    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp, streaming, late))))
-    runner.start()
-    # once vLLM streams the burst's first answer, stop its engine: what is unfinished then (on a fast machine the
-    # engine can finish all LENGTH steps of the burst before the test sees a header, as CI did once) stays
-    # unfinished, and the LATE requests sent now wait in vLLM, so the kill surely finds requests in flight
-    assert streaming.wait(120), "no streamed response within 120 s"
+    # vLLM generates the whole burst on this model in under a second, sooner than a test can see it running; so its
+    # engine is paused while the burst arrives and resumed microseconds before the kill: every request is in flight
     os.kill(engine, signal.SIGSTOP)
-    late.set()
+    runner = threading.Thread(target=lambda: results.extend(asyncio.run(burst(server, exp))))
+    runner.start()
     deadline = time.monotonic() + 60
-    while metric(server, "rolemrc_inflight ") < LATE + 1 and time.monotonic() < deadline:   # + the /metrics call
-        time.sleep(0.1)
-    time.sleep(1)   # their relays reach vLLM
+    while metric(server, "rolemrc_inflight ") < BURST + 1:   # + this /metrics call
+        assert time.monotonic() < deadline, "the burst never reached the server"
+        time.sleep(0.05)
+    time.sleep(1)   # and from it, vLLM
+    os.kill(engine, signal.SIGCONT)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    with contextlib.suppress(ProcessLookupError):   # a stopped engine left behind ends as it would have
-        os.kill(engine, signal.SIGCONT)
     watcher = Watcher(server)
     runner.join(TIMEOUT + 10)
     assert not runner.is_alive(), "a request hung"

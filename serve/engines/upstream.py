@@ -164,7 +164,7 @@ class OpenAIProxy:
             path, body = self.body(prompt, params, resolved, await self.upstream_model(resolved))
         except httpx.HTTPError as exc:
             self.admitted -= 1
-            raise await self.failed(ApiError(502, f"{self.where()} unreachable: {exc}")) from None
+            raise await self.failed(ApiError(502, f"{self.where()} unreachable: {_why(exc)}")) from None
         except BaseException:
             self.admitted -= 1
             raise
@@ -172,7 +172,7 @@ class OpenAIProxy:
             response = await self.client.send(self.client.build_request("POST", path, json=body), stream=True)
         except httpx.HTTPError as exc:
             release()
-            raise await self.failed(ApiError(502, f"{self.where()} unreachable: {exc}")) from None
+            raise await self.failed(ApiError(502, f"{self.where()} unreachable: {_why(exc)}")) from None
         if response.status_code != 200:
             release()
             raise await self.failed(await _upstream_error(response))
@@ -216,9 +216,14 @@ class OpenAIProxy:
         except ApiError as exc:
             gen.push(await self.failed(exc))
         except (httpx.HTTPError, ValueError) as exc:
-            gen.push(await self.failed(ApiError(502, f"upstream stream broke: {exc}")))
+            gen.push(await self.failed(ApiError(502, f"upstream stream broke: {_why(exc)}")))
         finally:
             await response.aclose()
+
+
+def _why(exc: Exception) -> str:
+    """An httpx error as words: its message, or its kind where it has none (a reset connection says nothing)."""
+    return str(exc) or type(exc).__name__
 
 
 def _logprobs(data: dict | None, chat: bool, k: int) -> list[TokenLogprob]:
