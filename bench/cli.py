@@ -154,9 +154,10 @@ def organism_cmd(
     base: str = typer.Option("smollm2", help="the SFT model: a registry name or a model directory"),
     organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
                                               "build` filled with the same settings is reused"),
-    quick: bool = typer.Option(False, help="fewer held-out cases of the other dimensions, budgets 16 and 256 units "
-                                           "per layer, factors 0 and 1 - 1e-6"),
-    probe_cases: int = typer.Option(48, help="cases (datagen pair prompts no organism trained on) the probes read"),
+    quick: bool = typer.Option(False, help="organisms with half the steps and fewer held-out cases; 256 units per "
+                                           "layer only, factors 0 and 1 - 1e-6, 8 attribution pairs, 24 probe cases"),
+    probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "
+                                               "(default 48, 24 with --quick)"),
     hook: str = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use (e.g. mlp.post)"),
     steps: int = typer.Option(None, help="DPO steps of each organism (default: organism build's)"),
     learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),

@@ -12,8 +12,9 @@ cell against the known answer:
 - on the null organism, the share of cells flagged (any judge dimension against the baseline at Holm p < 0.05): the
   pipeline's false-positive rate, and how many units each diff flags by itself (BH q < 0.05).
 
-Every stage is cached under --out (organisms, probes, diffs, attribution, one sweep per organism and selector), so a
-rerun of the grid alone only generates the cells that are new.
+Every stage is cached under --out (organisms, probes, diffs, attribution, one sweep per organism and selector, the
+sweeps of an organism sharing one store of generated cells, so their common baseline is generated once), so a rerun
+of the grid alone only generates the cells that are new.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ class CalibrationConfig:
             raise InputError(f"unknown selector(s) {unknown}; calibration knows {', '.join(SELECTOR_INPUTS)}")
 
 
-QUICK = {"budgets": [16, 256], "factors": [0.0, PAPER_FACTOR]}
+# `--quick`: the largest budget only (the one a change spread over many units can show at), both ends of the
+# factors, half the attribution pairs and probe cases.
+QUICK = {"budgets": [256], "factors": [0.0, PAPER_FACTOR], "attribution_pairs": 8}
+QUICK_PROBE_CASES = 24
 
 
 def probe_cases(pairs_file: Path, exclude: set[str], n: int, seed: int) -> list[dict[str, Any]]:
@@ -154,7 +158,7 @@ def sweep_stage(organism: Organism, selector: str, source: str, config: Calibrat
 
     layers = layers_of(organism.dpo, config.hook)
     sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(root / f"sweep-{selector}"),
-                        dimensions=[organism.dimension], factors=list(config.factors),
+                        cells_dir=str(root / "cells"), dimensions=[organism.dimension], factors=list(config.factors),
                         top_k=[b * layers for b in config.budgets], method=selector, controls=config.controls,
                         seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
     return run_sweep(sweep, metrics=[])
@@ -355,7 +359,7 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
     return write_figure(fig, out, "calibration", plotlyjs=True)
 
 
-def run(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int = 48,
+def run(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int | None = None,
         organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None,
         hook: str = "mlp.act") -> dict:
     """Build both organisms from `base` under `organisms_dir` (default out/organisms; cached there, so a folder that
@@ -367,6 +371,7 @@ def run(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int =
     started = time.perf_counter()
     cache = StageCache(out)
     settings = {**(ORGANISM_QUICK if quick else {}), **(organism_overrides or {})}
+    probe_n = probe_n or (QUICK_PROBE_CASES if quick else 48)
     folder = organisms_dir or out / "organisms"
     reports = {kind: build_organism(OrganismConfig(kind=kind, out=str(folder), base=base, **settings))
                for kind in ("planted", "null")}

@@ -4,7 +4,7 @@ organism share the data, the replies, the held-out cases and the SFT model's eva
 
     out/data/                 datagen (template backend): pairs.jsonl gives the prompts, test.jsonl the held-out cases
     out/replies.jsonl         the SFT model's greedy replies to the sampled pair prompts
-    out/heldout.jsonl         every case of the planted dimension + eval_others per other dimension (test personas)
+    out/heldout.jsonl         eval_planted cases of the planted dimension + eval_others per other one (test personas)
     out/eval/sft/             the SFT model's eval run (rules judge)
     out/<kind>/pairs.jsonl    the organism's pairs; out/<kind>/dpo/ its merged DPO model
     out/<kind>/eval/          the DPO model's eval run, and compare/ (exact McNemar per dimension against SFT)
@@ -61,29 +61,30 @@ def _data_stage(cache: StageCache, root: Path, config: OrganismConfig) -> Path:
     return data
 
 
-def heldout_cases(test: list[dict[str, Any]], others: int | None, seed: int) -> list[dict[str, Any]]:
-    """Every case of the planted dimension, and up to `others` cases of each other dimension (all when None), in the
-    test file's order."""
-    if others is None:
-        return test
+def heldout_cases(test: list[dict[str, Any]], others: int | None, seed: int,
+                  planted: int | None = None) -> list[dict[str, Any]]:
+    """Up to `planted` cases of the planted dimension and up to `others` of each other dimension (all when None),
+    drawn with `seed`, in the test file's order."""
     rng = random.Random(seed)
     by_dim: dict[str, list[int]] = defaultdict(list)
     for k, case in enumerate(test):
         for dim in dimensions_for_task(case.get("task")):
             by_dim[dim].append(k)
-    keep = set(by_dim[PLANTED_DIMENSION])
+    mine = by_dim[PLANTED_DIMENSION]
+    keep = set(mine if planted is None or planted >= len(mine) else rng.sample(mine, planted))
     for dim in DIMENSIONS:
         if dim != PLANTED_DIMENSION:
-            rows = [k for k in by_dim[dim] if k not in keep]
-            keep |= set(rng.sample(rows, min(others, len(rows))))
+            rows = [k for k in by_dim[dim] if k not in keep and k not in mine]
+            keep |= set(rows if others is None else rng.sample(rows, min(others, len(rows))))
     return [case for k, case in enumerate(test) if k in keep]
 
 
 def _heldout_stage(cache: StageCache, root: Path, data: Path, config: OrganismConfig) -> Path:
     out = root / "heldout.jsonl"
-    cache.run("held-out cases", {"test": data / "test.jsonl", "others": config.eval_others, "seed": config.seed},
+    cache.run("held-out cases", {"test": data / "test.jsonl", "others": config.eval_others,
+                                 "planted": config.eval_planted, "seed": config.seed},
               lambda: {"cases": write_jsonl(out, heldout_cases(read_jsonl(data / "test.jsonl"), config.eval_others,
-                                                               config.seed))}, [out])
+                                                               config.seed, config.eval_planted))}, [out])
     return out
 
 

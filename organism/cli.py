@@ -36,16 +36,20 @@ def build_cmd(
     max_length: int = typer.Option(DEFAULTS["max_length"].default, help=_help("max_length")),
     reply_tokens: int = typer.Option(DEFAULTS["reply_tokens"].default, help=_help("reply_tokens")),
     eval_tokens: int = typer.Option(DEFAULTS["eval_tokens"].default, help=_help("eval_tokens")),
+    eval_planted: int = typer.Option(None, help=_help("eval_planted")),
     eval_others: int = typer.Option(None, help=_help("eval_others")),
     seed: int = typer.Option(DEFAULTS["seed"].default, help=_help("seed")),
-    quick: bool = typer.Option(False, help=f"fewer held-out cases of the other dimensions ({QUICK})"),
+    quick: bool = typer.Option(False, help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
 ) -> None:
     """Train the organism (LoRA DPO from the SFT model), evaluate SFT and DPO on held-out cases, write
     <out>/<kind>/organism.json and training.html/png."""
-    config = OrganismConfig(kind=kind, out=str(out), base=base, size=size, pairs=pairs, steps=steps,
-                            batch_size=batch_size, learning_rate=learning_rate, beta=beta, lora_r=lora_r,
-                            lora_targets=lora_targets, max_length=max_length, reply_tokens=reply_tokens, eval_tokens=eval_tokens,
-                            eval_others=QUICK["eval_others"] if quick and eval_others is None else eval_others, seed=seed)
+    given = {"base": base, "size": size, "pairs": pairs, "steps": steps, "batch_size": batch_size,
+             "learning_rate": learning_rate, "beta": beta, "lora_r": lora_r, "lora_targets": lora_targets,
+             "max_length": max_length, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
+             "eval_planted": eval_planted, "eval_others": eval_others, "seed": seed}
+    if quick:
+        given |= {k: v for k, v in QUICK.items() if given[k] == DEFAULTS[k].default}
+    config = OrganismConfig(kind=kind, out=str(out), **given)
     from rolemrc.organism.build import build_organism
 
     report = build_organism(config)

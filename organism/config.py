@@ -37,8 +37,10 @@ class OrganismConfig:
     max_length: int = field(default=512, metadata={"help": "truncate pairs to this many tokens"})
     reply_tokens: int = field(default=32, metadata={"help": "length of the SFT model's own replies the pairs edit"})
     eval_tokens: int = field(default=32, metadata={"help": "generation length of the held-out eval"})
+    eval_planted: int | None = field(default=None, metadata={
+        "help": "held-out cases of the planted dimension (default: all of them)"})
     eval_others: int | None = field(default=None, metadata={
-        "help": "held-out cases per other dimension (default: all; every planted-dimension case is always kept)"})
+        "help": "held-out cases per other dimension (default: all of them)"})
     seed: int = field(default=0, metadata={"help": "seed of the pair sample, the null's swaps and training"})
 
     def __post_init__(self) -> None:
@@ -47,6 +49,8 @@ class OrganismConfig:
         for name in ("pairs", "steps", "batch_size", "lora_r", "max_length", "reply_tokens", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise OrganismError(f"{name} is {getattr(self, name)}; it must be >= 1")
+        if self.eval_planted is not None and self.eval_planted < 1:
+            raise OrganismError(f"eval_planted is {self.eval_planted}; it must be >= 1")
         if self.eval_others is not None and self.eval_others < 0:
             raise OrganismError(f"eval_others is {self.eval_others}; it must be >= 0")
         if not 0 < self.learning_rate < 1 or self.beta <= 0:
@@ -57,5 +61,6 @@ class OrganismConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "out"}
 
 
-# `--quick`: fewer held-out cases of the other dimensions (the planted one keeps all of its cases).
-QUICK = {"eval_others": 4}
+# `--quick`: half the DPO steps (the planted change is in place by then) and fewer held-out cases: enough of the
+# planted dimension for McNemar to see a 0.3 move at p < 0.01, two per other dimension.
+QUICK = {"steps": 16, "eval_planted": 20, "eval_others": 2}

@@ -46,6 +46,8 @@ def run_cmd(
                                             ".../v1; --model is then the local copy of its weights)"),
     served_model: str = typer.Option(None, help="the endpoint's model id (default: the one it lists)"),
     concurrency: int = typer.Option(16, help="requests in flight (endpoint engines)"),
+    cells_dir: Path = typer.Option(None, help="store of generated cells (default OUT/cells); sweeps sharing one "
+                                              "generate a cell they have in common (the baseline) once"),
 ) -> None:
     """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
     controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
@@ -57,7 +59,8 @@ def run_cmd(
                          method=method, direction=direction, layers=layers, controls=controls, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
                          engine=engine, base_url=base_url, served_model=served_model, concurrency=concurrency,
-                         judge=judge, judge_model=judge_model, judge_base_url=judge_base_url)
+                         judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,
+                         cells_dir=str(cells_dir) if cells_dir else None)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))
 

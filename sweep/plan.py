@@ -26,6 +26,7 @@ class SweepConfig:
     data: str
     out: str
     dimensions: list[str]
+    cells_dir: str | None = None   # where generated cells are kept (default OUT/cells); sweeps may share one
     factors: list[float] = field(default_factory=lambda: [1 - 1e-6, 0.99, 0.9, 0.5, 0.0])
     top_k: list[int] = field(default_factory=lambda: [16, 64, 256])
     method: str = "frequency"      # the unit selector (intervene.selectors.SELECTORS); `diff` is its input

@@ -1,6 +1,6 @@
 """The sweep's run: generate every planned cell with the model loaded once (different cells sharing batches) or on a
-server, score each, then each grid cell's effects. Every finished pass is kept in OUT/cells/<id>.jsonl and every scored
-cell in OUT/scores/<id>, so a killed sweep continues where it stopped."""
+server, score each, then each grid cell's effects. Every finished pass is kept in OUT/cells/<id>.jsonl (or a store
+shared with other sweeps) and every scored cell in OUT/scores/<id>, so a killed sweep continues where it stopped."""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def footprint(model: Any, tok: Any, r: Restraint) -> dict[str, Any]:
 
 
 class CellStore:
-    """OUT/cells/<id>.jsonl per finished cell (written whole, atomically) and OUT/plan.json."""
+    """<dir>/<id>.jsonl per finished cell, written whole (atomically). Ids digest everything a cell's responses
+    depend on, so sweeps may share one store: a cell they have in common (the baseline) is generated once."""
 
-    def __init__(self, out: str | os.PathLike) -> None:
-        self.dir = Path(out) / "cells"
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.dir = Path(folder)
 
     def path(self, cell: Cell) -> Path:
         return self.dir / f"{cell.id}.jsonl"
@@ -60,7 +61,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     model, tok = load_model(config.model, device="auto")
     hook = input_hook(config.diff)
     cells = plan(config, width(model, hook), settings)
-    store = CellStore(config.out)
+    store = CellStore(config.cells_dir or Path(config.out) / "cells")
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,
                                                 "cells": [c.to_dict() for c in cells]})

@@ -98,6 +98,19 @@ def test_the_null_organism_flags_nothing(calibrated):
     assert "Null organism: 0 of 16 cells flagged (0%" in result["headline"]
 
 
+def test_an_organisms_sweeps_share_one_store_of_cells(calibrated):
+    """Each cell is generated once per organism: the four sweeps' common baseline, and the cells of selectors that
+    chose the same units (on the planted organism standardized and attribution both choose the planted units)."""
+    result, root = calibrated
+    for kind in ("planted", "null"):
+        plans = [json.loads((Path(d) / "plan.json").read_text())["cells"] for k, d in result["sweeps"].items()
+                 if k.startswith(kind)]
+        assert len({plan[0]["id"] for plan in plans}) == 1 and len(plans) == 4
+        stored = {p.stem for p in (root / "out" / kind / "cells").glob("*.jsonl")}
+        assert stored == {c["id"] for plan in plans for c in plan} and len(stored) <= 1 + 4 * 2 * 2 * 2
+    assert len(list((root / "out" / "planted" / "cells").glob("*.jsonl"))) < 1 + 4 * 2 * 2 * 2
+
+
 def test_tables_and_figure_are_written(calibrated):
     result, root = calibrated
     out = root / "out"

@@ -77,10 +77,13 @@ def test_heldout_keeps_every_planted_case_and_caps_the_others():
     assert dims["role_style"] == planted and heldout_cases(test, None, seed=0) == test
     others = [c for c in kept if "role_style" not in dimensions_for_task(c["task"])]
     assert 0 < len(others) <= 2 * 4
+    few = heldout_cases(test, 2, seed=0, planted=5)
+    assert sum("role_style" in dimensions_for_task(c["task"]) for c in few) == 5
+    assert few == heldout_cases(test, 2, seed=0, planted=5) and few != heldout_cases(test, 2, seed=1, planted=5)
 
 
 @pytest.mark.parametrize("bad, message", [({"kind": "planted-ish"}, "organism kind 'planted-ish'"),
-                                          ({"steps": 0}, "steps is 0"), ({"eval_others": -1}, "eval_others is -1"),
+                                          ({"steps": 0}, "steps is 0"), ({"eval_others": -1}, "eval_others is -1"), ({"eval_planted": 0}, "eval_planted is 0"),
                                           ({"learning_rate": 2.0}, "learning_rate must be in (0, 1)")])
 def test_bad_settings_are_errors(bad, message, tmp_path):
     with pytest.raises(OrganismError, match=message.replace("(", r"\(").replace(")", r"\)")):
