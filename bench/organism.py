@@ -83,9 +83,11 @@ class CalibrationConfig:
             raise InputError(f"unknown selector(s) {unknown}; calibration knows {', '.join(SELECTOR_INPUTS)}")
 
 
-# `--quick`: the largest budget only (the one a change spread over many units can show at), both ends of the
-# factors, half the attribution pairs and probe cases.
-QUICK = {"budgets": [256], "factors": [0.0, PAPER_FACTOR], "attribution_pairs": 8}
+# `--quick`: the paper's selector and attribution (the one that ranks units by their effect on the preference), the
+# largest budget only (the one a change spread over many units can show at), both ends of the factors, half the
+# attribution pairs and probe cases.
+QUICK = {"selectors": ["frequency", "attribution"], "budgets": [256], "factors": [0.0, PAPER_FACTOR],
+         "attribution_pairs": 8}
 QUICK_PROBE_CASES = 24
 
 

@@ -27,6 +27,7 @@ from rolemrc.organism.pairs import null_pairs, planted_pairs, sample_prompts
 
 TARGET_SHIFT = 0.3     # the planted dimension must move at least this much ...
 TARGET_P = 0.01        # ... with exact McNemar p below this, every other dimension inside the SFT model's 95% CI
+STILL_P = 0.05         # where that CI has no width, "inside" means not moved at exact McNemar p below this
 
 
 def build_organism(config: OrganismConfig, *, cache: StageCache | None = None) -> dict[str, Any]:
@@ -167,11 +168,20 @@ def _eval_stage(cache: StageCache, run_dir: Path, name: str, model: Path, heldou
     return run_dir
 
 
+def _inside(lo: float | None, hi: float | None, rate: float, p: float) -> bool:
+    """`rate` inside the CI [lo, hi]; for a CI of no width, not moved at exact McNemar p < STILL_P."""
+    if lo is None or hi is None:
+        return False
+    return lo <= rate <= hi if hi > lo else p >= STILL_P
+
+
 def organism_report(config: OrganismConfig, sft: Path, folder: Path, sft_eval: Path, dpo_eval: Path,
                     training: dict) -> dict[str, Any]:
     """Per dimension: SFT and DPO pass rates with the eval's 95% CIs, exact McNemar; whether the organism is what
     its kind promises (planted: the planted dimension moved by >= TARGET_SHIFT at p < TARGET_P and every other DPO
-    rate inside the SFT model's CI; null: no dimension moved at p < TARGET_P)."""
+    rate inside the SFT model's CI; null: no dimension moved at p < TARGET_P). The eval's bootstrap is stratified by
+    task, so a dimension whose every task scored alike (common with a few cases) has a CI of no width; there a
+    dimension counts as inside when McNemar does not see it move (p >= STILL_P)."""
     from rolemrc.eval import compare
 
     comparison = compare(sft_eval, dpo_eval)
@@ -184,13 +194,13 @@ def organism_report(config: OrganismConfig, sft: Path, folder: Path, sft_eval: P
         a, b = cis[0].get(dim, {}), cis[1].get(dim, {})
         dims[dim] = {**{k: test[k] for k in ("n", "a_rate", "b_rate", "diff", "improved", "worsened", "p")},
                      "sft_ci": [a.get("lo"), a.get("hi")], "dpo_ci": [b.get("lo"), b.get("hi")],
-                     "dpo_inside_sft_ci": a.get("lo") is not None and a["lo"] <= test["b_rate"] <= a["hi"]}
+                     "dpo_inside_sft_ci": _inside(a.get("lo"), a.get("hi"), test["b_rate"], test["p"])}
     planted = dims.get(PLANTED_DIMENSION, {})
     others_inside = all(d["dpo_inside_sft_ci"] for k, d in dims.items() if k != PLANTED_DIMENSION)
     if config.kind == "planted":
         ok = abs(planted.get("diff", 0.0)) >= TARGET_SHIFT and planted.get("p", 1.0) < TARGET_P and others_inside
         claim = (f"{PLANTED_DIMENSION} moved by >= {TARGET_SHIFT} (exact McNemar p < {TARGET_P}) and every other "
-                 "dimension stayed inside the SFT model's 95% CI")
+                 f"dimension stayed inside the SFT model's 95% CI (one of no width: McNemar p >= {STILL_P})")
     else:
         ok = all(d["p"] >= TARGET_P for d in dims.values())
         claim = f"no dimension moved (every exact McNemar p >= {TARGET_P})"

@@ -82,8 +82,17 @@ def test_heldout_keeps_every_planted_case_and_caps_the_others():
     assert few == heldout_cases(test, 2, seed=0, planted=5) and few != heldout_cases(test, 2, seed=1, planted=5)
 
 
+def test_a_ci_of_no_width_counts_as_inside_unless_mcnemar_sees_a_move():
+    from rolemrc.organism.build import _inside
+
+    assert _inside(0.2, 0.6, 0.5, 0.001) and not _inside(0.2, 0.6, 0.7, 0.9)   # a CI with width decides alone
+    assert _inside(0.5, 0.5, 0.0, 1.0) and not _inside(0.75, 0.75, 0.25, 0.003)   # no width: McNemar decides
+    assert not _inside(None, None, 0.5, 1.0)
+
+
 @pytest.mark.parametrize("bad, message", [({"kind": "planted-ish"}, "organism kind 'planted-ish'"),
-                                          ({"steps": 0}, "steps is 0"), ({"eval_others": -1}, "eval_others is -1"), ({"eval_planted": 0}, "eval_planted is 0"),
+                                          ({"steps": 0}, "steps is 0"), ({"eval_others": -1}, "eval_others is -1"),
+                                          ({"eval_planted": 0}, "eval_planted is 0"),
                                           ({"learning_rate": 2.0}, "learning_rate must be in (0, 1)")])
 def test_bad_settings_are_errors(bad, message, tmp_path):
     with pytest.raises(OrganismError, match=message.replace("(", r"\(").replace(")", r"\)")):
