@@ -138,7 +138,7 @@ def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config
         return {"seconds": round(result.seconds, 1), "steps": result.metrics.get("steps"),
                 "metrics": result.metrics, "history": result.history}
 
-    return cache.run(f"{config.kind} train dpo", {"model": sft, "pairs": pairs, "settings": config.settings()},
+    return cache.run(f"{config.kind} train dpo", {"model": sft, "pairs": pairs, "settings": config.training()},
                      run, [out / "config.json"])
 
 

@@ -57,8 +57,12 @@ class OrganismConfig:
             raise OrganismError(f"learning_rate must be in (0, 1) and beta > 0 (got {self.learning_rate}, {self.beta})")
 
     def settings(self) -> dict[str, Any]:
-        """Everything but where it goes: what a stage's cache key depends on."""
+        """Everything but where it goes."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "out"}
+
+    def training(self) -> dict[str, Any]:
+        """What the trained model depends on (the settings but the held-out eval's): the training stage's key."""
+        return {k: v for k, v in self.settings().items() if not k.startswith("eval_")}
 
 
 # `--quick`: half the DPO steps (the planted change is in place by then) and two held-out cases per other dimension

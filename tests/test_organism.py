@@ -82,6 +82,13 @@ def test_heldout_keeps_every_planted_case_and_caps_the_others():
     assert few == heldout_cases(test, 2, seed=0, planted=5) and few != heldout_cases(test, 2, seed=1, planted=5)
 
 
+def test_the_held_out_eval_is_not_part_of_what_training_depends_on(tmp_path):
+    """A --quick organism (fewer held-out cases) and a full one with the same training settings share the model."""
+    quick, full = (OrganismConfig(kind="planted", out=str(tmp_path), steps=16, eval_others=k) for k in (2, None))
+    assert quick.training() == full.training() and quick.settings() != full.settings()
+    assert "steps" in quick.training() and not any(k.startswith("eval_") for k in quick.training())
+
+
 def test_a_ci_of_no_width_counts_as_inside_unless_mcnemar_sees_a_move():
     from rolemrc.organism.build import _inside
 
