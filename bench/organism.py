@@ -89,6 +89,9 @@ class CalibrationConfig:
 QUICK = {"selectors": ["frequency", "attribution"], "budgets": [256], "factors": [0.0, PAPER_FACTOR],
          "attribution_pairs": 8}
 QUICK_PROBE_CASES = 24
+# the organisms of the full bench: every planted case and 4 per other dimension (all 144 of datagen's small test set
+# would triple the cost of every cell)
+ORGANISMS = {"eval_others": 4}
 
 
 def probe_cases(pairs_file: Path, exclude: set[str], n: int, seed: int) -> list[dict[str, Any]]:
@@ -372,7 +375,7 @@ def run(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int |
     config = CalibrationConfig(out=str(out), hook=hook, **(QUICK if quick else {}))   # checked before any work
     started = time.perf_counter()
     cache = StageCache(out)
-    settings = {**(ORGANISM_QUICK if quick else {}), **(organism_overrides or {})}
+    settings = {**(ORGANISM_QUICK if quick else ORGANISMS), **(organism_overrides or {})}
     probe_n = probe_n or (QUICK_PROBE_CASES if quick else 48)
     folder = organisms_dir or out / "organisms"
     reports = {kind: build_organism(OrganismConfig(kind=kind, out=str(folder), base=base, **settings))

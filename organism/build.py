@@ -235,9 +235,10 @@ def training_figure(report: dict[str, Any], folder: Path) -> dict[str, str]:
         ys = [dims[d][rate] for d in dims]
         lo = [dims[d][ci][0] if dims[d][ci][0] is not None else y for d, y in zip(dims, ys)]
         hi = [dims[d][ci][1] if dims[d][ci][1] is not None else y for d, y in zip(dims, ys)]
-        fig.add_trace(go.Bar(x=list(dims), y=ys, name=side, error_y={"type": "data", "symmetric": False,
-                                                                    "array": [h - y for h, y in zip(hi, ys)],
-                                                                    "arrayminus": [y - low for y, low in zip(ys, lo)]}),
+        fig.add_trace(go.Bar(x=[f"{d} (n={dims[d]['n']})" for d in dims], y=ys, name=side,
+                             error_y={"type": "data", "symmetric": False,
+                                      "array": [h - y for h, y in zip(hi, ys)],
+                                      "arrayminus": [y - low for y, low in zip(ys, lo)]}),
                       1, 2)
     dim = dims.get(report["planted_dimension"])
     moved = f": {report['planted_dimension']} {dim['a_rate']:.2f} -> {dim['b_rate']:.2f} (p={dim['p']:.2g})" if dim else ""
