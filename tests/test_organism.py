@@ -84,7 +84,9 @@ def test_heldout_keeps_every_planted_case_and_caps_the_others():
 
 def test_the_held_out_eval_is_not_part_of_what_training_depends_on(tmp_path):
     """A --quick organism (fewer held-out cases) and a full one with the same training settings share the model."""
-    quick, full = (OrganismConfig(kind="planted", out=str(tmp_path), steps=16, eval_others=k) for k in (2, None))
+    from rolemrc.organism.config import QUICK
+
+    quick, full = OrganismConfig(kind="planted", out=str(tmp_path), **QUICK), OrganismConfig(kind="planted", out=str(tmp_path))
     assert quick.training() == full.training() and quick.settings() != full.settings()
     assert "steps" in quick.training() and not any(k.startswith("eval_") for k in quick.training())
 
