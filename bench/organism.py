@@ -325,15 +325,18 @@ def _p(p: float | None) -> str:
 
 
 def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
-    """Per organism a panel of one line per selector (factor 0 solid, others dashed) against units restrained, the
+    """Per organism a panel of one line per selector and factor (a colour per selector in every panel; factor 0
+    solid, others dashed) against units restrained, the
     random-unit controls as a grey band (lowest to highest at each size). planted: the share of the change undone
     (95% CI); null, which has no change to undo: the change in the planted dimension's pass rate."""
     import plotly.graph_objects as go
+    from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
     from rolemrc.core.figures import write_figure
 
     kinds = sorted({r["organism"] for r in rows}, key=lambda k: k != "planted")
+    color = {s: qualitative.Plotly[k % len(qualitative.Plotly)] for k, s in enumerate(sorted({r["selector"] for r in rows}))}
     titles = [f"{k}: share of the planted change undone" if k == "planted" else f"{k}: change in pass rate vs DPO"
               for k in kinds]
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=titles)
@@ -357,7 +360,8 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
                           "arrayminus": [y - r["restoration"]["lo"] for r, y in zip(line, ys)]} if share else None)
                 fig.add_trace(go.Scatter(x=[r["units"] for r in line], y=ys, mode="lines+markers",
                                          name=f"{selector} x{factor:g}", legendgroup=f"{selector}{factor}",
-                                         showlegend=col == 1, line={"dash": "solid" if factor == 0 else "dash"},
+                                         showlegend=col == 1, marker={"color": color[selector]},
+                                         line={"dash": "solid" if factor == 0 else "dash", "color": color[selector]},
                                          error_y=error), 1, col)
         fig.update_xaxes(type="log", title_text="units restrained", row=1, col=col)
     fig.update_layout(template="plotly_white", title="Calibration: does restraining a selector's units undo a known change?")
