@@ -154,7 +154,7 @@ def organism_cmd(
     base: str = typer.Option("smollm2", help="the SFT model: a registry name or a model directory"),
     organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
                                               "build` filled with the same settings is reused"),
-    quick: bool = typer.Option(False, help="fewer held-out cases of the other dimensions; the frequency "
+    quick: bool = typer.Option(False, help="organisms with 16 steps and fewer held-out cases; the frequency "
                                            "and attribution selectors at 256 units per layer, factors 0 and 1 - 1e-6, "
                                            "8 attribution pairs, 24 probe cases"),
     probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "

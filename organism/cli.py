@@ -39,7 +39,7 @@ def build_cmd(
     eval_planted: int = typer.Option(None, help=_help("eval_planted")),
     eval_others: int = typer.Option(None, help=_help("eval_others")),
     seed: int = typer.Option(DEFAULTS["seed"].default, help=_help("seed")),
-    quick: bool = typer.Option(False, help=f"fewer held-out cases, where not set otherwise ({QUICK})"),
+    quick: bool = typer.Option(False, help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
 ) -> None:
     """Train the organism (LoRA DPO from the SFT model), evaluate SFT and DPO on held-out cases, write
     <out>/<kind>/organism.json and training.html/png."""

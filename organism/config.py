@@ -26,8 +26,7 @@ class OrganismConfig:
     base: str = field(default="smollm2", metadata={"help": "the SFT model: a registry name or a model directory"})
     size: str = field(default="small", metadata={"help": "datagen size preset (test personas are never trained on)"})
     pairs: int = field(default=64, metadata={"help": "preference pairs trained on"})
-    steps: int = field(default=16, metadata={
-        "help": "DPO optimiser steps (on SmolLM2 the planted change is whole by 16: 32 moved role style no further)"})
+    steps: int = field(default=32, metadata={"help": "DPO optimiser steps"})
     batch_size: int = field(default=2, metadata={"help": "pairs per optimiser step"})
     learning_rate: float = field(default=5e-4, metadata={"help": "LoRA learning rate"})
     beta: float = field(default=0.1, metadata={"help": "DPO beta"})
@@ -66,7 +65,8 @@ class OrganismConfig:
         return {k: v for k, v in self.settings().items() if not k.startswith("eval_")}
 
 
-# `--quick`: two held-out cases per other dimension (the planted one keeps all of its cases: its change goes both
-# ways, down where a task asks for speech only and up where it asks for narration, so McNemar needs them all). The
-# trained models are the full run's (training does not depend on the held-out eval).
-QUICK = {"eval_others": 2}
+# `--quick`: half the DPO steps (on SmolLM2 role style has moved as far by then, though knowledge boundary moves
+# more: 0.16 -> 0.00 on 25 cases, against 0.08 after 32 steps) and two held-out cases per other dimension (the
+# planted one keeps all of its cases: its change goes both ways, down where a task asks for speech only and up where
+# it asks for narration, so McNemar needs them all).
+QUICK = {"steps": 16, "eval_others": 2}
