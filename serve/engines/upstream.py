@@ -27,6 +27,19 @@ from rolemrc.serve.engines.base import (
 from rolemrc.serve.engines.supervisor import EngineState, RestartPolicy, Supervisor
 from rolemrc.serve.errors import ApiError
 
+# An idle pooled connection is dropped before the upstream would close it: uvicorn (vLLM's server) closes idle
+# keep-alive connections after 5 s, and a request sent on one as the server's FIN crosses it fails with an empty
+# httpx.ReadError. httpx's own default expiry is the same 5 s, which lets that race happen.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def upstream_client(base_url: str, headers: dict[str, str]) -> httpx.AsyncClient:
+    """The HTTP client for one upstream: no read timeout (a generation takes what it takes), a 10 s connect timeout,
+    idle connections kept KEEPALIVE_EXPIRY_S."""
+    return httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", headers=headers, timeout=httpx.Timeout(None, connect=10),
+                             limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
 
 @dataclass
 class UpstreamOptions:
@@ -68,8 +81,7 @@ class OpenAIProxy:
     def connect(self) -> None:
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.client = httpx.AsyncClient(base_url=self.base_url.rstrip("/") + "/", headers=headers,
-                                        timeout=httpx.Timeout(None, connect=10))
+        self.client = upstream_client(self.base_url, headers)
 
     async def stop(self) -> None:
         if self.supervisor is not None:
