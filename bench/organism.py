@@ -326,9 +326,9 @@ def _p(p: float | None) -> str:
 
 def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
     """Per organism a panel of one line per selector and factor (a colour per selector in every panel; factor 0
-    solid, others dashed) against units restrained, the
-    random-unit controls as a grey band (lowest to highest at each size). planted: the share of the change undone
-    (95% CI); null, which has no change to undo: the change in the planted dimension's pass rate."""
+    solid, others dashed) against units restrained, the random-unit controls as a grey band (lowest to highest at
+    each size). planted: the share of the change undone (95% CI); null, which has no change to undo: the change in
+    the planted dimension's pass rate."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
