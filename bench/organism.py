@@ -9,9 +9,14 @@ cell against the known answer:
   paired bootstrap 95% CI over the held-out cases (numerator and denominator resampled together); the same for the
   cell's random-unit controls (the control band);
 - the cost on every other dimension (the cell's change against the baseline, Holm p);
-- on the null organism, the share of cells flagged (any judge dimension against the baseline at Holm p < 0.05): the
-  pipeline's false-positive rate, and how many units each diff flags by itself (BH q < 0.05).
+- flagged: the dimensions whose cases and pass rate the cell brings closer to the SFT model's than the baseline and
+  its controls do (paired per-case distance tests, Holm over the organism's cells x dimensions). On the planted
+  organism that is the claim "these units hold the change"; on the null, where nothing systematic changed, the share
+  of cells flagged is the pipeline's false-positive rate. Beside it, the cells that change some dimension against the
+  baseline (restraining units that matter breaks behaviour whether or not they hold a change), and how many units each
+  diff flags by itself (BH q < 0.05).
 
+The paper's factor 1 - 1e-6 runs as a sweep of its own at the largest budget only (`paper_factor_budgets`).
 Every stage is cached under --out (organisms, probes, diffs, attribution, one sweep per organism and selector, the
 sweeps of an organism sharing one store of generated cells, so their common baseline is generated once), so a rerun
 of the grid alone only generates the cells that are new.
@@ -64,7 +69,10 @@ class CalibrationConfig:
     out: str
     selectors: list[str] = field(default_factory=lambda: list(SELECTOR_INPUTS))
     budgets: list[int] = field(default_factory=lambda: [16, 64, 256])
-    factors: list[float] = field(default_factory=lambda: [0.0, 0.5, PAPER_FACTOR])
+    factors: list[float] = field(default_factory=lambda: [0.0, 0.5])
+    # the paper's near-identity factor 1 - 1e-6 as its own sweep, at these budgets only: its effect can only grow with
+    # the units it scales, so the largest budget is where it would show
+    paper_factor_budgets: list[int] = field(default_factory=lambda: [256])
     controls: int = 1
     attribution_pairs: int = 16       # organism pairs (of the planted dimension first) attribution runs over
     max_new_tokens: int = 32          # as the organisms' held-out eval, so the SFT run is comparable
@@ -86,7 +94,7 @@ class CalibrationConfig:
 # `--quick`: the paper's selector and attribution (the one that ranks units by their effect on the preference), the
 # largest budget only (the one a change spread over many units can show at), both ends of the factors, half the
 # attribution pairs and probe cases.
-QUICK = {"selectors": ["frequency", "attribution"], "budgets": [256], "factors": [0.0, PAPER_FACTOR],
+QUICK = {"selectors": ["frequency", "attribution"], "budgets": [256], "factors": [0.0], "paper_factor_budgets": [256],
          "attribution_pairs": 8}
 QUICK_PROBE_CASES = 24
 # the organisms of the full bench: every planted case and 4 per other dimension (all 144 of datagen's small test set
@@ -157,14 +165,24 @@ def layers_of(model: str, hook: str) -> int:
     return int(config_shape(model, hook)["layers"])
 
 
-def sweep_stage(organism: Organism, selector: str, source: str, config: CalibrationConfig, root: Path) -> dict:
-    """One sweep (the sweep resumes by itself: finished cells are kept) of `selector` over budgets x factors."""
+def sweeps(config: CalibrationConfig) -> dict[str, tuple[list[int], list[float]]]:
+    """A selector's sweeps, by folder suffix: budgets x factors, and the paper's factor at its own budgets."""
+    grids = {"": (config.budgets, config.factors)}
+    if config.paper_factor_budgets:
+        grids["-paper"] = (config.paper_factor_budgets, [PAPER_FACTOR])
+    return {suffix: grid for suffix, grid in grids.items() if grid[0] and grid[1]}
+
+
+def sweep_stage(organism: Organism, selector: str, source: str, config: CalibrationConfig, out: Path,
+                budgets: list[int], factors: list[float]) -> dict:
+    """One sweep (the sweep resumes by itself: finished cells are kept) of `selector` over budgets x factors, its
+    cells in the organism's shared store."""
     from rolemrc.sweep import SweepConfig, run_sweep
 
     layers = layers_of(organism.dpo, config.hook)
-    sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(root / f"sweep-{selector}"),
-                        cells_dir=str(root / "cells"), dimensions=[organism.dimension], factors=list(config.factors),
-                        top_k=[b * layers for b in config.budgets], method=selector, controls=config.controls,
+    sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(out),
+                        cells_dir=str(out.parent / "cells"), dimensions=[organism.dimension], factors=list(factors),
+                        top_k=[b * layers for b in budgets], method=selector, controls=config.controls,
                         seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
     return run_sweep(sweep, metrics=[])
 
@@ -193,42 +211,92 @@ def restoration(sft: dict[str, float], dpo: dict[str, float], cell: dict[str, fl
             "cell_minus_dpo": float(c.mean() - d.mean())}
 
 
+def toward_sft(sft: dict[str, dict[str, float]], base: dict[str, dict[str, float]], cell: dict[str, dict[str, float]],
+               controls: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    """dimension -> how far the cell lies from the SFT model against the baseline and the controls (their mean per
+    case): paired tests of the per-case distance |cell - SFT| (`vs_baseline`, `vs_controls`; diff < 0 = closer) and
+    the distance of the pass rates (`rate_gap`). Both count: a restraint that breaks the behaviour agrees with SFT
+    on the cases SFT fails, and one that only moves the rate can do it with other cases than the ones DPO changed."""
+    from rolemrc.core.stats import paired_test
+
+    out = {}
+    for name in sorted(set(sft) & set(base) & set(cell)):
+        ids = sorted(set(sft[name]) & set(base[name]) & set(cell[name]).intersection(*(c.get(name, {}) for c in controls)))
+        if not ids:
+            continue
+        target = np.array([sft[name][i] for i in ids])
+        base_x, mine, *ctrl = (np.array([s[name][i] for i in ids]) for s in (base, cell, *controls))
+        entry = {"vs_baseline": paired_test(np.abs(base_x - target), np.abs(mine - target)),
+                 "rate_gap": {"baseline": abs(base_x.mean() - target.mean()), "cell": abs(mine.mean() - target.mean())}}
+        if ctrl:
+            ctrl_x = np.mean(ctrl, axis=0)
+            entry["vs_controls"] = paired_test(np.abs(ctrl_x - target), np.abs(mine - target))
+            entry["rate_gap"]["controls"] = abs(ctrl_x.mean() - target.mean())
+        out[name.removeprefix("judge:")] = entry
+    return out
+
+
 def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per grid cell: restoration with CI, its controls' restoration, p against baseline and controls on the
-    planted dimension (Holm over the sweep's grid), the cost on the other dimensions, whether it is flagged."""
+    planted dimension (Holm over the sweep's grid), the cost on the other dimensions, the dimensions it changes
+    against the baseline, and its distance to the SFT model per dimension (`toward_sft`, Holm-corrected later)."""
     plan = json.loads((sweep_dir / "plan.json").read_text())["cells"]
     key = f"judge:{organism.dimension}"
-    sft = per_item(organism.sft_eval).get(key, {})
+    sft_all = {k: v for k, v in per_item(organism.sft_eval).items() if k.startswith("judge:")}
+    sft = sft_all.get(key, {})
     base_id = next(c["id"] for c in plan if c["kind"] == "baseline")
-    dpo = per_item(sweep_dir / "scores" / base_id).get(key, {})
+    base_all = per_item(sweep_dir / "scores" / base_id)
+    dpo = base_all.get(key, {})
     rows = []
     for cell in summary["cells"]:
         grid = {k: cell[k] for k in ("dimension", "factor", "top_k")}
-        controls = [c["id"] for c in plan if c["kind"] == "control" and c["grid"] == grid]
-        mine = per_item(sweep_dir / "scores" / cell["id"]).get(key, {})
-        ctrl = [restoration(sft, dpo, per_item(sweep_dir / "scores" / k).get(key, {})) for k in controls]
+        controls = [per_item(sweep_dir / "scores" / c["id"]) for c in plan
+                    if c["kind"] == "control" and c["grid"] == grid]
+        mine_all = per_item(sweep_dir / "scores" / cell["id"])
+        mine = mine_all.get(key, {})
+        ctrl = [restoration(sft, dpo, c.get(key, {})) for c in controls]
         planted = cell["scores"].get(key, {})
         others = {n.removeprefix("judge:"): {"diff": e["vs_baseline"]["diff"], "p_holm": e["vs_baseline"]["p_holm"]}
                   for n, e in cell["scores"].items() if n.startswith("judge:") and n != key}
-        flagged = [n.removeprefix("judge:") for n, e in cell["scores"].items()
+        changed = [n.removeprefix("judge:") for n, e in cell["scores"].items()
                    if n.startswith("judge:") and e["vs_baseline"]["p_holm"] < ALPHA]
-        rows.append({"organism": organism.kind, "selector": selector, "factor": cell["factor"],
+        rows.append({"organism": organism.kind, "dimension": organism.dimension, "selector": selector,
+                     "factor": cell["factor"],
                      "units": cell["units"], "top_k": cell["top_k"], "restoration": restoration(sft, dpo, mine),
                      "controls_restoration": [c["share"] for c in ctrl],
                      "controls_change": [c["cell_minus_dpo"] for c in ctrl],
                      "p_vs_baseline": planted.get("vs_baseline", {}).get("p_holm"),
                      "p_vs_controls": planted.get("vs_controls", {}).get("p_holm"),
                      "diff_vs_baseline": planted.get("vs_baseline", {}).get("diff"),
-                     "max_logit_shift": cell.get("max_logit_shift"), "others": others, "flagged": flagged})
+                     "max_logit_shift": cell.get("max_logit_shift"), "others": others, "changed": changed,
+                     "toward_sft": toward_sft(sft_all, base_all, mine_all, controls)})
     return rows
 
 
+def flag_restorations(rows: list[dict[str, Any]]) -> None:
+    """Holm over one organism's cells x dimensions per comparison, then each row's `flagged`: the dimensions whose
+    cases the cell brings closer to the SFT model's than both the baseline and its controls do (Holm p < ALPHA), its
+    pass rate closer to SFT's too. On the planted organism that is the claim "these units hold the change"; on the
+    null, any flag is a false positive."""
+    from rolemrc.core.stats import holm
+
+    for kind in {r["organism"] for r in rows}:
+        mine = [r for r in rows if r["organism"] == kind]
+        for family in ("vs_baseline", "vs_controls"):
+            tests = [t[family] for r in mine for t in r["toward_sft"].values() if family in t]
+            for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
+                test["p_holm"] = adjusted
+        for r in mine:
+            r["flagged"] = [d for d, t in r["toward_sft"].items()
+                            if all(f in t and t[f]["diff"] < 0 and t[f]["p_holm"] < ALPHA
+                                   and t["rate_gap"]["cell"] < t["rate_gap"][f.removeprefix("vs_")]
+                                   for f in ("vs_baseline", "vs_controls"))]
+
+
 def finds_change(row: dict[str, Any]) -> bool:
-    """The cell undoes the planted change: restoration's CI above 0, better than its controls and its baseline on
-    the planted dimension at Holm p < ALPHA."""
-    r = row["restoration"]
-    return bool(r["lo"] > 0 and (row["p_vs_baseline"] or 1) < ALPHA and (row["p_vs_controls"] or 1) < ALPHA
-                and (row["diff_vs_baseline"] or 0) * r["change"] > 0)
+    """The cell undoes the planted change: restoration's CI above 0, and the planted dimension's cases closer to the
+    SFT model's than under the baseline and under the controls (`flag_restorations`)."""
+    return bool(row["restoration"]["lo"] > 0 and row["dimension"] in row["flagged"])
 
 
 def headline(rows: list[dict[str, Any]], flags: dict[str, dict]) -> str:
@@ -247,8 +315,9 @@ def headline(rows: list[dict[str, Any]], flags: dict[str, dict]) -> str:
         missed = sorted({r["selector"] for r in planted} - set(best))
         first += f"; not by {', '.join(missed)}." if missed else "."
     else:
-        first = (f"No selector finds the planted change: none of {len(planted)} cells undoes it beyond its random-unit "
-                 "controls and its baseline (Holm p < 0.05)")
+        first = (f"No selector finds the planted change: none of {len(planted)} cells brings the planted dimension's "
+                 "cases and pass rate closer to the SFT model's than its baseline and its random-unit controls (Holm "
+                 "p < 0.05) with restoration's CI above 0")
         scored = [r for r in planted if r["restoration"]["lo"] == r["restoration"]["lo"]]
         if scored:
             r = max(scored, key=lambda r: r["restoration"]["lo"])
@@ -258,10 +327,11 @@ def headline(rows: list[dict[str, Any]], flags: dict[str, dict]) -> str:
                       f"{_p(r['p_vs_controls'])} against the controls")
         first += "."
     paper = [r for r in rows if r["factor"] == PAPER_FACTOR]
-    moved = [r for r in paper if r["flagged"] or abs(r["restoration"]["cell_minus_dpo"]) > 0]
-    fp = sum(bool(r["flagged"]) for r in null)
-    second = (f" Null organism: {fp} of {len(null)} cells flagged ({fp / len(null):.0%}, target <= 5%)."
-              if null else "")
+    moved = [r for r in paper if r["changed"] or abs(r["restoration"]["cell_minus_dpo"]) > 0]
+    fp, changed = sum(bool(r["flagged"]) for r in null), sum(bool(r["changed"]) for r in null)
+    second = (f" Null organism: {fp} of {len(null)} cells flagged ({fp / len(null):.0%}, target <= 5%; flagged: a "
+              f"dimension's cases and pass rate brought closer to the SFT model's than by the baseline and the "
+              f"controls); {changed} changed some dimension against the baseline." if null else "")
     third = (f" The paper's factor 1 - 1e-6 changed the planted dimension's pass rate in {len(moved)} of {len(paper)} "
              "cells." if paper else "")
     return first + second + third
@@ -273,47 +343,51 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     cache = cache or StageCache(root)
     from rolemrc.intervene.spec import RestraintError
 
-    rows, flags, sweeps, timing, skipped = [], {}, {}, {}, {}
+    rows, flags, sweep_dirs, timing, skipped = [], {}, {}, {}, {}
     for organism in organisms:
         folder = root / organism.kind
         inputs = probe_stages(cache, organism, config, folder)
         flags[organism.kind] = {tokens: diff_flags(inputs[tokens], organism.dimension) for tokens in ("last", "all")}
         for selector in config.selectors:
             source = inputs[SELECTOR_INPUTS[selector]]
-            started = time.perf_counter()
-            try:
-                summary = sweep_stage(organism, selector, source, config, folder)
-            except RestraintError as exc:   # e.g. no unit moved in the selector's view: it restrains nothing
-                skipped[f"{organism.kind}/{selector}"] = str(exc)
-                continue
-            sweep_dir = folder / f"sweep-{selector}"
-            cells = len(json.loads((sweep_dir / "plan.json").read_text())["cells"])
-            timing[f"{organism.kind}/{selector}"] = {"seconds": round(time.perf_counter() - started, 1), "cells": cells}
-            sweeps[f"{organism.kind}/{selector}"] = str(sweep_dir)
-            rows += cell_rows(organism, selector, summary, sweep_dir)
+            for suffix, (budgets, factors) in sweeps(config).items():
+                key, sweep_dir = f"{organism.kind}/{selector}{suffix}", folder / f"sweep-{selector}{suffix}"
+                started = time.perf_counter()
+                try:
+                    summary = sweep_stage(organism, selector, source, config, sweep_dir, budgets, factors)
+                except RestraintError as exc:   # e.g. no unit moved in the selector's view: it restrains nothing
+                    skipped[key] = str(exc)
+                    continue
+                cells = len(json.loads((sweep_dir / "plan.json").read_text())["cells"])
+                timing[key] = {"seconds": round(time.perf_counter() - started, 1), "cells": cells}
+                sweep_dirs[key] = str(sweep_dir)
+                rows += cell_rows(organism, selector, summary, sweep_dir)
+    flag_restorations(rows)
+    null = [r for r in rows if r["organism"] == "null"]
     result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows, flags),
-              "diff_flags": flags, "cells": rows, "sweeps": sweeps, "skipped": skipped, "timing": timing,
-              "null_false_positive_rate": _rate([r for r in rows if r["organism"] == "null"])}
+              "diff_flags": flags, "cells": rows, "sweeps": sweep_dirs, "skipped": skipped, "timing": timing,
+              "null_false_positive_rate": _rate(null, "flagged"), "null_changed_rate": _rate(null, "changed")}
     result["figure"] = calibration_figure(rows, root)
     write_json(root / "calibration.json", result)
     (root / "calibration.md").write_text(calibration_markdown(result))
     return result
 
 
-def _rate(rows: list[dict[str, Any]]) -> float | None:
-    return sum(bool(r["flagged"]) for r in rows) / len(rows) if rows else None
+def _rate(rows: list[dict[str, Any]], key: str) -> float | None:
+    return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
 
 
 def calibration_markdown(result: dict[str, Any]) -> str:
     lines = [f"**{result['headline']}**", "", "| organism | selector | units | factor | undone (95% CI) | controls | "
-             "p vs baseline | p vs controls | other dimensions (diff, Holm p) |", "|---|---|---|---|---|---|---|---|---|"]
+             "p vs baseline | p vs controls | other dimensions (diff, Holm p) | closer to SFT |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cells"]:
         s = r["restoration"]
         ctrl = ", ".join(f"{c:.0%}" for c in r["controls_restoration"]) or "-"
         others = "; ".join(f"{k} {v['diff']:+.2f} ({v['p_holm']:.2g})" for k, v in r["others"].items())
         lines.append(f"| {r['organism']} | {r['selector']} | {r['units']} | {r['factor']:g} | {s['share']:.0%} "
                      f"({s['lo']:.0%} to {s['hi']:.0%}) | {ctrl} | {_p(r['p_vs_baseline'])} | {_p(r['p_vs_controls'])} "
-                     f"| {others} |")
+                     f"| {others} | {', '.join(r['flagged']) or '-'} |")
     lines += ["", "Units the diffs flag by themselves (BH q < 0.05, planted dimension): "
               + "; ".join(f"{k} {t}: frequency {v['frequency']}, effect {v['effect']}"
                           for k, d in result["diff_flags"].items() for t, v in d.items())]

@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 from fixtures import ANSWERABLE_UNITS, answerable_records, save_planted_llama
 
-from rolemrc.bench.organism import PAPER_FACTOR, CalibrationConfig, Organism, calibrate, finds_change, restoration
+from rolemrc.bench.organism import (
+    PAPER_FACTOR,
+    CalibrationConfig,
+    Organism,
+    calibrate,
+    finds_change,
+    flag_restorations,
+    restoration,
+    sweeps,
+    toward_sft,
+)
 from rolemrc.core.io import write_jsonl
 from rolemrc.eval import generate, score
 from rolemrc.sweep import plots as sweep_plots
@@ -46,8 +56,8 @@ def calibrated(tmp_path_factory, tokenizer):
     write_jsonl(root / "probe.jsonl", answerable_records(10, "q"))
     organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl"),
                  organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl")]
-    config = CalibrationConfig(out=str(root / "out"), budgets=[2, 8], factors=[0.0, PAPER_FACTOR], controls=1,
-                               attribution_pairs=6, max_new_tokens=6)
+    config = CalibrationConfig(out=str(root / "out"), budgets=[2, 8], factors=[0.0, PAPER_FACTOR],
+                               paper_factor_budgets=[], controls=1, attribution_pairs=6, max_new_tokens=6)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})   # PNGs: ~10 s, tested elsewhere
         return calibrate(organisms, config), root
@@ -91,7 +101,7 @@ def test_the_null_organism_flags_nothing(calibrated):
     result, _ = calibrated
     null = cells(result, "null")
     assert len(null) == 4 * 2 * 2
-    assert not any(r["flagged"] for r in null) and result["null_false_positive_rate"] == 0
+    assert not any(r["flagged"] or r["changed"] for r in null) and result["null_false_positive_rate"] == 0
     assert all(math.isnan(r["restoration"]["share"]) for r in null)   # no change to undo
     # its units did change (other noise): the diff may flag them; the sweep shows that none of them matters
     assert all(v is None or v >= 0 for flags in result["diff_flags"]["null"].values() for v in flags.values())
@@ -141,6 +151,37 @@ def test_restoration_share_and_interval():
     r = restoration(sft, dpo, half)
     assert r["share"] == 0.5 and r["n"] == 8 and 0 <= r["lo"] < 0.5 < r["hi"] <= 1
     assert math.isnan(restoration(sft, sft, half)["share"])
+
+
+def test_a_cell_is_flagged_only_when_it_brings_cases_and_the_rate_back_to_the_sft_model():
+    """As measured on SmolLM2: the planted DPO model fails most cases SFT passed but passes some SFT failed. A
+    restraint that breaks the behaviour agrees with SFT on those (closer per case, p < 0.05) while its pass rate
+    moves past SFT's: not flagged. One that restores the SFT model's cases is."""
+    ids = range(64)
+    sft = {"judge:role_style": {str(i): float(i % 16 < 12) for i in ids}}        # SFT passes 0.75
+    dpo = {"judge:role_style": {str(i): float(i % 16 >= 12) for i in ids}}       # DPO 0.25, all of them SFT failed
+    broken = {"judge:role_style": {str(i): 0.0 for i in ids}}
+    restored = {"judge:role_style": dict(sft["judge:role_style"])}
+
+    def row(cell):
+        scores = [x["judge:role_style"] for x in (sft, dpo, cell)]
+        return {"organism": "planted", "dimension": "role_style", "toward_sft": toward_sft(sft, dpo, cell, [dpo]),
+                "restoration": restoration(*scores)}
+
+    rows = [row(broken), row(restored)]
+    flag_restorations(rows)
+    broke = rows[0]["toward_sft"]["role_style"]
+    assert broke["vs_baseline"]["diff"] == -0.25 and broke["vs_baseline"]["p_holm"] < 0.05   # closer per case...
+    assert broke["rate_gap"] == {"baseline": 0.5, "cell": 0.75, "controls": 0.5}            # ...not in the rate
+    assert rows[0]["flagged"] == [] and not finds_change(rows[0])
+    assert rows[1]["flagged"] == ["role_style"] and finds_change(rows[1])
+    assert rows[1]["toward_sft"]["role_style"]["vs_controls"]["diff"] == -1
+
+
+def test_the_paper_factor_runs_as_its_own_sweep_at_its_budgets(tmp_path):
+    assert sweeps(CalibrationConfig(out=str(tmp_path))) == {"": ([16, 64, 256], [0.0, 0.5]),
+                                                            "-paper": ([256], [PAPER_FACTOR])}
+    assert sweeps(CalibrationConfig(out=str(tmp_path), paper_factor_budgets=[])) == {"": ([16, 64, 256], [0.0, 0.5])}
 
 
 def test_bad_grid_settings_are_errors_before_any_work(tmp_path):
