@@ -170,14 +170,17 @@ class LoraExporter:
             a, b = lora_pair(self.weights[f"{name}.weight"], fold, units, r.factor, r_pad)
             tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
         targets = [_target_name(self.model, hook_point(r.hook).fold.weight)]
-        provenance = {"source_model": str(self.src), "source_fingerprint": self.fingerprint, "restraint": r.to_dict(),
-                      "source": r.source, "version": __version__}
+        # adapter_config.json holds PEFT's keys only (peft warns on any other); the provenance sits beside it in
+        # rolemrc.json, as in a baked checkpoint, and in the safetensors metadata
+        provenance = {"stage": "lora", "source_model": str(self.src), "source_fingerprint": self.fingerprint,
+                      "restraint": r.to_dict(), "source": r.source, "version": __version__}
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(self.src),
                   "r": r_pad, "lora_alpha": r_pad, "target_modules": targets, "layers_to_transform": list(r.units),
                   "bias": "none", "fan_in_fan_out": fold.transposed, "lora_dropout": 0.0, "use_rslora": False,
-                  "inference_mode": True, "rolemrc": provenance}
+                  "inference_mode": True}
         out.mkdir(parents=True, exist_ok=True)
         (out / "adapter_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+        (out / "rolemrc.json").write_text(json.dumps(provenance, indent=1, sort_keys=True))
         save_file(tensors, str(out / "adapter_model.safetensors"),
                   metadata=provenance_metadata(self.src, self.fingerprint, r))
         return LoraReport(str(out), r_pad, max_units, targets, list(r.units), self.fingerprint, r.to_dict())

@@ -1,6 +1,7 @@
 """Restraints as LoRA adapters: real PEFT on the export equals the runtime hook and the bake; refusals; CLI."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,6 @@ from rolemrc.core.modeling import dir_fingerprint
 from rolemrc.core.tiny import build_model
 from rolemrc.intervene import Restraint, RestraintError, applied, bake, export_lora
 
-pytestmark = pytest.mark.filterwarnings("ignore:Unexpected keyword arguments \\[.rolemrc.\\]:UserWarning")
 TEXTS = ["the keeper of the lighthouse watched storms", "sing to the ovens"]
 UNITS = {0: [1, 5, 7], 1: [0, 2, 30, 41]}
 
@@ -40,6 +40,15 @@ def logits(model, tokenizer):
         return model(**batch).logits[batch["attention_mask"].bool()]
 
 
+def peft(model, adapter):
+    """PeftModel on an exported adapter, any warning an error (peft warns on keys of adapter_config.json it does not
+    know) but transformers' own deprecations, which peft's calls raise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+        return PeftModel.from_pretrained(model, adapter).eval()
+
+
 def spec(hook, factor=0.5):
     return Restraint(name="t", hook=hook, factor=factor, units=UNITS)
 
@@ -55,7 +64,7 @@ def test_lora_equals_hook_equals_bake(dirs, tokenizer, tmp_path, arch, hook):
         with applied(model, r):
             hooked = logits(model, tokenizer)
         baked = logits(load(tmp_path / "baked"), tokenizer)
-        peft_model = PeftModel.from_pretrained(model, tmp_path / "lora").eval()
+        peft_model = peft(model, tmp_path / "lora")
         adapted = logits(peft_model, tokenizer)
         merged = logits(peft_model.merge_and_unload(), tokenizer)
         for other in (hooked, baked, merged):
@@ -74,7 +83,7 @@ def test_gpt2_mlp_act_exports_on_conv1d(dirs, tokenizer, tmp_path):
     model = load(dirs["gpt2"])
     with applied(model, r):
         hooked = logits(model, tokenizer)
-    torch.testing.assert_close(logits(PeftModel.from_pretrained(model, tmp_path / "lora"), tokenizer), hooked,
+    torch.testing.assert_close(logits(peft(model, tmp_path / "lora"), tokenizer), hooked,
                                rtol=0, atol=1e-5)
 
 
@@ -93,7 +102,9 @@ def test_adapter_files_rank_padding_and_provenance(dirs, tmp_path):
         a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
         assert a.shape == (8, 64) and b.shape == (64, 8) and a.dtype == b.dtype == torch.float32
         assert not a[len(units):].any() and not b[:, len(units):].any()  # padding is zero
-    rolemrc = config["rolemrc"]
+    assert "rolemrc" not in config   # PEFT's keys only: the provenance is in rolemrc.json and the metadata
+    rolemrc = json.loads((tmp_path / "lora" / "rolemrc.json").read_text())
+    assert rolemrc["stage"] == "lora"
     assert rolemrc["source_fingerprint"] == dir_fingerprint(dirs["llama"]) == report.source_fingerprint
     assert rolemrc["source"] == {"diff": "runs/diff"} and rolemrc["restraint"]["units"] == {"0": [1, 5, 7],
                                                                                            "1": [0, 2, 30, 41]}
