@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import typer
+
+from rolemrc import __version__
 from rolemrc.core.cli import cli_app
 
 # Sub-app name -> module that defines it. Each module's cli keeps heavy imports inside commands.
@@ -28,6 +31,18 @@ ALIASES: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 app = cli_app(name="rolemrc", help="RoleMRC end to end: datagen -> train -> eval -> probe -> intervene -> serve.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"rolemrc {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print rolemrc's version and exit")) -> None:
+    """RoleMRC end to end: datagen -> train -> eval -> probe -> intervene -> serve."""
 
 
 def _optional(module: str) -> Any:

@@ -41,3 +41,10 @@ def test_every_help_imports_no_torch():
     assert len(report["paths"]) > 30   # the root, every group and every command
     assert {"intervene", "select"} <= {p[-1] for p in report["paths"] if p}
     assert "torch" not in report["heavy"] and "transformers" not in report["heavy"], report["heavy"]
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "rolemrc.cli", "--version"], capture_output=True, text=True, check=True)
+    from rolemrc import __version__
+
+    assert out.stdout == f"rolemrc {__version__}\n"
