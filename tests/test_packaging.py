@@ -45,6 +45,7 @@ def test_wheel_build_is_quiet_and_ships_data(tmp_path):
     for data in ("rolemrc/train/profiles/tiny.yaml", "rolemrc/datagen/data/mrc.jsonl",
                  "rolemrc/probe/templates/explorer.html"):
         assert data in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names   # the Apache-2.0 text
 
 
 def test_tree_is_clean_under_ruff():
