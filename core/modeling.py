@@ -41,7 +41,13 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     before they read data or load anything."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        what = "no such directory" if not path.exists() else "not a Hugging Face model directory (no config.json)"
+        if (path / "adapter_config.json").is_file():
+            what = ("a PEFT adapter folder, not a model; merge it into its base model first: "
+                    "PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(out)")
+        elif not path.exists():
+            what = "no such directory"
+        else:
+            what = "not a Hugging Face model directory (no config.json)"
         raise ModelDirError(f"{path}: {what}")
     return path
 

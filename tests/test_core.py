@@ -63,6 +63,9 @@ def test_fixture_models_load_and_chat(model_dirs, arch):
 def test_load_model_rejects_non_model_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
         load_model(tmp_path)
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    with pytest.raises(FileNotFoundError, match=r"a PEFT adapter folder, not a model; merge it .*merge_and_unload\(\)"):
+        load_model(tmp_path)
 
 
 def test_context_window_fallback_order():
