@@ -3,6 +3,7 @@
     from rolemrc.intervene import Restraint, applied, bake, check, select
     r = select("runs/diff", "multi_turn", layers="1-3", top_k=64)      # or Restraint.load("spec.yaml")
     r = select("runs/diff", "multi_turn", method="standardized", top_k=64)   # any selector in SELECTORS
+    r = select(diff(sft, dpo), "multi_turn", top_k=64)                  # or the DiffResult (Attribution) itself
     with applied(model, r): ...                                         # runtime hooks
     bake("runs/dpo", r, "runs/dpo-restrained")                          # the same scaling in the weights
     export_lora("runs/dpo", r, "runs/dpo-restrained-lora")              # ... or as an exact LoRA adapter

@@ -1,6 +1,7 @@
 """Unit selectors: how `intervene select` ranks a dimension's units, as a registry (`SELECTORS`, like eval's metrics).
 
-A selector reads its input (a probe diff, or an attribution file) and gives each unit of a dimension a signed score
+A selector reads its input (a probe diff, or an attribution file; or the loaded `DiffResult` / `Attribution`) and gives
+each unit of a dimension a signed score
 (> 0: the unit moved up from A to B, or its change raised B's preference) and, where its input carries a per-unit test,
 BH q-values. `intervene.select.select` applies layers, direction, top_k or fdr to any selector's scores in one order
 (|score| descending, q ascending, layer, unit: `probe.ranking.rank_units`) and writes the same `Restraint` spec. Adding
@@ -13,7 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from rolemrc.core.registry import Registry
 from rolemrc.intervene.spec import RestraintError
@@ -21,7 +22,11 @@ from rolemrc.intervene.spec import RestraintError
 if TYPE_CHECKING:
     import torch
 
+    from rolemrc.probe.attribution import Attribution
     from rolemrc.probe.diff import DiffResult
+
+Source: TypeAlias = "str | os.PathLike | DiffResult | Attribution"   # a selector's input: a path, or its loaded object
+IN_MEMORY = "in memory"   # a source's origin when it was handed over as an object
 
 
 @dataclass(frozen=True)
@@ -31,16 +36,16 @@ class Scores:
     score: torch.Tensor            # [layers, width] signed: direction by its sign, ranked by |score|
     q: torch.Tensor | None         # BH q per unit (None: the input has no test here; fdr is refused)
     hook: str                      # the input's hook point
-    file: Path                     # the file read
+    origin: str                    # the file read, or IN_MEMORY
     no_q: str = ""                 # why there are no q-values
 
 
-ScoreFn = Callable[[Path, str], Scores]   # (input path, dimension) -> Scores
+ScoreFn = Callable[[Source, str], Scores]   # (input, dimension) -> Scores
 
 
 @dataclass(frozen=True)
 class Selector:
-    """A registered selector: `scores(path, dimension)` and what it is, for help texts and the spec."""
+    """A registered selector: `scores(source, dimension)` and what it is, for help texts and the spec."""
 
     scores: ScoreFn
     description: str
@@ -52,7 +57,7 @@ SELECTORS: Registry[Selector] = Registry("selector")
 
 
 def selector(name: str, *, description: str, reads: str, ranks: str) -> Callable[[ScoreFn], ScoreFn]:
-    """Decorator registering `fn(path, dimension) -> Scores` as selector `name`."""
+    """Decorator registering `fn(source, dimension) -> Scores` as selector `name`."""
     def add(fn: ScoreFn) -> ScoreFn:
         SELECTORS.register(name)(Selector(fn, description, reads, ranks))
         return fn
@@ -85,20 +90,20 @@ TOKEN_METHODS = {"last": "frequency", "all": "frequency-all"}  # a diff's token 
 
 @selector("frequency", reads="diff", ranks="|freq_b - freq_a|, then the diff's q",
           description="the paper's: change in top-fraction frequency at the last prompt token")
-def frequency(path: Path, dimension: str) -> Scores:
-    return _frequency(path, dimension, "last")
+def frequency(source: Source, dimension: str) -> Scores:
+    return _frequency(source, dimension, "last")
 
 
 @selector("frequency-all", reads="diff", ranks="|freq_b - freq_a|, then the diff's q",
           description="the same over every prompt token (tokens=all probe files)")
-def frequency_all(path: Path, dimension: str) -> Scores:
-    return _frequency(path, dimension, "all")
+def frequency_all(source: Source, dimension: str) -> Scores:
+    return _frequency(source, dimension, "all")
 
 
 @selector("standardized", reads="diff", ranks="|effect|, then the effect test's q",
           description="mean activation change over the pooled per-unit SD (the diff's effect)")
-def standardized(path: Path, dimension: str) -> Scores:
-    result, file = _diff(path, dimension)
+def standardized(source: Source, dimension: str) -> Scores:
+    result, file = _diff(source, dimension)
     if dimension not in result.effect:
         raise RestraintError(f"{file}: the diff has no standardized effect ({result.effect_test}); collect the probe "
                              "files again with `rolemrc probe collect` and rerun `rolemrc probe diff`")
@@ -108,19 +113,23 @@ def standardized(path: Path, dimension: str) -> Scores:
 
 @selector("attribution", reads="attribution", ranks="mean score per pair, no q",
           description="DPO preference-margin gradient times the SFT -> DPO activation change, over preference pairs")
-def attribution(path: Path, dimension: str) -> Scores:
-    from rolemrc.probe.attribution import load_attribution
+def attribution(source: Source, dimension: str) -> Scores:
+    from rolemrc.probe.attribution import Attribution, load_attribution
+    from rolemrc.probe.diff import DiffResult
 
-    loaded = load_attribution(path)
+    if isinstance(source, DiffResult):
+        raise RestraintError("--method attribution reads an attribution (a file from `rolemrc probe attribute`, or "
+                             "an Attribution), not a DiffResult")
+    loaded, origin = (source, IN_MEMORY) if isinstance(source, Attribution) else (load_attribution(source), str(source))
     scores, meta = loaded.scores, loaded.meta
     if dimension not in scores:
-        raise RestraintError(f"dimension {dimension!r} is not in the attribution file {path} (or has no pairs); "
-                             f"it has: {sorted(scores)}")
-    return Scores(scores[dimension], None, meta["hook"], Path(path), no_q="attribution scores carry no test")
+        where = "the Attribution" if origin == IN_MEMORY else f"the attribution file {origin}"
+        raise RestraintError(f"dimension {dimension!r} is not in {where} (or has no pairs); it has: {sorted(scores)}")
+    return Scores(scores[dimension], None, meta["hook"], origin, no_q="attribution scores carry no test")
 
 
-def _frequency(path: Path, dimension: str, tokens: str) -> Scores:
-    result, file = _diff(path, dimension)
+def _frequency(source: Source, dimension: str, tokens: str) -> Scores:
+    result, file = _diff(source, dimension)
     made = result.meta.get("tokens", "last")   # diffs record the probe files' token policy
     if made != tokens:
         raise RestraintError(f"{file}: a diff of tokens={made} probe files, but --method {TOKEN_METHODS[tokens]} reads "
@@ -130,13 +139,17 @@ def _frequency(path: Path, dimension: str, tokens: str) -> Scores:
     return Scores(result.delta[dimension], q, result.hook, file, no_q=f"test: {result.test}")
 
 
-def _diff(path: Path, dimension: str) -> tuple[DiffResult, Path]:
-    """The diff at `path` (directory or file) and its file; refuses a dimension it did not compare."""
-    from rolemrc.probe.diff import load_diff
+def _diff(source: Source, dimension: str) -> tuple[DiffResult, str]:
+    """The diff (a directory, its file, or a DiffResult) and its origin; refuses a dimension it did not compare."""
+    from rolemrc.probe.attribution import Attribution
+    from rolemrc.probe.diff import DiffResult, load_diff
 
-    result = load_diff(path)
+    if isinstance(source, Attribution):
+        raise RestraintError("this selector reads a probe diff (a `rolemrc probe diff` folder, or a DiffResult), not an "
+                             "Attribution: use method='attribution'")
+    result, origin = (source, IN_MEMORY) if isinstance(source, DiffResult) else (load_diff(source), str(input_file(source)))
     if dimension not in result.delta:
         why = result.empty.get(dimension)
         raise RestraintError(f"dimension {dimension!r} is not in the diff" + (f" ({why})" if why else "")
                              + f"; compared: {result.dimensions}")
-    return result, input_file(path)
+    return result, origin

@@ -128,6 +128,24 @@ def test_every_selector_writes_the_same_kind_of_spec(tmp_path):
         assert again.to_dict() == r.to_dict() and again.num_units == 3 and again.factor == 0.5
 
 
+def test_selectors_take_the_loaded_objects_as_well_as_paths(tmp_path):
+    """A DiffResult or an Attribution selects the same units as its file; the spec says it came from memory."""
+    from rolemrc.probe import load_diff
+
+    diff, attr = write_diff(tmp_path / "d"), write_attribution(tmp_path / "a.safetensors")
+    for method, path, loaded in (("frequency", diff, load_diff(diff)), ("standardized", diff, load_diff(diff)),
+                                 ("attribution", attr, load_attribution(attr))):
+        from_path, from_object = (select(x, "multi_turn", method=method, top_k=3) for x in (path, loaded))
+        assert from_object.units == from_path.units and from_object.hook == from_path.hook, method
+        assert from_object.source[SELECTORS.get(method).reads] == "in memory", method
+    with pytest.raises(RolemrcError, match="reads an attribution .* not a DiffResult"):
+        select(load_diff(diff), "multi_turn", method="attribution", top_k=3)
+    with pytest.raises(RolemrcError, match="reads a probe diff .* not an Attribution: use method='attribution'"):
+        select(load_attribution(attr), "multi_turn", top_k=3)
+    with pytest.raises(RolemrcError, match="'nested' is not in the Attribution .or has no pairs"):
+        select(load_attribution(attr), "nested", method="attribution", top_k=3)
+
+
 def run_cli(*args):
     res = CliRunner().invoke(app, ["intervene", "select", *map(str, args)])
     return res.exit_code, res.output
