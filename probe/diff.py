@@ -161,7 +161,11 @@ class DiffResult:
         (out / "summary.json").write_text(json.dumps(self.summary(layers, fdr), indent=1))
         return out
 
-    def summary(self, layers: list[dict], fdr: float) -> dict:
+    def summary(self, layers: list[dict] | None = None, fdr: float = 0.05) -> dict:
+        """Per dimension: cases, mean |delta|, units significant at BH q < fdr (frequency and effect tests), the peak
+        layer; and the dimension with the largest shift. `layers`: `layer_summary(fdr)`'s rows (computed when
+        omitted)."""
+        layers = self.layer_summary(fdr) if layers is None else layers
         per_dim = {}
         for d in self.dimensions:
             rows = [r for r in layers if r["dimension"] == d]
@@ -178,6 +182,10 @@ class DiffResult:
                 **({} if self.tested else {"no_test": NO_TEST_WHY}), "effect_test": self.effect_test, "fdr": fdr,
                 "dimensions": per_dim, "largest_shift": ranked[0] if ranked else None,
                 "not_compared": self.empty}
+
+    def largest_shift(self) -> str | None:
+        """The dimension whose units moved most (largest mean |delta|), as `summary()["largest_shift"]`."""
+        return max(self.dimensions, key=lambda d: float(self.delta[d].abs().mean()), default=None)
 
 
 def check_comparable(a: ProbeCounts, b: ProbeCounts, keys: Sequence[str] = COMPARABLE_KEYS,

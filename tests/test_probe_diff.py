@@ -91,6 +91,9 @@ def test_diff_of_sft_vs_changed_model_writes_everything(model_dirs, records, tok
     for d in ("knowledge_boundary", "role_style", "multi_turn", "nested", "prioritized"):
         assert (out / f"heatmap_units_{d}.html").is_file()
     assert summary["largest_shift"] in summary["dimensions"]
+    in_memory = diff(a, b)   # the summary with its defaults, from the object
+    assert in_memory.largest_shift() == in_memory.summary()["largest_shift"] == summary["largest_shift"]
+    assert in_memory.summary()["dimensions"] == json.loads((out / "summary.json").read_text())["dimensions"]
     units = json.loads((out / "units.json").read_text())
     assert len(units) == 5 * 20 and all(0 <= u["q"] <= 1 for u in units)
     reloaded = load_diff(out)
