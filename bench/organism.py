@@ -401,8 +401,8 @@ def _p(p: float | None) -> str:
 def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
     """Per organism a panel of one line per selector and factor (a colour per selector in every panel; factor 0
     solid, others dashed) against units restrained, the random-unit controls as a grey band (lowest to highest at
-    each size). planted: the share of the change undone (95% CI); null, which has no change to undo: the change in
-    the planted dimension's pass rate."""
+    each size), flagged cells (`flag_restorations`) as stars. planted: the share of the change undone (95% CI);
+    null, which has no change to undo: the change in the planted dimension's pass rate."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
@@ -434,11 +434,19 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
                           "arrayminus": [y - r["restoration"]["lo"] for r, y in zip(line, ys)]} if share else None)
                 fig.add_trace(go.Scatter(x=[r["units"] for r in line], y=ys, mode="lines+markers",
                                          name=f"{selector} x{factor:g}", legendgroup=f"{selector}{factor}",
-                                         showlegend=col == 1, marker={"color": color[selector]},
+                                         showlegend=col == 1,
+                                         marker={"color": color[selector],
+                                                 "symbol": ["star" if r["flagged"] else "circle" for r in line],
+                                                 "size": [14 if r["flagged"] else 7 for r in line]},
+                                         hovertext=[f"flagged: {', '.join(r['flagged'])}" if r["flagged"] else
+                                                    "not flagged" for r in line],
                                          line={"dash": "solid" if factor == 0 else "dash", "color": color[selector]},
                                          error_y=error), 1, col)
         fig.update_xaxes(type="log", title_text="units restrained", row=1, col=col)
-    fig.update_layout(template="plotly_white", title="Calibration: does restraining a selector's units undo a known change?")
+    fig.update_layout(template="plotly_white", margin={"t": 110},
+                      title="Calibration: does restraining a selector's units undo a known change?<br><sup>stars: "
+                            "flagged (a dimension's cases and pass rate brought back toward the SFT model's beyond the "
+                            "baseline and the controls)</sup>")
     return write_figure(fig, out, "calibration", plotlyjs=True)
 
 
