@@ -30,7 +30,7 @@ def probe_cmd(
     device: str = typer.Option("cpu", help="cpu | cuda"),
     nproc: int = typer.Option(1, min=1, help="also time collection in this many processes (torchrun) against one, "
                                              "CPU threads split evenly"),
-    out: Path = typer.Option(None, help="also write the JSON here"),
+    out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Collect vs plain forward, vs the RoleMRC-code approach, and memory at N vs 4N."""
     from rolemrc.bench.probe import run
@@ -49,8 +49,9 @@ def retrieval_cmd(
     key_block: int = typer.Option(None, help="keys per score block of the one-pass search (default: datagen's)"),
     nlist: int = typer.Option(0, help="with --index ivf: inverted lists (0: about sqrt(triplets))"),
     nprobe: int = typer.Option(8, help="with --index ivf: lists probed per query"),
-    rounds: int = typer.Option(5, help="query slices the measurements take turns on (evens out changes in machine load)"),
-    out: Path = typer.Option(None, help="also write the JSON here"),
+    rounds: int = typer.Option(5, "--slices", help="query slices the measurements take turns on (evens out changes in "
+                                                   "machine load)"),
+    out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Exact one-pass search (both ends) vs one faiss exact top-1 search, vs the matmul rate; exactness checked."""
     from rolemrc.bench.retrieval import run
@@ -69,13 +70,13 @@ def datagen_cmd(
     seed: int = typer.Option(0),
     concurrency: int = typer.Option(16, help="requests in flight"),
     timeout: float = typer.Option(300.0, help="seconds per request before it is retried"),
-    max_tokens: int = typer.Option(512, help="completion tokens per request at most"),
+    max_tokens: int = typer.Option(512, "--max-new-tokens", help="completion tokens per request at most"),
     seed_requests: bool = typer.Option(True, help="send attempt k with seed=k (--no-seed-requests for vLLM on CPU)"),
     structured_output: bool = typer.Option(False, help="profiles via a JSON Schema response_format (vLLM's structured "
                                                        "outputs)"),
     mrc: Path = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
     keep: Path = typer.Option(None, help="write both datagen runs here (template/, openai/; must not hold earlier runs)"),
-    out: Path = typer.Option(None, help="also write the JSON here"),
+    out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Records per minute and malformed share: the template backend vs a served model, same personas, cold."""
     from rolemrc.bench.datagen import run
@@ -94,7 +95,7 @@ def intervene_cmd(
     share: float = typer.Option(0.1, help="share of each layer's mlp.act units restrained"),
     sizes: str = typer.Option("demo,large", help="comma list of: demo, medium, large"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
-    out: Path = typer.Option(None, help="also write the JSON here"),
+    out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Forward time with the runtime hook vs without, and baked vs original."""
     from rolemrc.bench.intervene import run
@@ -115,7 +116,7 @@ def serve_cmd(
     units: int = typer.Option(None, help="with --engine: units per layer of each restraint (default: 10% of the MLP "
                                          "width; vLLM's LoRA rank follows it)"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
-    out: Path = typer.Option(None, help="also write the JSON here"),
+    out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Engine tokens/s: batched vs naive sequential generate, restrained and baked vs unrestrained; with --engine,
     each engine over HTTP, restrained vs unrestrained and vLLM vs transformers."""
@@ -139,7 +140,7 @@ def clients_cmd(
     engine: str = typer.Option("transformers,vllm", help="comma list of transformers, vllm"),
     streams: int = typer.Option(4, min=1, help="guidellm's concurrent streams"),
     requests: int = typer.Option(16, min=1, help="guidellm's requests"),
-    out: Path = typer.Option(None, help="also write the JSON here"),
+    out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """lm-eval (log-likelihoods and accuracy vs its hf backend, chat generations) and guidellm (tokens/s, failures)
     against a real `rolemrc serve` per engine; needs ROLEMRC_LMEVAL_PYTHON and ROLEMRC_GUIDELLM_PYTHON."""

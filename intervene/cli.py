@@ -18,7 +18,7 @@ app = cli_app(help="Restraints: select units from a diff, bake them or export th
 
 @app.command("select")
 def select_cmd(
-    diff: Path = typer.Option(..., "--diff", "--input", help="the selector's input: a diff directory (or its "
+    diff: Path = typer.Option(..., "--diff", help="the selector's input: a diff directory (or its "
                               "diff.safetensors); for --method attribution, an attribution file"),
     dimension: str = typer.Option(..., help=f"a dimension of the diff: {' | '.join(DIMENSIONS)}, or your own"),
     method: str = typer.Option("frequency", "--method", help=f"unit selector. {selectors_help()}"),
@@ -45,7 +45,7 @@ def select_cmd(
 @app.command("bake")
 def bake_cmd(
     model: Path = typer.Option(..., "--model", help="source HF model directory"),
-    spec: Path = typer.Option(..., "--spec", help="restraint spec at a hook point that bakes: "
+    spec: Path = typer.Option(..., "--restraint", help="restraint spec at a hook point that bakes: "
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold)),
     out: Path = typer.Option(..., "--out", help="output HF directory"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
@@ -62,7 +62,7 @@ def bake_cmd(
 @app.command("lora")
 def lora_cmd(
     model: Path = typer.Option(..., "--model", help="source HF model directory"),
-    spec: Path = typer.Option(..., "--spec", help="restraint spec at a hook point that exports as LoRA: "
+    spec: Path = typer.Option(..., "--restraint", help="restraint spec at a hook point that exports as LoRA: "
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold and point.lora)),
     out: Path = typer.Option(..., "--out", help="output PEFT adapter directory"),
     rank: int = typer.Option(None, help="LoRA rank (default: the smallest vLLM rank that holds the largest layer)"),
@@ -76,10 +76,10 @@ def lora_cmd(
 @app.command("check")
 def check_cmd(
     model: Path = typer.Option(..., "--model", help="source HF model directory"),
-    spec: Path = typer.Option(..., "--spec", help="restraint spec"),
+    spec: Path = typer.Option(..., "--restraint", help="restraint spec"),
     baked: Path = typer.Option(None, "--baked", help="baked directory to compare with the runtime hook"),
     dtype: str = typer.Option("float32", help="dtype to run and count changes at"),
-    device: str = typer.Option("cpu"),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)"),
 ) -> None:
     """Hook vs baked logits, weight elements changed at the dtype, and a no-op verdict."""
     from rolemrc.intervene.check import check

@@ -21,7 +21,7 @@ app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline 
 @app.command("run")
 def run_cmd(
     model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
-    diff: Path = typer.Option(..., "--diff", "--input", help="diff directory (for --method attribution: an attribution file)"),
+    diff: Path = typer.Option(..., "--diff", help="diff directory (for --method attribution: an attribution file)"),
     data: Path = typer.Option(..., "--data", help="test JSONL"),
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
     dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),

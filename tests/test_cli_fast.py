@@ -48,3 +48,23 @@ def test_version():
     from rolemrc import __version__
 
     assert out.stdout == f"rolemrc {__version__}\n"
+
+
+def test_old_option_spellings_still_work_and_the_help_shows_only_the_new(tmp_path):
+    """One name per concept: `intervene bake --spec` is `--restraint` now; the old spelling is read as the new one with
+    a note, and the help no longer lists it."""
+    from rolemrc.core.cli import RESPELLED
+
+    bake = [sys.executable, "-m", "rolemrc.cli", "intervene", "bake", "--model", str(tmp_path), "--out", str(tmp_path / "o")]
+    for spelling in ("--spec", "--restraint"):
+        out = subprocess.run([*bake, spelling, str(tmp_path / "s.yaml")], capture_output=True, text=True)
+        assert out.returncode == 2 and f"error: {tmp_path / 's.yaml'}: no such restraint spec" in out.stderr, out.stderr
+        assert ("note: --spec is now --restraint" in out.stderr) == (spelling == "--spec")
+    out = subprocess.run([*bake[:5], "--spec=" + str(tmp_path / "s.yaml"), *bake[5:]], capture_output=True, text=True)
+    assert out.returncode == 2 and "no such restraint spec" in out.stderr, out.stderr
+    helps = {cmd: subprocess.run([sys.executable, "-m", "rolemrc.cli", *cmd, "--help"], capture_output=True, text=True,
+                                 env={**__import__("os").environ, "COLUMNS": "200"}).stdout
+             for cmd in (("intervene", "bake"), ("intervene", "select"), ("train", "sft"), ("bench", "probe"))}
+    for cmd, text in helps.items():
+        assert not any(f"{old} " in text for old in ("--spec", "--input", "--lr")), (cmd, text)
+        assert any(new in text for new in RESPELLED.values()), cmd

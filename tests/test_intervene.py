@@ -213,18 +213,18 @@ def test_cli_select_bake_check(model_dirs, tmp_path):
     res = runner.invoke(app, ["intervene", "select", "--diff", str(tmp_path / "d"), "--dimension", "multi_turn",
                               "--top-k", "8", "--factor", "0", "--out", str(tmp_path / "s.yaml")])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["intervene", "bake", "--model", str(model_dirs["llama"]), "--spec", str(tmp_path / "s.yaml"),
+    res = runner.invoke(app, ["intervene", "bake", "--model", str(model_dirs["llama"]), "--restraint", str(tmp_path / "s.yaml"),
                               "--out", str(tmp_path / "baked")])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["intervene", "check", "--model", str(model_dirs["llama"]), "--spec", str(tmp_path / "s.yaml"),
+    res = runner.invoke(app, ["intervene", "check", "--model", str(model_dirs["llama"]), "--restraint", str(tmp_path / "s.yaml"),
                               "--baked", str(tmp_path / "baked")])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout[res.stdout.index("{"):res.stdout.rindex("}") + 1])
     assert report["baked_vs_hook_max_abs"] < 1e-5 and report["hook_vs_original_max_abs"] > 0
-    res = runner.invoke(app, ["intervene", "bake", "--model", str(model_dirs["llama"]), "--spec",
+    res = runner.invoke(app, ["intervene", "bake", "--model", str(model_dirs["llama"]), "--restraint",
                               str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "no such restraint spec" in res.output
-    res = runner.invoke(app, ["intervene", "bake", "--model", str(tmp_path / "nomodel"), "--spec",
+    res = runner.invoke(app, ["intervene", "bake", "--model", str(tmp_path / "nomodel"), "--restraint",
                               str(tmp_path / "s.yaml"), "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "nomodel: no such directory" in res.output
     res = runner.invoke(app, ["intervene", "select", "--diff", str(tmp_path / "d"), "--dimension", "nested",

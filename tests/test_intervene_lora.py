@@ -130,12 +130,12 @@ def test_cli_lora(dirs, tmp_path):
     runner = CliRunner()
     spec("mlp.act", 0.0).save(tmp_path / "s.yaml")
     spec("resid.post").save(tmp_path / "resid.yaml")
-    res = runner.invoke(app, ["intervene", "lora", "--spec", str(tmp_path / "s.yaml"), "--model", str(dirs["qwen2"]),
+    res = runner.invoke(app, ["intervene", "lora", "--restraint", str(tmp_path / "s.yaml"), "--model", str(dirs["qwen2"]),
                               "--out", str(tmp_path / "lora"), "--rank", "16"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["rank"] == 16
     assert (tmp_path / "lora" / "adapter_config.json").exists() and (tmp_path / "lora" / "adapter_model.safetensors").exists()
-    res = runner.invoke(app, ["intervene", "lora", "--spec", str(tmp_path / "resid.yaml"), "--model", str(dirs["qwen2"]),
+    res = runner.invoke(app, ["intervene", "lora", "--restraint", str(tmp_path / "resid.yaml"), "--model", str(dirs["qwen2"]),
                               "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "error:" in res.output and "resid.post cannot be folded" in res.output
 

@@ -33,7 +33,7 @@ SET = typer.Option([], "--set", help="override a setting (--set batch_size=4) or
 OUT = option("out", ...)
 MAX_STEPS = option("max_steps")
 EPOCHS = option("num_train_epochs")
-LR = option("learning_rate")
+LR = option("learning_rate", None, "--learning-rate")
 BATCH = option("batch_size")
 RESUME = option("resume", None, "--resume/--no-resume")
 PROGRESS = option("progress", True, "--progress/--no-progress")
