@@ -16,7 +16,7 @@ SUBAPPS: dict[str, tuple[str, str]] = {
     "train": ("rolemrc.train.cli", "train the embedded base model, SFT and DPO"),
     "eval": ("rolemrc.eval.cli", "generate, score with metrics and judges, compare runs"),
     "probe": ("rolemrc.probe.cli", "collect top-k unit frequencies, diff them, explore"),
-    "intervene": ("rolemrc.intervene.cli", "select, bake and check restraints"),
+    "intervene": ("rolemrc.intervene.cli", "select units, restrain them: bake, LoRA export, check"),
     "organism": ("rolemrc.organism.cli", "known-answer organisms: a planted change and a null, from an SFT model"),
     "sweep": ("rolemrc.sweep.cli", "sweep a grid of restraints against random-unit controls; the best as an A/B test"),
     "ab": ("rolemrc.serve.ab_cli", "A/B experiments: create one from a sweep, report on one"),
@@ -56,11 +56,12 @@ def _optional(module: str) -> Any:
 
 
 subapps = {name: mod.app for name, (module, _) in SUBAPPS.items() if (mod := _optional(module))}
-for _name, _app in subapps.items():
-    app.add_typer(_app, name=_name, help=SUBAPPS[_name][1])
 for (_name, _command), (_module, _function) in ALIASES.items():
     if _name in subapps and (_mod := _optional(_module)):
         subapps[_name].command(_command)(getattr(_mod, _function))
+for _name, _app in subapps.items():   # the root's help names every command of each group
+    _commands = ", ".join(c.name or c.callback.__name__ for c in _app.registered_commands if not c.hidden)
+    app.add_typer(_app, name=_name, help=f"{SUBAPPS[_name][1]} ({_commands})")
 
 for _module in ("rolemrc.serve.cli", "rolemrc.demo"):
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from rolemrc.serve.engines import ENGINES
+from rolemrc.serve.engines import EngineName
 
 
 def register(app: typer.Typer) -> None:
@@ -15,10 +15,10 @@ def register(app: typer.Typer) -> None:
         config: Path = typer.Option(..., "--config", "-c", help="serve YAML (models, restraints, limits, keys, db)"),
         host: str = typer.Option(None, help="bind address (default: the config's, 127.0.0.1)"),
         port: int = typer.Option(None, help="port (default: the config's, 8000)"),
-        engine: str = typer.Option(None, help=f"override every model's engine: {' | '.join(ENGINES)}"),
+        engine: EngineName = typer.Option(None, help="override every model's engine"),
     ) -> None:
         """Serve models over an OpenAI-compatible API with restraints and A/B experiments."""
         from rolemrc.serve.config import ServeConfig
         from rolemrc.serve.server import serve
 
-        serve(ServeConfig.load(config, engine), host, port)
+        serve(ServeConfig.load(config, engine.value if engine else None), host, port)

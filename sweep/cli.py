@@ -13,6 +13,7 @@ from rolemrc.core.cli import cli_app
 from rolemrc.eval.judges import JUDGES
 from rolemrc.intervene.selectors import SELECTORS
 from rolemrc.probe.options import Direction
+from rolemrc.serve.engines import EngineName
 
 app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls; the best "
                    "cells as a served A/B experiment.")
@@ -40,8 +41,8 @@ def run_cmd(
     max_new_tokens: int = typer.Option(96, help="generation length"),
     batch_size: int = typer.Option(16, help="rows per generation batch (cells share batches)"),
     cells_per_pass: int = typer.Option(4, help="cells generated together; each finished pass is kept"),
-    engine: str = typer.Option("transformers", help="a serve engine: transformers (in this process) | vllm (a rolemrc "
-                                                    "server with the vLLM engine, restraints as LoRA adapters)"),
+    engine: EngineName = typer.Option(EngineName.transformers, help="a serve engine: transformers (in this process), "
+                                      "vllm (a rolemrc server with the vLLM engine, restraints as LoRA adapters)"),
     base_url: str = typer.Option(None, help="generate on a running rolemrc endpoint instead (OpenAI base URL, "
                                             ".../v1; --model is then the local copy of its weights)"),
     served_model: str = typer.Option(None, help="the endpoint's model id (default: the one it lists)"),
@@ -58,7 +59,7 @@ def run_cmd(
                          factors=numbers(factors, "--factors"), top_k=[int(k) for k in numbers(top_k, "--top-k")],
                          method=method, direction=direction, layers=layers, controls=controls, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
-                         engine=engine, base_url=base_url, served_model=served_model, concurrency=concurrency,
+                         engine=engine.value, base_url=base_url, served_model=served_model, concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,
                          cells_dir=str(cells_dir) if cells_dir else None)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))

@@ -68,3 +68,14 @@ def test_old_option_spellings_still_work_and_the_help_shows_only_the_new(tmp_pat
     for cmd, text in helps.items():
         assert not any(f"{old} " in text for old in ("--spec", "--input", "--lr")), (cmd, text)
         assert any(new in text for new in RESPELLED.values()), cmd
+
+
+def test_the_root_help_names_every_command_of_every_group():
+    from typer.main import get_command
+
+    import rolemrc.cli
+
+    root = get_command(rolemrc.cli.app)
+    for name, group in root.commands.items():
+        for command in getattr(group, "commands", {}):
+            assert command in group.help, (name, command, group.help)

@@ -6,6 +6,7 @@ config validation imports only the engines a config names and the CLI's help imp
 
 from __future__ import annotations
 
+import enum
 import importlib
 
 from rolemrc.serve.engines.base import Engine
@@ -15,6 +16,9 @@ ENGINES: dict[str, str] = {
     "vllm": "rolemrc.serve.engines.vllm:VllmEngine",
     "upstream": "rolemrc.serve.engines.upstream:UpstreamEngine",
 }
+
+# the engine names as a CLI choice: typer lists them in the help and refuses any other (exit 2)
+EngineName = enum.Enum("EngineName", {name: name for name in ENGINES}, type=str)
 
 
 def engine_class(name: str) -> type[Engine]:
