@@ -13,6 +13,15 @@ from rolemrc.intervene.selectors import SELECTORS, selectors_help
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Direction
 
+
+def brief(report: dict) -> dict:
+    """A bake or LoRA report as printed: the restraint summarised (its unit ids are in the spec and in the output's
+    rolemrc.json), everything else as is."""
+    from rolemrc.intervene.spec import Restraint
+
+    return {**report, "restraint": Restraint.from_any(report["restraint"]).summary()}
+
+
 app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them, sweep a grid of them.")
 
 
@@ -38,8 +47,7 @@ def select_cmd(
     r = select(diff, dimension, method=method, layers=layers, top_k=top_k if fdr is None else None, fdr=fdr,
                direction=direction, factor=factor, name=name)
     r.save(out)
-    typer.echo(json.dumps({"out": str(out), "name": r.name, "method": method, "hook": r.hook, "units": r.num_units,
-                           "per_layer": {k: len(v) for k, v in r.units.items()}}))
+    typer.echo(json.dumps({"out": str(out), "method": method, **r.summary()}))
 
 
 @app.command("bake")
@@ -54,7 +62,7 @@ def bake_cmd(
     from rolemrc.intervene.bake import bake
 
     report = bake(model, spec, out, dtype)
-    typer.echo(json.dumps(report.to_dict(), indent=1))
+    typer.echo(json.dumps(brief(report.to_dict()), indent=1))
     if report.numerical_noop:
         typer.secho(f"NUMERICAL NO-OP: no weight element changes at {dtype}", fg=typer.colors.YELLOW, err=True)
 
@@ -70,7 +78,7 @@ def lora_cmd(
     """Export the restraint as an exact PEFT LoRA adapter (B @ A = the bake's weight change)."""
     from rolemrc.intervene.lora import export_lora
 
-    typer.echo(json.dumps(export_lora(model, spec, out, rank=rank).to_dict(), indent=1))
+    typer.echo(json.dumps(brief(export_lora(model, spec, out, rank=rank).to_dict()), indent=1))
 
 
 @app.command("check")

@@ -108,6 +108,11 @@ class Restraint:
                                      f"({self.hook} has width {w})")
         return self
 
+    def summary(self) -> dict[str, Any]:
+        """What a person reads: name, hook, factor, digest and unit counts per layer (the unit ids are in the spec)."""
+        return {"name": self.name, "hook": self.hook, "factor": self.factor, "digest": self.digest,
+                "units": self.num_units, "per_layer": {int(k): len(v) for k, v in sorted(self.units.items())}}
+
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "hook": self.hook, "factor": self.factor,
                "units": {int(k): list(v) for k, v in self.units.items()}}

@@ -216,6 +216,9 @@ def test_cli_select_bake_check(model_dirs, tmp_path):
     res = runner.invoke(app, ["intervene", "bake", "--model", str(model_dirs["llama"]), "--restraint", str(tmp_path / "s.yaml"),
                               "--out", str(tmp_path / "baked")])
     assert res.exit_code == 0, res.output
+    printed = json.loads(res.stdout)   # a summary, not every unit id (those are in the spec and baked/rolemrc.json)
+    assert printed["restraint"]["units"] == 8 and sum(printed["restraint"]["per_layer"].values()) == 8
+    assert len(res.stdout.splitlines()) < 25
     res = runner.invoke(app, ["intervene", "check", "--model", str(model_dirs["llama"]), "--restraint", str(tmp_path / "s.yaml"),
                               "--baked", str(tmp_path / "baked")])
     assert res.exit_code == 0, res.output
