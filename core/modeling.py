@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,14 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return DTYPES[dtype]
     except KeyError:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'") from None
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> str:
+    """The dtype a HF checkpoint stores its weights in (config.json's `dtype`, or `torch_dtype` before transformers 5),
+    float32 where it says none: what `--dtype auto` means for commands that write or count weights."""
+    config = json.loads((check_model_dir(path) / "config.json").read_text())
+    stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return stored if stored in DTYPES else "float32"
 
 
 def resolve_device(device: str | None) -> torch.device:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rolemrc import __version__
-from rolemrc.core.modeling import check_model_dir, dir_fingerprint, resolve_dtype
+from rolemrc.core.modeling import check_model_dir, checkpoint_dtype, dir_fingerprint, resolve_dtype
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.probe.hooks import hook_point, module_at
 
@@ -132,8 +132,9 @@ def provenance_metadata(src: Path, fingerprint: str, r: Restraint) -> dict[str, 
 
 
 def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLike, dtype: str = "float32") -> BakeReport:
-    """Fold `restraint` into a copy of the model in `model_dir` (scaled in float32, stored at `dtype`) and
-    write a standard HF checkpoint whose safetensors metadata records the source fingerprint and the spec."""
+    """Fold `restraint` into a copy of the model in `model_dir` (scaled in float32, stored at `dtype`; "auto": the
+    checkpoint's own) and write a standard HF checkpoint whose safetensors metadata records the source fingerprint
+    and the spec."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,6 +142,7 @@ def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLik
     src, out = check_model_dir(model_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise RestraintError("bake output must differ from the source model directory")
+    dtype = checkpoint_dtype(src) if dtype == "auto" else dtype
     target = resolve_dtype(dtype)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
     scaled, changed = fold_and_count(model, r, target)

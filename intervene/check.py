@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rolemrc.core.chat import render_chat
-from rolemrc.core.modeling import load_model, resolve_dtype
+from rolemrc.core.modeling import checkpoint_dtype, load_model, resolve_dtype
 from rolemrc.intervene.bake import changed_elements, fold_and_count, fold_restraint_plan
 from rolemrc.intervene.runtime import applied
 from rolemrc.intervene.spec import Restraint, RestraintError
@@ -104,11 +104,12 @@ def weights_changed(model_dir: str | os.PathLike, r: Restraint, baked_dir: str |
 
 
 def check(model_dir: str | os.PathLike, restraint: Any, baked_dir: str | os.PathLike | None = None,
-          prompts: list[list[dict]] | None = None, dtype: str = "float32", device: str = "cpu") -> CheckReport:
-    """Compare original, runtime-hooked and (optionally) baked logits at `dtype`; count the weight elements the
-    bake changes (in `baked_dir`'s stored dtype, else at `dtype`), and call it a numerical no-op only when
-    that count is 0."""
+          prompts: list[list[dict]] | None = None, dtype: str = "float32", device: str = "auto") -> CheckReport:
+    """Compare original, runtime-hooked and (optionally) baked logits at `dtype` ("auto": the checkpoint's); count
+    the weight elements the bake changes (in `baked_dir`'s stored dtype, else at `dtype`), and call it a numerical
+    no-op only when that count is 0."""
     r = Restraint.from_any(restraint)
+    dtype = checkpoint_dtype(model_dir) if dtype == "auto" else dtype
     target = resolve_dtype(dtype)
     model, tok = load_model(model_dir, dtype=dtype, device=device)
     r.validate(model)

@@ -56,7 +56,7 @@ def bake_cmd(
     spec: Path = typer.Option(..., "--restraint", help="restraint spec at a hook point that bakes: "
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold)),
     out: Path = typer.Option(..., "--out", help="output HF directory"),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto (the checkpoint's own)"),
 ) -> None:
     """Fold the restraint into the weights and write a standard HF checkpoint."""
     from rolemrc.intervene.bake import bake
@@ -86,7 +86,8 @@ def check_cmd(
     model: Path = typer.Option(..., "--model", help="source HF model directory"),
     spec: Path = typer.Option(..., "--restraint", help="restraint spec"),
     baked: Path = typer.Option(None, "--baked", help="baked directory to compare with the runtime hook"),
-    dtype: str = typer.Option("float32", help="dtype to run and count changes at"),
+    dtype: str = typer.Option("float32", help="dtype to run and count changes at: float32 | bfloat16 | float16 | auto "
+                                              "(the checkpoint's own)"),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)"),
 ) -> None:
     """Hook vs baked logits, weight elements changed at the dtype, and a no-op verdict."""

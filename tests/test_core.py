@@ -1,3 +1,4 @@
+import json
 
 import pytest
 import torch
@@ -66,6 +67,15 @@ def test_load_model_rejects_non_model_dir(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     with pytest.raises(FileNotFoundError, match=r"a PEFT adapter folder, not a model; merge it .*merge_and_unload\(\)"):
         load_model(tmp_path)
+
+
+def test_checkpoint_dtype_is_what_auto_means_for_weights(tmp_path):
+    from rolemrc.core.modeling import checkpoint_dtype
+
+    for config, expected in (({"dtype": "bfloat16"}, "bfloat16"), ({"torch_dtype": "float16"}, "float16"),
+                             ({}, "float32"), ({"dtype": "int8"}, "float32")):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert checkpoint_dtype(tmp_path) == expected, config
 
 
 def test_context_window_fallback_order():

@@ -139,6 +139,9 @@ def test_bake_and_check_agree_when_the_dtype_changes(model_dirs, tmp_path):
     assert noop.elements_changed_at_dtype == report.weight_elements_changed == 0 and noop.numerical_noop
     assert report.numerical_noop and report.verdict.startswith("NUMERICAL NO-OP")
     assert report.baked_vs_original_max_abs == report.baked_vs_hook_max_abs == 0 and report.notes == []
+    # dtype auto: the checkpoint's own (the bf16 bake above says bfloat16 in its config)
+    again = bake(tmp_path / "noop", r, tmp_path / "auto", dtype="auto")
+    assert again.dtype == "bfloat16" and check(tmp_path / "noop", r, dtype="auto").dtype == "bfloat16"
 
 
 def test_check_refuses_a_checkpoint_not_baked_from_the_model(model_dirs, tmp_path):
