@@ -9,6 +9,8 @@ from typer.core import TyperGroup
 
 from rolemrc.core.errors import EXIT_INPUT, RolemrcError
 
+ROUNDS = 10_000   # every command's default --rounds: bootstrap resamples (and Monte Carlo sign flips)
+
 # Option names that one name per concept replaced, old -> new. A command that has the new option and not the old one
 # still accepts the old spelling (with a note on stderr); the help shows only the new names.
 RESPELLED = {

@@ -8,7 +8,7 @@ from typing import Any, get_args
 
 import typer
 
-from rolemrc.core.cli import cli_app
+from rolemrc.core.cli import ROUNDS, cli_app
 from rolemrc.core.errors import InputError
 from rolemrc.core.records import read_records
 from rolemrc.eval.dataset import check_dataset
@@ -76,7 +76,7 @@ SCORE = {
     "metrics": typer.Option(",".join(METRICS.names()), help=metrics_help()),
     "bertscore_model": typer.Option(None, help="local encoder directory (default: packaged all-MiniLM-L6-v2)"),
     "bertscore_layer": typer.Option(None, help="encoder layer (default 5 for MiniLM, else the last)"),
-    "rounds": typer.Option(2000, help="bootstrap resamples"),
+    "rounds": typer.Option(ROUNDS, help="bootstrap resamples"),
 }
 
 
@@ -126,7 +126,7 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
 def compare_cmd(run_a: Path = typer.Argument(..., help="run folder A (before)"),
                 run_b: Path = typer.Argument(..., help="run folder B (after)"),
                 out: Path = typer.Option(None, help="folder for compare.json/.md and the chart (default: print only)"),
-                rounds: int = typer.Option(10_000, help="bootstrap resamples (CIs); Monte Carlo sign flips (n > 16)")) -> None:
+                rounds: int = typer.Option(ROUNDS, help="bootstrap resamples (CIs); Monte Carlo sign flips (n > 16)")) -> None:
     """Paired comparison: exact McNemar on verdicts; on metrics a paired bootstrap CI and a sign-flip permutation p."""
     from rolemrc.eval.compare import compare
     from rolemrc.eval.report import compare_markdown

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from rolemrc.core.cli import cli_app
+from rolemrc.core.cli import ROUNDS, cli_app
 from rolemrc.core.errors import InputError
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import metrics_help, parse_metrics
@@ -25,7 +25,7 @@ def report_cmd(
     judge_model: str = typer.Option(None, help="the judge model (endpoint judges, e.g. openai)"),
     judge_base_url: str = typer.Option(None, help="the judge's OpenAI-compatible base URL (endpoint judges)"),
     metrics: str = typer.Option("bleu,rouge", help=metrics_help()),
-    rounds: int = typer.Option(2000, help="bootstrap rounds (resampling users)"),
+    rounds: int = typer.Option(ROUNDS, help="bootstrap resamples (resampling users)"),
 ) -> None:
     """Per-arm scores with 95% CIs and unpaired tests of each arm against the first, the user as the unit."""
     from rolemrc.serve.report import build_report
