@@ -12,6 +12,16 @@ from rolemrc.core.cli import cli_app
 app = cli_app(help="Benchmarks; each prints JSON and can write it to --out.")
 
 
+DEVICE = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)")
+
+
+def concrete(device: str) -> str:
+    """'auto' as the device it means here (the benchmarks record and move tensors to a concrete one)."""
+    from rolemrc.core.modeling import resolve_device
+
+    return str(resolve_device(device))
+
+
 def emit(result: dict, out: Path | None) -> None:
     text = json.dumps(result, indent=1)
     typer.echo(text)
@@ -27,7 +37,7 @@ def probe_cmd(
     batch_size: int = typer.Option(16),
     repeats: int = typer.Option(3, help="interleaved timed repeats of forward and collect (median)"),
     sizes: str = typer.Option("demo,large", help="comma list of: demo, medium, large"),
-    device: str = typer.Option("cpu", help="cpu | cuda"),
+    device: str = DEVICE,
     nproc: int = typer.Option(1, min=1, help="also time collection in this many processes (torchrun) against one, "
                                              "CPU threads split evenly"),
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),
@@ -35,7 +45,7 @@ def probe_cmd(
     """Collect vs plain forward, vs the RoleMRC-code approach, and memory at N vs 4N."""
     from rolemrc.bench.probe import run
 
-    emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(",")), device, nproc=nproc), out)
+    emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(",")), concrete(device), nproc=nproc), out)
 
 
 @app.command("retrieval")
@@ -94,13 +104,13 @@ def intervene_cmd(
     repeats: int = typer.Option(7, help="interleaved timed repeats per variant (median)"),
     share: float = typer.Option(0.1, help="share of each layer's mlp.act units restrained"),
     sizes: str = typer.Option("demo,large", help="comma list of: demo, medium, large"),
-    device: str = typer.Option("cpu", help="cpu | cuda"),
+    device: str = DEVICE,
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Forward time with the runtime hook vs without, and baked vs original."""
     from rolemrc.bench.intervene import run
 
-    emit(run(prompts, length, batch_size, repeats, share, tuple(sizes.split(",")), device), out)
+    emit(run(prompts, length, batch_size, repeats, share, tuple(sizes.split(",")), concrete(device)), out)
 
 
 @app.command("serve")
@@ -115,7 +125,7 @@ def serve_cmd(
     model: Path = typer.Option(None, help="with --engine: a local model directory (default: a random-init --size model)"),
     units: int = typer.Option(None, help="with --engine: units per layer of each restraint (default: 10% of the MLP "
                                          "width; vLLM's LoRA rank follows it)"),
-    device: str = typer.Option("cpu", help="cpu | cuda"),
+    device: str = DEVICE,
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Engine tokens/s: batched vs naive sequential generate, restrained and baked vs unrestrained; with --engine,
@@ -126,11 +136,11 @@ def serve_cmd(
     concurrencies = tuple(int(c) for c in concurrency.split(","))
     if engine:
         emit(run_http(tuple(e.strip() for e in engine.split(",")), model, concurrencies, tokens or 64, waves,
-                      repeats or 1, size, units=units, device=device), out)
+                      repeats or 1, size, units=units, device=concrete(device)), out)
     elif model or units:
         raise InputError("--model and --units apply to the HTTP benchmark; name the engine(s) with --engine")
     else:
-        emit(run(concurrencies, tokens or 32, waves, repeats or 3, size, device=device), out)
+        emit(run(concurrencies, tokens or 32, waves, repeats or 3, size, device=concrete(device)), out)
 
 
 @app.command("clients")
@@ -161,7 +171,7 @@ def organism_cmd(
     probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "
                                                "(default 48, 24 with --quick)"),
     hook: str = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use (e.g. mlp.post)"),
-    steps: int = typer.Option(None, help="DPO steps of each organism (default: organism build's)"),
+    steps: int = typer.Option(None, "--max-steps", help="DPO steps of each organism (default: organism build's)"),
     learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
@@ -179,11 +189,13 @@ def organism_cmd(
 @app.command("all")
 def all_cmd(
     out: Path = typer.Option(Path("runs/bench"), help="folder for one JSON per benchmark"),
-    device: str = typer.Option("cpu", help="cpu | cuda (retrieval always runs on the CPU)"),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; retrieval always runs on "
+                                            "the CPU)"),
 ) -> None:
     """Every benchmark at its default settings (tens of minutes on 2 CPU cores); one JSON file each."""
     from rolemrc.bench import intervene, probe, retrieval, serve
 
+    device = concrete(device)
     runs = {"probe": lambda: probe.run(device=device), "intervene": lambda: intervene.run(device=device),
             "serve": lambda: serve.run(device=device), "retrieval": retrieval.run}
     for name, run in runs.items():

@@ -20,6 +20,7 @@ RESPELLED = {
     "--max-tokens": "--max-new-tokens",   # bench datagen
     "--out": "--json",              # the JSON file of a benchmark
     "--rounds": "--slices",         # bench retrieval: its query slices, not bootstrap rounds
+    "--steps": "--max-steps",       # optimiser steps (organism build, bench organism), as in train
 }
 
 

@@ -27,7 +27,7 @@ def build_cmd(
     base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
     size: str = typer.Option(DEFAULTS["size"].default, help=_help("size")),
     pairs: int = typer.Option(DEFAULTS["pairs"].default, help=_help("pairs")),
-    steps: int = typer.Option(DEFAULTS["steps"].default, help=_help("steps")),
+    steps: int = typer.Option(DEFAULTS["steps"].default, "--max-steps", help=_help("steps")),
     batch_size: int = typer.Option(DEFAULTS["batch_size"].default, help=_help("batch_size")),
     learning_rate: float = typer.Option(DEFAULTS["learning_rate"].default, help=_help("learning_rate")),
     beta: float = typer.Option(DEFAULTS["beta"].default, help=_help("beta")),

@@ -79,3 +79,42 @@ def test_the_root_help_names_every_command_of_every_group():
     for name, group in root.commands.items():
         for command in getattr(group, "commands", {}):
             assert command in group.help, (name, command, group.help)
+
+
+# Spellings of one concept: the first is the name every command uses; the others may only be accepted through
+# core.cli.RESPELLED, never declared.
+CONCEPTS = [("--restraint", "--spec"), ("--diff", "--input"), ("--learning-rate", "--lr"),
+            ("--max-new-tokens", "--max-tokens"), ("--max-steps", "--steps")]
+
+
+def test_one_name_and_one_default_per_concept():
+    """Walks every command's options: no concept spelled two ways, every --device defaults to auto, every --rounds
+    to core.cli.ROUNDS, every --dtype offers auto."""
+    from typer.main import get_command
+
+    import rolemrc.cli
+    from rolemrc.core.cli import RESPELLED, ROUNDS
+
+    def leaves(command, path):
+        subs = getattr(command, "commands", None)
+        if subs is None:
+            yield " ".join(path), command
+        for name, sub in (subs or {}).items():
+            yield from leaves(sub, [*path, name])
+
+    found = {}
+    for path, command in leaves(get_command(rolemrc.cli.app), []):
+        for param in command.params:
+            for name in getattr(param, "opts", []):
+                found.setdefault(name, []).append(path)
+            if "--device" in param.opts:
+                assert param.default == "auto", path
+            if "--rounds" in param.opts:
+                assert param.default == ROUNDS, path
+            if "--dtype" in param.opts:
+                assert "auto" in (param.help or ""), path
+    for canonical, *others in CONCEPTS:
+        assert canonical in found, canonical
+        for other in others:
+            assert other not in found, f"{other} (declared by {found[other]}) is spelled {canonical} elsewhere"
+            assert RESPELLED[other] == canonical
