@@ -74,6 +74,13 @@ def as_turns(value: Any, *, where: str = "record") -> list[dict[str, str]]:
     return normalize_turns(value, where=where)
 
 
+def as_records(items: list[Any]) -> list[dict[str, Any]]:
+    """In-memory prompts as records: a dict is a record already; a plain string is one user turn and a list of turns
+    a conversation, each given the id `prompt-<index>` (no task, so a probe counts them under `all`)."""
+    return [item if isinstance(item, dict) else {"id": f"prompt-{i}", "question": as_turns(item, where=f"prompt {i}")}
+            for i, item in enumerate(items)]
+
+
 def reply_text(value: Any, name: str, *, where: str = "record") -> str | None:
     """A gold reply as text: a string (kept), turns ending in an assistant turn (its content), or None."""
     if value is None or isinstance(value, str):

@@ -16,6 +16,7 @@ import torch
 
 from rolemrc.core.chat import render_chat
 from rolemrc.core.modeling import checkpoint_dtype, load_model, resolve_dtype
+from rolemrc.core.records import as_turns
 from rolemrc.intervene.bake import changed_elements, fold_and_count, fold_restraint_plan
 from rolemrc.intervene.runtime import applied
 from rolemrc.intervene.spec import Restraint, RestraintError
@@ -59,13 +60,14 @@ def _logits(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return out[batch["attention_mask"].bool()]  # real tokens only
 
 
-def _batch(tokenizer: Any, prompts: list[list[dict]], device: torch.device) -> dict[str, torch.Tensor]:
+def _batch(tokenizer: Any, prompts: list[str | list[dict]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Prompts (plain strings or chat turn lists) rendered with the chat template, right-padded."""
     tokenizer.padding_side = "right"
-    texts = [render_chat(tokenizer, p) for p in prompts]
+    texts = [render_chat(tokenizer, as_turns(p)) for p in prompts]
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
 
-def hook_shift(model: Any, tokenizer: Any, r: Restraint, prompts: list[list[dict]] | None = None) -> float:
+def hook_shift(model: Any, tokenizer: Any, r: Restraint, prompts: list[str | list[dict]] | None = None) -> float:
     """The largest |logit change| the runtime hook causes on `prompts` (default: the sample prompts)."""
     batch = _batch(tokenizer, list(prompts or SAMPLE_PROMPTS), next(model.parameters()).device)
     original = _logits(model, batch)
@@ -104,7 +106,7 @@ def weights_changed(model_dir: str | os.PathLike, r: Restraint, baked_dir: str |
 
 
 def check(model_dir: str | os.PathLike, restraint: Any, baked_dir: str | os.PathLike | None = None,
-          prompts: list[list[dict]] | None = None, dtype: str = "float32", device: str = "auto") -> CheckReport:
+          prompts: list[str | list[dict]] | None = None, dtype: str = "float32", device: str = "auto") -> CheckReport:
     """Compare original, runtime-hooked and (optionally) baked logits at `dtype` ("auto": the checkpoint's); count
     the weight elements the bake changes (in `baked_dir`'s stored dtype, else at `dtype`), and call it a numerical
     no-op only when that count is 0."""

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
 from rolemrc.core.modeling import context_window, dir_fingerprint, load_model, model_fingerprint
+from rolemrc.core.records import as_records
 from rolemrc.probe.backends import make_backend
 from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prompt_cases
 from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, top_k_size
@@ -64,7 +65,7 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     """Count how often each unit is in the top `top_fraction` per layer and dimension.
 
     model: a local HF directory or a loaded causal LM (then pass `tokenizer`).
-    data: a JSONL path or a list of records (test, pair or SFT format).
+    data: a JSONL path, or a list of records (test, pair or SFT format), plain prompt strings or chat turn lists.
     Keyword overrides replace fields of `config`.
     """
     config, data, data_fingerprint = _prepare(data, config, overrides)
@@ -128,6 +129,8 @@ def _prepare(data: Any, config: CollectConfig | None, overrides: dict[str, Any])
     if isinstance(data, (str, os.PathLike)):
         data_fingerprint = file_fingerprint(data)
         data = read_jsonl(data)
+    else:
+        data = as_records(list(data))
     prompt_cases(data)
     return config, data, data_fingerprint
 

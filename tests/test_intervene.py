@@ -141,7 +141,8 @@ def test_bake_and_check_agree_when_the_dtype_changes(model_dirs, tmp_path):
     assert report.baked_vs_original_max_abs == report.baked_vs_hook_max_abs == 0 and report.notes == []
     # dtype auto: the checkpoint's own (the bf16 bake above says bfloat16 in its config)
     again = bake(tmp_path / "noop", r, tmp_path / "auto", dtype="auto")
-    assert again.dtype == "bfloat16" and check(tmp_path / "noop", r, dtype="auto").dtype == "bfloat16"
+    assert again.dtype == "bfloat16"
+    assert check(tmp_path / "noop", r, dtype="auto", prompts=["Who keeps the lighthouse?"]).dtype == "bfloat16"
 
 
 def test_check_refuses_a_checkpoint_not_baked_from_the_model(model_dirs, tmp_path):

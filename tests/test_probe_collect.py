@@ -138,6 +138,12 @@ def test_dimension_field_and_ungrouped_records(model_dirs, records):
     untasked = [{**r, "task": "free_chat"} for r in records[:6]]
     got = collect(model, untasked, tokenizer=tok, progress=False)
     assert got.cases["all"] == 6 and all(got.cases[d] == 0 for d in DIMENSIONS)
+    # plain prompt strings and chat lists: the same counts as the records they stand for
+    strings = ["Who keeps the lighthouse?", "Sing to the ovens, baker."]
+    for prompts, same in (([prompt_turns(r) for r in untasked], untasked),
+                          (strings, [{"question": [{"role": "user", "content": s}]} for s in strings])):
+        a, b = (collect(model, x, tokenizer=tok, progress=False) for x in (prompts, same))
+        assert a.cases == b.cases and all(torch.equal(a.count[d], b.count[d]) for d in a.dimensions)
 
 
 def test_unknown_hook_point_and_layout_errors(model_dirs, records):
