@@ -10,6 +10,7 @@ import typer
 from typer.core import TyperCommand
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.errors import InputError
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
 
@@ -169,7 +170,8 @@ def diff_cmd(
 
 @app.command("explore")
 def explore_cmd(
-    diff_dir: Path = typer.Argument(..., help="directory written by `rolemrc probe diff`"),
+    diff_dir: Path = typer.Argument(None, help="the diff folder (as --diff; kept for old scripts)", show_default=False),
+    diff: Path = typer.Option(None, "--diff", help="the diff folder written by `rolemrc probe diff`"),
     out: Path = typer.Option(..., "--out", help="HTML file to write"),
     max_units: int = typer.Option(512, help="most changed units embedded per layer (for the preview: per layer and sign)"),
     fdr: float = typer.Option(0.05, help="q threshold for highlighting and for the preview's q < fdr"),
@@ -177,5 +179,7 @@ def explore_cmd(
     """Write a self-contained interactive layer explorer (open it in a browser)."""
     from rolemrc.probe.explorer import write_explorer
 
-    path = write_explorer(diff_dir, out, max_units=max_units, fdr=fdr)
+    if (diff is None) == (diff_dir is None):
+        raise InputError("give the diff folder once: --diff DIR (or as the argument)")
+    path = write_explorer(diff or diff_dir, out, max_units=max_units, fdr=fdr)
     typer.echo(json.dumps({"out": str(path), "bytes": path.stat().st_size}))

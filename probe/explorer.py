@@ -70,14 +70,16 @@ def explorer_data(result: DiffResult, max_units: int = 512, fdr: float = 0.05) -
             "max_units": max_units, "not_compared": result.empty, "dimensions": dims}
 
 
-def write_explorer(diff_dir: str | os.PathLike, out: str | os.PathLike, *, max_units: int = 512,
+def write_explorer(diff: str | os.PathLike | DiffResult, out: str | os.PathLike, *, max_units: int = 512,
                    fdr: float = 0.05) -> Path:
-    """Write the explorer page for the diff in `diff_dir` (plotly.js inlined: works offline)."""
+    """Write the explorer page for a diff (its folder or file, or a DiffResult) to `out` (plotly.js inlined: works
+    offline)."""
     from plotly.offline import get_plotlyjs
 
-    result = load_diff(diff_dir)
+    result = diff if isinstance(diff, DiffResult) else load_diff(diff)
     if not result.dimensions:
-        raise ProbeError(f"{diff_dir}: the diff has no compared dimension (not compared: {result.empty})")
+        where = "the DiffResult" if isinstance(diff, DiffResult) else str(diff)
+        raise ProbeError(f"{where}: the diff has no compared dimension (not compared: {result.empty})")
     data = json.dumps(explorer_data(result, max_units, fdr)).replace("</", "<\\/")
     page = TEMPLATE.read_text().replace("/*PLOTLYJS*/", get_plotlyjs()).replace("/*DATA*/null", data)
     out = Path(out)

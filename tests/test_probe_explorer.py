@@ -42,6 +42,14 @@ def test_explorer_data_preview_is_exact_for_small_k(diff_dir):
     assert embedded == pytest.approx(truth)
 
 
+def test_the_page_from_a_diffresult_equals_the_page_from_its_folder(diff_dir, tmp_path):
+    from rolemrc.probe import load_diff
+    from rolemrc.probe.explorer import write_explorer
+
+    pages = [write_explorer(x, tmp_path / f"{k}.html") for k, x in enumerate((diff_dir, load_diff(diff_dir)))]
+    assert pages[0].read_text() == pages[1].read_text()
+
+
 def test_explorer_page_in_headless_chromium(diff_dir, tmp_path):
     out = tmp_path / "explorer.html"
     res = CliRunner().invoke(app, ["probe", "explore", str(diff_dir), "--out", str(out)])
@@ -69,8 +77,12 @@ def test_explorer_page_in_headless_chromium(diff_dir, tmp_path):
 
 
 def test_explore_refuses_missing_diff(tmp_path):
-    res = CliRunner().invoke(app, ["probe", "explore", str(tmp_path), "--out", str(tmp_path / "x.html")])
-    assert res.exit_code == 2 and "no diff file" in res.output
+    for where in ([str(tmp_path)], ["--diff", str(tmp_path)]):   # --diff as in select and sweep, or the argument
+        res = CliRunner().invoke(app, ["probe", "explore", *where, "--out", str(tmp_path / "x.html")])
+        assert res.exit_code == 2 and "no diff file" in res.output
+    for where in ([], [str(tmp_path), "--diff", str(tmp_path)]):
+        res = CliRunner().invoke(app, ["probe", "explore", *where, "--out", str(tmp_path / "x.html")])
+        assert res.exit_code == 2 and "give the diff folder once" in res.output
 
 
 @pytest.fixture(scope="module")
