@@ -7,8 +7,8 @@ from typing import Any
 
 import typer
 
-from rolemrc import __version__
 from rolemrc.core.cli import cli_app
+from rolemrc.core.version import __version__
 
 # Sub-app name -> module that defines it. Each module's cli keeps heavy imports inside commands.
 SUBAPPS: dict[str, tuple[str, str]] = {

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rolemrc import __version__
 from rolemrc.core.modeling import check_model_dir, checkpoint_dtype, dir_fingerprint, resolve_dtype
+from rolemrc.core.version import __version__
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.probe.hooks import hook_point, module_at
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rolemrc import __version__
 from rolemrc.core.modeling import check_model_dir, dir_fingerprint
+from rolemrc.core.version import __version__
 from rolemrc.intervene.bake import Fold, fold_target, lora_exportable, provenance_metadata
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.probe.hooks import HOOK_POINTS, hook_point, layout_of, module_at

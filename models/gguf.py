@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rolemrc import __version__
+from rolemrc.core.version import __version__
 from rolemrc.models.errors import ModelsError, UnsupportedGGUFError
 from rolemrc.models.manifest import MANIFEST, read_manifest, write_manifest
 from rolemrc.models.progress import step

@@ -42,11 +42,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rolemrc import __version__
 from rolemrc.core.chat import tokenize_replies
 from rolemrc.core.io import file_fingerprint, iter_jsonl
 from rolemrc.core.modeling import check_model_dir
 from rolemrc.core.records import normalize_record, reply_text
+from rolemrc.core.version import __version__
 from rolemrc.probe.cases import UNGROUPED, case_dimensions, case_hash, cases_fingerprint, membership_matrix, pad_right
 from rolemrc.probe.collect import (
     check_placement,

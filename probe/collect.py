@@ -11,10 +11,10 @@ from typing import Any, get_args
 import torch
 from tqdm.auto import tqdm
 
-from rolemrc import __version__
 from rolemrc.core.io import file_fingerprint, read_jsonl
 from rolemrc.core.modeling import context_window, dir_fingerprint, load_model, model_fingerprint
 from rolemrc.core.records import as_records
+from rolemrc.core.version import __version__
 from rolemrc.probe.backends import make_backend
 from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prompt_cases
 from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, top_k_size

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from rolemrc import __version__
+from rolemrc.core.version import __version__
 from rolemrc.probe.attribution import ATTRIBUTION_KEYS, Attribution, is_attribution_file, load_attribution
 from rolemrc.probe.cases import cases_fingerprint, dimension_order
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts

@@ -45,7 +45,7 @@ def test_every_help_imports_no_torch():
 
 def test_version():
     out = subprocess.run([sys.executable, "-m", "rolemrc.cli", "--version"], capture_output=True, text=True, check=True)
-    from rolemrc import __version__
+    from rolemrc.core.version import __version__
 
     assert out.stdout == f"rolemrc {__version__}\n"
 
@@ -118,3 +118,13 @@ def test_one_name_and_one_default_per_concept():
         for other in others:
             assert other not in found, f"{other} (declared by {found[other]}) is spelled {canonical} elsewhere"
             assert RESPELLED[other] == canonical
+
+
+def test_the_package_exports_the_methods_verbs_lazily():
+    """`import rolemrc` loads no torch; its verbs are the packages' own objects."""
+    code = ("import sys, rolemrc; light = 'torch' not in sys.modules; "
+            "from rolemrc.intervene import select; from rolemrc.probe import diff; "
+            "print(light, rolemrc.select is select, rolemrc.diff is diff, "
+            "sorted(n for n in rolemrc.__all__ if n != '__version__' and getattr(rolemrc, n, None) is None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True", "[]"], out.stdout + out.stderr

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP = {"tests"}
 
 # Lowest first. A package may import from its own package and from packages in lower rows only; packages in one row
-# are siblings and import nothing of each other. `rolemrc` itself (`__version__`) counts as core, `rolemrc.cli` is on top.
+# are siblings and import nothing of each other. `rolemrc` itself (the facade re-exporting the method's verbs) and
+# `rolemrc.cli` are on top.
 LAYERS: list[tuple[str, ...]] = [
     ("core",),
     ("models", "datagen", "train", "probe"),
@@ -23,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("serve", "organism"),
     ("sweep",),
     ("demo", "bench"),
-    ("cli",),
+    ("cli", "rolemrc"),
 ]
 LAYER = {package: level for level, row in enumerate(LAYERS) for package in row}
 MODULE_STRING = re.compile(r"rolemrc(\.\w+)+(:\w+)?")
@@ -63,7 +64,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
 def package(module: str) -> str:
     parts = module.split(".")
-    return "core" if len(parts) == 1 else parts[1]
+    return "rolemrc" if len(parts) == 1 else parts[1]
 
 
 def graph() -> dict[str, set[str]]:

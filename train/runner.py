@@ -16,8 +16,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from rolemrc import __version__
 from rolemrc.core.modeling import dir_fingerprint
+from rolemrc.core.version import __version__
 from rolemrc.train.config import ConfigError, TrainConfig, checkpoints_dir, trl_arguments, world_size
 from rolemrc.train.data import DataReport
 
