@@ -2,6 +2,7 @@
 inside commands, so the help is fast)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -63,7 +64,7 @@ def test_old_option_spellings_still_work_and_the_help_shows_only_the_new(tmp_pat
     out = subprocess.run([*bake[:5], "--spec=" + str(tmp_path / "s.yaml"), *bake[5:]], capture_output=True, text=True)
     assert out.returncode == 2 and "no such restraint spec" in out.stderr, out.stderr
     helps = {cmd: subprocess.run([sys.executable, "-m", "rolemrc.cli", *cmd, "--help"], capture_output=True, text=True,
-                                 env={**__import__("os").environ, "COLUMNS": "200"}).stdout
+                                 env={**os.environ, "COLUMNS": "200"}).stdout
              for cmd in (("intervene", "bake"), ("intervene", "select"), ("train", "sft"), ("bench", "probe"))}
     for cmd, text in helps.items():
         assert not any(f"{old} " in text for old in ("--spec", "--input", "--lr")), (cmd, text)
