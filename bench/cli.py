@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.extras import needs
 
 app = cli_app(help="Benchmarks; each prints JSON and can write it to --out.")
 
@@ -49,6 +50,7 @@ def probe_cmd(
 
 
 @app.command("retrieval")
+@needs("datagen", "minilm")
 def retrieval_cmd(
     profiles: int = typer.Option(10_200, help="profile (query) vectors"),
     triplets: int = typer.Option(808_700, help="triplet (key) vectors"),
@@ -72,6 +74,7 @@ def retrieval_cmd(
 
 
 @app.command("datagen")
+@needs("datagen")
 def datagen_cmd(
     base_url: str = typer.Option(None, help="an OpenAI-compatible endpoint, e.g. `rolemrc serve` at http://127.0.0.1:8000/v1 "
                                             "(without it only the template backend runs)"),
@@ -114,6 +117,7 @@ def intervene_cmd(
 
 
 @app.command("serve")
+@needs("serve", "eval")
 def serve_cmd(
     concurrency: str = typer.Option("1,8,32", help="comma list of concurrent requests"),
     tokens: int = typer.Option(None, help="completion tokens per request (ignore_eos; default 32, 64 with --engine)"),
@@ -144,6 +148,7 @@ def serve_cmd(
 
 
 @app.command("clients")
+@needs("serve")
 def clients_cmd(
     model: Path = typer.Option(..., help="a local model directory (with a chat template), e.g. "
                                          "~/.cache/rolemrc/models/smollm2-135m-instruct after `rolemrc models pull smollm2`"),
@@ -160,6 +165,7 @@ def clients_cmd(
 
 
 @app.command("organism")
+@needs("train", "eval")
 def organism_cmd(
     out: Path = typer.Option(Path("runs/bench-organism"), "--out", help="folder of every stage (a rerun reuses them)"),
     base: str = typer.Option("smollm2", help="the SFT model: a registry name or a model directory"),
@@ -187,6 +193,7 @@ def organism_cmd(
 
 
 @app.command("all")
+@needs("train", "eval", "datagen", "serve", "minilm")
 def all_cmd(
     out: Path = typer.Option(Path("runs/bench"), help="folder for one JSON per benchmark"),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; retrieval always runs on "

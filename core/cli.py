@@ -8,6 +8,7 @@ import typer
 from typer.core import TyperGroup
 
 from rolemrc.core.errors import EXIT_INPUT, RolemrcError
+from rolemrc.core.extras import extra_of
 
 ROUNDS = 10_000   # every command's default --rounds: bootstrap resamples (and Monte Carlo sign flips)
 
@@ -56,6 +57,13 @@ class ReportingGroup(TyperGroup):
             return super().invoke(ctx)
         except RolemrcError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(EXIT_INPUT) from None
+        except ModuleNotFoundError as exc:   # an optional import a command's @needs did not foresee
+            extra = extra_of(exc.name or "")
+            if extra is None:
+                raise
+            typer.secho(f"error: {exc.name!r} is not installed; it comes with rolemrc's {extra!r} extra: "
+                        f"pip install 'rolemrc[{extra}]'", fg=typer.colors.RED, err=True)
             raise typer.Exit(EXIT_INPUT) from None
 
 

@@ -1,10 +1,12 @@
-"""Writing a Plotly figure as HTML and, where kaleido finds Chromium, as PNG."""
+"""Writing a Plotly figure as HTML and, where kaleido (the `png` extra) finds Chromium, as PNG."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 from typing import Any
+
+from rolemrc.core.extras import missing
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ def write_figure(fig: Any, out: Path, stem: str, *, plotlyjs: bool | str = "dire
         fig.write_image(str(png), width=width, height=height)
         written["png"] = str(png)
     except Exception as exc:
-        log.warning("PNG export of %s failed (%s); install Debian chromium for PNGs", stem, exc)
-        written["png_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0] + PNG_HINT
+        hint = " (PNG export needs kaleido: pip install 'rolemrc[png]')" if missing("png") else PNG_HINT
+        log.warning("PNG export of %s failed (%s)%s", stem, exc, hint)
+        written["png_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0] + hint
     return written

@@ -61,6 +61,49 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def is_path(model: Any) -> bool:
+    """Whether `model` names a directory (a str or path) rather than being a loaded model."""
+    return isinstance(model, (str, os.PathLike))
+
+
+def refuse_unmerged_peft(model: Any) -> None:
+    """An InputError for a PEFT-wrapped model (a PeftModel, or a transformers model with adapters loaded): restraints
+    name the base model's modules, and an unmerged adapter would sit beside them unaccounted for."""
+    if type(model).__module__.split(".")[0] == "peft" or getattr(model, "peft_config", None):
+        raise InputError(f"a {type(model).__name__} with PEFT adapters: merge them into the model first "
+                         "(model = model.merge_and_unload()), then pass the merged model")
+
+
+def loaded_model(model: Any) -> Any:
+    """`model` if it is a loaded transformers model rolemrc can hook and edit, else an InputError (a PEFT-wrapped one:
+    merge it first)."""
+    refuse_unmerged_peft(model)
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise InputError(f"expected a model directory or a loaded transformers model, got {type(model).__name__}")
+    return model
+
+
+def model_name(model: Any) -> str:
+    """What a loaded model was loaded from (its config's `_name_or_path`), or "<in-memory>"."""
+    return getattr(model.config, "_name_or_path", "") or "<in-memory>"
+
+
+def tokenizer_of(model: Any, tokenizer: Any = None) -> Any:
+    """`tokenizer`, or the one saved beside a loaded model's local directory, else an InputError asking for it."""
+    if tokenizer is not None:
+        return tokenizer
+    source = Path(model_name(model))
+    if not source.is_dir():
+        raise InputError(f"pass tokenizer= along with the loaded model ({model_name(model)} is not a local directory "
+                         "to read its tokenizer from)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = "float32", device: str | None = "auto",
                device_map: str | dict | None = None, max_memory: dict | None = None):
     """Load (model, tokenizer) from a local HF directory, in eval mode, never touching the hub.

@@ -8,11 +8,13 @@ from typing import Literal
 import typer
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.extras import needs
 
 app = cli_app(help="Synthesise RoleMRC-style SFT records, DPO pairs, a test set and profiles.")
 
 
 @app.command("run")
+@needs("datagen")
 def run_cmd(
     out: Path = typer.Option(Path("runs/datagen"), help="output directory (rerun the same command to resume)"),
     size: str = typer.Option("small", help="tiny | small (demo) | medium | full, or a number of personas"),

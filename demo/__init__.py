@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from rolemrc.core.extras import needs
 from rolemrc.core.stages import StageCache
 from rolemrc.demo.config import EMBEDDED, PAPER_FACTOR, DemoConfig
 from rolemrc.demo.report import results_markdown, verdict_sentence
@@ -99,6 +100,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 def register(app: typer.Typer) -> None:
     @app.command("demo")
+    @needs("train", "eval", "datagen", "serve", "minilm")
     def demo_cmd(
         out: Path = typer.Option(DemoConfig.out, help="where every artifact goes"),
         base: str = typer.Option(EMBEDDED, help="embedded (train the default base), a registry model such as "

@@ -10,6 +10,7 @@ import typer
 
 from rolemrc.core.cli import ROUNDS, cli_app
 from rolemrc.core.errors import InputError
+from rolemrc.core.extras import needs, require
 from rolemrc.core.records import read_records
 from rolemrc.eval.dataset import check_dataset
 from rolemrc.eval.generate import DType, GenerateConfig, generate
@@ -87,12 +88,15 @@ def generate_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = 
                  batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
                  device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"]) -> None:
     """Generate responses (id, task, response, latency, tokens) for a test file."""
+    if base_url:
+        require("eval", what="`rolemrc eval generate --base-url`")
     generate(*_generate_config(data, model, base_url, restraint, extra_body, max_new_tokens, batch_size, concurrency,
                                dtype, device, dataset, allow_drift), out=out)
     typer.echo(f"wrote {out}")
 
 
 @app.command("score")
+@needs("eval")
 def score_cmd(responses: Path = typer.Argument(..., help="responses JSONL"), out: Path = typer.Option(..., help="run folder"),
               judge: str = SCORE["judge"], judge_model: str = SCORE["judge_model"],
               judge_base_url: str = SCORE["judge_base_url"], judge_concurrency: int = SCORE["judge_concurrency"],
@@ -104,6 +108,7 @@ def score_cmd(responses: Path = typer.Argument(..., help="responses JSONL"), out
 
 
 @app.command("run")
+@needs("eval")
 def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer.Option(..., help="run folder"),
             model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
             extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rolemrc.core.errors import InputError
+from rolemrc.core.extras import require
 from rolemrc.core.registry import Registry
 from rolemrc.eval.errors import MetricUnavailable
 
@@ -38,6 +39,10 @@ class MetricConfig:
 
     def __post_init__(self) -> None:
         self.groups = METRICS.check(self.groups)
+        require("eval", what="the reference metrics")
+        if self.bertscore_model is None and "bertscore" in self.groups:
+            require("minilm", what="BERTScore's default encoder (or give --bertscore-model DIR, or leave bertscore "
+                                   "out: --metrics bleu,rouge,meteor)")
         if self.bertscore_model is not None and "bertscore" in self.groups:
             from rolemrc.core.modeling import check_model_dir
 

@@ -13,7 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from rolemrc.core.modeling import check_model_dir, checkpoint_dtype, dir_fingerprint, resolve_dtype
+from rolemrc.core.modeling import (
+    check_model_dir,
+    checkpoint_dtype,
+    dir_fingerprint,
+    is_path,
+    loaded_model,
+    model_fingerprint,
+    model_name,
+    resolve_dtype,
+    tokenizer_of,
+)
 from rolemrc.core.version import __version__
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.probe.hooks import hook_point, module_at
@@ -80,12 +90,13 @@ def fold_sites(model: nn.Module, r: Restraint) -> Iterator[tuple[nn.Parameter, t
 
 
 def fold_restraint(model: nn.Module, r: Restraint) -> dict[str, int]:
-    """Scale the weights in place (float math in the weights' dtype); returns elements touched per tensor."""
+    """Scale the weights in place, each slice computed in float32 and stored back at the weights' dtype; returns
+    elements touched per tensor."""
     touched: dict[str, int] = {}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
         for param, index in list(fold_sites(model, r)):
-            param[index] *= r.factor
+            param[index] = (param[index].float() * r.factor).to(param.dtype)
             touched[names[id(param)]] = param[index].numel()
     return touched
 
@@ -98,7 +109,7 @@ def elements_changed(model: nn.Module, r: Restraint, dtype: torch.dtype) -> int:
 
 @dataclass
 class BakeReport:
-    out_dir: str
+    out_dir: str | None   # None: a loaded model folded in memory only
     source_fingerprint: str
     dtype: str
     elements_scaled: int
@@ -115,50 +126,78 @@ def changed_elements(before: dict[str, torch.Tensor], after: dict[str, torch.Ten
     return sum(int((before[n].to(dtype) != after[n].to(dtype)).sum()) for n in before)
 
 
-def fold_and_count(model: nn.Module, r: Restraint, dtype: torch.dtype) -> tuple[dict[str, int], int]:
-    """Fold `r` into a float32 `model` in place: (elements scaled per tensor, elements that differ from the
-    original once both are stored at `dtype`), i.e. what a bake at `dtype` writes."""
-    r.validate(model)
-    names = set(fold_restraint_plan(model, r))
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
-    scaled = fold_restraint(model, r)
-    return scaled, changed_elements(before, {n: p.detach() for n, p in model.named_parameters() if n in names}, dtype)
-
-
-def provenance_metadata(src: Path, fingerprint: str, r: Restraint) -> dict[str, str]:
-    """safetensors metadata of a file derived from the model in `src` by the restraint `r`."""
-    return {"format": "pt", "rolemrc_source_model": str(src), "rolemrc_source_fingerprint": fingerprint,
+def provenance_metadata(source: str, fingerprint: str, r: Restraint) -> dict[str, str]:
+    """safetensors metadata of a file derived from the model `source` (its directory or name) by the restraint `r`."""
+    return {"format": "pt", "rolemrc_source_model": str(source), "rolemrc_source_fingerprint": fingerprint,
             "rolemrc_restraint": json.dumps(r.to_dict(), sort_keys=True), "rolemrc_version": __version__}
 
 
-def bake(model_dir: str | os.PathLike, restraint: Any, out_dir: str | os.PathLike, dtype: str = "float32") -> BakeReport:
-    """Fold `restraint` into a copy of the model in `model_dir` (scaled in float32, stored at `dtype`; "auto": the
-    checkpoint's own) and write a standard HF checkpoint whose safetensors metadata records the source fingerprint
-    and the spec."""
-    from safetensors.torch import load_file, save_file
+def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, dtype: str | None = None, *,
+         tokenizer: Any = None) -> BakeReport:
+    """Fold `restraint` into a model's weights, scaled in float32 and stored at `dtype`.
+
+    `model` is a HF model directory (written as a standard HF checkpoint in `out_dir`, which it requires; `dtype`
+    default float32, "auto": the checkpoint's own) or a loaded transformers model, which is folded in place at its
+    own dtype (like PEFT's `merge_and_unload`) and also saved to `out_dir` when given, with `tokenizer` (default: the
+    one in the model's directory, if any). The checkpoint's safetensors metadata and its rolemrc.json record the
+    source's fingerprint and the spec."""
+    r = Restraint.from_any(restraint)
+    if not is_path(model):
+        return bake_loaded(loaded_model(model), r, out_dir, dtype, tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    r = Restraint.from_any(restraint)
-    src, out = check_model_dir(model_dir), Path(out_dir)
-    if out.resolve() == src.resolve():
-        raise RestraintError("bake output must differ from the source model directory")
-    dtype = checkpoint_dtype(src) if dtype == "auto" else dtype
+    src = check_model_dir(model)
+    if out_dir is None:
+        raise RestraintError(f"bake of the model directory {src} needs out_dir, the checkpoint to write")
+    dtype = checkpoint_dtype(src) if dtype == "auto" else dtype or "float32"
     target = resolve_dtype(dtype)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
-    scaled, changed = fold_and_count(model, r, target)
+    loaded = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+    r.validate(loaded)
+    changed = elements_changed(loaded, r, target)
+    scaled = fold_restraint(loaded, r)
+    report = BakeReport(str(out_dir), dir_fingerprint(src), dtype, sum(scaled.values()), changed, changed == 0,
+                        r.to_dict())
+    write_baked(loaded.to(target), AutoTokenizer.from_pretrained(src, local_files_only=True), src, report, r)
+    return report
 
+
+def bake_loaded(model: nn.Module, r: Restraint, out_dir: str | os.PathLike | None, dtype: str | None,
+                tokenizer: Any) -> BakeReport:
+    """`bake` of a loaded model: folded in place, each scaled slice computed in float32 and stored back at the
+    weights' own dtype (which `dtype`, if given, must name)."""
+    stored = next(model.parameters()).dtype
+    name = str(stored).removeprefix("torch.")
+    if dtype not in (None, "auto", name):
+        raise RestraintError(f"a loaded model is baked at its own dtype ({name}), not {dtype}; cast it first "
+                             "(model.to(torch.float32)) or leave dtype out")
+    r.validate(model)
+    fingerprint = model_fingerprint(model)
+    changed = elements_changed(model, r, stored)
+    touched = fold_restraint(model, r)
+    report = BakeReport(None if out_dir is None else str(out_dir), fingerprint, name, sum(touched.values()), changed,
+                        changed == 0, r.to_dict())
+    if out_dir is not None:
+        write_baked(model, tokenizer_of(model, tokenizer), model_name(model), report, r)
+    return report
+
+
+def write_baked(model: nn.Module, tokenizer: Any, source: str | os.PathLike, report: BakeReport, r: Restraint) -> None:
+    """Save a folded model and its tokenizer to `report.out_dir` as a HF checkpoint whose safetensors metadata and
+    rolemrc.json record where it came from."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(report.out_dir)
+    if Path(source).exists() and out.resolve() == Path(source).resolve():
+        raise RestraintError("bake output must differ from the source model directory")
     if out.exists():
         shutil.rmtree(out)
-    model.to(target).save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
-    fingerprint = dir_fingerprint(src)
-    metadata = provenance_metadata(src, fingerprint, r)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    metadata = provenance_metadata(str(source), report.source_fingerprint, r)
     for file in sorted(out.glob("*.safetensors")):
         save_file(load_file(file), str(file), metadata=metadata)
-    report = BakeReport(str(out), fingerprint, dtype, sum(scaled.values()), changed, changed == 0, r.to_dict())
-    (out / "rolemrc.json").write_text(json.dumps({"stage": "bake", "source_model": str(src), **report.to_dict()},
+    (out / "rolemrc.json").write_text(json.dumps({"stage": "bake", "source_model": str(source), **report.to_dict()},
                                                  indent=1, sort_keys=True))
-    return report
 
 
 def fold_restraint_plan(model: nn.Module, r: Restraint) -> list[str]:

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from rolemrc.core.chat import render_chat
-from rolemrc.core.modeling import checkpoint_dtype, load_model, resolve_dtype
+from rolemrc.core.modeling import checkpoint_dtype, is_path, load_model, loaded_model, resolve_dtype, tokenizer_of
 from rolemrc.core.records import as_turns
-from rolemrc.intervene.bake import changed_elements, fold_and_count, fold_restraint_plan
+from rolemrc.intervene.bake import changed_elements, elements_changed, fold_restraint_plan
 from rolemrc.intervene.runtime import applied
 from rolemrc.intervene.spec import Restraint, RestraintError
 
@@ -90,36 +90,49 @@ def stored_weights(baked_dir: str | os.PathLike, names: list[str]) -> dict[str, 
     return found
 
 
-def weights_changed(model_dir: str | os.PathLike, r: Restraint, baked_dir: str | os.PathLike | None,
+def weights_changed(model: Any, r: Restraint, baked_dir: str | os.PathLike | None,
                     target: torch.dtype) -> tuple[int, torch.dtype]:
-    """(weight elements a bake changes, the dtype they were compared at): the baked checkpoint's tensors
-    against the original ones cast to their dtype, or, without a checkpoint, a fold at `target` as bake does."""
-    reference, _ = load_model(model_dir, dtype="float32", device="cpu")
-    if baked_dir is None:
-        return fold_and_count(reference, r, target)[1], target
+    """(weight elements a bake changes, the dtype they were compared at): the baked checkpoint's tensors against
+    the original ones (a model directory read in float32, or the loaded model's own) cast to their dtype, or, without
+    a checkpoint, a fold at `target` as bake does."""
+    reference = load_model(model, dtype="float32", device="cpu")[0] if is_path(model) else model
     r.validate(reference)
+    if baked_dir is None:
+        return elements_changed(reference, r, target), target
     names = fold_restraint_plan(reference, r)
     baked = stored_weights(baked_dir, names)
     stored = baked[names[0]].dtype
-    original = {n: p.detach() for n, p in reference.named_parameters() if n in baked}
+    original = {n: p.detach().cpu() for n, p in reference.named_parameters() if n in baked}
     return changed_elements(original, baked, stored), stored
 
 
-def check(model_dir: str | os.PathLike, restraint: Any, baked_dir: str | os.PathLike | None = None,
-          prompts: list[str | list[dict]] | None = None, dtype: str = "float32", device: str = "auto") -> CheckReport:
-    """Compare original, runtime-hooked and (optionally) baked logits at `dtype` ("auto": the checkpoint's); count
-    the weight elements the bake changes (in `baked_dir`'s stored dtype, else at `dtype`), and call it a numerical
-    no-op only when that count is 0."""
+def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None,
+          prompts: list[str | list[dict]] | None = None, dtype: str | None = None, device: str = "auto", *,
+          tokenizer: Any = None) -> CheckReport:
+    """Compare original, runtime-hooked and (optionally) baked logits; count the weight elements the bake changes (in
+    `baked_dir`'s stored dtype, else at the run dtype), and call it a numerical no-op only when that count is 0.
+
+    `model` is a HF model directory, loaded at `dtype` (default float32; "auto": the checkpoint's own) on `device`,
+    or a loaded transformers model, run as it is (its own dtype and device) with `tokenizer` (default: the one in its
+    directory). Prompts are plain strings or chat turn lists (default: three sample prompts)."""
     r = Restraint.from_any(restraint)
-    dtype = checkpoint_dtype(model_dir) if dtype == "auto" else dtype
+    if is_path(model):
+        dtype = checkpoint_dtype(model) if dtype == "auto" else dtype or "float32"
+        loaded, tok = load_model(model, dtype=dtype, device=device)
+    else:
+        loaded, tok = loaded_model(model), tokenizer_of(model, tokenizer)
+        own = str(next(loaded.parameters()).dtype).removeprefix("torch.")
+        if dtype not in (None, "auto", own):
+            raise RestraintError(f"a loaded model is checked at its own dtype ({own}), not {dtype}; cast it first "
+                                 "or leave dtype out")
+        dtype, device = own, str(next(loaded.parameters()).device)
     target = resolve_dtype(dtype)
-    model, tok = load_model(model_dir, dtype=dtype, device=device)
-    r.validate(model)
-    batch = _batch(tok, list(prompts or SAMPLE_PROMPTS), next(model.parameters()).device)
-    original = _logits(model, batch)
-    with applied(model, r):
-        hooked = _logits(model, batch)
-    changed, stored = weights_changed(model_dir, r, baked_dir, target)
+    r.validate(loaded)
+    batch = _batch(tok, list(prompts or SAMPLE_PROMPTS), next(loaded.parameters()).device)
+    original = _logits(loaded, batch)
+    with applied(loaded, r):
+        hooked = _logits(loaded, batch)
+    changed, stored = weights_changed(model if is_path(model) else loaded, r, baked_dir, target)
     report = CheckReport(r.name, r.hook, r.num_units, r.factor, dtype, float(torch.tensor(r.factor, dtype=target)),
                          numerical_noop=changed == 0, weight_elements_changed=changed,
                          weights_dtype=str(stored).removeprefix("torch."),

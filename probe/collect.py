@@ -11,8 +11,18 @@ from typing import Any, get_args
 import torch
 from tqdm.auto import tqdm
 
+from rolemrc.core.extras import require
 from rolemrc.core.io import file_fingerprint, read_jsonl
-from rolemrc.core.modeling import context_window, dir_fingerprint, load_model, model_fingerprint
+from rolemrc.core.modeling import (
+    context_window,
+    dir_fingerprint,
+    is_path,
+    load_model,
+    loaded_model,
+    model_fingerprint,
+    model_name,
+    tokenizer_of,
+)
 from rolemrc.core.records import as_records
 from rolemrc.core.version import __version__
 from rolemrc.probe.backends import make_backend
@@ -49,6 +59,8 @@ class CollectConfig:
         check_choice("token policy", self.tokens, get_args(Tokens))
         check_choice("rank", self.rank, get_args(Rank))
         check_choice("backend", self.backend, get_args(Backend))
+        if self.backend != "torch":
+            require("backends", what=f"the {self.backend} probe backend")
         check_placement(self.device, self.device_map)
 
 
@@ -138,17 +150,15 @@ def _prepare(data: Any, config: CollectConfig | None, overrides: dict[str, Any])
 def load_probed(model: Any, tokenizer: Any, config: Any) -> tuple[Any, Any, dict[str, str]]:
     """(model, tokenizer, per-model metadata) from a directory, or a loaded model with its tokenizer; `config`
     (a CollectConfig, or any with its dtype, device and device_map) says how to load a directory."""
-    if isinstance(model, (str, os.PathLike)):
+    if is_path(model):
         path, fingerprint = str(model), dir_fingerprint(model)
         if config.device_map:
             model, tokenizer = load_placed(model, config.dtype, config.device_map)
         else:
             model, tokenizer = load_model(model, dtype=config.dtype, device=rank_device(config.device))
-    elif tokenizer is None:
-        raise ProbeError("pass the tokenizer along with a loaded model")
     else:
-        fingerprint = model_fingerprint(model)
-        path = getattr(model.config, "_name_or_path", "") or "<in-memory>"
+        fingerprint, path = model_fingerprint(loaded_model(model)), model_name(model)
+        tokenizer = tokenizer_of(model, tokenizer)
     return model, tokenizer, {
         "model": path, "model_fingerprint": fingerprint,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

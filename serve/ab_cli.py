@@ -10,6 +10,7 @@ import typer
 
 from rolemrc.core.cli import ROUNDS, cli_app
 from rolemrc.core.errors import InputError
+from rolemrc.core.extras import needs
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import metrics_help, parse_metrics
 
@@ -17,6 +18,7 @@ app = cli_app(help="A/B experiments served by `rolemrc serve`.")
 
 
 @app.command("report")
+@needs("serve")
 def report_cmd(
     experiment: str = typer.Argument(..., help="experiment id"),
     db: Path = typer.Option(..., help="the server's SQLite log (the config's 'db')"),

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import typer
 
+from rolemrc.core.extras import needs
 from rolemrc.serve.engines import EngineName
 
 
 def register(app: typer.Typer) -> None:
     @app.command("serve")
+    @needs("serve")
     def serve_cmd(
         config: Path = typer.Option(..., "--config", "-c", help="serve YAML (models, restraints, limits, keys, db)"),
         host: str = typer.Option(None, help="bind address (default: the config's, 127.0.0.1)"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.extras import needs
 from rolemrc.eval.judges import JUDGES
 from rolemrc.intervene.selectors import SELECTORS
 from rolemrc.probe.options import Direction
@@ -20,6 +21,7 @@ app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline 
 
 
 @app.command("run")
+@needs("eval")
 def run_cmd(
     model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
     diff: Path = typer.Option(..., "--diff", help="diff directory (for --method attribution: an attribution file)"),
@@ -67,6 +69,7 @@ def run_cmd(
 
 
 @app.command("ab")
+@needs("serve")
 def ab_cmd(
     from_sweep: Path = typer.Option(..., "--from-sweep", help="a finished `rolemrc sweep run` folder"),
     cells: str = typer.Option("best:2", help="best:N (ranked by effect against the controls) or cell ids/labels, "

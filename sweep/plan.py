@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolemrc.core.extras import require
 from rolemrc.intervene.selectors import SELECTORS
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.probe.options import Direction
@@ -59,6 +60,9 @@ class SweepConfig:
         if self.base_url and self.engine != IN_PROCESS:
             raise RestraintError(f"--base-url generates on a running server; --engine {self.engine} starts one: choose one")
         check_engine(self.engine)
+        require("eval", what="a sweep")
+        if self.engine != IN_PROCESS and not self.base_url:
+            require("serve", what=f"a sweep on the {self.engine} engine (a rolemrc server)")
         SELECTORS.check([self.method])
         self.judge_config()
 

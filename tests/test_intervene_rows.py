@@ -10,7 +10,7 @@ from rolemrc.core.modeling import load_model
 from rolemrc.core.records import normalize_record
 from rolemrc.eval.generate import GenerateConfig, generate, generate_rows
 from rolemrc.intervene import Restraint, RestraintError, applied
-from rolemrc.intervene.bake import elements_changed, fold_and_count
+from rolemrc.intervene.bake import changed_elements, elements_changed, fold_restraint
 from rolemrc.intervene.runtime import applied_per_row
 from rolemrc.sweep.controls import draw_controls
 
@@ -88,5 +88,6 @@ def test_elements_changed_counts_what_a_bake_changes_without_editing(model_dirs,
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     counted = elements_changed(model, r, dtype)
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
-    assert counted == fold_and_count(model, r, dtype)[1]
+    fold_restraint(model, r)
+    assert counted == changed_elements(before, {n: p.detach() for n, p in model.named_parameters()}, dtype)
     assert (counted == 0) == (dtype == torch.bfloat16 and factor == 1 - 1e-6)

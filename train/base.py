@@ -11,6 +11,7 @@ import random
 from transformers import TrainerCallback
 
 from rolemrc.core.chat import render_chat
+from rolemrc.core.extras import require
 from rolemrc.train.config import BaseTrainConfig
 from rolemrc.train.corpus import Corpus, gather_corpus
 from rolemrc.train.data import DataError, DataReport, fingerprints, jsonl_files
@@ -37,6 +38,7 @@ def pack(tokenizer, docs: list[str], block_size: int) -> list[list[int]]:
 
 def train_base(config: BaseTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()) -> TrainResult:
     """Train the tokenizer (or reuse the checkpoint's when resuming), build the Llama, pretrain, save."""
+    require("train", what="base-model training")
     from datasets import Dataset
     from transformers import AutoTokenizer, Trainer, default_data_collator
 

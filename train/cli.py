@@ -16,6 +16,7 @@ from typing import Any
 import typer
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.extras import needs
 from rolemrc.train.config import BaseTrainConfig, DPOTrainConfig, SFTTrainConfig, TrainConfig, help_text
 
 app = cli_app(help="Train the embedded base model, then SFT and DPO (trl).")
@@ -60,6 +61,7 @@ def _trainer(stage: str):
 
 
 @app.command("base")
+@needs("train")
 def base_cmd(
     data: list[Path] = option("data", ..., cls=BaseTrainConfig),
     out: Path = OUT,
@@ -81,6 +83,7 @@ def base_cmd(
 
 
 @app.command("sft")
+@needs("train")
 def sft_cmd(
     model: Path = option("model", ..., cls=SFTTrainConfig),
     data: list[Path] = option("data", ..., cls=SFTTrainConfig),
@@ -104,6 +107,7 @@ def sft_cmd(
 
 
 @app.command("dpo")
+@needs("train")
 def dpo_cmd(
     model: Path = option("model", ..., cls=DPOTrainConfig),
     data: list[Path] = option("data", ..., cls=DPOTrainConfig),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
+from rolemrc.core.extras import require
 from rolemrc.train.config import DPOTrainConfig
 from rolemrc.train.data import DataReport, fingerprints, jsonl_files, load_examples, pair_example
 from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prepare, source_model, start_model, train_and_save
@@ -12,6 +13,7 @@ from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prep
 def dpo_trainer(config: DPOTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()):
     """(trainer, data report). The data and arguments are checked before the model loads. The reference is a
     frozen copy of `config.model`; with LoRA it is the same weights with the adapter disabled."""
+    require("train", what="DPO training")
     from datasets import Dataset
     from trl import DPOTrainer
 

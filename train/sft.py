@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
+from rolemrc.core.extras import require
 from rolemrc.train.config import SFTTrainConfig
 from rolemrc.train.data import DataError, DataReport, fingerprints, jsonl_files, parse_mix
 from rolemrc.train.masks import tokenize_with_assistant_mask
@@ -12,6 +13,7 @@ from rolemrc.train.runner import TrainResult, build_arguments, lora_config, prep
 
 def sft_trainer(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...] = ()):
     """(trainer, data report, mixture) ready to train; the data and arguments are checked before the model loads."""
+    require("train", what="SFT training")
     from datasets import Dataset
     from trl import SFTTrainer
 
