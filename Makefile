@@ -1,5 +1,5 @@
 # make demo: whole pipeline on the embedded default. make demo-real: the same on SmolLM2-135M-Instruct.
-# make test: the test suite. make lint: ruff.
+# make test: the test suite. make lint: ruff. make docs: the documentation site (mkdocs, --strict) in site/.
 # make vllm: vLLM in its own environment (.venv-vllm), which the `vllm` serve engine runs as a subprocess;
 # make test builds it and runs the vLLM tests against it. VLLM_PACKAGE=vllm on a CUDA machine.
 # make clients: lm-evaluation-harness (.venv-lmeval) and guidellm (.venv-guidellm), each in its own environment;
@@ -20,7 +20,7 @@ GUIDELLM_VENV := .venv-guidellm
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
 CLIENTS_ENV := ROLEMRC_LMEVAL_PYTHON=$(CURDIR)/$(LMEVAL_VENV)/bin/python ROLEMRC_GUIDELLM_PYTHON=$(CURDIR)/$(GUIDELLM_VENV)/bin/python
 
-.PHONY: demo demo-real test bench lint install vllm clients sysdeps clean
+.PHONY: demo demo-real test bench lint docs install vllm clients sysdeps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -81,8 +81,12 @@ test: $(STAMP) $(VLLM_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) sysdeps
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# the documentation as a site in site/ (README.md is its home page); a broken link or anchor fails the build
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
 bench: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_ENV) $(VENV)/bin/rolemrc bench all --out runs/bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) $(GUIDELLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) $(GUIDELLM_VENV) runs site

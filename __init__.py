@@ -1,17 +1,20 @@
 """rolemrc: RoleMRC end to end, from data synthesis to probing, restraint and serving.
 
-The method's verbs, importable from here (each loads torch on first use):
+The method's verbs import from here (each loads torch on first use); on two tiny models standing in for an SFT and a
+DPO checkpoint (directories or loaded models alike):
 
-    import rolemrc
-    paired = rolemrc.collect_paired(["runs/sft", "runs/dpo"], ["Who keeps the lighthouse?", ...])  # or a JSONL path
-    result = rolemrc.diff(paired)                   # DiffResult: per-unit frequency shifts, exact McNemar
-    result.largest_shift()                          # the dimension whose units moved most
-    spec = rolemrc.select(result, result.largest_shift(), top_k=64)   # a Restraint
-    with rolemrc.applied(model, spec): ...          # runtime hooks on a loaded model
-    rolemrc.bake("runs/dpo", spec, "runs/dpo-restrained")             # the same scaling in the weights
-    rolemrc.export_lora("runs/dpo", spec, "runs/dpo-restrained-lora")   # ... or as an exact PEFT LoRA adapter
+    >>> import tempfile
+    >>> import rolemrc
+    >>> from rolemrc.core.tiny import example_models
+    >>> sft, dpo = example_models(tempfile.mkdtemp())
+    >>> result = rolemrc.diff(rolemrc.collect_paired([sft, dpo], ["Who keeps the lighthouse?", "Sing to the ovens."] * 4))
+    >>> spec = rolemrc.select(result, result.largest_shift(), top_k=8, factor=0.0)   # a Restraint
+    >>> rolemrc.check(dpo, spec, prompts=["Who keeps the lighthouse?"]).numerical_noop
+    False
 
-Everything else lives in its package (`rolemrc.probe`, `rolemrc.intervene`, `rolemrc.eval`, `rolemrc.serve`, ...).
+`rolemrc.bake` and `rolemrc.export_lora` write the restraint into weights or an exact PEFT LoRA adapter;
+`rolemrc.applied(model, spec)` hooks it at run time; docs/python.md walks through every verb. Everything else lives
+in its package (`rolemrc.probe`, `rolemrc.intervene`, `rolemrc.eval`, `rolemrc.serve`, ...).
 """
 
 from rolemrc.core.lazy import lazy_package

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -67,3 +69,21 @@ def build_model(arch: str, tokenizer, *, seed: int = 0, **sizes):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
+
+
+EXAMPLE_TEXTS = ("the keeper of the lighthouse watched the storm roll over the rocks",
+                 "a baker kneads the dough at dawn and sings to the ovens",
+                 "who keeps the lighthouse when the keeper sleeps", "the river floods every spring")
+
+
+def example_models(out: str | os.PathLike, *, layers: int = 2) -> tuple[str, str]:
+    """Two tiny Llamas of one shape with different random weights, saved with one tokenizer as `out`/sft and
+    `out`/dpo: stand-ins for a user's checkpoints in the documentation's examples (seconds to build)."""
+    tokenizer = train_tokenizer(list(EXAMPLE_TEXTS) * 8, vocab_size=300)
+    paths = []
+    for seed, name in enumerate(("sft", "dpo")):
+        path = Path(out) / name
+        build_model("llama", tokenizer, seed=seed, hidden=64, layers=layers, intermediate=96).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(str(path))
+    return paths[0], paths[1]

@@ -1,13 +1,16 @@
 """Restraints: scale the units a diff singled out, as a runtime hook or baked into weights.
 
-    from rolemrc.intervene import Restraint, applied, bake, check, select
+    from transformers import AutoModelForCausalLM
+    from rolemrc.intervene import Restraint, applied, bake, check, export_lora, select
+    from rolemrc.probe import load_diff
     r = select("runs/diff", "multi_turn", layers="1-3", top_k=64)      # or Restraint.load("spec.yaml")
     r = select("runs/diff", "multi_turn", method="standardized", top_k=64)   # any selector in SELECTORS
-    r = select(diff(sft, dpo), "multi_turn", top_k=64)                  # or the DiffResult (Attribution) itself
+    r = select(load_diff("runs/diff"), "multi_turn", top_k=64)          # or a DiffResult (Attribution) itself
+    model = AutoModelForCausalLM.from_pretrained("runs/dpo")
     with applied(model, r): ...                                         # runtime hooks
     bake("runs/dpo", r, "runs/dpo-restrained")                          # the same scaling in the weights
-    export_lora("runs/dpo", r, "runs/dpo-restrained-lora")              # ... or as an exact LoRA adapter
-    check("runs/dpo", r, baked_dir="runs/dpo-restrained").verdict       # agreement and no-op detection
+    export_lora(model, r, "runs/dpo-restrained-lora")                   # ... or as an exact LoRA adapter
+    check(model, r, baked_dir="runs/dpo-restrained").verdict            # agreement and no-op detection
 
 The spec imports no torch; the rest is imported on first use (`core.lazy`).
 """

@@ -1,6 +1,6 @@
 """The probe: top-k unit frequencies per RoleMRC dimension, and SFT-vs-DPO diffs.
 
-    from rolemrc.probe import collect, diff
+    from rolemrc.probe import attribute, collect, collect_paired, diff, merge, write_diff
     sft = collect("runs/sft", "test.jsonl", hook="mlp.act")       # ProbeCounts
     dpo = collect("runs/dpo", "test.jsonl", hook="mlp.act")
     result = diff(sft, dpo)                                         # DiffResult (unpaired z-test)

@@ -190,7 +190,7 @@ def width(model: nn.Module, point: str) -> int:
 
 
 def hook_table_markdown() -> str:
-    """The hook point table as Markdown (the README's table is this function's output)."""
+    """The hook point table as Markdown (docs/probe.md's table is this function's output)."""
     def where(row: HookPoint, layout: Layout) -> str:
         if row.module not in layout.modules:
             return "-"

@@ -1,5 +1,5 @@
 """`rolemrc --help` and every command's and group's `--help` import no torch or transformers (heavy imports stay
-inside commands, so the help is fast)."""
+inside commands, so the help is fast) and no extra's package (so it runs in a core install)."""
 
 import json
 import os
@@ -31,7 +31,9 @@ def walk(command, path):
 walk(root, [])
 heavy = sorted(m for m in ("torch", "transformers", "trl", "peft", "vllm", "nnsight", "datasets", "faiss", "sklearn",
                           "scipy", "pandas", "numpy", "matplotlib") if m in sys.modules)
-print(json.dumps({"paths": paths, "failed": failed, "heavy": heavy}))
+from rolemrc.core.extras import EXTRAS
+extras = sorted({m for e in EXTRAS.values() for m in e.modules if m in sys.modules})
+print(json.dumps({"paths": paths, "failed": failed, "heavy": heavy, "extras": extras}))
 """
 
 
@@ -42,6 +44,7 @@ def test_every_help_imports_no_torch():
     assert len(report["paths"]) > 30   # the root, every group and every command
     assert {"intervene", "select"} <= {p[-1] for p in report["paths"] if p}
     assert "torch" not in report["heavy"] and "transformers" not in report["heavy"], report["heavy"]
+    assert report["extras"] == [], "the help imports an extra's package, so it would fail in a core install"
 
 
 def test_version():

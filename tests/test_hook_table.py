@@ -1,6 +1,6 @@
 """The hook point table is the one place a hook point is defined: a row added to HOOK_POINTS (here a
 hypothetical `mlp.gate`, the gate projection's output) reaches site(), width(), collection, runtime
-restraints and the CLI help; bake and LoRA export read their flags from the row; the README shows it."""
+restraints and the CLI help; bake and LoRA export read their flags from the row; docs/probe.md shows it."""
 
 import dataclasses
 import json
@@ -105,9 +105,9 @@ def test_markdown_table_has_a_row_per_point_and_is_the_readme_table(gate_row):
     assert "output of `mlp.gate_proj`" in table
 
 
-def test_readme_shows_the_hook_table():
-    readme = (Path(rolemrc.__file__).parent / "README.md").read_text(encoding="utf-8")
-    assert hook_table_markdown() in readme
+def test_the_probe_page_shows_the_hook_table():
+    page = (Path(rolemrc.__file__).parent / "docs" / "probe.md").read_text(encoding="utf-8")
+    assert hook_table_markdown() in page
 
 
 def test_unknown_points_and_choices_are_input_errors():
