@@ -1,5 +1,5 @@
 # make demo: whole pipeline on the embedded default. make demo-real: the same on SmolLM2-135M-Instruct.
-# make test: the test suite. make lint: ruff. make docs: the documentation site (mkdocs, --strict) in site/.
+# make test: the test suite. make lint: ruff. make docs: the documentation site (mkdocs, --strict) in site/, served locally.
 # make vllm: vLLM in its own environment (.venv-vllm), which the `vllm` serve engine runs as a subprocess;
 # make test builds it and runs the vLLM tests against it. VLLM_PACKAGE=vllm on a CUDA machine.
 # make clients: lm-evaluation-harness (.venv-lmeval) and guidellm (.venv-guidellm), each in its own environment;
@@ -18,6 +18,9 @@ LMEVAL_VENV := .venv-lmeval
 LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
 GUIDELLM_VENV := .venv-guidellm
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
+CORE_VENV := .venv-core
+CORE_STAMP := $(CORE_VENV)/.installed
+CORE_ENV := ROLEMRC_CORE_PYTHON=$(CURDIR)/$(CORE_VENV)/bin/python
 CLIENTS_ENV := ROLEMRC_LMEVAL_PYTHON=$(CURDIR)/$(LMEVAL_VENV)/bin/python ROLEMRC_GUIDELLM_PYTHON=$(CURDIR)/$(GUIDELLM_VENV)/bin/python
 
 .PHONY: demo demo-real test bench lint docs install vllm clients sysdeps clean
@@ -64,6 +67,16 @@ $(GUIDELLM_STAMP):
 
 clients: $(LMEVAL_STAMP) $(GUIDELLM_STAMP)
 
+# what `pip install rolemrc` gives, with no extra: torch first, then the package and its core dependencies; made anew
+# when pyproject changes. tests/test_extras.py reinstalls the tree's wheel into it (no deps) and runs the method there.
+$(CORE_STAMP): pyproject.toml
+	rm -rf $(CORE_VENV)
+	$(PYTHON) -m venv $(CORE_VENV)
+	$(CORE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CORE_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(CORE_VENV)/bin/python -m pip install -q .
+	touch $(CORE_STAMP)
+
 sysdeps:
 	@bash scripts/system-deps.sh
 
@@ -75,18 +88,20 @@ demo: $(STAMP) sysdeps
 demo-real: $(STAMP) $(VLLM_STAMP) sysdeps
 	$(VLLM_ENV) $(VENV)/bin/rolemrc demo --base smollm2 --out runs/demo-real
 
-test: $(STAMP) $(VLLM_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) sysdeps
-	$(VLLM_ENV) $(CLIENTS_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40
+test: $(STAMP) $(VLLM_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) $(CORE_STAMP) sysdeps
+	$(VLLM_ENV) $(CLIENTS_ENV) $(CORE_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# the documentation as a site in site/ (README.md is its home page); a broken link or anchor fails the build
+# the documentation as a site in site/ (README.md is its home page; a broken link or anchor fails the build), then
+# served for a look at http://127.0.0.1:8001
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict
+	$(VENV)/bin/mkdocs serve --strict --dev-addr 127.0.0.1:8001
 
 bench: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_ENV) $(VENV)/bin/rolemrc bench all --out runs/bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) $(GUIDELLM_VENV) runs site
+	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) $(GUIDELLM_VENV) $(CORE_VENV) runs site
