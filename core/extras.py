@@ -11,6 +11,7 @@ deep inside.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,18 @@ def extra_of(module: str) -> str | None:
     return next((e.name for e in EXTRAS.values() if top in e.modules), None)
 
 
+def command_path() -> str | None:
+    """The running command's path ("rolemrc train sft"), from the click context: typer's vendored click, or click."""
+    for module in ("typer._click.globals", "click"):
+        try:
+            ctx = importlib.import_module(module).get_current_context(silent=True)
+        except (ImportError, AttributeError):
+            continue
+        if ctx is not None:
+            return ctx.command_path
+    return None
+
+
 def needs(*extras: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A CLI command's decorator: `require(*extras)` before the command runs (its help works without them)."""
     unknown = [e for e in extras if e not in EXTRAS]
@@ -85,10 +98,8 @@ def needs(*extras: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(command: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(command)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            import click
-
-            ctx = click.get_current_context(silent=True)
-            require(*extras, what=f"`{ctx.command_path}`" if ctx else command.__name__)
+            path = command_path()
+            require(*extras, what=f"`{path}`" if path else command.__name__)
             return command(*args, **kwargs)
 
         checked.extras = extras   # type: ignore[attr-defined]
