@@ -149,6 +149,7 @@ def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, d
     src = check_model_dir(model)
     if out_dir is None:
         raise RestraintError(f"bake of the model directory {src} needs out_dir, the checkpoint to write")
+    refuse_overwrite(out_dir, src)
     dtype = checkpoint_dtype(src) if dtype == "auto" else dtype or "float32"
     target = resolve_dtype(dtype)
     loaded = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
@@ -171,14 +172,23 @@ def bake_loaded(model: nn.Module, r: Restraint, out_dir: str | os.PathLike | Non
         raise RestraintError(f"a loaded model is baked at its own dtype ({name}), not {dtype}; cast it first "
                              "(model.to(torch.float32)) or leave dtype out")
     r.validate(model)
+    if out_dir is not None:
+        refuse_overwrite(out_dir, model_name(model))
+        tokenizer = tokenizer_of(model, tokenizer)   # before the model changes: a missing one is an error
     fingerprint = model_fingerprint(model)
     changed = elements_changed(model, r, stored)
     touched = fold_restraint(model, r)
     report = BakeReport(None if out_dir is None else str(out_dir), fingerprint, name, sum(touched.values()), changed,
                         changed == 0, r.to_dict())
     if out_dir is not None:
-        write_baked(model, tokenizer_of(model, tokenizer), model_name(model), report, r)
+        write_baked(model, tokenizer, model_name(model), report, r)
     return report
+
+
+def refuse_overwrite(out_dir: str | os.PathLike, source: str | os.PathLike) -> None:
+    """A RestraintError when `out_dir` is the source model's own directory."""
+    if Path(source).exists() and Path(out_dir).resolve() == Path(source).resolve():
+        raise RestraintError(f"bake output {out_dir} must differ from the source model directory")
 
 
 def write_baked(model: nn.Module, tokenizer: Any, source: str | os.PathLike, report: BakeReport, r: Restraint) -> None:
@@ -187,8 +197,6 @@ def write_baked(model: nn.Module, tokenizer: Any, source: str | os.PathLike, rep
     from safetensors.torch import load_file, save_file
 
     out = Path(report.out_dir)
-    if Path(source).exists() and out.resolve() == Path(source).resolve():
-        raise RestraintError("bake output must differ from the source model directory")
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)

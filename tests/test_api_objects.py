@@ -52,8 +52,14 @@ def test_bake_of_a_loaded_model_keeps_its_dtype_and_says_what_it_needs(model_dir
         rolemrc.bake(model_dirs["llama"], r)
     nameless = load(model_dirs["llama"])
     nameless.config._name_or_path = ""
+    before = {n: p.clone() for n, p in nameless.state_dict().items()}
     with pytest.raises(RolemrcError, match="pass tokenizer="):
         rolemrc.bake(nameless, r, tmp_path / "out")
+    own = load(model_dirs["llama"])
+    with pytest.raises(RestraintError, match="must differ from the source model directory"):
+        rolemrc.bake(own, r, model_dirs["llama"])
+    for refused in (nameless, own):   # a refused bake leaves the model as it was
+        assert all(torch.equal(before[n], p) for n, p in refused.state_dict().items())
     rolemrc.bake(nameless, r, tmp_path / "out", tokenizer=tokenizer)
     assert (tmp_path / "out" / "tokenizer.json").is_file()
 
