@@ -76,7 +76,7 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
             **overrides: Any) -> ProbeCounts:
     """Count how often each unit is in the top `top_fraction` per layer and dimension.
 
-    model: a local HF directory or a loaded causal LM (then pass `tokenizer`).
+    model: a local HF directory or a loaded causal LM (with `tokenizer`, or the one in its directory).
     data: a JSONL path, or a list of records (test, pair or SFT format), plain prompt strings or chat turn lists.
     Keyword overrides replace fields of `config`.
     """
@@ -148,7 +148,8 @@ def _prepare(data: Any, config: CollectConfig | None, overrides: dict[str, Any])
 
 
 def load_probed(model: Any, tokenizer: Any, config: Any) -> tuple[Any, Any, dict[str, str]]:
-    """(model, tokenizer, per-model metadata) from a directory, or a loaded model with its tokenizer; `config`
+    """(model, tokenizer, per-model metadata) from a directory, or a loaded model with its tokenizer (passed, or read
+    from the model's directory); `config`
     (a CollectConfig, or any with its dtype, device and device_map) says how to load a directory."""
     if is_path(model):
         path, fingerprint = str(model), dir_fingerprint(model)
