@@ -67,9 +67,12 @@ def is_path(model: Any) -> bool:
 
 
 def refuse_unmerged_peft(model: Any) -> None:
-    """An InputError for a PEFT-wrapped model (a PeftModel, or a transformers model with adapters loaded): restraints
-    name the base model's modules, and an unmerged adapter would sit beside them unaccounted for."""
-    if type(model).__module__.split(".")[0] == "peft" or getattr(model, "peft_config", None):
+    """An InputError for a PEFT-wrapped model (a PeftModel, or a model with PEFT's adapter layers in it, as
+    transformers' `load_adapter` leaves one): restraints name the base model's modules, and an unmerged adapter would
+    sit beside them unaccounted for. A merged model (`merge_and_unload()`) has no adapter layers left and passes,
+    though peft leaves its `peft_config` attribute behind."""
+    layers = model.modules() if isinstance(model, torch.nn.Module) else ()
+    if type(model).__module__.split(".")[0] == "peft" or any(type(m).__module__.startswith("peft.") for m in layers):
         raise InputError(f"a {type(model).__name__} with PEFT adapters: merge them into the model first "
                          "(model = model.merge_and_unload()), then pass the merged model")
 
