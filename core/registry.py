@@ -1,9 +1,11 @@
 """A tiny name -> object registry filled by a decorator, for pluggable pieces (metrics, judges).
 
-    THINGS: Registry[Thing] = Registry("thing")
+    from rolemrc.core.registry import Registry
+
+    THINGS = Registry("thing")
 
     @THINGS.register("one")
-    def one(...): ...
+    def one(x): ...
 
 An entry with metadata is a small frozen dataclass holding the function and its fields (eval's `Metric`: scale,
 higher_is_better; `Judge`: endpoint), registered by its package's own decorator (`@metric(name, scale=...)`).

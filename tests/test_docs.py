@@ -32,12 +32,19 @@ def test_the_package_docstring_runs_as_a_doctest():
 
 
 def sketches(text: str) -> list[str]:
-    """Code sketches in prose: runs of lines indented by 4 spaces after a blank line (doctests aside), and ```python
-    blocks."""
+    """Code sketches in prose: ```python blocks, and runs of lines indented by 4 spaces that read as code (they parse,
+    or they import or call rolemrc; an indented formula is prose), doctests aside."""
     found = [m.group(1) for m in re.finditer(r"```python\n(.*?)```", text, re.S) if ">>>" not in m.group(1)]
-    for block in re.findall(r"(?:^|\n)\n((?: {4}\S.*\n?(?: {4,}.*\n?)*)+)", text):
-        if ">>>" not in block and re.search(r"\w\(", block):
-            found.append(textwrap.dedent(block))
+    for block in re.findall(r"(?:^|\n)\n((?: {4}\S.*\n?(?:(?: {4,}.*)?\n?)*)+)", text):
+        code = textwrap.dedent(block)
+        if ">>>" in code or not re.search(r"\w\(", code):
+            continue
+        try:
+            ast.parse(code)
+        except SyntaxError:
+            if "import " not in code and "rolemrc." not in code:
+                continue
+        found.append(code)
     return found
 
 
