@@ -179,9 +179,9 @@ def test_a_cell_is_flagged_only_when_it_brings_cases_and_the_rate_back_to_the_sf
 
 
 def test_the_paper_factor_runs_as_its_own_sweep_at_its_budgets(tmp_path):
-    assert sweeps(CalibrationConfig(out=str(tmp_path))) == {"": ([16, 64, 256], [0.0, 0.5]),
+    assert sweeps(CalibrationConfig(out=str(tmp_path))) == {"": ([16, 256], [0.0, 0.5]),
                                                             "-paper": ([256], [PAPER_FACTOR])}
-    assert sweeps(CalibrationConfig(out=str(tmp_path), paper_factor_budgets=[])) == {"": ([16, 64, 256], [0.0, 0.5])}
+    assert sweeps(CalibrationConfig(out=str(tmp_path), paper_factor_budgets=[])) == {"": ([16, 256], [0.0, 0.5])}
 
 
 def test_bad_grid_settings_are_errors_before_any_work(tmp_path):
