@@ -10,15 +10,18 @@ from pathlib import Path
 from typing import Any
 
 
-def on_config(config: Any) -> Any:
-    root = Path(config["config_file_path"]).parent
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def on_startup(command: str, dirty: bool) -> None:
+    """Before any plugin reads its configuration (mkdocstrings resolves its `paths` then)."""
+    root = ROOT
     tree = root / "scripts" / "api" / "rolemrc"
     shutil.rmtree(tree.parent, ignore_errors=True)
     tree.mkdir(parents=True)
     for entry in sorted(root.iterdir()):
         if (entry.is_dir() and (entry / "__init__.py").is_file()) or entry.suffix == ".py":
             (tree / entry.name).symlink_to(entry)
-    return config
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
