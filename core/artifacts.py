@@ -1,0 +1,192 @@
+"""What a path holds, in a user's words: the one place that tells rolemrc's artifacts (and the foreign files people
+hand it by mistake) apart, so a reader that gets the wrong thing says what it got and what it wanted in one line.
+
+`identify(path)` looks cheaply (names in a folder, a file's first bytes, a safetensors header, a JSON or YAML
+document's keys, a JSONL file's first record) and never imports torch; `expect(path, kinds, ...)` is what readers
+call before they read anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from rolemrc.core.errors import InputError
+
+SNIFF = 1 << 16   # bytes read to tell text from binary
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str     # a noun phrase: "diff folder"
+    origin: str   # what makes it: "`rolemrc probe diff`" ("" for things rolemrc does not write)
+
+    def __str__(self) -> str:
+        article = "an" if self.name[0] in "aeiou" else "a"
+        return f"{article} {self.name}" + (f" (from {self.origin})" if self.origin else "")
+
+
+KINDS: dict[str, Kind] = {key: Kind(*value) for key, value in {
+    "missing": ("missing path", ""),
+    "empty-file": ("empty file", ""),
+    "empty-folder": ("empty folder", ""),
+    "folder": ("folder", ""),
+    "binary": ("binary file", ""),
+    "non-utf8": ("non-UTF-8 text file", ""),
+    "text": ("text file", ""),
+    "records": ("JSONL file of records", "`rolemrc datagen run` or your own data"),
+    "responses": ("responses JSONL", "`rolemrc eval generate`"),
+    "probe": ("probe file", "`rolemrc probe collect`"),
+    "paired-probe": ("paired probe file", "`rolemrc probe collect` with two --model"),
+    "attribution": ("attribution file", "`rolemrc probe attribute`"),
+    "diff": ("diff folder", "`rolemrc probe diff`"),
+    "diff-file": ("diff file", "`rolemrc probe diff`"),
+    "restraint": ("restraint spec", "`rolemrc intervene select`"),
+    "eval-run": ("eval run folder", "`rolemrc eval run` or `eval score`"),
+    "sweep": ("sweep folder", "`rolemrc sweep run`"),
+    "calibration": ("calibration folder", "`rolemrc bench organism`"),
+    "organisms": ("organisms folder", "`rolemrc organism build`"),
+    "datagen": ("datagen output folder", "`rolemrc datagen run`"),
+    "model": ("Hugging Face model directory", ""),
+    "peft-adapter": ("PEFT adapter folder", "`rolemrc intervene lora` or peft"),
+    "safetensors": ("safetensors weights file", ""),
+    "gguf": ("GGUF file", ""),
+    "sqlite": ("SQLite database", "`rolemrc serve`'s A/B log"),
+    "serve-config": ("serve config", ""),
+    "train-config": ("training config", ""),
+    "json": ("JSON file", ""),
+    "yaml": ("YAML file", ""),
+}.items()}
+
+FOLDER_MARKS = (   # (kind, files that make a folder that kind), first match wins
+    ("model", ("config.json",)),
+    ("peft-adapter", ("adapter_config.json",)),
+    ("diff", ("diff.safetensors",)),
+    ("eval-run", ("report.json", "responses.jsonl")),
+    ("sweep", ("plan.json",)),
+    ("calibration", ("calibration.json",)),
+    ("organisms", ("heldout.jsonl", "replies.jsonl")),
+    ("datagen", ("sft.jsonl", "pairs.jsonl", "test.jsonl")),
+)
+RECORD_KEYS = (   # (kind, keys of a JSONL record that make the file that kind), first match wins
+    ("responses", {"response"}),
+    ("records", {"chosen"}), ("records", {"question"}), ("records", {"conversations"}), ("records", {"messages"}),
+    ("records", {"prompt"}), ("records", {"persona"}), ("records", {"passages"}),
+)
+TRAIN_KEYS = {"learning_rate", "max_steps", "num_train_epochs", "per_device_train_batch_size", "lora_r", "beta"}
+
+
+def identify(path: str | os.PathLike) -> str:
+    """The key in KINDS of what `path` holds (cheap: never reads more than a header or a first record)."""
+    path = Path(path)
+    if not path.exists():
+        return "missing"
+    if path.is_dir():
+        names = {p.name for p in path.iterdir()}
+        if not names:
+            return "empty-folder"
+        return next((kind for kind, marks in FOLDER_MARKS if set(marks) <= names), "folder")
+    with path.open("rb") as fh:
+        head = fh.read(SNIFF)
+    if not head:
+        return "empty-file"
+    if head.startswith(b"GGUF"):
+        return "gguf"
+    if head.startswith(b"SQLite format 3\x00"):
+        return "sqlite"
+    if (meta := safetensors_metadata(path, head)) is not None:
+        return tensor_kind(meta)
+    if b"\x00" in head:
+        return "binary"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:   # not a character cut by the sniff's end
+            return "non-utf8"
+        text = head[:exc.start].decode("utf-8")
+    return text_kind(path, text)
+
+
+def safetensors_metadata(path: Path, head: bytes) -> dict[str, str] | None:
+    """The `__metadata__` of a safetensors file (its 8-byte header length, then a JSON header), or None if `head`
+    does not start one."""
+    if len(head) < 10:
+        return None
+    (size,) = struct.unpack("<Q", head[:8])
+    if not 2 <= size <= 100_000_000 or head[8:9] != b"{":
+        return None
+    with path.open("rb") as fh:
+        fh.seek(8)
+        raw = fh.read(size)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return header.get("__metadata__") or {} if isinstance(header, dict) else None
+
+
+def tensor_kind(meta: dict[str, str]) -> str:
+    if meta.get("kind") == "attribution":
+        return "attribution"
+    if meta.get("kind") == "diff":
+        return "diff-file"
+    if "dimensions" in meta and "hook" in meta:
+        if "cases_a" in meta or "a_model_fingerprint" in meta:
+            return "diff-file"
+        return "paired-probe" if "models" in meta else "probe"
+    return "safetensors"
+
+
+def text_kind(path: Path, text: str) -> str:
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if path.suffix == ".jsonl" or (first.startswith("{") and first.rstrip().endswith("}") and "\n" in text.strip()):
+        try:
+            record = json.loads(first)
+        except ValueError:
+            return "text"
+        if isinstance(record, dict):
+            return next((kind for kind, keys in RECORD_KEYS if keys <= set(record)), "records")
+        return "text"
+    if path.suffix in (".json", ".yaml", ".yml"):
+        return document_kind(path)
+    return "text"
+
+
+def document_kind(path: Path) -> str:
+    """Kind of a JSON or YAML document by its top-level keys."""
+    import yaml
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else yaml.safe_load(
+            path.read_text(encoding="utf-8"))
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError):
+        return "json" if path.suffix == ".json" else "yaml"
+    if isinstance(data, dict):
+        keys = set(data)
+        if {"hook", "units"} <= keys:
+            return "restraint"
+        if "models" in keys and isinstance(data["models"], (list, dict)):
+            return "serve-config"
+        if keys & TRAIN_KEYS:
+            return "train-config"
+        if "peft_type" in keys:
+            return "peft-adapter"
+    return "json" if path.suffix == ".json" else "yaml"
+
+
+def describe(path: str | os.PathLike) -> str:
+    """What `path` holds, as a phrase: "a diff folder (from `rolemrc probe diff`)"."""
+    return str(KINDS[identify(path)])
+
+
+def expect(path: str | os.PathLike, kinds: str | tuple[str, ...], wanted: str) -> Path:
+    """`path` as a Path when it holds one of `kinds` (keys of KINDS), else an InputError saying what it is, then
+    `wanted` ("`rolemrc probe diff` wants probe files from `rolemrc probe collect`")."""
+    kinds = (kinds,) if isinstance(kinds, str) else kinds
+    found = identify(path)
+    if found not in kinds:
+        raise InputError(f"{path} is {KINDS[found]}; {wanted}")
+    return Path(path)
