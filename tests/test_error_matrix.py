@@ -1,0 +1,258 @@
+"""Every wrong input a clean error: a matrix over the CLI's commands, each argument that names a file or folder, and the
+things people hand them by mistake (missing, empty, a folder for a file and the reverse, binary, non-UTF-8 text, and
+every other kind of rolemrc artifact, all made by rolemrc itself). Each cell must end with exit 2, one `error:` line
+naming the path (and, for an artifact, what it is), no traceback, and nothing written.
+
+The commands and their path arguments come from the CLI (typer's own walk); `TEMPLATES` gives each command a valid
+invocation whose other arguments are right, so a cell has exactly one wrong input. A command that reads a path and has
+no template fails `test_every_path_argument_is_in_the_matrix`: the matrix grows the day a command is added."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import typing
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from rolemrc.cli import app
+from rolemrc.core.artifacts import KINDS
+from rolemrc.core.errors import EXIT_INPUT
+from rolemrc.core.io import write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ("records", "pairs", "sft-records", "responses")   # JSONL a data argument reads (any record format)
+ARTIFACTS = ("probe", "paired-probe", "attribution", "diff", "restraint", "eval-run", "sweep", "model", "peft-adapter",
+             "gguf", "sqlite", "serve-config")   # rolemrc's own kinds: the error says which one it got
+BROKEN = ("missing", "empty-file", "empty-folder", "folder", "binary", "non-utf8")
+
+# A valid invocation per command: "{kind}" is an artifact of that kind (an input under test), "{out}" a fresh folder.
+TEMPLATES: dict[str, list[str]] = {
+    "probe collect": ["--model", "{model}", "--data", "{records}", "--out", "{out}/p.safetensors"],
+    "probe attribute": ["--sft", "{model}", "--dpo", "{model}", "--pairs", "{pairs}", "--out", "{out}/a.safetensors"],
+    "probe merge": ["{probe}", "{probe}", "--out", "{out}/m.safetensors"],
+    "probe diff": ["{paired-probe}", "--out", "{out}/d"],
+    "probe explore": ["--diff", "{diff}", "--out", "{out}/e.html"],
+    "intervene select": ["--diff", "{diff}", "--dimension", "role_style", "--top-k", "4", "--out", "{out}/s.yaml"],
+    "intervene bake": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/b"],
+    "intervene lora": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/l"],
+    "intervene check": ["--model", "{model}", "--restraint", "{restraint}", "--baked", "{model}"],
+    "sweep run": ["--model", "{model}", "--diff", "{diff}", "--data", "{records}", "--out", "{out}/s",
+                  "--dimension", "role_style"],
+    "sweep ab": ["--from-sweep", "{sweep}", "--base-url", "http://127.0.0.1:9/v1"],
+    "eval generate": ["--data", "{records}", "--out", "{out}/r.jsonl", "--model", "{model}", "--restraint", "{restraint}"],
+    "eval score": ["{responses}", "--out", "{out}/run"],
+    "eval run": ["--data", "{records}", "--out", "{out}/run", "--model", "{model}"],
+    "eval compare": ["{eval-run}", "{eval-run}", "--out", "{out}/c"],
+    "eval report": ["{eval-run}", "--out", "{out}/r"],
+    "train sft": ["--model", "{model}", "--data", "{sft-records}", "--out", "{out}/s"],
+    "train dpo": ["--model", "{model}", "--data", "{pairs}", "--out", "{out}/d"],
+    "serve": ["--config", "{serve-config}"],
+    "ab report": ["exp", "--db", "{sqlite}", "--out", "{out}/ab"],
+    "models convert": ["{gguf}", "--out", "{out}/m"],
+}
+ALIASES = {"intervene sweep": "sweep run", "ab create": "sweep ab"}
+# what an argument accepts beyond its template's own kind: (command, argument) -> kinds
+ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("probe collect", "--data"): RECORDS, ("eval generate", "--data"): RECORDS, ("eval run", "--data"): RECORDS,
+    ("sweep run", "--data"): RECORDS, ("probe diff", "a"): ("probe", "paired-probe"),
+    ("probe merge", "probes"): ("probe", "paired-probe", "attribution"),
+    ("probe explore", "--diff"): ("diff", "diff-file"), ("intervene select", "--diff"): ("diff", "diff-file", "attribution"),
+    ("sweep run", "--diff"): ("diff", "diff-file", "attribution"),
+}
+# path arguments outside the matrix, and why
+OUTSIDE = {
+    ("probe diff", "b"): "the second of two unpaired probe files: covered by `a` (the same reader)",
+    ("probe explore", "diff_dir"): "the old positional spelling of --diff (the same reader)",
+    ("sweep run", "--cells-dir"): "a store the sweep creates (any folder, or none yet)",
+    ("train base", "--data"): "a text corpus for the embedded base model (any text is one)",
+    ("train base", "--config"): "covered by train sft --config (one reader, TrainConfig)",
+    ("train sft", "--config"): "a YAML of training settings; its errors are train's ConfigError (tests/test_train_config.py)",
+    ("train dpo", "--config"): "as train sft --config",
+    ("datagen run", "--personas"): "source files in several foreign formats (tests/test_datagen.py)",
+    ("datagen run", "--mrc"): "as --personas",
+    ("models pull", "--wheel"): "a registry wheel (tests/test_models.py)",
+    ("models pull", "--gguf"): "covered by models convert (one reader)",
+    ("models list", "--dir"): "a cache folder, listed (any folder, or none yet)",
+    ("bench organism", "--organisms"): "an organisms folder it builds when missing",
+}
+
+
+def path_arguments() -> dict[str, list[str]]:
+    """command -> names of its arguments that take a path (a Path annotation), outputs aside."""
+    found: dict[str, list[str]] = {}
+
+    def walk(command, path):
+        if getattr(command, "commands", None):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+            return
+        names = []
+        for p in command.params:
+            annotation = p.type_descriptor.annotation
+            if annotation is Path or Path in typing.get_args(annotation):
+                name = p.opts[0] if p.opts else p.name
+                if name not in ("--out", "--json"):
+                    names.append(name)
+        if names:
+            found[" ".join(path)] = names
+
+    walk(get_command(app), [])
+    return found
+
+
+def template_arguments(command: str) -> list[tuple[int, str, str]]:
+    """(token index, argument name, kind) of each "{kind}" input in the command's template."""
+    tokens = TEMPLATES[ALIASES.get(command, command)]
+    out, positional = [], 0
+    names = path_arguments().get(command, [])
+    options = [n for n in names if n.startswith("-")]
+    positionals = [n for n in names if not n.startswith("-")]
+    for k, token in enumerate(tokens):
+        if not (token.startswith("{") and token.endswith("}")) or token.startswith("{out"):
+            continue
+        if k > 0 and tokens[k - 1].startswith("--"):
+            name = tokens[k - 1]
+        else:
+            name = positionals[min(positional, len(positionals) - 1)] if positionals else str(positional)
+            positional += 1
+        out.append((k, name, token[1:-1]))
+    return out
+
+
+def test_every_path_argument_is_in_the_matrix():
+    missing = []
+    for command, names in path_arguments().items():
+        covered = {name for _, name, _ in template_arguments(command)} if ALIASES.get(command, command) in TEMPLATES else set()
+        missing += [f"{command} {n}" for n in names if n not in covered and (command, n) not in OUTSIDE]
+    assert not missing, f"path arguments with no template and no reason in OUTSIDE: {missing}"
+
+
+@pytest.fixture(scope="module")
+def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
+    """kind -> a path holding it, each made by rolemrc itself (the foreign and broken ones by hand)."""
+    from fixtures import test_records
+
+    root = tmp_path_factory.mktemp("artifacts")
+    runner = CliRunner()
+
+    def run(*args: str) -> None:
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == 0, (args, result.output)
+
+    model, other = str(model_dirs["llama"]), str(root / "dpo")
+    from rolemrc.core.tiny import build_model
+
+    build_model("llama", tokenizer, seed=9, hidden=64, layers=2, intermediate=96).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    records = test_records(6)
+    made = {"model": Path(model), "records": write_jsonl(root / "test.jsonl", records)}
+    made["pairs"] = write_jsonl(root / "pairs.jsonl", [{"id": r["id"], "prompt": r["question"], "chosen": "Aye, friend.",
+                                                        "rejected": "No.", "task": r["task"]} for r in records])
+    made["sft-records"] = write_jsonl(root / "sft.jsonl", [
+        {"id": r["id"], "conversations": [*r["question"], {"role": "assistant", "content": "Aye."}], "task": r["task"]}
+        for r in records])
+    run("probe", "collect", "--model", model, "--data", str(made["records"]), "--out", str(root / "probe.safetensors"))
+    run("probe", "collect", "--model", model, "--model", other, "--data", str(made["records"]),
+        "--out", str(root / "paired.safetensors"))
+    run("probe", "attribute", "--sft", model, "--dpo", other, "--pairs", str(made["pairs"]),
+        "--out", str(root / "attribution.safetensors"))
+    run("probe", "diff", str(root / "paired.safetensors"), "--out", str(root / "diff"), "--no-figures")
+    run("intervene", "select", "--diff", str(root / "diff"), "--dimension", "role_style", "--top-k", "4",
+        "--factor", "0", "--out", str(root / "restraint.yaml"))
+    run("intervene", "lora", "--model", model, "--restraint", str(root / "restraint.yaml"), "--out", str(root / "adapter"))
+    run("eval", "generate", "--data", str(made["records"]), "--model", model, "--max-new-tokens", "4",
+        "--out", str(root / "responses.jsonl"))
+    run("eval", "score", str(root / "responses.jsonl"), "--metrics", "bleu", "--out", str(root / "eval-run"))
+    run("sweep", "run", "--model", model, "--diff", str(root / "diff"), "--data", str(made["records"]),
+        "--dimension", "role_style", "--factors", "0", "--top-k", "4", "--controls", "0", "--metrics", "bleu",
+        "--max-new-tokens", "4", "--out", str(root / "sweep"))
+    made |= {"probe": root / "probe.safetensors", "paired-probe": root / "paired.safetensors",
+             "attribution": root / "attribution.safetensors", "diff": root / "diff", "restraint": root / "restraint.yaml",
+             "peft-adapter": root / "adapter", "responses": root / "responses.jsonl", "eval-run": root / "eval-run",
+             "sweep": root / "sweep"}
+
+    import gguf
+
+    writer = gguf.GGUFWriter(str(root / "model.gguf"), "llama")
+    writer.add_name("a GGUF with no tensors")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    made["gguf"] = root / "model.gguf"
+    with sqlite3.connect(root / "log.sqlite") as db:
+        db.execute("create table requests (id integer)")
+    made["sqlite"] = root / "log.sqlite"
+    (root / "serve.yaml").write_text(json.dumps({"models": [{"name": "m", "path": model}]}))
+    made["serve-config"] = root / "serve.yaml"
+
+    (root / "empty.jsonl").write_bytes(b"")
+    (root / "empty-folder").mkdir()
+    (root / "folder").mkdir()
+    (root / "folder" / "notes.txt").write_text("some notes\n")
+    (root / "binary.safetensors").write_bytes(bytes(range(256)) * 8)
+    (root / "latin1.jsonl").write_bytes('{"id": "a", "question": "café crème"}\n'.encode("latin-1"))
+    made |= {"missing": root / "nowhere" / "nothing.jsonl", "empty-file": root / "empty.jsonl",
+             "empty-folder": root / "empty-folder", "folder": root / "folder", "binary": root / "binary.safetensors",
+             "non-utf8": root / "latin1.jsonl"}
+    return made
+
+
+def cells() -> list[tuple[str, str, str]]:
+    """(command, argument, wrong kind) for every path argument in the matrix and every kind it does not accept."""
+    out = []
+    for command in path_arguments():
+        if ALIASES.get(command, command) not in TEMPLATES:
+            continue
+        for _, name, own in template_arguments(command):
+            accepted = set(ACCEPTS.get((ALIASES.get(command, command), name), ())) | {own}
+            out += [(command, name, kind) for kind in (*BROKEN, *RECORDS, *ARTIFACTS) if kind not in accepted]
+    return out
+
+
+def test_every_wrong_input_is_one_clean_error(artifacts, tmp_path):
+    runner = CliRunner()
+    failed, examples, count = [], {}, 0
+    for command, name, kind in cells():
+        count += 1
+        out = tmp_path / f"cell-{count}"
+        out.mkdir()
+        tokens = TEMPLATES[ALIASES.get(command, command)]
+        position = next(k for k, n, _ in template_arguments(command) if n == name)
+        args = []
+        for k, token in enumerate(tokens):
+            if k == position:
+                args.append(str(artifacts[kind]))
+            elif token.startswith("{out}"):
+                args.append(token.replace("{out}", str(out)))
+            elif token.startswith("{") and token.endswith("}"):
+                args.append(str(artifacts[token[1:-1]]))
+            else:
+                args.append(token)
+        result = runner.invoke(app, [*command.split(), *args])
+        output = result.output
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        problems = []
+        if result.exit_code != EXIT_INPUT:
+            problems.append(f"exit {result.exit_code}" + (f" ({type(result.exception).__name__}: {result.exception})"
+                                                          if result.exception and result.exit_code != 2 else ""))
+        if len(errors) != 1:
+            problems.append(f"{len(errors)} error lines")
+        elif str(artifacts[kind]) not in errors[0] and str(artifacts[kind].name) not in errors[0]:
+            problems.append("the error does not name the path")
+        elif kind in ARTIFACTS and KINDS[kind].name not in errors[0]:
+            problems.append(f"the error does not say it is {KINDS[kind]}")
+        if "Traceback" in output:
+            problems.append("a traceback")
+        if any(out.iterdir()):
+            problems.append("wrote " + ", ".join(p.name for p in out.iterdir()))
+        if problems:
+            failed.append(f"{command} {name} <- {kind}: {'; '.join(problems)} | {errors[0] if errors else output[-200:]!r}")
+        elif len(examples) < 3 and kind in ARTIFACTS:
+            examples[(command, name, kind)] = errors[0]
+    print(f"\n{count} cells, {len(failed)} failed; examples:", *examples.values(), sep="\n")
+    assert not failed, f"{len(failed)} of {count} cells:\n" + "\n".join(failed)
