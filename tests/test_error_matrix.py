@@ -109,7 +109,6 @@ def template_arguments(command: str) -> list[tuple[int, str, str]]:
     tokens = TEMPLATES[ALIASES.get(command, command)]
     out, positional = [], 0
     names = path_arguments().get(command, [])
-    options = [n for n in names if n.startswith("-")]
     positionals = [n for n in names if not n.startswith("-")]
     for k, token in enumerate(tokens):
         if not (token.startswith("{") and token.endswith("}")) or token.startswith("{out"):
