@@ -187,6 +187,8 @@ def expect(path: str | os.PathLike, kinds: str | tuple[str, ...], wanted: str) -
     `wanted` ("`rolemrc probe diff` wants probe files from `rolemrc probe collect`")."""
     kinds = (kinds,) if isinstance(kinds, str) else kinds
     found = identify(path)
+    if found == "missing" and "missing" not in kinds:
+        raise InputError(f"{path}: no such file or folder; {wanted}")
     if found not in kinds:
         raise InputError(f"{path} is {KINDS[found]}; {wanted}")
     return Path(path)

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rolemrc.core.artifacts import KINDS, describe, identify
 from rolemrc.core.errors import InputError
 
 
@@ -20,23 +21,34 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, record) for each non-blank line; raise JsonlError on bad lines."""
     path = Path(path)
     if not path.is_file():
-        raise JsonlError(f"{path}: no such file")
+        raise JsonlError(f"{path}: no such file" if not path.exists() else f"{path} is {describe(path)}; expected a "
+                         "JSONL file of records")
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise JsonlError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                                 f"{exc.start + 1}); is this a JSONL file?") from None
+                raise JsonlError(not_records(path) or f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at "
+                                 f"column {exc.start + 1}); is this a JSONL file?") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise JsonlError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+                raise JsonlError(not_records(path) or f"{path}:{lineno}: invalid JSON ({exc.msg} at column "
+                                 f"{exc.colno})") from None
             if not isinstance(record, dict):
                 raise JsonlError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
             yield lineno, record
+
+
+def not_records(path: Path, what: str = "JSONL file of records") -> str | None:
+    """For a file that does not parse as `what`: what it is instead, when it is something rolemrc knows (a probe file,
+    a GGUF, ...), else None (the parser's own message says more)."""
+    kind = identify(path)
+    if kind in ("binary", "non-utf8", "text", "records", "responses", "json", "yaml"):
+        return None
+    return f"{path} is {KINDS[kind]}; expected a {what}"
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -50,13 +62,13 @@ def read_yaml(path: str | os.PathLike, error: type[Exception] = InputError, what
 
     path = Path(path)
     if not path.is_file():
-        raise error(f"{path}: no such {what}")
+        raise error(f"{path}: no such {what}" if not path.exists() else f"{path} is {describe(path)}; expected a {what}")
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
-        raise error(f"{path}: not UTF-8 text; is this a {what}?") from None
+        raise error(not_records(path, what) or f"{path}: not UTF-8 text; is this a {what}?") from None
     except yaml.YAMLError as exc:
-        raise error(f"{path}: not valid YAML ({exc})") from None
+        raise error(not_records(path, what) or f"{path}: not valid YAML ({exc})") from None
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

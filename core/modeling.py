@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rolemrc.core.artifacts import describe
 from rolemrc.core.errors import InputError
 from rolemrc.core.io import file_fingerprint
 
@@ -56,7 +57,7 @@ def check_model_dir(path: str | os.PathLike) -> Path:
         elif not path.exists():
             what = "no such directory"
         else:
-            what = "not a Hugging Face model directory (no config.json)"
+            what = f"{describe(path)}, not a Hugging Face model directory (no config.json)"
         raise ModelDirError(f"{path}: {what}")
     return path
 

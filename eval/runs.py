@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rolemrc.core.artifacts import KINDS, identify
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.core.records import merge_fields
@@ -60,7 +61,9 @@ class EvalRun:
     def load(cls, path: str | os.PathLike) -> EvalRun:
         path = Path(path)
         if not (path / "report.json").is_file():
-            raise RunError(f"{path}: not a scored eval run (no report.json); run `rolemrc eval score` first")
+            found = identify(path)
+            what = "no such folder" if found == "missing" else f"it is {KINDS[found]}, not a scored eval run (no report.json)"
+            raise RunError(f"{path}: {what}; `rolemrc eval run` or `eval score` writes one")
         return cls(read_jsonl(path / "responses.jsonl"), read_jsonl(path / "metrics.jsonl"),
                    read_jsonl(path / "verdicts.jsonl"), json.loads((path / "report.json").read_text()), path)
 

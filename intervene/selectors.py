@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
+from rolemrc.core.artifacts import expect
 from rolemrc.core.registry import Registry
 from rolemrc.intervene.spec import RestraintError
 
@@ -82,6 +83,8 @@ def input_hook(path: str | os.PathLike) -> str:
     """The hook point a selector's input (a diff, or an attribution file) was measured at."""
     from rolemrc.probe.counts import read_tensors
 
+    expect(path, ("diff", "diff-file", "attribution"), "a selector reads a diff folder (from `rolemrc probe diff`) or "
+           "an attribution file (from `rolemrc probe attribute`)")
     return read_tensors(input_file(path), "diff or attribution file", missing="no such diff or attribution file")[0]["hook"]
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from rolemrc.core.artifacts import expect
 from rolemrc.core.chat import tokenize_replies
 from rolemrc.core.io import file_fingerprint, iter_jsonl
 from rolemrc.core.modeling import check_model_dir
@@ -170,6 +171,7 @@ def is_attribution_file(path: str | os.PathLike) -> bool:
 
 def load_attribution(path: str | os.PathLike) -> Attribution:
     """An attribution file (`rolemrc probe attribute`); its `scores` are the per-dimension mean score tensors."""
+    expect(path, "attribution", "expected an attribution file (from `rolemrc probe attribute`)")
     meta, tensors = read_tensors(path, "attribution file", missing="no such attribution file")
     if meta.get("kind") != KIND:
         raise ProbeError(f"{path}: not an attribution file (kind {meta.get('kind', 'probe counts')!r}); "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rolemrc.core.artifacts import expect
 from rolemrc.probe.errors import ProbeError, ProbeFileError
 from rolemrc.probe.options import Rank, Tokens
 
@@ -84,6 +85,7 @@ def read_tensors(path: str | os.PathLike, what: str, *, missing: str) -> tuple[d
 def read_probe_tensors(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(metadata, tensors) of a probe file of counts; another kind of rolemrc file (`kind` in its metadata, as an
     attribution file has) is refused by name."""
+    expect(path, ("probe", "paired-probe"), "expected a probe file (from `rolemrc probe collect`)")
     meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
     if "kind" in meta:
         raise ProbeError(f"{path}: an {meta['kind']} file, not a probe file of counts")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from rolemrc.core.artifacts import expect
 from rolemrc.core.stats import benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test, welch_t_test
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
@@ -308,6 +309,7 @@ def standardized_effect(mean_a: torch.Tensor, var_a: torch.Tensor, mean_b: torch
 def load_diff(path: str | os.PathLike) -> DiffResult:
     """Load a diff from its directory or its diff.safetensors file."""
     path = Path(path)
+    expect(path, ("diff", "diff-file"), "expected a diff folder (from `rolemrc probe diff`)")
     file = path / DIFF_FILE if path.is_dir() else path
     meta, tensors = read_tensors(file, "diff file",
                                  missing="no diff file (run `rolemrc probe diff A B --out DIR` first)")
