@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from rolemrc.core.artifacts import describe, identify
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
@@ -147,6 +148,8 @@ class Restraint:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Restraint:
+        if identify(path) not in ("restraint", "yaml", "json", "missing"):   # another kind of file: say which
+            raise RestraintError(f"{path} is {describe(path)}; expected a restraint spec (from `rolemrc intervene select`)")
         data = read_yaml(path, RestraintError, "restraint spec")  # YAML is a superset of JSON
         try:
             return cls.from_dict(data)
