@@ -129,9 +129,10 @@ def safetensors_metadata(path: Path, head: bytes) -> dict[str, str] | None:
 
 
 def tensor_kind(meta: dict[str, str]) -> str:
-    if meta.get("kind") == "attribution":
-        return "attribution"
-    if meta.get("kind") == "diff":
+    stamped = meta.get("kind")
+    if stamped in ("probe", "paired-probe", "attribution"):
+        return stamped
+    if stamped == "diff":
         return "diff-file"
     if "dimensions" in meta and "hook" in meta:
         if "cases_a" in meta or "a_model_fingerprint" in meta:
@@ -175,6 +176,28 @@ def document_kind(path: Path) -> str:
         if "peft_type" in keys:
             return "peft-adapter"
     return "json" if path.suffix == ".json" else "yaml"
+
+
+# The format version of each kind this rolemrc writes (and the newest it reads); files written before versions
+# existed read as version 1.
+FORMATS = {"probe": 1, "paired-probe": 1, "attribution": 1, "diff": 1, "restraint": 1}
+
+
+def stamp(kind: str) -> dict[str, str]:
+    """The metadata that says what a written file is: {"kind", "format"} (strings, as safetensors metadata wants)."""
+    return {"kind": kind, "format": str(FORMATS[kind])}
+
+
+def check_format(path: str | os.PathLike, meta: dict, kind: str) -> None:
+    """An InputError for a `kind` file whose format is newer than this rolemrc reads, with both versions named."""
+    version = meta.get("format", 1)
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        raise InputError(f"{path}: unreadable format version {version!r} of {KINDS[kind]}") from None
+    if version > FORMATS[kind]:
+        raise InputError(f"{path}: {KINDS[kind].name} format {version}, written by a newer rolemrc; this one reads "
+                         f"format {FORMATS[kind]} (upgrade rolemrc)")
 
 
 def describe(path: str | os.PathLike) -> str:

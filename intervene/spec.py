@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from rolemrc.core.artifacts import describe, identify
+from rolemrc.core.artifacts import FORMATS, describe, identify
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
@@ -128,7 +128,7 @@ class Restraint:
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.to_dict()
+        data = {"kind": "restraint", "format": FORMATS["restraint"], **self.to_dict()}   # a file says what it is
         text = json.dumps(data, indent=1) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
         path.write_text(text)
         return path
@@ -137,7 +137,13 @@ class Restraint:
     def from_dict(cls, data: dict[str, Any]) -> Restraint:
         if not isinstance(data, dict):
             raise RestraintError(f"a restraint spec must be a mapping, got {type(data).__name__}")
-        unknown = set(data) - {"name", "hook", "factor", "units", "source"}
+        if data.get("kind", "restraint") != "restraint":
+            raise RestraintError(f"a {data['kind']!r} document, not a restraint spec")
+        version = data.get("format", 1)
+        if not isinstance(version, int) or version > FORMATS["restraint"]:
+            raise RestraintError(f"restraint spec format {version!r}: written by a newer rolemrc; this one reads format "
+                                 f"{FORMATS['restraint']} (upgrade rolemrc)")
+        unknown = set(data) - {"name", "hook", "factor", "units", "source", "kind", "format"}
         if unknown:
             raise RestraintError(f"unknown spec field(s) {sorted(unknown)}")
         missing = {"name", "hook", "units"} - set(data)

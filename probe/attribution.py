@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rolemrc.core.artifacts import expect
+from rolemrc.core.artifacts import check_format, expect, stamp
 from rolemrc.core.chat import tokenize_replies
 from rolemrc.core.io import file_fingerprint, iter_jsonl
 from rolemrc.core.modeling import check_model_dir
@@ -176,6 +176,7 @@ def load_attribution(path: str | os.PathLike) -> Attribution:
     if meta.get("kind") != KIND:
         raise ProbeError(f"{path}: not an attribution file (kind {meta.get('kind', 'probe counts')!r}); "
                          "write one with `rolemrc probe attribute`")
+    check_format(path, meta, KIND)
     dims = json.loads(meta.pop("dimensions"))
     return Attribution({d: tensors[f"attribution.{d}"] for d in dims}, {d: int(tensors[f"pairs.{d}"]) for d in dims},
                        meta, tensors[CASE_HASHES])
@@ -399,7 +400,7 @@ def attribute(sft: Any, dpo: Any, data: Any, config: AttributeConfig | None = No
     pairs = build_pairs(records, tokenizer, dimension_field=config.dimension_field, max_length=cap)
     sums = attribute_pairs(sft, dpo, tokenizer, pairs, config, cap)
     fingerprint = cases_fingerprint(pairs.hashes)
-    meta = {"kind": KIND, "hook": config.hook, "width": str(sums.shape[2]), "layers": str(sums.shape[1]),
+    meta = {**stamp(KIND), "hook": config.hook, "width": str(sums.shape[2]), "layers": str(sums.shape[1]),
             "models": json.dumps(dict(zip(ROLES, (sft_meta, dpo_meta)))), "reply_tokens": REPLY_TOKENS,
             "score_bits": str(SCORE_BITS), "max_length": str(cap), "dimension_field": config.dimension_field or "",
             "truncated": str(pairs.truncated), "data_fingerprint": data_fingerprint or fingerprint,

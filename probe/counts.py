@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rolemrc.core.artifacts import expect
+from rolemrc.core.artifacts import check_format, expect, stamp
 from rolemrc.probe.errors import ProbeError, ProbeFileError
 from rolemrc.probe.options import Rank, Tokens
 
@@ -87,8 +87,10 @@ def read_probe_tensors(path: str | os.PathLike) -> tuple[dict[str, str], dict[st
     attribution file has) is refused by name."""
     expect(path, ("probe", "paired-probe"), "expected a probe file (from `rolemrc probe collect`)")
     meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
-    if "kind" in meta:
-        raise ProbeError(f"{path}: an {meta['kind']} file, not a probe file of counts")
+    kind = meta.get("kind", "probe")
+    if kind not in ("probe", "paired-probe"):
+        raise ProbeError(f"{path}: an {kind} file, not a probe file of counts")
+    check_format(path, meta, kind)
     return meta, tensors
 
 
@@ -307,7 +309,7 @@ class ProbeCounts:
         return tensors
 
     def save(self, path: str | os.PathLike) -> Path:
-        return write_tensors(path, self.tensors(), {**self.meta, "dimensions": json.dumps(self.dimensions)})
+        return write_tensors(path, self.tensors(), {**self.meta, "dimensions": json.dumps(self.dimensions), **stamp("probe")})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeCounts:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rolemrc.core.artifacts import expect
+from rolemrc.core.artifacts import check_format, expect, stamp
 from rolemrc.core.stats import benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test, welch_t_test
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
@@ -149,7 +149,7 @@ class DiffResult:
                     dtype = torch.float64 if name in ("effect_p", "effect_q") else torch.float32
                     tensors[f"{name}.{d}"] = getattr(self, name)[d].to(dtype).contiguous()
         meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "cases_a": json.dumps(self.cases_a),
-                "cases_b": json.dumps(self.cases_b), "empty": json.dumps(self.empty)}
+                "cases_b": json.dumps(self.cases_b), "empty": json.dumps(self.empty), **stamp("diff")}
         save_file(tensors, str(out / DIFF_FILE), metadata=meta)
         layers = self.layer_summary(fdr)
         (out / "layers.json").write_text(json.dumps(layers, indent=1))
@@ -315,6 +315,7 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
                                  missing="no diff file (run `rolemrc probe diff A B --out DIR` first)")
     if meta.get("kind", "diff") != "diff":
         raise ProbeError(f"{file}: not a probe diff (its kind is {meta['kind']!r}; `rolemrc probe diff` writes diffs)")
+    check_format(file, meta, "diff")
     dims = json.loads(meta.pop("dimensions"))
     tables = {name: {d: tensors[f"{name}.{d}"] for d in dims} for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue")}
     tables |= {name: {d: tensors[f"{name}.{d}"] for d in dims if f"{name}.{d}" in tensors} for name in EFFECT_TABLES}

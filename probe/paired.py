@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from rolemrc.core.artifacts import stamp
 from rolemrc.probe.counts import (
     ProbeCounts,
     TopKCounter,
@@ -173,7 +174,7 @@ class PairedCounts:
         for m, counts in enumerate(self.counts):
             tensors.update(counts.tensors(model=m))
         models = [{key: c.meta.get(key, "") for key in MODEL_KEYS} for c in self.counts]
-        meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "models": json.dumps(models)}
+        meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "models": json.dumps(models), **stamp("paired-probe")}
         return write_tensors(path, tensors, meta)
 
     @classmethod
