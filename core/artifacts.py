@@ -167,6 +167,8 @@ def document_kind(path: Path) -> str:
         return "json" if path.suffix == ".json" else "yaml"
     if isinstance(data, dict):
         keys = set(data)
+        if data.get("kind") in KINDS:   # a file that says what it is
+            return data["kind"]
         if {"hook", "units"} <= keys:
             return "restraint"
         if "models" in keys and isinstance(data["models"], (list, dict)):
