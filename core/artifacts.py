@@ -207,6 +207,12 @@ def describe(path: str | os.PathLike) -> str:
     return str(KINDS[identify(path)])
 
 
+# Contents no look can place (plain text, a JSON or YAML document of no known kind, bytes): a reader that accepts
+# these lets its own parser say what is wrong, with line and column.
+GENERIC = ("text", "json", "yaml", "binary", "non-utf8")
+JSONL_INPUT = ("records", "responses", *GENERIC)   # what a reader of records accepts before it parses
+
+
 def expect(path: str | os.PathLike, kinds: str | tuple[str, ...], wanted: str) -> Path:
     """`path` as a Path when it holds one of `kinds` (keys of KINDS), else an InputError saying what it is, then
     `wanted` ("`rolemrc probe diff` wants probe files from `rolemrc probe collect`")."""

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rolemrc.core.artifacts import KINDS, describe, identify
+from rolemrc.core.artifacts import JSONL_INPUT, KINDS, describe, expect, identify
 from rolemrc.core.errors import InputError
 
 
@@ -54,6 +54,17 @@ def not_records(path: Path, what: str = "JSONL file of records") -> str | None:
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read a whole JSONL file of objects."""
     return [record for _, record in iter_jsonl(path)]
+
+
+def read_input_jsonl(path: str | os.PathLike, wanted: str = "expected a JSONL file of records",
+                     kinds: tuple[str, ...] = JSONL_INPUT) -> list[dict[str, Any]]:
+    """A JSONL file the user named: one of another kind, or one with no records, is an InputError saying what it
+    is and then `wanted`."""
+    expect(path, kinds, wanted)
+    records = read_jsonl(path)
+    if not records:
+        raise JsonlError(f"{path} holds no records (only blank lines); {wanted}")
+    return records
 
 
 def read_yaml(path: str | os.PathLike, error: type[Exception] = InputError, what: str = "YAML file") -> Any:

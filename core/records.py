@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rolemrc.core.artifacts import JSONL_INPUT, expect
 from rolemrc.core.errors import InputError
 from rolemrc.core.io import iter_jsonl
 
@@ -166,11 +167,15 @@ def announce_fields(source: str | os.PathLike, kind: Kind, merged: dict[str, str
 def read_records(path: str | os.PathLike, kind: Kind = "test") -> tuple[list[dict[str, Any]], dict[str, str]]:
     """(canonical records, the fields used) of a JSONL file; a bad record is a RecordError naming file and
     line. Notes aliases and derived ids on stderr."""
+    wanted = f"expected a JSONL file of {'preference pairs' if kind == 'pair' else 'records'}"
     records, used = [], []
+    expect(path, JSONL_INPUT, wanted)
     for lineno, raw in iter_jsonl(path):
         record, fields = normalize_record(raw, lineno, kind, where=f"{path}:{lineno}")
         records.append(record)
         used.append(fields)
+    if not records:
+        raise RecordError(f"{path} holds no records (only blank lines); {wanted}", "no records")
     merged = merge_fields(used)
     announce_fields(Path(path), kind, merged)
     return records, merged

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rolemrc.core.artifacts import KINDS, identify
+from rolemrc.core.artifacts import GENERIC, KINDS, identify
 from rolemrc.core.errors import RolemrcError
-from rolemrc.core.io import read_jsonl, write_jsonl
+from rolemrc.core.io import read_input_jsonl, read_jsonl, write_jsonl
 from rolemrc.core.records import merge_fields
 from rolemrc.core.stats import mean_ci
 from rolemrc.eval.aggregate import aggregate
@@ -94,9 +94,14 @@ def score(items: list[dict[str, Any]] | str | os.PathLike, judge: str | JudgeCon
     if metrics == "all":
         metrics = MetricConfig()
     metric_config = metrics if isinstance(metrics, MetricConfig) or metrics is None else MetricConfig(groups=tuple(metrics))
+    source = None
     if not isinstance(items, list):
-        items = read_jsonl(items)
-    check_items(items)
+        source, items = items, read_input_jsonl(items, "`eval score` wants responses (from `rolemrc eval generate`)",
+                                                ("responses", *GENERIC))
+    try:
+        check_items(items)
+    except RunError as exc:
+        raise RunError(f"{source}: {exc}" if source else str(exc)) from None
     hyps = [str(item["response"] or "") for item in items]
     refs = [str(item["reference"] or "") for item in items]
     summary: dict[str, Any] = {"n_items": len(items), "judge": judge_info(judge_config), "bootstrap_rounds": rounds}

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from rolemrc.core.chat import render_chat
-from rolemrc.core.modeling import checkpoint_dtype, is_path, load_model, loaded_model, resolve_dtype, tokenizer_of
+from rolemrc.core.modeling import (check_model_dir, checkpoint_dtype, is_path, load_model, loaded_model, resolve_dtype,
+                                    tokenizer_of)
 from rolemrc.core.records import as_turns
 from rolemrc.intervene.bake import changed_elements, elements_changed, fold_restraint_plan
 from rolemrc.intervene.runtime import applied
@@ -116,6 +117,8 @@ def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None
     or a loaded transformers model, run as it is (its own dtype and device) with `tokenizer` (default: the one in its
     directory). Prompts are plain strings or chat turn lists (default: three sample prompts)."""
     r = Restraint.from_any(restraint)
+    if baked_dir is not None:
+        check_model_dir(baked_dir)
     if is_path(model):
         dtype = checkpoint_dtype(model) if dtype == "auto" else dtype or "float32"
         loaded, tok = load_model(model, dtype=dtype, device=device)

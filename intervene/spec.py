@@ -169,7 +169,8 @@ class Restraint:
             return value
         if isinstance(value, dict):
             return cls.from_dict(value)
-        is_path = isinstance(value, str) and "\n" not in value and Path(value).suffix in (".yaml", ".yml", ".json")
+        # a one-line string that is not an inline mapping ("{...}" or "key: value") names a file
+        is_path = isinstance(value, str) and "\n" not in value and not value.lstrip().startswith("{") and ": " not in value
         if isinstance(value, os.PathLike) or is_path:
             return cls.load(value)
         if isinstance(value, str):

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from rolemrc.core.artifacts import GENERIC, expect
+from rolemrc.core.errors import InputError
 from rolemrc.core.version import __version__
 from rolemrc.models.errors import ModelsError, UnsupportedGGUFError
 from rolemrc.models.manifest import MANIFEST, read_manifest, write_manifest
@@ -44,8 +46,10 @@ def read_info(path: Path) -> GGUFInfo:
     """Read a GGUF header; refuse files that are not GGUF or that the conversion does not handle."""
     import gguf
 
-    if not path.is_file():
-        raise ModelsError(f"{path}: no such file")
+    try:
+        expect(path, ("gguf", *GENERIC), "expected a GGUF file (e.g. from llama.cpp's convert_hf_to_gguf.py)")
+    except InputError as exc:
+        raise ModelsError(str(exc)) from None
     try:
         reader = gguf.GGUFReader(path)
         architecture = _field(reader, "general.architecture")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rolemrc.core.artifacts import check_format, expect, stamp
+from rolemrc.core.artifacts import JSONL_INPUT, check_format, expect, stamp
 from rolemrc.core.chat import tokenize_replies
 from rolemrc.core.io import file_fingerprint, iter_jsonl
 from rolemrc.core.modeling import check_model_dir
@@ -187,6 +187,7 @@ def read_pairs(data: Any) -> tuple[list[dict[str, Any]], str]:
     list of records) of a JSONL path or a list of records. A record without both replies is a ProbeError naming it;
     cheap, so run before any model loads."""
     if isinstance(data, (str, os.PathLike)):
+        expect(data, JSONL_INPUT, "expected preference pairs (JSONL with prompt, chosen and rejected)")
         numbered = [(lineno, f"{data}:{lineno}", record) for lineno, record in iter_jsonl(data)]
         fingerprint = file_fingerprint(data)
     else:

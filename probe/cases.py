@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,11 +73,14 @@ def membership_matrix(per_case: list[list[str]], by_field: bool) -> tuple[list[s
     return dimensions, membership
 
 
-def prompt_cases(records: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
-    """Each record's prompt turns, checked; cheap, so collect() runs it before loading a model."""
+def prompt_cases(records: list[dict[str, Any]], source: str | os.PathLike | None = None) -> list[list[dict[str, str]]]:
+    """Each record's prompt turns, checked (errors name `source`, the file they came from); cheap, so collect() runs
+    it before loading a model."""
     if not records:
         raise ProbeError("no records to probe")
-    return [prompt_turns(record, where=f"record {i} (id {record.get('id', '?')})") for i, record in enumerate(records)]
+    prefix = f"{source}: " if source else ""
+    return [prompt_turns(record, where=f"{prefix}record {i} (id {record.get('id', '?')})")
+            for i, record in enumerate(records)]
 
 
 def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_field: str | None = None,

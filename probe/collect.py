@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rolemrc.core.extras import require
-from rolemrc.core.io import file_fingerprint, read_jsonl
+from rolemrc.core.io import file_fingerprint, read_input_jsonl
 from rolemrc.core.modeling import (
     context_window,
     dir_fingerprint,
@@ -137,13 +137,13 @@ def check_same_shape(models: list[Any], names: list[str], hook: str) -> None:
 def _prepare(data: Any, config: CollectConfig | None, overrides: dict[str, Any]) -> tuple[CollectConfig, list, str]:
     """The config with overrides, and the records read and checked before a model loads."""
     config = CollectConfig(**{**asdict(config or CollectConfig()), **overrides})
-    data_fingerprint = ""
+    data_fingerprint, source = "", None
     if isinstance(data, (str, os.PathLike)):
-        data_fingerprint = file_fingerprint(data)
-        data = read_jsonl(data)
+        source, data = data, read_input_jsonl(data)
+        data_fingerprint = file_fingerprint(source)
     else:
         data = as_records(list(data))
-    prompt_cases(data)
+    prompt_cases(data, source)
     return config, data, data_fingerprint
 
 

@@ -8,6 +8,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+from rolemrc.core.artifacts import expect
+from rolemrc.core.errors import InputError
 from rolemrc.core.io import read_yaml
 from rolemrc.serve.engines import ENGINES, engine_class
 from rolemrc.serve.errors import ConfigError
@@ -123,7 +125,15 @@ class ServeConfig:
     @classmethod
     def load(cls, path: str | os.PathLike, engine: str | None = None) -> ServeConfig:
         path = Path(path)
-        return cls.from_dict(read_yaml(path, ConfigError, "config file"), path.parent, engine)
+        wanted = "expected a serve config (YAML with a `models` mapping)"
+        try:
+            expect(path, ("serve-config", "yaml", "json", "text", "binary", "non-utf8"), wanted)
+        except InputError as exc:
+            raise ConfigError(str(exc)) from None
+        try:
+            return cls.from_dict(read_yaml(path, ConfigError, "config file"), path.parent, engine)
+        except ConfigError as exc:
+            raise ConfigError(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
 
     def preflight(self) -> None:
         """What can be checked before serving without loading anything: ConfigError naming the model and setting."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from rolemrc.core.artifacts import expect
 from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.sweep.report import beats_both, cell_label, rank_cells
 
@@ -41,7 +42,7 @@ def arm_name(cell: dict) -> str:
 
 def load_sweep(folder: str | os.PathLike) -> tuple[list[dict], dict[str, dict]]:
     """(sweep.json's cells, cell id -> restraint spec from plan.json)."""
-    folder = Path(folder)
+    folder = expect(folder, ("sweep", "folder"), "--from-sweep wants a sweep folder (from `rolemrc sweep run`)")
     if not (folder / "sweep.json").is_file() or not (folder / "plan.json").is_file():
         raise InputError(f"--from-sweep {folder}: no finished sweep (sweep.json and plan.json) there")
     cells = json.loads((folder / "sweep.json").read_text())["cells"]

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolemrc.core.errors import RolemrcError
+from rolemrc.core.artifacts import JSONL_INPUT, expect
+from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import JsonlError, file_fingerprint, iter_jsonl
 from rolemrc.core.records import (
     Fields,
@@ -109,15 +110,18 @@ def jsonl_files(paths: list[str | os.PathLike]) -> list[Path]:
     out: list[Path] = []
     for raw in paths:
         path = Path(raw)
+        wanted = "training data is a JSONL file of records or a folder of them (e.g. from `rolemrc datagen run`)"
+        try:
+            expect(path, ("datagen", "folder", *JSONL_INPUT), wanted)
+        except InputError as exc:
+            raise DataError(str(exc)) from None
         if path.is_dir():
             found = sorted(path.glob("*.jsonl"))
             if not found:
-                raise DataError(f"{path}: directory holds no .jsonl files")
+                raise DataError(f"{path}: folder holds no .jsonl files; {wanted}")
             out.extend(found)
-        elif path.is_file():
-            out.append(path)
         else:
-            raise DataError(f"{path}: no such file or directory")
+            out.append(path)
     return out
 
 
