@@ -97,8 +97,8 @@ def identify(path: str | os.PathLike) -> str:
         return "gguf"
     if head.startswith(b"SQLite format 3\x00"):
         return "sqlite"
-    if (meta := safetensors_metadata(path, head)) is not None:
-        return tensor_kind(meta)
+    if (header := safetensors_header(path, head)) is not None:
+        return tensor_kind(header.pop("__metadata__", None) or {}, set(header))
     if b"\x00" in head:
         return "binary"
     try:
@@ -110,9 +110,9 @@ def identify(path: str | os.PathLike) -> str:
     return text_kind(path, text)
 
 
-def safetensors_metadata(path: Path, head: bytes) -> dict[str, str] | None:
-    """The `__metadata__` of a safetensors file (its 8-byte header length, then a JSON header), or None if `head`
-    does not start one."""
+def safetensors_header(path: Path, head: bytes) -> dict | None:
+    """The JSON header of a safetensors file (its 8-byte length, then tensor name -> dtype/shape/offsets, and
+    `__metadata__`), or None if `head` does not start one."""
     if len(head) < 10:
         return None
     (size,) = struct.unpack("<Q", head[:8])
@@ -125,18 +125,21 @@ def safetensors_metadata(path: Path, head: bytes) -> dict[str, str] | None:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return None
-    return header.get("__metadata__") or {} if isinstance(header, dict) else None
+    return header if isinstance(header, dict) else None
 
 
-def tensor_kind(meta: dict[str, str]) -> str:
+def tensor_kind(meta: dict[str, str], names: set[str]) -> str:
+    """The kind of a safetensors file: its stamp, else (files written before stamps) its metadata and tensor names."""
     stamped = meta.get("kind")
     if stamped in ("probe", "paired-probe", "attribution"):
         return stamped
     if stamped == "diff":
         return "diff-file"
     if "dimensions" in meta and "hook" in meta:
-        if "cases_a" in meta or "a_model_fingerprint" in meta:
+        if any(name.startswith("delta.") for name in names):
             return "diff-file"
+        if any(name.startswith("attribution.") for name in names):
+            return "attribution"
         return "paired-probe" if "models" in meta else "probe"
     return "safetensors"
 
@@ -210,7 +213,8 @@ def describe(path: str | os.PathLike) -> str:
 # Contents no look can place (plain text, a JSON or YAML document of no known kind, bytes): a reader that accepts
 # these lets its own parser say what is wrong, with line and column.
 GENERIC = ("text", "json", "yaml", "binary", "non-utf8")
-JSONL_INPUT = ("records", "responses", *GENERIC)   # what a reader of records accepts before it parses
+JSONL_INPUT = ("records", "responses", "text", "json", "yaml", "non-utf8")   # what a reader of records parses (the
+# parser names the line and column); a binary file is refused by its kind
 
 
 def expect(path: str | os.PathLike, kinds: str | tuple[str, ...], wanted: str) -> Path:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from weakref import WeakKeyDictionary
 from typing import Any
 
 import torch
@@ -143,20 +144,50 @@ def context_window(model_or_config: Any, tokenizer: Any = None, *, default: int 
     return int(window) if window else default
 
 
+DIR_FINGERPRINTS: dict[tuple, str] = {}   # (path, its files' names, sizes and times) -> fingerprint
+WEIGHT_FINGERPRINTS: WeakKeyDictionary = WeakKeyDictionary()   # loaded model -> (its tensors' versions, fingerprint)
+
+
 def dir_fingerprint(path: str | os.PathLike) -> str:
-    """Fingerprint of a model directory's config and weights."""
+    """Fingerprint of a model directory's config and weights (cached while its files keep their sizes and times)."""
     path = check_model_dir(path)
     files = [p for p in sorted(path.iterdir()) if p.name == "config.json" or p.suffix in (".safetensors", ".bin")]
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode() + file_fingerprint(file).encode())
-    return digest.hexdigest()[:16]
+    key = (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key not in DIR_FINGERPRINTS:
+        digest = hashlib.sha256()
+        for file in files:
+            digest.update(file.name.encode() + file_fingerprint(file).encode())
+        DIR_FINGERPRINTS[key] = digest.hexdigest()[:16]
+    return DIR_FINGERPRINTS[key]
 
 
 def model_fingerprint(model: Any) -> str:
-    """Fingerprint of an in-memory model: its config and every parameter's bytes."""
+    """Fingerprint of an in-memory model: its config and every parameter's bytes (cached while no tensor of it
+    changes: torch counts each in-place write in the tensor's version)."""
+    versions = tuple(t._version for t in (*model.parameters(), *model.buffers()))
+    cached = WEIGHT_FINGERPRINTS.get(model)
+    if cached and cached[0] == versions:
+        return cached[1]
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    WEIGHT_FINGERPRINTS[model] = (versions, digest.hexdigest()[:16])
+    return WEIGHT_FINGERPRINTS[model][1]
+
+
+def fingerprints(model: Any, of: str = "") -> dict[str, str]:
+    """The fingerprints of `model` (a directory or a loaded model) of kind `of` ("directory", "weights", or "" for
+    any) that can be had without loading: a directory's from its files; a loaded model's from its tensors, and its
+    directory's when it was loaded from one."""
+    found: dict[str, str] = {}
+    if is_path(model):
+        if of in ("", "directory"):
+            found["directory"] = dir_fingerprint(model)
+        return found
+    source = Path(model_name(model))
+    if of in ("", "directory") and (source / "config.json").is_file():
+        found["directory"] = dir_fingerprint(source)
+    if of in ("", "weights") and not next(model.parameters()).is_meta:   # a skeleton has no weights to hash
+        found["weights"] = model_fingerprint(loaded_model(model))
+    return found

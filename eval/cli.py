@@ -16,19 +16,20 @@ from rolemrc.eval.dataset import check_dataset
 from rolemrc.eval.generate import DType, GenerateConfig, generate
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import METRICS, MetricConfig, metrics_help, parse_metrics
+from rolemrc.intervene.spec import STRICT_HELP
 
 app = cli_app(help="Generate responses, score them (metrics + judge, CIs), compare runs.")
 
 
-def _generate_config(data: Path, model: str, base_url: str | None, restraint: str | None, extra_body: str | None,
-                     max_new_tokens: int, batch_size: int, concurrency: int, dtype: str, device: str,
-                     dataset: str | None, allow_drift: bool) -> tuple[list[dict[str, Any]], GenerateConfig]:
+def _generate_config(data: Path, model: str, base_url: str | None, restraint: str | None, strict: bool,
+                     extra_body: str | None, max_new_tokens: int, batch_size: int, concurrency: int, dtype: str,
+                     device: str, dataset: str | None, allow_drift: bool) -> tuple[list[dict[str, Any]], GenerateConfig]:
     """(test records, GenerateConfig), every input checked before any model loads."""
     try:
         body = json.loads(extra_body) if extra_body else {}
     except json.JSONDecodeError as exc:
         raise InputError(f"--extra-body is not JSON: {exc}") from None
-    config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, extra_body=body,
+    config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, strict=strict, extra_body=body,
                             max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
                             device=device)
     records, _ = read_records(data, "test")
@@ -64,6 +65,7 @@ GEN = {
     "model": typer.Option(..., help="local HF model directory, or the model id at --base-url"),
     "base_url": typer.Option(None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1"),
     "restraint": typer.Option(None, help="restraint spec (YAML/JSON) applied as runtime hooks (local models)"),
+    "strict": typer.Option(False, "--strict", help=STRICT_HELP),
     "extra_body": typer.Option(None, help='JSON merged into each endpoint request, e.g. \'{"restraint": "mt"}\''),
     "max_new_tokens": typer.Option(256), "batch_size": typer.Option(8, help="local batch size"),
     "concurrency": typer.Option(8, help="endpoint requests in flight"),
@@ -83,14 +85,14 @@ SCORE = {
 
 @app.command("generate")
 def generate_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer.Option(..., help="responses JSONL"),
-                 model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
+                 model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"], strict: bool = GEN["strict"],
                  extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
                  batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
                  device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"]) -> None:
     """Generate responses (id, task, response, latency, tokens) for a test file."""
     if base_url:
         require("eval", what="`rolemrc eval generate --base-url`")
-    generate(*_generate_config(data, model, base_url, restraint, extra_body, max_new_tokens, batch_size, concurrency,
+    generate(*_generate_config(data, model, base_url, restraint, strict, extra_body, max_new_tokens, batch_size, concurrency,
                                dtype, device, dataset, allow_drift), out=out)
     typer.echo(f"wrote {out}")
 
@@ -110,7 +112,7 @@ def score_cmd(responses: Path = typer.Argument(..., help="responses JSONL"), out
 @app.command("run")
 @needs("eval")
 def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer.Option(..., help="run folder"),
-            model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
+            model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"], strict: bool = GEN["strict"],
             extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
             batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
             device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"],
@@ -121,7 +123,7 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
     """Generate, then score: OUT/responses.jsonl and the reports. Every input is checked before the model loads."""
     configs = _score_configs(out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
                              bertscore_layer)
-    records, config = _generate_config(data, model, base_url, restraint, extra_body, max_new_tokens, batch_size,
+    records, config = _generate_config(data, model, base_url, restraint, strict, extra_body, max_new_tokens, batch_size,
                                        concurrency, dtype, device, dataset, allow_drift)
     generate(records, config, out=out / "responses.jsonl")
     _score(out / "responses.jsonl", out, configs, rounds)

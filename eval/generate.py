@@ -36,6 +36,7 @@ class GenerateConfig:
     dtype: DType = "float32"           # local
     device: str = "auto"               # local
     restraint: Any = None              # local: a Restraint, spec dict, or YAML/JSON path
+    strict: bool = False               # local: refuse a restraint selected on another model (default: a warning)
     api_key_env: str = "OPENAI_API_KEY"
     concurrency: int = 8               # endpoint
     max_retries: int = 4               # endpoint: retries on 429/5xx/timeouts/dropped connections
@@ -94,6 +95,7 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
         from rolemrc.intervene import Restraint
 
         restraint = Restraint.from_any(config.restraint)
+        restraint.check_model(config.model, config.strict)
     model, tok = load_model(config.model, dtype=config.dtype, device=config.device)
     return generate_rows(model, tok, records, [restraint] * len(records), config)
 

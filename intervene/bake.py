@@ -133,7 +133,7 @@ def provenance_metadata(source: str, fingerprint: str, r: Restraint) -> dict[str
 
 
 def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, dtype: str | None = None, *,
-         tokenizer: Any = None) -> BakeReport:
+         tokenizer: Any = None, strict: bool = False) -> BakeReport:
     """Fold `restraint` into a model's weights, scaled in float32 and stored at `dtype`.
 
     `model` is a HF model directory (written as a standard HF checkpoint in `out_dir`, which it requires; `dtype`
@@ -142,6 +142,7 @@ def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, d
     one in the model's directory, if any). The checkpoint's safetensors metadata and its rolemrc.json record the
     source's fingerprint and the spec."""
     r = Restraint.from_any(restraint)
+    r.check_model(model if is_path(model) else loaded_model(model), strict)   # another model: a warning, or refused
     if not is_path(model):
         return bake_loaded(loaded_model(model), r, out_dir, dtype, tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer

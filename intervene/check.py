@@ -109,7 +109,7 @@ def weights_changed(model: Any, r: Restraint, baked_dir: str | os.PathLike | Non
 
 def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None,
           prompts: list[str | list[dict]] | None = None, dtype: str | None = None, device: str = "auto", *,
-          tokenizer: Any = None) -> CheckReport:
+          tokenizer: Any = None, strict: bool = False) -> CheckReport:
     """Compare original, runtime-hooked and (optionally) baked logits; count the weight elements the bake changes (in
     `baked_dir`'s stored dtype, else at the run dtype), and call it a numerical no-op only when that count is 0.
 
@@ -117,6 +117,7 @@ def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None
     or a loaded transformers model, run as it is (its own dtype and device) with `tokenizer` (default: the one in its
     directory). Prompts are plain strings or chat turn lists (default: three sample prompts)."""
     r = Restraint.from_any(restraint)
+    r.check_model(model if is_path(model) else loaded_model(model), strict)   # another model: a warning, or refused
     if baked_dir is not None:
         check_model_dir(baked_dir)
     if is_path(model):

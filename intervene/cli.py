@@ -10,6 +10,7 @@ import typer
 from rolemrc.core.cli import cli_app
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.intervene.selectors import SELECTORS, selectors_help
+from rolemrc.intervene.spec import STRICT_HELP
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Direction
 
@@ -57,11 +58,12 @@ def bake_cmd(
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold)),
     out: Path = typer.Option(..., "--out", help="output HF directory"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto (the checkpoint's own)"),
+    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Fold the restraint into the weights and write a standard HF checkpoint."""
     from rolemrc.intervene.bake import bake
 
-    report = bake(model, spec, out, dtype)
+    report = bake(model, spec, out, dtype, strict=strict)
     typer.echo(json.dumps(brief(report.to_dict()), indent=1))
     if report.numerical_noop:
         typer.secho(f"NUMERICAL NO-OP: no weight element changes at {dtype}", fg=typer.colors.YELLOW, err=True)
@@ -74,11 +76,12 @@ def lora_cmd(
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold and point.lora)),
     out: Path = typer.Option(..., "--out", help="output PEFT adapter directory"),
     rank: int = typer.Option(None, help="LoRA rank (default: the smallest vLLM rank that holds the largest layer)"),
+    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Export the restraint as an exact PEFT LoRA adapter (B @ A = the bake's weight change)."""
     from rolemrc.intervene.lora import export_lora
 
-    typer.echo(json.dumps(brief(export_lora(model, spec, out, rank=rank).to_dict()), indent=1))
+    typer.echo(json.dumps(brief(export_lora(model, spec, out, rank=rank, strict=strict).to_dict()), indent=1))
 
 
 @app.command("check")
@@ -89,10 +92,11 @@ def check_cmd(
     dtype: str = typer.Option("float32", help="dtype to run and count changes at: float32 | bfloat16 | float16 | auto "
                                               "(the checkpoint's own)"),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)"),
+    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Hook vs baked logits, weight elements changed at the dtype, and a no-op verdict."""
     from rolemrc.intervene.check import check
 
-    report = check(model, spec, baked_dir=baked, dtype=dtype, device=device)
+    report = check(model, spec, baked_dir=baked, dtype=dtype, device=device, strict=strict)
     typer.echo(json.dumps(report.to_dict(), indent=1))
     typer.secho(report.verdict, fg=typer.colors.YELLOW if report.numerical_noop else typer.colors.GREEN, err=True)

@@ -159,10 +159,14 @@ class LoraExporter:
             fold.untied_weight(self.model)
         return folds
 
-    def export(self, spec: Any, out_dir: str | os.PathLike, *, rank: int | None = None) -> LoraReport:
+    def export(self, spec: Any, out_dir: str | os.PathLike, *, rank: int | None = None,
+               strict: bool = False) -> LoraReport:
         """Write `spec` as a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): B @ A equals
-        the bake's weight change, computed in float32 from the checkpoint's weights."""
-        return self._write(*self._plan(spec), Path(out_dir), rank)
+        the bake's weight change, computed in float32 from the checkpoint's weights. `strict`: refuse a restraint
+        selected on another model (default: a warning)."""
+        r = Restraint.from_any(spec)
+        r.check_model(self.src if self.src is not None else self.model, strict)
+        return self._write(*self._plan(r), Path(out_dir), rank)
 
     def _write(self, r: Restraint, folds: dict[int, Fold], out: Path, rank: int | None) -> LoraReport:
         from safetensors.torch import save_file
@@ -224,7 +228,8 @@ def _target_name(model: nn.Module, role: str) -> str:
     return bare if clashes == 1 else path
 
 
-def export_lora(model: Any, spec: Any, out_dir: str | os.PathLike, *, rank: int | None = None) -> LoraReport:
+def export_lora(model: Any, spec: Any, out_dir: str | os.PathLike, *, rank: int | None = None,
+                strict: bool = False) -> LoraReport:
     """Write `spec` as a PEFT LoRA adapter for `model`, a HF model directory or a loaded transformers model (see
     `LoraExporter.export`); the adapter's base_model_name_or_path is that directory (or the loaded model's)."""
-    return LoraExporter(model).export(spec, out_dir, rank=rank)
+    return LoraExporter(model).export(spec, out_dir, rank=rank, strict=strict)

@@ -55,5 +55,6 @@ def select(source: Source, dimension: str, *, method: str = "frequency", layers:
     spec_source = {entry.reads: scores.origin, "method": method, "dimension": dimension,
                    "direction": direction, "layers": layers or "all",
                    **({"top_k": top_k} if top_k is not None else {"fdr": fdr})}
+    model = scores.model and {**scores.model, "layers": n_layers, "width": n_units}
     return Restraint(name=name or f"{dimension.replace('_', '-')}-restraint", hook=scores.hook, units=units,
-                     factor=factor, source=spec_source)
+                     factor=factor, source=spec_source, model=model)

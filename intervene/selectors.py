@@ -10,9 +10,10 @@ a selector is one `@selector(...)` function. This module imports no torch (the C
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -39,6 +40,23 @@ class Scores:
     hook: str                      # the input's hook point
     origin: str                    # the file read, or IN_MEMORY
     no_q: str = ""                 # why there are no q-values
+    model: dict[str, str] = field(default_factory=dict)   # the model the scores are of (the diff's B, the DPO model)
+
+
+def dpo_meta(meta: dict[str, str]) -> dict[str, str]:
+    """An attribution's DPO model metadata (its `models`: by role, or a list in the order sft, dpo)."""
+    models = json.loads(meta.get("models") or "{}")
+    found = models.get("dpo") if isinstance(models, dict) else (models[-1] if models else None)
+    return found if isinstance(found, dict) else {}
+
+
+def model_of(meta: dict[str, str], prefix: str = "") -> dict[str, str]:
+    """The identity of a probed model as a restraint spec records it (from a probe's or a diff's metadata, the
+    diff's keys with prefix "b_"); {} when the metadata has no fingerprint."""
+    if not meta.get(f"{prefix}model_fingerprint"):
+        return {}
+    return {"name": meta.get(f"{prefix}model", ""), "fingerprint": meta[f"{prefix}model_fingerprint"],
+            "fingerprint_of": meta.get(f"{prefix}model_fingerprint_of", "")}
 
 
 ScoreFn = Callable[[Source, str], Scores]   # (input, dimension) -> Scores
@@ -111,7 +129,8 @@ def standardized(source: Source, dimension: str) -> Scores:
         raise RestraintError(f"{file}: the diff has no standardized effect ({result.effect_test}); collect the probe "
                              "files again with `rolemrc probe collect` and rerun `rolemrc probe diff`")
     q = result.effect_q[dimension] if result.effect_tested else None
-    return Scores(result.effect[dimension], q, result.hook, file, no_q=f"effect test: {result.effect_test}")
+    return Scores(result.effect[dimension], q, result.hook, file, no_q=f"effect test: {result.effect_test}",
+                  model=model_of(result.meta, "b_"))
 
 
 @selector("attribution", reads="attribution", ranks="mean score per pair, no q",
@@ -128,7 +147,8 @@ def attribution(source: Source, dimension: str) -> Scores:
     if dimension not in scores:
         where = "the Attribution" if origin == IN_MEMORY else f"the attribution file {origin}"
         raise RestraintError(f"dimension {dimension!r} is not in {where} (or has no pairs); it has: {sorted(scores)}")
-    return Scores(scores[dimension], None, meta["hook"], origin, no_q="attribution scores carry no test")
+    return Scores(scores[dimension], None, meta["hook"], origin, no_q="attribution scores carry no test",
+                  model=model_of(dpo_meta(meta)))
 
 
 def _frequency(source: Source, dimension: str, tokens: str) -> Scores:
@@ -139,7 +159,8 @@ def _frequency(source: Source, dimension: str, tokens: str) -> Scores:
                              f"tokens={tokens} ones: use --method {TOKEN_METHODS[made]}, or diff probe files made with "
                              f"`rolemrc probe collect --tokens {tokens}`")
     q = result.qvalue[dimension] if result.tested else None
-    return Scores(result.delta[dimension], q, result.hook, file, no_q=f"test: {result.test}")
+    return Scores(result.delta[dimension], q, result.hook, file, no_q=f"test: {result.test}",
+                  model=model_of(result.meta, "b_"))
 
 
 def _diff(source: Source, dimension: str) -> tuple[DiffResult, str]:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
 
 class RestraintError(RolemrcError, ValueError):
     """A restraint spec is malformed or does not fit the model."""
+
+
+STRICT_HELP = "refuse a restraint selected on another model (default: a warning naming both)"
+WARNED: set[tuple[str, tuple[str, ...]]] = set()   # (selected-on, applied-to) fingerprints already warned about
 
 
 def parse_layers(text: str | None, n_layers: int | None = None) -> list[int] | None:
@@ -51,6 +56,9 @@ class Restraint:
     units: dict[int, list[int]]
     factor: float = 1 - 1e-6
     source: dict[str, Any] = field(default_factory=dict)
+    # the model the units were selected on (its diff's or attribution's B model): name, fingerprint, fingerprint_of
+    # ("directory": its files, "weights": its tensors; "" unknown), layers, width; {} for a spec made by hand
+    model: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -105,13 +113,43 @@ class Restraint:
 
         refuse_unmerged_peft(model)
         n, w = num_layers(model), width(model, self.hook)
+        shape = (self.model.get("layers"), self.model.get("width"))
+        if None not in shape and shape != (n, w):
+            raise RestraintError(f"restraint {self.name!r} was selected on {self.model.get('name') or 'a model'} with "
+                                 f"{shape[0]} layers of {shape[1]} {self.hook} units; this model has {n} of {w}")
         for layer, ids in self.units.items():
             if layer >= n:
                 raise RestraintError(f"restraint {self.name!r}: layer {layer} out of range (model has {n} layers)")
             if ids[-1] >= w:
                 raise RestraintError(f"restraint {self.name!r}: unit {ids[-1]} in layer {layer} out of range "
                                      f"({self.hook} has width {w})")
+        self.check_model(model)
         return self
+
+    def check_model(self, model: Any, strict: bool = False) -> None:
+        """Is `model` (a loaded model, or a model directory) the one the units were selected on? When it is another
+        one: a warning on stderr naming both, once per pair of models (applying a DPO-derived restraint to its SFT
+        model is a legitimate experiment), or with `strict` a RestraintError. Silent when the spec names no model
+        or `model` cannot be told apart cheaply (a directory, where the spec recorded tensors: checked once
+        loaded)."""
+        from rolemrc.core.modeling import fingerprints
+
+        recorded = self.model.get("fingerprint")
+        found = fingerprints(model, self.model.get("fingerprint_of") or "") if recorded else {}
+        if not found or recorded in found.values():
+            return
+        from rolemrc.core.modeling import is_path, model_name
+
+        target = str(model) if is_path(model) else model_name(model)
+        fingerprint = ", ".join(f"{kind} fingerprint {value}" for kind, value in found.items())
+        message = (f"restraint {self.name!r} was selected on {self.model.get('name') or 'another model'} (fingerprint "
+                   f"{recorded}); it is applied to {target} ({fingerprint})")
+        if strict:
+            raise RestraintError(message + "; strict checking refuses it (without it: a warning)")
+        key = (recorded, tuple(found.values()))
+        if key not in WARNED:
+            WARNED.add(key)
+            print(f"warning: {message}", file=sys.stderr)
 
     def summary(self) -> dict[str, Any]:
         """What a person reads: name, hook, factor, digest and unit counts per layer (the unit ids are in the spec)."""
@@ -123,6 +161,8 @@ class Restraint:
                "units": {int(k): list(v) for k, v in self.units.items()}}
         if self.source:
             out["source"] = self.source
+        if self.model:
+            out["model"] = self.model
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -143,14 +183,14 @@ class Restraint:
         if not isinstance(version, int) or version > FORMATS["restraint"]:
             raise RestraintError(f"restraint spec format {version!r}: written by a newer rolemrc; this one reads format "
                                  f"{FORMATS['restraint']} (upgrade rolemrc)")
-        unknown = set(data) - {"name", "hook", "factor", "units", "source", "kind", "format"}
+        unknown = set(data) - {"name", "hook", "factor", "units", "source", "model", "kind", "format"}
         if unknown:
             raise RestraintError(f"unknown spec field(s) {sorted(unknown)}")
         missing = {"name", "hook", "units"} - set(data)
         if missing:
             raise RestraintError(f"spec is missing {sorted(missing)}")
         return cls(name=data["name"], hook=data["hook"], units=data["units"],
-                   factor=data.get("factor", 1 - 1e-6), source=data.get("source") or {})
+                   factor=data.get("factor", 1 - 1e-6), source=data.get("source") or {}, model=data.get("model") or {})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Restraint:

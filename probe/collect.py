@@ -152,16 +152,16 @@ def load_probed(model: Any, tokenizer: Any, config: Any) -> tuple[Any, Any, dict
     from the model's directory); `config`
     (a CollectConfig, or any with its dtype, device and device_map) says how to load a directory."""
     if is_path(model):
-        path, fingerprint = str(model), dir_fingerprint(model)
+        path, fingerprint, fingerprint_of = str(model), dir_fingerprint(model), "directory"
         if config.device_map:
             model, tokenizer = load_placed(model, config.dtype, config.device_map)
         else:
             model, tokenizer = load_model(model, dtype=config.dtype, device=rank_device(config.device))
     else:
-        fingerprint, path = model_fingerprint(loaded_model(model)), model_name(model)
+        fingerprint, path, fingerprint_of = model_fingerprint(loaded_model(model)), model_name(model), "weights"
         tokenizer = tokenizer_of(model, tokenizer)
     return model, tokenizer, {
-        "model": path, "model_fingerprint": fingerprint,
+        "model": path, "model_fingerprint": fingerprint, "model_fingerprint_of": fingerprint_of,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "attn_implementation": str(getattr(model.config, "_attn_implementation", "")),
     }

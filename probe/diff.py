@@ -267,8 +267,8 @@ def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], frequency: 
     result = DiffResult({}, {}, {}, {}, {}, {}, meta={
         **{key: a.meta[key] for key in (*COMPARABLE_KEYS, "k") if key in a.meta},
         "a": names[0], "b": names[1], "test": test_name, "effect_test": effect_name,
-        "a_model_fingerprint": a.meta.get("model_fingerprint", ""),
-        "b_model_fingerprint": b.meta.get("model_fingerprint", ""),
+        **{f"{side}_{key}": c.meta.get(key, "") for side, c in (("a", a), ("b", b))
+           for key in ("model", "model_fingerprint", "model_fingerprint_of")},
     })
     for d in a.dimensions:
         if d not in b.count:

@@ -71,6 +71,7 @@ class ServeConfig:
     models: dict[str, ModelConfig]
     restraints: dict[str, str] = field(default_factory=dict)   # name -> spec file
     allow_inline_restraints: bool = False
+    strict_restraints: bool = False     # refuse a registered restraint selected on another model (default: a warning)
     max_inline_units: int = 4096
     api_key_env: str | None = None      # env var with one key or a comma-separated list
     api_key_file: str | None = None     # one key per line
@@ -139,6 +140,18 @@ class ServeConfig:
         """What can be checked before serving without loading anything: ConfigError naming the model and setting."""
         for name, model in self.models.items():
             model.preflight(name)
+        from rolemrc.intervene.spec import Restraint, RestraintError
+
+        for spec in self.restraints.values():
+            restraint = Restraint.load(spec)
+            for name, model in self.models.items():
+                for f in fields(model.options):
+                    directory = getattr(model.options, f.name) if f.metadata.get("model_dir") else None
+                    try:
+                        if directory:
+                            restraint.check_model(directory, self.strict_restraints)
+                    except RestraintError as exc:
+                        raise ConfigError(f"model {name!r}: {exc} (strict_restraints: true)") from None
 
     def api_keys(self) -> set[str]:
         """Keys accepted in `Authorization: Bearer`; empty means no auth."""

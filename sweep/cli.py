@@ -51,6 +51,8 @@ def run_cmd(
     concurrency: int = typer.Option(16, help="requests in flight (endpoint engines)"),
     cells_dir: Path = typer.Option(None, help="store of generated cells (default OUT/cells); sweeps sharing one "
                                               "generate a cell they have in common (the baseline) once"),
+    strict: bool = typer.Option(False, "--strict", help="refuse a diff of another model than --model (default: a "
+                                "warning naming both)"),
 ) -> None:
     """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
     controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
@@ -63,7 +65,7 @@ def run_cmd(
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
                          engine=engine.value, base_url=base_url, served_model=served_model, concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,
-                         cells_dir=str(cells_dir) if cells_dir else None)
+                         cells_dir=str(cells_dir) if cells_dir else None, strict=strict)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))
 

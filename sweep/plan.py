@@ -47,6 +47,7 @@ class SweepConfig:
     judge: str = "rules"           # a judge of eval's registry (eval.judges.JUDGES)
     judge_model: str | None = None     # endpoint judges: the judge model and its OpenAI-compatible base URL
     judge_base_url: str | None = None
+    strict: bool = False           # refuse restraints selected on another model than `model` (default: a warning)
 
     def __post_init__(self) -> None:
         if not self.dimensions:
@@ -98,7 +99,8 @@ class Cell:
 
 def cell_id(kind: str, restraint: Restraint | None, settings: dict[str, Any]) -> str:
     """A name that changes whenever anything the cell's responses depend on changes."""
-    key = json.dumps({"restraint": restraint.to_dict() if restraint else None, **settings}, sort_keys=True, default=str)
+    what = {k: v for k, v in restraint.to_dict().items() if k != "model"} if restraint else None   # not what it does
+    key = json.dumps({"restraint": what, **settings}, sort_keys=True, default=str)
     return f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

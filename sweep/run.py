@@ -61,6 +61,9 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     model, tok = load_model(config.model, device="auto")
     hook = input_hook(config.diff)
     cells = plan(config, width(model, hook), settings)
+    selected = next((c.restraint for c in cells if c.restraint is not None and c.restraint.model), None)
+    if selected is not None:   # every selected cell names the same model: the diff's B side
+        selected.check_model(config.model, config.strict)
     store = CellStore(config.cells_dir or Path(config.out) / "cells")
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,

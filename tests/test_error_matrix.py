@@ -28,6 +28,10 @@ RECORDS = ("records", "pairs", "sft-records", "responses")   # JSONL a data argu
 ARTIFACTS = ("probe", "paired-probe", "attribution", "diff", "restraint", "eval-run", "sweep", "model", "peft-adapter",
              "gguf", "sqlite", "serve-config")   # rolemrc's own kinds: the error says which one it got
 BROKEN = ("missing", "empty-file", "empty-folder", "folder", "binary", "non-utf8")
+# what an error about a broken input must say (any one): its kind's name, or a parser's finding for text readers
+SAYS = {"missing": ("no such",), "empty-file": ("empty file",), "empty-folder": ("empty folder",),
+        "folder": ("folder", "directory"), "binary": ("binary", "not a readable", "not UTF-8"),
+        "non-utf8": ("UTF-8",)}
 
 # A valid invocation per command: "{kind}" is an artifact of that kind (an input under test), "{out}" a fresh folder.
 TEMPLATES: dict[str, list[str]] = {
@@ -254,6 +258,8 @@ def test_every_wrong_input_is_one_clean_error(artifacts, tmp_path):
         elif str(artifacts[kind]) not in errors[0] and str(artifacts[kind].name) not in errors[0]:
             problems.append("the error does not name the path")
         elif kind in ARTIFACTS and KINDS[kind].name not in errors[0]:
+            problems.append(f"the error does not say it is {KINDS[kind]}")
+        elif kind in SAYS and not any(words in errors[0] for words in SAYS[kind]):
             problems.append(f"the error does not say it is {KINDS[kind]}")
         if "Traceback" in output:
             problems.append("a traceback")

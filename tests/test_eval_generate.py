@@ -172,4 +172,4 @@ def test_cli_run_compare_report(model_dirs, records, tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "rep")])
     assert result.exit_code == 0 and (tmp_path / "rep" / "table3.md").read_text().count("\n") == 4
     bad = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "nowhere")])
-    assert bad.exit_code == 2 and "not a scored eval run" in bad.output
+    assert bad.exit_code == 2 and "nowhere: no such folder" in bad.output

@@ -9,6 +9,7 @@ from fixtures import write_diff_file
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from rolemrc.core.errors import InputError
 from rolemrc.cli import app
 from rolemrc.core.chat import render_chat
 from rolemrc.core.modeling import load_model
@@ -147,6 +148,8 @@ def test_bake_and_check_agree_when_the_dtype_changes(model_dirs, tmp_path):
 
 def test_check_refuses_a_checkpoint_not_baked_from_the_model(model_dirs, tmp_path):
     with pytest.raises(RestraintError, match="was it baked from this model"):
+        check(model_dirs["llama"], spec("mlp.act"), baked_dir=model_dirs["gpt2"])
+    with pytest.raises(InputError, match="an empty folder, not a Hugging Face model directory"):
         check(model_dirs["llama"], spec("mlp.act"), baked_dir=tmp_path)
 
 

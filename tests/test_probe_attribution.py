@@ -192,7 +192,7 @@ def test_shards_merged_equal_one_pass_exactly(dirs, pairs, tmp_path):
     with pytest.raises(ProbeError, match="is an attribution file and .*probe.safetensors is not"):
         merge_any([parts[0], probe])
     res = CliRunner().invoke(app, ["probe", "diff", str(parts[0]), "--out", str(tmp_path / "d")])
-    assert res.exit_code == 2 and f"{parts[0]}: an attribution file, not a probe file of counts" in res.output
+    assert res.exit_code == 2 and f"{parts[0]} is an attribution file" in res.output
 
 
 def test_batches_pad_to_their_length_bucket():

@@ -131,7 +131,7 @@ def test_cli_collect_and_diff(model_dirs, records, tmp_path):
     assert res.exit_code == 2 and "bad.jsonl:2" in res.output
     res = runner.invoke(app, ["probe", "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "nope.safetensors"),
                               "--out", str(tmp_path / "f")])
-    assert res.exit_code == 2 and "nope.safetensors: no such probe file" in res.output
+    assert res.exit_code == 2 and "nope.safetensors: no such file or folder; expected a probe file" in res.output
     res = runner.invoke(app, ["probe", "collect", "--model", str(tmp_path / "nomodel"), "--data", str(data),
                               "--hook", "mlp.nope", "--out", str(tmp_path / "y.safetensors")])
     assert res.exit_code == 2 and "unknown hook point 'mlp.nope'" in res.output

@@ -79,7 +79,7 @@ def test_explorer_page_in_headless_chromium(diff_dir, tmp_path):
 def test_explore_refuses_missing_diff(tmp_path):
     for where in ([str(tmp_path)], ["--diff", str(tmp_path)]):   # --diff as in select and sweep, or the argument
         res = CliRunner().invoke(app, ["probe", "explore", *where, "--out", str(tmp_path / "x.html")])
-        assert res.exit_code == 2 and "no diff file" in res.output
+        assert res.exit_code == 2 and "is an empty folder; expected a diff folder" in res.output
     for where in ([], [str(tmp_path), "--diff", str(tmp_path)]):
         res = CliRunner().invoke(app, ["probe", "explore", *where, "--out", str(tmp_path / "x.html")])
         assert res.exit_code == 2 and "give the diff folder once" in res.output

@@ -112,9 +112,9 @@ def test_attribution_ranks_by_mean_score_with_ties_by_layer_then_unit(tmp_path):
     with pytest.raises(RolemrcError, match="'nested' is not in the attribution file.*no pairs"):
         select(path, "nested", method="attribution", top_k=2)
     diff = write_diff(tmp_path / "d")
-    with pytest.raises(RolemrcError, match="no such attribution file"):
+    with pytest.raises(RolemrcError, match="is a diff folder .from `rolemrc probe diff`.; expected an attribution file"):
         select(diff, "multi_turn", method="attribution", top_k=2)
-    with pytest.raises(RolemrcError, match="not a probe diff .its kind is 'attribution'"):
+    with pytest.raises(RolemrcError, match="is an attribution file .from `rolemrc probe attribute`.; expected a diff folder"):
         select(path, "multi_turn", top_k=2)
     with pytest.raises(RolemrcError, match="not an attribution file .kind 'other'"):
         select(write_attribution(tmp_path / "other.safetensors", kind="other"), "multi_turn", method="attribution", top_k=2)
@@ -164,7 +164,7 @@ def test_cli_methods_and_one_line_errors(tmp_path):
     for args, message in (
         (("--method", "nope"), "error: unknown selector 'nope'; choose from frequency, frequency-all, standardized, attribution"),
         (("--method", "frequency-all"), "--method frequency-all reads tokens=all ones"),
-        (("--method", "attribution"), "no such attribution file"),
+        (("--method", "attribution"), "is a diff folder (from `rolemrc probe diff`); expected an attribution file"),
         (("--method", "standardized", "--layers", "3-4"), "out of range"),
     ):
         code, out = run_cli("--diff", diff, "--dimension", "multi_turn", "--top-k", 3, *args, "--out", tmp_path / "x.yaml")

@@ -74,8 +74,11 @@ def test_bad_records_are_counted_and_the_share_enforced(tmp_path):
 
 
 def test_missing_paths_are_clear(tmp_path):
-    with pytest.raises(DataError, match="no such file or directory"):
+    with pytest.raises(DataError, match="no such file or folder"):
         jsonl_files([tmp_path / "nope.jsonl"])
+    with pytest.raises(DataError, match="is an empty folder"):
+        jsonl_files([tmp_path])
+    (tmp_path / "notes.txt").write_text("notes")
     with pytest.raises(DataError, match="holds no .jsonl files"):
         jsonl_files([tmp_path])
 
@@ -117,7 +120,7 @@ def test_corpus_holds_out_test_records(tmp_path):
 
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
 @pytest.mark.parametrize("content, message", [
-    (None, "no such file or directory"),
+    (None, "no such file or folder"),
     ('{"prompt": 1}\nnot json\n', r"bad.jsonl:2: invalid JSON"),
     ('{"id": 1}\n', r"no usable (SFT|preference) records"),
 ])

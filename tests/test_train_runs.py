@@ -195,4 +195,4 @@ def test_cli_reports_and_fails_clearly(sft, data, tmp_path):
     assert manifest["trainer_arguments"]["loss_type"] == ["ipo"] and manifest["trainer_arguments"]["max_length"] == 256
     result = runner.invoke(app, ["sft", "--model", str(sft.out_dir), "--data", str(tmp_path / "none.jsonl"),
                                  "--out", str(tmp_path / "x")])
-    assert result.exit_code == 2 and "none.jsonl: no such file or directory" in result.output
+    assert result.exit_code == 2 and "none.jsonl: no such file or folder" in result.output

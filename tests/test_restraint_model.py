@@ -1,0 +1,129 @@
+"""Restraints know their model: a spec selected from a diff records the fingerprint and shape of the diff's B model;
+applying it to another model warns once, naming both (a DPO-derived restraint on its SFT model is a legitimate
+experiment); `--strict` (or a serve config's `strict_restraints`) refuses; another shape is refused always."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from rolemrc.cli import app
+from rolemrc.core.errors import EXIT_INPUT
+from rolemrc.core.io import write_jsonl
+from rolemrc.core.modeling import dir_fingerprint
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def selected(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
+    """sft (the fixture model), dpo (same shape, other weights), wide (another shape), and a spec selected from
+    their diff."""
+    from fixtures import test_records
+
+    from rolemrc.core.tiny import build_model
+
+    root = tmp_path_factory.mktemp("restraint-model")
+    sft, dpo, wide = model_dirs["llama"], root / "dpo", root / "wide"
+    build_model("llama", tokenizer, seed=9, hidden=64, layers=2, intermediate=96).save_pretrained(dpo)
+    build_model("llama", tokenizer, seed=3, hidden=64, layers=3, intermediate=96).save_pretrained(wide)
+    for folder in (dpo, wide):
+        tokenizer.save_pretrained(folder)
+    write_jsonl(root / "test.jsonl", test_records(6))
+    for args in (("probe", "collect", "--model", sft, "--model", dpo, "--data", root / "test.jsonl",
+                  "--out", root / "paired.safetensors"),
+                 ("probe", "diff", root / "paired.safetensors", "--out", root / "diff", "--no-figures"),
+                 ("intervene", "select", "--diff", root / "diff", "--dimension", "role_style", "--top-k", "4",
+                  "--factor", "0", "--out", root / "spec.yaml")):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+    return {"sft": Path(sft), "dpo": dpo, "wide": wide, "spec": root / "spec.yaml", "root": root}
+
+
+def test_the_spec_records_its_model(selected):
+    model = yaml.safe_load(selected["spec"].read_text())["model"]
+    assert model["fingerprint"] == dir_fingerprint(selected["dpo"]) and model["fingerprint_of"] == "directory"
+    assert model["name"] == str(selected["dpo"]) and (model["layers"], model["width"]) == (2, 96)
+
+
+@pytest.mark.parametrize("command", ["bake", "lora", "check"])
+def test_another_model_warns_and_strict_refuses(selected, command, tmp_path):
+    from rolemrc.intervene import spec
+
+    spec.WARNED.clear()
+    out = [] if command == "check" else ["--out", tmp_path / "out"]
+    same = invoke("intervene", command, "--model", selected["dpo"], "--restraint", selected["spec"], *out)
+    assert same.exit_code == 0 and "warning:" not in same.output, same.output
+    out = [] if command == "check" else ["--out", tmp_path / "other"]
+    other = invoke("intervene", command, "--model", selected["sft"], "--restraint", selected["spec"], *out)
+    warnings = [line for line in other.output.splitlines() if line.startswith("warning:")]
+    assert other.exit_code == 0 and len(warnings) == 1, other.output
+    assert str(selected["dpo"]) in warnings[0] and str(selected["sft"]) in warnings[0]
+    assert dir_fingerprint(selected["sft"]) in warnings[0]
+    out = [] if command == "check" else ["--out", tmp_path / "strict"]
+    strict = invoke("intervene", command, "--model", selected["sft"], "--restraint", selected["spec"], *out, "--strict")
+    errors = [line for line in strict.output.splitlines() if line.startswith("error:")]
+    assert strict.exit_code == EXIT_INPUT and len(errors) == 1 and str(selected["dpo"]) in errors[0], strict.output
+    assert not (tmp_path / "strict").exists()
+
+
+def test_another_shape_is_refused(selected, tmp_path):
+    result = invoke("intervene", "bake", "--model", selected["wide"], "--restraint", selected["spec"],
+                    "--out", tmp_path / "out")
+    assert result.exit_code == EXIT_INPUT and "with 2 layers of 96 mlp.act units; this model has 3 of 96" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_runtime_hook_warns_once_per_pair_of_models(selected, capsys):
+    from rolemrc.core.modeling import load_model
+    from rolemrc.intervene import Restraint, applied, spec
+
+    spec.WARNED.clear()
+    r = Restraint.load(selected["spec"])
+    model, _ = load_model(selected["sft"])
+    for _ in range(3):
+        with applied(model, r):
+            pass
+    assert capsys.readouterr().err.count("warning: restraint") == 1
+    own, _ = load_model(selected["dpo"])
+    with applied(own, r):
+        pass
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_loaded_models_are_told_apart_by_their_weights(selected, tokenizer):
+    """A spec selected from loaded models records their weights' fingerprint; an edit in place is another model."""
+    import torch
+
+    from rolemrc import collect_paired, diff, select
+    from rolemrc.core.modeling import load_model
+    from rolemrc.intervene import spec
+    from fixtures import test_records
+
+    spec.WARNED.clear()
+    sft, _ = load_model(selected["sft"])
+    dpo, _ = load_model(selected["dpo"])
+    paired = collect_paired([sft, dpo], test_records(6), tokenizers=[tokenizer, tokenizer])
+    r = select(diff(paired), "role_style", top_k=4)
+    assert r.model["fingerprint_of"] == "weights"
+    r.check_model(dpo, strict=True)   # the same model: passes
+    with torch.no_grad():
+        next(dpo.parameters()).mul_(2.0)   # edited in place: the tensor's version moves, the cache is not trusted
+    with pytest.raises(spec.RestraintError, match="selected on"):
+        r.check_model(dpo, strict=True)
+
+
+def test_serve_strict_restraints_refuses_at_preflight(selected):
+    from rolemrc.serve.config import ServeConfig
+    from rolemrc.serve.errors import ConfigError
+
+    data = {"models": {"sft": {"path": str(selected["sft"])}}, "restraints": {"r": str(selected["spec"])}}
+    ServeConfig.from_dict(data).preflight()   # a warning
+    with pytest.raises(ConfigError, match="strict_restraints"):
+        ServeConfig.from_dict({**data, "strict_restraints": True}).preflight()
