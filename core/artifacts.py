@@ -54,6 +54,8 @@ KINDS: dict[str, Kind] = {key: Kind(*value) for key, value in {
     "peft-adapter": ("PEFT adapter folder", "`rolemrc intervene lora` or peft"),
     "safetensors": ("safetensors weights file", ""),
     "gguf": ("GGUF file", ""),
+    "wheel": ("Python wheel", "pip"),
+    "parquet": ("Parquet file", ""),
     "sqlite": ("SQLite database", "`rolemrc serve`'s A/B log"),
     "serve-config": ("serve config", ""),
     "train-config": ("training config", ""),
@@ -97,6 +99,10 @@ def identify(path: str | os.PathLike) -> str:
         return "gguf"
     if head.startswith(b"SQLite format 3\x00"):
         return "sqlite"
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if head.startswith(b"PK\x03\x04") and path.suffix == ".whl":
+        return "wheel"
     if (header := safetensors_header(path, head)) is not None:
         return tensor_kind(header.pop("__metadata__", None) or {}, set(header))
     if b"\x00" in head:
@@ -185,7 +191,7 @@ def document_kind(path: Path) -> str:
 
 # The format version of each kind this rolemrc writes (and the newest it reads); files written before versions
 # existed read as version 1.
-FORMATS = {"probe": 1, "paired-probe": 1, "attribution": 1, "diff": 1, "restraint": 1}
+FORMATS = {"probe": 1, "paired-probe": 1, "attribution": 1, "diff": 1, "restraint": 1, "eval-run": 1, "sweep": 1}
 
 
 def stamp(kind: str) -> dict[str, str]:

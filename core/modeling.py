@@ -6,8 +6,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from weakref import WeakKeyDictionary
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 

@@ -172,10 +172,10 @@ async def arun(config: DatagenConfig) -> dict[str, Any]:
     """Run (or resume) every stage; return the stats, the backend's event counts and each stage's seconds."""
     require("datagen", what="data synthesis")
     out, work = config.out, config.out / "work"
+    personas = load_personas(config.personas)   # the sources are read before anything is written
+    triplets = load_triplets(config.mrc)
     _check_resume(work, config)
     n_personas, test_rows = resolve_size(config.size)
-    personas = load_personas(config.personas)
-    triplets = load_triplets(config.mrc)
     n = len(personas) if n_personas == 0 else min(n_personas, len(personas))
     personas = rng_for(config.seed, "personas").sample(personas, n)
     backend = make_backend(config.backend, seed=config.seed, cache_path=work / "cache.sqlite")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rolemrc.core.artifacts import JSONL_INPUT, expect
 from rolemrc.core.io import JsonlError, iter_jsonl
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -23,6 +24,7 @@ MSMARCO_NO_ANSWER = "No Answer Present."
 def load_personas(path: str | os.PathLike | None = None) -> list[dict[str, str]]:
     """[{"id", "persona"}] from PersonaHub-style JSONL (ids default to `p<line>`)."""
     path = Path(path) if path else BUNDLED_PERSONAS
+    expect(path, JSONL_INPUT, "expected personas: PersonaHub-style JSONL with a 'persona' field")
     out, seen = [], set()
     for lineno, record in iter_jsonl(path):
         persona = record.get("persona")
@@ -64,11 +66,11 @@ def _triplet(record: dict[str, Any], where: str, default_id: str) -> dict[str, A
 
 
 def _raw_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    expect(path, (*JSONL_INPUT, "parquet"), "expected MRC triplets: JSONL with passages, question and answer, or MS "
+           "MARCO v2.1 JSONL/Parquet")
     if path.suffix == ".parquet":
         import pandas as pd
 
-        if not path.is_file():
-            raise JsonlError(f"{path}: no such file")
         for row, record in enumerate(pd.read_parquet(path).to_dict("records"), start=1):
             yield f"{path}:row {row}", record
     else:

@@ -85,7 +85,8 @@ SCORE = {
 
 @app.command("generate")
 def generate_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer.Option(..., help="responses JSONL"),
-                 model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"], strict: bool = GEN["strict"],
+                 model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
+                 strict: bool = GEN["strict"],
                  extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
                  batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
                  device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"]) -> None:
@@ -112,7 +113,8 @@ def score_cmd(responses: Path = typer.Argument(..., help="responses JSONL"), out
 @app.command("run")
 @needs("eval")
 def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer.Option(..., help="run folder"),
-            model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"], strict: bool = GEN["strict"],
+            model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
+            strict: bool = GEN["strict"],
             extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
             batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
             device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"],

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rolemrc.core.artifacts import GENERIC, KINDS, identify
+from rolemrc.core.artifacts import GENERIC, KINDS, check_format, identify, stamp
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import read_input_jsonl, read_jsonl, write_jsonl
 from rolemrc.core.records import merge_fields
@@ -52,7 +52,8 @@ class EvalRun:
         write_jsonl(out / "verdicts.jsonl", self.verdicts)
         if chart:
             self.summary["chart"] = write_chart([(out.name or "run", self.summary)], out / "chart")
-        (out / "report.json").write_text(json.dumps(self.summary, indent=1, allow_nan=True))
+        report = {**stamp("eval-run"), **self.summary}   # the file says what it is
+        (out / "report.json").write_text(json.dumps(report, indent=1, allow_nan=True))
         (out / "report.md").write_text(run_markdown(self.summary, out.name or "run"))
         self.path = out
         return out
@@ -64,8 +65,11 @@ class EvalRun:
             found = identify(path)
             what = "no such folder" if found == "missing" else f"it is {KINDS[found]}, not a scored eval run (no report.json)"
             raise RunError(f"{path}: {what}; `rolemrc eval run` or `eval score` writes one")
+        summary = json.loads((path / "report.json").read_text())
+        check_format(path / "report.json", summary, "eval-run")
+        summary = {k: v for k, v in summary.items() if k not in ("kind", "format")}
         return cls(read_jsonl(path / "responses.jsonl"), read_jsonl(path / "metrics.jsonl"),
-                   read_jsonl(path / "verdicts.jsonl"), json.loads((path / "report.json").read_text()), path)
+                   read_jsonl(path / "verdicts.jsonl"), summary, path)
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary, "verdicts": self.verdicts, "metrics": self.metrics}

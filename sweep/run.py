@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rolemrc.core.artifacts import stamp
 from rolemrc.core.io import file_fingerprint, read_jsonl, write_json, write_jsonl
 from rolemrc.intervene.spec import Restraint
 from rolemrc.sweep.plan import Cell, SweepConfig, plan
@@ -121,6 +122,6 @@ def run_sweep(config: SweepConfig, *, metrics: Any = "all", progress: bool = Tru
     correct_grid(effects)
     summary = sweep_summary(config, selected, effects, prints, runs[baseline.id])
     summary["figures"] = write_sweep_figures(summary, config.out)
-    write_json(Path(config.out) / "sweep.json", summary)
+    write_json(Path(config.out) / "sweep.json", {**stamp("sweep"), **summary})   # the file says what it is
     (Path(config.out) / "sweep.md").write_text(sweep_markdown(summary))
     return summary

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from rolemrc.core.artifacts import expect
+from rolemrc.core.artifacts import check_format, expect
 from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.sweep.report import beats_both, cell_label, rank_cells
 
@@ -45,7 +45,9 @@ def load_sweep(folder: str | os.PathLike) -> tuple[list[dict], dict[str, dict]]:
     folder = expect(folder, ("sweep", "folder"), "--from-sweep wants a sweep folder (from `rolemrc sweep run`)")
     if not (folder / "sweep.json").is_file() or not (folder / "plan.json").is_file():
         raise InputError(f"--from-sweep {folder}: no finished sweep (sweep.json and plan.json) there")
-    cells = json.loads((folder / "sweep.json").read_text())["cells"]
+    summary = json.loads((folder / "sweep.json").read_text())
+    check_format(folder / "sweep.json", summary, "sweep")
+    cells = summary["cells"]
     specs = {c["id"]: c["restraint"] for c in json.loads((folder / "plan.json").read_text())["cells"] if c["restraint"]}
     return cells, specs
 

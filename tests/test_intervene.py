@@ -9,9 +9,9 @@ from fixtures import write_diff_file
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from rolemrc.core.errors import InputError
 from rolemrc.cli import app
 from rolemrc.core.chat import render_chat
+from rolemrc.core.errors import InputError
 from rolemrc.core.modeling import load_model
 from rolemrc.intervene import Restraint, RestraintError, applied, bake, check, select
 from rolemrc.probe.hooks import site

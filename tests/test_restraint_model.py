@@ -4,7 +4,6 @@ experiment); `--strict` (or a serve config's `strict_restraints`) refuses; anoth
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -100,11 +99,11 @@ def test_a_runtime_hook_warns_once_per_pair_of_models(selected, capsys):
 def test_loaded_models_are_told_apart_by_their_weights(selected, tokenizer):
     """A spec selected from loaded models records their weights' fingerprint; an edit in place is another model."""
     import torch
+    from fixtures import test_records
 
     from rolemrc import collect_paired, diff, select
     from rolemrc.core.modeling import load_model
     from rolemrc.intervene import spec
-    from fixtures import test_records
 
     spec.WARNED.clear()
     sft, _ = load_model(selected["sft"])

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from rolemrc.core.errors import RolemrcError
+from rolemrc.core.artifacts import expect
+from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import read_yaml
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -339,9 +340,17 @@ def make_config(cls: type[C], *, profile: str | os.PathLike | None = "tiny",
         layers.append(stage_section(profile_path(profile), cls.stage, required=True))
     if config_file is not None:
         path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such config file")
-        layers.append(stage_section(path, cls.stage, required=False))
+        try:
+            expect(path, ("train-config", "yaml", "json", "text", "binary", "non-utf8"),
+                   "expected a training config (a YAML of settings, flat or in base/sft/dpo sections)")
+        except InputError as exc:
+            raise ConfigError(str(exc)) from None
+        section = stage_section(path, cls.stage, required=False)
+        try:
+            split_layer(cls, section)   # an unknown setting is named with its file
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        layers.append(section)
     layers.append({k: v for k, v in overrides.items() if v is not None})
     own: dict[str, Any] = {}
     trl: dict[str, Any] = {}
