@@ -199,15 +199,17 @@ def stamp(kind: str) -> dict[str, str]:
     return {"kind": kind, "format": str(FORMATS[kind])}
 
 
-def check_format(path: str | os.PathLike, meta: dict, kind: str) -> None:
-    """An InputError for a `kind` file whose format is newer than this rolemrc reads, with both versions named."""
+def check_format(path: str | os.PathLike | None, meta: dict, kind: str) -> None:
+    """An InputError for a `kind` file whose format is newer than this rolemrc reads, with both versions named (and
+    the file, when `path` is given)."""
+    where = f"{path}: " if path is not None else ""
     version = meta.get("format", 1)
     try:
         version = int(version)
     except (TypeError, ValueError):
-        raise InputError(f"{path}: unreadable format version {version!r} of {KINDS[kind]}") from None
+        raise InputError(f"{where}unreadable format version {version!r} of {KINDS[kind]}") from None
     if version > FORMATS[kind]:
-        raise InputError(f"{path}: {KINDS[kind].name} format {version}, written by a newer rolemrc; this one reads "
+        raise InputError(f"{where}{KINDS[kind].name} format {version}, written by a newer rolemrc; this one reads "
                          f"format {FORMATS[kind]} (upgrade rolemrc)")
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from rolemrc.core.artifacts import FORMATS, describe, identify
-from rolemrc.core.errors import RolemrcError
+from rolemrc.core.artifacts import FORMATS, check_format, describe, identify
+from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
 
@@ -179,10 +179,10 @@ class Restraint:
             raise RestraintError(f"a restraint spec must be a mapping, got {type(data).__name__}")
         if data.get("kind", "restraint") != "restraint":
             raise RestraintError(f"a {data['kind']!r} document, not a restraint spec")
-        version = data.get("format", 1)
-        if not isinstance(version, int) or version > FORMATS["restraint"]:
-            raise RestraintError(f"restraint spec format {version!r}: written by a newer rolemrc; this one reads format "
-                                 f"{FORMATS['restraint']} (upgrade rolemrc)")
+        try:
+            check_format(None, data, "restraint")
+        except InputError as exc:
+            raise RestraintError(str(exc)) from None
         unknown = set(data) - {"name", "hook", "factor", "units", "source", "model", "kind", "format"}
         if unknown:
             raise RestraintError(f"unknown spec field(s) {sorted(unknown)}")

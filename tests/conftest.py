@@ -1,3 +1,4 @@
+import json
 import sys
 from pathlib import Path
 
@@ -63,3 +64,87 @@ def eos_split_prompts(peaked_model, tokenizer):
 @pytest.fixture(scope="session")
 def records():
     return test_records(40)
+
+
+@pytest.fixture(scope="session")
+def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
+    """kind -> a path holding it, each made by rolemrc itself (the foreign and broken ones by hand): the inputs of
+    tests/test_error_matrix.py and tests/test_artifacts.py. Read-only: a test that edits one copies it first."""
+    import sqlite3
+
+    import gguf
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+    from rolemrc.core.io import write_jsonl
+    from rolemrc.core.tiny import build_model
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path_factory.mktemp("artifacts")
+    runner = CliRunner()
+
+    def run(*args: str) -> None:
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == 0, (args, result.output)
+
+    model, other = str(model_dirs["llama"]), str(root / "dpo")
+    build_model("llama", tokenizer, seed=9, hidden=64, layers=2, intermediate=96).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+
+    def jsonl(name: str, rows: list[dict]) -> Path:
+        write_jsonl(root / name, rows)
+        return root / name
+
+    records = test_records(6)
+    made = {"model": Path(model), "records": jsonl("test.jsonl", records)}
+    made["pairs"] = jsonl("pairs.jsonl", [{"id": r["id"], "prompt": r["question"], "chosen": "Aye, friend.",
+                                                        "rejected": "No.", "task": r["task"]} for r in records])
+    made["sft-records"] = jsonl("sft.jsonl", [
+        {"id": r["id"], "conversations": [*r["question"], {"role": "assistant", "content": "Aye."}], "task": r["task"]}
+        for r in records])
+    run("probe", "collect", "--model", model, "--data", str(made["records"]), "--out", str(root / "probe.safetensors"))
+    run("probe", "collect", "--model", model, "--model", other, "--data", str(made["records"]),
+        "--out", str(root / "paired.safetensors"))
+    run("probe", "attribute", "--sft", model, "--dpo", other, "--pairs", str(made["pairs"]),
+        "--out", str(root / "attribution.safetensors"))
+    run("probe", "diff", str(root / "paired.safetensors"), "--out", str(root / "diff"), "--no-figures")
+    run("intervene", "select", "--diff", str(root / "diff"), "--dimension", "role_style", "--top-k", "4",
+        "--factor", "0", "--out", str(root / "restraint.yaml"))
+    run("intervene", "lora", "--model", model, "--restraint", str(root / "restraint.yaml"), "--out", str(root / "adapter"))
+    run("eval", "generate", "--data", str(made["records"]), "--model", model, "--max-new-tokens", "4",
+        "--out", str(root / "responses.jsonl"))
+    run("eval", "score", str(root / "responses.jsonl"), "--metrics", "bleu", "--out", str(root / "eval-run"))
+    run("sweep", "run", "--model", model, "--diff", str(root / "diff"), "--data", str(made["records"]),
+        "--dimension", "role_style", "--factors", "0", "--top-k", "4", "--controls", "0", "--metrics", "bleu",
+        "--max-new-tokens", "4", "--out", str(root / "sweep"))
+    made |= {"probe": root / "probe.safetensors", "paired-probe": root / "paired.safetensors",
+             "attribution": root / "attribution.safetensors", "diff": root / "diff", "restraint": root / "restraint.yaml",
+             "peft-adapter": root / "adapter", "responses": root / "responses.jsonl", "eval-run": root / "eval-run",
+             "sweep": root / "sweep"}
+
+    writer = gguf.GGUFWriter(str(root / "model.gguf"), "llama")
+    writer.add_name("a GGUF with no tensors")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    made["gguf"] = root / "model.gguf"
+    with sqlite3.connect(root / "log.sqlite") as db:
+        db.execute("create table requests (id integer)")
+    made["sqlite"] = root / "log.sqlite"
+    (root / "serve.yaml").write_text(json.dumps({"models": [{"name": "m", "path": model}]}))
+    made["serve-config"] = root / "serve.yaml"
+    (root / "train.yaml").write_text("max_steps: 1\n")
+    made["train-config"] = root / "train.yaml"
+    made |= {"personas": repo / "datagen" / "data" / "personas.jsonl", "mrc": repo / "datagen" / "data" / "mrc.jsonl"}
+
+    (root / "empty.jsonl").write_bytes(b"")
+    (root / "empty-folder").mkdir()
+    (root / "folder").mkdir()
+    (root / "folder" / "notes.txt").write_text("some notes\n")
+    (root / "binary.safetensors").write_bytes(bytes(range(256)) * 8)
+    (root / "latin1.jsonl").write_bytes('{"id": "a", "question": "café crème"}\n'.encode("latin-1"))
+    made |= {"missing": root / "nowhere" / "nothing.jsonl", "empty-file": root / "empty.jsonl",
+             "empty-folder": root / "empty-folder", "folder": root / "folder", "binary": root / "binary.safetensors",
+             "non-utf8": root / "latin1.jsonl"}
+    return made

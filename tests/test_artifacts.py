@@ -1,0 +1,101 @@
+"""Artifacts say what they are: `identify` tells every kind apart (rolemrc's own, as rolemrc writes them, and foreign
+ones), every file rolemrc writes carries its kind and format version, and every reader refuses a newer format with
+both versions named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from rolemrc.cli import app
+from rolemrc.core.artifacts import FORMATS, KINDS, describe, identify
+from rolemrc.core.errors import EXIT_INPUT
+
+IDENTIFIED = {   # artifact (conftest's `artifacts`) -> what identify() says it is
+    "model": "model", "records": "records", "pairs": "records", "sft-records": "records", "responses": "responses",
+    "probe": "probe", "paired-probe": "paired-probe", "attribution": "attribution", "diff": "diff",
+    "restraint": "restraint", "peft-adapter": "peft-adapter", "eval-run": "eval-run", "sweep": "sweep", "gguf": "gguf",
+    "sqlite": "sqlite", "serve-config": "serve-config", "train-config": "train-config", "personas": "records",
+    "mrc": "records", "missing": "missing", "empty-file": "empty-file", "empty-folder": "empty-folder",
+    "folder": "folder", "binary": "binary", "non-utf8": "non-utf8",
+}
+
+
+def test_identify_tells_every_kind_apart(artifacts):
+    assert set(IDENTIFIED) == set(artifacts)
+    found = {name: identify(path) for name, path in artifacts.items()}
+    assert found == IDENTIFIED
+    assert identify(artifacts["diff"] / "diff.safetensors") == "diff-file"
+    assert describe(artifacts["diff"]) == "a diff folder (from `rolemrc probe diff`)"
+    assert set(found.values()) <= set(KINDS)
+
+
+def stamped(path: Path) -> dict:
+    """The kind and format a file says it is."""
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), "pt") as fh:
+            meta = fh.metadata()
+    else:
+        meta = yaml.safe_load(path.read_text())
+    return {"kind": meta.get("kind"), "format": str(meta.get("format"))}
+
+
+WRITTEN = {   # kind -> the file of the artifact that carries the stamp
+    "probe": lambda a: a["probe"], "paired-probe": lambda a: a["paired-probe"], "attribution": lambda a: a["attribution"],
+    "diff": lambda a: a["diff"] / "diff.safetensors", "restraint": lambda a: a["restraint"],
+    "eval-run": lambda a: a["eval-run"] / "report.json", "sweep": lambda a: a["sweep"] / "sweep.json",
+}
+
+
+def test_every_versioned_file_says_what_it_is(artifacts):
+    assert set(WRITTEN) == set(FORMATS)
+    for kind, where in WRITTEN.items():
+        assert stamped(where(artifacts)) == {"kind": kind, "format": str(FORMATS[kind])}, kind
+
+
+def newer(path: Path) -> None:
+    """Rewrite a stamped file as format FORMATS + 1 (everything else as it was)."""
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), "pt") as fh:
+            meta, tensors = fh.metadata(), {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        save_file(tensors, str(path), metadata={**meta, "format": str(int(meta["format"]) + 1)})
+    else:
+        data = yaml.safe_load(path.read_text())
+        data["format"] = int(data["format"]) + 1
+        path.write_text(json.dumps(data))
+
+
+READERS = {   # kind -> a command line that reads it ({x}: the newer copy, {a}: an artifact, {out}: a fresh folder)
+    "probe": ["probe", "diff", "{x}", "{probe}", "--out", "{out}"],
+    "paired-probe": ["probe", "diff", "{x}", "--out", "{out}"],
+    "attribution": ["intervene", "select", "--diff", "{x}", "--method", "attribution", "--dimension", "role_style",
+                    "--top-k", "2", "--out", "{out}/s.yaml"],
+    "diff": ["intervene", "select", "--diff", "{x}", "--dimension", "role_style", "--top-k", "2", "--out", "{out}/s.yaml"],
+    "restraint": ["intervene", "lora", "--model", "{model}", "--restraint", "{x}", "--out", "{out}"],
+    "eval-run": ["eval", "report", "{x}", "--out", "{out}"],
+    "sweep": ["sweep", "ab", "--from-sweep", "{x}", "--base-url", "http://127.0.0.1:9/v1"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(READERS))
+def test_a_newer_format_is_refused_with_both_versions(artifacts, kind, tmp_path):
+    assert set(READERS) == set(FORMATS)
+    source = artifacts[kind]
+    copy = tmp_path / source.name
+    (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
+    newer(WRITTEN[kind]({kind: copy}))
+    out = tmp_path / "out"
+    args = [str(copy) if t == "{x}" else str(out) + t[5:] if t.startswith("{out}") else
+            str(artifacts[t[1:-1]]) if t.startswith("{") else t for t in READERS[kind]]
+    result = CliRunner().invoke(app, args)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == EXIT_INPUT and len(errors) == 1, result.output
+    assert f"format {FORMATS[kind] + 1}, written by a newer rolemrc; this one reads format {FORMATS[kind]}" in errors[0]
+    assert not out.exists()
