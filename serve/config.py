@@ -63,6 +63,11 @@ class ModelConfig:
         if preflight is not None:
             preflight(name, self.options)
 
+    def directories(self) -> list[str]:
+        """The model directories its options name (the ones checked before serving)."""
+        return [value for f in fields(self.options) if f.metadata.get("model_dir")
+                and (value := getattr(self.options, f.name))]
+
 
 @dataclass
 class ServeConfig:
@@ -145,11 +150,9 @@ class ServeConfig:
         for spec in self.restraints.values():
             restraint = Restraint.load(spec)
             for name, model in self.models.items():
-                for f in fields(model.options):
-                    directory = getattr(model.options, f.name) if f.metadata.get("model_dir") else None
+                for directory in model.directories():
                     try:
-                        if directory:
-                            restraint.check_model(directory, self.strict_restraints)
+                        restraint.check_model(directory, self.strict_restraints)
                     except RestraintError as exc:
                         raise ConfigError(f"model {name!r}: {exc} (strict_restraints: true)") from None
 

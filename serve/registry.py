@@ -48,11 +48,19 @@ class Registry:
             return False
         try:
             engine.check_restraint(restraint)
+            self._check_model(name, restraint)
         except RestraintError as exc:
             log.warning("restraint %r does not fit model %r: %s", rname, name, exc)
             return False
         self.variants[f"{name}+{rname}"] = (name, rname)
         return True
+
+    def _check_model(self, name: str, restraint: Restraint) -> None:
+        """With `strict_restraints`, a RestraintError for a restraint selected on another model than `name`'s (without
+        it, the engine's check warns once on stderr)."""
+        if self.config.strict_restraints:
+            for directory in self.config.models[name].directories():
+                restraint.check_model(directory, strict=True)
 
     async def register(self, rname: str, restraint: Restraint) -> tuple[bool, list[str]]:
         """Register a restraint while serving (idempotent for the same `Restraint.digest`: units, hook and factor):
@@ -149,6 +157,7 @@ class Registry:
             label, key = "inline", f"inline:{restraint.digest}"   # by what it does: equal specs batch together
         try:
             engine.check_restraint(restraint)
+            self._check_model(engine.name, restraint)
         except RestraintError as exc:
             raise ApiError(422, f"the restraint does not fit model {engine.name!r}: {exc}", code="invalid_restraint",
                            param="restraint") from None

@@ -9,6 +9,7 @@ no template fails `test_every_path_argument_is_in_the_matrix`: the matrix grows 
 
 from __future__ import annotations
 
+import functools
 import typing
 from pathlib import Path
 
@@ -82,6 +83,7 @@ OUTSIDE = {
 }
 
 
+@functools.cache
 def path_arguments() -> dict[str, list[str]]:
     """command -> names of its arguments that take a path (a Path annotation), outputs aside."""
     found: dict[str, list[str]] = {}

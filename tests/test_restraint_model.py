@@ -14,6 +14,7 @@ from rolemrc.cli import app
 from rolemrc.core.errors import EXIT_INPUT
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.modeling import dir_fingerprint
+from rolemrc.intervene import Restraint
 
 
 def invoke(*args: str):
@@ -126,3 +127,22 @@ def test_serve_strict_restraints_refuses_at_preflight(selected):
     ServeConfig.from_dict(data).preflight()   # a warning
     with pytest.raises(ConfigError, match="strict_restraints"):
         ServeConfig.from_dict({**data, "strict_restraints": True}).preflight()
+
+
+def test_serve_strict_restraints_refuses_an_inline_one_of_another_model(selected):
+    """A client's spec selected on another model: 422 under strict_restraints (served as a request would be)."""
+    from rolemrc.serve.config import ServeConfig
+    from rolemrc.serve.errors import ApiError
+    from rolemrc.serve.registry import Registry
+
+    spec = yaml.safe_load(selected["spec"].read_text())
+    for path, strict, refused in ((selected["sft"], True, True), (selected["dpo"], True, False),
+                                  (selected["sft"], False, False)):
+        registry = Registry(ServeConfig.from_dict({"models": {"m": str(path)}, "allow_inline_restraints": True,
+                                                   "strict_restraints": strict}))
+        if refused:
+            with pytest.raises(ApiError, match="selected on") as caught:
+                registry.resolve(registry.engines["m"], None, spec)
+            assert caught.value.status == 422
+        else:
+            assert registry.resolve(registry.engines["m"], None, spec).restraint.units == Restraint.from_dict(spec).units
