@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # Metadata that must agree for counts to add up: the counting settings, and each model's identity at its dtype.
 MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field",
-              *(key for key in MODEL_KEYS if key != "model"))
+              *(key for key in MODEL_KEYS if key not in ("model", "model_fingerprint_of")))   # the fingerprint says it
 
 
 def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
