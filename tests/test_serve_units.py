@@ -166,10 +166,10 @@ def test_vllm_command_line_enables_lora_only_when_a_restraint_can_arrive(model_d
     from rolemrc.intervene import Restraint
     from rolemrc.serve.engines.vllm import VllmEngine, VllmOptions
 
-    def args(restraints, inline, cpu=True):
+    def args(restraints, inline, cpu=True, plugin=None):
         engine = VllmEngine("m", VllmOptions(path=str(model_dirs["llama"]), adapter_cache=str(tmp_path)), max_queue=4)
         engine.register_adapters(restraints, inline)
-        return engine, engine.launch_args("python", 1234, cpu)
+        return engine, engine.launch_args("python", 1234, cpu, plugin)
 
     engine, plain = args({}, inline=False)   # a baked checkpoint: vLLM at full speed, no LoRA layers
     assert "--enable-lora" not in plain and engine.unrestrained == "m"
@@ -183,6 +183,11 @@ def test_vllm_command_line_enables_lora_only_when_a_restraint_can_arrive(model_d
     assert all((tmp_path / Path(p).name / "adapter_model.safetensors").is_file() for p in modules.values())
     engine, gpu = args({}, inline=True, cpu=False)   # CUDA vLLM masks rows without an adapter itself
     assert "--enable-lora" in gpu and "--lora-modules" not in gpu and engine.unrestrained == "m"
+    engine, grouped = args({"r": r}, inline=True, plugin=(True, "active"))   # rolemrc's plugin leaves -1 rows alone
+    assert set(dict(m.split("=", 1) for m in grouped[grouped.index("--lora-modules") + 1:])) == {"m+r"}
+    assert engine.unrestrained == "m"
+    engine, _ = args({"r": r}, inline=True, plugin=(False, "vLLM 0.33.0 is not a version it was tested against"))
+    assert engine.unrestrained == "m+unrestrained"
 
 
 def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):

