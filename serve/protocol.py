@@ -300,6 +300,7 @@ class ModelCard(BaseModel):
     root: str
     restraint: str | None = None
     engine: str
+    lora: str | None = None   # how restraints run as LoRA (vllm engine): which ops, and where unrestrained requests go
 
 
 class ModelList(BaseModel):

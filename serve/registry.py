@@ -98,8 +98,8 @@ class Registry:
             await engine.stop()
 
     def cards(self) -> list[ModelCard]:
-        return [ModelCard(id=vid, created=self.created, root=name, restraint=rname,
-                          engine=self.config.models[name].engine) for vid, (name, rname) in self.variants.items()]
+        return [ModelCard(id=vid, created=self.created, root=name, restraint=rname, engine=self.config.models[name].engine,
+                          lora=getattr(self.engines[name], "lora_path", None)) for vid, (name, rname) in self.variants.items()]
 
     def lookup(self, model_id: str) -> tuple[Engine, str | None]:
         """(engine, restraint named by the id) for `model` or `model+restraint`; 404 otherwise."""

