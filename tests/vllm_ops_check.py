@@ -48,7 +48,8 @@ def compare(name: str, before: tuple, after: tuple, indices: torch.Tensor, outpu
 def main() -> None:
     g = torch.Generator().manual_seed(0)
     tally = {"cases": 0, "rows_with_adapter": 0, "rows_without": 0, "original_wrong_on_minus_one": 0, "failures": []}
-    for slots, rank, hidden, out, tokens in ((1, 8, 32, 48, 5), (4, 16, 64, 96, 23), (3, 32, 96, 64, 40)):
+    # decode-sized batches (every adapter in one matmul) and one over BLOCK_TOKENS (one product per adapter)
+    for slots, rank, hidden, out, tokens in ((1, 8, 32, 48, 5), (4, 16, 64, 96, 23), (3, 32, 96, 64, 40), (3, 16, 64, 48, 300)):
         a, b = stacks(g, slots, rank, hidden, out)
         x = torch.randn(tokens, hidden, generator=g)
         shrunk, stale = torch.zeros(tokens, rank), torch.randn(tokens, rank, generator=g)   # a buffer's old values

@@ -4,7 +4,8 @@ arguments, same results where vLLM's are right.
 vLLM's torch ops gather every token's adapter matrices (tokens x rank x width) and einsum them, even for tokens
 without an adapter, and index the adapter stack with the token's slot, where "no adapter" is -1: Python reads it as
 the last slot, so such a token gets the last adapter's product. Here tokens are grouped by slot: one matmul per
-active adapter over its tokens, a gather of input columns when the adapter's A is one-hot (a restraint on
+active adapter over its tokens (for a decode step's few tokens, every active adapter in one matmul, each token
+keeping its own block), a gather of input columns when the adapter's A is one-hot (a restraint on
 `mlp.act`/`mlp.post` selects units), and -1 tokens get what a zero adapter gives: nothing added (shrink writes 0,
 expand adds 0; a non-accumulating expand writes 0).
 """
@@ -38,22 +39,41 @@ def _one_hot_columns(stack: torch.Tensor, slot: int) -> torch.Tensor | None:
     return columns
 
 
+BLOCK_TOKENS = 256   # up to this many tokens (decode steps): every active adapter in one matmul, each token keeping
+# its own block; above it (prefill), one matmul (or gather) per adapter over its own tokens
+
+
+def _product(x: torch.Tensor, stack: torch.Tensor, slot: int, dtype: torch.dtype, gather: bool) -> torch.Tensor:
+    """x times stack[slot]^T: a column gather where that A is one-hot (padding rows give 0), else a matmul."""
+    columns = _one_hot_columns(stack, slot) if gather else None
+    if columns is None:
+        return x.to(dtype) @ stack[slot].to(dtype).t()
+    return x[:, columns.clamp(min=0)].to(dtype) * (columns >= 0).to(dtype)
+
+
 def _grouped(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype,
-             gather: bool) -> torch.Tensor:
-    """[tokens, out]: token i times weights[indices[i]]^T, 0 where indices[i] < 0; one product per active slot."""
+             gather: bool) -> torch.Tensor | None:
+    """[tokens, out]: token i times weights[indices[i]]^T, 0 where indices[i] < 0; None when no token has an
+    adapter. One product when every token has the same adapter."""
     stack = _matrices(weights)
-    out = torch.zeros(inputs.shape[0], stack.shape[1], dtype=dtype, device=inputs.device)
-    indices = indices[: inputs.shape[0]]
-    for slot in torch.unique(indices).tolist():
-        if slot < 0:
-            continue
+    n = inputs.shape[0]
+    indices = indices[:n]
+    active = torch.unique(indices)
+    active = active[active >= 0]
+    if len(active) == 0:
+        return None
+    if len(active) == 1 and bool((indices == active[0]).all()):
+        return _product(inputs, stack, int(active[0]), dtype, gather)
+    if n <= BLOCK_TOKENS:
+        k, width = len(active), stack.shape[1]
+        blocks = (inputs.to(dtype) @ stack[active].to(dtype).reshape(k * width, -1).t()).view(n, k, width)
+        out = blocks[torch.arange(n), torch.searchsorted(active, indices.clamp(min=0))]
+        out[indices < 0] = 0
+        return out
+    out = torch.zeros(n, stack.shape[1], dtype=dtype, device=inputs.device)
+    for slot in active.tolist():
         rows = (indices == slot).nonzero().squeeze(1)
-        columns = _one_hot_columns(stack, slot) if gather else None
-        x = inputs.index_select(0, rows).to(dtype)
-        if columns is None:
-            out[rows] = x @ stack[slot].to(dtype).t()
-        else:   # a column gather; padding rows (-1) give 0
-            out[rows] = x[:, columns.clamp(min=0)] * (columns >= 0).to(dtype)
+        out[rows] = _product(inputs.index_select(0, rows), stack, slot, dtype, gather)
     return out
 
 
@@ -67,7 +87,8 @@ def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tenso
     if not _rows_match(inputs, output_tensor, lora_indices_tensor):
         return ORIGINAL["bgmv_shrink"](inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
     outputs = _grouped(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype, gather=True)
-    output_tensor[:, : outputs.shape[1]] = scaling * outputs
+    rank = _matrices(lora_b_weights).shape[1]
+    output_tensor[:, :rank] = 0 if outputs is None else scaling * outputs
 
 
 def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
@@ -75,8 +96,11 @@ def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tenso
     if not _rows_match(inputs, output_tensor, lora_indices_tensor):
         return ORIGINAL["bgmv_expand"](inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
     outputs = _grouped(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype, gather=False)
-    common = min(outputs.shape[1], output_tensor.shape[1])   # adapter and model may pad differently
-    if add_inputs:
+    common = min(_matrices(lora_b_weights).shape[1], output_tensor.shape[1])   # adapter and model may pad differently
+    if outputs is None:   # no token has an adapter: nothing to add
+        if not add_inputs:
+            output_tensor[:, :common] = 0
+    elif add_inputs:
         output_tensor[:, :common] += outputs[:, :common]
     else:
         output_tensor[:, :common] = outputs[:, :common]
@@ -89,10 +113,14 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
         return ORIGINAL["bgmv_expand_slice"](inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset,
                                              slice_size, add_inputs)
     outputs = _grouped(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype, gather=False)
-    if add_inputs:
-        output_tensor[:, slice_offset: slice_offset + slice_size] += outputs
+    target = output_tensor[:, slice_offset: slice_offset + slice_size]
+    if outputs is None:   # no token has an adapter: nothing to add
+        if not add_inputs:
+            target.zero_()
+    elif add_inputs:
+        target += outputs
     else:
-        output_tensor[:, slice_offset: slice_offset + slice_size] = outputs
+        target.copy_(outputs)
 
 
 def _tokens(lora_indices_tensor: torch.Tensor, seq_len_tensor: torch.Tensor) -> torch.Tensor:
