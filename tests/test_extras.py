@@ -24,7 +24,8 @@ from rolemrc.core.tiny import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-SKIPPED = {"tests", "notebooks", "scripts", "docs", "build", "dist", "runs"}
+SKIPPED = {"tests", "notebooks", "scripts", "docs", "build", "dist", "runs",
+           "vllm_plugin"}   # a package of its own, installed into vLLM's environment (docs/vllm-plugin.md)
 
 # the extras a package's modules may import at module level (function bodies may import any extra's modules); every
 # command module (cli.py, */cli.py, serve/ab_cli.py, demo's register) stays in the core, so the help runs there
