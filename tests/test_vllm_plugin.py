@@ -44,6 +44,8 @@ def test_vllm_finds_the_plugin_and_it_acts_only_where_tested():
     assert cpu and plugin == (True, "grouped LoRA ops replace vLLM 0.32.0's torch ops (CPU)")
     off = in_vllm("import rolemrc_vllm_plugin as p; print(p.status())", ROLEMRC_VLLM_PLUGIN="0")
     assert "(False, 'off (ROLEMRC_VLLM_PLUGIN=0)')" in off.stdout
+    unlisted = in_vllm("import rolemrc_vllm_plugin as p; print(p.status())", VLLM_PLUGINS="lora_filesystem_resolver")
+    assert "does not name rolemrc_grouped_lora, so vLLM does not load it" in unlisted.stdout   # nor the engine count on it
     other = in_vllm("import rolemrc_vllm_plugin as p; p.TESTED = ('0.33.0',); p.register(); "
                     "import vllm.lora.punica_wrapper.punica_cpu as c; print(c.bgmv_shrink.__module__, p.status()[1])")
     assert other.stdout.split()[0] == "vllm.lora.ops.torch_ops.lora_ops"   # vLLM's own ops stay

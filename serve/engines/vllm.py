@@ -361,8 +361,11 @@ except m.PackageNotFoundError:
     cpu = False
 plugin = None
 if importlib.util.find_spec("rolemrc_vllm_plugin"):
-    import rolemrc_vllm_plugin
-    plugin = rolemrc_vllm_plugin.status()
+    try:
+        import rolemrc_vllm_plugin
+        plugin = rolemrc_vllm_plugin.status()
+    except Exception as exc:   # the plugin cannot say: it acts as inactive, and the engine stays correct
+        plugin = [False, f"its status failed: {type(exc).__name__}: {exc}"]
 print(json.dumps([cpu, plugin]))"""
 
 
