@@ -24,10 +24,6 @@ except ConfigError as exc:
     pytest.skip(f"vLLM is not installed ({exc})", allow_module_level=True)
 
 
-def in_vllm(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([VLLM, "-c", code], capture_output=True, text=True, env=os.environ | env, timeout=300)
-
-
 def test_grouped_ops_equal_vllms_own_and_leave_rows_without_an_adapter_alone():
     done = subprocess.run([VLLM, str(ROOT / "tests" / "vllm_ops_check.py")], capture_output=True, text=True, timeout=300)
     tally = json.loads(done.stdout.strip().splitlines()[-1])
@@ -36,24 +32,28 @@ def test_grouped_ops_equal_vllms_own_and_leave_rows_without_an_adapter_alone():
     assert tally["original_wrong_on_minus_one"] > 0   # the bug the plugin works around is there in this vLLM
 
 
+GATE = """import json, os, importlib.metadata as m
+import rolemrc_vllm_plugin as p
+out = {"entry_points": [e.value for e in m.entry_points(group="vllm.general_plugins")], "status": p.status()}
+os.environ["ROLEMRC_VLLM_PLUGIN"] = "0"; out["off"] = p.status(); del os.environ["ROLEMRC_VLLM_PLUGIN"]
+os.environ["VLLM_PLUGINS"] = "lora_filesystem_resolver"; out["unlisted"] = p.status(); del os.environ["VLLM_PLUGINS"]
+import vllm.lora.punica_wrapper.punica_cpu as c, vllm.lora.ops.torch_ops as t
+p.TESTED = ("0.33.0",); p.register(); out["other"] = [c.bgmv_shrink.__module__, p.status()[1]]
+p.TESTED = ("0.32.0",); p.register(); p.register(); out["on"] = [c.bgmv_shrink.__module__, t.sgmv_expand.__module__]
+print(json.dumps(out))"""
+
+
 def test_vllm_finds_the_plugin_and_it_acts_only_where_tested():
-    found = in_vllm("from importlib.metadata import entry_points; "
-                    "print([e.value for e in entry_points(group='vllm.general_plugins')])")
-    assert "rolemrc_vllm_plugin:register" in found.stdout, found.stderr
-    cpu, plugin = vllm_build(VLLM)
-    assert cpu and plugin == (True, "grouped LoRA ops replace vLLM 0.32.0's torch ops (CPU)")
-    off = in_vllm("import rolemrc_vllm_plugin as p; print(p.status())", ROLEMRC_VLLM_PLUGIN="0")
-    assert "(False, 'off (ROLEMRC_VLLM_PLUGIN=0)')" in off.stdout
-    unlisted = in_vllm("import rolemrc_vllm_plugin as p; print(p.status())", VLLM_PLUGINS="lora_filesystem_resolver")
-    assert "does not name rolemrc_grouped_lora, so vLLM does not load it" in unlisted.stdout   # nor the engine count on it
-    other = in_vllm("import rolemrc_vllm_plugin as p; p.TESTED = ('0.33.0',); p.register(); "
-                    "import vllm.lora.punica_wrapper.punica_cpu as c; print(c.bgmv_shrink.__module__, p.status()[1])")
-    assert other.stdout.split()[0] == "vllm.lora.ops.torch_ops.lora_ops"   # vLLM's own ops stay
-    assert "not a version it was tested against (0.33.0)" in other.stdout
-    on = in_vllm("import rolemrc_vllm_plugin as p; p.register(); p.register(); "
-                 "import vllm.lora.punica_wrapper.punica_cpu as c, vllm.lora.ops.torch_ops as t; "
-                 "print(c.bgmv_shrink.__module__, t.sgmv_expand.__module__)")
-    assert on.stdout.split() == ["rolemrc_vllm_plugin.ops", "rolemrc_vllm_plugin.ops"], on.stderr
+    done = subprocess.run([VLLM, "-c", GATE], capture_output=True, text=True, timeout=300)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "rolemrc_vllm_plugin:register" in found["entry_points"], done.stderr
+    assert found["status"] == [True, "grouped LoRA ops replace vLLM 0.32.0's torch ops (CPU)"]
+    assert vllm_build(VLLM) == (True, (True, "grouped LoRA ops replace vLLM 0.32.0's torch ops (CPU)"))
+    assert found["off"] == [False, "off (ROLEMRC_VLLM_PLUGIN=0)"]
+    assert "does not name rolemrc_grouped_lora, so vLLM does not load it" in found["unlisted"][1]   # nor the engine
+    assert found["other"][0] == "vllm.lora.ops.torch_ops.lora_ops"   # another version: vLLM's own ops stay
+    assert "not a version it was tested against (0.33.0)" in found["other"][1]
+    assert found["on"] == ["rolemrc_vllm_plugin.ops", "rolemrc_vllm_plugin.ops"]   # idempotent
 
 
 def test_the_engine_says_which_lora_path_serves():
