@@ -169,3 +169,21 @@ def answerable_records(n: int, prefix: str = "p") -> list[dict]:
                           {"role": "Assistant", "content": "i cannot say"},
                           {"role": "User", "content": f"please, the {TOPICS[(i + 5) % len(TOPICS)]} matter to me"}]}
             for i in range(n)]
+
+
+def vllm_or_skip(module_level: bool = True) -> str:
+    """The interpreter with vLLM (`make test`'s .venv-vllm), else a skip; with ROLEMRC_REQUIRE_VLLM=1, as `make test`
+    sets, a missing vLLM fails instead."""
+    import os
+
+    import pytest
+
+    from rolemrc.serve.engines.vllm import vllm_python
+    from rolemrc.serve.errors import ConfigError
+
+    try:
+        return vllm_python("test")
+    except ConfigError as exc:
+        if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(f"vLLM is not installed ({exc})", allow_module_level=module_level)

@@ -8,7 +8,6 @@ vLLM runs from its own environment (`make test` builds `.venv-vllm` and sets ROL
 ROLEMRC_REQUIRE_VLLM=1, as there, a missing vLLM fails instead of skipping)."""
 
 import asyncio
-import os
 import signal
 import time
 from pathlib import Path
@@ -16,19 +15,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fixtures import STOPS_ON_EOS
+from fixtures import STOPS_ON_EOS, vllm_or_skip
 
 from rolemrc.intervene import Restraint
-from rolemrc.serve.engines.vllm import vllm_python
-from rolemrc.serve.errors import ConfigError
 from rolemrc.serve.launch import start_server, stop_server
 
-try:
-    VLLM = vllm_python("test")
-except ConfigError as exc:
-    if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
-        raise
-    pytest.skip(f"vLLM is not installed ({exc})", allow_module_level=True)
+VLLM = vllm_or_skip()
 
 RESTRAINTS = {   # every LoRA-exportable hook point; factors that move the greedy text
     "silence": Restraint(name="silence", hook="mlp.act", factor=0.0, units={0: list(range(48)), 1: list(range(48))}),

@@ -1,17 +1,15 @@
 """The sweep's other engines, for real: a running `rolemrc serve` endpoint (each row's restraint sent inline) and
 `--engine vllm` (a server of the sweep's own, restraints as LoRA adapters) give the in-process sweep's responses."""
 
-import os
 
 import pytest
 import torch
-from fixtures import save_peaked_llama, write_diff_file
+from fixtures import save_peaked_llama, vllm_or_skip, write_diff_file
 from fixtures import test_records as make_records
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import write_jsonl
 from rolemrc.intervene.spec import RestraintError
-from rolemrc.serve.errors import ConfigError
 from rolemrc.serve.launch import running_server
 from rolemrc.sweep.plan import SweepConfig, plan
 from rolemrc.sweep.run import generate_cells
@@ -58,15 +56,7 @@ def test_a_sweep_on_a_running_endpoint_equals_the_in_process_one(setup, local, t
 
 
 def test_engine_vllm_serves_every_cell_as_a_lora_adapter(setup, local, tmp_path, monkeypatch):
-    from rolemrc.serve.engines.vllm import vllm_python
-
-    try:
-        python = vllm_python("sweep")
-    except ConfigError as exc:
-        if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(f"vLLM is not installed ({exc})")
-    monkeypatch.setenv("ROLEMRC_VLLM_PYTHON", python)
+    monkeypatch.setenv("ROLEMRC_VLLM_PYTHON", vllm_or_skip(module_level=False))
     assert responses(setup, tmp_path, engine="vllm") == local
     assert not list(tmp_path.glob("cells/*.tmp")) and list(tmp_path.glob("server-*.log"))
 

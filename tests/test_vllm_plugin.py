@@ -6,22 +6,15 @@ end, tests/test_serve_vllm.py runs with it."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
-import pytest
+from fixtures import vllm_or_skip
 
-from rolemrc.serve.engines.vllm import lora_path, vllm_build, vllm_python
-from rolemrc.serve.errors import ConfigError
+from rolemrc.serve.engines.vllm import lora_path, vllm_build
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    VLLM = vllm_python("test")
-except ConfigError as exc:
-    if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
-        raise
-    pytest.skip(f"vLLM is not installed ({exc})", allow_module_level=True)
+VLLM = vllm_or_skip()
 
 
 def test_grouped_ops_equal_vllms_own_and_leave_rows_without_an_adapter_alone():
