@@ -8,9 +8,8 @@ from pathlib import Path
 
 import typer
 
-from rolemrc.core.artifacts import describe, expect
+from rolemrc.core.artifacts import expect
 from rolemrc.core.cli import ROUNDS, cli_app
-from rolemrc.core.errors import InputError
 from rolemrc.core.extras import needs
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import metrics_help, parse_metrics
@@ -37,10 +36,7 @@ def report_cmd(
     groups = parse_metrics(metrics)
     # an unknown or misconfigured judge fails here, before any scoring
     config = JudgeConfig(name=judge, model=judge_model, base_url=judge_base_url)
-    if not db.is_file():
-        raise InputError(f"--db {db}: no such database" if not db.exists() else f"--db {db} is {describe(db)}; expected the "
-                         "server's SQLite log (the serve config's 'db')")
-    expect(db, "sqlite", "expected the server's SQLite log (the serve config's 'db')")
+    expect(db, "sqlite", "--db wants the server's SQLite log (the serve config's 'db')")
     store = Store(db)
     try:
         report = build_report(store, experiment, judge=config, metrics=groups, rounds=rounds, out_dir=out)
