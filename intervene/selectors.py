@@ -55,7 +55,8 @@ def model_of(meta: dict[str, str], prefix: str = "") -> dict[str, str]:
     diff's keys with prefix "b_"); {} when the metadata has no fingerprint."""
     if not meta.get(f"{prefix}model_fingerprint"):
         return {}
-    return {"name": meta.get(f"{prefix}model", ""), "fingerprint": meta[f"{prefix}model_fingerprint"],
+    name = meta.get(f"{prefix}model") or meta.get(prefix.rstrip("_"), "")   # diffs before names: the side's label
+    return {"name": name, "fingerprint": meta[f"{prefix}model_fingerprint"],
             "fingerprint_of": meta.get(f"{prefix}model_fingerprint_of", "")}
 
 

@@ -25,7 +25,7 @@ class RestraintError(RolemrcError, ValueError):
 
 
 STRICT_HELP = "refuse a restraint selected on another model (default: a warning naming both)"
-WARNED: set[tuple[str, tuple[str, ...]]] = set()   # (selected-on, applied-to) fingerprints already warned about
+WARNED: set[tuple[str, str]] = set()   # (selected-on fingerprint, applied-to model) already warned about
 
 
 def parse_layers(text: str | None, n_layers: int | None = None) -> list[int] | None:
@@ -135,8 +135,14 @@ class Restraint:
         from rolemrc.core.modeling import fingerprints
 
         recorded = self.model.get("fingerprint")
-        found = fingerprints(model, self.model.get("fingerprint_of") or "") if recorded else {}
-        if not found or recorded in found.values():
+        if not recorded:
+            return
+        found: dict[str, str] = {}
+        for kind in [self.model.get("fingerprint_of")] if self.model.get("fingerprint_of") else ["directory", "weights"]:
+            found |= fingerprints(model, kind)   # a directory's first: hashing every weight only when it is needed
+            if recorded in found.values():
+                return
+        if not found:
             return
         from rolemrc.core.modeling import is_path, model_name
 
@@ -146,7 +152,7 @@ class Restraint:
                    f"{recorded}); it is applied to {target} ({fingerprint})")
         if strict:
             raise RestraintError(message + "; strict checking refuses it (without it: a warning)")
-        key = (recorded, tuple(found.values()))
+        key = (recorded, target)   # once per pair: the directory's check before loading and the loaded model's after
         if key not in WARNED:
             WARNED.add(key)
             print(f"warning: {message}", file=sys.stderr)

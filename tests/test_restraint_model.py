@@ -146,3 +146,16 @@ def test_serve_strict_restraints_refuses_an_inline_one_of_another_model(selected
             assert caught.value.status == 422
         else:
             assert registry.resolve(registry.engines["m"], None, spec).restraint.units == Restraint.from_dict(spec).units
+
+
+def test_a_spec_from_a_diff_written_before_fingerprint_kinds_warns_once(selected, tmp_path):
+    """A diff written before fingerprints said their kind: both kinds are tried, a directory's first, and the check
+    before loading and the one after name the same pair (found on SmolLM2 with the calibration's diff)."""
+    from rolemrc.intervene import spec
+
+    spec.WARNED.clear()
+    data = yaml.safe_load(selected["spec"].read_text())
+    data["model"]["fingerprint_of"] = ""
+    (tmp_path / "legacy.yaml").write_text(yaml.safe_dump(data))
+    result = invoke("intervene", "check", "--model", selected["sft"], "--restraint", tmp_path / "legacy.yaml")
+    assert result.exit_code == 0 and result.output.count("warning: restraint") == 1, result.output
