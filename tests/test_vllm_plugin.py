@@ -21,7 +21,7 @@ def test_grouped_ops_equal_vllms_own_and_leave_rows_without_an_adapter_alone():
     done = subprocess.run([VLLM, str(ROOT / "tests" / "vllm_ops_check.py")], capture_output=True, text=True, timeout=300)
     tally = json.loads(done.stdout.strip().splitlines()[-1])
     assert done.returncode == 0 and tally["failures"] == [], done.stdout + done.stderr
-    assert tally["cases"] == 96 and tally["rows_with_adapter"] > 500 and tally["rows_without"] > 500
+    assert tally["cases"] == 144 and tally["rows_with_adapter"] > 500 and tally["rows_without"] > 500
     assert tally["original_wrong_on_minus_one"] > 0   # the bug the plugin works around is there in this vLLM
 
 

@@ -2,7 +2,10 @@
 on random inputs: several adapters of dense and one-hot A, rank padding, tokens without an adapter (slot -1),
 prefill (sgmv: per sequence) and decode (bgmv: per token) shapes, accumulating or not. Equal to float32 tolerance
 on every row with an adapter; on -1 rows, where vLLM's ops use the last slot, the grouped ones must give what a zero
-adapter gives (the output untouched, a shrink of 0). Prints one JSON line of counts."""
+adapter gives (the output untouched, a shrink of 0). Then the way vLLM calls them: bfloat16, under inference mode,
+one persistent slot map rewritten in place between steps and adapters loaded into a stack in place (what the ops
+keep per batch and per stack must follow both), and a module no active adapter touches (zero stacks). Prints one
+JSON line of counts."""
 
 from __future__ import annotations
 
@@ -27,14 +30,14 @@ def stacks(g: torch.Generator, slots: int, rank: int, hidden: int, out: int) -> 
 
 
 def compare(name: str, before: tuple, after: tuple, indices: torch.Tensor, output: torch.Tensor,
-            zero_adapter: torch.Tensor, tally: dict) -> None:
+            zero_adapter: torch.Tensor, tally: dict, tolerance: float = 1e-5) -> None:
     """`op(*before, out, *after)` with vLLM's op and with the grouped one, each on a copy of `output`: equal on rows
     with an adapter; on -1 rows the grouped one must give `zero_adapter` (what an all-zero adapter gives)."""
     theirs, ours = output.clone(), output.clone()
     ORIGINAL[name](*before, theirs, *after)
     ops.OPS[name](*before, ours, *after)
     has = indices >= 0
-    close = torch.allclose(ours[has], theirs[has], rtol=1e-5, atol=1e-5)
+    close = torch.allclose(ours[has].float(), theirs[has].float(), rtol=tolerance, atol=tolerance)
     right = torch.equal(ours[~has], zero_adapter[~has])
     tally["cases"] += 1
     tally["rows_with_adapter"] += int(has.sum())
@@ -42,7 +45,46 @@ def compare(name: str, before: tuple, after: tuple, indices: torch.Tensor, outpu
     tally["original_wrong_on_minus_one"] += int(bool((~has).any()) and not torch.equal(theirs[~has], zero_adapter[~has]))
     if not (close and right):
         tally["failures"].append({"op": name, "equal_on_adapter_rows": close, "minus_one_rows_right": right,
-                                  "max_abs": float((ours[has] - theirs[has]).abs().max()) if has.any() else 0.0})
+                                  "max_abs": float((ours[has].float() - theirs[has].float()).abs().max()) if has.any() else 0.0})
+
+
+def as_vllm_calls_them(g: torch.Generator, tally: dict) -> None:
+    """Steps of a served batch: vLLM's persistent slot map (bgmv) and per-sequence metadata (sgmv) rewritten in place,
+    adapters written into the stacks in place between steps, bfloat16 model outputs, inference mode, and a second
+    module whose stacks are zero (an o_proj no restraint folds into)."""
+    slots, rank, hidden, out, tokens = 4, 16, 64, 48, 24
+    a, b = stacks(g, slots, rank, hidden, out)
+    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    zero_a, zero_b = torch.zeros_like(a), torch.zeros_like(b)
+    token_map = torch.full((64,), -1, dtype=torch.long)    # vLLM's _token_lora_indices
+    seq_slots, seq_lengths = torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long)
+    with torch.inference_mode():
+        for step in range(8):
+            if step == 4:   # a new adapter loaded into slot 1 in place (one-hot), and slot 3 emptied
+                a[1].zero_()
+                a[1, 0, torch.arange(rank), torch.randperm(hidden, generator=g)[:rank]] = 1
+                b[1].copy_(torch.randn(1, out, rank, generator=g))
+                a[3].zero_()
+                b[3].zero_()
+            n = tokens - step // 2   # two steps of each size: the same shapes, rewritten in place
+            token_map[:n].copy_(torch.randint(-1, slots, (n,), generator=g))
+            idx = token_map[:n]
+            x = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
+            shrunk, stale = torch.zeros(n, rank), torch.randn(n, rank, generator=g)
+            buffer = torch.randn(n, rank, generator=g)
+            base = torch.randn(n, out, generator=g).to(torch.bfloat16)
+            for stack_a, stack_b in ((a, b), (zero_a, zero_b)):
+                compare("bgmv_shrink", (x, stack_a), (idx, 1.0), idx, stale, shrunk, tally, tolerance=1e-2)
+                compare("bgmv_expand_slice", (buffer, stack_b), (idx, 0, out, True), idx, base, base, tally,
+                        tolerance=5e-2)
+            seq_slots[:3].copy_(torch.randint(-1, slots, (3,), generator=g))
+            seq_lengths[:3].copy_(torch.tensor([n // 3, n // 3, n - 2 * (n // 3)]))
+            meta = (torch.cumsum(seq_lengths[:3], 0) - seq_lengths[:3], seq_lengths[:3], seq_slots[:3], 3,
+                    int(seq_lengths.max()), n)
+            per_token = torch.repeat_interleave(seq_slots[:3], seq_lengths[:3])
+            compare("sgmv_shrink", (x, a), (*meta, 1.0), per_token, stale, shrunk, tally, tolerance=1e-2)
+            compare("sgmv_expand_slice", (buffer, b), (*meta, 0, out, True), per_token, base, base, tally,
+                    tolerance=5e-2)
 
 
 def main() -> None:
@@ -72,6 +114,7 @@ def main() -> None:
             compare("sgmv_shrink", (x, a), (*meta, 2.0), per_token, stale, shrunk, tally)
             compare("sgmv_expand", (buffer, b), (*meta, True), per_token, base, base, tally)
             compare("sgmv_expand_slice", (buffer, b), (*meta, 1, out, True), per_token, base, base, tally)
+    as_vllm_calls_them(g, tally)
     print(json.dumps(tally))
     sys.exit(1 if tally["failures"] else 0)
 
