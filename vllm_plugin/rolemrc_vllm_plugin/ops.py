@@ -23,6 +23,7 @@ import torch
 
 BLOCK_TOKENS = 256   # up to this many tokens, every active adapter in one matmul (k times the FLOPs of one, no loop)
 CACHE_SIZE = 1024    # derived tensors kept (per stack and per batch map); cleared when full
+FLAT_KEPT = 8        # per stack, the side-by-side matrices of this many sets of active adapters (a set per batch mix)
 
 
 def _matrices(weights: torch.Tensor) -> torch.Tensor:
@@ -109,6 +110,8 @@ class Stack:
         block), for an expand [slots x in, out] (a token's input placed in its slot's block @ it gives its product)."""
         key = (slots, dtype, shrink)
         if key not in self._flat:
+            if len(self._flat) >= FLAT_KEPT:
+                self._flat.clear()
             m = self.stack[list(slots)].to(dtype)
             self._flat[key] = m.reshape(-1, m.shape[2]).t() if shrink else m.transpose(1, 2).reshape(-1, m.shape[1])
         return self._flat[key]
