@@ -5,7 +5,7 @@
 # make clients: lm-evaluation-harness (.venv-lmeval) and guidellm (.venv-guidellm), each in its own environment;
 # make test builds them and drives `rolemrc serve` with them as real clients.
 # torch==2.13.0 is installed first because that CPU wheel is on disk on these machines: pyproject's
-# `torch>=2.4` would otherwise resolve to the newest CUDA build (gigabytes). Any torch >= 2.4 works.
+# `torch>=2.6` would otherwise resolve to the newest CUDA build (gigabytes). Any torch >= 2.6 works.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

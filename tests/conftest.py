@@ -136,7 +136,8 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     made["serve-config"] = root / "serve.yaml"
     (root / "train.yaml").write_text("max_steps: 1\n")
     made["train-config"] = root / "train.yaml"
-    made |= {"personas": repo / "datagen" / "data" / "personas.jsonl", "mrc": repo / "datagen" / "data" / "mrc.jsonl"}
+    data = repo / "src" / "rolemrc" / "datagen" / "data"
+    made |= {"personas": data / "personas.jsonl", "mrc": data / "mrc.jsonl"}
 
     (root / "empty.jsonl").write_bytes(b"")
     (root / "empty-folder").mkdir()

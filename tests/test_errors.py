@@ -24,8 +24,7 @@ HTTP_ONLY = {"rolemrc.serve.errors.ApiError", "rolemrc.serve.middleware.TooLarge
 
 
 def all_modules() -> list:
-    names = [m.name for m in pkgutil.walk_packages([str(ROOT)], "rolemrc.")
-             if not m.name.startswith(("rolemrc.tests", "rolemrc.notebooks", "rolemrc.build"))]
+    names = [m.name for m in pkgutil.walk_packages([str(ROOT)], "rolemrc.")]
     return [importlib.import_module(name) for name in names if not name.endswith("__main__")]
 
 

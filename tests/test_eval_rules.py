@@ -18,7 +18,7 @@ from rolemrc.eval.rule_parse import check_rule, find_rules
 from rolemrc.eval.rules import judge_item
 from rolemrc.eval.text_facts import count_words, parse_number
 
-EVAL = Path(__file__).resolve().parents[1] / "eval"
+EVAL = Path(__file__).resolve().parents[1] / "src" / "rolemrc" / "eval"
 
 # (rule as the system prompt states it, kind, a reply that obeys it, a reply that breaks it)
 CASES = [

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP = {"tests"}
+PACKAGE = ROOT / "src" / "rolemrc"
 
 # Lowest first. A package may import from its own package and from packages in lower rows only; packages in one row
 # are siblings and import nothing of each other. `rolemrc` itself (the facade re-exporting the method's verbs) and
@@ -33,11 +33,8 @@ MODULE_STRING = re.compile(r"rolemrc(\.\w+)+(:\w+)?")
 def modules() -> dict[str, Path]:
     """Dotted name -> file, for every module of the package."""
     found = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        folders = [ROOT.joinpath(*parts[:i]) for i in range(1, len(parts))]
-        if parts[0] in SKIP or not all((f / "__init__.py").is_file() for f in folders):   # build/, .venv/: not ours
-            continue
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
         name = ".".join(("rolemrc", *parts)).removesuffix(".__init__")
         found[name] = path
     return found
