@@ -21,8 +21,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "datagen", "train", "probe"),
     ("intervene",),
     ("eval",),
-    ("serve", "organism"),
+    ("serve",),
     ("sweep",),
+    ("ab", "organism"),
     ("demo", "bench"),
     ("cli", "rolemrc"),
 ]

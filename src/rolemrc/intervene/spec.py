@@ -20,6 +20,9 @@ from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
 
 
+PAPER_FACTOR = 1 - 1e-6   # the RoleMRC paper's restraint: scale the selected units by 1 - 1e-6
+
+
 class RestraintError(RolemrcError, ValueError):
     """A restraint spec is malformed or does not fit the model."""
 
@@ -54,7 +57,7 @@ class Restraint:
     name: str
     hook: str
     units: dict[int, list[int]]
-    factor: float = 1 - 1e-6
+    factor: float = PAPER_FACTOR
     source: dict[str, Any] = field(default_factory=dict)
     # the model the units were selected on (its diff's or attribution's B model): name, fingerprint, fingerprint_of
     # ("directory": its files, "weights": its tensors; "" unknown), layers, width; {} for a spec made by hand
@@ -196,7 +199,7 @@ class Restraint:
         if missing:
             raise RestraintError(f"spec is missing {sorted(missing)}")
         return cls(name=data["name"], hook=data["hook"], units=data["units"],
-                   factor=data.get("factor", 1 - 1e-6), source=data.get("source") or {}, model=data.get("model") or {})
+                   factor=data.get("factor", PAPER_FACTOR), source=data.get("source") or {}, model=data.get("model") or {})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Restraint:
