@@ -14,6 +14,8 @@ from rolemrc.core.chat import render_chat
 from rolemrc.core.errors import InputError
 from rolemrc.core.modeling import load_model
 from rolemrc.intervene import Restraint, RestraintError, applied, bake, check, select
+from rolemrc.intervene.fit import validate
+from rolemrc.intervene.spec import as_restraint
 from rolemrc.probe.hooks import site
 
 PROMPTS = [[{"role": "user", "content": "the keeper of the lighthouse watched storms"}],
@@ -173,11 +175,11 @@ def test_invalid_specs(data, message):
 def test_out_of_range_and_unfoldable(model_dirs, tmp_path):
     model, _ = load_model(model_dirs["gpt2"], device="cpu")
     with pytest.raises(RestraintError, match="layer 2 out of range"):
-        spec("mlp.act", units={2: [0]}).validate(model)
+        validate(spec("mlp.act", units={2: [0]}), model)
     with pytest.raises(RestraintError, match="unit 96 in layer 0 out of range"):
-        spec("mlp.act", units={0: [96]}).validate(model)
+        validate(spec("mlp.act", units={0: [96]}), model)
     with pytest.raises(RestraintError, match="unit 64 in layer 0 out of range"):
-        spec("attn.out", units={0: [64]}).validate(model)
+        validate(spec("attn.out", units={0: [64]}), model)
     with pytest.raises(RestraintError, match="cannot be folded"):
         bake(model_dirs["gpt2"], spec("resid.post"), tmp_path / "x")
     with applied(model, spec("resid.post", 0.0)):  # but it works as a runtime hook
@@ -188,8 +190,10 @@ def test_spec_files_round_trip(tmp_path):
     r = spec("mlp.post", 1 - 1e-6)
     for name in ("s.yaml", "s.json"):
         assert Restraint.load(r.save(tmp_path / name)).to_dict() == r.to_dict()
-    assert Restraint.from_any(str(tmp_path / "s.yaml")).units == r.units
-    assert Restraint.from_any("name: y\nhook: mlp.act\nunits: {3: [1, 2]}\n").units == {3: [1, 2]}
+    assert as_restraint(str(tmp_path / "s.yaml")).units == as_restraint(tmp_path / "s.json").units == r.units
+    assert as_restraint(r) is r and as_restraint({"name": "y", "hook": "mlp.act", "units": {3: [1, 2]}}).units == {3: [1, 2]}
+    with pytest.raises(RestraintError, match="no such restraint spec"):   # a string names a file, never YAML text
+        as_restraint("name: y\nhook: mlp.act\nunits: {3: [1, 2]}\n")
     (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
     with pytest.raises(RestraintError, match="bad.yaml: not valid YAML"):
         Restraint.load(tmp_path / "bad.yaml")

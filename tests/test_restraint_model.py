@@ -1,9 +1,11 @@
 """Restraints know their model: a spec selected from a diff records the fingerprint and shape of the diff's B model;
 applying it to another model warns once, naming both (a DPO-derived restraint on its SFT model is a legitimate
-experiment); `--strict` (or a serve config's `strict_restraints`) refuses; another shape is refused always."""
+experiment): through `logging` for a library caller, as one `warning:` line on the command line; `--strict` (or a serve
+config's `strict_restraints`) refuses; another shape is refused always."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -54,9 +56,9 @@ def test_the_spec_records_its_model(selected):
 
 @pytest.mark.parametrize("command", ["bake", "lora", "check"])
 def test_another_model_warns_and_strict_refuses(selected, command, tmp_path):
-    from rolemrc.intervene import spec
+    from rolemrc.intervene import fit
 
-    spec.WARNED.clear()
+    fit.WARNED.clear()
     out = [] if command == "check" else ["--out", tmp_path / "out"]
     same = invoke("intervene", command, "--model", selected["dpo"], "--restraint", selected["spec"], *out)
     assert same.exit_code == 0 and "warning:" not in same.output, same.output
@@ -80,21 +82,27 @@ def test_another_shape_is_refused(selected, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_runtime_hook_warns_once_per_pair_of_models(selected, capsys):
+def test_a_runtime_hook_warns_once_per_pair_of_models(selected, caplog, capsys):
+    """A library caller gets one `logging` warning per pair of models, and nothing printed."""
     from rolemrc.core.modeling import load_model
-    from rolemrc.intervene import Restraint, applied, spec
+    from rolemrc.intervene import Restraint, applied, fit
 
-    spec.WARNED.clear()
+    fit.WARNED.clear()
     r = Restraint.load(selected["spec"])
     model, _ = load_model(selected["sft"])
-    for _ in range(3):
-        with applied(model, r):
-            pass
-    assert capsys.readouterr().err.count("warning: restraint") == 1
+    with caplog.at_level(logging.WARNING, logger="rolemrc"):
+        for _ in range(3):
+            with applied(model, r):
+                pass
+    warned = [(rec.name, rec.levelno, rec.getMessage()) for rec in caplog.records]
+    assert [w[:2] for w in warned] == [("rolemrc.intervene.fit", logging.WARNING)], warned
+    assert warned[0][2].startswith("restraint ") and str(selected["dpo"]) in warned[0][2]
+    assert "restraint" not in capsys.readouterr().err   # logged, not printed
+    caplog.clear()
     own, _ = load_model(selected["dpo"])
     with applied(own, r):
         pass
-    assert "warning" not in capsys.readouterr().err
+    assert not caplog.records
 
 
 def test_loaded_models_are_told_apart_by_their_weights(selected, tokenizer):
@@ -104,19 +112,20 @@ def test_loaded_models_are_told_apart_by_their_weights(selected, tokenizer):
 
     from rolemrc import collect_paired, diff, select
     from rolemrc.core.modeling import load_model
-    from rolemrc.intervene import spec
+    from rolemrc.intervene.fit import WARNED, check_origin
+    from rolemrc.intervene.spec import RestraintError
 
-    spec.WARNED.clear()
+    WARNED.clear()
     sft, _ = load_model(selected["sft"])
     dpo, _ = load_model(selected["dpo"])
     paired = collect_paired([sft, dpo], test_records(6), tokenizers=[tokenizer, tokenizer])
     r = select(diff(paired), "role_style", top_k=4)
     assert r.model["fingerprint_of"] == "weights"
-    r.check_model(dpo, strict=True)   # the same model: passes
+    check_origin(r, dpo, strict=True)   # the same model: passes
     with torch.no_grad():
         next(dpo.parameters()).mul_(2.0)   # edited in place: the tensor's version moves, the cache is not trusted
-    with pytest.raises(spec.RestraintError, match="selected on"):
-        r.check_model(dpo, strict=True)
+    with pytest.raises(RestraintError, match="selected on"):
+        check_origin(r, dpo, strict=True)
 
 
 def test_serve_strict_restraints_refuses_at_preflight(selected):
@@ -151,9 +160,9 @@ def test_serve_strict_restraints_refuses_an_inline_one_of_another_model(selected
 def test_a_spec_from_a_diff_written_before_fingerprint_kinds_warns_once(selected, tmp_path):
     """A diff written before fingerprints said their kind: both kinds are tried, a directory's first, and the check
     before loading and the one after name the same pair (found on SmolLM2 with the calibration's diff)."""
-    from rolemrc.intervene import spec
+    from rolemrc.intervene import fit
 
-    spec.WARNED.clear()
+    fit.WARNED.clear()
     data = yaml.safe_load(selected["spec"].read_text())
     data["model"]["fingerprint_of"] = ""
     (tmp_path / "legacy.yaml").write_text(yaml.safe_dump(data))

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rolemrc.bench.common import SIZES, interleaved, make_model_dir, random_cases
 from rolemrc.intervene import Restraint, applied, bake
+from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.probe.cases import Cases, batches
 
 
@@ -34,7 +35,7 @@ def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int
     path = make_model_dir(size, root)
     tok = AutoTokenizer.from_pretrained(path)
     spec = SIZES[size]
-    restraint = spread_restraint(spec["layers"], spec["intermediate"], share, factor=1 - 1e-6)
+    restraint = spread_restraint(spec["layers"], spec["intermediate"], share, factor=PAPER_FACTOR)
     baked_dir = root / f"{size}-baked"
     bake(path, restraint, baked_dir)
     original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)

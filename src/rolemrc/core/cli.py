@@ -1,7 +1,11 @@
-"""Typer apps that report `RolemrcError` the one way: `error: <message>` on stderr, exit `EXIT_INPUT`."""
+"""Typer apps that report `RolemrcError` the one way: `error: <message>` on stderr, exit `EXIT_INPUT`; and rolemrc's
+logged warnings as `warning: <message>` lines on stderr while a command runs."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import typer
@@ -42,6 +46,29 @@ def respell(command: Any, args: list[str]) -> list[str]:
     return out
 
 
+class WarningLines(logging.Handler):
+    """A logged warning as one `warning: <message>` line on stderr (the stream of the moment, as Typer's tests swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        typer.echo(f"warning: {record.getMessage()}", err=True)
+
+
+@contextmanager
+def warning_lines() -> Iterator[None]:
+    """While the block runs, the `rolemrc` loggers' warnings print as `warning:` lines (installed once: a group inside
+    a group finds it there). A library caller configures `logging` as it likes."""
+    logger = logging.getLogger("rolemrc")
+    if any(isinstance(handler, WarningLines) for handler in logger.handlers):
+        yield
+        return
+    handler = WarningLines(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 class ReportingGroup(TyperGroup):
     """A command group whose commands' `RolemrcError`s become one red line and exit code `EXIT_INPUT`, and whose
     commands accept the old spellings of renamed options (`RESPELLED`)."""
@@ -54,7 +81,8 @@ class ReportingGroup(TyperGroup):
 
     def invoke(self, ctx: Any) -> Any:
         try:
-            return super().invoke(ctx)
+            with warning_lines():
+                return super().invoke(ctx)
         except RolemrcError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(EXIT_INPUT) from None

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from rolemrc.core.extras import needs
 from rolemrc.core.stages import StageCache
-from rolemrc.demo.config import EMBEDDED, PAPER_FACTOR, DemoConfig
+from rolemrc.demo.config import EMBEDDED, DemoConfig
 from rolemrc.demo.report import results_markdown, verdict_sentence
 from rolemrc.demo.serve import serve_stage
 from rolemrc.demo.stages import (
@@ -33,8 +33,9 @@ from rolemrc.demo.stages import (
     sweep_stage,
     train_stages,
 )
+from rolemrc.intervene.spec import PAPER_FACTOR
 
-__all__ = ["PAPER_FACTOR", "DemoConfig", "register", "run_demo"]
+__all__ = ["DemoConfig", "register", "run_demo"]
 console = Console()
 
 

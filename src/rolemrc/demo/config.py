@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-PAPER_FACTOR = 1 - 1e-6
+from rolemrc.intervene.spec import PAPER_FACTOR
+
 EMBEDDED = "embedded"
 
 # Per kind of base: the stage sizes that fit the time budget on 2 CPU cores. The embedded default trains

@@ -16,7 +16,7 @@ from rolemrc.eval.dataset import check_dataset
 from rolemrc.eval.generate import DType, GenerateConfig, generate
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import METRICS, MetricConfig, metrics_help, parse_metrics
-from rolemrc.intervene.spec import STRICT_HELP
+from rolemrc.intervene.fit import STRICT_HELP
 
 app = cli_app(help="Generate responses, score them (metrics + judge, CIs), compare runs.")
 

@@ -92,10 +92,11 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
 
     restraint = None
     if config.restraint is not None:   # read the spec before loading the model
-        from rolemrc.intervene import Restraint
+        from rolemrc.intervene.fit import check_origin
+        from rolemrc.intervene.spec import as_restraint
 
-        restraint = Restraint.from_any(config.restraint)
-        restraint.check_model(config.model, config.strict)
+        restraint = as_restraint(config.restraint)
+        check_origin(restraint, config.model, config.strict)
     model, tok = load_model(config.model, dtype=config.dtype, device=config.device)
     return generate_rows(model, tok, records, [restraint] * len(records), config)
 
@@ -107,6 +108,7 @@ def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[An
 
     from rolemrc.core.chat import render_chat
     from rolemrc.core.modeling import context_window
+    from rolemrc.intervene.fit import validate
     from rolemrc.intervene.runtime import applied_per_row
 
     tok.padding_side = "left"
@@ -115,7 +117,7 @@ def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[An
     if room is not None and room < 1:
         raise GenerationError(f"max_new_tokens {config.max_new_tokens} leaves no room for a prompt in {limit} positions")
     for r in {id(r): r for r in restraints if r is not None}.values():
-        r.validate(model)
+        validate(r, model)
     prompts = [tok(render_chat(tok, r["question"]), add_special_tokens=False)["input_ids"] for r in records]
     truncated = [room is not None and len(p) > room for p in prompts]
     prompts = [p[-room:] if cut else p for p, cut in zip(prompts, truncated)]

@@ -12,7 +12,7 @@
     export_lora(model, r, "runs/dpo-restrained-lora")                   # ... or as an exact LoRA adapter
     check(model, r, baked_dir="runs/dpo-restrained").verdict            # agreement and no-op detection
 
-The spec imports no torch; the rest is imported on first use (`core.lazy`).
+The spec (plain data) imports no torch; the rest is imported on first use (`core.lazy`).
 """
 
 from rolemrc.core.lazy import lazy_package
@@ -23,8 +23,7 @@ lazy_package(__name__, {
     "rolemrc.intervene.check": ["CheckReport", "check"],
     "rolemrc.intervene.lora": ["LoraReport", "export_lora"],
     "rolemrc.intervene.runtime": ["applied"],
-    "rolemrc.intervene.select": ["select"],
-    "rolemrc.intervene.selectors": ["SELECTORS"],
+    "rolemrc.intervene.select": ["SELECTORS", "select"],
 })
 
 __all__ = ["SELECTORS", "BakeReport", "CheckReport", "LoraReport", "Restraint", "RestraintError", "applied", "bake", "check",

@@ -25,7 +25,8 @@ from rolemrc.core.modeling import (
     tokenizer_of,
 )
 from rolemrc.core.version import __version__
-from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.intervene.fit import check_origin, validate
+from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
 from rolemrc.probe.hooks import hook_point, module_at
 
 
@@ -81,7 +82,7 @@ def _weight_index(fold: Fold, units: list[int]) -> tuple[slice | list[int], ...]
 
 def fold_sites(model: nn.Module, r: Restraint) -> Iterator[tuple[nn.Parameter, tuple]]:
     """(parameter, index) of every weight (and bias) slice that folding `r` scales."""
-    r.validate(model)
+    validate(r, model)
     for layer, units in r.units.items():
         fold = fold_target(model, r.hook, layer)
         yield fold.untied_weight(model), _weight_index(fold, units)
@@ -141,8 +142,8 @@ def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, d
     own dtype (like PEFT's `merge_and_unload`) and also saved to `out_dir` when given, with `tokenizer` (default: the
     one in the model's directory, if any). The checkpoint's safetensors metadata and its rolemrc.json record the
     source's fingerprint and the spec."""
-    r = Restraint.from_any(restraint)
-    r.check_model(model if is_path(model) else loaded_model(model), strict)   # another model: a warning, or refused
+    r = as_restraint(restraint)
+    check_origin(r, model if is_path(model) else loaded_model(model), strict)   # another model: a warning, or refused
     if not is_path(model):
         return bake_loaded(loaded_model(model), r, out_dir, dtype, tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -154,7 +155,7 @@ def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, d
     dtype = checkpoint_dtype(src) if dtype == "auto" else dtype or "float32"
     target = resolve_dtype(dtype)
     loaded = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
-    r.validate(loaded)
+    validate(r, loaded)
     changed = elements_changed(loaded, r, target)
     scaled = fold_restraint(loaded, r)
     report = BakeReport(str(out_dir), dir_fingerprint(src), dtype, sum(scaled.values()), changed, changed == 0,
@@ -172,7 +173,7 @@ def bake_loaded(model: nn.Module, r: Restraint, out_dir: str | os.PathLike | Non
     if dtype not in (None, "auto", name):
         raise RestraintError(f"a loaded model is baked at its own dtype ({name}), not {dtype}; cast it first "
                              "(model.to(torch.float32)) or leave dtype out")
-    r.validate(model)
+    validate(r, model)
     if out_dir is not None:
         refuse_overwrite(out_dir, model_name(model))
         tokenizer = tokenizer_of(model, tokenizer)   # before the model changes: a missing one is an error

@@ -26,8 +26,9 @@ from rolemrc.core.modeling import (
 )
 from rolemrc.core.records import as_turns
 from rolemrc.intervene.bake import changed_elements, elements_changed, fold_restraint_plan
+from rolemrc.intervene.fit import check_origin, validate
 from rolemrc.intervene.runtime import applied
-from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
 
 SAMPLE_PROMPTS = (
     [{"role": "system", "content": "You are a lighthouse keeper on a stormy coast."},
@@ -104,7 +105,7 @@ def weights_changed(model: Any, r: Restraint, baked_dir: str | os.PathLike | Non
     the original ones (a model directory read in float32, or the loaded model's own) cast to their dtype, or, without
     a checkpoint, a fold at `target` as bake does."""
     reference = load_model(model, dtype="float32", device="cpu")[0] if is_path(model) else model
-    r.validate(reference)
+    validate(r, reference)
     if baked_dir is None:
         return elements_changed(reference, r, target), target
     names = fold_restraint_plan(reference, r)
@@ -123,8 +124,8 @@ def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None
     `model` is a HF model directory, loaded at `dtype` (default float32; "auto": the checkpoint's own) on `device`,
     or a loaded transformers model, run as it is (its own dtype and device) with `tokenizer` (default: the one in its
     directory). Prompts are plain strings or chat turn lists (default: three sample prompts)."""
-    r = Restraint.from_any(restraint)
-    r.check_model(model if is_path(model) else loaded_model(model), strict)   # another model: a warning, or refused
+    r = as_restraint(restraint)
+    check_origin(r, model if is_path(model) else loaded_model(model), strict)   # another model: a warning, or refused
     if baked_dir is not None:
         check_model_dir(baked_dir)
     if is_path(model):
@@ -138,7 +139,7 @@ def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None
                                  "or leave dtype out")
         dtype, device = own, str(next(loaded.parameters()).device)
     target = resolve_dtype(dtype)
-    r.validate(loaded)
+    validate(r, loaded)
     batch = _batch(tok, list(prompts or SAMPLE_PROMPTS), next(loaded.parameters()).device)
     original = _logits(loaded, batch)
     with applied(loaded, r):

@@ -9,8 +9,9 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.taxonomy import DIMENSIONS
-from rolemrc.intervene.selectors import SELECTORS, selectors_help
-from rolemrc.intervene.spec import STRICT_HELP
+from rolemrc.intervene.fit import STRICT_HELP
+from rolemrc.intervene.select import SELECTORS, selectors_help
+from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Direction
 
@@ -20,7 +21,7 @@ def brief(report: dict) -> dict:
     rolemrc.json), everything else as is."""
     from rolemrc.intervene.spec import Restraint
 
-    return {**report, "restraint": Restraint.from_any(report["restraint"]).summary()}
+    return {**report, "restraint": Restraint.from_dict(report["restraint"]).summary()}
 
 
 app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them, sweep a grid of them.")
@@ -37,7 +38,7 @@ def select_cmd(
     top_k: int = typer.Option(None, help="the k most changed units"),
     fdr: float = typer.Option(None, help="instead of top-k: every unit with BH q below this"),
     direction: Direction = typer.Option("both", help="up: more active under B; down: less; both"),
-    factor: float = typer.Option(1 - 1e-6, help="scale; the paper's 1 - 1e-6; 0 ablates"),
+    factor: float = typer.Option(PAPER_FACTOR, help="scale; the paper's 1 - 1e-6; 0 ablates"),
     name: str = typer.Option(None, help="restraint name (default: <dimension>-restraint)"),
 ) -> None:
     """Write a restraint spec for the units of one dimension a selector ranks highest (default: the most changed

@@ -26,7 +26,8 @@ from torch import nn
 from rolemrc.core.modeling import check_model_dir, dir_fingerprint, is_path, loaded_model, model_fingerprint, model_name
 from rolemrc.core.version import __version__
 from rolemrc.intervene.bake import Fold, fold_target, lora_exportable, provenance_metadata
-from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.intervene.fit import check_origin, validate
+from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
 from rolemrc.probe.hooks import HOOK_POINTS, hook_point, layout_of, module_at
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
@@ -131,9 +132,9 @@ class LoraExporter:
               checked: bool = False) -> tuple[Restraint, dict[int, Fold]]:
         """The restraint and its fold per layer (each layer folded once), or a RestraintError; `checked`: it was
         validated against this model already."""
-        r = Restraint.from_any(spec)
+        r = as_restraint(spec)
         if not checked:
-            r.validate(self.model)
+            validate(r, self.model)
         folds = self._folds(r)
         if max_rank is not None and (units := max(len(u) for u in r.units.values())) > max_rank:
             raise RestraintError(f"restraint {r.name!r} has {units} units in one layer; this server's LoRA rank "
@@ -164,8 +165,8 @@ class LoraExporter:
         """Write `spec` as a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): B @ A equals
         the bake's weight change, computed in float32 from the checkpoint's weights. `strict`: refuse a restraint
         selected on another model (default: a warning)."""
-        r = Restraint.from_any(spec)
-        r.check_model(self.src if self.src is not None else self.model, strict)
+        r = as_restraint(spec)
+        check_origin(r, self.src if self.src is not None else self.model, strict)
         return self._write(*self._plan(r), Path(out_dir), rank)
 
     def _write(self, r: Restraint, folds: dict[int, Fold], out: Path, rank: int | None) -> LoraReport:
@@ -202,7 +203,7 @@ class LoraExporter:
         """The adapter for `spec` under `cache_dir`, keyed by model fingerprint, `Restraint.digest` and rank;
         exported once (written beside and renamed, so a killed export leaves nothing half-written). `checked`: `spec`
         passed `check` on this exporter already (a server checks each restraint once, when it resolves it)."""
-        r = Restraint.from_any(spec)
+        r = as_restraint(spec)
         r_pad = lora_rank(max(len(u) for u in r.units.values()), rank)
         out = Path(cache_dir) / f"{self.fingerprint}-{r.digest}-r{r_pad}"
         if not (out / "adapter_model.safetensors").is_file():

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rolemrc.intervene.fit import validate
 from rolemrc.intervene.spec import Restraint
 from rolemrc.probe.hooks import site, width
 
@@ -27,7 +28,7 @@ def applied(model: Any, *restraints: Restraint, checked: bool = False) -> Iterat
     `checked`: the restraints were validated against `model` already (a server does so once per request)."""
     if not checked:
         for r in restraints:
-            r.validate(model)
+            validate(r, model)
     param = next(model.parameters())
     handles = []
     try:
@@ -58,7 +59,7 @@ class RowScales:
         scales: dict[tuple[str, int], torch.Tensor] = {}
         for r in {id(r): r for r in rows if r is not None}.values():   # one indexed write per restraint and layer
             if not checked:
-                r.validate(model)
+                validate(r, model)
             index = torch.tensor([i for i, x in enumerate(rows) if x is r], device=param.device)[:, None]
             factor = torch.tensor(r.factor, dtype=param.dtype)
             for layer, units in r.units.items():

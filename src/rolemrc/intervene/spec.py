@@ -1,5 +1,7 @@
-"""Restraint specs (docs/ARCHITECTURE.md "Restraint spec"): load, validate against a model, save, and the
-digest that identifies what a restraint does. Imports no torch (serve and the CLI's help import it)."""
+"""Restraint specs (docs/ARCHITECTURE.md "Restraint spec") as plain data: parse and validate a spec's own content,
+read and write its file, the digest that identifies what it does, and its unit ranges against a model's shape given as
+numbers. A spec touches no model: checking it against one (and against the model it was selected on) is
+`intervene.fit`'s. Imports no torch (serve and the CLI's help import it)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,7 @@ import yaml
 from rolemrc.core.artifacts import FORMATS, check_format, describe, identify
 from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import read_yaml
-from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
-
+from rolemrc.probe.hooks import HOOK_POINTS
 
 PAPER_FACTOR = 1 - 1e-6   # the RoleMRC paper's restraint: scale the selected units by 1 - 1e-6
 
@@ -26,9 +26,6 @@ PAPER_FACTOR = 1 - 1e-6   # the RoleMRC paper's restraint: scale the selected un
 class RestraintError(RolemrcError, ValueError):
     """A restraint spec is malformed or does not fit the model."""
 
-
-STRICT_HELP = "refuse a restraint selected on another model (default: a warning naming both)"
-WARNED: set[tuple[str, str]] = set()   # (selected-on fingerprint, applied-to model) already warned about
 
 
 def parse_layers(text: str | None, n_layers: int | None = None) -> list[int] | None:
@@ -109,56 +106,19 @@ class Restraint:
         what = {"hook": self.hook, "factor": self.factor, "units": {str(k): v for k, v in sorted(self.units.items())}}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
-    def validate(self, model: Any) -> Restraint:
-        """Check layers and units against the model (a PEFT-wrapped one is refused: merge it first); returns self
-        for chaining."""
-        from rolemrc.core.modeling import refuse_unmerged_peft
-
-        refuse_unmerged_peft(model)
-        n, w = num_layers(model), width(model, self.hook)
+    def check_shape(self, layers: int, width: int) -> None:
+        """A RestraintError unless the spec fits a model of `layers` layers with `width` units at its hook point: every
+        layer and unit in range, and that shape the one its units were selected on (where the spec records it)."""
         shape = (self.model.get("layers"), self.model.get("width"))
-        if None not in shape and shape != (n, w):
+        if None not in shape and shape != (layers, width):
             raise RestraintError(f"restraint {self.name!r} was selected on {self.model.get('name') or 'a model'} with "
-                                 f"{shape[0]} layers of {shape[1]} {self.hook} units; this model has {n} of {w}")
+                                 f"{shape[0]} layers of {shape[1]} {self.hook} units; this model has {layers} of {width}")
         for layer, ids in self.units.items():
-            if layer >= n:
-                raise RestraintError(f"restraint {self.name!r}: layer {layer} out of range (model has {n} layers)")
-            if ids[-1] >= w:
+            if layer >= layers:
+                raise RestraintError(f"restraint {self.name!r}: layer {layer} out of range (model has {layers} layers)")
+            if ids[-1] >= width:
                 raise RestraintError(f"restraint {self.name!r}: unit {ids[-1]} in layer {layer} out of range "
-                                     f"({self.hook} has width {w})")
-        self.check_model(model)
-        return self
-
-    def check_model(self, model: Any, strict: bool = False) -> None:
-        """Is `model` (a loaded model, or a model directory) the one the units were selected on? When it is another
-        one: a warning on stderr naming both, once per pair of models (applying a DPO-derived restraint to its SFT
-        model is a legitimate experiment), or with `strict` a RestraintError. Silent when the spec names no model
-        or `model` cannot be told apart cheaply (a directory, where the spec recorded tensors: checked once
-        loaded)."""
-        from rolemrc.core.modeling import fingerprints
-
-        recorded = self.model.get("fingerprint")
-        if not recorded:
-            return
-        found: dict[str, str] = {}
-        for kind in [self.model.get("fingerprint_of")] if self.model.get("fingerprint_of") else ["directory", "weights"]:
-            found |= fingerprints(model, kind)   # a directory's first: hashing every weight only when it is needed
-            if recorded in found.values():
-                return
-        if not found:
-            return
-        from rolemrc.core.modeling import is_path, model_name
-
-        target = str(model) if is_path(model) else model_name(model)
-        fingerprint = ", ".join(f"{kind} fingerprint {value}" for kind, value in found.items())
-        message = (f"restraint {self.name!r} was selected on {self.model.get('name') or 'another model'} (fingerprint "
-                   f"{recorded}); it is applied to {target} ({fingerprint})")
-        if strict:
-            raise RestraintError(message + "; strict checking refuses it (without it: a warning)")
-        key = (recorded, target)   # once per pair: the directory's check before loading and the loaded model's after
-        if key not in WARNED:
-            WARNED.add(key)
-            print(f"warning: {message}", file=sys.stderr)
+                                     f"({self.hook} has width {width})")
 
     def summary(self) -> dict[str, Any]:
         """What a person reads: name, hook, factor, digest and unit counts per layer (the unit ids are in the spec)."""
@@ -211,20 +171,14 @@ class Restraint:
         except RestraintError as exc:
             raise RestraintError(f"{path}: {exc}") from None
 
-    @classmethod
-    def from_any(cls, value: Any) -> Restraint:
-        """A Restraint, a dict, a path to a YAML/JSON file, or YAML/JSON text."""
-        if isinstance(value, Restraint):
-            return value
-        if isinstance(value, dict):
-            return cls.from_dict(value)
-        # a one-line string that is not an inline mapping ("{...}" or "key: value") names a file
-        is_path = isinstance(value, str) and "\n" not in value and not value.lstrip().startswith("{") and ": " not in value
-        if isinstance(value, os.PathLike) or is_path:
-            return cls.load(value)
-        if isinstance(value, str):
-            try:
-                return cls.from_dict(yaml.safe_load(value))
-            except yaml.YAMLError as exc:
-                raise RestraintError(f"not a restraint spec: {exc}") from None
-        raise RestraintError(f"cannot make a restraint from {type(value).__name__}")
+
+def as_restraint(value: Restraint | dict[str, Any] | str | os.PathLike) -> Restraint:
+    """What a caller handed over as a restraint: a Restraint as it is, a mapping as a spec's content, a str or path as
+    a spec file (never YAML text: the caller who holds text parses it and passes the mapping)."""
+    if isinstance(value, Restraint):
+        return value
+    if isinstance(value, dict):
+        return Restraint.from_dict(value)
+    if isinstance(value, str | os.PathLike):
+        return Restraint.load(value)
+    raise RestraintError(f"a restraint is a Restraint, a spec mapping or a spec file's path, not a {type(value).__name__}")

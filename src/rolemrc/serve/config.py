@@ -145,6 +145,7 @@ class ServeConfig:
         """What can be checked before serving without loading anything: ConfigError naming the model and setting."""
         for name, model in self.models.items():
             model.preflight(name)
+        from rolemrc.intervene.fit import check_origin
         from rolemrc.intervene.spec import Restraint, RestraintError
 
         for spec in self.restraints.values():
@@ -152,7 +153,7 @@ class ServeConfig:
             for name, model in self.models.items():
                 for directory in model.directories():
                     try:
-                        restraint.check_model(directory, self.strict_restraints)
+                        check_origin(restraint, directory, self.strict_restraints)
                     except RestraintError as exc:
                         raise ConfigError(f"model {name!r}: {exc} (strict_restraints: true)") from None
 

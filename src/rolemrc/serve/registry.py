@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from rolemrc.intervene.fit import check_origin
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines import engine_class
@@ -57,10 +58,10 @@ class Registry:
 
     def _check_model(self, name: str, restraint: Restraint) -> None:
         """With `strict_restraints`, a RestraintError for a restraint selected on another model than `name`'s (without
-        it, the engine's check warns once on stderr)."""
+        it, the engine's check logs a warning once)."""
         if self.config.strict_restraints:
             for directory in self.config.models[name].directories():
-                restraint.check_model(directory, strict=True)
+                check_origin(restraint, directory, strict=True)
 
     async def register(self, rname: str, restraint: Restraint) -> tuple[bool, list[str]]:
         """Register a restraint while serving (idempotent for the same `Restraint.digest`: units, hook and factor):

@@ -12,9 +12,10 @@ import typer
 from rolemrc.core.cli import cli_app
 from rolemrc.core.extras import needs
 from rolemrc.eval.judges import JUDGES
-from rolemrc.intervene.selectors import SELECTORS
+from rolemrc.intervene.select import SELECTORS
 from rolemrc.probe.options import Direction
 from rolemrc.serve.engines import EngineName
+from rolemrc.sweep.plan import FACTORS
 
 app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls; the best "
                    "cells as a served A/B experiment.")
@@ -28,7 +29,7 @@ def run_cmd(
     data: Path = typer.Option(..., "--data", help="test JSONL"),
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
     dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
-    factors: str = typer.Option("0.999999,0.99,0.9,0.5,0", help="comma-separated scales"),
+    factors: str = typer.Option(",".join(f"{f:.10g}" for f in FACTORS), help="comma-separated scales"),
     top_k: str = typer.Option("16,64,256", help="comma-separated unit counts"),
     method: str = typer.Option("frequency", "--method", help=f"unit selector: {SELECTORS.listing(' | ')} "
                                "(see `rolemrc intervene select --help`)"),

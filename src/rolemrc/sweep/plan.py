@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolemrc.core.extras import require
-from rolemrc.intervene.selectors import SELECTORS
-from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.intervene.select import SELECTORS
+from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError
 from rolemrc.probe.options import Direction
 from rolemrc.sweep.sources import IN_PROCESS, check_engine
 
 BASELINE = "baseline"
+FACTORS = (PAPER_FACTOR, 0.99, 0.9, 0.5, 0.0)   # the default grid's scales
 
 
 @dataclass
@@ -28,9 +29,9 @@ class SweepConfig:
     out: str
     dimensions: list[str]
     cells_dir: str | None = None   # where generated cells are kept (default OUT/cells); sweeps may share one
-    factors: list[float] = field(default_factory=lambda: [1 - 1e-6, 0.99, 0.9, 0.5, 0.0])
+    factors: list[float] = field(default_factory=lambda: list(FACTORS))
     top_k: list[int] = field(default_factory=lambda: [16, 64, 256])
-    method: str = "frequency"      # the unit selector (intervene.selectors.SELECTORS); `diff` is its input
+    method: str = "frequency"      # the unit selector (intervene.select.SELECTORS); `diff` is its input
     direction: Direction = "both"
     layers: str | None = None
     controls: int = 3

@@ -52,7 +52,8 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     the plan."""
     from rolemrc.core.modeling import dir_fingerprint, load_model
     from rolemrc.core.records import read_records
-    from rolemrc.intervene.selectors import input_hook
+    from rolemrc.intervene.fit import check_origin
+    from rolemrc.intervene.select import input_hook
     from rolemrc.probe.hooks import width
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
@@ -64,7 +65,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     cells = plan(config, width(model, hook), settings)
     selected = next((c.restraint for c in cells if c.restraint is not None and c.restraint.model), None)
     if selected is not None:   # every selected cell names the same model: the diff's B side
-        selected.check_model(config.model, config.strict)
+        check_origin(selected, config.model, config.strict)
     store = CellStore(config.cells_dir or Path(config.out) / "cells")
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rolemrc.intervene.fit import validate
 from rolemrc.intervene.runtime import RowScales
 from rolemrc.intervene.spec import Restraint
 from rolemrc.serve.batch import Batch
@@ -108,7 +109,7 @@ class TransformersEngine:
             return Counter(seq.resolved.label for seq in self._waiting)
 
     def check_restraint(self, restraint: Restraint) -> None:
-        restraint.validate(self.model)
+        validate(restraint, self.model)
 
     def encode(self, prompt: Prompt) -> list[int]:
         from rolemrc.core.chat import render_chat
