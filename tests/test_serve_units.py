@@ -220,12 +220,14 @@ def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
 
 
 def counting_validations(monkeypatch) -> list[str]:
-    """Record the name of every restraint validated against a model from now on."""
+    """Record the name of every restraint validated against a model from now on (`intervene.fit.validate` checks its
+    shape against the model's, once per validation)."""
     from rolemrc.intervene import Restraint
 
     names: list[str] = []
-    validate = Restraint.validate
-    monkeypatch.setattr(Restraint, "validate", lambda self, model: names.append(self.name) or validate(self, model))
+    check_shape = Restraint.check_shape
+    monkeypatch.setattr(Restraint, "check_shape", lambda self, layers, width: names.append(self.name)
+                        or check_shape(self, layers, width))
     return names
 
 
