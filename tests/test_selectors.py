@@ -1,4 +1,4 @@
-"""Unit selectors (intervene/selectors.py): each picks the units it should on a constructed diff or attribution file,
+"""Unit selectors (intervene/select.py): each picks the units it should on a constructed diff or attribution file,
 ties fall by layer then unit, every selector writes the same restraint spec with its method recorded, bad input is
 one `error:` line with exit 2 before torch loads, and the sweep passes its method through."""
 
