@@ -6,6 +6,7 @@ end, tests/test_serve_vllm.py runs with it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -41,7 +42,6 @@ def test_vllm_finds_the_plugin_and_it_acts_only_where_tested():
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert "rolemrc_vllm_plugin:register" in found["entry_points"], done.stderr
     assert found["status"] == [True, "grouped LoRA ops replace vLLM 0.32.0's torch ops (CPU)"]
-    assert vllm_build(VLLM) == (True, (True, "grouped LoRA ops replace vLLM 0.32.0's torch ops (CPU)"))
     assert found["off"] == [False, "off (ROLEMRC_VLLM_PLUGIN=0)"]
     assert "does not name rolemrc_grouped_lora, so vLLM does not load it" in found["unlisted"][1]   # nor the engine
     assert found["other"][0] == "vllm.lora.ops.torch_ops.lora_ops"   # another version: vLLM's own ops stay
@@ -58,3 +58,17 @@ def test_the_engine_says_which_lora_path_serves():
     assert identity and "plugin inactive: off" in line
     assert lora_path(False, None, None) == (False, "vLLM's LoRA kernels; unrestrained requests on the base model")
     assert lora_path(True, (True, "active"), True)[0]   # identity_adapter: true still forces it
+
+
+def test_the_engines_probe_of_vllm_is_kept_per_install_and_environment(tmp_path, monkeypatch):
+    """`vllm_build` asks vLLM's interpreter once (importing vLLM, ~5 s) and keeps the answer under a key of the
+    install and the variables the plugin reads: the same answer again without the import, another for another value."""
+    monkeypatch.setenv("ROLEMRC_CACHE", str(tmp_path))
+    active = (True, (True, "grouped LoRA ops replace vLLM 0.32.0's torch ops (CPU)"))
+    assert vllm_build(VLLM) == active
+    kept = list((tmp_path / "vllm-build").iterdir())
+    assert len(kept) == 1 and json.loads(kept[0].read_text()) == [True, list(active[1])]
+    kept[0].write_text(json.dumps([True, [True, "as kept"]]))   # what the next probe answers comes from the file
+    assert vllm_build(VLLM) == (True, (True, "as kept"))
+    assert vllm_build(VLLM, os.environ | {"ROLEMRC_VLLM_PLUGIN": "0"}) == (True, (False, "off (ROLEMRC_VLLM_PLUGIN=0)"))
+    assert len(list((tmp_path / "vllm-build").iterdir())) == 2

@@ -13,6 +13,12 @@ from rolemrc.core.artifacts import JSONL_INPUT, KINDS, describe, expect, identif
 from rolemrc.core.errors import InputError
 
 
+def cache_dir() -> Path:
+    """rolemrc's cache: $ROLEMRC_CACHE, else $XDG_CACHE_HOME/rolemrc, else ~/.cache/rolemrc."""
+    root = os.environ.get("ROLEMRC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rolemrc"
+    return Path(root)
+
+
 class JsonlError(InputError):
     """A JSONL file could not be read; the message names the file and line."""
 

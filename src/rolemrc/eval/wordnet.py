@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from rolemrc.core.io import cache_dir
 from rolemrc.eval.errors import MetricUnavailable
 
 DEBIAN_WORDNET = Path("/usr/share/wordnet")
@@ -22,11 +23,6 @@ FILENUM = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
 
 class WordNetMissing(MetricUnavailable):
     """WordNet is not installed, so METEOR cannot be computed."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("ROLEMRC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rolemrc"
-    return Path(root)
 
 
 def lexnames_text() -> str:

