@@ -106,7 +106,7 @@ def test_markdown_table_has_a_row_per_point_and_is_the_readme_table(gate_row):
 
 
 def test_the_probe_page_shows_the_hook_table():
-    page = (Path(rolemrc.__file__).parent / "docs" / "probe.md").read_text(encoding="utf-8")
+    page = (Path(rolemrc.__file__).parents[2] / "docs" / "probe.md").read_text(encoding="utf-8")
     assert hook_table_markdown() in page
 
 
