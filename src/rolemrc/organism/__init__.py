@@ -1,6 +1,7 @@
 """Known-answer organisms: DPO models whose change from the SFT model is planted on purpose (or, as a null, absent),
 and the calibration that scores the method (probe -> diff -> select -> restrain) against that known answer.
 
+    from pathlib import Path
     from rolemrc.organism import OrganismConfig, build_and_calibrate, build_organism
     report = build_organism(OrganismConfig(kind="planted", out="runs/organisms"))   # base: SmolLM2-135M-Instruct
     report["headline"], report["dpo"], report["meets_target"]
