@@ -77,7 +77,7 @@ OUTSIDE = {
     ("probe explore", "diff_dir"): "the old positional spelling of --diff (the same reader)",
     ("sweep run", "--cells-dir"): "a store the sweep creates (any folder, or none yet)",
     ("models list", "--dir"): "a cache folder, listed (any folder, or none yet)",
-    ("bench organism", "--organisms"): "an organisms folder it builds when missing",
+    ("organism calibrate", "--organisms"): "an organisms folder it builds when missing",
     ("bench datagen", "--mrc"): "as datagen run --mrc (one reader)",
     ("bench datagen", "--keep"): "an output folder for the two runs (any new or empty folder)",
 }

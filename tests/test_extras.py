@@ -41,7 +41,7 @@ NEEDS = {
     "intervene sweep": ("eval",), "organism build": ("train", "eval"), "sweep run": ("eval",), "sweep ab": ("serve",),
     "ab report": ("serve",), "ab create": ("serve",), "bench probe": (), "bench retrieval": ("datagen", "minilm"),
     "bench datagen": ("datagen",), "bench intervene": (), "bench serve": ("serve", "eval"), "bench clients": ("serve",),
-    "bench organism": ("train", "eval"), "bench all": ("train", "eval", "datagen", "serve", "minilm"),
+    "organism calibrate": ("train", "eval"), "bench all": ("train", "eval", "datagen", "serve", "minilm"),
     "models pull": (), "models convert": ("gguf",), "models list": (),
     "serve": ("serve",), "demo": ("train", "eval", "datagen", "serve", "minilm"),
 }

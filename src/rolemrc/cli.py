@@ -17,7 +17,7 @@ SUBAPPS: dict[str, tuple[str, str]] = {
     "eval": ("rolemrc.eval.cli", "generate, score with metrics and judges, compare runs"),
     "probe": ("rolemrc.probe.cli", "collect top-k unit frequencies, diff them, explore"),
     "intervene": ("rolemrc.intervene.cli", "select units, restrain them: bake, LoRA export, check"),
-    "organism": ("rolemrc.organism.cli", "known-answer organisms: a planted change and a null, from an SFT model"),
+    "organism": ("rolemrc.organism.cli", "known-answer organisms (a planted change, a null) and the calibration on them"),
     "sweep": ("rolemrc.sweep.cli", "sweep a grid of restraints against random-unit controls; the best as an A/B test"),
     "ab": ("rolemrc.serve.ab_cli", "A/B experiments: create one from a sweep, report on one"),
     "bench": ("rolemrc.bench.cli", "benchmarks that print JSON"),

@@ -166,34 +166,6 @@ def clients_cmd(
     emit(run(model, tuple(e.strip() for e in engine.split(",")), streams, requests), out)
 
 
-@app.command("organism")
-@needs("train", "eval")
-def organism_cmd(
-    out: Path = typer.Option(Path("runs/bench-organism"), "--out", help="folder of every stage (a rerun reuses them)"),
-    base: str = typer.Option("smollm2", help="the SFT model: a registry name or a model directory"),
-    organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
-                                              "build` filled with the same settings is reused"),
-    quick: bool = typer.Option(False, help="organisms with 16 steps and fewer held-out cases; the frequency "
-                                           "and attribution selectors at 256 units per layer, factors 0 and 1 - 1e-6, "
-                                           "8 attribution pairs, 24 probe cases"),
-    probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "
-                                               "(default 48, 24 with --quick)"),
-    hook: str = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use (e.g. mlp.post)"),
-    steps: int = typer.Option(None, "--max-steps", help="DPO steps of each organism (default: organism build's)"),
-    learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),
-    json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
-) -> None:
-    """Calibration: a planted and a null organism from the SFT model, then per selector x budget x factor the share
-    of the planted change a restraint undoes (paired CI) against random-unit controls, the cost on the other
-    dimensions and the null's false-positive rate; writes calibration.json/.md/.html/.png under --out."""
-    from rolemrc.bench.organism import run
-
-    overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
-    emit(run(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides, organisms_dir=organisms,
-             hook=hook),
-         json_out)
-
-
 @app.command("all")
 @needs("train", "eval", "datagen", "serve", "minilm")
 def all_cmd(

@@ -47,7 +47,7 @@ KINDS: dict[str, Kind] = {key: Kind(*value) for key, value in {
     "restraint": ("restraint spec", "`rolemrc intervene select`"),
     "eval-run": ("eval run folder", "`rolemrc eval run` or `eval score`"),
     "sweep": ("sweep folder", "`rolemrc sweep run`"),
-    "calibration": ("calibration folder", "`rolemrc bench organism`"),
+    "calibration": ("calibration folder", "`rolemrc organism calibrate`"),
     "organisms": ("organisms folder", "`rolemrc organism build`"),
     "datagen": ("datagen output folder", "`rolemrc datagen run`"),
     "model": ("Hugging Face model directory", ""),

@@ -72,17 +72,13 @@ def eval_stage(cache: StageCache, cfg: DemoConfig, name: str, model: Path, test:
 
 
 def probe_stages(cache: StageCache, cfg: DemoConfig, models: dict[str, Path], test: Path) -> dict:
-    """SFT and DPO probed together (one paired file), diffed with the exact McNemar test per unit."""
-    from rolemrc.probe import collect_paired, diff, write_diff
+    """SFT and DPO probed together (one paired file), diffed with the exact McNemar test per unit, and the explorer."""
     from rolemrc.probe.explorer import write_explorer
+    from rolemrc.probe.stages import paired_diff_stages
 
-    paired = cfg.out / "probe" / "sft-dpo.safetensors"
-    cache.run("probe sft+dpo", {"models": [models["sft"], models["dpo"]], "data": test, "hook": cfg.hook},
-              lambda: _probe_report(collect_paired([models["sft"], models["dpo"]], test, hook=cfg.hook).save(paired)),
-              [paired])
     diff_dir = cfg.out / "diff"
-    summary = cache.run("probe diff", {"paired": paired},
-                        lambda: write_diff(diff(paired), diff_dir), [diff_dir / "diff.safetensors"])
+    summary = paired_diff_stages(cache, [models["sft"], models["dpo"]], test, paired=cfg.out / "probe" / "sft-dpo.safetensors",
+                                 diff_dir=diff_dir, names=("probe sft+dpo", "probe diff"), hook=cfg.hook)
     explorer = cfg.out / "explorer.html"
     cache.run("explorer", {"diff": diff_dir / "diff.safetensors"},
               lambda: {"out": str(write_explorer(diff_dir, explorer))}, [explorer])
@@ -160,14 +156,6 @@ def sweep_stage(cache: StageCache, cfg: DemoConfig, dpo: Path, diff_dir: Path, d
     return cache.run("restraint sweep", {"model": dpo, "diff": diff_dir / "diff.safetensors", "test": test,
                                          "config": dataclasses.asdict(config) | {"metrics": SWEEP_METRICS}},
                      run, [out / "sweep.json"])
-
-
-def _probe_report(path: Path) -> dict:
-    from rolemrc.probe import load_probe
-
-    paired = load_probe(path)
-    counts = paired.counts[0]
-    return {"out": str(path), "models": paired.models, "cases": counts.cases, "empty_dimensions": counts.empty_dimensions}
 
 
 def _result(result: Any) -> dict:

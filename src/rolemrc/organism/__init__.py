@@ -1,18 +1,28 @@
 """Known-answer organisms: DPO models whose change from the SFT model is planted on purpose (or, as a null, absent),
-so the method (probe -> diff -> select -> restrain) can be scored against the right answer.
+and the calibration that scores the method (probe -> diff -> select -> restrain) against that known answer.
 
-    from rolemrc.organism import OrganismConfig, build_organism
+    from pathlib import Path
+    from rolemrc.organism import OrganismConfig, build_and_calibrate, build_organism
     report = build_organism(OrganismConfig(kind="planted", out="runs/organisms"))   # base: SmolLM2-135M-Instruct
     report["headline"], report["dpo"], report["meets_target"]
+    result = build_and_calibrate(Path("runs/calibration"), organisms_dir=Path("runs/organisms"), quick=True)
+    result["headline"]                           # calibrate(organisms, CalibrationConfig(...)) on organisms you have
 
 planted: pairs edited from the SFT model's own replies so that DPO teaches it to open every reply with a bracketed
 action, which the rules judge's role_style aspect fails where the task forbids narration (pairs.py). null: the same
 pairs with chosen and rejected swapped at random per pair. Both share the data, replies and held-out cases (build.py).
+Calibration: calibration_config.py (the grid), calibrate.py (the stages), scoring.py (each cell against the answer),
+calibration_report.py (headline, table, figure).
 """
 
 from rolemrc.core.lazy import lazy_package
 from rolemrc.organism.config import KINDS, PLANTED_DIMENSION, OrganismConfig, OrganismError
 
-lazy_package(__name__, {"rolemrc.organism.build": ["build_organism"]})
+lazy_package(__name__, {
+    "rolemrc.organism.build": ["build_organism"],
+    "rolemrc.organism.calibrate": ["build_and_calibrate", "calibrate"],
+    "rolemrc.organism.calibration_config": ["CalibrationConfig", "Organism"],
+})
 
-__all__ = ["KINDS", "PLANTED_DIMENSION", "OrganismConfig", "OrganismError", "build_organism"]
+__all__ = ["KINDS", "PLANTED_DIMENSION", "CalibrationConfig", "Organism", "OrganismConfig", "OrganismError",
+           "build_and_calibrate", "build_organism", "calibrate"]

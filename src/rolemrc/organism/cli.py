@@ -1,4 +1,4 @@
-"""`rolemrc organism build planted|null`."""
+"""`rolemrc organism build planted|null` and `rolemrc organism calibrate`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.extras import needs
+from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_PROBE_CASES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
 
-app = cli_app(help="Known-answer organisms: a DPO model with a planted change, and a null one, from an SFT model.")
+app = cli_app(help="Known-answer organisms (a DPO model with a planted change, and a null one, from an SFT model) and the "
+                   "calibration of the method on them.")
 DEFAULTS = {f.name: f for f in dataclasses.fields(OrganismConfig)}
 
 
@@ -56,3 +58,35 @@ def build_cmd(
 
     report = build_organism(config)
     typer.echo(json.dumps({k: report[k] for k in ("headline", "meets_target", "dpo", "figure")}, default=str))
+
+
+@app.command("calibrate")
+@needs("train", "eval")
+def calibrate_cmd(
+    out: Path = typer.Option(Path("runs/calibration"), "--out", help="folder of every stage (a rerun reuses them)"),
+    base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
+    organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
+                                              "build` filled with the same settings is reused"),
+    quick: bool = typer.Option(False, help="organisms with 16 steps and fewer held-out cases; the frequency "
+                                           "and attribution selectors at 256 units per layer, factors 0 and 1 - 1e-6, "
+                                           "8 attribution pairs, 24 probe cases"),
+    probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "
+                                               f"(default {PROBE_CASES}, {QUICK_PROBE_CASES} with --quick)"),
+    hook: str = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use (e.g. mlp.post)"),
+    steps: int = typer.Option(None, "--max-steps", help="DPO steps of each organism (default: organism build's)"),
+    learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),
+    json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
+) -> None:
+    """A planted and a null organism from the SFT model, then per selector x budget x factor the share of the planted
+    change a restraint undoes (paired CI) against random-unit controls, the cost on the other dimensions and the
+    null's false-positive rate; writes calibration.json/.md/.html/.png under --out and prints JSON."""
+    from rolemrc.organism.calibrate import build_and_calibrate
+
+    overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
+    result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
+                                 organisms_dir=organisms, hook=hook)
+    text = json.dumps(result, indent=1)
+    typer.echo(text)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)

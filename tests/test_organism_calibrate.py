@@ -1,4 +1,4 @@
-"""Calibration end to end on organisms whose answer is known by construction.
+"""`organism calibrate`: calibration end to end on organisms whose answer is known by construction.
 
 planted: the DPO model is fixtures.save_planted_llama (ANSWERABLE_UNITS of layer 1 fire on every token and make it
 refuse), its SFT model the same Llama with those units switched off (it answers), so the change lives in exactly those
@@ -15,19 +15,12 @@ from pathlib import Path
 import pytest
 from fixtures import ANSWERABLE_UNITS, answerable_records, save_planted_llama
 
-from rolemrc.bench.organism import (
-    PAPER_FACTOR,
-    CalibrationConfig,
-    Organism,
-    calibrate,
-    finds_change,
-    flag_restorations,
-    restoration,
-    sweeps,
-    toward_sft,
-)
 from rolemrc.core.io import write_jsonl
 from rolemrc.eval import generate, score
+from rolemrc.intervene.spec import PAPER_FACTOR
+from rolemrc.organism.calibrate import calibrate
+from rolemrc.organism.calibration_config import CalibrationConfig, Organism, sweeps
+from rolemrc.organism.scoring import finds_change, flag_restorations, restoration, toward_sft
 from rolemrc.sweep import plots as sweep_plots
 
 DIMENSION = "multi_turn"

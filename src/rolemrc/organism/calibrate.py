@@ -1,0 +1,186 @@
+"""`rolemrc organism calibrate`: does the method find a change whose answer is known?
+
+For each organism (planted, null): probe SFT and DPO together on cases never trained on (last prompt token and every
+prompt token), diff them, attribute the DPO margin over the organism's pairs, then per selector x unit budget x
+factor restrain the DPO model through the sweep (random-unit controls, Holm) on the held-out cases, and score each
+cell against the known answer (scoring.py: restoration and its CI, the cost on every other dimension, the dimensions
+flagged as brought back to the SFT model; on the null organism the share of cells flagged is the pipeline's
+false-positive rate). Beside it, how many units each diff flags by itself (BH q < 0.05).
+
+The paper's factor 1 - 1e-6 runs as a sweep of its own at the largest budget only (`paper_factor_budgets`).
+Every stage is cached under --out (organisms, probes, diffs, attribution, one sweep per organism and selector, the
+sweeps of an organism sharing one store of generated cells, so their common baseline is generated once), so a rerun
+of the grid alone only generates the cells that are new.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rolemrc.core.io import read_jsonl, write_json, write_jsonl
+from rolemrc.core.stages import StageCache
+from rolemrc.core.taxonomy import dimensions_for_task
+from rolemrc.organism.calibration_config import (
+    ALPHA,
+    ORGANISM_SETTINGS,
+    PROBE_CASES,
+    QUICK_GRID,
+    QUICK_PROBE_CASES,
+    SELECTOR_INPUTS,
+    CalibrationConfig,
+    Organism,
+    sweeps,
+)
+from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline
+from rolemrc.organism.scoring import cell_rows, flag_restorations
+
+
+def probe_cases(pairs_file: Path, exclude: set[str], n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` test-style cases from datagen's pair prompts that no organism trained on, spread over the tasks."""
+    from rolemrc.organism.pairs import sample_prompts
+
+    rows = [r for r in read_jsonl(pairs_file) if r["id"] not in exclude]
+    return [{"id": r["id"], "question": r["prompt"], "reference": r["chosen"], "task": r.get("task")}
+            for r in sample_prompts(rows, n, seed)]
+
+
+def attribution_pairs(pairs: list[dict[str, Any]], dimension: str, n: int) -> list[dict[str, Any]]:
+    """Up to `n` pairs, those whose task counts in `dimension` first (the attribution selector scores that one)."""
+    inside = [p for p in pairs if dimension in dimensions_for_task(p.get("task"))]
+    return (inside + [p for p in pairs if p not in inside])[:n]
+
+
+def probe_stages(cache: StageCache, organism: Organism, config: CalibrationConfig, root: Path) -> dict[str, str]:
+    """selector input kind -> path: a paired diff per token policy, and the attribution file."""
+    from rolemrc.probe import attribute
+    from rolemrc.probe.stages import paired_diff_stages
+
+    models = [Path(organism.sft), Path(organism.dpo)]
+    inputs = {}
+    for tokens in ("last", "all"):
+        out = root / f"diff-{tokens}"
+        paired_diff_stages(cache, models, Path(organism.probe), paired=root / f"probe-{tokens}.safetensors", diff_dir=out,
+                           names=(f"{organism.kind} probe {tokens}", f"{organism.kind} diff {tokens}"), hook=config.hook,
+                           tokens=tokens, figures=False)
+        inputs[tokens] = str(out)
+    chosen = root / "attribution-pairs.jsonl"
+    scores = root / "attribution.safetensors"
+
+    def attribute_stage() -> dict:
+        write_jsonl(chosen, attribution_pairs(read_jsonl(organism.pairs), organism.dimension, config.attribution_pairs))
+        attribute(organism.sft, organism.dpo, str(chosen), hook=config.hook).save(scores)
+        return {"out": str(scores)}
+
+    cache.run(f"{organism.kind} attribute", {"models": models, "pairs": Path(organism.pairs),
+                                             "n": config.attribution_pairs, "hook": config.hook}, attribute_stage, [scores])
+    inputs["attribution"] = str(scores)
+    return inputs
+
+
+def diff_flags(diff_dir: str, dimension: str, fdr: float = ALPHA) -> dict[str, int | None]:
+    """Units the diff flags by itself in `dimension`: BH q < fdr on the frequency test and on the effect test."""
+    from rolemrc.probe import load_diff
+
+    result = load_diff(diff_dir)
+    count = lambda q: int((q.get(dimension) < fdr).sum()) if dimension in q else None  # noqa: E731
+    return {"frequency": count(result.qvalue) if result.tested else None,
+            "effect": count(result.effect_q) if result.effect_tested else None}
+
+
+def layers_of(model: str, hook: str) -> int:
+    from rolemrc.probe.attribution import config_shape
+
+    return int(config_shape(model, hook)["layers"])
+
+
+def sweep_stage(organism: Organism, selector: str, source: str, config: CalibrationConfig, out: Path,
+                budgets: list[int], factors: list[float]) -> dict:
+    """One sweep (the sweep resumes by itself: finished cells are kept) of `selector` over budgets x factors, its
+    cells in the organism's shared store."""
+    from rolemrc.sweep import SweepConfig, run_sweep
+
+    layers = layers_of(organism.dpo, config.hook)
+    sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(out),
+                        cells_dir=str(out.parent / "cells"), dimensions=[organism.dimension], factors=list(factors),
+                        top_k=[b * layers for b in budgets], method=selector, controls=config.controls,
+                        seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
+    return run_sweep(sweep, metrics=[])
+
+
+def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: StageCache | None = None) -> dict:
+    """Probe, select, restrain and score every organism over the grid; writes calibration.json/.md and the figure."""
+    from rolemrc.intervene.spec import RestraintError
+
+    root = Path(config.out)
+    cache = cache or StageCache(root)
+    rows, flags, sweep_dirs, timing, skipped = [], {}, {}, {}, {}
+    for organism in organisms:
+        folder = root / organism.kind
+        inputs = probe_stages(cache, organism, config, folder)
+        flags[organism.kind] = {tokens: diff_flags(inputs[tokens], organism.dimension) for tokens in ("last", "all")}
+        for selector in config.selectors:
+            source = inputs[SELECTOR_INPUTS[selector]]
+            for suffix, (budgets, factors) in sweeps(config).items():
+                key, sweep_dir = f"{organism.kind}/{selector}{suffix}", folder / f"sweep-{selector}{suffix}"
+                started = time.perf_counter()
+                try:
+                    summary = sweep_stage(organism, selector, source, config, sweep_dir, budgets, factors)
+                except RestraintError as exc:   # e.g. no unit moved in the selector's view: it restrains nothing
+                    skipped[key] = str(exc)
+                    continue
+                cells = len(json.loads((sweep_dir / "plan.json").read_text())["cells"])
+                timing[key] = {"seconds": round(time.perf_counter() - started, 1), "cells": cells}
+                sweep_dirs[key] = str(sweep_dir)
+                rows += cell_rows(organism, selector, summary, sweep_dir)
+    flag_restorations(rows)
+    null = [r for r in rows if r["organism"] == "null"]
+    result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows),
+              "diff_flags": flags, "cells": rows, "sweeps": sweep_dirs, "skipped": skipped, "timing": timing,
+              "null_false_positive_rate": _rate(null, "flagged"), "null_changed_rate": _rate(null, "changed")}
+    result["figure"] = calibration_figure(rows, root)
+    write_json(root / "calibration.json", result)
+    (root / "calibration.md").write_text(calibration_markdown(result))
+    return result
+
+
+def _rate(rows: list[dict[str, Any]], key: str) -> float | None:
+    return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
+
+
+def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int | None = None,
+                        organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None,
+                        hook: str = "mlp.act") -> dict:
+    """Build both organisms from `base` under `organisms_dir` (default out/organisms; cached there, so a folder that
+    `rolemrc organism build` filled with the same settings is reused), then calibrate; the command's JSON."""
+    from rolemrc.organism.build import build_organism
+    from rolemrc.organism.config import QUICK, OrganismConfig
+
+    config = CalibrationConfig(out=str(out), hook=hook, **(QUICK_GRID if quick else {}))   # checked before any work
+    started = time.perf_counter()
+    cache = StageCache(out)
+    settings = {**(QUICK if quick else ORGANISM_SETTINGS), **(organism_overrides or {})}
+    probe_n = probe_n or (QUICK_PROBE_CASES if quick else PROBE_CASES)
+    folder = organisms_dir or out / "organisms"
+    reports = {kind: build_organism(OrganismConfig(kind=kind, out=str(folder), base=base, **settings))
+               for kind in ("planted", "null")}
+    trained = {p["id"] for r in reports.values() for p in read_jsonl(r["pairs"])}
+    probe = out / "probe-cases.jsonl"
+    source = folder / "data" / "pairs.jsonl"
+    cache.run("probe cases", {"pairs": source, "trained": sorted(trained), "n": probe_n},
+              lambda: {"cases": write_jsonl(probe, probe_cases(source, trained, probe_n, 0))}, [probe])
+    organisms = [Organism.from_report(reports[k], probe) for k in ("planted", "null")]
+    result = calibrate(organisms, config, cache=cache)
+    cells = sum(t["cells"] for t in result["timing"].values())
+    grid_seconds = sum(t["seconds"] for t in result["timing"].values())
+    return {"headline": result["headline"], "quick": quick,
+            "organisms": {k: {"headline": r["headline"], "meets_target": r["meets_target"],
+                              "training_seconds": r["training"]["seconds"]} for k, r in reports.items()},
+            "null_false_positive_rate": result["null_false_positive_rate"], "diff_flags": result["diff_flags"],
+            "cells_generated": cells, "grid_seconds": grid_seconds,
+            "cells_per_minute": round(60 * cells / grid_seconds, 2) if grid_seconds else None,
+            "seconds": round(time.perf_counter() - started, 1), "stage_seconds": cache.timings,
+            "calibration": str(out / "calibration.json"), "figure": result["figure"]}

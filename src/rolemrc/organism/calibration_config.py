@@ -1,0 +1,83 @@
+"""What calibration runs: the organisms it reads and the grid of selectors x unit budgets x factors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rolemrc.intervene.spec import PAPER_FACTOR
+
+SELECTOR_INPUTS = {"frequency": "last", "frequency-all": "all", "standardized": "all", "attribution": "attribution"}
+ALPHA = 0.05   # the significance level of every test and flag
+
+
+@dataclass
+class Organism:
+    """What calibration needs of an organism: its two models, the pairs DPO trained on, the held-out cases with the
+    SFT model's eval run on them, the probe cases (never trained on) and the dimension it changes."""
+
+    kind: str
+    sft: str
+    dpo: str
+    pairs: str
+    heldout: str
+    sft_eval: str
+    probe: str
+    dimension: str
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any], probe: str | Path) -> Organism:
+        return cls(report["kind"], report["sft"], report["dpo"], report["pairs"], report["heldout"],
+                   report["sft_eval"], str(probe), report["planted_dimension"])
+
+
+@dataclass
+class CalibrationConfig:
+    """The grid and its costs. Budgets are units per layer (top_k = budget x layers, ranked over all layers)."""
+
+    out: str
+    selectors: list[str] = field(default_factory=lambda: list(SELECTOR_INPUTS))
+    # 64 per layer is cut to keep the full calibration under 2 h on 2 cores: with it, the run alone took 2 h 4 min,
+    # and at 1,920 units no selector undid anything on either organism
+    budgets: list[int] = field(default_factory=lambda: [16, 256])
+    factors: list[float] = field(default_factory=lambda: [0.0, 0.5])
+    # the paper's near-identity factor 1 - 1e-6 as its own sweep, at these budgets only: its effect can only grow with
+    # the units it scales, so the largest budget is where it would show
+    paper_factor_budgets: list[int] = field(default_factory=lambda: [256])
+    controls: int = 1
+    attribution_pairs: int = 16       # organism pairs (of the planted dimension first) attribution runs over
+    max_new_tokens: int = 32          # as the organisms' held-out eval, so the SFT run is comparable
+    batch_size: int = 32              # rows per generation batch (the sweep's cells share batches)
+    hook: str = "mlp.act"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from rolemrc.probe.hooks import check_point
+
+        check_point(self.hook)
+        unknown = sorted(set(self.selectors) - set(SELECTOR_INPUTS))
+        if unknown:
+            from rolemrc.core.errors import InputError
+
+            raise InputError(f"unknown selector(s) {unknown}; calibration knows {', '.join(SELECTOR_INPUTS)}")
+
+
+def sweeps(config: CalibrationConfig) -> dict[str, tuple[list[int], list[float]]]:
+    """A selector's sweeps, by folder suffix: budgets x factors, and the paper's factor at its own budgets."""
+    grids = {"": (config.budgets, config.factors)}
+    if config.paper_factor_budgets:
+        grids["-paper"] = (config.paper_factor_budgets, [PAPER_FACTOR])
+    return {suffix: grid for suffix, grid in grids.items() if grid[0] and grid[1]}
+
+
+# `--quick`: the paper's selector and attribution (the one that ranks units by their effect on the preference), the
+# largest budget only (the one a change spread over many units can show at), both ends of the factors, half the
+# attribution pairs and probe cases.
+QUICK_GRID = {"selectors": ["frequency", "attribution"], "budgets": [256], "factors": [0.0], "paper_factor_budgets": [256],
+         "attribution_pairs": 8}
+PROBE_CASES = 48
+QUICK_PROBE_CASES = 24
+# the organisms' settings of the full calibration (`--quick`: organism.config.QUICK): every planted case and 4 per other
+# dimension (all 144 of datagen's small test set would triple the cost of every cell)
+ORGANISM_SETTINGS = {"eval_others": 4}

@@ -1,0 +1,127 @@
+"""Scoring a calibration cell against the known answer: how much of the planted change it undoes (restoration, with a
+paired bootstrap CI), its cost on every other dimension, and whether it brings a dimension back to the SFT model's
+cases and pass rate beyond its baseline and random-unit controls (flagged, Holm over an organism's cells)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rolemrc.organism.calibration_config import ALPHA, Organism
+
+BOOTSTRAP = 2000
+
+
+def per_item(run_dir: Path | str) -> dict[str, dict[str, float]]:
+    from rolemrc.eval.runs import EvalRun
+    from rolemrc.sweep.stats import item_scores
+
+    return item_scores(EvalRun.load(run_dir))
+
+
+def restoration(sft: dict[str, float], dpo: dict[str, float], cell: dict[str, float], *, rounds: int = BOOTSTRAP,
+                seed: int = 0) -> dict[str, Any]:
+    """Share of the change SFT -> DPO that `cell` undoes, (cell - dpo) / (sft - dpo) over the items all three
+    scored, with a paired bootstrap 95% CI (items resampled, numerator and denominator together; resamples with no
+    change left out). NaN when SFT and DPO do not differ on these items."""
+    ids = sorted(set(sft) & set(dpo) & set(cell))
+    s, d, c = (np.array([x[i] for i in ids]) for x in (sft, dpo, cell))
+    change = s.mean() - d.mean()
+    share = float((c.mean() - d.mean()) / change) if change else float("nan")
+    idx = np.random.default_rng(seed).integers(0, len(ids), size=(rounds, len(ids)))
+    num, den = c[idx].mean(1) - d[idx].mean(1), s[idx].mean(1) - d[idx].mean(1)
+    boot = num[den != 0] / den[den != 0]
+    lo, hi = (np.percentile(boot, [2.5, 97.5]).tolist() if boot.size and change else [float("nan")] * 2)
+    return {"share": share, "lo": lo, "hi": hi, "n": len(ids), "change": float(change),
+            "cell_minus_dpo": float(c.mean() - d.mean())}
+
+
+def toward_sft(sft: dict[str, dict[str, float]], base: dict[str, dict[str, float]], cell: dict[str, dict[str, float]],
+               controls: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    """dimension -> how far the cell lies from the SFT model against the baseline and the controls (their mean per
+    case): paired tests of the per-case distance |cell - SFT| (`vs_baseline`, `vs_controls`; diff < 0 = closer) and
+    the distance of the pass rates (`rate_gap`). Both count: a restraint that breaks the behaviour agrees with SFT
+    on the cases SFT fails, and one that only moves the rate can do it with other cases than the ones DPO changed."""
+    from rolemrc.core.stats import paired_test
+
+    out = {}
+    for name in sorted(set(sft) & set(base) & set(cell)):
+        ids = sorted(set(sft[name]) & set(base[name]) & set(cell[name]).intersection(*(c.get(name, {}) for c in controls)))
+        if not ids:
+            continue
+        target = np.array([sft[name][i] for i in ids])
+        base_x, mine, *ctrl = (np.array([s[name][i] for i in ids]) for s in (base, cell, *controls))
+        entry = {"vs_baseline": paired_test(np.abs(base_x - target), np.abs(mine - target)),
+                 "rate_gap": {"baseline": abs(base_x.mean() - target.mean()), "cell": abs(mine.mean() - target.mean())}}
+        if ctrl:
+            ctrl_x = np.mean(ctrl, axis=0)
+            entry["vs_controls"] = paired_test(np.abs(ctrl_x - target), np.abs(mine - target))
+            entry["rate_gap"]["controls"] = abs(ctrl_x.mean() - target.mean())
+        out[name.removeprefix("judge:")] = entry
+    return out
+
+
+def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per grid cell: restoration with CI, its controls' restoration, p against baseline and controls on the
+    planted dimension (Holm over the sweep's grid), the cost on the other dimensions, the dimensions it changes
+    against the baseline, and its distance to the SFT model per dimension (`toward_sft`, Holm-corrected later)."""
+    plan = json.loads((sweep_dir / "plan.json").read_text())["cells"]
+    key = f"judge:{organism.dimension}"
+    sft_all = {k: v for k, v in per_item(organism.sft_eval).items() if k.startswith("judge:")}
+    sft = sft_all.get(key, {})
+    base_id = next(c["id"] for c in plan if c["kind"] == "baseline")
+    base_all = per_item(sweep_dir / "scores" / base_id)
+    dpo = base_all.get(key, {})
+    rows = []
+    for cell in summary["cells"]:
+        grid = {k: cell[k] for k in ("dimension", "factor", "top_k")}
+        controls = [per_item(sweep_dir / "scores" / c["id"]) for c in plan
+                    if c["kind"] == "control" and c["grid"] == grid]
+        mine_all = per_item(sweep_dir / "scores" / cell["id"])
+        mine = mine_all.get(key, {})
+        ctrl = [restoration(sft, dpo, c.get(key, {})) for c in controls]
+        planted = cell["scores"].get(key, {})
+        others = {n.removeprefix("judge:"): {"diff": e["vs_baseline"]["diff"], "p_holm": e["vs_baseline"]["p_holm"]}
+                  for n, e in cell["scores"].items() if n.startswith("judge:") and n != key}
+        changed = [n.removeprefix("judge:") for n, e in cell["scores"].items()
+                   if n.startswith("judge:") and e["vs_baseline"]["p_holm"] < ALPHA]
+        rows.append({"organism": organism.kind, "dimension": organism.dimension, "selector": selector,
+                     "factor": cell["factor"],
+                     "units": cell["units"], "top_k": cell["top_k"], "restoration": restoration(sft, dpo, mine),
+                     "controls_restoration": [c["share"] for c in ctrl],
+                     "controls_change": [c["cell_minus_dpo"] for c in ctrl],
+                     "p_vs_baseline": planted.get("vs_baseline", {}).get("p_holm"),
+                     "p_vs_controls": planted.get("vs_controls", {}).get("p_holm"),
+                     "diff_vs_baseline": planted.get("vs_baseline", {}).get("diff"),
+                     "max_logit_shift": cell.get("max_logit_shift"), "others": others, "changed": changed,
+                     "toward_sft": toward_sft(sft_all, base_all, mine_all, controls)})
+    return rows
+
+
+def flag_restorations(rows: list[dict[str, Any]]) -> None:
+    """Holm over one organism's cells x dimensions per comparison, then each row's `flagged`: the dimensions whose
+    cases the cell brings closer to the SFT model's than both the baseline and its controls do (Holm p < ALPHA), its
+    pass rate closer to SFT's too. On the planted organism that is the claim "these units hold the change"; on the
+    null, any flag is a false positive."""
+    from rolemrc.core.stats import holm
+
+    for kind in {r["organism"] for r in rows}:
+        mine = [r for r in rows if r["organism"] == kind]
+        for family in ("vs_baseline", "vs_controls"):
+            tests = [t[family] for r in mine for t in r["toward_sft"].values() if family in t]
+            for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
+                test["p_holm"] = adjusted
+        for r in mine:
+            r["flagged"] = [d for d, t in r["toward_sft"].items()
+                            if all(f in t and t[f]["diff"] < 0 and t[f]["p_holm"] < ALPHA
+                                   and t["rate_gap"]["cell"] < t["rate_gap"][f.removeprefix("vs_")]
+                                   for f in ("vs_baseline", "vs_controls"))]
+
+
+def finds_change(row: dict[str, Any]) -> bool:
+    """The cell undoes the planted change: restoration's CI above 0, and the planted dimension's cases closer to the
+    SFT model's than under the baseline and under the controls (`flag_restorations`)."""
+    return bool(row["restoration"]["lo"] > 0 and row["dimension"] in row["flagged"])
