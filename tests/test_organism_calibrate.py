@@ -18,7 +18,7 @@ from fixtures import ANSWERABLE_UNITS, answerable_records, save_planted_llama
 from rolemrc.core.io import write_jsonl
 from rolemrc.eval import generate, score
 from rolemrc.intervene.spec import PAPER_FACTOR
-from rolemrc.organism.calibrate import calibrate
+from rolemrc.organism.calibration import calibrate
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism, sweeps
 from rolemrc.organism.scoring import finds_change, flag_restorations, restoration, toward_sft
 from rolemrc.sweep import plots as sweep_plots

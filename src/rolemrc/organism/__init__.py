@@ -20,7 +20,7 @@ from rolemrc.organism.config import KINDS, PLANTED_DIMENSION, OrganismConfig, Or
 
 lazy_package(__name__, {
     "rolemrc.organism.build": ["build_organism"],
-    "rolemrc.organism.calibrate": ["build_and_calibrate", "calibrate"],
+    "rolemrc.organism.calibration": ["build_and_calibrate", "calibrate"],
     "rolemrc.organism.calibration_config": ["CalibrationConfig", "Organism"],
 })
 

@@ -80,7 +80,7 @@ def calibrate_cmd(
     """A planted and a null organism from the SFT model, then per selector x budget x factor the share of the planted
     change a restraint undoes (paired CI) against random-unit controls, the cost on the other dimensions and the
     null's false-positive rate; writes calibration.json/.md/.html/.png under --out and prints JSON."""
-    from rolemrc.organism.calibrate import build_and_calibrate
+    from rolemrc.organism.calibration import build_and_calibrate
 
     overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
