@@ -179,11 +179,11 @@ def vllm_or_skip(module_level: bool = True) -> str:
     import pytest
 
     from rolemrc.serve.engines.vllm import vllm_python
-    from rolemrc.serve.errors import ConfigError
+    from rolemrc.serve.errors import ServeConfigError
 
     try:
         return vllm_python("test")
-    except ConfigError as exc:
+    except ServeConfigError as exc:
         if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
             raise
         pytest.skip(f"vLLM is not installed ({exc})", allow_module_level=module_level)
