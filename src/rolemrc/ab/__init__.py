@@ -2,7 +2,9 @@
 creates experiments and scores them, outside the serving process.
 
     from rolemrc.ab import build_report, experiment_from_sweep
+    from rolemrc.serve.store import Store
     created = experiment_from_sweep("runs/sweep", "best:2", "http://localhost:8000/v1")   # cells -> arms
+    ...   # traffic with `experiment` set; the server logs every request to its `db`
     report = build_report(Store("ab.sqlite"), created["experiment"]["id"])                # over the request log
 
 from_sweep: a finished sweep's best cells as a served experiment (HTTP only); report: per-arm judge and reference

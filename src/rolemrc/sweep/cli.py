@@ -66,4 +66,3 @@ def run_cmd(
                          cells_dir=str(cells_dir) if cells_dir else None, strict=strict)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))
-
