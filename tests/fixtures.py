@@ -179,11 +179,24 @@ def vllm_or_skip(module_level: bool = True) -> str:
     import pytest
 
     from rolemrc.serve.engines.vllm import vllm_python
-    from rolemrc.serve.errors import ConfigError
+    from rolemrc.serve.errors import ServeConfigError
 
     try:
         return vllm_python("test")
-    except ConfigError as exc:
+    except ServeConfigError as exc:
         if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
             raise
         pytest.skip(f"vLLM is not installed ({exc})", allow_module_level=module_level)
+
+
+def served_report(server, experiment: str, **kw) -> dict:
+    """The A/B report (`rolemrc.ab.report.build_report`) over the request log of a running server whose config has
+    `db: ab.sqlite`: the server only logs, the report is computed here."""
+    from rolemrc.ab.report import build_report
+    from rolemrc.serve.store import Store
+
+    store = Store(server.config.parent / "ab.sqlite")
+    try:
+        return build_report(store, experiment, **kw)
+    finally:
+        store.close()

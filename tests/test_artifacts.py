@@ -80,7 +80,7 @@ READERS = {   # kind -> a command line that reads it ({x}: the newer copy, {a}: 
     "diff": ["intervene", "select", "--diff", "{x}", "--dimension", "role_style", "--top-k", "2", "--out", "{out}/s.yaml"],
     "restraint": ["intervene", "lora", "--model", "{model}", "--restraint", "{x}", "--out", "{out}"],
     "eval-run": ["eval", "report", "{x}", "--out", "{out}"],
-    "sweep": ["sweep", "ab", "--from-sweep", "{x}", "--base-url", "http://127.0.0.1:9/v1"],
+    "sweep": ["ab", "create", "--from-sweep", "{x}", "--base-url", "http://127.0.0.1:9/v1"],
 }
 
 

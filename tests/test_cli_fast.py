@@ -85,6 +85,27 @@ def test_the_root_help_names_every_command_of_every_group():
             assert command in group.help, (name, command, group.help)
 
 
+def test_each_job_has_one_command():
+    """One command per job: no function is mounted under two names (a sub-app of its own and another's)."""
+    import inspect
+
+    from typer.main import get_command
+
+    import rolemrc.cli
+
+    names: dict[object, list[str]] = {}
+
+    def walk(command, path):
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+        if command.callback is not None and not getattr(command, "commands", None):
+            names.setdefault(inspect.unwrap(command.callback), []).append(" ".join(path))
+
+    walk(get_command(rolemrc.cli.app), [])
+    twice = [n for n in names.values() if len(n) > 1]
+    assert len(names) > 30 and not twice, twice
+
+
 # Spellings of one concept: the first is the name every command uses; the others may only be accepted through
 # core.cli.RESPELLED, never declared.
 CONCEPTS = [("--restraint", "--spec"), ("--diff", "--input"), ("--learning-rate", "--lr"),

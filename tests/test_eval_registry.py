@@ -46,7 +46,7 @@ def plugin():
         return [Verdict.make(item["id"], item["task"], aspect, int(bool(str(item["response"]).strip())))
                 for item, aspect in calls]
 
-    modules = [importlib.import_module(m) for m in ("rolemrc.eval.cli", "rolemrc.serve.ab_cli", "rolemrc.cli")]
+    modules = [importlib.import_module(m) for m in ("rolemrc.eval.cli", "rolemrc.ab.cli", "rolemrc.cli")]
     try:
         yield [importlib.reload(m) for m in modules][-1].app
     finally:

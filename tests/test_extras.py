@@ -27,10 +27,11 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE = ROOT / "src" / "rolemrc"
 
 # the extras a package's modules may import at module level (function bodies may import any extra's modules); every
-# command module (cli.py, */cli.py, serve/ab_cli.py, demo's register) stays in the core, so the help runs there
+# command module (cli.py, */cli.py, demo's register) stays in the core, so the help runs there
 PACKAGE_EXTRAS = {"train": {"train"}, "eval": {"eval"}, "datagen": {"datagen"}, "serve": {"serve"},
-                  "organism": {"train", "eval"}, "sweep": {"eval", "serve"}, "bench": set(ALL), "demo": set(ALL)}
-COMMAND_MODULES = {"cli.py", "serve/ab_cli.py", "serve/cli.py", "demo/__init__.py"}
+                  "organism": {"train", "eval"}, "sweep": {"eval", "serve"}, "ab": {"eval", "serve"}, "bench": set(ALL),
+                  "demo": set(ALL)}
+COMMAND_MODULES = {"cli.py", "serve/cli.py", "demo/__init__.py"}
 
 # what each command needs beyond the core (a new command is added here: a decision, not a default)
 NEEDS = {
@@ -38,8 +39,8 @@ NEEDS = {
     "eval generate": (), "eval score": ("eval",), "eval run": ("eval",), "eval compare": (), "eval report": (),
     "probe collect": (), "probe attribute": (), "probe merge": (), "probe diff": (), "probe explore": (),
     "intervene select": (), "intervene bake": (), "intervene lora": (), "intervene check": (),
-    "intervene sweep": ("eval",), "organism build": ("train", "eval"), "sweep run": ("eval",), "sweep ab": ("serve",),
-    "ab report": ("serve",), "ab create": ("serve",), "bench probe": (), "bench retrieval": ("datagen", "minilm"),
+    "organism build": ("train", "eval"), "sweep run": ("eval",), "ab create": ("serve",), "ab report": ("eval",),
+    "bench probe": (), "bench retrieval": ("datagen", "minilm"),
     "bench datagen": ("datagen",), "bench intervene": (), "bench serve": ("serve", "eval"), "bench clients": ("serve",),
     "organism calibrate": ("train", "eval"), "bench all": ("train", "eval", "datagen", "serve", "minilm"),
     "models pull": (), "models convert": ("gguf",), "models list": (),

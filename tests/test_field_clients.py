@@ -26,7 +26,7 @@ from fixtures import WORDS, corpus, save_eos_llama
 from rolemrc.bench.clients import CLIENTS, choice_lls, client_python, generations, guidellm, lm_eval, served_args, write_tasks
 from rolemrc.core.errors import InputError
 from rolemrc.serve.engines.vllm import vllm_python
-from rolemrc.serve.errors import ConfigError
+from rolemrc.serve.errors import ServeConfigError
 from rolemrc.serve.launch import start_server, stop_server
 
 for name in CLIENTS:
@@ -38,7 +38,7 @@ for name in CLIENTS:
         pytest.skip(str(exc), allow_module_level=True)
 try:
     VLLM = vllm_python("test")
-except ConfigError:
+except ServeConfigError:
     if os.environ.get("ROLEMRC_REQUIRE_VLLM") == "1":
         raise
     VLLM = None

@@ -137,13 +137,13 @@ def test_a_rerun_of_a_finished_sweep_generates_and_scores_nothing(setup, tmp_pat
 
 
 def test_cli_sweep_writes_the_tables(setup, tmp_path):
-    result = CliRunner().invoke(app, ["intervene", "sweep", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
+    result = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
                                       "--data", str(setup / "test.jsonl"), "--out", str(tmp_path), "--dimension",
                                       "multi_turn", "--factors", "0,0.5", "--top-k", "4", "--controls", "1",
                                       "--metrics", "rouge", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["cells"] == 2 and (tmp_path / "sweep.md").is_file()
-    bad = CliRunner().invoke(app, ["intervene", "sweep", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
+    bad = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
                                    "--data", str(setup / "test.jsonl"), "--out", str(tmp_path / "x"), "--dimension",
                                    "multi_turn", "--factors", "half"])
     assert bad.exit_code != 0 and "comma-separated numbers" in bad.output

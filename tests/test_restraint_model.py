@@ -130,31 +130,31 @@ def test_loaded_models_are_told_apart_by_their_weights(selected, tokenizer):
 
 def test_serve_strict_restraints_refuses_at_preflight(selected):
     from rolemrc.serve.config import ServeConfig
-    from rolemrc.serve.errors import ConfigError
+    from rolemrc.serve.errors import ServeConfigError
 
     data = {"models": {"sft": {"path": str(selected["sft"])}}, "restraints": {"r": str(selected["spec"])}}
     ServeConfig.from_dict(data).preflight()   # a warning
-    with pytest.raises(ConfigError, match="strict_restraints"):
+    with pytest.raises(ServeConfigError, match="strict_restraints"):
         ServeConfig.from_dict({**data, "strict_restraints": True}).preflight()
 
 
 def test_serve_strict_restraints_refuses_an_inline_one_of_another_model(selected):
     """A client's spec selected on another model: 422 under strict_restraints (served as a request would be)."""
+    from rolemrc.serve.catalog import ModelCatalog
     from rolemrc.serve.config import ServeConfig
     from rolemrc.serve.errors import ApiError
-    from rolemrc.serve.registry import Registry
 
     spec = yaml.safe_load(selected["spec"].read_text())
     for path, strict, refused in ((selected["sft"], True, True), (selected["dpo"], True, False),
                                   (selected["sft"], False, False)):
-        registry = Registry(ServeConfig.from_dict({"models": {"m": str(path)}, "allow_inline_restraints": True,
-                                                   "strict_restraints": strict}))
+        catalog = ModelCatalog(ServeConfig.from_dict({"models": {"m": str(path)}, "allow_inline_restraints": True,
+                                                      "strict_restraints": strict}))
         if refused:
             with pytest.raises(ApiError, match="selected on") as caught:
-                registry.resolve(registry.engines["m"], None, spec)
+                catalog.resolve(catalog.engines["m"], None, spec)
             assert caught.value.status == 422
         else:
-            assert registry.resolve(registry.engines["m"], None, spec).restraint.units == Restraint.from_dict(spec).units
+            assert catalog.resolve(catalog.engines["m"], None, spec).restraint.units == Restraint.from_dict(spec).units
 
 
 def test_a_spec_from_a_diff_written_before_fingerprint_kinds_warns_once(selected, tmp_path):

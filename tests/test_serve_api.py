@@ -1,5 +1,6 @@
 """The served API over real HTTP on loopback with the real `openai` client: chat, streaming,
-completions, restraints, every error status, metrics, experiments, reports, the upstream engine."""
+completions, restraints, every error status, metrics, experiments (logged by the server, reported on by
+`rolemrc.ab` from its log), the upstream engine."""
 
 import json
 import time
@@ -7,8 +8,10 @@ import time
 import httpx
 import openai
 import pytest
+from fixtures import served_report
 from typer.testing import CliRunner
 
+from rolemrc.ab.report import report_html
 from rolemrc.cli import app as cli_app
 from rolemrc.intervene import Restraint
 from rolemrc.serve.launch import running_server
@@ -30,8 +33,14 @@ def server(model_dirs, tmp_path_factory):
               "restraints": {"mute": "mute.yaml", "noop": "noop.yaml", "wide": "wide.yaml"},
               "allow_inline_restraints": True, "max_inline_units": 150, "api_key_file": "keys.txt",
               "max_new_tokens": 256, "default_max_tokens": 16, "db": "ab.sqlite", "max_body_bytes": 20000}
-    with running_server(config, workdir=root) as srv:
+    # the server logs every module it imports (python -X importtime), so a test can tell what the serving process ran
+    with running_server(config, workdir=root, env={"PYTHONPROFILEIMPORTTIME": "1"}) as srv:
         yield srv
+
+
+def imported_by(server) -> list[str]:
+    """The modules the server process has imported so far (its -X importtime lines)."""
+    return [line.rsplit("|", 1)[1].strip() for line in server.logs().splitlines() if line.startswith("import time:")]
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +226,11 @@ def test_experiment_logging_stickiness_and_report(client, server, records, tmp_p
     assert set(served.values()) == {"base", "muted"}
     got = httpx.get(server.base_url + "/v1/experiments/ab1", headers=auth).json()
     assert sum(got["requests"].values()) == len(records)
-    report = httpx.get(server.base_url + "/v1/experiments/ab1/report", headers=auth).json()
+    # serve assigns arms and logs requests; no scoring happens in the serving process
+    imported = imported_by(server)
+    assert "rolemrc.serve.store" in imported and not [m for m in imported if m.startswith("rolemrc.eval")]
+    assert httpx.get(server.base_url + "/v1/experiments/ab1/report", headers=auth).status_code == 404   # not served
+    report = served_report(server, "ab1")
     assert set(report["arms"]) == {"base", "muted"} and report["requests"] == len(records)
     assert report["unit"]["text"] == f"unit: user (20 users, {len(records)} requests)"   # arms are assigned per user
     base = report["arms"]["base"]
@@ -226,8 +239,8 @@ def test_experiment_logging_stickiness_and_report(client, server, records, tmp_p
     test = report["tests"]["muted vs base"]
     assert {"judge_score", "latency_s", "metric:bleu"} <= set(test) and 0 <= test["latency_s"]["p"] <= 1
     assert test["latency_s"]["n_a"] + test["latency_s"]["n_b"] == 20 and test["latency_s"]["unit"] == "user"
-    page = httpx.get(server.base_url + "/v1/experiments/ab1/report?format=html", headers=auth)
-    assert page.status_code == 200 and "plotly" in page.text and report["unit"]["text"] in page.text
+    page = report_html(report)
+    assert "plotly" in page and report["unit"]["text"] in page
     result = CliRunner().invoke(cli_app, ["ab", "report", "ab1", "--db", str(server.config.parent / "ab.sqlite"),
                                           "--out", str(tmp_path), "--rounds", "200"])
     assert result.exit_code == 0, result.output

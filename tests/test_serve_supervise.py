@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fixtures import served_report
 from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same, descendants
 
 from rolemrc.serve.launch import start_server, stop_server
@@ -197,7 +198,7 @@ def check_burst(results: list, server, exp: str) -> None:
     for exc in failed:   # in flight at the crash: a clean 503, or an error event in the stream
         assert "is restarting" in str(exc), exc
         assert getattr(exc, "status_code", 503) == 503, exc
-    logged = httpx.get(server.base_url + f"/v1/experiments/{exp}/report").json()
+    logged = served_report(server, exp)
     in_experiment = [r for k, r in enumerate(results) if k % 2]
     assert logged["requests"] == BURST // 2   # every experiment request is in the A/B log
     assert sum(arm["failed"] for arm in logged["arms"].values()) == sum(isinstance(r, Exception) for r in in_experiment)

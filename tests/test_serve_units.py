@@ -10,7 +10,7 @@ import torch
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.stats import welch
 from rolemrc.serve.config import ServeConfig
-from rolemrc.serve.errors import ConfigError
+from rolemrc.serve.errors import ServeConfigError
 from rolemrc.serve.experiments import assign
 from rolemrc.serve.sampling import TextStream, choose, make_generator
 
@@ -62,24 +62,24 @@ def test_unpaired_tests_match_scipy():
 
 
 def test_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="at least one"):
+    with pytest.raises(ServeConfigError, match="at least one"):
         ServeConfig.from_dict({"models": {}})
-    with pytest.raises(ConfigError, match="unknown config field"):
+    with pytest.raises(ServeConfigError, match="unknown config field"):
         ServeConfig.from_dict({"models": {"m": "x"}, "nope": 1})
-    with pytest.raises(ConfigError, match="needs base_url"):
+    with pytest.raises(ServeConfigError, match="needs base_url"):
         ServeConfig.from_dict({"models": {"m": {"engine": "upstream"}}})
-    with pytest.raises(ConfigError, match=r"must not contain '\+'"):
+    with pytest.raises(ServeConfigError, match=r"must not contain '\+'"):
         ServeConfig.from_dict({"models": {"a+b": "x"}})
-    with pytest.raises(ConfigError, match=r"unknown engine 'tgi'; choose one of \('transformers', 'vllm', 'upstream'"):
+    with pytest.raises(ServeConfigError, match=r"unknown engine 'tgi'; choose one of \('transformers', 'vllm', 'upstream'"):
         ServeConfig.from_dict({"models": {"m": {"engine": "tgi", "path": "x"}}})
-    with pytest.raises(ConfigError, match=r"model 'm': unknown key\(s\) \['device'\] for engine 'vllm'; its keys: "
+    with pytest.raises(ServeConfigError, match=r"model 'm': unknown key\(s\) \['device'\] for engine 'vllm'; its keys: "
                                           r"\['engine', 'path', 'dtype', 'python', 'memory_utilization', "):
         ServeConfig.from_dict({"models": {"m": {"engine": "vllm", "path": "x", "device": "cuda"}}})
-    with pytest.raises(ConfigError, match=r"model 'm': dtype 'fp8' is not one of"):
+    with pytest.raises(ServeConfigError, match=r"model 'm': dtype 'fp8' is not one of"):
         ServeConfig.from_dict({"models": {"m": {"path": "x", "dtype": "fp8"}}})
-    with pytest.raises(ConfigError, match=r"config: log_level 'loud' is not one of"):
+    with pytest.raises(ServeConfigError, match=r"config: log_level 'loud' is not one of"):
         ServeConfig.from_dict({"models": {"m": "x"}, "log_level": "loud"})
-    assert issubclass(ConfigError, RolemrcError) and issubclass(ConfigError, ValueError)
+    assert issubclass(ServeConfigError, RolemrcError) and issubclass(ServeConfigError, ValueError)
     cfg = ServeConfig.from_dict({"models": {"m": "model"}, "restraints": {"r": "r.yaml"}, "db": "ab.sqlite"}, tmp_path)
     assert cfg.models["m"].engine == "transformers" and cfg.models["m"].options.path == str(tmp_path / "model")
     assert cfg.db == str(tmp_path / "ab.sqlite")
@@ -102,7 +102,7 @@ def test_config_entries_fill_their_engines_options(tmp_path):
     moved = ServeConfig.from_dict({"models": {"m": {"path": "m", "dtype": "float16"}}}, tmp_path, engine="vllm")
     assert moved.models["m"].engine == "vllm"
     assert moved.models["m"].options == VllmOptions(str(tmp_path / "m"), "float16")
-    with pytest.raises(ConfigError, match="engine 'vllm' needs path"):
+    with pytest.raises(ServeConfigError, match="engine 'vllm' needs path"):
         ServeConfig.from_dict({"models": {"p": {"engine": "upstream"}}}, engine="vllm")
 
 
@@ -247,26 +247,26 @@ def test_a_request_validates_its_inline_restraint_once_and_equal_units_batch_tog
         assert out.status_code == 200
         assert validated == ["a"]
 
-    registry = app.state.rolemrc.registry
-    engine = registry.engines["tiny"]
-    key = registry.resolve(engine, None, spec).key
+    catalog = app.state.rolemrc.catalog
+    engine = catalog.engines["tiny"]
+    key = catalog.resolve(engine, None, spec).key
     assert key.startswith("inline:")
     # the batching key is what a restraint does: name and source do not split a batch, units or factor do
-    assert registry.resolve(engine, None, dict(spec, name="b", source={"diff": "elsewhere"})).key == key
-    assert registry.resolve(engine, None, dict(spec, factor=0.5)).key != key
+    assert catalog.resolve(engine, None, dict(spec, name="b", source={"diff": "elsewhere"})).key == key
+    assert catalog.resolve(engine, None, dict(spec, factor=0.5)).key != key
 
 
 def test_an_inline_restraint_on_the_vllm_engine_is_validated_once_and_shares_its_adapter(model_dirs, tmp_path,
                                                                                          monkeypatch):
     from rolemrc.intervene import lora
+    from rolemrc.serve.catalog import ModelCatalog
     from rolemrc.serve.engines.vllm import VllmEngine
-    from rolemrc.serve.registry import Registry
 
     config = ServeConfig.from_dict({"models": {"v": {"engine": "vllm", "path": str(model_dirs["llama"]),
                                                      "adapter_cache": str(tmp_path)}},
                                     "allow_inline_restraints": True})
-    registry = Registry(config)
-    engine = registry.engines["v"]
+    catalog = ModelCatalog(config)
+    engine = catalog.engines["v"]
     loaded = []
 
     async def adapter_call(self, path, body):
@@ -280,7 +280,7 @@ def test_an_inline_restraint_on_the_vllm_engine_is_validated_once_and_shares_its
     spec = {"name": "a", "hook": "mlp.act", "factor": 0.0, "units": {0: [1, 2], 1: [3]}}
 
     async def one_request(spec):
-        resolved = registry.resolve(engine, None, spec)
+        resolved = catalog.resolve(engine, None, spec)
         model = await engine.upstream_model(resolved)
         engine.unpin(resolved)
         return model

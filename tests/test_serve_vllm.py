@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fixtures import STOPS_ON_EOS, vllm_or_skip
+from fixtures import STOPS_ON_EOS, served_report, vllm_or_skip
 
 from rolemrc.intervene import Restraint
 from rolemrc.serve.launch import start_server, stop_server
@@ -226,7 +226,7 @@ def test_ab_experiment_arms_on_the_vllm_engine(server, client):
                                              user=f"u{k}", extra_body={"experiment": "abv"})
         seen[out.model_extra["arm"]] = out.model
     assert seen == {"base": "v", "silenced": "v+silence"}
-    report = httpx.get(server.base_url + "/v1/experiments/abv/report").json()
+    report = served_report(server, "abv")
     assert report["requests"] == 16 and set(report["arms"]) == {"base", "silenced"}
 
 

@@ -8,11 +8,11 @@ import pytest
 from scipy.stats import permutation_test, ttest_ind
 from typer.testing import CliRunner
 
+from rolemrc.ab.report import UnknownExperimentError, build_report, report_html
 from rolemrc.core.errors import EXIT_INPUT, RolemrcError
 from rolemrc.core.stats import cluster_means, paired_test, resample_counts, sign_flip_test, welch
 from rolemrc.eval.aggregate import aggregate
 from rolemrc.eval.judges import JudgeConfig
-from rolemrc.serve.report import UnknownExperimentError, build_report, report_html
 from rolemrc.serve.store import Store
 
 
@@ -148,7 +148,7 @@ def test_ab_report_errors_and_judge_config(clustered, monkeypatch):
     result = runner.invoke(app, ["ab", "report", "exp", "--db", db, "--judge", "openai"])
     assert result.exit_code == EXIT_INPUT and "--judge-model" in result.output
     seen = {}
-    monkeypatch.setattr("rolemrc.serve.report.build_report", lambda store, exp, judge, **kw: seen.update(judge=judge) or {})
+    monkeypatch.setattr("rolemrc.ab.report.build_report", lambda store, exp, judge, **kw: seen.update(judge=judge) or {})
     result = runner.invoke(app, ["ab", "report", "exp", "--db", db, "--judge", "openai", "--judge-model", "gpt-x",
                                  "--judge-base-url", "http://127.0.0.1:9/v1"])
     assert result.exit_code == 0, result.output

@@ -10,12 +10,12 @@ import pytest
 from fixtures import write_sweep_inputs
 from typer.testing import CliRunner
 
+from rolemrc.ab.from_sweep import arm_name, choose_cells
 from rolemrc.cli import app
 from rolemrc.core.errors import InputError
 from rolemrc.core.io import read_jsonl
 from rolemrc.serve.launch import running_server
 from rolemrc.sweep import SweepConfig, run_sweep
-from rolemrc.sweep.to_ab import arm_name, choose_cells
 
 
 @pytest.fixture(scope="module")

@@ -77,9 +77,9 @@ def peaked(tmp_path_factory, tokenizer) -> Path:
 
 
 def sweep_cli(root: Path, out: Path) -> subprocess.Popen:
-    """`rolemrc intervene sweep` in its own process, on one thread (two run side by side; stderr to OUT.log):
+    """`rolemrc sweep run` in its own process, on one thread (two run side by side; stderr to OUT.log):
     1 baseline + 4 factors x (1 + 2 controls) = 13 cells, so 4 passes (the CLI generates 4 cells per pass)."""
-    args = [sys.executable, "-m", "rolemrc.cli", "intervene", "sweep", "--model", str(root / "model"),
+    args = [sys.executable, "-m", "rolemrc.cli", "sweep", "run", "--model", str(root / "model"),
             "--diff", str(root / "diff"), "--data", str(root / "test.jsonl"), "--out", str(out), "--dimension",
             "multi_turn", "--factors", "0.75,0.5,0.25,0", "--top-k", "8", "--controls", "2", "--metrics", "rouge",
             "--max-new-tokens", "24", "--batch-size", "8"]

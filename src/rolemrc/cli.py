@@ -18,16 +18,10 @@ SUBAPPS: dict[str, tuple[str, str]] = {
     "probe": ("rolemrc.probe.cli", "collect top-k unit frequencies, diff them, explore"),
     "intervene": ("rolemrc.intervene.cli", "select units, restrain them: bake, LoRA export, check"),
     "organism": ("rolemrc.organism.cli", "known-answer organisms (a planted change, a null) and the calibration on them"),
-    "sweep": ("rolemrc.sweep.cli", "sweep a grid of restraints against random-unit controls; the best as an A/B test"),
-    "ab": ("rolemrc.serve.ab_cli", "A/B experiments: create one from a sweep, report on one"),
+    "sweep": ("rolemrc.sweep.cli", "sweep a grid of restraints against random-unit controls"),
+    "ab": ("rolemrc.ab.cli", "A/B experiments: create one from a sweep, report on one"),
     "bench": ("rolemrc.bench.cli", "benchmarks that print JSON"),
     "models": ("rolemrc.models.cli", "pull pretrained models from the registry, convert GGUF files"),
-}
-
-# Commands that live in a higher package than the sub-app users know them from: (sub-app, name) -> (module, function).
-ALIASES: dict[tuple[str, str], tuple[str, str]] = {
-    ("intervene", "sweep"): ("rolemrc.sweep.cli", "run_cmd"),
-    ("ab", "create"): ("rolemrc.sweep.cli", "ab_cmd"),
 }
 
 app = cli_app(name="rolemrc", help="RoleMRC end to end: datagen -> train -> eval -> probe -> intervene -> serve.")
@@ -56,9 +50,6 @@ def _optional(module: str) -> Any:
 
 
 subapps = {name: mod.app for name, (module, _) in SUBAPPS.items() if (mod := _optional(module))}
-for (_name, _command), (_module, _function) in ALIASES.items():
-    if _name in subapps and (_mod := _optional(_module)):
-        subapps[_name].command(_command)(getattr(_mod, _function))
 for _name, _app in subapps.items():   # the root's help names every command of each group
     _commands = ", ".join(c.name or c.callback.__name__ for c in _app.registered_commands if not c.hidden)
     app.add_typer(_app, name=_name, help=f"{SUBAPPS[_name][1]} ({_commands})")

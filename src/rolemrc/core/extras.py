@@ -31,7 +31,7 @@ class Extra:
 EXTRAS: dict[str, Extra] = {e.name: e for e in (
     Extra("train", "training (train base, sft, dpo; organism build)", ("trl", "peft", "datasets"),
           ("trl", "peft", "datasets")),
-    Extra("eval", "evaluation (reference metrics, judges, generation over HTTP, sweeps)",
+    Extra("eval", "evaluation (reference metrics, judges, generation over HTTP, sweeps, A/B reports)",
           ("sacrebleu", "rouge_score", "nltk", "bert_score", "openai"),
           ("sacrebleu", "rouge-score", "nltk", "bert-score", "openai")),
     Extra("datagen", "data synthesis (sources, retrieval, the openai backend)",

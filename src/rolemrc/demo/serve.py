@@ -17,11 +17,11 @@ VLLM_MEMORY = 0.15   # of the machine's memory on CPU (KV cache + weights); 4 sh
 def vllm_missing() -> str | None:
     """Why the vLLM engine cannot run here (None when it can)."""
     from rolemrc.serve.engines.vllm import vllm_python
-    from rolemrc.serve.errors import ConfigError
+    from rolemrc.serve.errors import ServeConfigError
 
     try:
         vllm_python("dpo-vllm")
-    except ConfigError as exc:
+    except ServeConfigError as exc:
         return str(exc)
     return None
 
@@ -55,14 +55,14 @@ def serve_stage(cache: StageCache, cfg: DemoConfig, dpo: Path, spec: Path, baked
     from rolemrc.core.io import read_jsonl
     from rolemrc.core.records import prompt_turns
     from rolemrc.intervene import Restraint
-    from rolemrc.serve.errors import ConfigError
+    from rolemrc.serve.errors import ServeConfigError
     from rolemrc.serve.launch import running_server
 
     out = cfg.out / "serve"
     name = Restraint.load(spec).name
     missing = vllm_missing() if cfg.vllm is not False else "--no-vllm"
     if cfg.vllm and missing:
-        raise ConfigError(f"--vllm: {missing}")
+        raise ServeConfigError(f"--vllm: {missing}")
     config = serve_config(dpo, baked, name, spec, out, vllm=missing is None)
     calls = variants(name, vllm=missing is None)
 

@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.serve.catalog import ModelCatalog
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.middleware import BodyLimit, Lifecycle
-from rolemrc.serve.registry import Registry
 from rolemrc.serve.routes import ops, v1
 from rolemrc.serve.state import State, app_state
 from rolemrc.serve.store import Store
@@ -30,9 +30,9 @@ async def lifespan(app: FastAPI):
     """Load the engines and open the A/B database; stop and close them on shutdown."""
     state: State = app.state.rolemrc
     try:
-        state.registry = Registry(state.config)
+        state.catalog = ModelCatalog(state.config)
         state.store = Store(state.config.db) if state.config.db else None
-        for engine in state.registry.engines.values():
+        for engine in state.catalog.engines.values():
             if hasattr(engine, "on_dead"):
                 engine.on_dead = state.engine_dead
         started = await start_unless_stopped(state)
@@ -47,11 +47,11 @@ async def lifespan(app: FastAPI):
         return
     if state.store is not None:
         await reregister(state)
-    log.info("ready", extra={"models": sorted(state.registry.variants)})
+    log.info("ready", extra={"models": sorted(state.catalog.variants)})
     try:
         yield
     finally:
-        await state.registry.stop()
+        await state.catalog.stop()
         if state.store is not None:
             state.store.close()
         log.info("stopped")
@@ -62,19 +62,19 @@ async def start_unless_stopped(state: State) -> bool:
     whatever had started and return False."""
     state.stop_requested = asyncio.Event()
     state.loop = asyncio.get_running_loop()
-    start = asyncio.create_task(state.registry.start())
+    start = asyncio.create_task(state.catalog.start())
     stop = asyncio.create_task(state.stop_requested.wait())
     await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
     stop.cancel()
     if start.done():
         if start.exception() is not None:
-            await state.registry.stop()
+            await state.catalog.stop()
         start.result()
         return True
     start.cancel()
     with suppress(asyncio.CancelledError):
         await start
-    await state.registry.stop()
+    await state.catalog.stop()
     return False
 
 
@@ -83,7 +83,7 @@ async def reregister(state: State) -> None:
     fits, or whose name the config now gives another restraint, is logged and skipped."""
     for name, spec in (await asyncio.to_thread(state.store.restraints)).items():
         try:
-            await state.registry.register(name, Restraint.from_dict(spec))
+            await state.catalog.register(name, Restraint.from_dict(spec))
         except (ApiError, RestraintError) as exc:
             log.warning("restraint %r registered earlier is not served: %s", name, exc)
 

@@ -1,6 +1,8 @@
-"""Serving /v1/chat/completions and /v1/completions. `Call` is the shared core: route, admit one engine request per
-prompt and choice, generate with timeout and disconnect handling, record, answer whole or as server-sent events.
-`ChatCall` and `TextCall` only shape what differs: the response and chunk objects, and how the prompt is logged.
+"""Serving /v1/chat/completions and /v1/completions. `route` says where a request goes: its model and restraint (from
+the model id, the `restraint` field, or an experiment's arm), `sampling_params` its decoding settings within the
+server's limits. `Call` is the shared core: route, admit one engine request per prompt and choice, generate with
+timeout and disconnect handling, record, answer whole or as server-sent events. `ChatCall` and `TextCall` only
+shape what differs: the response and chunk objects, and how the prompt is logged.
 
 A request with several prompts or `n` > 1 fans out here, so every engine sees one prompt per `submit`: choice
 `index` is `p * n + k` for prompt p and sample k (vLLM's order), sample k samples with `seed + k`, usage counts
@@ -24,9 +26,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from rolemrc.serve import protocol as p
+from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines.base import Engine, Final, Generation, Piece, Prompt, Resolved, SamplingParams, TokenLogprob
 from rolemrc.serve.errors import ApiError
-from rolemrc.serve.routing import Route, route, sampling_params
+from rolemrc.serve.experiments import assign
 from rolemrc.serve.state import State, app_state
 
 
@@ -49,6 +52,59 @@ def _text_prompt(item: str | list[int]) -> Prompt:
     if min(item) < 0:
         raise ApiError(400, f"token id {min(item)} is negative", param="prompt")
     return Prompt(token_ids=item)
+
+
+@dataclass
+class Route:
+    """Where one request goes."""
+
+    model_id: str
+    engine: Engine
+    resolved: Resolved
+    experiment: str | None = None
+    arm: str | None = None
+
+
+async def route(state: State, body: p.SamplingFields) -> Route:
+    """The request's model and restraint: from the model id and `restraint`, or from the arm its user is assigned."""
+    catalog = state.catalog
+    if body.experiment is None:
+        engine, named = catalog.lookup(body.model)
+        return Route(body.model, engine, catalog.resolve(engine, named, body.restraint))
+    if body.restraint is not None:
+        raise ApiError(400, "a request in an experiment gets its restraint from the arm; drop 'restraint'",
+                       param="restraint")
+    exp = await state.experiment(body.experiment)
+    arm = assign(exp["id"], exp["arms"], body.user)
+    engine, named = catalog.lookup(arm["model"])
+    if named is None and arm.get("restraint"):
+        resolved = catalog.resolve(engine, None, arm["restraint"])
+    else:
+        resolved = catalog.resolve(engine, named, None)
+    model_id = arm["model"] if named or not arm.get("restraint") else f"{arm['model']}+{arm['restraint']}"
+    return Route(model_id, engine, resolved, exp["id"], arm["name"])
+
+
+def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine) -> SamplingParams:
+    """The request's decoding settings; 400 for what this server or `engine` does not honour."""
+    if (refused := body.refused()) is not None:
+        raise ApiError(400, refused[1], code="unsupported_parameter", param=refused[0])
+    logprobs = body.top_logprobs_count()
+    if logprobs is not None and not engine.capabilities.logprobs:
+        raise ApiError(400, f"the {engine.kind} engine serving this model does not return logprobs",
+                       code="unsupported_parameter", param="logprobs")
+    response_format = body.response_format.constrained() if getattr(body, "response_format", None) else None
+    if response_format is not None and not engine.capabilities.structured_outputs:
+        raise ApiError(400, f"the {engine.kind} engine serving this model cannot constrain replies to "
+                            f"{response_format['type']} (serve it with engine: vllm)",
+                       code="unsupported_parameter", param="response_format")
+    max_tokens = body.requested_max_tokens()
+    if max_tokens is not None and max_tokens > config.max_new_tokens:
+        raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_new_tokens}",
+                       code="max_tokens_too_large", param="max_tokens")
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                          stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs, echo=body.echo_prompt(),
+                          prompt_logprobs=logprobs is not None and body.echo_prompt(), response_format=response_format)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from rolemrc.core.artifacts import expect
 from rolemrc.core.errors import InputError
 from rolemrc.core.io import read_yaml
 from rolemrc.serve.engines import ENGINES, engine_class
-from rolemrc.serve.errors import ConfigError
+from rolemrc.serve.errors import ServeConfigError
 
 T = TypeVar("T")
 
@@ -36,26 +36,26 @@ class ModelConfig:
         written = entry.pop("engine", "transformers")
         engine = engine or written
         if engine not in ENGINES:
-            raise ConfigError(f"{where}: unknown engine {engine!r}; choose one of {tuple(ENGINES)}")
+            raise ServeConfigError(f"{where}: unknown engine {engine!r}; choose one of {tuple(ENGINES)}")
         options = engine_class(engine).Options
         allowed = {f.name: f for f in fields(options)}
         unknown = sorted(set(entry) - set(allowed))
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown} for engine {engine!r}; its keys: "
+            raise ServeConfigError(f"{where}: unknown key(s) {unknown} for engine {engine!r}; its keys: "
                               f"{['engine', *allowed]}")
         for key, f in allowed.items():
             if f.default is MISSING and f.default_factory is MISSING and not entry.get(key):
-                raise ConfigError(f"{where}: engine {engine!r} needs {key}")
+                raise ServeConfigError(f"{where}: engine {engine!r} needs {key}")
             if f.metadata.get("local_path") and entry.get(key):
                 entry[key] = str(_resolve(base, entry[key]))
         try:
             made = options(**entry)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+        except ServeConfigError as exc:
+            raise ServeConfigError(f"{where}: {exc}") from None
         return cls(engine, check_choices(made, where))
 
     def preflight(self, name: str) -> None:
-        """ConfigError unless its model directories hold models and its engine's environment can serve."""
+        """ServeConfigError unless its model directories hold models and its engine's environment can serve."""
         for f in fields(self.options):
             if f.metadata.get("model_dir"):
                 check_model_dir(f"model {name!r}: {f.name}", getattr(self.options, f.name))
@@ -96,28 +96,28 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if not self.models:
-            raise ConfigError("config needs at least one entry under 'models'")
+            raise ServeConfigError("config needs at least one entry under 'models'")
         for name in self.models:
             if "+" in name:
-                raise ConfigError(f"model name {name!r} must not contain '+' (it separates model and restraint)")
+                raise ServeConfigError(f"model name {name!r} must not contain '+' (it separates model and restraint)")
         check_choices(self, "config")
         for key in ("max_inline_units", "max_body_bytes", "max_queue", "max_batch", "max_new_tokens",
                     "default_max_tokens"):
             if int(getattr(self, key)) < 1:
-                raise ConfigError(f"{key} must be >= 1")
+                raise ServeConfigError(f"{key} must be >= 1")
         if self.request_timeout_s <= 0:
-            raise ConfigError("request_timeout_s must be > 0")
+            raise ServeConfigError("request_timeout_s must be > 0")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: str | os.PathLike = ".",
                   engine: str | None = None) -> ServeConfig:
         """`engine`: serve every model with this engine, whatever its entry says."""
         if not isinstance(data, dict):
-            raise ConfigError("the serve config must be a mapping")
+            raise ServeConfigError("the serve config must be a mapping")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ConfigError(f"unknown config field(s) {sorted(unknown)}")
+            raise ServeConfigError(f"unknown config field(s) {sorted(unknown)}")
         base = Path(base_dir)
         data = dict(data)
         models = {str(name): ModelConfig.parse(str(name), entry, base, engine)
@@ -135,14 +135,14 @@ class ServeConfig:
         try:
             expect(path, ("serve-config", "yaml", "json", "text", "binary", "non-utf8"), wanted)
         except InputError as exc:
-            raise ConfigError(str(exc)) from None
+            raise ServeConfigError(str(exc)) from None
         try:
-            return cls.from_dict(read_yaml(path, ConfigError, "config file"), path.parent, engine)
-        except ConfigError as exc:
-            raise ConfigError(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
+            return cls.from_dict(read_yaml(path, ServeConfigError, "config file"), path.parent, engine)
+        except ServeConfigError as exc:
+            raise ServeConfigError(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
 
     def preflight(self) -> None:
-        """What can be checked before serving without loading anything: ConfigError naming the model and setting."""
+        """What can be checked before serving without loading anything: ServeConfigError naming the model and setting."""
         for name, model in self.models.items():
             model.preflight(name)
         from rolemrc.intervene.fit import check_origin
@@ -155,7 +155,7 @@ class ServeConfig:
                     try:
                         check_origin(restraint, directory, self.strict_restraints)
                     except RestraintError as exc:
-                        raise ConfigError(f"model {name!r}: {exc} (strict_restraints: true)") from None
+                        raise ServeConfigError(f"model {name!r}: {exc} (strict_restraints: true)") from None
 
     def api_keys(self) -> set[str]:
         """Keys accepted in `Authorization: Bearer`; empty means no auth."""
@@ -163,7 +163,7 @@ class ServeConfig:
         if self.api_key_env:
             value = os.environ.get(self.api_key_env)
             if not value:
-                raise ConfigError(f"api_key_env {self.api_key_env!r} is set in the config but empty in the environment")
+                raise ServeConfigError(f"api_key_env {self.api_key_env!r} is set in the config but empty in the environment")
             keys |= {k.strip() for k in value.split(",") if k.strip()}
         if self.api_key_file:
             keys |= {line.strip() for line in Path(self.api_key_file).read_text().splitlines() if line.strip()}
@@ -176,7 +176,7 @@ def _resolve(base: Path, value: str) -> Path:
 
 
 def check_model_dir(where: str, path: str) -> None:
-    """ConfigError unless `path` is a Hugging Face model directory: a readable config.json, weights and a tokenizer
+    """ServeConfigError unless `path` is a Hugging Face model directory: a readable config.json, weights and a tokenizer
     (a GGUF file is named as one, with the command that converts it)."""
     folder = Path(path)
     ggufs = [folder] if folder.is_file() and folder.suffix == ".gguf" else sorted(folder.glob("*.gguf"))
@@ -185,20 +185,20 @@ def check_model_dir(where: str, path: str) -> None:
                 else "not a Hugging Face model directory (no config.json)")
         if ggufs:
             what = f"a GGUF file, not a model directory: convert it first (`rolemrc models convert {ggufs[0]} --out DIR`)"
-        raise ConfigError(f"{where} {path}: {what}")
+        raise ServeConfigError(f"{where} {path}: {what}")
     try:
         json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{where} {path}: config.json is unreadable ({exc})") from None
+        raise ServeConfigError(f"{where} {path}: config.json is unreadable ({exc})") from None
     if not any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt")):
-        raise ConfigError(f"{where} {path}: no weights (*.safetensors or *.bin)")
+        raise ServeConfigError(f"{where} {path}: no weights (*.safetensors or *.bin)")
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ConfigError(f"{where} {path}: no tokenizer (tokenizer.json or tokenizer_config.json)")
+        raise ServeConfigError(f"{where} {path}: no tokenizer (tokenizer.json or tokenizer_config.json)")
 
 
 def check_choices(obj: T, where: str) -> T:
-    """`obj` (a dataclass) if each of its `Literal` fields holds one of the choices, else ConfigError."""
+    """`obj` (a dataclass) if each of its `Literal` fields holds one of the choices, else ServeConfigError."""
     for name, hint in get_type_hints(type(obj)).items():
         if get_origin(hint) is Literal and getattr(obj, name) not in get_args(hint):
-            raise ConfigError(f"{where}: {name} {getattr(obj, name)!r} is not one of {get_args(hint)}")
+            raise ServeConfigError(f"{where}: {name} {getattr(obj, name)!r} is not one of {get_args(hint)}")
     return obj

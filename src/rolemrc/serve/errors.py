@@ -1,4 +1,4 @@
-"""Serve's errors: a malformed serve config (`ConfigError`, for the CLI), and API errors carried as exceptions and
+"""Serve's errors: a malformed serve config (`ServeConfigError`, for the CLI), and API errors carried as exceptions and
 rendered in OpenAI's error shape (`ApiError`, for HTTP clients)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          503: "service_unavailable", 504: "timeout_error"}
 
 
-class ConfigError(RolemrcError, ValueError):
+class ServeConfigError(RolemrcError, ValueError):
     """The serve config is malformed."""
 
 

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from rolemrc.serve import protocol as p
@@ -53,19 +53,19 @@ async def completions(body: p.CompletionRequest, request: Request) -> Any:
 
 @v1.get("/models", response_model=p.ModelList)
 async def models(request: Request) -> p.ModelList:
-    return p.ModelList(data=app_state(request).registry.cards())
+    return p.ModelList(data=app_state(request).catalog.cards())
 
 
 def restraint_card(state: Any, name: str) -> p.RestraintCard:
-    r = state.registry.restraints[name]
+    r = state.catalog.restraints[name]
     return p.RestraintCard(name=name, hook=r.hook, factor=r.factor, units=r.num_units,
-                           models=state.registry.fitted(name), spec=r.to_dict())
+                           models=state.catalog.fitted(name), spec=r.to_dict())
 
 
 @v1.get("/restraints", response_model=p.RestraintList)
 async def restraints(request: Request) -> p.RestraintList:
     state = app_state(request)
-    return p.RestraintList(data=[restraint_card(state, name) for name in state.registry.restraints])
+    return p.RestraintList(data=[restraint_card(state, name) for name in state.catalog.restraints])
 
 
 @v1.post("/restraints", response_model=p.RestraintCard, status_code=201,
@@ -75,8 +75,8 @@ async def register_restraint(body: p.RestraintCreate, request: Request) -> Any:
     """Register a restraint while serving (allowed where clients may send specs: allow_inline_restraints); it is
     kept in the database, if any, and registered again when the server restarts."""
     state = app_state(request)
-    restraint = state.registry.parse_spec({**body.spec, "name": body.name}, "spec")
-    new, _ = await state.registry.register(body.name, restraint)
+    restraint = state.catalog.parse_spec({**body.spec, "name": body.name}, "spec")
+    new, _ = await state.catalog.register(body.name, restraint)
     if new and state.store is not None:
         await asyncio.to_thread(state.store.add_restraint, body.name, restraint.to_dict(), time.time())
     card = restraint_card(state, body.name)
@@ -90,8 +90,8 @@ async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Exp
     if state.store is None:
         raise ApiError(400, "experiments need a database ('db' in the serve config)", code="no_database")
     for arm in body.arms:   # every arm must be servable now
-        engine, named = state.registry.lookup(arm.model)
-        state.registry.resolve(engine, named, arm.restraint)
+        engine, named = state.catalog.lookup(arm.model)
+        state.catalog.resolve(engine, named, arm.restraint)
     exp_id = body.id or f"exp-{uuid.uuid4().hex[:12]}"
     arms = [a.model_dump() for a in body.arms]
     created = time.time()
@@ -105,18 +105,6 @@ async def get_experiment(exp_id: str, request: Request) -> p.Experiment:
     return p.Experiment(**await app_state(request).experiment(exp_id))
 
 
-@v1.get("/experiments/{exp_id}/report", responses={200: {"content": {"text/html": {}}}})
-async def experiment_report(exp_id: str, request: Request, format: str = "json") -> Any:
-    from rolemrc.serve.report import build_report, report_html
-
-    if format not in ("json", "html"):
-        raise ApiError(400, "format is json or html", param="format")
-    state = app_state(request)
-    await state.experiment(exp_id)
-    report = await asyncio.to_thread(build_report, state.store, exp_id)
-    return HTMLResponse(report_html(report)) if format == "html" else JSONResponse(report)
-
-
 @ops.get("/health")
 async def health(request: Request) -> JSONResponse:
     """`ok`; `restarting` while an engine comes back; `engine_dead` once one has given up (the worst state wins,
@@ -125,10 +113,10 @@ async def health(request: Request) -> JSONResponse:
     if state.draining:
         return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
     engines = {name: engine.health() if hasattr(engine, "health") else ("ok", None)
-               for name, engine in state.registry.engines.items()}
+               for name, engine in state.catalog.engines.items()}
     down = {name: {"state": s, "reason": why} for name, (s, why) in engines.items() if s != "ok"}
     status = "engine_dead" if any(e["state"] == "dead" for e in down.values()) else "restarting" if down else "ok"
-    body = {"status": status, "models": sorted(state.registry.variants)} | ({"engines": down} if down else {})
+    body = {"status": status, "models": sorted(state.catalog.variants)} | ({"engines": down} if down else {})
     return JSONResponse(body, status_code=503 if len(down) == len(engines) else 200)
 
 
@@ -136,5 +124,5 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     state = app_state(request)
     state.metrics.inflight.set(state.inflight)
-    data, content_type = state.metrics.render(state.registry.engines)
+    data, content_type = state.metrics.render(state.catalog.engines)
     return Response(data, media_type=content_type)

@@ -1,6 +1,6 @@
 """Running the app under uvicorn with a graceful drain: the first SIGTERM/SIGINT turns API calls
 away with 503 while in-flight requests finish (up to drain_timeout_s), then the server stops. A config that cannot
-serve (missing model, missing vLLM, an engine that does not start) is a ConfigError before the port is bound; an
+serve (missing model, missing vLLM, an engine that does not start) is a ServeConfigError before the port is bound; an
 engine that dies for good with `on_engine_dead: exit` drains the server and exits with EXIT_ENGINE_DEAD."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import uvicorn
 
 from rolemrc.serve.app import create_app
 from rolemrc.serve.config import ServeConfig
-from rolemrc.serve.errors import ConfigError
+from rolemrc.serve.errors import ServeConfigError
 from rolemrc.serve.logs import log_config
 
 log = logging.getLogger("rolemrc.serve")
@@ -66,7 +66,7 @@ def serve(config: ServeConfig, host: str | None = None, port: int | None = None)
         DrainingServer(uv, state, config.drain_timeout_s).run()
     except SystemExit:   # uvicorn's exit when the app did not start
         if state.startup_error:
-            raise ConfigError(state.startup_error) from None
+            raise ServeConfigError(state.startup_error) from None
         raise
     if state.fatal:
         print(f"error: {state.fatal}", file=sys.stderr)

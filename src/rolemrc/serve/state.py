@@ -9,10 +9,10 @@ from typing import Any
 
 from fastapi import Request
 
+from rolemrc.serve.catalog import ModelCatalog
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.metrics import Metrics
-from rolemrc.serve.registry import Registry
 from rolemrc.serve.store import Store
 
 
@@ -21,7 +21,7 @@ class State:
     config: ServeConfig
     keys: set[str]
     metrics: Metrics = field(default_factory=Metrics)
-    registry: Registry | None = None
+    catalog: ModelCatalog | None = None
     store: Store | None = None
     draining: bool = False
     inflight: int = 0

@@ -1,4 +1,5 @@
-"""The A/B log: SQLite in WAL mode with synchronous=FULL, so a committed row survives a crash."""
+"""The A/B log: SQLite in WAL mode with synchronous=FULL, so a committed row survives a crash. The server writes it;
+`rolemrc.ab.report` reads it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""`rolemrc sweep run` (also `rolemrc intervene sweep`) and `rolemrc sweep ab` (also `rolemrc ab create --from-sweep`).
-The commands keep the names users had before the sweep got its own package: `rolemrc.cli` mounts them there too."""
+"""`rolemrc sweep run`: a grid of restraints against the baseline and random-unit controls (`rolemrc ab create
+--from-sweep` serves its best cells as an A/B experiment)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
@@ -17,8 +16,7 @@ from rolemrc.probe.options import Direction
 from rolemrc.serve.engines import EngineName
 from rolemrc.sweep.plan import FACTORS
 
-app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls; the best "
-                   "cells as a served A/B experiment.")
+app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls.")
 
 
 @app.command("run")
@@ -69,24 +67,3 @@ def run_cmd(
                          cells_dir=str(cells_dir) if cells_dir else None, strict=strict)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))
-
-
-@app.command("ab")
-@needs("serve")
-def ab_cmd(
-    from_sweep: Path = typer.Option(..., "--from-sweep", help="a finished `rolemrc sweep run` folder"),
-    cells: str = typer.Option("best:2", help="best:N (ranked by effect against the controls) or cell ids/labels, "
-                                             "comma-separated"),
-    base_url: str = typer.Option(..., help="the running rolemrc server's OpenAI base URL (http://host:port/v1)"),
-    model: str = typer.Option(None, help="the served model id (default: the one unrestrained model it lists)"),
-    id: str = typer.Option(None, "--id", help="experiment id (default: generated)"),
-    description: str = typer.Option(None, help="default: which cells, and what the sweep found for each"),
-    api_key_env: str = typer.Option("OPENAI_API_KEY", help="env var holding the server's API key"),
-) -> None:
-    """Register the chosen cells' restraints on the server and create an A/B experiment: the unrestrained model,
-    then one arm per cell (the server must allow client restraint specs: allow_inline_restraints)."""
-    from rolemrc.sweep.to_ab import experiment_from_sweep
-
-    created = experiment_from_sweep(from_sweep, cells, base_url, model=model, exp_id=id, description=description,
-                                    api_key=os.environ.get(api_key_env))
-    typer.echo(json.dumps(created, indent=1))

@@ -167,8 +167,8 @@ class Generation:
 class Engine(Protocol):
     """What serves one model. `Options` is the dataclass its config keys fill (one field per key, `Literal`
     for choices, `LOCAL_PATH` metadata on paths, `MODEL_DIR` on model directories; its `__post_init__` may raise
-    ConfigError); `kind` is its name in `rolemrc.serve.engines.ENGINES`. An engine may also have a classmethod
-    `preflight(name, options)` (ConfigError when its environment cannot serve, checked before the server binds
+    ServeConfigError); `kind` is its name in `rolemrc.serve.engines.ENGINES`. An engine may also have a classmethod
+    `preflight(name, options)` (ServeConfigError when its environment cannot serve, checked before the server binds
     its port) and `health()` (`supervisor.EngineState` and why; engines without it are always ok)."""
 
     kind: ClassVar[str]

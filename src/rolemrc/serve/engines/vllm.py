@@ -43,7 +43,7 @@ from rolemrc.serve.engines.base import (
 )
 from rolemrc.serve.engines.supervisor import RestartPolicy
 from rolemrc.serve.engines.upstream import OpenAIProxy
-from rolemrc.serve.errors import ApiError, ConfigError
+from rolemrc.serve.errors import ApiError, ServeConfigError
 from rolemrc.serve.launch import die_with_parent
 
 log = logging.getLogger("rolemrc.serve")
@@ -84,7 +84,7 @@ class VllmOptions:
         _number("restart_window_s", self.restart_window_s, above=0)
         _number("restart_backoff_s", self.restart_backoff_s, least=0)
         if not (isinstance(self.vllm_args, list) and all(isinstance(a, str) for a in self.vllm_args)):
-            raise ConfigError(f"vllm_args must be a list of strings, not {self.vllm_args!r}")
+            raise ServeConfigError(f"vllm_args must be a list of strings, not {self.vllm_args!r}")
 
     def policy(self) -> RestartPolicy:
         return RestartPolicy(self.restart_max, self.restart_window_s, self.restart_backoff_s)
@@ -122,11 +122,11 @@ class VllmEngine(OpenAIProxy):
 
     @classmethod
     def preflight(cls, name: str, options: VllmOptions) -> None:
-        """ConfigError unless an interpreter with vLLM is there (found without importing vLLM)."""
+        """ServeConfigError unless an interpreter with vLLM is there (found without importing vLLM)."""
         python = vllm_python(name, options.python)
         probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
         if subprocess.run([python, "-c", probe], capture_output=True).returncode != 0:
-            raise ConfigError(f"model {name!r} uses engine 'vllm', but {python} cannot import vllm: {INSTALL}")
+            raise ServeConfigError(f"model {name!r} uses engine 'vllm', but {python} cannot import vllm: {INSTALL}")
 
     def check_restraint(self, restraint: Restraint) -> None:
         if not self.options.lora:
@@ -321,14 +321,14 @@ class InlineAdapters:
 
 def _number(key: str, value: Any, *, integer: bool = False, least: float | None = None, above: float | None = None,
             most: float | None = None) -> None:
-    """ConfigError unless `value` is None or a number (an int if `integer`) within the bounds."""
+    """ServeConfigError unless `value` is None or a number (an int if `integer`) within the bounds."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise ConfigError(f"{key} must be {'an integer' if integer else 'a number'}, not {value!r}")
+        raise ServeConfigError(f"{key} must be {'an integer' if integer else 'a number'}, not {value!r}")
     tests = [(op, bound) for op, bound in ((">=", least), (">", above), ("<=", most)) if bound is not None]
     if not all(COMPARE[op](value, bound) for op, bound in tests):
-        raise ConfigError(f"{key} is {value!r}; it must be {' and '.join(f'{op} {bound:g}' for op, bound in tests)}")
+        raise ServeConfigError(f"{key} is {value!r}; it must be {' and '.join(f'{op} {bound:g}' for op, bound in tests)}")
 
 
 def vllm_python(model: str, configured: str | None = None) -> str:
@@ -337,11 +337,11 @@ def vllm_python(model: str, configured: str | None = None) -> str:
     chosen = configured or os.environ.get(VLLM_PYTHON_ENV)
     if chosen:
         if not shutil.which(chosen):
-            raise ConfigError(f"model {model!r}: the vLLM interpreter {chosen!r} does not exist")
+            raise ServeConfigError(f"model {model!r}: the vLLM interpreter {chosen!r} does not exist")
         return chosen
     exe = shutil.which("vllm") or shutil.which("vllm", path=os.path.dirname(sys.executable))
     if exe is None:
-        raise ConfigError(f"model {model!r} uses engine 'vllm', but vllm is not installed: {INSTALL}")
+        raise ServeConfigError(f"model {model!r} uses engine 'vllm', but vllm is not installed: {INSTALL}")
     beside = Path(exe).parent / "python"
     return str(beside) if beside.exists() else sys.executable
 

@@ -1,4 +1,5 @@
-"""Servable models (one engine each), registered restraints, and `model+restraint` variants."""
+"""Serve's model catalog: the servable models (one engine each), the restraints registered in the config or while
+serving, and the `model+restraint` variants they make."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines import engine_class
 from rolemrc.serve.engines.base import ClientRestraint, Engine, Resolved
-from rolemrc.serve.errors import ApiError, ConfigError
+from rolemrc.serve.errors import ApiError, ServeConfigError
 from rolemrc.serve.protocol import ModelCard
 
 log = logging.getLogger("rolemrc.serve")
 
 
-class Registry:
+class ModelCatalog:
+    """What this server can answer: `engines` by model name, `restraints` by name, `variants` by model id."""
+
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.created = int(time.time())
@@ -27,7 +30,7 @@ class Registry:
             try:
                 self.restraints[name] = Restraint.load(path)
             except RestraintError as exc:
-                raise ConfigError(f"restraint {name!r}: {exc}") from None
+                raise ServeConfigError(f"restraint {name!r}: {exc}") from None
         self.engines: dict[str, Engine] = {}
         for name, model in config.models.items():
             try:
@@ -35,7 +38,7 @@ class Registry:
                     name, model.options, max_batch=config.max_batch, max_queue=config.max_queue,
                     default_max_tokens=config.default_max_tokens)
             except (OSError, ValueError, RuntimeError) as exc:
-                raise ConfigError(f"model {name!r} did not load: {exc}") from exc
+                raise ServeConfigError(f"model {name!r} did not load: {exc}") from exc
         self.variants: dict[str, tuple[str, str | None]] = {name: (name, None) for name in self.engines}
         self._registering = asyncio.Lock()
         for name, engine in self.engines.items():
@@ -91,8 +94,8 @@ class Registry:
         for name, engine in self.engines.items():
             try:
                 await engine.start()
-            except (OSError, RuntimeError, ConfigError) as exc:
-                raise ConfigError(f"model {name!r} did not start: {exc}") from exc
+            except (OSError, RuntimeError, ServeConfigError) as exc:
+                raise ServeConfigError(f"model {name!r} did not start: {exc}") from exc
 
     async def stop(self) -> None:
         for engine in self.engines.values():

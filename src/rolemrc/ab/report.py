@@ -1,8 +1,9 @@
-"""A/B report: per-arm scores from the eval module (a judge from eval.judges, reference metrics), operational
-stats (latency, tokens) and unpaired tests of each arm against the first. Arms are assigned per user, so the
-user is the unit: every quantity is first averaged per user (a request without a user is its own cluster),
-CIs resample users (a cluster bootstrap) and tests are Welch's t on the per-user means; for the judge's
-binary verdicts that is Welch on per-user pass proportions."""
+"""An experiment's report over the server's request log (serve/store.py), computed here, never in the serving
+process: per-arm scores from the eval module (a judge from eval.judges, reference metrics), operational stats
+(latency, tokens) and unpaired tests of each arm against the first. Arms are assigned per user, so the user is the
+unit: every quantity is first averaged per user (a request without a user is its own cluster), CIs resample users
+(a cluster bootstrap) and tests are Welch's t on the per-user means; for the judge's binary verdicts that is Welch
+on per-user pass proportions."""
 
 from __future__ import annotations
 

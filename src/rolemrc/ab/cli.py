@@ -1,0 +1,67 @@
+"""`rolemrc ab create --from-sweep DIR --base-url URL`: a finished sweep's best cells as an experiment on a running
+server; `rolemrc ab report EXPERIMENT --db ab.sqlite`: the report, from the server's request log."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+
+from rolemrc.core.artifacts import expect
+from rolemrc.core.cli import ROUNDS, cli_app
+from rolemrc.core.extras import needs
+from rolemrc.eval.judges import JUDGES, JudgeConfig
+from rolemrc.eval.metrics import metrics_help, parse_metrics
+
+app = cli_app(help="A/B experiments served by `rolemrc serve`: create one from a sweep, report on one.")
+
+
+@app.command("create")
+@needs("serve")
+def create_cmd(
+    from_sweep: Path = typer.Option(..., "--from-sweep", help="a finished `rolemrc sweep run` folder"),
+    cells: str = typer.Option("best:2", help="best:N (ranked by effect against the controls) or cell ids/labels, "
+                                             "comma-separated"),
+    base_url: str = typer.Option(..., help="the running rolemrc server's OpenAI base URL (http://host:port/v1)"),
+    model: str = typer.Option(None, help="the served model id (default: the one unrestrained model it lists)"),
+    id: str = typer.Option(None, "--id", help="experiment id (default: generated)"),
+    description: str = typer.Option(None, help="default: which cells, and what the sweep found for each"),
+    api_key_env: str = typer.Option("OPENAI_API_KEY", help="env var holding the server's API key"),
+) -> None:
+    """Register the chosen cells' restraints on the server and create an A/B experiment: the unrestrained model,
+    then one arm per cell (the server must allow client restraint specs: allow_inline_restraints)."""
+    from rolemrc.ab.from_sweep import experiment_from_sweep
+
+    created = experiment_from_sweep(from_sweep, cells, base_url, model=model, exp_id=id, description=description,
+                                    api_key=os.environ.get(api_key_env))
+    typer.echo(json.dumps(created, indent=1))
+
+
+@app.command("report")
+@needs("eval")
+def report_cmd(
+    experiment: str = typer.Argument(..., help="experiment id"),
+    db: Path = typer.Option(..., help="the server's SQLite log (the config's 'db')"),
+    out: Path = typer.Option(None, help="write report.json, chart.html and chart.png here"),
+    judge: str = typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
+    judge_model: str = typer.Option(None, help="the judge model (endpoint judges, e.g. openai)"),
+    judge_base_url: str = typer.Option(None, help="the judge's OpenAI-compatible base URL (endpoint judges)"),
+    metrics: str = typer.Option("bleu,rouge", help=metrics_help()),
+    rounds: int = typer.Option(ROUNDS, help="bootstrap resamples (resampling users)"),
+) -> None:
+    """Per-arm scores with 95% CIs and unpaired tests of each arm against the first, the user as the unit."""
+    from rolemrc.ab.report import build_report
+    from rolemrc.serve.store import Store
+
+    groups = parse_metrics(metrics)
+    # an unknown or misconfigured judge fails here, before any scoring
+    config = JudgeConfig(name=judge, model=judge_model, base_url=judge_base_url)
+    expect(db, "sqlite", "--db wants the server's SQLite log (the serve config's 'db')")
+    store = Store(db)
+    try:
+        report = build_report(store, experiment, judge=config, metrics=groups, rounds=rounds, out_dir=out)
+    finally:
+        store.close()
+    typer.echo(json.dumps(report, indent=1))
