@@ -1,6 +1,6 @@
 """Artifacts say what they are: `identify` tells every kind apart (rolemrc's own, as rolemrc writes them, and foreign
-ones), every file rolemrc writes carries its kind and format version, and every reader refuses a newer format with
-both versions named."""
+ones), every file rolemrc writes carries its kind and format version, every reader refuses a newer format with
+both versions named, and a file without its stamp is not that kind."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
-from rolemrc.core.artifacts import FORMATS, KINDS, describe, identify
+from rolemrc.core.artifacts import FORMATS, HAND_WRITTEN, KINDS, describe, identify
 from rolemrc.core.errors import EXIT_INPUT
 
 IDENTIFIED = {   # artifact (conftest's `artifacts`) -> what identify() says it is
@@ -98,4 +98,32 @@ def test_a_newer_format_is_refused_with_both_versions(artifacts, kind, tmp_path)
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert result.exit_code == EXIT_INPUT and len(errors) == 1, result.output
     assert f"format {FORMATS[kind] + 1}, written by a newer rolemrc; this one reads format {FORMATS[kind]}" in errors[0]
+    assert not out.exists()
+
+
+def unstamped(path: Path) -> None:
+    """Rewrite a stamped file without its kind and format (everything else as it was)."""
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), "pt") as fh:
+            meta, tensors = fh.metadata(), {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        save_file(tensors, str(path), metadata={k: v for k, v in meta.items() if k not in ("kind", "format")})
+    else:
+        data = yaml.safe_load(path.read_text())
+        path.write_text(json.dumps({k: v for k, v in data.items() if k not in ("kind", "format")}))
+
+
+@pytest.mark.parametrize("kind", sorted(set(READERS) - set(HAND_WRITTEN)))
+def test_a_file_without_its_stamp_is_not_that_kind(artifacts, kind, tmp_path):
+    source = artifacts[kind]
+    copy = tmp_path / source.name
+    (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
+    unstamped(WRITTEN[kind]({kind: copy}))
+    out = tmp_path / "out"
+    args = [str(copy) if t == "{x}" else str(out) + t[5:] if t.startswith("{out}") else
+            str(artifacts[t[1:-1]]) if t.startswith("{") else t for t in READERS[kind]]
+    result = CliRunner().invoke(app, args)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == EXIT_INPUT and len(errors) == 1, result.output
+    assert str(copy) in errors[0] and ("is a safetensors weights file; expected" in errors[0] or
+                                       "no format stamp, so not" in errors[0]), errors[0]
     assert not out.exists()
