@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rolemrc.models.manifest import is_intact, read_manifest, summary
-from rolemrc.models.registry import MODELS
+from rolemrc.models.known import MODELS
 
 
 def known_table() -> Table:
