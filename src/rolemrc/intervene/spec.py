@@ -19,7 +19,6 @@ from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import read_yaml
 from rolemrc.probe.hooks import HOOK_POINTS, num_layers, width
 
-
 PAPER_FACTOR = 1 - 1e-6   # the RoleMRC paper's restraint: scale the selected units by 1 - 1e-6
 
 

