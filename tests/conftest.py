@@ -134,7 +134,7 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     made["sqlite"] = root / "log.sqlite"
     (root / "serve.yaml").write_text(json.dumps({"models": [{"name": "m", "path": model}]}))
     made["serve-config"] = root / "serve.yaml"
-    (root / "train.yaml").write_text("max_steps: 1\n")
+    (root / "train.yaml").write_text("trl:\n  max_steps: 1\n")
     made["train-config"] = root / "train.yaml"
     data = repo / "src" / "rolemrc" / "datagen" / "data"
     made |= {"personas": data / "personas.jsonl", "mrc": data / "mrc.jsonl"}

@@ -41,20 +41,22 @@ SMOLLM2_TEMPLATE = (
 
 
 def write_diff_file(path, delta, q):
-    """A probe diff directory for hook mlp.act with one dimension, multi_turn (delta [layers, width], q-values)."""
-    import json
-
+    """A probe diff directory, as `rolemrc probe diff` writes it, for hook mlp.act with one dimension, multi_turn
+    (delta [layers, width] and q-values; the standardized effect equals delta, with the same q)."""
     import torch
-    from safetensors.torch import save_file
 
-    dims = ["multi_turn"]
-    tensors = {"freq_a.multi_turn": torch.zeros_like(delta).float(), "freq_b.multi_turn": delta.float().clone(),
-               "delta.multi_turn": delta.float().clone(), "z.multi_turn": delta.float().clone(),
-               "pvalue.multi_turn": q.double(), "qvalue.multi_turn": q.double()}
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "diff.safetensors"), metadata={
-        "hook": "mlp.act", "layers": str(delta.shape[0]), "width": str(delta.shape[1]), "k": "2",
-        "top_fraction": "0.2", "tokens": "last", "rank": "signed", "dimensions": json.dumps(dims)})
+    from rolemrc.probe.diff import DiffResult
+
+    d = "multi_turn"
+    delta, q = delta.float(), q.double()
+    result = DiffResult({d: torch.zeros_like(delta)}, {d: delta.clone()}, {d: delta.clone()}, {d: delta.clone()},
+                        {d: q.clone()}, {d: q.clone()}, meta={
+        "hook": "mlp.act", "layers": str(delta.shape[0]), "width": str(delta.shape[1]), "k": "2", "top_fraction": "0.2",
+        "tokens": "last", "rank": "signed", "generation_prompt": "true", "test": "two-proportion-z", "effect_test": "welch-t"},
+        cases_a={d: 10}, cases_b={d: 10}, mean_a={d: torch.zeros_like(delta)}, mean_b={d: delta.clone()},
+        effect={d: delta.clone()}, effect_t={d: delta.clone()}, effect_p={d: q.clone()}, effect_q={d: q.clone()})
+    result.save(path, top_n=8)
+    return path
 
 
 def save_peaked_llama(path, tokenizer, *, seed: int = 3, max_positions: int = 2048):

@@ -1,11 +1,12 @@
 """Artifacts say what they are: `identify` tells every kind apart (rolemrc's own, as rolemrc writes them, and foreign
-ones), every file rolemrc writes carries its kind and format version, and every reader refuses a newer format with
-both versions named."""
+ones), every file rolemrc writes carries its kind and format version, every reader refuses a newer format with
+both versions named, and a file without its stamp is not that kind."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
-from rolemrc.core.artifacts import FORMATS, KINDS, describe, identify
+from rolemrc.core.artifacts import FORMATS, HAND_WRITTEN, KINDS, describe, identify
 from rolemrc.core.errors import EXIT_INPUT
 
 IDENTIFIED = {   # artifact (conftest's `artifacts`) -> what identify() says it is
@@ -60,16 +61,23 @@ def test_every_versioned_file_says_what_it_is(artifacts):
         assert stamped(where(artifacts)) == {"kind": kind, "format": str(FORMATS[kind])}, kind
 
 
-def newer(path: Path) -> None:
-    """Rewrite a stamped file as format FORMATS + 1 (everything else as it was)."""
+def rewrite_stamp(path: Path, change: Callable[[dict], dict]) -> None:
+    """Rewrite a stamped file with `change` applied to its metadata or document (everything else as it was)."""
     if path.suffix == ".safetensors":
         with safe_open(str(path), "pt") as fh:
             meta, tensors = fh.metadata(), {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        save_file(tensors, str(path), metadata={**meta, "format": str(int(meta["format"]) + 1)})
+        save_file(tensors, str(path), metadata=change(meta))
     else:
-        data = yaml.safe_load(path.read_text())
-        data["format"] = int(data["format"]) + 1
-        path.write_text(json.dumps(data))
+        path.write_text(json.dumps(change(yaml.safe_load(path.read_text()))))
+
+
+def newer(meta: dict) -> dict:
+    """The stamp of format FORMATS + 1."""
+    return {**meta, "format": type(meta["format"])(int(meta["format"]) + 1)}
+
+
+def unstamped(meta: dict) -> dict:
+    return {key: value for key, value in meta.items() if key not in ("kind", "format")}
 
 
 READERS = {   # kind -> a command line that reads it ({x}: the newer copy, {a}: an artifact, {out}: a fresh folder)
@@ -84,18 +92,31 @@ READERS = {   # kind -> a command line that reads it ({x}: the newer copy, {a}: 
 }
 
 
-@pytest.mark.parametrize("kind", sorted(READERS))
-def test_a_newer_format_is_refused_with_both_versions(artifacts, kind, tmp_path):
-    assert set(READERS) == set(FORMATS)
+def refusal(artifacts: dict, kind: str, tmp_path: Path, change: Callable[[dict], dict]) -> tuple[Path, str]:
+    """(the copy, its one error line) of the reader of `kind` given a copy of its artifact whose stamp `change`
+    rewrote; the reader exits with EXIT_INPUT and writes nothing."""
     source = artifacts[kind]
     copy = tmp_path / source.name
     (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
-    newer(WRITTEN[kind]({kind: copy}))
+    rewrite_stamp(WRITTEN[kind]({kind: copy}), change)
     out = tmp_path / "out"
     args = [str(copy) if t == "{x}" else str(out) + t[5:] if t.startswith("{out}") else
             str(artifacts[t[1:-1]]) if t.startswith("{") else t for t in READERS[kind]]
     result = CliRunner().invoke(app, args)
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert result.exit_code == EXIT_INPUT and len(errors) == 1, result.output
-    assert f"format {FORMATS[kind] + 1}, written by a newer rolemrc; this one reads format {FORMATS[kind]}" in errors[0]
     assert not out.exists()
+    return copy, errors[0]
+
+
+@pytest.mark.parametrize("kind", sorted(READERS))
+def test_a_newer_format_is_refused_with_both_versions(artifacts, kind, tmp_path):
+    assert set(READERS) == set(FORMATS)
+    _, error = refusal(artifacts, kind, tmp_path, newer)
+    assert f"format {FORMATS[kind] + 1}, written by a newer rolemrc; this one reads format {FORMATS[kind]}" in error
+
+
+@pytest.mark.parametrize("kind", sorted(set(READERS) - set(HAND_WRITTEN)))
+def test_a_file_without_its_stamp_is_not_that_kind(artifacts, kind, tmp_path):
+    copy, error = refusal(artifacts, kind, tmp_path, unstamped)
+    assert str(copy) in error and ("is a safetensors weights file; expected" in error or "no format stamp, so not" in error)

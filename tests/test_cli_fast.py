@@ -54,24 +54,22 @@ def test_version():
     assert out.stdout == f"rolemrc {__version__}\n"
 
 
-def test_old_option_spellings_still_work_and_the_help_shows_only_the_new(tmp_path):
-    """One name per concept: `intervene bake --spec` is `--restraint` now; the old spelling is read as the new one with
-    a note, and the help no longer lists it."""
-    from rolemrc.core.cli import RESPELLED
-
+def test_old_option_spellings_are_refused_and_the_help_shows_only_the_new(tmp_path):
+    """One name per concept: `intervene bake --spec` is `--restraint`; the old spelling is an unknown option, and no
+    help lists it."""
     bake = [sys.executable, "-m", "rolemrc.cli", "intervene", "bake", "--model", str(tmp_path), "--out", str(tmp_path / "o")]
-    for spelling in ("--spec", "--restraint"):
-        out = subprocess.run([*bake, spelling, str(tmp_path / "s.yaml")], capture_output=True, text=True)
-        assert out.returncode == 2 and f"error: {tmp_path / 's.yaml'}: no such restraint spec" in out.stderr, out.stderr
-        assert ("note: --spec is now --restraint" in out.stderr) == (spelling == "--spec")
-    out = subprocess.run([*bake[:5], "--spec=" + str(tmp_path / "s.yaml"), *bake[5:]], capture_output=True, text=True)
-    assert out.returncode == 2 and "no such restraint spec" in out.stderr, out.stderr
+    out = subprocess.run([*bake, "--restraint", str(tmp_path / "s.yaml")], capture_output=True, text=True)
+    assert out.returncode == 2 and f"error: {tmp_path / 's.yaml'}: no such restraint spec" in out.stderr, out.stderr
+    for spelling in ("--spec", "--spec="):
+        out = subprocess.run([*bake, spelling + str(tmp_path / "s.yaml")] if spelling.endswith("=") else
+                             [*bake, spelling, str(tmp_path / "s.yaml")], capture_output=True, text=True)
+        assert out.returncode == 2 and "No such option: --spec" in out.stderr, out.stderr
     helps = {cmd: subprocess.run([sys.executable, "-m", "rolemrc.cli", *cmd, "--help"], capture_output=True, text=True,
                                  env={**os.environ, "COLUMNS": "200"}).stdout
              for cmd in (("intervene", "bake"), ("intervene", "select"), ("train", "sft"), ("bench", "probe"))}
     for cmd, text in helps.items():
         assert not any(f"{old} " in text for old in ("--spec", "--input", "--lr")), (cmd, text)
-        assert any(new in text for new in RESPELLED.values()), cmd
+        assert any(new in text for new in ("--restraint", "--diff", "--learning-rate", "--json")), cmd
 
 
 def test_the_root_help_names_every_command_of_every_group():
@@ -106,8 +104,7 @@ def test_each_job_has_one_command():
     assert len(names) > 30 and not twice, twice
 
 
-# Spellings of one concept: the first is the name every command uses; the others may only be accepted through
-# core.cli.RESPELLED, never declared.
+# Spellings of one concept: the first is the name every command uses; the others (its old names) are declared nowhere.
 CONCEPTS = [("--restraint", "--spec"), ("--diff", "--input"), ("--learning-rate", "--lr"),
             ("--max-new-tokens", "--max-tokens"), ("--max-steps", "--steps")]
 
@@ -118,7 +115,7 @@ def test_one_name_and_one_default_per_concept():
     from typer.main import get_command
 
     import rolemrc.cli
-    from rolemrc.core.cli import RESPELLED, ROUNDS
+    from rolemrc.core.cli import ROUNDS
 
     def leaves(command, path):
         subs = getattr(command, "commands", None)
@@ -142,7 +139,6 @@ def test_one_name_and_one_default_per_concept():
         assert canonical in found, canonical
         for other in others:
             assert other not in found, f"{other} (declared by {found[other]}) is spelled {canonical} elsewhere"
-            assert RESPELLED[other] == canonical
 
 
 def test_the_package_exports_the_methods_verbs_lazily():

@@ -18,19 +18,19 @@ from rolemrc.cli import app
 
 MICRO_PROFILE = """
 base: {vocab_size: 400, hidden: 64, layers: 2, intermediate: 128, heads: 1, max_positions: 1024, block_size: 128,
-       learning_rate: 3.0e-3, max_steps: 4, batch_size: 8, logging_steps: 1, save_steps: 100}
-sft: {learning_rate: 5.0e-4, max_steps: 3, batch_size: 4, max_length: 1024, logging_steps: 1, save_steps: 100}
-dpo: {learning_rate: 5.0e-5, max_steps: 2, batch_size: 2, max_length: 1024, logging_steps: 1, save_steps: 100}
+       batch_size: 8, trl: {learning_rate: 3.0e-3, max_steps: 4, logging_steps: 1, save_steps: 100}}
+sft: {batch_size: 4, trl: {learning_rate: 5.0e-4, max_steps: 3, max_length: 1024, logging_steps: 1, save_steps: 100}}
+dpo: {batch_size: 2, trl: {learning_rate: 5.0e-5, max_steps: 2, max_length: 1024, logging_steps: 1, save_steps: 100}}
 """
 UPSTREAM = ("datagen", "train base", "train sft", "train dpo", "eval sft", "eval dpo",
             "probe sft+dpo", "probe diff", "explorer", "restraint sweep")   # the restraint's factor changes none
 DOWNSTREAM = ("restraint select", "restraint bake", "restraint check", "eval dpo-restrained",
               "eval compare dpo-restrained", "serve")
 LORA_PROFILE = """
-sft: {lora: true, lora_r: 4, lora_alpha: 8, learning_rate: 1.0e-2, max_steps: 2, batch_size: 4, max_length: 4096,
-      logging_steps: 1, save_steps: 100}
-dpo: {lora: true, lora_r: 4, lora_alpha: 8, learning_rate: 1.0e-2, max_steps: 2, batch_size: 2, max_length: 4096,
-      logging_steps: 1, save_steps: 100}
+sft: {lora: true, lora_r: 4, lora_alpha: 8, batch_size: 4,
+      trl: {learning_rate: 1.0e-2, max_steps: 2, max_length: 4096, logging_steps: 1, save_steps: 100}}
+dpo: {lora: true, lora_r: 4, lora_alpha: 8, batch_size: 2,
+      trl: {learning_rate: 1.0e-2, max_steps: 2, max_length: 4096, logging_steps: 1, save_steps: 100}}
 """
 
 

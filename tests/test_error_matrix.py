@@ -73,7 +73,6 @@ ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 # path arguments outside the matrix, and why
 OUTSIDE = {
-    ("probe explore", "diff_dir"): "the old positional spelling of --diff (the same reader)",
     ("sweep run", "--cells-dir"): "a store the sweep creates (any folder, or none yet)",
     ("models list", "--dir"): "a cache folder, listed (any folder, or none yet)",
     ("organism calibrate", "--organisms"): "an organisms folder it builds when missing",

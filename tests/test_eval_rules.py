@@ -14,8 +14,9 @@ from datagen_fixtures import small_pool
 
 from rolemrc.core.io import read_jsonl
 from rolemrc.core.taxonomy import Aspect
+from rolemrc.core.text import NARRATED_SPAN
 from rolemrc.eval.rule_parse import check_rule, find_rules
-from rolemrc.eval.rules import judge_item
+from rolemrc.eval.rules import judge_item, style
 from rolemrc.eval.text_facts import count_words, parse_number
 
 EVAL = Path(__file__).resolve().parents[1] / "src" / "rolemrc" / "eval"
@@ -139,6 +140,14 @@ def test_count_words():
     text = "Points — of  equal\nheight."
     assert count_words(text) == 5 == len(text.split())
     assert count_words("等高线 connect") == 4
+
+
+@pytest.mark.parametrize("reply, credited", [("(smiles) Hello.", True), ("*nods* Hello.", True), ("[ok] Hello.", True),
+                                             ("() Hello.", False), ("[1] Hello.", False), ("*a* Hello.", False)])
+def test_the_judge_credits_actions_and_the_generator_strips_every_span(reply, credited):
+    """core.text's two span rules: narration is present for an action of 2+ characters; what is said excludes any span."""
+    assert style("role_related_mrc_answer_with_narration", reply)[0] is credited
+    assert NARRATED_SPAN.sub(" ", reply).split() == ["Hello."]
 
 
 def test_eval_does_not_import_datagen():

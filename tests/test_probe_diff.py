@@ -18,9 +18,12 @@ from rolemrc.probe.ranking import first_per_group, rank_units
 
 
 def synthetic(counts: dict, obs: dict, **meta) -> ProbeCounts:
+    """Counts of `obs` cases per dimension, every activation 0 (moments of zeros)."""
     base = {"hook": "mlp.act", "width": "6", "layers": "2", "top_fraction": "0.5", "tokens": "last", "k": "3",
             "rank": "signed", "generation_prompt": "true", "model": "m"}
-    return ProbeCounts({d: torch.tensor(c) for d, c in counts.items()}, dict(obs), dict(obs), {**base, **meta})
+    count = {d: torch.tensor(c) for d, c in counts.items()}
+    zeros = {d: torch.zeros(2, *c.shape, dtype=torch.int64) for d, c in count.items()}
+    return ProbeCounts(count, dict(obs), dict(obs), torch.arange(max(obs.values())), zeros, dict(zeros), {**base, **meta})
 
 
 def test_two_proportion_test_matches_textbook_formula():
@@ -60,6 +63,9 @@ def test_diff_of_known_counts():
     delta = result.delta["multi_turn"]
     assert delta[0, :2].tolist() == [-1.0, 1.0] and delta[1].abs().sum() == 0
     assert result.qvalue["multi_turn"][0, 0] < 1e-10 and result.qvalue["multi_turn"][1, 0] == 1.0
+    assert (result.test, result.effect_test) == ("two-proportion-z", "welch-t")
+    summary = result.summary()
+    assert (summary["test_label"], summary["effect_test_label"]) == ("pooled two-proportion z-test", "Welch's t-test")
     top = result.ranked_units(top_n=2)
     assert {(r["layer"], r["unit"]) for r in top} == {(0, 0), (0, 1)}
     rows = result.layer_summary()
@@ -135,6 +141,26 @@ def test_cli_collect_and_diff(model_dirs, records, tmp_path):
     res = runner.invoke(app, ["probe", "collect", "--model", str(tmp_path / "nomodel"), "--data", str(data),
                               "--hook", "mlp.nope", "--out", str(tmp_path / "y.safetensors")])
     assert res.exit_code == 2 and "unknown hook point 'mlp.nope'" in res.output
+
+
+def test_a_diff_of_the_first_format_is_refused_with_both_formats(tmp_path):
+    """Format 1 named its tests in prose (`test`: "two-proportion z-test (unpaired)"); format 2 by code."""
+    from fixtures import write_diff_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    file = write_diff_file(tmp_path / "d", torch.ones(2, 6), torch.full((2, 6), 0.01)) / "diff.safetensors"
+    with safe_open(str(file), "pt") as fh:
+        meta, tensors = fh.metadata(), {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118
+    save_file(tensors, str(file), metadata={**meta, "format": "1", "test": "two-proportion z-test (unpaired)"})
+    for args in (["probe", "explore", "--diff", str(tmp_path / "d")],
+                 ["intervene", "select", "--diff", str(file), "--dimension", "multi_turn", "--top-k", "2"]):
+        res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "out")])
+        errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+        assert res.exit_code == 2 and len(errors) == 1, res.output
+        assert (f"{file}: diff folder format 1, written by an earlier rolemrc; this one reads format 2 (rerun "
+                "`rolemrc probe diff` to write it again)") in errors[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_rank_units_is_one_lexicographic_order():

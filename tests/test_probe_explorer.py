@@ -52,7 +52,7 @@ def test_the_page_from_a_diffresult_equals_the_page_from_its_folder(diff_dir, tm
 
 def test_explorer_page_in_headless_chromium(diff_dir, tmp_path):
     out = tmp_path / "explorer.html"
-    res = CliRunner().invoke(app, ["probe", "explore", str(diff_dir), "--out", str(out)])
+    res = CliRunner().invoke(app, ["probe", "explore", "--diff", str(diff_dir), "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["bytes"] > 1_000_000  # plotly.js inlined: works offline
     with browser_page() as (page, errors):
@@ -77,12 +77,12 @@ def test_explorer_page_in_headless_chromium(diff_dir, tmp_path):
 
 
 def test_explore_refuses_missing_diff(tmp_path):
-    for where in ([str(tmp_path)], ["--diff", str(tmp_path)]):   # --diff as in select and sweep, or the argument
+    res = CliRunner().invoke(app, ["probe", "explore", "--diff", str(tmp_path), "--out", str(tmp_path / "x.html")])
+    assert res.exit_code == 2 and "is an empty folder; expected a diff folder" in res.output
+    for where, why in (([str(tmp_path)], "Missing option '--diff'"),   # --diff only, no positional spelling
+                       ([str(tmp_path), "--diff", str(tmp_path)], "unexpected extra argument")):
         res = CliRunner().invoke(app, ["probe", "explore", *where, "--out", str(tmp_path / "x.html")])
-        assert res.exit_code == 2 and "is an empty folder; expected a diff folder" in res.output
-    for where in ([], [str(tmp_path), "--diff", str(tmp_path)]):
-        res = CliRunner().invoke(app, ["probe", "explore", *where, "--out", str(tmp_path / "x.html")])
-        assert res.exit_code == 2 and "give the diff folder once" in res.output
+        assert res.exit_code == 2 and why in res.output
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def tied_page(tmp_path_factory):
     delta = torch.tensor([-0.5, -0.25, 0.0, 0.25, 0.5])[torch.randint(0, 5, (4, 24), generator=gen)]
     q = torch.tensor([1e-9, 0.01, 0.5, 0.5, 0.5, 0.5])[torch.randint(0, 6, (4, 24), generator=gen)]
     write_diff_file(root / "diff", delta, q)
-    res = CliRunner().invoke(app, ["probe", "explore", str(root / "diff"), "--out", str(root / "page.html"), "--max-units", "6"])
+    res = CliRunner().invoke(app, ["probe", "explore", "--diff", str(root / "diff"), "--out", str(root / "page.html"), "--max-units", "6"])
     assert res.exit_code == 0, res.output
     return root
 

@@ -23,7 +23,6 @@ from rolemrc.core.tiny import build_model, train_tokenizer
 from rolemrc.probe import ProbeMismatchError, collect, collect_paired, diff, load_probe
 from rolemrc.probe.cases import build_cases
 from rolemrc.probe.collect import CollectConfig, count_paired
-from rolemrc.probe.diff import PAIRED, PAIRED_TOKENS_ALL, UNPAIRED, UNPAIRED_TOKENS_ALL
 from rolemrc.probe.hooks import site
 
 SIZES = {"hidden": 64, "layers": 2, "intermediate": 96}
@@ -100,7 +99,7 @@ def test_discordant_counts_equal_brute_force(loaded, records, tmp_path):
         np.testing.assert_array_equal(paired.discordant(1, 0, d).numpy(), b10)
     assert int(paired.discordant(0, 1, "multi_turn").sum()) > 0
     result = diff(paired)
-    assert result.test == PAIRED
+    assert result.test == "mcnemar"
     b01, b10 = paired.discordant(0, 1, "multi_turn"), paired.discordant(1, 0, "multi_turn")
     for layer, unit in [(0, 0), (1, 5), *torch.nonzero(b01 + b10)[:4].tolist()]:
         x, n = int(b10[layer, unit]), int(b01[layer, unit] + b10[layer, unit])
@@ -124,7 +123,7 @@ def test_tokens_all_paired_t_test_matches_ttest_rel(loaded, records):
     paired = collect_paired([ma, mb], records, tokenizers=[tok, tok], tokens="all", batch_size=8, progress=False)
     share_a, share_b = case_activity(ma, tok, records, "all"), case_activity(mb, tok, records, "all")
     result = diff(paired)
-    assert result.test == PAIRED_TOKENS_ALL
+    assert result.test == "paired-t"
     for d in ("multi_turn", "role_style"):
         rows = members(records, d)
         total, squares = paired.share_diff(0, 1, d)
@@ -199,8 +198,8 @@ def test_cli_paired_collect_and_diff(model_dirs, other_llama, records, tmp_path)
     assert report["models"] == [str(sft), str(dpo)] and report["width"] == 96
     res, summary = run("probe", "diff", tmp_path / "p.safetensors", "--out", tmp_path / "d", "--no-figures")
     assert res.exit_code == 0, res.output
-    assert summary["test"] == PAIRED and "no_test" not in summary
-    assert json.loads((tmp_path / "d" / "summary.json").read_text())["test"] == PAIRED
+    assert summary["test"] == "mcnemar" and "no_test" not in summary
+    assert json.loads((tmp_path / "d" / "summary.json").read_text())["test"] == "mcnemar"
     res, flipped = run("probe", "diff", tmp_path / "p.safetensors", "--a", 1, "--b", 0, "--out", tmp_path / "d2",
                        "--no-figures")
     assert res.exit_code == 0 and flipped["dimensions"]["multi_turn"]["mean_abs_delta"] == pytest.approx(
@@ -215,10 +214,10 @@ def test_cli_paired_collect_and_diff(model_dirs, other_llama, records, tmp_path)
             assert res.exit_code == 0, res.output
     res, summary = run("probe", "diff", tmp_path / "a-last.safetensors", tmp_path / "b-last.safetensors",
                        "--out", tmp_path / "u", "--no-figures")
-    assert res.exit_code == 0 and summary["test"] == UNPAIRED
+    assert res.exit_code == 0 and summary["test"] == "two-proportion-z"
     res, summary = run("probe", "diff", tmp_path / "a-all.safetensors", tmp_path / "b-all.safetensors",
                        "--out", tmp_path / "ua", "--no-figures")
-    assert res.exit_code == 0 and summary["test"] == UNPAIRED_TOKENS_ALL and "correlated" in summary["no_test"]
+    assert res.exit_code == 0 and summary["test"] == "none" and "correlated" in summary["no_test"]
     assert all(v["significant_units"] is None for v in summary["dimensions"].values())
     units = json.loads((tmp_path / "ua" / "units.json").read_text())
     assert units and all("q" not in u and "p" not in u for u in units)
@@ -228,7 +227,7 @@ def test_cli_paired_collect_and_diff(model_dirs, other_llama, records, tmp_path)
                  "--out", tmp_path / "pa.safetensors")
     assert res.exit_code == 0, res.output
     res, summary = run("probe", "diff", tmp_path / "pa.safetensors", "--out", tmp_path / "da", "--no-figures")
-    assert res.exit_code == 0 and summary["test"] == PAIRED_TOKENS_ALL
+    assert res.exit_code == 0 and summary["test"] == "paired-t"
 
     res, _ = run("probe", "collect", "--model", sft, *common, "--rank", "abs", "--out", tmp_path / "abs.safetensors")
     res, _ = run("probe", "diff", tmp_path / "a-last.safetensors", tmp_path / "abs.safetensors", "--out", tmp_path / "x")

@@ -8,15 +8,15 @@ import sys
 
 import pytest
 import torch
-from fixtures import write_diff_file
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
+from rolemrc.core.artifacts import stamp
 from rolemrc.core.errors import RolemrcError
 from rolemrc.intervene import SELECTORS, Restraint, select
 from rolemrc.probe.attribution import load_attribution
 from rolemrc.probe.counts import write_tensors
-from rolemrc.probe.diff import EFFECT_PAIRED, PAIRED, UNPAIRED_TOKENS_ALL, DiffResult
+from rolemrc.probe.diff import DiffResult
 
 DELTA = torch.tensor([[0.9, -0.8, 0.1, 0.0], [0.0, 0.5, -0.95, 0.2], [0.3, 0.0, 0.0, -0.4]])
 EFFECT = torch.tensor([[0.1, 0.2, 3.0, -0.1], [-2.5, 0.0, 0.3, 1.0], [0.0, 4.0, -0.2, 0.05]])
@@ -24,18 +24,18 @@ EFFECT = torch.tensor([[0.1, 0.2, 3.0, -0.1], [-2.5, 0.0, 0.3, 1.0], [0.0, 4.0, 
 ATTRIBUTION = torch.tensor([[0.5, -0.5, 0.25, 0.0], [0.5, 0.5, -1.0, 0.0], [-0.5, 0.0, 0.0, 0.75]])
 
 
-def write_diff(path, tokens="last", effect_test=EFFECT_PAIRED, delta=DELTA, effect=EFFECT):
+def write_diff(path, tokens="last", effect_test="paired-t", delta=DELTA, effect=EFFECT):
     """A diff directory (written by DiffResult.save) with one dimension, multi_turn: frequency delta and q, and the
     standardized effect with its test's q (NaN without a test)."""
     d = "multi_turn"
     q = torch.where(delta.abs() > 0.45, 0.001, 0.5).double()
     effect_q = torch.where(effect.abs() > 0.9, 1e-4, 0.6).double()
-    if effect_test == UNPAIRED_TOKENS_ALL:
+    if effect_test == "none":
         effect_q = torch.full_like(effect_q, torch.nan)
     tables = [{d: t.clone()} for t in (torch.zeros_like(delta), delta, delta, delta, q, q)]   # separate tensors
     result = DiffResult(*tables, meta={
         "hook": "mlp.act", "layers": "3", "width": "4", "k": "1", "top_fraction": "0.2", "tokens": tokens,
-        "rank": "signed", "generation_prompt": "true", "test": PAIRED, "effect_test": effect_test},
+        "rank": "signed", "generation_prompt": "true", "test": "mcnemar", "effect_test": effect_test},
         cases_a={d: 10}, cases_b={d: 10}, mean_a={d: torch.zeros_like(effect)}, mean_b={d: effect.clone()},
         effect={d: effect.clone()}, effect_t={d: effect.clone()}, effect_p={d: effect_q.clone()}, effect_q={d: effect_q})
     result.save(path)
@@ -45,7 +45,7 @@ def write_diff(path, tokens="last", effect_test=EFFECT_PAIRED, delta=DELTA, effe
 def write_attribution(path, scores=ATTRIBUTION, pairs=4, **meta):
     """An attribution file in the attribution branch's format: sums over pairs in units of 2^-32."""
     sums = (scores.double() * pairs * 2.0 ** 32).round().long()
-    meta = {"kind": "attribution", "hook": "mlp.act", "width": "4", "layers": "3", "models": json.dumps(["sft", "dpo"]),
+    meta = {**stamp("attribution"), "hook": "mlp.act", "width": "4", "layers": "3", "models": json.dumps(["sft", "dpo"]),
             "dimensions": json.dumps(["multi_turn", "nested"]), **meta}
     return write_tensors(path, {"attribution.multi_turn": sums, "pairs.multi_turn": torch.tensor(pairs),
                                 "attribution.nested": torch.zeros_like(sums), "pairs.nested": torch.tensor(0),
@@ -85,13 +85,10 @@ def test_standardized_ranks_by_effect_and_tests_with_its_q(tmp_path):
     assert select(diff, "multi_turn", method="standardized", top_k=2, direction="down").units == {1: [0], 2: [2]}
     assert select(diff, "multi_turn", method="standardized", fdr=0.05).units == {0: [2], 1: [0, 3], 2: [1]}
     assert select(diff, "multi_turn", method="standardized", top_k=2, layers="1-2").units == {1: [0], 2: [1]}
-    untested = write_diff(tmp_path / "u", tokens="all", effect_test=UNPAIRED_TOKENS_ALL)
+    untested = write_diff(tmp_path / "u", tokens="all", effect_test="none")
     assert select(untested, "multi_turn", method="standardized", top_k=1).units == {2: [1]}
     with pytest.raises(RolemrcError, match="u/diff.safetensors: --method standardized has no q-values here.*select with top_k"):
         select(untested, "multi_turn", method="standardized", fdr=0.05)
-    write_diff_file(tmp_path / "old", DELTA, torch.full_like(DELTA, 0.01))   # a diff from probe files without moments
-    with pytest.raises(RolemrcError, match="old/diff.safetensors: the diff has no standardized effect.*rolemrc probe collect"):
-        select(tmp_path / "old", "multi_turn", method="standardized", top_k=3)
 
 
 def test_attribution_ranks_by_mean_score_with_ties_by_layer_then_unit(tmp_path):
@@ -116,7 +113,7 @@ def test_attribution_ranks_by_mean_score_with_ties_by_layer_then_unit(tmp_path):
         select(diff, "multi_turn", method="attribution", top_k=2)
     with pytest.raises(RolemrcError, match="is an attribution file .from `rolemrc probe attribute`.; expected a diff folder"):
         select(path, "multi_turn", top_k=2)
-    with pytest.raises(RolemrcError, match="not an attribution file .kind 'other'"):
+    with pytest.raises(RolemrcError, match="other.safetensors is a safetensors weights file; expected an attribution file"):
         select(write_attribution(tmp_path / "other.safetensors", kind="other"), "multi_turn", method="attribution", top_k=2)
 
 

@@ -24,9 +24,9 @@ def scipy_sign_flip(d: np.ndarray) -> float:
 
 def test_sign_flip_n3_all_positive_is_a_quarter():
     r = paired_test([0.0, 0.0, 0.0], [1.0, 2.0, 3.0])
-    assert r["p"] == 0.25 and r["test"] == "sign-flip permutation (exact, 2^3)"   # 2 of 8 flips reach |mean| = 2
+    assert r["p"] == 0.25 and (r["test"], r["p_method"]) == ("sign-flip", "exact, 2^3")   # 2 of 8 flips reach |mean| = 2
     assert r["diff"] == 2.0 and r["ci"] == "paired bootstrap percentile"
-    assert sign_flip_test([0.5]) == (1.0, "sign-flip permutation (exact, 2^1)")
+    assert sign_flip_test([0.5]) == (1.0, "exact, 2^1")
     assert sign_flip_test([0.0, 0.0])[0] == 1.0
 
 

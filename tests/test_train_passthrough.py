@@ -1,4 +1,4 @@
-"""Trainer arguments pass straight through to trl: `trl:` in YAML, `--set trl.KEY=...`, shorthands, typos."""
+"""Trainer arguments pass straight through to trl: `trl:` in YAML, `--set trl.KEY=...`, typos, flat names refused."""
 
 import pytest
 import torch
@@ -7,9 +7,9 @@ from trl import DPOConfig, SFTConfig
 
 from rolemrc.train.config import (
     STAGE_CONFIGS,
-    ConfigError,
     DPOTrainConfig,
     SFTTrainConfig,
+    TrainConfigError,
     help_text,
     make_config,
     parse_overrides,
@@ -48,20 +48,21 @@ def test_trl_mapping_and_set_reach_sft_config(no_gpu, tmp_path):
     ({"trl.los_type": "ipo"}, r"unknown dpo trainer argument trl.los_type \(DPOConfig has no such field\); "
                               r"did you mean loss_type"),
     ({"optim": "adafactor"}, r"unknown dpo setting 'optim'; optim is a trainer argument: write it under `trl:`"),
-    ({"bta": 0.2}, r"unknown dpo setting 'bta'; did you mean beta"),
+    ({"bta": 0.2}, r"unknown dpo setting 'bta'; did you mean trl.beta"),
+    ({"bach_size": 2}, r"unknown dpo setting 'bach_size'; did you mean batch_size"),
     ({"trl.per_device_train_batch_size": 2}, r"derived from rolemrc's `batch_size` setting"),
     ({"trl": "ipo"}, r"`trl` must be a mapping"),
     ({"trl.adam_beta2": "high"}, r"DPOConfig.adam_beta2: cannot use 'high' as float"),
-    ({"beta": 0}, r"beta must be > 0"),
+    ({"trl.beta": 0}, r"beta must be > 0"),
 ])
 def test_bad_trainer_arguments_are_named(overrides, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(TrainConfigError, match=message):
         make_config(DPOTrainConfig, **REQ["dpo"], **overrides)
 
 
 def test_a_value_trl_refuses_is_a_config_error(no_gpu):
     config = make_config(SFTTrainConfig, **REQ["sft"], **{"trl.optim": "no_such_optimiser"})
-    with pytest.raises(ConfigError, match=r"SFTConfig: .*no_such_optimiser"):
+    with pytest.raises(TrainConfigError, match=r"SFTConfig: .*no_such_optimiser"):
         build_arguments(config)
 
 
@@ -75,16 +76,24 @@ def test_profiles_resolve_to_the_same_trainer_arguments_as_before(no_gpu, key):
         assert build_arguments(config).to_dict() == cls(**PROFILE_ARGUMENTS_BEFORE[key]).to_dict()
 
 
-def test_shorthands_and_trl_keys_name_the_same_argument():
-    flat = make_config(SFTTrainConfig, **REQ["sft"], learning_rate="1e-4", warmup_ratio=0.2, max_length=64)
+def test_trainer_arguments_have_one_name_trl_key():
+    """`trl: {KEY: ...}` and `trl.KEY` name the same argument; the flat name is refused, naming where it goes."""
+    dotted = make_config(SFTTrainConfig, **REQ["sft"], **{"trl.learning_rate": "1e-4", "trl.warmup_steps": 0.2,
+                                                          "trl.max_length": 64})
     nested = make_config(SFTTrainConfig, **REQ["sft"], trl={"learning_rate": 1e-4, "warmup_steps": 0.2,
                                                            "max_length": 64})
-    assert flat.trl == nested.trl and flat.trl["learning_rate"] == 1e-4
+    assert dotted.trl == nested.trl and dotted.trl["learning_rate"] == 1e-4
+    for flat in ("learning_rate", "max_length", "warmup_steps"):
+        with pytest.raises(TrainConfigError, match=f"unknown sft setting '{flat}'; {flat} is a trainer argument: write it "
+                                              f"under `trl:` \\(--set trl.{flat}=...\\)"):
+            make_config(SFTTrainConfig, **REQ["sft"], **{flat: 1e-4})
+    with pytest.raises(TrainConfigError, match="unknown sft setting 'warmup_ratio'"):
+        make_config(SFTTrainConfig, **REQ["sft"], warmup_ratio=0.2)
 
 
 def test_help_comes_from_the_config_module():
     assert help_text(SFTTrainConfig, "batch_size") == "per-device batch size"
-    assert help_text(DPOTrainConfig, "beta").startswith("DPO beta")
+    assert help_text(DPOTrainConfig, "lora_r") == "LoRA rank"
 
 
 

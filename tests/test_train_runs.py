@@ -28,8 +28,8 @@ from rolemrc.train import (
 from rolemrc.train.cli import app
 from rolemrc.train.sft import sft_trainer
 
-FAST = {"logging_steps": 1, "progress": False}
-SHORT = {**FAST, "max_length": 256}  # sft and dpo (the base stage packs blocks of block_size instead)
+FAST = {"trl.logging_steps": 1, "progress": False}
+SHORT = {**FAST, "trl.max_length": 256}  # sft and dpo (the base stage packs blocks of block_size instead)
 TINY = {"hidden": 64, "layers": 2, "intermediate": 96, "heads": 4, "max_positions": 256, "block_size": 64,
         "vocab_size": 400, "batch_size": 8}
 
@@ -54,20 +54,21 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def base(data, tmp_path_factory):
     config = make_config(BaseTrainConfig, data=[str(data)], out=str(tmp_path_factory.mktemp("base")),
-                         max_steps=30, learning_rate=3e-3, **TINY, **FAST)
+                         **{"trl.max_steps": 30, "trl.learning_rate": 3e-3}, **TINY, **FAST)
     return train_base(config)
 
 
 @pytest.fixture(scope="module")
 def sft(base, data, tmp_path_factory):
     config = make_config(SFTTrainConfig, model=str(base.out_dir), data=[str(data / "sft.jsonl")],
-                         out=str(tmp_path_factory.mktemp("sft")), max_steps=12, learning_rate=2e-3, **SHORT)
+                         out=str(tmp_path_factory.mktemp("sft")),
+                         **{"trl.max_steps": 12, "trl.learning_rate": 2e-3}, **SHORT)
     return train_sft(config)
 
 
 def sft_config(base, data, out, **kw):
     return make_config(SFTTrainConfig, model=str(base.out_dir), data=[str(data / "sft.jsonl")], out=str(out),
-                       **{"max_steps": 6, "learning_rate": 2e-3, "save_steps": 2, **SHORT, **kw})
+                       **{"trl.max_steps": 6, "trl.learning_rate": 2e-3, "trl.save_steps": 2, **SHORT, **kw})
 
 
 def plain_load(path):
@@ -110,7 +111,7 @@ def test_sft_loss_falls_and_output_loads(sft, base, data):
 
 def test_dpo_margin_rises_against_a_frozen_reference(sft, data, tmp_path):
     config = make_config(DPOTrainConfig, model=str(sft.out_dir), data=[str(data / "pairs.jsonl")], out=str(tmp_path),
-                         max_steps=10, learning_rate=1e-3, batch_size=8, **SHORT)
+                         batch_size=8, **{"trl.max_steps": 10, "trl.learning_rate": 1e-3}, **SHORT)
     result = train_dpo(config)
     margins = [h["rewards/margins"] for h in result.history]
     assert margins[0] == pytest.approx(0.0, abs=1e-6)  # policy == reference at the start
@@ -138,7 +139,7 @@ def test_resume_continues_from_the_last_checkpoint(base, data, tmp_path):
     assert resumed.resumed_from.endswith("checkpoint-4") and resumed.metrics["steps"] == 6
     a, b = load_file(straight.out_dir / "model.safetensors"), load_file(resumed.out_dir / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # same result as the uninterrupted run
-    fresh = train_sft(sft_config(base, data, tmp_path / "cut", resume=False, max_steps=2))
+    fresh = train_sft(sft_config(base, data, tmp_path / "cut", resume=False, **{"trl.max_steps": 2}))
     assert fresh.resumed_from is None
 
 
@@ -151,7 +152,7 @@ def test_data_parallel_launch_two_processes_unchanged(base, data, tmp_path):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            "-m", "rolemrc.cli", "train", "sft", "--model", str(base.out_dir), "--data", str(data / "sft.jsonl"),
-           "--out", str(out), "--set", "max_steps=3", "--set", "batch_size=4", "--set", "max_length=256"]
+           "--out", str(out), "--set", "trl.max_steps=3", "--set", "batch_size=4", "--set", "trl.max_length=256"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     metrics = json.loads((out / "rolemrc.json").read_text())["metrics"]
@@ -160,7 +161,8 @@ def test_data_parallel_launch_two_processes_unchanged(base, data, tmp_path):
 
 
 def test_lora_is_merged_into_a_plain_checkpoint(base, data, tmp_path):
-    result = train_sft(sft_config(base, data, tmp_path, lora=True, lora_r=4, max_steps=4, learning_rate=1e-2))
+    result = train_sft(sft_config(base, data, tmp_path, lora=True, lora_r=4,
+                                  **{"trl.max_steps": 4, "trl.learning_rate": 1e-2}))
     assert not list(result.out_dir.glob("adapter_*"))
     weights = load_file(result.out_dir / "model.safetensors")
     assert not any("lora" in k for k in weights)
@@ -176,7 +178,7 @@ def test_too_many_bad_records_fail_with_counts(base, tmp_path):
     bad = sft_records(4) + [{"conversations": [{"role": "user", "content": "x"}]}] * 2
     write_jsonl(tmp_path / "bad.jsonl", bad)
     config = make_config(SFTTrainConfig, model=str(base.out_dir), data=[str(tmp_path / "bad.jsonl")],
-                         out=str(tmp_path / "o"), max_steps=1, **SHORT)
+                         out=str(tmp_path / "o"), **{"trl.max_steps": 1}, **SHORT)
     with pytest.raises(DataError, match=r"2 of 6 SFT records are bad.*no assistant turn: 2"):
         train_sft(config)
     assert not (tmp_path / "o").exists()
@@ -186,7 +188,7 @@ def test_cli_reports_and_fails_clearly(sft, data, tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["dpo", "--model", str(sft.out_dir), "--data", str(data / "pairs.jsonl"),
                                  "--out", str(tmp_path / "dpo"), "--max-steps", "2", "--no-progress",
-                                 "--set", "max_length=256", "--beta", "0.2", "--set", "trl.loss_type=ipo"])
+                                 "--set", "trl.max_length=256", "--beta", "0.2", "--set", "trl.loss_type=ipo"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[result.stdout.index("{"):])
     assert summary["stage"] == "dpo" and summary["metrics"]["steps"] == 2

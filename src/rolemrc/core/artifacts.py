@@ -78,7 +78,8 @@ RECORD_KEYS = (   # (kind, keys of a JSONL record that make the file that kind),
     ("records", {"chosen"}), ("records", {"question"}), ("records", {"conversations"}), ("records", {"messages"}),
     ("records", {"prompt"}), ("records", {"persona"}), ("records", {"passages"}),
 )
-TRAIN_KEYS = {"learning_rate", "max_steps", "num_train_epochs", "per_device_train_batch_size", "lora_r", "beta"}
+# top-level keys of a training config (train/config.py): stage sections, trainer arguments, common settings
+TRAIN_KEYS = {"base", "sft", "dpo", "trl", "batch_size", "effective_batch_size", "lora"}
 
 
 def identify(path: str | os.PathLike) -> str:
@@ -104,7 +105,7 @@ def identify(path: str | os.PathLike) -> str:
     if head.startswith(b"PK\x03\x04") and path.suffix == ".whl":
         return "wheel"
     if (header := safetensors_header(path, head)) is not None:
-        return tensor_kind(header.pop("__metadata__", None) or {}, set(header))
+        return tensor_kind(header.get("__metadata__") or {})
     if b"\x00" in head:
         return "binary"
     try:
@@ -134,20 +135,12 @@ def safetensors_header(path: Path, head: bytes) -> dict | None:
     return header if isinstance(header, dict) else None
 
 
-def tensor_kind(meta: dict[str, str], names: set[str]) -> str:
-    """The kind of a safetensors file: its stamp, else (files written before stamps) its metadata and tensor names."""
+def tensor_kind(meta: dict[str, str]) -> str:
+    """The kind of a safetensors file by its stamp (an unstamped one holds weights, as far as rolemrc knows)."""
     stamped = meta.get("kind")
     if stamped in ("probe", "paired-probe", "attribution"):
         return stamped
-    if stamped == "diff":
-        return "diff-file"
-    if "dimensions" in meta and "hook" in meta:
-        if any(name.startswith("delta.") for name in names):
-            return "diff-file"
-        if any(name.startswith("attribution.") for name in names):
-            return "attribution"
-        return "paired-probe" if "models" in meta else "probe"
-    return "safetensors"
+    return "diff-file" if stamped == "diff" else "safetensors"
 
 
 def text_kind(path: Path, text: str) -> str:
@@ -189,9 +182,9 @@ def document_kind(path: Path) -> str:
     return "json" if path.suffix == ".json" else "yaml"
 
 
-# The format version of each kind this rolemrc writes (and the newest it reads); files written before versions
-# existed read as version 1.
-FORMATS = {"probe": 1, "paired-probe": 1, "attribution": 1, "diff": 1, "restraint": 1, "eval-run": 1, "sweep": 1}
+# The format version of each kind this rolemrc writes, the only one it reads. diff 2: tests named by code.
+FORMATS = {"probe": 1, "paired-probe": 1, "attribution": 1, "diff": 2, "restraint": 1, "eval-run": 1, "sweep": 1}
+HAND_WRITTEN = ("restraint",)   # kinds a person may write: without a "format" they are of the current one
 
 
 def stamp(kind: str) -> dict[str, str]:
@@ -200,10 +193,15 @@ def stamp(kind: str) -> dict[str, str]:
 
 
 def check_format(path: str | os.PathLike | None, meta: dict, kind: str) -> None:
-    """An InputError for a `kind` file whose format is newer than this rolemrc reads, with both versions named (and
-    the file, when `path` is given)."""
+    """An InputError for a `kind` file of another format than this rolemrc reads, with both versions named and what
+    to do (and the file, when `path` is given); one without a format stamp is no `kind` rolemrc wrote (but for
+    HAND_WRITTEN kinds)."""
     where = f"{path}: " if path is not None else ""
-    version = meta.get("format", 1)
+    if "format" not in meta:
+        if kind in HAND_WRITTEN:
+            return
+        raise InputError(f"{where}no format stamp, so not {KINDS[kind]}")
+    version = meta["format"]
     try:
         version = int(version)
     except (TypeError, ValueError):
@@ -211,6 +209,9 @@ def check_format(path: str | os.PathLike | None, meta: dict, kind: str) -> None:
     if version > FORMATS[kind]:
         raise InputError(f"{where}{KINDS[kind].name} format {version}, written by a newer rolemrc; this one reads "
                          f"format {FORMATS[kind]} (upgrade rolemrc)")
+    if version < FORMATS[kind]:
+        raise InputError(f"{where}{KINDS[kind].name} format {version}, written by an earlier rolemrc; this one reads "
+                         f"format {FORMATS[kind]} (rerun {KINDS[kind].origin} to write it again)")
 
 
 def describe(path: str | os.PathLike) -> str:

@@ -16,35 +16,6 @@ from rolemrc.core.extras import extra_of
 
 ROUNDS = 10_000   # every command's default --rounds: bootstrap resamples (and Monte Carlo sign flips)
 
-# Option names that one name per concept replaced, old -> new. A command that has the new option and not the old one
-# still accepts the old spelling (with a note on stderr); the help shows only the new names.
-RESPELLED = {
-    "--spec": "--restraint",        # the restraint spec (intervene bake, lora, check)
-    "--input": "--diff",            # a selector's input (intervene select, sweep run)
-    "--lr": "--learning-rate",      # train base, sft, dpo
-    "--max-tokens": "--max-new-tokens",   # bench datagen
-    "--out": "--json",              # the JSON file of a benchmark
-    "--rounds": "--slices",         # bench retrieval: its query slices, not bootstrap rounds
-    "--steps": "--max-steps",       # optimiser steps (organism build, bench organism), as in train
-}
-
-
-def respell(command: Any, args: list[str]) -> list[str]:
-    """`args` for `command` with the old spellings of its options (RESPELLED) replaced by the new ones."""
-    names = {name for param in command.params for name in (*getattr(param, "opts", ()),
-                                                           *getattr(param, "secondary_opts", ()))}
-    out = []
-    for k, arg in enumerate(args):
-        if arg == "--":
-            return out + args[k:]
-        name, eq, value = arg.partition("=")
-        new = RESPELLED.get(name)
-        if new and new in names and name not in names:
-            typer.echo(f"note: {name} is now {new}", err=True)
-            arg = new + eq + value
-        out.append(arg)
-    return out
-
 
 class WarningLines(logging.Handler):
     """A logged warning as one `warning: <message>` line on stderr (the stream of the moment, as Typer's tests swap it)."""
@@ -71,13 +42,7 @@ def warning_lines() -> Iterator[None]:
 
 class ReportingGroup(TyperGroup):
     """A command group whose commands' `RolemrcError`s become one red line and exit code `EXIT_INPUT`, and whose
-    commands accept the old spellings of renamed options (`RESPELLED`)."""
-
-    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
-        name, command, rest = super().resolve_command(ctx, args)
-        if command is not None and not isinstance(command, TyperGroup):
-            rest = respell(command, rest)
-        return name, command, rest
+    commands print rolemrc's logged warnings as `warning:` lines."""
 
     def invoke(self, ctx: Any) -> Any:
         try:

@@ -8,6 +8,8 @@ tests of `probe diff` run on torch tensors over all units at once):
   Welch's t from streamed moments (probe);
 - multiplicity: Benjamini-Hochberg (probe), Holm (sweep).
 
+A result names its test by a code (`"test"`, also in probe diff files); TEST_LABELS holds the prose reports print.
+
 McNemar's convention, everywhere: b01 counts pairs 0 under A and 1 under B (B gained), b10 pairs 1 under A and 0
 under B; a positive statistic means more under B."""
 
@@ -23,6 +25,15 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+# test code -> its label in reports; "none": no valid test, so no p-value
+TEST_LABELS: dict[str, str] = {
+    "mcnemar": "exact McNemar",
+    "sign-flip": "paired sign-flip permutation",
+    "paired-t": "paired t-test",
+    "two-proportion-z": "pooled two-proportion z-test",
+    "welch-t": "Welch's t-test",
+    "none": "no test",
+}
 EXACT_MAX_N = 16        # sign-flip test: enumerate all 2^n flips up to this many nonzero differences
 REL_TOL = 1e-12         # a flipped statistic within this relative distance of the observed one counts as a tie
 
@@ -102,11 +113,11 @@ def mcnemar_outcomes(a: list[int], b: list[int]) -> dict:
     return {"n": int(x.size), "a_rate": float(x.mean()) if x.size else math.nan,
             "b_rate": float(y.mean()) if y.size else math.nan, "improved": b01, "worsened": b10,
             "diff": float(y.mean() - x.mean()) if x.size else math.nan, "odds_ratio": float(ratio),
-            "p": float(mcnemar(b01, b10)[1]), "test": "exact McNemar (binomial)"}
+            "p": float(mcnemar(b01, b10)[1]), "test": "mcnemar"}
 
 
 def sign_flip_test(d, *, rounds: int = 10_000, seed: int = 0) -> tuple[float, str]:
-    """Two-sided paired sign-flip permutation test of mean(d) = 0: (p, which test).
+    """Two-sided paired sign-flip permutation test of mean(d) = 0: (p, how p was computed).
 
     p = share of sign flips of the differences whose |mean| reaches the observed |mean|. Zero differences
     are dropped (flipping them changes nothing, so p is unchanged). Up to EXACT_MAX_N nonzero differences
@@ -115,7 +126,7 @@ def sign_flip_test(d, *, rounds: int = 10_000, seed: int = 0) -> tuple[float, st
     d = np.asarray(d, dtype=np.float64)
     d = d[d != 0]
     if d.size == 0:
-        return 1.0, "sign-flip permutation (no nonzero difference)"
+        return 1.0, "no nonzero difference"
     exact = d.size <= EXACT_MAX_N
     if exact:
         bits = (np.arange(2 ** d.size)[:, None] >> np.arange(d.size)) & 1
@@ -124,22 +135,23 @@ def sign_flip_test(d, *, rounds: int = 10_000, seed: int = 0) -> tuple[float, st
     flipped = np.abs(d.sum() - 2.0 * (bits @ d))              # |sum| of each flip (bit 1 = flipped); n cancels
     hits = int((flipped >= abs(d.sum()) * (1 - REL_TOL)).sum())
     if exact:
-        return hits / 2 ** d.size, f"sign-flip permutation (exact, 2^{d.size})"
-    return (hits + 1) / (rounds + 1), f"sign-flip permutation (Monte Carlo, {rounds} flips, (hits+1)/(rounds+1))"
+        return hits / 2 ** d.size, f"exact, 2^{d.size}"
+    return (hits + 1) / (rounds + 1), f"Monte Carlo, {rounds} flips, (hits+1)/(rounds+1)"
 
 
 def paired_test(a, b, *, rounds: int = 10_000, seed: int = 0, level: float = 0.95) -> dict:
     """Paired comparison of mean(b - a): bootstrap percentile CI, two-sided sign-flip permutation p
-    (`test` says exact or Monte Carlo) and Cohen's d_z (mean difference / std of differences)."""
+    (`p_method` says exact or Monte Carlo) and Cohen's d_z (mean difference / std of differences)."""
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
     if d.size == 0:
         return {"n": 0, "diff": math.nan, "lo": math.nan, "hi": math.nan, "p": math.nan, "cohen_dz": math.nan,
-                "test": "none (no pairs)"}
+                "test": "none", "p_method": "no pairs"}
     lo, hi = percentile_ci(resample_counts(d.size, rounds, seed) @ d / d.size, level)
-    p, test = sign_flip_test(d, rounds=rounds, seed=seed)
+    p, method = sign_flip_test(d, rounds=rounds, seed=seed)
     sd = float(d.std(ddof=1)) if d.size > 1 else 0.0
     return {"n": int(d.size), "a_mean": float(np.mean(a)), "b_mean": float(np.mean(b)), "diff": float(d.mean()),
-            "lo": lo, "hi": hi, "ci": "paired bootstrap percentile", "p": p, "test": test,
+            "lo": lo, "hi": hi, "ci": "paired bootstrap percentile", "p": p, "test": "sign-flip",
+            "p_method": method,
             "cohen_dz": float(d.mean() / sd) if sd > 0 else math.nan}
 
 
@@ -158,7 +170,7 @@ def welch(a: list[float], b: list[float], *, rounds: int = 2000, seed: int = 0, 
     from scipy.stats import ttest_ind
 
     x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    out = {"test": "welch_t", "n_a": int(x.size), "n_b": int(y.size),
+    out = {"test": "welch-t", "n_a": int(x.size), "n_b": int(y.size),
            "a_mean": float(x.mean()) if x.size else math.nan, "b_mean": float(y.mean()) if y.size else math.nan}
     if x.size < 2 or y.size < 2:
         return out | {"diff": out["b_mean"] - out["a_mean"], "lo": math.nan, "hi": math.nan, "p": math.nan}

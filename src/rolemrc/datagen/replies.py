@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolemrc.core.text import NARRATED_SPAN, NARRATION_MARK, content_words
+
 # intent -> what the role must do (also the instruction an LLM backend receives).
 INTENTS: dict[str, str] = {
     "answer": "Answer the question from the passage, in character and in your own voice.",
@@ -49,11 +51,7 @@ def repeats_itself(text: str) -> bool:
     return len(words) >= 30 and len(set(trigrams)) < MIN_DISTINCT_TRIGRAMS * len(trigrams)
 
 
-NARRATION = re.compile(r"[()\[\]*]")
-NARRATION_SPAN = re.compile(r"\([^()]*\)|\[[^\[\]]*\]|\*[^*]*\*")
 EMOJI = re.compile("[\U0001F300-\U0001FAFF\u2600-\u27BF]")
-STOP = frozenset(["a", "an", "the", "of", "in", "on", "at", "to", "and", "or", "is", "are", "was", "were", "be", "by", "for",
-                  "with", "from", "as", "that", "this", "it", "its", "about", "around", "into", "over", "than", "some"])
 
 
 @dataclass(frozen=True)
@@ -93,10 +91,6 @@ class ReplySpec:
             raise ValueError(f"intent {self.intent!r} needs an answer")
 
 
-def content_words(text: str) -> list[str]:
-    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOP]
-
-
 def said(words: set[str], spoken: str) -> int:
     """How many of `words` the spoken text holds."""
     return len(words & set(content_words(spoken)))
@@ -130,11 +124,11 @@ def check_reply(spec: ReplySpec, text: Any) -> str | None:
         return "repeats itself"
     if any(phrase in " ".join(text.lower().split()) for phrase in PROMPT_PHRASES):
         return "echoes the instructions"
-    if not spec.narration and NARRATION.search(text):
+    if not spec.narration and NARRATION_MARK.search(text):
         return "narration where none is allowed"
-    if spec.narration and not NARRATION.search(text) and not (spec.rule and spec.rule.kind == "max_words"):
+    if spec.narration and not NARRATION_MARK.search(text) and not (spec.rule and spec.rule.kind == "max_words"):
         return "narration missing"      # under a word limit narration is optional (the template drops it)
-    spoken = NARRATION_SPAN.sub(" ", text)     # the answer and the refusal must be said, not narrated
+    spoken = NARRATED_SPAN.sub(" ", text)     # the answer and the refusal must be said, not narrated
     answer = set(content_words(spec.answer or ""))
     if spec.intent in ANSWERING and answer and said(answer, spoken) < max(1, len(answer) // 2):
         return "answer missing"

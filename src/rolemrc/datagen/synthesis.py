@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolemrc.core.taxonomy import split_task
+from rolemrc.core.text import content_words
 from rolemrc.datagen.config import DroppedError
-from rolemrc.datagen.replies import ReplySpec, Rule, check_reply, content_words
+from rolemrc.datagen.replies import ReplySpec, Rule, check_reply
 from rolemrc.datagen.seeding import rng_for
 from rolemrc.datagen.sources import MSMARCO_NO_ANSWER
 

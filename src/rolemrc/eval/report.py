@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.core.figures import write_figure
+from rolemrc.core.stats import TEST_LABELS
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.eval.aggregate import AVERAGES
 from rolemrc.eval.metrics import metric_scale
@@ -110,5 +111,6 @@ def compare_markdown(comparison) -> str:
         for name, r in comparison.metrics.items():
             s = metric_scale(name)
             lines.append(f"| {name} | {s * r['a_mean']:.2f} | {s * r['b_mean']:.2f} | {s * r['diff']:+.2f} "
-                         f"[{s * r['lo']:+.2f}, {s * r['hi']:+.2f}] | {r['cohen_dz']:.2f} | {_p(r['p'])} | {r['test']} |")
+                         f"[{s * r['lo']:+.2f}, {s * r['hi']:+.2f}] | {r['cohen_dz']:.2f} | {_p(r['p'])} | "
+                         f"{TEST_LABELS[r['test']]} ({r['p_method']}) |")
     return "\n".join(lines) + "\n"

@@ -29,6 +29,7 @@ from typing import Any
 
 from rolemrc.core.records import prompt_turns
 from rolemrc.core.taxonomy import Aspect, split_task
+from rolemrc.core.text import ACTION_SPAN, NARRATION_MARK, content_words, words
 from rolemrc.eval.rule_parse import find_rule, nested_verdict
 from rolemrc.eval.verdicts import UNJUDGEABLE, Verdict
 
@@ -43,27 +44,17 @@ REFUSAL = re.compile("|".join((
     r"\bnot (?:there|in (?:the|these|this) (?:text|passages?))\b", r"\bnothing in\b", r"\bno (?:idea|answer)\b",
     r"\b(?:don't|do not) know\b", r"\bi(?:'m| am) (?:sorry|afraid)\b", r"\bwould be (?:dishonest|guessing)\b",
 )), re.I)
-NARRATION_SPAN = re.compile(r"\([^()]{2,}\)|\[[^\[\]]{2,}\]|\*[^*]{2,}\*")
 ROLE_PREFIX = re.compile(r"^\s*(?:user|assistant|system)\s*:", re.I | re.M)
 QUESTION_LINE = re.compile(r"^\s*question\s*:\s*(.+)$", re.I | re.M)
-# The generator's own evidence-word and narration notions, restated here so eval imports nothing from datagen.
-STOP = frozenset(("a", "an", "the", "of", "in", "on", "at", "to", "and", "or", "is", "are", "was", "were", "be", "by",
-                  "for", "with", "from", "as", "that", "this", "it", "its", "about", "around", "into", "over", "than", "some"))
-NARRATION = re.compile(r"[()\[\]*]")
 
 __all__ = ["find_rule", "judge_item"]
 
 
-def content_words(text: str) -> list[str]:
-    """Lower-cased words minus a few function words (what the evidence checks compare)."""
-    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOP]
-
-
 def copies_passage(reply: str, passages: str, n: int = 5) -> bool:
     """Whether the reply repeats n consecutive words of the passages."""
-    words = re.findall(r"[a-z0-9]+", passages.lower())
-    grams = {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
-    said = re.findall(r"[a-z0-9]+", reply.lower())
+    passage_words = words(passages)
+    grams = {tuple(passage_words[i:i + n]) for i in range(len(passage_words) - n + 1)}
+    said = words(reply)
     return any(tuple(said[i:i + n]) in grams for i in range(len(said) - n + 1))
 
 
@@ -112,8 +103,8 @@ def style(task: str, reply: str) -> tuple[bool, str]:
     if ROLE_PREFIX.search(reply):
         return False, "speaks for another role"
     if split_task(task)[0].endswith("_with_narration"):
-        return (True, "narration present") if NARRATION_SPAN.search(reply) else (False, "no narration")
-    return (False, "narration where none is allowed") if NARRATION.search(reply) else (True, "speech only")
+        return (True, "narration present") if ACTION_SPAN.search(reply) else (False, "no narration")
+    return (False, "narration where none is allowed") if NARRATION_MARK.search(reply) else (True, "speech only")
 
 
 def judge_item(item: dict[str, Any], aspect: Aspect) -> Verdict:

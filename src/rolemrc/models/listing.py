@@ -7,8 +7,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from rolemrc.models.known import MODELS
 from rolemrc.models.manifest import is_intact, read_manifest, summary
-from rolemrc.models.registry import MODELS
 
 
 def known_table() -> Table:

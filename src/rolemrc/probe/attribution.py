@@ -173,9 +173,6 @@ def load_attribution(path: str | os.PathLike) -> Attribution:
     """An attribution file (`rolemrc probe attribute`); its `scores` are the per-dimension mean score tensors."""
     expect(path, "attribution", "expected an attribution file (from `rolemrc probe attribute`)")
     meta, tensors = read_tensors(path, "attribution file", missing="no such attribution file")
-    if meta.get("kind") != KIND:
-        raise ProbeError(f"{path}: not an attribution file (kind {meta.get('kind', 'probe counts')!r}); "
-                         "write one with `rolemrc probe attribute`")
     check_format(path, meta, KIND)
     dims = json.loads(meta.pop("dimensions"))
     return Attribution({d: tensors[f"attribution.{d}"] for d in dims}, {d: int(tensors[f"pairs.{d}"]) for d in dims},

@@ -10,7 +10,6 @@ import typer
 from typer.core import TyperCommand
 
 from rolemrc.core.cli import cli_app
-from rolemrc.core.errors import InputError
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
 
@@ -170,8 +169,7 @@ def diff_cmd(
 
 @app.command("explore")
 def explore_cmd(
-    diff_dir: Path = typer.Argument(None, help="the diff folder (as --diff; kept for old scripts)", show_default=False),
-    diff: Path = typer.Option(None, "--diff", help="the diff folder written by `rolemrc probe diff`"),
+    diff: Path = typer.Option(..., "--diff", help="the diff folder written by `rolemrc probe diff`"),
     out: Path = typer.Option(..., "--out", help="HTML file to write"),
     max_units: int = typer.Option(512, help="most changed units embedded per layer (for the preview: per layer and sign)"),
     fdr: float = typer.Option(0.05, help="q threshold for highlighting and for the preview's q < fdr"),
@@ -179,7 +177,5 @@ def explore_cmd(
     """Write a self-contained interactive layer explorer (open it in a browser)."""
     from rolemrc.probe.explorer import write_explorer
 
-    if (diff is None) == (diff_dir is None):
-        raise InputError("give the diff folder once: --diff DIR (or as the argument)")
-    path = write_explorer(diff or diff_dir, out, max_units=max_units, fdr=fdr)
+    path = write_explorer(diff, out, max_units=max_units, fdr=fdr)
     typer.echo(json.dumps({"out": str(path), "bytes": path.stat().st_size}))

@@ -87,10 +87,7 @@ def read_probe_tensors(path: str | os.PathLike) -> tuple[dict[str, str], dict[st
     attribution file has) is refused by name."""
     expect(path, ("probe", "paired-probe"), "expected a probe file (from `rolemrc probe collect`)")
     meta, tensors = read_tensors(path, "probe file", missing="no such probe file")
-    kind = meta.get("kind", "probe")
-    if kind not in ("probe", "paired-probe"):
-        raise ProbeError(f"{path}: an {kind} file, not a probe file of counts")
-    check_format(path, meta, kind)
+    check_format(path, meta, meta["kind"])
     return meta, tensors
 
 
@@ -245,10 +242,10 @@ class ProbeCounts:
     count: dict[str, torch.Tensor]
     cases: dict[str, int]
     observations: dict[str, int]
+    case_hashes: torch.Tensor  # int64 [cases], sorted
+    act_sum: dict[str, torch.Tensor]  # int64 [2, layers, width] limbs
+    act_sq: dict[str, torch.Tensor]   # sums of x^2, likewise
     meta: dict[str, str] = field(default_factory=dict)
-    case_hashes: torch.Tensor | None = None  # int64 [cases], sorted (None: not recorded)
-    act_sum: dict[str, torch.Tensor] = field(default_factory=dict)  # int64 [2, layers, width] limbs ({}: not recorded)
-    act_sq: dict[str, torch.Tensor] = field(default_factory=dict)   # sums of x^2, likewise
 
     @property
     def dimensions(self) -> list[str]:
@@ -259,11 +256,6 @@ class ProbeCounts:
         """Dimensions with no observations: they have no frequency, only the fact of being empty."""
         return [d for d in self.count if self.observations[d] == 0]
 
-    @property
-    def has_moments(self) -> bool:
-        """Whether the activation moments were recorded (probe files written before them have counts only)."""
-        return all(d in self.act_sum and d in self.act_sq for d in self.count)
-
     def freq(self, dimension: str) -> torch.Tensor:
         """count / observations for one dimension; raises for an empty dimension (never divides by 0)."""
         return self.count[dimension].double() / self._observed(dimension)
@@ -273,9 +265,6 @@ class ProbeCounts:
         within the fixed point's resolution, MOMENT_UNIT * (1/2 + |mean|) * n / (n - 1), is 0 (a constant unit);
         with one observation the variance is 0."""
         n = self._observed(dimension)
-        if not self.has_moments:
-            raise ProbeError(f"{self.meta.get('model', 'this probe')}: no activation moments (a probe file written "
-                             "before they were recorded); collect it again with `rolemrc probe collect`")
         total, squares = fixed_value(self.act_sum[dimension]), fixed_value(self.act_sq[dimension])
         mean = total / n
         if n < 2:
@@ -301,11 +290,9 @@ class ProbeCounts:
             tensors[f"count.{tag}{d}"] = self.count[d].cpu().contiguous()
             tensors[f"cases.{d}"] = torch.tensor(self.cases[d], dtype=torch.int64)
             tensors[f"observations.{d}"] = torch.tensor(self.observations[d], dtype=torch.int64)
-            if self.has_moments:
-                tensors[f"act_sum.{tag}{d}"] = self.act_sum[d].cpu().contiguous()
-                tensors[f"act_sq.{tag}{d}"] = self.act_sq[d].cpu().contiguous()
-        if self.case_hashes is not None:
-            tensors[CASE_HASHES] = self.case_hashes
+            tensors[f"act_sum.{tag}{d}"] = self.act_sum[d].cpu().contiguous()
+            tensors[f"act_sq.{tag}{d}"] = self.act_sq[d].cpu().contiguous()
+        tensors[CASE_HASHES] = self.case_hashes
         return tensors
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -327,6 +314,6 @@ class ProbeCounts:
         dims = json.loads(meta.pop("dimensions"))
         count = {d: tensors[f"count.{tag}{d}"] for d in dims}
         cases = {d: int(tensors[f"cases.{d}"]) for d in dims}
-        observations = {d: int(tensors.get(f"observations.{d}", tensors[f"cases.{d}"])) for d in dims}
-        moments = [{d: tensors[key] for d in dims if (key := f"{name}.{tag}{d}") in tensors} for name in ("act_sum", "act_sq")]
-        return cls(count, cases, observations, meta, tensors.get(CASE_HASHES), *moments)
+        observations = {d: int(tensors[f"observations.{d}"]) for d in dims}
+        moments = [{d: tensors[f"{name}.{tag}{d}"] for d in dims} for name in ("act_sum", "act_sq")]
+        return cls(count, cases, observations, tensors[CASE_HASHES], *moments, meta=meta)

@@ -12,24 +12,19 @@ from pathlib import Path
 
 import torch
 
-from rolemrc.core.artifacts import check_format, expect, stamp
-from rolemrc.core.stats import benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test, welch_t_test
+from rolemrc.core.artifacts import check_format, describe, expect, stamp
+from rolemrc.core.stats import TEST_LABELS, benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test, welch_t_test
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.paired import PairedCounts, load_probe
 from rolemrc.probe.ranking import rank_units
 
 DIFF_FILE = "diff.safetensors"
-# The per-unit test a diff used (its metadata `test`, summary.json "test").
-PAIRED = "exact McNemar (paired)"
-PAIRED_TOKENS_ALL = "paired t-test on per-case token shares (paired)"
-UNPAIRED = "two-proportion z-test (unpaired)"
-UNPAIRED_TOKENS_ALL = "none (unpaired, tokens=all)"
-# The per-unit test of the standardized effect (diff metadata `effect_test`, summary.json "effect_test").
-EFFECT_PAIRED = "paired t-test on per-case mean activation differences (paired)"
-EFFECT_UNPAIRED = "Welch t-test from activation moments (unpaired)"
-NO_MOMENTS = "none (no activation moments: probe files collected before they were recorded)"
-EFFECT_TESTS = (EFFECT_PAIRED, EFFECT_UNPAIRED)  # the effect tests that give p and q
+# The per-unit tests, by code (core.stats.TEST_LABELS; diff metadata and summary.json "test" and "effect_test"):
+# frequency: "mcnemar" (paired, tokens=last), "paired-t" on per-case token shares (paired, tokens=all),
+# "two-proportion-z" (unpaired, tokens=last), "none" (unpaired, tokens=all); standardized effect: "paired-t" on
+# per-case mean activation differences (paired), "welch-t" from the moments (unpaired, tokens=last), "none"
+# (unpaired, tokens=all).
 EFFECT_TABLES = ("mean_a", "mean_b", "effect", "effect_t", "effect_p", "effect_q")  # DiffResult fields, diff tensors
 NO_TEST_WHY = ("unpaired tokens=all probe files count every prompt token as a trial, but the tokens of one prompt are "
                "correlated: no valid per-unit test, so no p- or q-values (collect both models paired: "
@@ -54,7 +49,7 @@ class DiffResult:
     cases_a: dict[str, int] = field(default_factory=dict)
     cases_b: dict[str, int] = field(default_factory=dict)
     empty: dict[str, str] = field(default_factory=dict)  # dimension -> why it was not compared
-    # From the activation moments ({} without them): each unit's mean activation under a and b, the standardized
+    # From the activation moments: each unit's mean activation under a and b, the standardized
     # effect (mean_b - mean_a) / sqrt((var_a + var_b) / 2) (0 where both variances are 0), and its test (NaN: none).
     mean_a: dict[str, torch.Tensor] = field(default_factory=dict)
     mean_b: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -77,22 +72,22 @@ class DiffResult:
 
     @property
     def test(self) -> str:
-        """The per-unit test (PAIRED, PAIRED_TOKENS_ALL, UNPAIRED or UNPAIRED_TOKENS_ALL: none)."""
-        return self.meta.get("test", UNPAIRED)  # diffs written before the test was recorded used the z-test
+        """The frequency's per-unit test, by code."""
+        return self.meta["test"]
 
     @property
     def tested(self) -> bool:
         """False where no valid per-unit test exists: statistic, p and q are NaN and never reported."""
-        return self.test != UNPAIRED_TOKENS_ALL
+        return self.test != "none"
 
     @property
     def effect_test(self) -> str:
-        """The standardized effect's per-unit test (EFFECT_TESTS), or why there is none."""
-        return self.meta.get("effect_test", NO_MOMENTS)  # diffs written before the moments have no effect
+        """The standardized effect's per-unit test, by code."""
+        return self.meta["effect_test"]
 
     @property
     def effect_tested(self) -> bool:
-        return self.effect_test in EFFECT_TESTS
+        return self.effect_test != "none"
 
     def layer_summary(self, fdr: float = 0.05) -> list[dict]:
         """One row per dimension and layer: mean |delta|, signed mean, max |delta|, significant units
@@ -128,7 +123,7 @@ class DiffResult:
                     row.update(z=float(self.z[d][layer, unit]), p=float(self.pvalue[d][layer, unit]),
                                q=float(self.qvalue[d][layer, unit]))
                 names = EFFECT_TABLES if self.effect_tested else EFFECT_TABLES[:3]
-                row.update({name: float(getattr(self, name)[d][layer, unit]) for name in names if d in self.effect})
+                row.update({name: float(getattr(self, name)[d][layer, unit]) for name in names})
                 rows.append(row)
         return rows
 
@@ -144,10 +139,9 @@ class DiffResult:
                                        ("delta", self.delta, torch.float32), ("z", self.z, torch.float32),
                                        ("pvalue", self.pvalue, torch.float64), ("qvalue", self.qvalue, torch.float64)):
                 tensors[f"{name}.{d}"] = table[d].to(dtype).contiguous()
-            if d in self.effect:
-                for name in EFFECT_TABLES:
-                    dtype = torch.float64 if name in ("effect_p", "effect_q") else torch.float32
-                    tensors[f"{name}.{d}"] = getattr(self, name)[d].to(dtype).contiguous()
+            for name in EFFECT_TABLES:
+                dtype = torch.float64 if name in ("effect_p", "effect_q") else torch.float32
+                tensors[f"{name}.{d}"] = getattr(self, name)[d].to(dtype).contiguous()
         meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "cases_a": json.dumps(self.cases_a),
                 "cases_b": json.dumps(self.cases_b), "empty": json.dumps(self.empty), **stamp("diff")}
         save_file(tensors, str(out / DIFF_FILE), metadata=meta)
@@ -179,8 +173,9 @@ class DiffResult:
                 "peak_layer": peak["layer"], "peak_layer_mean_abs_delta": peak["mean_abs_delta"],
             }
         ranked = sorted(per_dim, key=lambda d: -per_dim[d]["mean_abs_delta"])
-        return {"a": self.meta.get("a"), "b": self.meta.get("b"), "hook": self.hook, "test": self.test,
-                **({} if self.tested else {"no_test": NO_TEST_WHY}), "effect_test": self.effect_test, "fdr": fdr,
+        return {"a": self.meta.get("a"), "b": self.meta.get("b"), "hook": self.hook,
+                "test": self.test, "test_label": TEST_LABELS[self.test], **({} if self.tested else {"no_test": NO_TEST_WHY}),
+                "effect_test": self.effect_test, "effect_test_label": TEST_LABELS[self.effect_test], "fdr": fdr,
                 "dimensions": per_dim, "largest_shift": ranked[0] if ranked else None,
                 "not_compared": self.empty}
 
@@ -201,7 +196,7 @@ def check_comparable(a: ProbeCounts, b: ProbeCounts, keys: Sequence[str] = COMPA
 
 Probe = ProbeCounts | PairedCounts | str | os.PathLike
 Test = Callable[[str], tuple[torch.Tensor, torch.Tensor]]  # dimension -> (statistic, p) per unit
-Named = tuple[Test | None, str]  # a per-unit test (None: no test) and its name
+Named = tuple[Test | None, str]  # a per-unit test (None: no test) and its code
 
 
 def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) -> DiffResult:
@@ -210,7 +205,7 @@ def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) 
     Two unpaired probe files: the two-proportion z-test per unit (tokens=last; no test for tokens=all).
     One paired probe file (b omitted): models[0] vs models[1] of it, with the exact McNemar test per unit
     (tokens=last) or the paired t-test on per-case token shares (tokens=all).
-    The standardized effect (files with activation moments) is tested by Welch's t (unpaired, tokens=last; no test
+    The standardized effect (from the activation moments) is tested by Welch's t (unpaired, tokens=last; no test
     for tokens=all) or the paired t-test on per-case mean activation differences (paired, either policy).
     """
     if b is None:
@@ -222,13 +217,15 @@ def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) 
     (a, name_a), (b, name_b) = _single(a), _single(b)
     check_comparable(a, b)
     if a.meta.get("tokens") == "all":
-        return _compare(a, b, (name_a, name_b), (None, UNPAIRED_TOKENS_ALL), (None, UNPAIRED_TOKENS_ALL))
+        return _compare(a, b, (name_a, name_b), (None, "none"), (None, "none"))
 
     def welch(d: str) -> tuple[torch.Tensor, torch.Tensor]:
         return welch_t_test(*a.moments(d), a.observations[d], *b.moments(d), b.observations[d])
 
-    frequency = (lambda d: two_proportion_test(a.count[d], a.observations[d], b.count[d], b.observations[d])), UNPAIRED
-    return _compare(a, b, (name_a, name_b), frequency, (welch, EFFECT_UNPAIRED))
+    def frequency(d: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return two_proportion_test(a.count[d], a.observations[d], b.count[d], b.observations[d])
+
+    return _compare(a, b, (name_a, name_b), (frequency, "two-proportion-z"), (welch, "welch-t"))
 
 
 def _single(x: Probe) -> tuple[ProbeCounts, str]:
@@ -244,26 +241,24 @@ def _diff_paired(paired: PairedCounts, i: int, j: int, where: str) -> DiffResult
     if i == j:
         raise ProbeError(f"--a and --b name the same model ({i}); pick two of 0-{len(paired.counts) - 1}")
     a, b = paired.counts[i], paired.counts[j]
-    effect = (lambda d: paired_t_test(*paired.act_diff(i, j, d), a.cases[d])), EFFECT_PAIRED
+    effect = (lambda d: paired_t_test(*paired.act_diff(i, j, d), a.cases[d])), "paired-t"
     if paired.meta.get("tokens") == "all":
         test = lambda d: paired_t_test(*paired.share_diff(i, j, d), a.cases[d])  # noqa: E731
-        name = PAIRED_TOKENS_ALL
+        name = "paired-t"
     else:
         def test(d: str) -> tuple[torch.Tensor, torch.Tensor]:   # b01: active under j (B) only, b10: under i (A) only
             stat, p = mcnemar(paired.discordant(j, i, d).cpu(), paired.discordant(i, j, d).cpu())
             return torch.from_numpy(stat), torch.from_numpy(p)
 
-        name = PAIRED
+        name = "mcnemar"
     names = tuple(f"{c.meta.get('model', '')} [model {m} of {where or 'the paired probe'}]" for c, m in ((a, i), (b, j)))
-    return _compare(a, b, names, (test, name), effect if paired.has_moments else (None, NO_MOMENTS))
+    return _compare(a, b, names, (test, name), effect)
 
 
 def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], frequency: Named, effect: Named) -> DiffResult:
-    """freq, delta and the frequency test, and (where both have moments) the standardized effect and its test, per
-    dimension (a test of None: statistic, p and q are NaN)."""
-    moments = a.has_moments and b.has_moments
-    effect_test, effect_name = effect if moments else (None, NO_MOMENTS)
-    test, test_name = frequency
+    """freq, delta and the frequency test, and the standardized effect and its test, per dimension (a test of None:
+    statistic, p and q are NaN)."""
+    (test, test_name), (effect_test, effect_name) = frequency, effect
     result = DiffResult({}, {}, {}, {}, {}, {}, meta={
         **{key: a.meta[key] for key in (*COMPARABLE_KEYS, "k") if key in a.meta},
         "a": names[0], "b": names[1], "test": test_name, "effect_test": effect_name,
@@ -282,10 +277,9 @@ def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], frequency: 
         result.freq_a[d], result.freq_b[d] = a.freq(d), b.freq(d)
         result.delta[d] = result.freq_b[d] - result.freq_a[d]
         result.z[d], result.pvalue[d], result.qvalue[d] = _tested(test, d, result.delta[d])
-        if moments:
-            (result.mean_a[d], var_a), (result.mean_b[d], var_b) = a.moments(d), b.moments(d)
-            result.effect[d] = standardized_effect(result.mean_a[d], var_a, result.mean_b[d], var_b)
-            result.effect_t[d], result.effect_p[d], result.effect_q[d] = _tested(effect_test, d, result.effect[d])
+        (result.mean_a[d], var_a), (result.mean_b[d], var_b) = a.moments(d), b.moments(d)
+        result.effect[d] = standardized_effect(result.mean_a[d], var_a, result.mean_b[d], var_b)
+        result.effect_t[d], result.effect_p[d], result.effect_q[d] = _tested(effect_test, d, result.effect[d])
     for d in b.dimensions:
         if d not in a.count:
             result.empty[d] = "only in b"
@@ -313,12 +307,12 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
     file = path / DIFF_FILE if path.is_dir() else path
     meta, tensors = read_tensors(file, "diff file",
                                  missing="no diff file (run `rolemrc probe diff A B --out DIR` first)")
-    if meta.get("kind", "diff") != "diff":
-        raise ProbeError(f"{file}: not a probe diff (its kind is {meta['kind']!r}; `rolemrc probe diff` writes diffs)")
+    if meta.get("kind") != "diff":
+        raise ProbeError(f"{file} is {describe(file)}; expected a diff file (from `rolemrc probe diff`)")
     check_format(file, meta, "diff")
     dims = json.loads(meta.pop("dimensions"))
-    tables = {name: {d: tensors[f"{name}.{d}"] for d in dims} for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue")}
-    tables |= {name: {d: tensors[f"{name}.{d}"] for d in dims if f"{name}.{d}" in tensors} for name in EFFECT_TABLES}
+    tables = {name: {d: tensors[f"{name}.{d}"] for d in dims}
+              for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue", *EFFECT_TABLES)}
     return DiffResult(**tables, meta=meta, cases_a=json.loads(meta.pop("cases_a", "{}")),
                       cases_b=json.loads(meta.pop("cases_b", "{}")), empty=json.loads(meta.pop("empty", "{}")))
 

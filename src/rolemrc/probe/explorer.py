@@ -1,4 +1,4 @@
-"""`rolemrc probe explore DIFF_DIR --out explorer.html`: one self-contained interactive Plotly page.
+"""`rolemrc probe explore --diff DIFF_DIR --out explorer.html`: one self-contained interactive Plotly page.
 
 Pick a dimension; see the layer-by-layer shift; click a layer to see its units (frequency under A vs B,
 delta, FDR-significant units highlighted); preview which units `intervene select` picks for given layers,

@@ -4,7 +4,6 @@ collection over all their cases would give (docs/ARCHITECTURE.md "Probe file")."
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,9 +16,7 @@ from rolemrc.probe.cases import cases_fingerprint, dimension_order
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
 from rolemrc.probe.diff import Probe, ProbeMismatchError, check_comparable
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.paired import ACT_DIFF, MODEL_KEYS, PairedCounts, load_probe
-
-log = logging.getLogger(__name__)
+from rolemrc.probe.paired import MODEL_KEYS, PairedCounts, load_probe
 
 # Metadata that must agree for counts to add up: the counting settings, and each model's identity at its dtype.
 MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field",
@@ -36,10 +33,6 @@ def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
     loaded = [load_probe(p) if isinstance(p, (str, os.PathLike)) else p for p in probes]
     models = [x.counts if isinstance(x, PairedCounts) else [x] for x in loaded]
     parts = [counts[0].case_hashes for counts in models]
-    for name, h in zip(names, parts):
-        if h is None:
-            raise ProbeError(f"{name}: records no case hashes (collected by an older rolemrc), so overlaps with the "
-                             "other files cannot be ruled out; collect it again to merge it")
     for name, probe, counts in zip(names[1:], loaded[1:], models[1:]):
         if type(probe) is not type(loaded[0]) or len(counts) != len(models[0]):
             raise ProbeMismatchError(f"probe files {names[0]} and {name} are not comparable "
@@ -54,17 +47,13 @@ def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
                                        for name, x, h in zip(names, loaded, parts)])}
     seen = {d for counts in models for d in counts[0].dimensions}
     dims = dimension_order(seen, bool(meta.get("dimension_field")))
-    moments = all(x.has_moments for x in loaded)
-    if not moments:
-        log.warning("merging probe files of which some have no activation moments (%s): the merged file has none",
-                    ", ".join(name for name, x in zip(names, loaded) if not x.has_moments))
-    summed = [_sum([counts[m] for counts in models], dims, hashes, moments) for m in range(len(models[0]))]
+    summed = [_sum([counts[m] for counts in models], dims, hashes) for m in range(len(models[0]))]
     if not isinstance(loaded[0], PairedCounts):
         summed[0].meta = meta
         return summed[0]
     for m, counts in enumerate(summed):
         counts.meta = {**meta, **{key: loaded[0].counts[m].meta.get(key, "") for key in MODEL_KEYS}}
-    keys = dict.fromkeys(key for x in loaded for key in x.pair_stats if moments or key.split(".", 1)[0] not in ACT_DIFF)
+    keys = dict.fromkeys(key for x in loaded for key in x.pair_stats)
     stats = {key: _add([x.pair_stats[key] for x in loaded if key in x.pair_stats]) for key in keys}
     return PairedCounts(summed, stats, meta)
 
@@ -125,9 +114,8 @@ def _add(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tensors).sum(0)
 
 
-def _sum(parts: list[ProbeCounts], dims: list[str], hashes: torch.Tensor, moments: bool) -> ProbeCounts:
-    """One model's counts (and, with `moments`, its activation moments) summed over the parts (a dimension a part
-    lacks counts zero there)."""
+def _sum(parts: list[ProbeCounts], dims: list[str], hashes: torch.Tensor) -> ProbeCounts:
+    """One model's counts and activation moments summed over the parts (a dimension a part lacks counts zero there)."""
     def total(table: str) -> dict[str, torch.Tensor]:
         return {d: _add([getattr(p, table)[d] for p in parts if d in p.count]) for d in dims}
 
@@ -136,6 +124,6 @@ def _sum(parts: list[ProbeCounts], dims: list[str], hashes: torch.Tensor, moment
         cases={d: sum(p.cases.get(d, 0) for p in parts) for d in dims},
         observations={d: sum(p.observations.get(d, 0) for p in parts) for d in dims},
         case_hashes=hashes,
-        act_sum=total("act_sum") if moments else {},
-        act_sq=total("act_sq") if moments else {},
+        act_sum=total("act_sum"),
+        act_sq=total("act_sq"),
     )

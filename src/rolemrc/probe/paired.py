@@ -145,17 +145,9 @@ class PairedCounts:
         """Cases of `dimension` on which each unit is active under model i and not under model j (tokens=last)."""
         return self.pair_stats[f"discordant.{i}.{j}.{dimension}"]
 
-    @property
-    def has_moments(self) -> bool:
-        """Whether activation moments were recorded (per model and per pair; older files have counts only)."""
-        return all(c.has_moments for c in self.counts) and any(k.startswith(ACT_DIFF[0] + ".") for k in self.pair_stats)
-
     def share_diff(self, i: int, j: int, dimension: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of d, sum of d^2) over the cases of `dimension`, d = share_j - share_i (tokens=all), float64."""
-        def value(t: torch.Tensor) -> torch.Tensor:
-            return t.double() if t.is_floating_point() else t.double() * SHARE_UNIT  # float: written before fixed point
-
-        return self._diff_sums(STATS["all"], value, i, j, dimension)
+        return self._diff_sums(STATS["all"], lambda t: t.double() * SHARE_UNIT, i, j, dimension)
 
     def act_diff(self, i: int, j: int, dimension: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of d, sum of d^2) over the cases of `dimension`, d = a case's mean activation under j minus under i

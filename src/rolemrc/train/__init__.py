@@ -6,12 +6,12 @@
 Heavy imports (torch, transformers, trl) happen on first use, so `rolemrc --help` stays fast.
 """
 
-from rolemrc.train.config import BaseTrainConfig, ConfigError, DPOTrainConfig, SFTTrainConfig, TrainConfig, make_config
+from rolemrc.train.config import BaseTrainConfig, DPOTrainConfig, SFTTrainConfig, TrainConfig, TrainConfigError, make_config
 
-_LAZY = {"train_base": "rolemrc.train.base", "train_sft": "rolemrc.train.sft", "train_dpo": "rolemrc.train.dpo",
+_LAZY = {"train_base": "rolemrc.train.embedded", "train_sft": "rolemrc.train.sft", "train_dpo": "rolemrc.train.dpo",
          "TrainResult": "rolemrc.train.runner", "DataError": "rolemrc.train.data"}
 
-__all__ = ["BaseTrainConfig", "ConfigError", "DPOTrainConfig", "SFTTrainConfig", "TrainConfig", "make_config", *_LAZY]
+__all__ = ["BaseTrainConfig", "DPOTrainConfig", "SFTTrainConfig", "TrainConfig", "TrainConfigError", "make_config", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -23,8 +23,13 @@ app = cli_app(help="Train the embedded base model, then SFT and DPO (trl).")
 
 
 def option(name: str, default: Any = None, *flags: str, cls: type[TrainConfig] = TrainConfig) -> Any:
-    """A typer option whose help is the setting's (or shorthand's) help in rolemrc.train.config."""
+    """A typer option whose help is the setting's help in rolemrc.train.config."""
     return typer.Option(default, *flags, help=help_text(cls, name))
+
+
+def trainer_option(key: str, help: str, *flags: str) -> Any:
+    """A typer option for the trainer argument `key` (passed on as trl.KEY)."""
+    return typer.Option(None, *flags, help=f"{help} (trl.{key})")
 
 
 PROFILE = typer.Option("tiny", help="bundled profile (tiny | paper) or a YAML file with base/sft/dpo sections")
@@ -32,9 +37,9 @@ CONFIG = typer.Option(None, "--config", help="YAML overriding the profile (stage
 SET = typer.Option([], "--set", help="override a setting (--set batch_size=4) or a trainer argument "
                                      "(--set trl.optim=adafactor); repeatable")
 OUT = option("out", ...)
-MAX_STEPS = option("max_steps")
-EPOCHS = option("num_train_epochs")
-LR = option("learning_rate", None, "--learning-rate")
+MAX_STEPS = trainer_option("max_steps", "stop after this many optimiser steps (overrides epochs)")
+EPOCHS = trainer_option("num_train_epochs", "training epochs")
+LR = trainer_option("learning_rate", "peak learning rate", "--learning-rate")
 BATCH = option("batch_size")
 RESUME = option("resume", None, "--resume/--no-resume")
 PROGRESS = option("progress", True, "--progress/--no-progress")
@@ -52,6 +57,11 @@ def _run(stage: str, profile: str, config_file: Path | None, sets: list[str], **
                "resumed_from": result.resumed_from, "data": {k: result.data[k] for k in ("kept", "skipped", "reasons")},
                "metrics": {k: round(v, 5) if isinstance(v, float) else v for k, v in result.metrics.items()}}
     typer.echo(json.dumps(summary, indent=1))
+
+
+def trainer_overrides(max_steps: int | None, epochs: float | None, learning_rate: float | None) -> dict[str, Any]:
+    """The trainer arguments every stage's command takes as options, as trl.KEY overrides."""
+    return {"trl.max_steps": max_steps, "trl.num_train_epochs": epochs, "trl.learning_rate": learning_rate}
 
 
 def _trainer(stage: str):
@@ -78,8 +88,7 @@ def base_cmd(
 ) -> None:
     """Train a tokenizer and a small Llama from scratch on the chat-formatted data (test records held out)."""
     _run("base", profile, config, set_, data=[str(p) for p in data], out=str(out), vocab_size=vocab_size,
-         max_steps=max_steps, num_train_epochs=epochs, learning_rate=lr, batch_size=batch_size, resume=resume,
-         progress=progress)
+         batch_size=batch_size, resume=resume, progress=progress, **trainer_overrides(max_steps, epochs, lr))
 
 
 @app.command("sft")
@@ -102,8 +111,8 @@ def sft_cmd(
 ) -> None:
     """Supervised fine-tuning (trl SFTTrainer), loss on assistant turns only."""
     _run("sft", profile, config, set_, model=str(model), data=[str(p) for p in data], out=str(out),
-         mix=list(mix) or None, lora=lora, max_steps=max_steps, num_train_epochs=epochs, learning_rate=lr,
-         batch_size=batch_size, resume=resume, progress=progress)
+         mix=list(mix) or None, lora=lora, batch_size=batch_size, resume=resume, progress=progress,
+         **trainer_overrides(max_steps, epochs, lr))
 
 
 @app.command("dpo")
@@ -112,7 +121,7 @@ def dpo_cmd(
     model: Path = option("model", ..., cls=DPOTrainConfig),
     data: list[Path] = option("data", ..., cls=DPOTrainConfig),
     out: Path = OUT,
-    beta: float = option("beta"),
+    beta: float = trainer_option("beta", "DPO beta"),
     lora: bool = LORA,
     profile: str = PROFILE,
     config: Path = CONFIG,
@@ -125,6 +134,6 @@ def dpo_cmd(
     progress: bool = PROGRESS,
 ) -> None:
     """Direct preference optimisation (trl DPOTrainer) from an SFT checkpoint."""
-    _run("dpo", profile, config, set_, model=str(model), data=[str(p) for p in data], out=str(out), beta=beta,
-         lora=lora, max_steps=max_steps, num_train_epochs=epochs, learning_rate=lr, batch_size=batch_size,
-         resume=resume, progress=progress)
+    _run("dpo", profile, config, set_, model=str(model), data=[str(p) for p in data], out=str(out), lora=lora,
+         batch_size=batch_size, resume=resume, progress=progress, **trainer_overrides(max_steps, epochs, lr),
+         **{"trl.beta": beta})

@@ -6,8 +6,7 @@ arguments for the stage's trainer arguments class (transformers' `TrainingArgume
 `SFTConfig` / `DPOConfig`): any field of that class is accepted, anything else is refused with close
 matches. The config of a run is: defaults (the fields' and `TRL_DEFAULTS`) < profile section <
 `--config` file (same layout, or a flat mapping for one stage) < explicit overrides; `trl:` mappings
-merge key by key. Overrides name trainer arguments as `trl.KEY` (`--set trl.loss_type=ipo`); the
-common ones may also be written flat (`SHORTHANDS`, the names rolemrc's own settings once had).
+merge key by key. Overrides name trainer arguments as `trl.KEY` (`--set trl.loss_type=ipo`).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 STAGES = ("base", "sft", "dpo")
 
 
-class ConfigError(RolemrcError, ValueError):
+class TrainConfigError(RolemrcError, ValueError):
     """A config or profile is malformed (unknown key, wrong type, missing section)."""
 
 
@@ -47,25 +46,6 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "dpo": {"max_length": 512, "beta": 0.1},
 }
 
-# Flat names accepted for common trainer arguments: name -> (trainer argument, help).
-SHORTHANDS: dict[str, tuple[str, str]] = {
-    "learning_rate": ("learning_rate", "peak learning rate"),
-    "lr_scheduler_type": ("lr_scheduler_type", "learning-rate schedule (cosine, linear, constant, ...)"),
-    "warmup_ratio": ("warmup_steps", "warmup as a share of all steps (trl's warmup_steps below 1)"),
-    "num_train_epochs": ("num_train_epochs", "training epochs"),
-    "max_steps": ("max_steps", "stop after this many optimiser steps (overrides epochs)"),
-    "weight_decay": ("weight_decay", "AdamW weight decay"),
-    "max_grad_norm": ("max_grad_norm", "gradient clipping norm"),
-    "max_length": ("max_length", "truncate sequences to this many tokens (sft, dpo)"),
-    "logging_steps": ("logging_steps", "log every this many steps"),
-    "save_steps": ("save_steps", "checkpoint every this many steps"),
-    "save_total_limit": ("save_total_limit", "checkpoints kept while training"),
-    "bf16": ("bf16", "bf16 mixed precision"),
-    "gradient_checkpointing": ("gradient_checkpointing", "trade compute for memory"),
-    "beta": ("beta", "DPO beta (dpo)"),
-}
-
-
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -80,7 +60,7 @@ def accumulation_steps(config: TrainConfig) -> int:
         return 1
     per_step = config.batch_size * world_size()
     if config.effective_batch_size % per_step:
-        raise ConfigError(f"effective_batch_size {config.effective_batch_size} is not a multiple of batch_size "
+        raise TrainConfigError(f"effective_batch_size {config.effective_batch_size} is not a multiple of batch_size "
                           f"{config.batch_size} x {world_size()} process(es)")
     return config.effective_batch_size // per_step
 
@@ -95,9 +75,9 @@ DERIVED: dict[str, tuple[str, Callable[[TrainConfig], Any]]] = {
 }
 
 
-def _suggest(key: str, candidates: Iterable[str]) -> str:
+def _suggest(key: str, candidates: Iterable[str], shown: Callable[[str], str] = str) -> str:
     close = difflib.get_close_matches(key, list(candidates), n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"; did you mean {' or '.join(map(shown, close))}?" if close else ""
 
 
 def _coerce(hint: Any, value: Any, name: str) -> Any:
@@ -131,7 +111,7 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         return target(value) if target in (int, float, str) else value
     except (TypeError, ValueError):
         shown = getattr(target, "__name__", None) or str(hint)
-        raise ConfigError(f"{name}: cannot use {value!r} as {shown}") from None
+        raise TrainConfigError(f"{name}: cannot use {value!r} as {shown}") from None
 
 
 @dataclass(kw_only=True)
@@ -161,11 +141,11 @@ class TrainConfig:
                   ("max_bad_share", 0 <= self.max_bad_share <= 1, "in [0, 1]"))
         for name, ok, rule in checks:
             if not ok:
-                raise ConfigError(f"{name} must be {rule}, got {self.trl.get(name, getattr(self, name, None))}")
+                raise TrainConfigError(f"{name} must be {rule}, got {self.trl.get(name, getattr(self, name, None))}")
         if self.effective_batch_size is not None and self.effective_batch_size < self.batch_size:
-            raise ConfigError(f"effective_batch_size {self.effective_batch_size} < batch_size {self.batch_size}")
+            raise TrainConfigError(f"effective_batch_size {self.effective_batch_size} < batch_size {self.batch_size}")
         if self.trl["max_steps"] <= 0 and self.trl["num_train_epochs"] <= 0:
-            raise ConfigError("set max_steps > 0 or num_train_epochs > 0")
+            raise TrainConfigError("set max_steps > 0 or num_train_epochs > 0")
 
     @classmethod
     def arguments_class(cls) -> type:
@@ -206,9 +186,9 @@ class BaseTrainConfig(TrainConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.hidden % self.heads:
-            raise ConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+            raise TrainConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.block_size > self.max_positions:
-            raise ConfigError(f"block_size {self.block_size} > max_positions {self.max_positions}")
+            raise TrainConfigError(f"block_size {self.block_size} > max_positions {self.max_positions}")
 
 
 @dataclass(kw_only=True)
@@ -237,7 +217,7 @@ class DPOTrainConfig(TrainConfig, LoraOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.trl["beta"] <= 0:
-            raise ConfigError(f"beta must be > 0, got {self.trl['beta']}")
+            raise TrainConfigError(f"beta must be > 0, got {self.trl['beta']}")
 
 
 STAGE_CONFIGS: dict[str, type[TrainConfig]] = {c.stage: c for c in (BaseTrainConfig, SFTTrainConfig, DPOTrainConfig)}
@@ -245,9 +225,7 @@ C = TypeVar("C", bound=TrainConfig)
 
 
 def help_text(cls: type[TrainConfig], name: str) -> str:
-    """The help of a setting or shorthand (the one place help texts live)."""
-    if name in SHORTHANDS:
-        return SHORTHANDS[name][1]
+    """The help of one of rolemrc's own settings (the one place their help texts live)."""
     return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
@@ -258,9 +236,9 @@ def resolve_trl(cls: type[TrainConfig], given: dict[str, Any]) -> dict[str, Any]
     fields = {f.name for f in dataclasses.fields(args_cls) if f.init}
     for key in given:
         if key in DERIVED:
-            raise ConfigError(f"trl.{key} is derived from rolemrc's `{DERIVED[key][0]}` setting; set that instead")
+            raise TrainConfigError(f"trl.{key} is derived from rolemrc's `{DERIVED[key][0]}` setting; set that instead")
         if key not in fields:
-            raise ConfigError(f"unknown {cls.stage} trainer argument trl.{key} ({args_cls.__name__} has no such field)"
+            raise TrainConfigError(f"unknown {cls.stage} trainer argument trl.{key} ({args_cls.__name__} has no such field)"
                               + _suggest(key, fields - set(DERIVED)))
     hints = typing.get_type_hints(args_cls)
     values = {**TRL_DEFAULTS["all"], **TRL_DEFAULTS[cls.stage], **given}
@@ -277,19 +255,19 @@ def profile_path(profile: str | os.PathLike) -> Path:
     path = Path(profile)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            raise ConfigError(f"{path}: no such profile file")
+            raise TrainConfigError(f"{path}: no such profile file")
         return path
     bundled = PROFILE_DIR / f"{profile}.yaml"
     if not bundled.is_file():
         names = sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
-        raise ConfigError(f"unknown profile {str(profile)!r}; bundled profiles: {names}, or pass a .yaml path")
+        raise TrainConfigError(f"unknown profile {str(profile)!r}; bundled profiles: {names}, or pass a .yaml path")
     return bundled
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    data = read_yaml(path, ConfigError, "config file") or {}
+    data = read_yaml(path, TrainConfigError, "config file") or {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+        raise TrainConfigError(f"{path}: expected a mapping at the top level")
     return data
 
 
@@ -301,34 +279,32 @@ def stage_section(path: Path, stage: str, *, required: bool) -> dict[str, Any]:
     section = data.get(stage)
     if section is None:
         if required:
-            raise ConfigError(f"{path}: no '{stage}' section (has: {', '.join(k for k in data if k in STAGES)})")
+            raise TrainConfigError(f"{path}: no '{stage}' section (has: {', '.join(k for k in data if k in STAGES)})")
         return {}
     if not isinstance(section, dict):
-        raise ConfigError(f"{path}: section '{stage}' must be a mapping")
+        raise TrainConfigError(f"{path}: section '{stage}' must be a mapping")
     return section
 
 
 def split_layer(cls: type[TrainConfig], layer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(own settings, trainer arguments) of one layer: `trl:` mappings, `trl.KEY` and shorthands go to the second."""
+    """(own settings, trainer arguments) of one layer: `trl:` mappings and `trl.KEY` go to the second."""
     own_fields = {f.name for f in dataclasses.fields(cls)} - {"trl"}
     own: dict[str, Any] = {}
     trl: dict[str, Any] = {}
     for key, value in layer.items():
         if key == "trl":
             if not isinstance(value, dict):
-                raise ConfigError(f"{cls.stage}: `trl` must be a mapping of trainer arguments, got {value!r}")
+                raise TrainConfigError(f"{cls.stage}: `trl` must be a mapping of trainer arguments, got {value!r}")
             trl.update(value)
         elif key.startswith("trl."):
             trl[key.removeprefix("trl.")] = value
         elif key in own_fields:
             own[key] = value
-        elif key in SHORTHANDS:
-            trl[SHORTHANDS[key][0]] = value
         else:
             argument = {f.name for f in dataclasses.fields(cls.arguments_class())}
             hint = (f"; {key} is a trainer argument: write it under `trl:` (--set trl.{key}=...)" if key in argument
-                    else _suggest(key, own_fields | set(SHORTHANDS)))
-            raise ConfigError(f"unknown {cls.stage} setting {key!r}{hint}")
+                    else _suggest(key, own_fields | argument, lambda n: n if n in own_fields else f"trl.{n}"))
+            raise TrainConfigError(f"unknown {cls.stage} setting {key!r}{hint}")
     return own, trl
 
 
@@ -344,12 +320,12 @@ def make_config(cls: type[C], *, profile: str | os.PathLike | None = "tiny",
             expect(path, ("train-config", "yaml", "json", "text", "binary", "non-utf8"),
                    "expected a training config (a YAML of settings, flat or in base/sft/dpo sections)")
         except InputError as exc:
-            raise ConfigError(str(exc)) from None
+            raise TrainConfigError(str(exc)) from None
         section = stage_section(path, cls.stage, required=False)
         try:
             split_layer(cls, section)   # an unknown setting is named with its file
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        except TrainConfigError as exc:
+            raise TrainConfigError(f"{path}: {exc}") from None
         layers.append(section)
     layers.append({k: v for k, v in overrides.items() if v is not None})
     own: dict[str, Any] = {}
@@ -362,7 +338,7 @@ def make_config(cls: type[C], *, profile: str | os.PathLike | None = "tiny",
                      if f.name not in own and f.default is dataclasses.MISSING
                      and f.default_factory is dataclasses.MISSING)
     if missing:
-        raise ConfigError(f"{cls.stage}: missing required setting(s) {missing}")
+        raise TrainConfigError(f"{cls.stage}: missing required setting(s) {missing}")
     hints = typing.get_type_hints(cls)
     return cls(**{k: _coerce(hints[k], v, f"{cls.__name__}.{k}") for k, v in own.items()}, trl=trl)
 
@@ -375,6 +351,6 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set expects key=value, got {pair!r}")
+            raise TrainConfigError(f"--set expects key=value, got {pair!r}")
         out[key.strip().replace("-", "_")] = yaml.safe_load(raw) if raw else ""
     return out

@@ -18,7 +18,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from rolemrc.core.modeling import dir_fingerprint
 from rolemrc.core.version import __version__
-from rolemrc.train.config import ConfigError, TrainConfig, checkpoints_dir, trl_arguments, world_size
+from rolemrc.train.config import TrainConfig, TrainConfigError, checkpoints_dir, trl_arguments, world_size
 from rolemrc.train.data import DataReport
 
 MANIFEST = "rolemrc.json"
@@ -65,12 +65,12 @@ def trainer_arguments(config: TrainConfig) -> dict[str, Any]:
 
 
 def build_arguments(config: TrainConfig):
-    """The stage's trainer arguments object; a value transformers or trl refuses is a ConfigError."""
+    """The stage's trainer arguments object; a value transformers or trl refuses is a TrainConfigError."""
     cls = config.arguments_class()
     try:
         return cls(**trainer_arguments(config))
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{cls.__name__}: {exc}") from None
+        raise TrainConfigError(f"{cls.__name__}: {exc}") from None
 
 
 class LossBar(ProgressCallback):
@@ -170,7 +170,7 @@ def start_model(path: str | os.PathLike):
 
     model, tokenizer = load_model(path, device="cpu")
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"{path}: the tokenizer has no chat_template; SFT/DPO need one "
+        raise TrainConfigError(f"{path}: the tokenizer has no chat_template; SFT/DPO need one "
                           "(the embedded base model has one; set tokenizer.chat_template for others)")
     return model.train(), tokenizer
 

@@ -47,7 +47,7 @@ MODELS: dict[str, KnownModel] = {m.name: m for m in (
 
 
 def get(name: str) -> KnownModel:
-    """The registry entry called `name` (or one of its aliases)."""
+    """The known model called `name` (or one of its aliases)."""
     try:
         return MODELS[name] if name in MODELS else next(m for m in MODELS.values() if name in m.aliases)
     except StopIteration:
