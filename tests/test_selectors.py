@@ -155,7 +155,7 @@ def test_cli_methods_and_one_line_errors(tmp_path):
     assert code == 0, out
     assert json.loads(out)["method"] == "standardized"
     assert Restraint.load(tmp_path / "s.yaml").units == {0: [2], 1: [0], 2: [1]}
-    code, out = run_cli("--input", write_attribution(tmp_path / "a.safetensors"), "--dimension", "multi_turn",
+    code, out = run_cli("--diff", write_attribution(tmp_path / "a.safetensors"), "--dimension", "multi_turn",
                         "--method", "attribution", "--top-k", 2, "--out", tmp_path / "a.yaml")
     assert code == 0 and Restraint.load(tmp_path / "a.yaml").source["method"] == "attribution"
     for args, message in (

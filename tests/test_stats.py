@@ -122,7 +122,7 @@ def test_ab_report_user_is_the_unit(clustered, tmp_path):
     t = report["tests"]["B vs A"]["latency_s"]
     users = {arm: cluster_means(*latency[arm]) for arm in "AB"}
     assert t["p"] == pytest.approx(ttest_ind(users["B"], users["A"], equal_var=False).pvalue, rel=1e-12)
-    assert t["p"] > 0.2 and (t["n_a"], t["n_b"], t["unit"]) == (11, 10, "user") and "per-user" in t["test"]
+    assert t["p"] > 0.2 and (t["n_a"], t["n_b"], t["unit"]) == (11, 10, "user") and t["test"] == "welch-t"
     assert t["lo"] < 0 < t["hi"]
     judged = report["tests"]["B vs A"]["judge_score"]                      # binary verdicts: per-user pass rates
     passes = {arm: [float(r == PASS) for a, _, _, r in plan if a == arm] for arm in "AB"}
@@ -130,7 +130,7 @@ def test_ab_report_user_is_the_unit(clustered, tmp_path):
     assert report["arms"]["B"]["judge"]["response_score"]["requests"] == 69
     assert report["arms"]["B"]["judge"]["response_score"]["mean"] == pytest.approx(0.5)   # (4 x 1 + 5 x 0 + 1) / 10
     page = report_html(report)
-    assert "unit: user (21 users, 81 requests)" in page and "Welch t on per-user means" in page
+    assert "unit: user (21 users, 81 requests)" in page and "Welch&#x27;s t-test on per-user means" in page
     assert (tmp_path / "report.json").is_file()
 
 

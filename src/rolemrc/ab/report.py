@@ -17,12 +17,11 @@ import numpy as np
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.figures import write_figure
-from rolemrc.core.stats import cluster_means, mean_ci, welch
+from rolemrc.core.stats import TEST_LABELS, cluster_means, mean_ci, welch
 from rolemrc.eval.judges import JudgeConfig, judge_info
 from rolemrc.serve.store import Store
 
 OPERATIONAL = ("latency_s", "completion_tokens", "response_chars")
-TEST = "Welch t on per-user means (CI: bootstrap over users)"
 UNIT_NOTE = (": arms are assigned per user, so each quantity is averaged per user first (a request without a user "
              "is its own cluster); CIs resample users, tests are Welch's t on per-user means (judge: Welch on per-user "
              "pass proportions, a response's score being the share of its judge calls that passed)")
@@ -135,7 +134,7 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
     names = list(arms)
     control = names[0]
     tests = {f"{name} vs {control}": {key: welch(per_user[control][key], per_user[name][key], rounds=rounds)
-                                      | {"test": TEST, "unit": "user"}
+                                      | {"unit": "user"}
                                       for key in per_user[control].keys() & per_user[name].keys()}
              for name in names[1:]}
     users = len({cluster(r) for r in rows})
@@ -195,7 +194,7 @@ def report_html(report: dict[str, Any]) -> str:
     """A self-contained page: the unit, the figure and the tests table."""
     rows = "".join(f"<tr><td>{html.escape(pair)}</td><td>{html.escape(k)}</td><td>{_num(v.get('diff'), '.4g')}</td>"
                    f"<td>{_num(v.get('p'), '.3g')}</td><td>{v.get('n_a')} / {v.get('n_b')}</td>"
-                   f"<td>{html.escape(v['test'])}</td></tr>"
+                   f"<td>{html.escape(TEST_LABELS[v['test']])} on per-user means (CI: bootstrap over users)</td></tr>"
                    for pair, t in report["tests"].items() for k, v in sorted(t.items()))
     notes_html = "".join(f"<li>{html.escape(n)}</li>" for n in report["notes"])
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>A/B {html.escape(report['experiment'])}</title>"

@@ -179,9 +179,6 @@ def frequency_all(source: Source, dimension: str) -> Scores:
           description="mean activation change over the pooled per-unit SD (the diff's effect)")
 def standardized(source: Source, dimension: str) -> Scores:
     result, file = _diff(source, dimension)
-    if dimension not in result.effect:
-        raise RestraintError(f"{file}: the diff has no standardized effect ({result.effect_test}); collect the probe "
-                             "files again with `rolemrc probe collect` and rerun `rolemrc probe diff`")
     q = result.effect_q[dimension] if result.effect_tested else None
     return Scores(result.effect[dimension], q, result.hook, file, no_q=f"effect test: {result.effect_test}",
                   model=model_of(result.meta, "b_"))
@@ -207,7 +204,7 @@ def attribution(source: Source, dimension: str) -> Scores:
 
 def _frequency(source: Source, dimension: str, tokens: str) -> Scores:
     result, file = _diff(source, dimension)
-    made = result.meta.get("tokens", "last")   # diffs record the probe files' token policy
+    made = result.meta["tokens"]   # diffs record the probe files' token policy
     if made != tokens:
         raise RestraintError(f"{file}: a diff of tokens={made} probe files, but --method {TOKEN_METHODS[tokens]} reads "
                              f"tokens={tokens} ones: use --method {TOKEN_METHODS[made]}, or diff probe files made with "
