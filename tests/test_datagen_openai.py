@@ -318,7 +318,7 @@ def test_bench_datagen_side_by_side(tmp_path, pool):
     keep = tmp_path / "runs"
     with Server(scripted_app()) as server:
         result = CliRunner().invoke(app, ["datagen", "--base-url", server.url, "--model", "scripted", "--mrc", str(pool),
-                                          "--concurrency", "4", "--keep", str(keep), "--out", str(tmp_path / "b.json")])
+                                          "--concurrency", "4", "--keep", str(keep), "--json", str(tmp_path / "b.json")])
         assert result.exit_code == 0, result.output
         report = json.loads((tmp_path / "b.json").read_text())
         hits = server.app.state.hits
