@@ -167,7 +167,7 @@ def clients_cmd(
 
 
 @app.command("all")
-@needs("train", "eval", "datagen", "serve", "minilm")
+@needs("eval", "datagen", "serve", "minilm")
 def all_cmd(
     out: Path = typer.Option(Path("runs/bench"), help="folder for one JSON per benchmark"),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; retrieval always runs on "
