@@ -76,14 +76,14 @@ class DiffResult:
         return self.meta["test"]
 
     @property
-    def tested(self) -> bool:
-        """False where no valid per-unit test exists: statistic, p and q are NaN and never reported."""
-        return self.test != "none"
-
-    @property
     def effect_test(self) -> str:
         """The standardized effect's per-unit test, by code."""
         return self.meta["effect_test"]
+
+    @property
+    def tested(self) -> bool:
+        """False where no valid per-unit test exists: statistic, p and q are NaN and never reported."""
+        return self.test != "none"
 
     @property
     def effect_tested(self) -> bool:
