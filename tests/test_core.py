@@ -91,3 +91,23 @@ def test_context_window_fallback_order():
     assert context_window(NS(), NS(model_max_length=64)) == 64
     assert context_window(NS(), NS(model_max_length=VERY_LARGE_INTEGER)) is None   # transformers' "unknown"
     assert context_window(NS(), default=2048) == 2048
+
+
+def test_figures_share_one_png_session_and_report_a_missing_browser(tmp_path, monkeypatch, caplog):
+    """Several figures' PNGs come from one Chromium session; without a browser every figure keeps its HTML and says
+    why it has no PNG, in one logged warning, and nothing raises."""
+    import plotly.graph_objects as go
+
+    from rolemrc.core.figures import write_figures
+
+    figures = {f"f{k}": go.Figure(go.Heatmap(z=[[k, 1], [2, 3]])) for k in range(3)}
+    written = write_figures(figures, tmp_path, width=200, height=150)
+    for stem, paths in written.items():
+        assert (tmp_path / f"{stem}.html").is_file()
+        assert "png_error" in paths or (tmp_path / f"{stem}.png").read_bytes().startswith(b"\x89PNG"), paths
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-browser"))
+    (tmp_path / "again").mkdir()
+    missing = write_figures(figures, tmp_path / "again", width=200, height=150)
+    assert all(paths["png_error"].endswith("(PNG export needs Chromium: apt-get install -y chromium)")
+               for paths in missing.values()), missing
+    assert [r.levelname for r in caplog.records if r.name == "rolemrc.core.figures"] == ["WARNING"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from rolemrc.core.figures import write_figure
+from rolemrc.core.figures import write_figures
 from rolemrc.probe.diff import DiffResult
 
 
@@ -58,7 +58,9 @@ def write_heatmaps(result: DiffResult, out_dir: str | Path, bins: int = 64) -> d
     out.mkdir(parents=True, exist_ok=True)
     if not result.dimensions:
         return {}
-    written = {"layers_x_dimensions": write_figure(layers_by_dimensions(result), out, "heatmap_layers_dimensions")}
-    for d in result.dimensions:
-        written[f"units_{d}"] = write_figure(layers_by_unit_bins(result, d, bins), out, f"heatmap_units_{d}")
-    return written
+    stems = {"layers_x_dimensions": "heatmap_layers_dimensions", **{f"units_{d}": f"heatmap_units_{d}"
+                                                                    for d in result.dimensions}}
+    written = write_figures({"heatmap_layers_dimensions": layers_by_dimensions(result),
+                             **{f"heatmap_units_{d}": layers_by_unit_bins(result, d, bins) for d in result.dimensions}},
+                            out)
+    return {name: written[stem] for name, stem in stems.items()}

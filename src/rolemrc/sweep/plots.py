@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rolemrc.core.figures import write_figure
+from rolemrc.core.figures import write_figures
 from rolemrc.sweep.report import ALPHA
 from rolemrc.sweep.stats import COMPARISONS, JUDGE_PREFIX
 
@@ -61,8 +61,6 @@ def effects_heatmap(summary: dict, family: str):
 
 def write_sweep_figures(summary: dict, out: str | Path) -> dict[str, dict[str, str]]:
     out = Path(out)
-    written = {f"effects_{family}": write_figure(effects_heatmap(summary, family), out, f"effects_{family}")
-               for family in COMPARISONS}
-    for dimension in sorted({c["dimension"] for c in summary["cells"]}):
-        written[f"dose_{dimension}"] = write_figure(dose_response(summary, dimension), out, f"dose_{dimension}")
-    return written
+    return write_figures({**{f"effects_{family}": effects_heatmap(summary, family) for family in COMPARISONS},
+                          **{f"dose_{dimension}": dose_response(summary, dimension)
+                             for dimension in sorted({c["dimension"] for c in summary["cells"]})}}, out)
