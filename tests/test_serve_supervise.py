@@ -26,6 +26,9 @@ BURST = 24
 BROKEN = "vllm-python: broken on purpose"   # what the wrapper says on stderr when it cannot start vLLM
 LENGTH = 400    # tokens each burst request generates (ignore_eos): the kill comes long before the last one
 TIMEOUT = 120   # no request may take longer: none hangs
+# vLLM without torch.compile: what these tests assert (restarts, states, restored adapters) does not depend on it, and
+# each of their five starts takes ~20 s instead of ~38 s
+EAGER = ["--enforce-eager"]
 
 
 def wrapper(folder: Path) -> tuple[Path, Path]:
@@ -59,7 +62,7 @@ def setup(peaked_model, tmp_path_factory):
     python, broken = wrapper(root)
     RESTRAINTS["silence"].save(root / "silence.yaml")
     config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "python": str(python),
-                               "adapter_cache": "lora", "max_model_len": 512, "max_inline_adapters": 2, "memory_utilization": 0.05,
+                               "adapter_cache": "lora", "max_model_len": 512, "max_inline_adapters": 2, "memory_utilization": 0.05, "vllm_args": EAGER,
                                "restart_max": 3, "restart_window_s": 3600, "restart_backoff_s": 0.5},
                          "t": {"path": str(peaked_model)}},
               "restraints": {"silence": "silence.yaml"}, "allow_inline_restraints": True, "max_new_tokens": 400,
@@ -257,7 +260,7 @@ def test_an_engine_that_cannot_start_again_is_dead_and_the_others_serve_on(setup
 def test_on_engine_dead_exit_ends_the_server_non_zero(peaked_model, tmp_path):
     python, _ = wrapper(tmp_path)
     config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "python": str(python),
-                               "max_model_len": 512, "memory_utilization": 0.05, "restart_max": 0}}, "db": None, "on_engine_dead": "exit"}
+                               "max_model_len": 512, "memory_utilization": 0.05, "restart_max": 0, "vllm_args": EAGER}}, "db": None, "on_engine_dead": "exit"}
     server = start_server(config, workdir=tmp_path, timeout=600)
     try:
         os.kill(vllm_process(server, "api"), signal.SIGKILL)

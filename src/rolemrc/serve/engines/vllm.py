@@ -207,8 +207,7 @@ class VllmEngine(OpenAIProxy):
             # a vLLM still loading ignores SIGTERM until it is up (a minute on CPU) and has nothing to finish
             with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(self.proc.wait, 60 if self.healthy else 3)
-        with contextlib.suppress(ProcessLookupError):   # what is left of it: its engine core, a dying child
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        kill_group(self.proc)
         await asyncio.to_thread(self.proc.wait)
 
     async def probe(self) -> str | None:
@@ -216,6 +215,7 @@ class VllmEngine(OpenAIProxy):
         if self.proc is None:
             return None
         if self.proc.poll() is not None:
+            kill_group(self.proc)
             said = f": {await asyncio.to_thread(self.stderr.last)}" if self.stderr is not None else ""
             return f"vllm exited with code {self.proc.returncode}{said}"
         try:
@@ -436,11 +436,19 @@ class StderrTail:
         return self.lines[-1] if self.lines else "it printed nothing on stderr"
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of vLLM's process group: once its API server has exited, its engine core would go on
+    decoding the requests it held, and hold its stderr open, until it noticed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, stderr: StderrTail) -> None:
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=5) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
+                kill_group(proc)
                 why = await asyncio.to_thread(stderr.last)
                 raise RuntimeError(f"vllm exited with code {proc.returncode} before becoming healthy: {why}")
             try:
