@@ -21,6 +21,8 @@ GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
 CORE_VENV := .venv-core
 CORE_STAMP := $(CORE_VENV)/.installed
 CORE_ENV := ROLEMRC_CORE_PYTHON=$(CURDIR)/$(CORE_VENV)/bin/python
+# make test runs the test files on this many workers (pytest-xdist; a file's tests share one worker and its fixtures)
+TEST_WORKERS ?= 2
 CLIENTS_ENV := ROLEMRC_LMEVAL_PYTHON=$(CURDIR)/$(LMEVAL_VENV)/bin/python ROLEMRC_GUIDELLM_PYTHON=$(CURDIR)/$(GUIDELLM_VENV)/bin/python
 
 .PHONY: demo demo-real test bench lint docs install vllm clients sysdeps clean
@@ -96,7 +98,8 @@ demo-real: $(STAMP) $(VLLM_PLUGIN_STAMP) sysdeps
 	$(VLLM_ENV) $(VENV)/bin/rolemrc demo --base smollm2 --out runs/demo-real
 
 test: $(STAMP) $(VLLM_PLUGIN_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) $(CORE_STAMP) sysdeps
-	$(VLLM_ENV) $(CLIENTS_ENV) $(CORE_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40
+	$(VLLM_ENV) $(CLIENTS_ENV) $(CORE_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 $(PY) -m pytest -q -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadfile --durations=40
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
