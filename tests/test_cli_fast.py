@@ -1,5 +1,6 @@
 """`rolemrc --help` and every command's and group's `--help` import no torch or transformers (heavy imports stay
-inside commands, so the help is fast) and no extra's package (so it runs in a core install)."""
+inside commands, so the help is fast) and no extra's package (so it runs in a core install); every help shows boolean
+options as plain flags, and every wrong option value is one `error:` line."""
 
 import json
 import os
@@ -16,7 +17,7 @@ import rolemrc.cli
 
 root = get_command(rolemrc.cli.app)
 runner = CliRunner()
-paths, failed = [], []
+paths, failed, valued_flags = [], [], []
 
 
 def walk(command, path):
@@ -24,6 +25,8 @@ def walk(command, path):
     result = runner.invoke(rolemrc.cli.app, [*path, "--help"])
     if result.exit_code != 0 or "Usage" not in result.output:
         failed.append([path, result.exit_code, result.output[-500:]])
+    if "<bool>" in result.output:
+        valued_flags.append(path)
     for name, sub in getattr(command, "commands", {}).items():   # a group's commands (typer vendors its click)
         walk(sub, [*path, name])
 
@@ -33,7 +36,7 @@ heavy = sorted(m for m in ("torch", "transformers", "trl", "peft", "vllm", "nnsi
                           "scipy", "pandas", "numpy", "matplotlib") if m in sys.modules)
 from rolemrc.core.extras import EXTRAS
 extras = sorted({m for e in EXTRAS.values() for m in e.modules if m in sys.modules})
-print(json.dumps({"paths": paths, "failed": failed, "heavy": heavy, "extras": extras}))
+print(json.dumps({"paths": paths, "failed": failed, "heavy": heavy, "extras": extras, "valued_flags": valued_flags}))
 """
 
 
@@ -45,6 +48,7 @@ def test_every_help_imports_no_torch():
     assert {"intervene", "select"} <= {p[-1] for p in report["paths"] if p}
     assert "torch" not in report["heavy"] and "transformers" not in report["heavy"], report["heavy"]
     assert report["extras"] == [], "the help imports an extra's package, so it would fail in a core install"
+    assert report["valued_flags"] == [], "these helps show a boolean option as taking a <bool> value"
 
 
 def test_version():

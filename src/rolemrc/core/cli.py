@@ -1,18 +1,21 @@
-"""Typer apps that report `RolemrcError` the one way: `error: <message>` on stderr, exit `EXIT_INPUT`; and rolemrc's
-logged warnings as `warning: <message>` lines on stderr while a command runs."""
+"""Typer apps that report `RolemrcError` and a wrong option value the one way: `error: <message>` on stderr, exit
+`EXIT_INPUT`; print rolemrc's logged warnings as `warning: <message>` lines on stderr while a command runs; show boolean
+options as plain flags; and offer a closed set of names as a choice (`choice`)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import typer
-from typer.core import TyperGroup
+from typer._click.exceptions import NoArgsIsHelpError, UsageError
+from typer.core import TyperCommand, TyperGroup
 
 from rolemrc.core.errors import EXIT_INPUT, RolemrcError
 from rolemrc.core.extras import extra_of
+from rolemrc.core.registry import Registry
 
 ROUNDS = 10_000   # every command's default --rounds: bootstrap resamples (and Monte Carlo sign flips)
 
@@ -40,27 +43,63 @@ def warning_lines() -> Iterator[None]:
         logger.removeHandler(handler)
 
 
-class ReportingGroup(TyperGroup):
-    """A command group whose commands' `RolemrcError`s become one red line and exit code `EXIT_INPUT`, and whose
-    commands print rolemrc's logged warnings as `warning:` lines."""
+def choice(names: Registry[Any] | Iterable[str]) -> Any:
+    """`names` (a registry's, as they are when the CLI is built) as a `Literal`: an option annotated with it lists them
+    in its help and refuses any other value in one `error:` line naming the option."""
+    return Literal[names.names() if isinstance(names, Registry) else tuple(names)]
+
+
+def error_line(message: str) -> typer.Exit:
+    """Print `error: <message>` in red on stderr; the exit to raise."""
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(EXIT_INPUT)
+
+
+class PlainFlags:
+    """A command (or group) whose boolean options show no `<bool>` value in its help: `--strict`, `--x/--no-x`."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class Command(PlainFlags, TyperCommand):
+    """Every `rolemrc` command's class (`cli_app`'s apps give it to their commands)."""
+
+
+class ReportingGroup(PlainFlags, TyperGroup):
+    """A command group whose commands' `RolemrcError`s and wrong option values become one red `error:` line and exit
+    code `EXIT_INPUT`, and whose commands print rolemrc's logged warnings as `warning:` lines."""
 
     def invoke(self, ctx: Any) -> Any:
         try:
             with warning_lines():
                 return super().invoke(ctx)
         except RolemrcError as exc:
-            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(EXIT_INPUT) from None
+            raise error_line(str(exc)) from None
+        except NoArgsIsHelpError:
+            raise
+        except UsageError as exc:   # a value of the wrong type or outside its choices or range, an unknown option
+            raise error_line(exc.format_message().replace("Value error, ", "")) from None
         except ModuleNotFoundError as exc:   # an optional import a command's @needs did not foresee
             extra = extra_of(exc.name or "")
             if extra is None:
                 raise
-            typer.secho(f"error: {exc.name!r} is not installed; it comes with rolemrc's {extra!r} extra: "
-                        f"pip install 'rolemrc[{extra}]'", fg=typer.colors.RED, err=True)
-            raise typer.Exit(EXIT_INPUT) from None
+            raise error_line(f"{exc.name!r} is not installed; it comes with rolemrc's {extra!r} extra: "
+                        f"pip install 'rolemrc[{extra}]'") from None
+
+
+class App(typer.Typer):
+    """A Typer app whose commands are `Command`s unless they name another class."""
+
+    def command(self, *args: Any, cls: type[TyperCommand] | None = None, **kwargs: Any) -> Any:
+        return super().command(*args, cls=cls or Command, **kwargs)
 
 
 def cli_app(help: str, **kwargs: Any) -> typer.Typer:
     """A sub-app (or the root app) of the `rolemrc` command."""
     kwargs.setdefault("no_args_is_help", True)
-    return typer.Typer(cls=ReportingGroup, help=help, pretty_exceptions_enable=False, **kwargs)
+    return App(cls=ReportingGroup, help=help, pretty_exceptions_enable=False, **kwargs)

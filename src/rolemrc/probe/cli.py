@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from typer.core import TyperCommand
 
-from rolemrc.core.cli import cli_app
+from rolemrc.core.cli import Command, cli_app
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
 
@@ -23,7 +22,7 @@ DEVICE_MAP = typer.Option(None, help="spread each model's layers over this proce
                           "accelerate's big-model placement, instead of --device")
 
 
-class HookTableCommand(TyperCommand):
+class HookTableCommand(Command):
     """A command whose `--hook` help lists the rows of HOOK_POINTS as they are when the CLI is built."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
