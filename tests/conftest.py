@@ -105,7 +105,7 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     run("probe", "collect", "--model", model, "--data", str(made["records"]), "--out", str(root / "probe.safetensors"))
     run("probe", "collect", "--model", model, "--model", other, "--data", str(made["records"]),
         "--out", str(root / "paired.safetensors"))
-    run("probe", "attribute", "--sft", model, "--dpo", other, "--pairs", str(made["pairs"]),
+    run("probe", "attribute", "--model", model, "--model", other, "--pairs", str(made["pairs"]),
         "--out", str(root / "attribution.safetensors"))
     run("probe", "diff", str(root / "paired.safetensors"), "--out", str(root / "diff"), "--no-figures")
     run("intervene", "select", "--diff", str(root / "diff"), "--dimension", "role_style", "--top-k", "4",

@@ -33,7 +33,7 @@ SAYS = {"missing": ("no such",), "empty-file": ("empty file",), "empty-folder": 
 # under test), "{out}" a fresh folder.
 TEMPLATES: dict[str, list[str]] = {
     "probe collect": ["--model", "{model}", "--data", "{records}", "--out", "{out}/p.safetensors"],
-    "probe attribute": ["--sft", "{model}", "--dpo", "{model}", "--pairs", "{pairs}", "--out", "{out}/a.safetensors"],
+    "probe attribute": ["--model", "{model}", "--model", "{model}", "--pairs", "{pairs}", "--out", "{out}/a.safetensors"],
     "probe merge": ["{probe}", "{probe}", "--out", "{out}/m.safetensors"],
     "probe diff": ["{probe}", "{probe}", "--out", "{out}/d"],
     "probe explore": ["--diff", "{diff}", "--out", "{out}/e.html"],
@@ -200,3 +200,42 @@ def test_every_wrong_input_is_one_clean_error(artifacts, tmp_path):
             examples[command] = errors[0]
     print(f"\n{count} cells, {len(failed)} failed; examples:", *examples.values(), sep="\n")
     assert not failed, f"{len(failed)} of {count} cells:\n" + "\n".join(failed)
+
+
+LIMITED = {"probe collect", "probe attribute", "eval generate", "eval run", "sweep run"}   # commands with --limit N
+
+
+def test_a_value_outside_a_closed_set_and_a_limit_under_one_are_one_error_line():
+    """Every option or argument whose values are a closed set (typer shows them as choices) refuses another value,
+    and every `--limit` refuses 0, in one `error:` line naming it, exit 2, before anything runs."""
+    from rolemrc.eval.judges import JUDGES
+
+    runner, failed, seen, limited = CliRunner(), [], {}, set()
+
+    def walk(command, path):
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+        for param in getattr(command, "params", []):
+            name = param.opts[0] if param.opts else param.name
+            choices = param.type_descriptor.choices
+            if name == "--limit":
+                limited.add(" ".join(path))
+                cases = [(["--limit", "0"], "'--limit'")]
+            elif choices:
+                seen[(" ".join(path), name)] = tuple(choices)
+                cases = [([name, "not-a-choice"] if name.startswith("-") else ["not-a-choice"], f"'{name}'")]
+            else:
+                continue
+            for args, named in cases:
+                result = runner.invoke(app, [*path, *args])
+                errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+                if result.exit_code != EXIT_INPUT or len(errors) != 1 or named not in errors[0] or "Traceback" in result.output:
+                    failed.append((path, args, result.exit_code, result.output[-300:]))
+
+    walk(get_command(app), [])
+    assert not failed, failed
+    assert limited == LIMITED
+    for command in ("eval run", "eval score", "sweep run", "ab report"):
+        assert seen[(command, "--judge")] == JUDGES.names(), command
+    assert {("probe collect", "--hook"), ("probe attribute", "--hook"), ("eval run", "--dataset"),
+            ("organism build", "kind"), ("probe collect", "--backend")} <= set(seen)

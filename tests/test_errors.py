@@ -75,7 +75,7 @@ def test_bad_data_is_refused_before_the_model_loads(model_dirs, tmp_path, conten
     commands = {
         "eval run": ["eval", "run", "--model", model, "--data", str(data), "--out", str(tmp_path / "e")],
         "probe collect": ["probe", "collect", "--model", model, "--data", str(data), "--out", str(tmp_path / "p.st")],
-        "probe attribute": ["probe", "attribute", "--sft", model, "--dpo", model, "--pairs", str(data),
+        "probe attribute": ["probe", "attribute", "--model", model, "--model", model, "--pairs", str(data),
                             "--out", str(tmp_path / "a.st")],
         "train sft": ["train", "sft", "--model", model, "--data", str(data), "--out", str(tmp_path / "s")],
         "train dpo": ["train", "dpo", "--model", model, "--data", str(data), "--out", str(tmp_path / "d")],

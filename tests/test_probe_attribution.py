@@ -15,11 +15,14 @@ from train_fixtures import pair_records
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
+from rolemrc.core.errors import InputError
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.taxonomy import TASKS, dimensions_for_task
 from rolemrc.core.tiny import build_model
-from rolemrc.probe import attribute, collect, load_attribution
-from rolemrc.probe.attribution import SCORE_UNIT, bucket_length
+from rolemrc.probe import attribute, collect, diff, load_attribution
+from rolemrc.probe.attribution import SCORE_UNIT, bucket_length, build_pairs
+from rolemrc.probe.cases import build_cases
+from rolemrc.probe.diff import ProbeMismatchError
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.merge import merge_any, merge_files
 
@@ -123,7 +126,7 @@ def plain_layer_score(sft_site, dpo_site, side, sft, dpo, ids, start, sign):
 def test_scores_equal_a_plain_autograd_computation(tokenizer, pairs, arch, hook):
     sft, dpo = tiny(arch, tokenizer, seed=1), tiny(arch, tokenizer, seed=2)  # two unrelated models: every unit moves
     sample = pairs[:5]
-    got = attribute(sft, dpo, sample, tokenizers=(tokenizer, tokenizer), hook=hook, batch_size=2, progress=False)
+    got = attribute([sft, dpo], sample, tokenizers=(tokenizer, tokenizer), hook=hook, batch_size=2, progress=False)
     want, count = {}, {}
     for record in sample:
         chosen, rejected, start = plain_tokens(tokenizer, record)
@@ -142,10 +145,10 @@ def test_scores_equal_a_plain_autograd_computation(tokenizer, pairs, arch, hook)
 
 def test_changed_units_carry_the_score_and_unchanged_ones_score_exactly_zero(sft, tokenizer, pairs):
     kw = {"tokenizers": (tokenizer, tokenizer), "batch_size": 3, "progress": False}
-    same = attribute(sft, sft, pairs, **kw)
+    same = attribute([sft, sft], pairs, **kw)
     assert all((s == 0).all() for s in same.sums.values())
     for scale in (1.5, 1.01):
-        got = attribute(sft, changed(sft, scale), pairs, **kw)
+        got = attribute([sft, changed(sft, scale)], pairs, **kw)
         for score in got.scores.values():
             assert (score[:CHANGED_LAYER] == 0).all()  # upstream: activations identical, so exactly 0
             moved = score[CHANGED_LAYER].nonzero().flatten().tolist()
@@ -174,18 +177,18 @@ def measured_margin(sft, dpo, tokenizer, pairs):
 
 def test_shards_merged_equal_one_pass_exactly(dirs, pairs, tmp_path):
     kw = {"batch_size": 3, "device": "cpu", "progress": False}
-    whole = attribute(dirs["sft"], dirs["dpo"], pairs, **kw).save(tmp_path / "whole.safetensors")
-    parts = [attribute(dirs["sft"], dirs["dpo"], part, **kw).save(tmp_path / f"part-{i}.safetensors")
+    whole = attribute([dirs["sft"], dirs["dpo"]], pairs, **kw).save(tmp_path / "whole.safetensors")
+    parts = [attribute([dirs["sft"], dirs["dpo"]], part, **kw).save(tmp_path / f"part-{i}.safetensors")
              for i, part in enumerate([pairs[:7], pairs[7:9], pairs[9:]])]
     assert_same_file(merge_files(parts[::-1], tmp_path / "merged.safetensors"), whole, ignore={"merged_from"})
     merged = load_attribution(tmp_path / "merged.safetensors")
     assert [p["pairs"] for p in json.loads(merged.meta["merged_from"])] == [11, 2, 7]
     with pytest.raises(ProbeError, match="share 2 case"):
         merge_any([parts[1], parts[1]])
-    other_hook = attribute(dirs["sft"], dirs["dpo"], pairs[:7], hook="mlp.out", **kw).save(tmp_path / "hook.safetensors")
+    other_hook = attribute([dirs["sft"], dirs["dpo"]], pairs[:7], hook="mlp.out", **kw).save(tmp_path / "hook.safetensors")
     with pytest.raises(ProbeError, match="not comparable.*hook: 'mlp.act' vs 'mlp.out'"):
         merge_any([other_hook, parts[1]][::-1])
-    swapped = attribute(dirs["dpo"], dirs["sft"], pairs[:7], **kw).save(tmp_path / "swapped.safetensors")
+    swapped = attribute([dirs["dpo"], dirs["sft"]], pairs[:7], **kw).save(tmp_path / "swapped.safetensors")
     with pytest.raises(ProbeError, match="not comparable \\(models"):
         merge_any([swapped, parts[1]])
     probe = collect(dirs["sft"], pairs[:3], device="cpu", progress=False).save(tmp_path / "probe.safetensors")
@@ -203,7 +206,7 @@ def test_batches_pad_to_their_length_bucket():
 def test_cli_attribute_and_merge(dirs, pairs, tmp_path):
     data = tmp_path / "pairs.jsonl"
     write_jsonl(data, pairs)
-    args = ["probe", "attribute", "--sft", str(dirs["sft"]), "--dpo", str(dirs["dpo"]), "--device", "cpu"]
+    args = ["probe", "attribute", "--model", str(dirs["sft"]), "--model", str(dirs["dpo"]), "--device", "cpu"]
     res = CliRunner().invoke(app, [*args, "--pairs", str(data), "--out", str(tmp_path / "a.safetensors")])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
@@ -228,7 +231,7 @@ def test_cli_attribute_and_merge(dirs, pairs, tmp_path):
 def test_torchrun_writes_what_one_process_writes(dirs, pairs, tmp_path):
     data = tmp_path / "pairs.jsonl"
     write_jsonl(data, pairs)
-    args = ["probe", "attribute", "--sft", dirs["sft"], "--dpo", dirs["dpo"], "--pairs", data, "--batch-size", 2]
+    args = ["probe", "attribute", "--model", dirs["sft"], "--model", dirs["dpo"], "--pairs", data, "--batch-size", 2]
     report = json.loads(torchrun("-m", "rolemrc.cli", *args, "--out", tmp_path / "two.safetensors"))
     assert report["out"] == str(tmp_path / "two.safetensors")
     res = CliRunner().invoke(app, [*map(str, args), "--device", "cpu", "--out", str(tmp_path / "one.safetensors")])
@@ -257,20 +260,25 @@ def test_cli_refuses_bad_input_before_loading_a_model(dirs, pairs, tmp_path, no_
     shutil.copytree(dirs["dpo"], wider)
     config = json.loads((wider / "config.json").read_text())
     (wider / "config.json").write_text(json.dumps({**config, "vocab_size": 512, "intermediate_size": 128}))
-    cases = {
-        "missing sft": ({"--sft": tmp_path / "nowhere"}, "nowhere: no such directory"),
-        "missing pairs": ({"--pairs": tmp_path / "none.jsonl"}, "none.jsonl: no such file"),
-        "no rejected": ({"--pairs": no_rejected}, f"{no_rejected}:2: a preference pair needs a non-empty 'rejected' reply"),
-        "no chosen": ({"--pairs": no_chosen}, f"{no_chosen}:1: a preference pair needs a non-empty 'chosen' reply"),
-        "bad hook": ({"--hook": "mlp.nothing"}, "unknown hook point 'mlp.nothing'"),
-        "other layers": ({"--dpo": dirs["short"]}, "differ (layers: 3 vs 2); attribution compares"),
-        "other vocabulary and width": ({"--dpo": wider}, "differ (vocabulary: 400 vs 512; width: 96 vs 128)"),
-        "bad batch": ({"--batch-size": 0}, "Invalid value for '--batch-size'"),
+    sft, dpo = dirs["sft"], dirs["dpo"]
+    cases = {   # name: (models, other options, message)
+        "missing sft": ([tmp_path / "nowhere", dpo], {}, "nowhere: no such directory"),
+        "one model": ([sft], {}, "attribution compares exactly two models, the reference (SFT) first"),
+        "three models": ([sft, dpo, dpo], {}, "got 3"),
+        "missing pairs": ([sft, dpo], {"--pairs": tmp_path / "none.jsonl"}, "none.jsonl: no such file"),
+        "no rejected": ([sft, dpo], {"--pairs": no_rejected},
+                        f"{no_rejected}:2: a preference pair needs a non-empty 'rejected' reply"),
+        "no chosen": ([sft, dpo], {"--pairs": no_chosen}, f"{no_chosen}:1: a preference pair needs a non-empty 'chosen' reply"),
+        "bad hook": ([sft, dpo], {"--hook": "mlp.nothing"}, "error: Invalid value for '--hook': 'mlp.nothing' is not one of"),
+        "other layers": ([sft, dirs["short"]], {}, "differ (layers: 3 vs 2); attribution compares"),
+        "other vocabulary and width": ([sft, wider], {}, "differ (vocabulary: 400 vs 512; width: 96 vs 128)"),
+        "bad batch": ([sft, dpo], {"--batch-size": 0}, "error: Invalid value for '--batch-size'"),
+        "bad limit": ([sft, dpo], {"--limit": 0}, "error: Invalid value for '--limit'"),
     }
-    for name, (change, message) in cases.items():
-        options = {"--sft": dirs["sft"], "--dpo": dirs["dpo"], "--pairs": good, "--out": tmp_path / "x.safetensors",
-                   **change}
-        res = CliRunner().invoke(app, ["probe", "attribute", *[str(x) for kv in options.items() for x in kv]])
+    for name, (models, change, message) in cases.items():
+        options = {"--pairs": good, "--out": tmp_path / "x.safetensors", **change}
+        args = [*(x for m in models for x in ("--model", m)), *(x for kv in options.items() for x in kv)]
+        res = CliRunner().invoke(app, ["probe", "attribute", *map(str, args)])
         assert res.exit_code == 2, (name, res.output)
         assert message in res.output and res.output.count("rror") == 1, (name, res.output)
     assert not (tmp_path / "x.safetensors").exists()
@@ -284,4 +292,34 @@ def test_other_tokenizers_are_refused(dirs, pairs, tmp_path):
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     (other / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(ProbeError, match="do not share a tokenizer \\(chat template differ\\); attribution compares"):
-        attribute(dirs["sft"], other, pairs[:2], device="cpu", progress=False)
+        attribute([dirs["sft"], other], pairs[:2], device="cpu", progress=False)
+
+
+def test_max_length_keeps_the_prompts_last_tokens_in_collect_and_attribute(tokenizer, pairs):
+    """`--max-length` means one thing: a long case keeps the prompt tokens nearest the reply. In attribution both
+    replies stay whole (the prompt cut alike in both sequences), unless a reply alone exceeds the budget: then it keeps
+    the prompt's last token and its own first tokens."""
+    full = build_pairs(pairs[:1], tokenizer)
+    (c,), (r,), (start,) = full.chosen, full.rejected, full.starts
+    longest, reply = max(len(c), len(r)), max(len(c), len(r)) - start
+    assert start > 3 and reply > 3
+    cut = build_pairs(pairs[:1], tokenizer, max_length=longest - 2)
+    assert (cut.chosen, cut.rejected, cut.starts, cut.truncated) == ([c[2:]], [r[2:]], [start - 2], 1)
+    short = build_pairs(pairs[:1], tokenizer, max_length=3)
+    assert (short.chosen, short.rejected, short.starts) == ([c[start - 1:start + 2]], [r[start - 1:start + 2]], [1])
+    assert build_pairs(pairs[:1], tokenizer, max_length=longest).truncated == 0
+    whole = build_cases(pairs[:1], tokenizer).input_ids[0]
+    assert build_cases(pairs[:1], tokenizer, max_length=3).input_ids[0] == whole[-3:]
+
+
+def test_limit_uses_the_first_cases_and_is_recorded(sft, tokenizer, pairs):
+    kw = {"tokenizers": (tokenizer, tokenizer), "progress": False}
+    limited = attribute([sft, sft], pairs, limit=3, **kw)
+    assert len(limited.case_hashes) == 3
+    assert limited.meta["limit"] == "3" and attribute([sft, sft], pairs[:3], **kw).meta["limit"] == ""
+    probe = collect(sft, pairs, tokenizer=tokenizer, limit=5, progress=False)
+    assert len(probe.case_hashes) == 5 and probe.meta["limit"] == "5"
+    with pytest.raises(ProbeMismatchError, match="limit: '5' vs ''"):
+        diff(probe, collect(sft, pairs[:5], tokenizer=tokenizer, progress=False))
+    with pytest.raises(InputError, match="limit must be at least 1 case, got 0"):
+        collect(sft, pairs, tokenizer=tokenizer, limit=0, progress=False)

@@ -12,7 +12,8 @@ import typer
 from rolemrc.core.artifacts import expect
 from rolemrc.core.cli import ROUNDS, cli_app
 from rolemrc.core.extras import needs
-from rolemrc.eval.judges import JUDGES, JudgeConfig
+from rolemrc.eval.cli import SCORE, JudgeName
+from rolemrc.eval.judges import JudgeConfig
 from rolemrc.eval.metrics import metrics_help, parse_metrics
 
 app = cli_app(help="A/B experiments served by `rolemrc serve`: create one from a sweep, report on one.")
@@ -45,9 +46,9 @@ def report_cmd(
     experiment: str = typer.Argument(..., help="experiment id"),
     db: Path = typer.Option(..., help="the server's SQLite log (the config's 'db')"),
     out: Path = typer.Option(None, help="write report.json, chart.html and chart.png here"),
-    judge: str = typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
-    judge_model: str = typer.Option(None, help="the judge model (endpoint judges, e.g. openai)"),
-    judge_base_url: str = typer.Option(None, help="the judge's OpenAI-compatible base URL (endpoint judges)"),
+    judge: JudgeName = SCORE["judge"],
+    judge_model: str = SCORE["judge_model"],
+    judge_base_url: str = SCORE["judge_base_url"],
     metrics: str = typer.Option("bleu,rouge", help=metrics_help()),
     rounds: int = typer.Option(ROUNDS, help="bootstrap resamples (resampling users)"),
 ) -> None:

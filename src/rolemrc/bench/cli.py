@@ -7,10 +7,12 @@ from pathlib import Path
 
 import typer
 
-from rolemrc.core.cli import cli_app
+from rolemrc.core.cli import choice, cli_app
 from rolemrc.core.extras import needs
 
 app = cli_app(help="Benchmarks; each prints JSON and can write it to --out.")
+Size = choice(("demo", "medium", "large"))   # the keys of bench.common.SIZES (which imports torch)
+Index = choice(("flat", "ivf"))   # datagen.retrieval.build_index's kinds
 
 
 DEVICE = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)")
@@ -55,7 +57,7 @@ def retrieval_cmd(
     profiles: int = typer.Option(10_200, help="profile (query) vectors"),
     triplets: int = typer.Option(808_700, help="triplet (key) vectors"),
     dim: int = typer.Option(384),
-    index: str = typer.Option("flat", help="flat (exact) | ivf (also time the faiss IVF path and its recall@1)"),
+    index: Index = typer.Option("flat", help="flat: exact; ivf: also time the faiss IVF path and its recall@1"),
     seed: int = typer.Option(0),
     query_block: int = typer.Option(None, help="queries per score block of the one-pass search (default: datagen's)"),
     key_block: int = typer.Option(None, help="keys per score block of the one-pass search (default: datagen's)"),
@@ -123,7 +125,7 @@ def serve_cmd(
     tokens: int = typer.Option(None, help="completion tokens per request (ignore_eos; default 32, 64 with --engine)"),
     waves: int = typer.Option(2, help="requests per run = concurrency x waves"),
     repeats: int = typer.Option(None, help="interleaved repeats (median; default 3, 1 with --engine)"),
-    size: str = typer.Option("demo", help="demo | medium | large"),
+    size: Size = typer.Option("demo", help="model size"),
     engine: str = typer.Option(None, help="comma list of vllm, transformers: benchmark a real server over HTTP "
                                           "(unrestrained, one restraint, a mix of 4) instead of the in-process engine"),
     model: Path = typer.Option(None, help="with --engine: a local model directory (default: a random-init --size model)"),

@@ -18,6 +18,9 @@ from rolemrc.core.extras import extra_of
 from rolemrc.core.registry import Registry
 
 ROUNDS = 10_000   # every command's default --rounds: bootstrap resamples (and Monte Carlo sign flips)
+# every `--limit`: lm-eval's meaning; recorded in the output
+LIMIT = typer.Option(None, min=1, help="use only the first N cases of the data (a quick run; recorded in the output, "
+                     "and not comparable to a full run)")
 
 
 class WarningLines(logging.Handler):

@@ -82,6 +82,16 @@ def as_records(items: list[Any]) -> list[dict[str, Any]]:
             for i, item in enumerate(items)]
 
 
+def first_cases(records: list[Any], limit: int | None) -> list[Any]:
+    """The first `limit` records (all of them for None): `--limit N`, a quick run on the start of the data (lm-eval's
+    meaning). A limit under 1 is an InputError."""
+    if limit is None:
+        return records
+    if limit < 1:
+        raise InputError(f"limit must be at least 1 case, got {limit}")
+    return records[:limit]
+
+
 def reply_text(value: Any, name: str, *, where: str = "record") -> str | None:
     """A gold reply as text: a string (kept), turns ending in an assistant turn (its content), or None."""
     if value is None or isinstance(value, str):

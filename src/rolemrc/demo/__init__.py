@@ -34,6 +34,7 @@ from rolemrc.demo.stages import (
     train_stages,
 )
 from rolemrc.intervene.spec import PAPER_FACTOR
+from rolemrc.probe.cli import Hook
 
 __all__ = ["DemoConfig", "register", "run_demo"]
 console = Console()
@@ -108,7 +109,7 @@ def register(app: typer.Typer) -> None:
                                                 "smollm2 (pulled once into the cache), or a model directory"),
         size: str = typer.Option(None, help="datagen size preset or number of personas (default: per base)"),
         profile: str = typer.Option(None, help="training profile (default: tiny; smollm2 for a pretrained base)"),
-        hook: str = typer.Option(DemoConfig.hook, help="probe hook point"),
+        hook: Hook = typer.Option(DemoConfig.hook, help="probe hook point"),
         top_k: int = typer.Option(None, help="units in the restraint (default: 64; 512 for a pretrained base)"),
         factor: float = typer.Option(PAPER_FACTOR, help="restraint factor (the paper's 1 - 1e-6)"),
         ablation: float = typer.Option(None, help="also restrain the same units at this factor and evaluate "

@@ -8,11 +8,11 @@ from typing import Any, get_args
 
 import typer
 
-from rolemrc.core.cli import ROUNDS, cli_app
+from rolemrc.core.cli import LIMIT, ROUNDS, choice, cli_app
 from rolemrc.core.errors import InputError
 from rolemrc.core.extras import needs, require
-from rolemrc.core.records import read_records
-from rolemrc.eval.dataset import check_dataset
+from rolemrc.core.records import first_cases, read_records
+from rolemrc.eval.dataset import DATASETS, check_dataset
 from rolemrc.eval.generate import DType, GenerateConfig, generate
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import METRICS, MetricConfig, metrics_help, parse_metrics
@@ -23,8 +23,10 @@ app = cli_app(help="Generate responses, score them (metrics + judge, CIs), compa
 
 def _generate_config(data: Path, model: str, base_url: str | None, restraint: str | None, strict: bool,
                      extra_body: str | None, max_new_tokens: int, batch_size: int, concurrency: int, dtype: str,
-                     device: str, dataset: str | None, allow_drift: bool) -> tuple[list[dict[str, Any]], GenerateConfig]:
-    """(test records, GenerateConfig), every input checked before any model loads."""
+                     device: str, dataset: str | None, allow_drift: bool,
+                     limit: int | None) -> tuple[list[dict[str, Any]], GenerateConfig]:
+    """(test records: the first `limit` of them, GenerateConfig), every input checked before any model loads. The
+    dataset check reads the whole file."""
     try:
         body = json.loads(extra_body) if extra_body else {}
     except json.JSONDecodeError as exc:
@@ -37,7 +39,7 @@ def _generate_config(data: Path, model: str, base_url: str | None, restraint: st
     if check.get("drift"):
         typer.secho(f"warning: {len(check['drift'])} task counts differ from the {dataset} histogram (--allow-drift)",
                     fg="yellow", err=True)
-    return records, config
+    return first_cases(records, limit), config
 
 
 def _score_configs(out: Path, judge: str, judge_model: str | None, judge_base_url: str | None, judge_concurrency: int,
@@ -51,16 +53,22 @@ def _score_configs(out: Path, judge: str, judge_model: str | None, judge_base_ur
     return judge_config, metric_config
 
 
-def _score(responses: Path, out: Path, configs: tuple[JudgeConfig, MetricConfig | None], rounds: int) -> None:
+def _score(responses: Path, out: Path, configs: tuple[JudgeConfig, MetricConfig | None], rounds: int,
+           limit: int | None = None) -> None:
+    """Score the responses and write the run folder; `limit`: the `--limit` the responses were generated with."""
     from rolemrc.eval.runs import score  # numpy
 
     run = score(responses, *configs, rounds=rounds, progress=True)
+    if limit is not None:
+        run.summary["limit"] = limit
     run.save(out)
     typer.echo((out / "report.md").read_text())
     if run.summary.get("chart", {}).get("png_error"):
         typer.secho(f"warning: {run.summary['chart']['png_error']}", fg="yellow", err=True)
 
 
+DatasetName = choice(DATASETS)
+JudgeName = choice(JUDGES)
 GEN = {
     "model": typer.Option(..., help="local HF model directory, or the model id at --base-url"),
     "base_url": typer.Option(None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1"),
@@ -70,12 +78,17 @@ GEN = {
     "max_new_tokens": typer.Option(256), "batch_size": typer.Option(8, help="local batch size"),
     "concurrency": typer.Option(8, help="endpoint requests in flight"),
     "dtype": typer.Option("float32", help=" | ".join(get_args(DType))),
-    "device": typer.Option("auto"), "dataset": typer.Option(None, help="'rolemrc': check the published 18-task histogram"),
+    "device": typer.Option("auto"),
+    "dataset": typer.Option(None, help="check the file against this dataset's published task histogram (rolemrc: "
+                            "18 tasks)"),
     "allow_drift": typer.Option(False, help="score a file that drifts from --dataset's histogram"),
+    "limit": LIMIT,
 }
-SCORE = {
-    "judge": typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
-    "judge_model": typer.Option(None), "judge_base_url": typer.Option(None), "judge_concurrency": typer.Option(8),
+SCORE = {   # `sweep run` and `ab report` take the judge options too
+    "judge": typer.Option("rules", help="rules: offline exact verifiers; openai: any compatible endpoint"),
+    "judge_model": typer.Option(None, help="the judge model (endpoint judges, e.g. openai)"),
+    "judge_base_url": typer.Option(None, help="the judge's OpenAI-compatible base URL (endpoint judges)"),
+    "judge_concurrency": typer.Option(8),
     "metrics": typer.Option(",".join(METRICS.names()), help=metrics_help()),
     "bertscore_model": typer.Option(None, help="local encoder directory (default: packaged all-MiniLM-L6-v2)"),
     "bertscore_layer": typer.Option(None, help="encoder layer (default 5 for MiniLM, else the last)"),
@@ -89,19 +102,20 @@ def generate_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = 
                  strict: bool = GEN["strict"],
                  extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
                  batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
-                 device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"]) -> None:
+                 device: str = GEN["device"], dataset: DatasetName = GEN["dataset"],
+                 allow_drift: bool = GEN["allow_drift"], limit: int = GEN["limit"]) -> None:
     """Generate responses (id, task, response, latency, tokens) for a test file."""
     if base_url:
         require("eval", what="`rolemrc eval generate --base-url`")
     generate(*_generate_config(data, model, base_url, restraint, strict, extra_body, max_new_tokens, batch_size, concurrency,
-                               dtype, device, dataset, allow_drift), out=out)
+                               dtype, device, dataset, allow_drift, limit), out=out)
     typer.echo(f"wrote {out}")
 
 
 @app.command("score")
 @needs("eval")
 def score_cmd(responses: Path = typer.Argument(..., help="responses JSONL"), out: Path = typer.Option(..., help="run folder"),
-              judge: str = SCORE["judge"], judge_model: str = SCORE["judge_model"],
+              judge: JudgeName = SCORE["judge"], judge_model: str = SCORE["judge_model"],
               judge_base_url: str = SCORE["judge_base_url"], judge_concurrency: int = SCORE["judge_concurrency"],
               metrics: str = SCORE["metrics"], bertscore_model: str = SCORE["bertscore_model"],
               bertscore_layer: int = SCORE["bertscore_layer"], rounds: int = SCORE["rounds"]) -> None:
@@ -117,8 +131,8 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
             strict: bool = GEN["strict"],
             extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
             batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
-            device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"],
-            judge: str = SCORE["judge"], judge_model: str = SCORE["judge_model"],
+            device: str = GEN["device"], dataset: DatasetName = GEN["dataset"], allow_drift: bool = GEN["allow_drift"],
+            limit: int = GEN["limit"], judge: JudgeName = SCORE["judge"], judge_model: str = SCORE["judge_model"],
             judge_base_url: str = SCORE["judge_base_url"], judge_concurrency: int = SCORE["judge_concurrency"],
             metrics: str = SCORE["metrics"], bertscore_model: str = SCORE["bertscore_model"],
             bertscore_layer: int = SCORE["bertscore_layer"], rounds: int = SCORE["rounds"]) -> None:
@@ -126,9 +140,9 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
     configs = _score_configs(out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
                              bertscore_layer)
     records, config = _generate_config(data, model, base_url, restraint, strict, extra_body, max_new_tokens, batch_size,
-                                       concurrency, dtype, device, dataset, allow_drift)
+                                       concurrency, dtype, device, dataset, allow_drift, limit)
     generate(records, config, out=out / "responses.jsonl")
-    _score(out / "responses.jsonl", out, configs, rounds)
+    _score(out / "responses.jsonl", out, configs, rounds, limit)
 
 
 @app.command("compare")

@@ -41,7 +41,9 @@ def table3(runs: list[tuple[str, dict[str, Any]]]) -> str:
 def run_markdown(summary: dict[str, Any], name: str) -> str:
     agg = summary.get("judge_aggregates", {})
     parts = [f"# Eval run `{name}`", "",
-             f"{summary.get('n_items', 0)} items; judge `{summary.get('judge', {}).get('name')}`: "
+             f"{summary.get('n_items', 0)} items"
+             + (f" (`--limit {summary['limit']}`: the first of the data, a quick run)" if "limit" in summary else "")
+             + f"; judge `{summary.get('judge', {}).get('name')}`: "
              f"{agg.get('calls', 0)} calls, {agg.get('scored', 0)} scored, status {agg.get('status', {})}. "
              f"Values in percent (BLEU 0-100) with bootstrap 95% CIs ({summary.get('bootstrap_rounds')} rounds; "
              "judge scores: items resampled within their task).", "",

@@ -72,7 +72,7 @@ def probe_stages(cache: StageCache, organism: Organism, config: CalibrationConfi
 
     def attribute_stage() -> dict:
         write_jsonl(chosen, attribution_pairs(read_jsonl(organism.pairs), organism.dimension, config.attribution_pairs))
-        attribute(organism.sft, organism.dpo, str(chosen), hook=config.hook).save(scores)
+        attribute([organism.sft, organism.dpo], str(chosen), hook=config.hook).save(scores)
         return {"out": str(scores)}
 
     cache.run(f"{organism.kind} attribute", {"models": models, "pairs": Path(organism.pairs),

@@ -8,14 +8,16 @@ from pathlib import Path
 
 import typer
 
-from rolemrc.core.cli import cli_app
+from rolemrc.core.cli import choice, cli_app
 from rolemrc.core.extras import needs
 from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_PROBE_CASES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
+from rolemrc.probe.cli import Hook
 
 app = cli_app(help="Known-answer organisms (a DPO model with a planted change, and a null one, from an SFT model) and the "
                    "calibration of the method on them.")
 DEFAULTS = {f.name: f for f in dataclasses.fields(OrganismConfig)}
+OrganismKind = choice(KINDS)
 
 
 def _help(name: str) -> str:
@@ -25,7 +27,7 @@ def _help(name: str) -> str:
 @app.command("build")
 @needs("train", "eval")
 def build_cmd(
-    kind: str = typer.Argument(..., help=" | ".join(KINDS)),
+    kind: OrganismKind = typer.Argument(..., help="planted: DPO plants a known change; null: DPO on unchanged pairs"),
     out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by planted and null; "
                                                                    "a rerun reuses finished stages)"),
     base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
@@ -72,7 +74,7 @@ def calibrate_cmd(
                                            "8 attribution pairs, 24 probe cases"),
     probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "
                                                f"(default {PROBE_CASES}, {QUICK_PROBE_CASES} with --quick)"),
-    hook: str = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use (e.g. mlp.post)"),
+    hook: Hook = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use"),
     steps: int = typer.Option(None, "--max-steps", help="DPO steps of each organism (default: organism build's)"),
     learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),

@@ -7,7 +7,7 @@
     paired = collect_paired(["runs/sft", "runs/dpo"], "test.jsonl")  # PairedCounts: one pass, same cases
     result = diff(paired)                                           # exact McNemar per unit
     whole = merge(["part-0.safetensors", "part-1.safetensors"])     # shards of the cases, summed
-    scores = attribute("runs/sft", "runs/dpo", "pairs.jsonl")       # Attribution: margin gradient x activation change
+    scores = attribute(["runs/sft", "runs/dpo"], "pairs.jsonl")     # Attribution: margin gradient x activation change
     write_diff(result, "runs/diff")                                 # tables + heatmaps
 
 The hook table imports no torch; the rest is imported on first use (`core.lazy`).

@@ -21,7 +21,7 @@ Attribution file (docs/ARCHITECTURE.md "Attribution file"): safetensors with `at
 [layers, width]: the sum over the dimension's pairs of each pair's score rounded to SCORE_UNIT, so sums are exact in
 any order: shards, processes, merges), `pairs.<dim>` (int64 scalar) and `case_hashes` (int64 [pairs], sorted); metadata
 `kind: attribution`, hook, width, layers, dimensions, models (sft and dpo), reply_tokens, score_bits, max_length,
-dimension_field, truncated, data and pairs fingerprints, toolkit_version.
+dimension_field, truncated, limit, data and pairs fingerprints, toolkit_version.
 
 A pair's score does not depend on the pairs it is batched with: a batch holds pairs of one length bucket
 (`bucket_length`) padded to that bucket's length, and on the CPU a padded row's activations depend on its padded
@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,7 +46,7 @@ from rolemrc.core.artifacts import JSONL_INPUT, check_format, expect, stamp
 from rolemrc.core.chat import tokenize_replies
 from rolemrc.core.io import file_fingerprint, iter_jsonl
 from rolemrc.core.modeling import check_model_dir
-from rolemrc.core.records import normalize_record, reply_text
+from rolemrc.core.records import first_cases, normalize_record, reply_text
 from rolemrc.core.version import __version__
 from rolemrc.probe.cases import UNGROUPED, case_dimensions, case_hash, cases_fingerprint, membership_matrix, pad_right
 from rolemrc.probe.collect import (
@@ -70,7 +70,8 @@ SCORE_UNIT = 2.0 ** -SCORE_BITS  # each pair's per-unit score is rounded to this
 MAX_SCORE = 2.0 ** (62 - SCORE_BITS)  # a pair's |score| must stay below this to fit int64 with room to sum
 SAME_TOKENS = "attribution compares both models' activations on the same tokens"
 # Metadata that must agree for attribution files to add up (and `Attribution.model_identity`).
-ATTRIBUTION_KEYS = ("kind", "hook", "width", "layers", "reply_tokens", "score_bits", "max_length", "dimension_field")
+ATTRIBUTION_KEYS = ("kind", "hook", "width", "layers", "reply_tokens", "score_bits", "max_length", "dimension_field",
+                    "limit")
 
 
 @dataclass
@@ -80,7 +81,8 @@ class AttributeConfig:
     hook: str = "mlp.act"  # a name in HOOK_POINTS
     batch_size: int = 4  # preference pairs per batch (twice as many sequences)
     dimension_field: str | None = None
-    max_length: int | None = None  # default: the models' context window; longer sequences keep their start
+    max_length: int | None = None  # default: the models' context window; longer pairs keep their prompt's last tokens
+    limit: int | None = None  # use only the first `limit` pairs of the data
     dtype: str = "float32"
     device: str = "auto"
     device_map: DeviceMap | None = None  # place each model loaded from a directory over this process's devices
@@ -206,17 +208,18 @@ def _pair(record: dict[str, Any], lineno: int | None, where: str) -> dict[str, A
 
 def build_pairs(records: list[dict[str, Any]], tokenizer: Any, *, dimension_field: str | None = None,
                 max_length: int | None = None) -> Pairs:
-    """Tokenise each pair's chosen and rejected conversation with the chat template (`tokenize_replies`). Sequences
-    longer than `max_length` keep their first `max_length` tokens (trl's `keep_start`) and count as truncated; a pair
-    whose prompt alone fills `max_length` is an error. Each pair counts in its dimensions, as a probe case does."""
+    """Tokenise each pair's chosen and rejected conversation with the chat template (`tokenize_replies`). A pair
+    whose longer sequence exceeds `max_length` tokens counts as truncated and keeps, as `probe collect` does, its
+    prompt's last tokens (those nearest the replies; the same ones in both sequences) and its replies whole; a reply
+    that alone leaves no room keeps the prompt's last token and the reply's first tokens. Each pair counts in its
+    dimensions, as a probe case does."""
     chosen, rejected, starts, truncated = [], [], [], 0
     for record in records:
         (c, r), start = tokenize_replies(tokenizer, record["prompt"], [record["chosen"], record["rejected"]])
         if max_length and max(len(c), len(r)) > max_length:
-            if start >= max_length:
-                raise ProbeError(f"pair {record['id']}: its prompt fills max length {max_length}, leaving no reply token")
-            truncated += 1
-            c, r = c[:max_length], r[:max_length]
+            kept = min(start, max(1, max_length - max(len(c), len(r)) + start))   # the prompt's last tokens
+            c, r = (seq[start - kept:start - kept + max_length] for seq in (c, r))
+            start, truncated = kept, truncated + 1
         chosen.append(c)
         rejected.append(r)
         starts.append(start)
@@ -374,19 +377,25 @@ def check_same_configs(sft: str | os.PathLike, dpo: str | os.PathLike, hook: str
         raise ProbeError(f"models {sft} and {dpo} differ ({'; '.join(differ)}); {SAME_TOKENS}, unit by unit")
 
 
-def attribute(sft: Any, dpo: Any, data: Any, config: AttributeConfig | None = None, *,
-              tokenizers: tuple[Any, Any] = (None, None), **overrides: Any) -> Attribution:
-    """Attribution patching of the DPO model `dpo` against its SFT model `sft` over preference pairs.
+def attribute(models: Sequence[Any], data: Any, config: AttributeConfig | None = None, *,
+              tokenizers: Sequence[Any] = (None, None), **overrides: Any) -> Attribution:
+    """Attribution patching of a DPO model against its SFT model over preference pairs.
 
-    sft, dpo: local HF directories, or loaded causal LMs (then pass their `tokenizers`).
+    models: exactly two, the reference (SFT) first, then the model tuned from it (DPO), as `collect_paired` takes
+    them: local HF directories, or loaded causal LMs (then pass their `tokenizers`).
     data: a JSONL path or a list of preference-pair records (`prompt`, `chosen`, `rejected`, `task`).
     Keyword overrides replace fields of `config`. Inputs are checked before a model loads.
     """
+    if len(models) != 2:
+        raise ProbeError(f"attribution compares exactly two models, the reference (SFT) first and the model tuned from "
+                         f"it (DPO) second; got {len(models)}")
+    sft, dpo = models
     config = AttributeConfig(**{**asdict(config or AttributeConfig()), **overrides})
     directories = [m for m in (sft, dpo) if isinstance(m, (str, os.PathLike))]
     for path in directories:
         check_model_dir(path)
     records, data_fingerprint = read_pairs(data)
+    records = first_cases(records, config.limit)
     if len(directories) == 2:
         check_same_configs(sft, dpo, config.hook)
     loaded = [load_probed(m, t, config) for m, t in zip((sft, dpo), tokenizers, strict=True)]
@@ -401,15 +410,16 @@ def attribute(sft: Any, dpo: Any, data: Any, config: AttributeConfig | None = No
     meta = {**stamp(KIND), "hook": config.hook, "width": str(sums.shape[2]), "layers": str(sums.shape[1]),
             "models": json.dumps(dict(zip(ROLES, (sft_meta, dpo_meta)))), "reply_tokens": REPLY_TOKENS,
             "score_bits": str(SCORE_BITS), "max_length": str(cap), "dimension_field": config.dimension_field or "",
-            "truncated": str(pairs.truncated), "data_fingerprint": data_fingerprint or fingerprint,
+            "truncated": str(pairs.truncated), "limit": str(config.limit or ""),
+            "data_fingerprint": data_fingerprint or fingerprint,
             "pairs_fingerprint": fingerprint, "toolkit_version": __version__}
     counts = pairs.membership.sum(0).round().long().tolist()
     return Attribution({d: sums[j].cpu() for j, d in enumerate(pairs.dimensions)},
                        dict(zip(pairs.dimensions, counts)), meta, pairs.hashes.sort().values)
 
 
-def attribute_to_file(sft: Any, dpo: Any, data: Any, out: str | os.PathLike, config: AttributeConfig | None = None,
+def attribute_to_file(models: Sequence[Any], data: Any, out: str | os.PathLike, config: AttributeConfig | None = None,
                       **overrides: Any) -> Path:
     """attribute() and save the attribution file; launched as several processes, only rank 0 writes."""
-    result = attribute(sft, dpo, data, config, **overrides)
+    result = attribute(models, data, config, **overrides)
     return result.save(out) if shard_from_env().main else Path(out)

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from rolemrc.core.cli import Command, cli_app
+from rolemrc.core.cli import LIMIT, choice, cli_app
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
 
@@ -20,25 +20,20 @@ DEVICE = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if availa
                       "each rank's own GPU)")
 DEVICE_MAP = typer.Option(None, help="spread each model's layers over this process's GPUs (then the CPU) with "
                           "accelerate's big-model placement, instead of --device")
+# the inputs of `collect` and `attribute`
+Hook = choice(HOOK_POINTS)
+HOOK = typer.Option("mlp.act", help="hook point (docs/probe.md)")
+MAX_LENGTH = typer.Option(None, min=1, help="keep at most this many tokens per sequence: the prompt's last ones (nearest "
+                          "the reply); a reply that alone exceeds it keeps its first ones (default: the context window)")
 
 
-class HookTableCommand(Command):
-    """A command whose `--hook` help lists the rows of HOOK_POINTS as they are when the CLI is built."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        for param in self.params:
-            if param.name == "hook":
-                param.help = "hook point: " + " | ".join(HOOK_POINTS)
-
-
-@app.command("collect", cls=HookTableCommand)
+@app.command("collect")
 def collect_cmd(
     model: list[Path] = typer.Option(..., "--model", help="local HF causal-LM directory; repeat it to collect "
                                      "several models paired over the same cases (one paired probe file)"),
     data: Path = typer.Option(..., "--data", help="JSONL records (test, pair or SFT format)"),
     out: Path = typer.Option(..., "--out", help="probe file to write (.safetensors)"),
-    hook: str = typer.Option("mlp.act"),  # help: HookTableCommand
+    hook: Hook = HOOK,
     top_fraction: float = typer.Option(0.2, help="share of units counted as active per observation"),
     tokens: Tokens = typer.Option("last", help="last prompt token, or all prompt tokens"),
     rank: Rank = typer.Option("signed", help="rank by signed value, or by abs"),
@@ -46,7 +41,8 @@ def collect_cmd(
     backend: Backend = typer.Option("torch"),
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
-    max_length: int = typer.Option(None, help="keep at most this many prompt tokens (the last ones)"),
+    max_length: int = MAX_LENGTH,
+    limit: int = LIMIT,
     dtype: str = DTYPE,
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
@@ -60,7 +56,7 @@ def collect_cmd(
 
     config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
                            backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
-                           max_length=max_length, dtype=dtype, device=device, device_map=device_map)
+                           max_length=max_length, limit=limit, dtype=dtype, device=device, device_map=device_map)
     probe = collect(model[0], data, config) if len(model) == 1 else collect_paired(model, data, config)
     if shard_from_env().main:
         typer.echo(json.dumps({"out": str(probe.save(out)), **_report(probe)}, indent=1))
@@ -76,17 +72,18 @@ def _report(probe: Any) -> dict[str, Any]:
             "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
 
 
-@app.command("attribute", cls=HookTableCommand)
+@app.command("attribute")
 def attribute_cmd(
-    sft: Path = typer.Option(..., "--sft", help="the SFT model (local HF directory): the reference"),
-    dpo: Path = typer.Option(..., "--dpo", help="the DPO model trained from it (same tokenizer and shape)"),
+    model: list[Path] = typer.Option(..., "--model", help="local HF causal-LM directory, given exactly twice: the "
+                                     "reference (SFT) first, then the model tuned from it (DPO; same tokenizer and "
+                                     "shape)"),
     pairs: Path = typer.Option(..., "--pairs", help="JSONL preference pairs (prompt, chosen, rejected, task)"),
     out: Path = typer.Option(..., "--out", help="attribution file to write (.safetensors)"),
-    hook: str = typer.Option("mlp.act"),  # help: HookTableCommand
+    hook: Hook = HOOK,
     batch_size: int = typer.Option(4, min=1, help="preference pairs per batch (twice as many sequences)"),
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
-    max_length: int = typer.Option(None, help="keep at most this many tokens per sequence (the first ones; default: "
-                                   "the context window)"),
+    max_length: int = MAX_LENGTH,
+    limit: int = LIMIT,
     dtype: str = DTYPE,
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
@@ -99,8 +96,8 @@ def attribute_cmd(
     from rolemrc.probe.distributed import shard_from_env
 
     config = AttributeConfig(hook=hook, batch_size=batch_size, dimension_field=dimension_field, max_length=max_length,
-                             dtype=dtype, device=device, device_map=device_map)
-    result = attribute(sft, dpo, pairs, config)
+                             limit=limit, dtype=dtype, device=device, device_map=device_map)
+    result = attribute(model, pairs, config)
     if shard_from_env().main:
         typer.echo(json.dumps({"out": str(result.save(out)), **_attribution_report(result)}, indent=1))
 

@@ -23,7 +23,7 @@ from rolemrc.core.modeling import (
     model_name,
     tokenizer_of,
 )
-from rolemrc.core.records import as_records
+from rolemrc.core.records import as_records, first_cases
 from rolemrc.core.version import __version__
 from rolemrc.probe.backends import make_backend
 from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prompt_cases
@@ -47,7 +47,8 @@ class CollectConfig:
     backend: Backend = "torch"
     dimension_field: str | None = None
     generation_prompt: bool = True
-    max_length: int | None = None  # default: the model's context window
+    max_length: int | None = None  # default: the model's context window; longer prompts keep their last tokens
+    limit: int | None = None  # use only the first `limit` cases of the data
     dtype: str = "float32"
     device: str = "auto"
     device_map: DeviceMap | None = None  # place a model loaded from a directory over this process's devices
@@ -143,6 +144,7 @@ def _prepare(data: Any, config: CollectConfig | None, overrides: dict[str, Any])
         data_fingerprint = file_fingerprint(source)
     else:
         data = as_records(list(data))
+    data = first_cases(data, config.limit)
     prompt_cases(data, source)
     return config, data, data_fingerprint
 
@@ -198,7 +200,8 @@ def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
         "backend": config.backend, "generation_prompt": str(config.generation_prompt).lower(),
         "dimension_field": config.dimension_field or "",
         "data_fingerprint": data_fingerprint or cases.fingerprint, "cases_fingerprint": cases.fingerprint,
-        "truncated": str(cases.truncated), "max_length": str(max_length), "toolkit_version": __version__,
+        "truncated": str(cases.truncated), "max_length": str(max_length), "limit": str(config.limit or ""),
+        "toolkit_version": __version__,
     }
 
 

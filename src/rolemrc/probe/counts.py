@@ -22,7 +22,7 @@ from rolemrc.probe.errors import ProbeError, ProbeFileError
 from rolemrc.probe.options import Rank, Tokens
 
 # Metadata keys that must agree for two probe files to be comparable.
-COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens", "rank", "generation_prompt")
+COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens", "rank", "generation_prompt", "limit")
 CASE_HASHES = "case_hashes"  # the probe file's tensor of case identities
 FRACTION_BITS = 32
 MOMENT_UNIT = 2.0 ** -FRACTION_BITS  # each observation's x and x^2 are rounded to this once, before any sum

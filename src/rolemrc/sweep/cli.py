@@ -8,9 +8,9 @@ from pathlib import Path
 
 import typer
 
-from rolemrc.core.cli import cli_app
+from rolemrc.core.cli import LIMIT, cli_app
 from rolemrc.core.extras import needs
-from rolemrc.eval.judges import JUDGES
+from rolemrc.eval.cli import SCORE, JudgeName
 from rolemrc.intervene.select import SELECTORS
 from rolemrc.probe.options import Direction
 from rolemrc.serve.engines import EngineName
@@ -25,6 +25,7 @@ def run_cmd(
     model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
     diff: Path = typer.Option(..., "--diff", help="diff directory (for --method attribution: an attribution file)"),
     data: Path = typer.Option(..., "--data", help="test JSONL"),
+    limit: int = LIMIT,
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
     dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
     factors: str = typer.Option(",".join(f"{f:.10g}" for f in FACTORS), help="comma-separated scales"),
@@ -36,9 +37,9 @@ def run_cmd(
     controls: int = typer.Option(3, help="random-unit control sets per cell"),
     seed: int = typer.Option(0, help="seed of the control draws"),
     metrics: str = typer.Option("all", help="reference metric groups (all, or e.g. rouge,bleu)"),
-    judge: str = typer.Option("rules", help=f"{JUDGES.listing(' | ')} (rules: offline)"),
-    judge_model: str = typer.Option(None, help="the judge model (endpoint judges, e.g. openai)"),
-    judge_base_url: str = typer.Option(None, help="the judge's OpenAI-compatible base URL (endpoint judges)"),
+    judge: JudgeName = SCORE["judge"],
+    judge_model: str = SCORE["judge_model"],
+    judge_base_url: str = SCORE["judge_base_url"],
     max_new_tokens: int = typer.Option(96, help="generation length"),
     batch_size: int = typer.Option(16, help="rows per generation batch (cells share batches)"),
     cells_per_pass: int = typer.Option(4, help="cells generated together; each finished pass is kept"),
@@ -64,6 +65,6 @@ def run_cmd(
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
                          engine=engine.value, base_url=base_url, served_model=served_model, concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,
-                         cells_dir=str(cells_dir) if cells_dir else None, strict=strict)
+                         cells_dir=str(cells_dir) if cells_dir else None, strict=strict, limit=limit)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))

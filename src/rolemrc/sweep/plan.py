@@ -49,6 +49,7 @@ class SweepConfig:
     judge_model: str | None = None     # endpoint judges: the judge model and its OpenAI-compatible base URL
     judge_base_url: str | None = None
     strict: bool = False           # refuse restraints selected on another model than `model` (default: a warning)
+    limit: int | None = None       # use only the first `limit` cases of `data` (part of each cell's identity)
 
     def __post_init__(self) -> None:
         if not self.dimensions:

@@ -51,14 +51,14 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     """Generate every cell not yet in the store (model loaded once; cells share batches, or a server's); returns
     the plan."""
     from rolemrc.core.modeling import dir_fingerprint, load_model
-    from rolemrc.core.records import read_records
+    from rolemrc.core.records import first_cases, read_records
     from rolemrc.intervene.fit import check_origin
     from rolemrc.intervene.select import input_hook
     from rolemrc.probe.hooks import width
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
-    records = read_records(config.data, "test")[0]
-    settings = {"model": dir_fingerprint(config.model), "data": file_fingerprint(config.data),
+    records = first_cases(read_records(config.data, "test")[0], config.limit)
+    settings = {"model": dir_fingerprint(config.model), "data": file_fingerprint(config.data), "limit": config.limit,
                 "max_new_tokens": config.max_new_tokens, "engine": engine_label(config)}
     model, tok = load_model(config.model, device="auto")
     hook = input_hook(config.diff)
