@@ -110,7 +110,7 @@ def test_cli_refuses_an_unknown_kind_before_anything_runs(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rolemrc.cli", "organism", "build", "nonsense", "--out",
                            str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    assert done.returncode == EXIT_INPUT and lines == ["error: organism kind 'nonsense' is not one of planted, null"]
+    assert done.returncode == EXIT_INPUT and lines == ["error: Invalid value for 'kind': 'nonsense' is not one of 'planted', 'null'."]
     assert not (tmp_path / "o").exists()
 
 

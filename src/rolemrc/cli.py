@@ -13,7 +13,7 @@ from rolemrc.core.version import __version__
 # Sub-app name -> module that defines it. Each module's cli keeps heavy imports inside commands.
 SUBAPPS: dict[str, tuple[str, str]] = {
     "datagen": ("rolemrc.datagen.cli", "synthesise RoleMRC-style data"),
-    "train": ("rolemrc.train.cli", "train the embedded base model, SFT and DPO"),
+    "train": ("rolemrc.train.cli", "train a small base model from scratch; SFT and DPO on any causal LM"),
     "eval": ("rolemrc.eval.cli", "generate, score with metrics and judges, compare runs"),
     "probe": ("rolemrc.probe.cli", "collect top-k unit frequencies, diff them, explore"),
     "intervene": ("rolemrc.intervene.cli", "select units, restrain them: bake, LoRA export, check"),

@@ -12,6 +12,7 @@ import typer
 from rolemrc.core.artifacts import expect
 from rolemrc.core.cli import ROUNDS, cli_app
 from rolemrc.core.extras import needs
+from rolemrc.core.openai_client import ROLEMRC_KEY_ENV
 from rolemrc.eval.cli import SCORE, JudgeName
 from rolemrc.eval.judges import JudgeConfig
 from rolemrc.eval.metrics import metrics_help, parse_metrics
@@ -29,7 +30,8 @@ def create_cmd(
     model: str = typer.Option(None, help="the served model id (default: the one unrestrained model it lists)"),
     id: str = typer.Option(None, "--id", help="experiment id (default: generated)"),
     description: str = typer.Option(None, help="default: which cells, and what the sweep found for each"),
-    api_key_env: str = typer.Option("OPENAI_API_KEY", help="env var holding the server's API key"),
+    api_key_env: str = typer.Option(ROLEMRC_KEY_ENV, help="env var holding one API key of the server (one of those "
+                                    "its config's api_key_env lists)"),
 ) -> None:
     """Register the chosen cells' restraints on the server and create an A/B experiment: the unrestrained model,
     then one arm per cell (the server must allow client restraint specs: allow_inline_restraints)."""

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 from rolemrc.core.errors import RolemrcError
 
+ROLEMRC_KEY_ENV = "ROLEMRC_API_KEY"   # a client's key to a rolemrc server: one of the keys its `api_key_env` lists
+
 
 class EndpointError(RolemrcError, RuntimeError):
     """An endpoint cannot serve requests: transport retries used up, or an HTTP error that is not retried."""

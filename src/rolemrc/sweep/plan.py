@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolemrc.core.extras import require
+from rolemrc.core.openai_client import ROLEMRC_KEY_ENV
 from rolemrc.intervene.select import SELECTORS
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError
 from rolemrc.probe.options import Direction
@@ -42,7 +43,7 @@ class SweepConfig:
     engine: str = "transformers"   # a serve engine: transformers runs in this process; others (vllm) in a rolemrc server
     base_url: str | None = None    # instead: any OpenAI-compatible rolemrc endpoint serving `model`'s weights
     served_model: str | None = None   # its model id (default: the one unrestrained model it lists)
-    api_key_env: str = "OPENAI_API_KEY"
+    api_key_env: str = ROLEMRC_KEY_ENV   # the endpoint's key (one of the rolemrc server's keys)
     concurrency: int = 16          # requests in flight (endpoint engines)
     vllm_memory: float | None = None   # the vLLM engine's memory_utilization
     judge: str = "rules"           # a judge of eval's registry (eval.judges.JUDGES)

