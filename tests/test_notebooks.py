@@ -7,7 +7,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from rolemrc.core.tiny import build_model
-from rolemrc.probe import collect, diff, write_diff
+from rolemrc.probe import collect_paired, diff, write_diff
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -36,12 +36,12 @@ def test_layer_explorer_notebook(model_dirs, records, tokenizer, tmp_path):
     other = tmp_path / "b"
     build_model("llama", tokenizer, seed=5, hidden=64, layers=2, intermediate=96).save_pretrained(other)
     tokenizer.save_pretrained(other)
-    result = diff(collect(model_dirs["llama"], records, device="cpu", progress=False),
-                  collect(other, records, device="cpu", progress=False))
+    result = diff(collect_paired([model_dirs["llama"], other], records, device="cpu", progress=False))
     write_diff(result, tmp_path / "diff", figures=False)
     nb = run_notebook("layer_explorer.ipynb", {"ROLEMRC_DIFF_DIR": str(tmp_path / "diff")}, tmp_path)
     text = outputs_text(nb)
     assert "hook mlp.act: 2 layers x 96 units" in text and "largest shift:" in text
+    assert "per-unit test: mcnemar" in text   # the paired diff docs/probe.md recommends
     plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
              if "application/vnd.plotly.v1+json" in o.get("data", {})]
     assert len(plots) >= 4
