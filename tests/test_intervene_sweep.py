@@ -140,9 +140,12 @@ def test_cli_sweep_writes_the_tables(setup, tmp_path):
     result = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
                                       "--data", str(setup / "test.jsonl"), "--out", str(tmp_path), "--dimension",
                                       "multi_turn", "--factors", "0,0.5", "--top-k", "4", "--controls", "1",
-                                      "--metrics", "rouge", "--max-new-tokens", "4"])
+                                      "--metrics", "rouge", "--max-new-tokens", "4", "--limit", "3"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["cells"] == 2 and (tmp_path / "sweep.md").is_file()
+    sweep = json.loads((tmp_path / "sweep.json").read_text())   # --limit: the first 3 cases, recorded
+    reports = [json.loads(f.read_text()) for f in (tmp_path / "scores").glob("*/report.json")]
+    assert sweep["config"]["limit"] == 3 and reports and all(r["n_items"] == 3 for r in reports)
     bad = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
                                    "--data", str(setup / "test.jsonl"), "--out", str(tmp_path / "x"), "--dimension",
                                    "multi_turn", "--factors", "half"])

@@ -138,6 +138,20 @@ def test_eval_run_on_messages_dump_records_the_fields(tmp_path, model_dirs):
     assert all(r["question"][-1]["role"] == "user" for r in responses)
 
 
+def test_eval_run_limit_uses_the_first_cases_and_says_so(tmp_path, model_dirs):
+    rows = [{"messages": [*QUESTION, {"role": "assistant", "content": f"answer {k}"}], "task": task}
+            for k, task in enumerate(list(RELEASE_HISTOGRAM)[:4])]
+    data = tmp_path / "dump.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["eval", "run", "--data", str(data), "--out", str(out), "--model", str(model_dirs["llama"]),
+                                      "--max-new-tokens", "2", "--metrics", "bleu", "--rounds", "20", "--limit", "3"])
+    assert result.exit_code == 0, result.output
+    assert [r["reference"] for r in read_jsonl(out / "responses.jsonl")] == [f"answer {k}" for k in range(3)]
+    assert json.loads((out / "report.json").read_text())["limit"] == 3
+    assert "3 items (`--limit 3`: the first of the data, a quick run)" in (out / "report.md").read_text()
+
+
 def test_train_reads_aliases_and_reports_the_fields(tmp_path, capsys):
     sft = write_lines(tmp_path / "sft.jsonl", [{"messages": r["conversations"]} for r in sft_records(3)]
                       + [{"prompt": "why?", "answer": "because"}])
