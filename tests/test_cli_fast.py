@@ -153,3 +153,24 @@ def test_the_package_exports_the_methods_verbs_lazily():
             "sorted(n for n in rolemrc.__all__ if n != '__version__' and getattr(rolemrc, n, None) is None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True", "True", "[]"], out.stdout + out.stderr
+
+
+def test_boolean_options_are_plain_flags():
+    """An option off by default is one plain flag (`--strict`); one on by default (or unset: taken from a config) has
+    its `--no-` form too. Neither takes a value."""
+    from typer.main import get_command
+
+    import rolemrc.cli
+
+    wrong = []
+
+    def walk(command, path):
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+        for param in getattr(command, "params", []):
+            # the root's own (--version, typer's completion) aside: off by default <=> no --no- form
+            if path and getattr(param, "is_flag", False) and (param.default is False) == bool(param.secondary_opts):
+                wrong.append((path, param.opts, param.secondary_opts, param.default))
+
+    walk(get_command(rolemrc.cli.app), [])
+    assert not wrong, wrong

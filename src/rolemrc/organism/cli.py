@@ -45,7 +45,7 @@ def build_cmd(
     eval_planted: int = typer.Option(None, help=_help("eval_planted")),
     eval_others: int = typer.Option(None, help=_help("eval_others")),
     seed: int = typer.Option(DEFAULTS["seed"].default, help=_help("seed")),
-    quick: bool = typer.Option(False, help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
+    quick: bool = typer.Option(False, "--quick", help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
 ) -> None:
     """Train the organism (LoRA DPO from the SFT model), evaluate SFT and DPO on held-out cases, write
     <out>/<kind>/organism.json and training.html/png."""
@@ -69,7 +69,7 @@ def calibrate_cmd(
     base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
     organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
                                               "build` filled with the same settings is reused"),
-    quick: bool = typer.Option(False, help="organisms with 16 steps and fewer held-out cases; the frequency "
+    quick: bool = typer.Option(False, "--quick", help="organisms with 16 steps and fewer held-out cases; the frequency "
                                            "and attribution selectors at 256 units per layer, factors 0 and 1 - 1e-6, "
                                            "8 attribution pairs, 24 probe cases"),
     probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "
