@@ -10,17 +10,17 @@ import typer
 from typer.core import TyperCommand
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.placement import DEVICE_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.probe.hooks import HOOK_POINTS
-from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
+from rolemrc.probe.options import Backend, Rank, Tokens
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
 
 # where and how the models of `collect` and `attribute` load
-DTYPE = typer.Option("float32", help="float32 | bfloat16 | float16 | auto")
-DEVICE = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; launched as several processes, "
-                      "each rank's own GPU)")
-DEVICE_MAP = typer.Option(None, help="spread each model's layers over this process's GPUs (then the CPU) with "
-                          "accelerate's big-model placement, instead of --device")
+MODEL_HELP = "a local HF directory, a model pulled by `rolemrc models pull` (its name), or a hub id org/name[@revision]"
+DEVICE = device_option(DEVICE_HELP + "; launched as several processes, each rank's own GPU")
+DEVICE_MAP = device_map_option("spread each model's layers over this process's GPUs (then the CPU) with "
+                               "accelerate's big-model placement, instead of --device")
 
 
 class HookTableCommand(TyperCommand):
@@ -35,8 +35,8 @@ class HookTableCommand(TyperCommand):
 
 @app.command("collect", cls=HookTableCommand)
 def collect_cmd(
-    model: list[Path] = typer.Option(..., "--model", help="local HF causal-LM directory; repeat it to collect "
-                                     "several models paired over the same cases (one paired probe file)"),
+    model: list[str] = typer.Option(..., "--model", help=f"{MODEL_HELP}; repeat it to collect several models paired "
+                                    "over the same cases (one paired probe file)"),
     data: Path = typer.Option(..., "--data", help="JSONL records (test, pair or SFT format)"),
     out: Path = typer.Option(..., "--out", help="probe file to write (.safetensors)"),
     hook: str = typer.Option("mlp.act"),  # help: HookTableCommand
@@ -48,7 +48,7 @@ def collect_cmd(
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
     max_length: int = typer.Option(None, help="keep at most this many prompt tokens (the last ones)"),
-    dtype: str = DTYPE,
+    dtype: Dtype = dtype_option(),
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
 ) -> None:
@@ -79,16 +79,17 @@ def _report(probe: Any) -> dict[str, Any]:
 
 @app.command("attribute", cls=HookTableCommand)
 def attribute_cmd(
-    sft: Path = typer.Option(..., "--sft", help="the SFT model (local HF directory): the reference"),
-    dpo: Path = typer.Option(..., "--dpo", help="the DPO model trained from it (same tokenizer and shape)"),
+    sft: str = typer.Option(..., "--sft", help=f"the SFT model, the reference: {MODEL_HELP}"),
+    dpo: str = typer.Option(..., "--dpo", help="the DPO model trained from it (same tokenizer and shape), named likewise"),
     pairs: Path = typer.Option(..., "--pairs", help="JSONL preference pairs (prompt, chosen, rejected, task)"),
     out: Path = typer.Option(..., "--out", help="attribution file to write (.safetensors)"),
     hook: str = typer.Option("mlp.act"),  # help: HookTableCommand
-    batch_size: int = typer.Option(4, min=1, help="preference pairs per batch (twice as many sequences)"),
+    batch_size: str = typer.Option("auto", help="preference pairs per batch (twice as many sequences); auto: as many as "
+                                   "80% of the GPU's free memory holds by rolemrc.probe.memory's cost model (4 on the CPU)"),
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     max_length: int = typer.Option(None, help="keep at most this many tokens per sequence (the first ones; default: "
                                    "the context window)"),
-    dtype: str = DTYPE,
+    dtype: Dtype = dtype_option(),
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
 ) -> None:
@@ -119,7 +120,8 @@ def _attribution_report(result: Any, top: int = 5) -> dict[str, Any]:
 
     return {"pairs": result.pairs, "empty_dimensions": result.empty_dimensions, "hook": result.meta["hook"],
             "layers": int(result.meta["layers"]), "width": int(result.meta["width"]),
-            "truncated": int(result.meta["truncated"]), "top": {d: units(s) for d, s in result.scores.items()}}
+            "truncated": int(result.meta["truncated"]), "batch_size": result.meta.get("batch_size"),
+            "peak_memory_gib": result.meta.get("peak_memory_gib") or None, "top": {d: units(s) for d, s in result.scores.items()}}
 
 
 @app.command("merge")
