@@ -14,6 +14,7 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]   # transformers' placement strategies
 DEVICE_MAPS: tuple[str, ...] = get_args(DeviceMap)
 
+MODEL_HELP = "a local HF directory, a model pulled by `rolemrc models pull` (its name), or a hub id org/name[@revision]"
 DTYPE_HELP = ("auto: the checkpoint's own dtype (config.json), on any device: a bf16 checkpoint runs in bf16 on the "
               "CPU too (slow there: pass float32)")
 DEVICE_HELP = "cpu, cuda, cuda:1, ... (auto: cuda if available)"

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import typer
 
 from rolemrc.core.cli import ROUNDS, cli_app
 from rolemrc.core.errors import InputError
 from rolemrc.core.extras import needs, require
+from rolemrc.core.placement import MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.core.records import read_records
 from rolemrc.eval.dataset import check_dataset
-from rolemrc.eval.generate import DType, GenerateConfig, generate
+from rolemrc.eval.generate import GenerateConfig, generate
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import METRICS, MetricConfig, metrics_help, parse_metrics
 from rolemrc.intervene.fit import STRICT_HELP
@@ -23,7 +24,8 @@ app = cli_app(help="Generate responses, score them (metrics + judge, CIs), compa
 
 def _generate_config(data: Path, model: str, base_url: str | None, restraint: str | None, strict: bool,
                      extra_body: str | None, max_new_tokens: int, batch_size: int, concurrency: int, dtype: str,
-                     device: str, dataset: str | None, allow_drift: bool) -> tuple[list[dict[str, Any]], GenerateConfig]:
+                     device: str, device_map: str | None, dataset: str | None,
+                     allow_drift: bool) -> tuple[list[dict[str, Any]], GenerateConfig]:
     """(test records, GenerateConfig), every input checked before any model loads."""
     try:
         body = json.loads(extra_body) if extra_body else {}
@@ -31,7 +33,7 @@ def _generate_config(data: Path, model: str, base_url: str | None, restraint: st
         raise InputError(f"--extra-body is not JSON: {exc}") from None
     config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, strict=strict, extra_body=body,
                             max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
-                            device=device)
+                            device=device, device_map=device_map)
     records, _ = read_records(data, "test")
     check = check_dataset(records, dataset, allow_drift=allow_drift)
     if check.get("drift"):
@@ -62,15 +64,15 @@ def _score(responses: Path, out: Path, configs: tuple[JudgeConfig, MetricConfig 
 
 
 GEN = {
-    "model": typer.Option(..., help="local HF model directory, or the model id at --base-url"),
+    "model": typer.Option(..., help=f"{MODEL_HELP}; with --base-url, the model id there"),
     "base_url": typer.Option(None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1"),
     "restraint": typer.Option(None, help="restraint spec (YAML/JSON) applied as runtime hooks (local models)"),
     "strict": typer.Option(False, "--strict", help=STRICT_HELP),
     "extra_body": typer.Option(None, help='JSON merged into each endpoint request, e.g. \'{"restraint": "mt"}\''),
     "max_new_tokens": typer.Option(256), "batch_size": typer.Option(8, help="local batch size"),
     "concurrency": typer.Option(8, help="endpoint requests in flight"),
-    "dtype": typer.Option("float32", help=" | ".join(get_args(DType))),
-    "device": typer.Option("auto"), "dataset": typer.Option(None, help="'rolemrc': check the published 18-task histogram"),
+    "dtype": dtype_option(), "device": device_option(), "device_map": device_map_option(),
+    "dataset": typer.Option(None, help="'rolemrc': check the published 18-task histogram"),
     "allow_drift": typer.Option(False, help="score a file that drifts from --dataset's histogram"),
 }
 SCORE = {
@@ -88,13 +90,14 @@ def generate_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = 
                  model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
                  strict: bool = GEN["strict"],
                  extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
-                 batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
-                 device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"]) -> None:
+                 batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: Dtype = GEN["dtype"],
+                 device: str = GEN["device"], device_map: DeviceMap = GEN["device_map"], dataset: str = GEN["dataset"],
+                 allow_drift: bool = GEN["allow_drift"]) -> None:
     """Generate responses (id, task, response, latency, tokens) for a test file."""
     if base_url:
         require("eval", what="`rolemrc eval generate --base-url`")
     generate(*_generate_config(data, model, base_url, restraint, strict, extra_body, max_new_tokens, batch_size, concurrency,
-                               dtype, device, dataset, allow_drift), out=out)
+                               dtype, device, device_map, dataset, allow_drift), out=out)
     typer.echo(f"wrote {out}")
 
 
@@ -116,8 +119,9 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
             model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
             strict: bool = GEN["strict"],
             extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
-            batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
-            device: str = GEN["device"], dataset: str = GEN["dataset"], allow_drift: bool = GEN["allow_drift"],
+            batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: Dtype = GEN["dtype"],
+            device: str = GEN["device"], device_map: DeviceMap = GEN["device_map"], dataset: str = GEN["dataset"],
+            allow_drift: bool = GEN["allow_drift"],
             judge: str = SCORE["judge"], judge_model: str = SCORE["judge_model"],
             judge_base_url: str = SCORE["judge_base_url"], judge_concurrency: int = SCORE["judge_concurrency"],
             metrics: str = SCORE["metrics"], bertscore_model: str = SCORE["bertscore_model"],
@@ -126,7 +130,7 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
     configs = _score_configs(out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
                              bertscore_layer)
     records, config = _generate_config(data, model, base_url, restraint, strict, extra_body, max_new_tokens, batch_size,
-                                       concurrency, dtype, device, dataset, allow_drift)
+                                       concurrency, dtype, device, device_map, dataset, allow_drift)
     generate(records, config, out=out / "responses.jsonl")
     _score(out / "responses.jsonl", out, configs, rounds)
 

@@ -10,14 +10,13 @@ import typer
 from typer.core import TyperCommand
 
 from rolemrc.core.cli import cli_app
-from rolemrc.core.placement import DEVICE_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
+from rolemrc.core.placement import DEVICE_HELP, MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Backend, Rank, Tokens
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
 
 # where and how the models of `collect` and `attribute` load
-MODEL_HELP = "a local HF directory, a model pulled by `rolemrc models pull` (its name), or a hub id org/name[@revision]"
 DEVICE = device_option(DEVICE_HELP + "; launched as several processes, each rank's own GPU")
 DEVICE_MAP = device_map_option("spread each model's layers over this process's GPUs (then the CPU) with "
                                "accelerate's big-model placement, instead of --device")
