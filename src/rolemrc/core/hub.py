@@ -39,6 +39,11 @@ def parse_hub_id(name: str) -> HubId:
     return HubId(match["repo"], match["revision"])
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether a model name is meant as a path: it exists, starts with '.', '/' or '~', or has more than one '/'."""
+    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def offline() -> bool:
     """Whether HF_HUB_OFFLINE asks for the cache alone (read now, not when huggingface_hub was imported)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")

@@ -14,7 +14,7 @@ import torch
 
 from rolemrc.core.artifacts import describe
 from rolemrc.core.errors import InputError
-from rolemrc.core.hub import hub_snapshot, parse_hub_id
+from rolemrc.core.hub import hub_snapshot, looks_like_path, parse_hub_id
 from rolemrc.core.io import cache_dir, file_fingerprint
 from rolemrc.core.placement import check_dtype
 
@@ -72,11 +72,6 @@ def check_model_dir(path: str | os.PathLike) -> Path:
 def pulled_models() -> Path:
     """Where `rolemrc models pull NAME` puts models (read now: $ROLEMRC_CACHE may change)."""
     return cache_dir() / "models"
-
-
-def looks_like_path(name: str) -> bool:
-    """Whether a model name is meant as a path: it exists, starts with '.', '/' or '~', or has more than one '/'."""
-    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
