@@ -75,8 +75,9 @@ def hub_snapshot(hub_id: HubId) -> Path:
         return Path(snapshot_download(**fetch, local_files_only=True))
     except LocalEntryNotFoundError:
         if offline():
-            raise HubModelError(f"{hub_id}: not in the HF cache at {cache} and HF_HUB_OFFLINE is set; download it "
-                                "where the hub is reachable (huggingface-cli download) or unset HF_HUB_OFFLINE") from None
+            raise HubModelError(f"{hub_id}: not a local directory; as a hub id, not in the HF cache at {cache} and "
+                                "HF_HUB_OFFLINE is set: download it where the hub is reachable (hf download ID) or "
+                                "unset HF_HUB_OFFLINE") from None
     try:
         return Path(snapshot_download(**fetch, allow_patterns=WANTED_FILES))
     except GatedRepoError:
@@ -87,4 +88,4 @@ def hub_snapshot(hub_id: HubId) -> Path:
         why = f"the hub has no revision {hub_id.revision!r} of {hub_id.repo}"
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
         why = f"not in the HF cache at {cache}, and the hub could not be reached ({type(exc).__name__})"
-    raise HubModelError(f"{hub_id}: {why}") from None
+    raise HubModelError(f"{hub_id}: not a local directory; as a hub id, {why}") from None

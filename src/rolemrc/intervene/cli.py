@@ -55,7 +55,7 @@ def select_cmd(
 
 @app.command("bake")
 def bake_cmd(
-    model: str = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
+    model: Path = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
     spec: Path = typer.Option(..., "--restraint", help="restraint spec at a hook point that bakes: "
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold)),
     out: Path = typer.Option(..., "--out", help="output HF directory"),
@@ -75,7 +75,7 @@ def bake_cmd(
 
 @app.command("lora")
 def lora_cmd(
-    model: str = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
+    model: Path = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
     spec: Path = typer.Option(..., "--restraint", help="restraint spec at a hook point that exports as LoRA: "
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold and point.lora)),
     out: Path = typer.Option(..., "--out", help="output PEFT adapter directory"),
@@ -90,7 +90,7 @@ def lora_cmd(
 
 @app.command("check")
 def check_cmd(
-    model: str = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
+    model: Path = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
     spec: Path = typer.Option(..., "--restraint", help="restraint spec"),
     baked: Path = typer.Option(None, "--baked", help="baked directory to compare with the runtime hook"),
     dtype: Dtype = dtype_option("dtype to run and count changes at; auto: the checkpoint's own (config.json), on any "

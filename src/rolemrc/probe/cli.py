@@ -34,8 +34,8 @@ class HookTableCommand(TyperCommand):
 
 @app.command("collect", cls=HookTableCommand)
 def collect_cmd(
-    model: list[str] = typer.Option(..., "--model", help=f"{MODEL_HELP}; repeat it to collect several models paired "
-                                    "over the same cases (one paired probe file)"),
+    model: list[Path] = typer.Option(..., "--model", help=f"{MODEL_HELP}; repeat it to collect several models paired "
+                                     "over the same cases (one paired probe file)"),
     data: Path = typer.Option(..., "--data", help="JSONL records (test, pair or SFT format)"),
     out: Path = typer.Option(..., "--out", help="probe file to write (.safetensors)"),
     hook: str = typer.Option("mlp.act"),  # help: HookTableCommand
@@ -78,8 +78,8 @@ def _report(probe: Any) -> dict[str, Any]:
 
 @app.command("attribute", cls=HookTableCommand)
 def attribute_cmd(
-    sft: str = typer.Option(..., "--sft", help=f"the SFT model, the reference: {MODEL_HELP}"),
-    dpo: str = typer.Option(..., "--dpo", help="the DPO model trained from it (same tokenizer and shape), named likewise"),
+    sft: Path = typer.Option(..., "--sft", help=f"the SFT model, the reference: {MODEL_HELP}"),
+    dpo: Path = typer.Option(..., "--dpo", help="the DPO model trained from it (same tokenizer and shape), named likewise"),
     pairs: Path = typer.Option(..., "--pairs", help="JSONL preference pairs (prompt, chosen, rejected, task)"),
     out: Path = typer.Option(..., "--out", help="attribution file to write (.safetensors)"),
     hook: str = typer.Option("mlp.act"),  # help: HookTableCommand

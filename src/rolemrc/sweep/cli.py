@@ -23,7 +23,7 @@ app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline 
 @app.command("run")
 @needs("eval")
 def run_cmd(
-    model: str = typer.Option(..., "--model", help=f"the model the diff's B side is: {MODEL_HELP}"),
+    model: Path = typer.Option(..., "--model", help=f"the model the diff's B side is: {MODEL_HELP}"),
     diff: Path = typer.Option(..., "--diff", help="diff directory (for --method attribution: an attribution file)"),
     data: Path = typer.Option(..., "--data", help="test JSONL"),
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
@@ -61,7 +61,7 @@ def run_cmd(
     from rolemrc.sweep.plan import SweepConfig, numbers
     from rolemrc.sweep.run import run_sweep
 
-    config = SweepConfig(model=model, diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
+    config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
                          factors=numbers(factors, "--factors"), top_k=[int(k) for k in numbers(top_k, "--top-k")],
                          method=method, direction=direction, layers=layers, controls=controls, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,

@@ -94,7 +94,7 @@ def base_cmd(
 @app.command("sft")
 @needs("train")
 def sft_cmd(
-    model: str = option("model", ..., cls=SFTTrainConfig),
+    model: Path = option("model", ..., cls=SFTTrainConfig),
     data: list[Path] = option("data", ..., cls=SFTTrainConfig),
     out: Path = OUT,
     mix: list[str] = option("mix", [], cls=SFTTrainConfig),
@@ -118,7 +118,7 @@ def sft_cmd(
 @app.command("dpo")
 @needs("train")
 def dpo_cmd(
-    model: str = option("model", ..., cls=DPOTrainConfig),
+    model: Path = option("model", ..., cls=DPOTrainConfig),
     data: list[Path] = option("data", ..., cls=DPOTrainConfig),
     out: Path = OUT,
     beta: float = trainer_option("beta", "DPO beta"),
