@@ -38,6 +38,11 @@ def pair_bytes(model: Any, hook: str, length: int) -> int:
     return 2 * length * per_token
 
 
+def pairs_that_fit(free: int, cost: int) -> int:
+    """Pairs of `cost` bytes each that FREE_SHARE of `free` bytes holds, at least 1."""
+    return max(1, int(FREE_SHARE * free // cost))
+
+
 def auto_batch_size(model: Any, hook: str, length: int) -> int:
     """Pairs per batch for `model` (the one backpropagated) at padded length `length`: from the free memory of its
     GPU, or CPU_BATCH on the CPU; the choice and why are logged."""
@@ -47,7 +52,7 @@ def auto_batch_size(model: Any, hook: str, length: int) -> int:
         return CPU_BATCH
     free = torch.cuda.mem_get_info(device)[0]
     cost = pair_bytes(model, hook, length)
-    pairs = max(1, int(FREE_SHARE * free // cost))
+    pairs = pairs_that_fit(free, cost)
     log.info("attribute: %d pairs per batch: %.1f GiB free on %s, ~%.2f GiB per pair of %d tokens (cost model in "
              "rolemrc.probe.memory), %.0f%% of the free memory used", pairs, free / GIB, device, cost / GIB, length,
              100 * FREE_SHARE)
