@@ -200,3 +200,31 @@ def test_every_wrong_input_is_one_clean_error(artifacts, tmp_path):
             examples[command] = errors[0]
     print(f"\n{count} cells, {len(failed)} failed; examples:", *examples.values(), sep="\n")
     assert not failed, f"{len(failed)} of {count} cells:\n" + "\n".join(failed)
+
+
+# model names that resolve to nothing: an id neither in the (empty) HF cache nor reachable offline, a malformed id
+HUB_NAMES = {"org/absent": "as a hub id, not in the HF cache", "org/bad name": "not a hub id"}
+
+
+def test_every_model_argument_refuses_an_unresolvable_hub_id(artifacts, tmp_path, monkeypatch):
+    """Each template's model argument (--model, --sft, --dpo) given an uncached hub id offline or a malformed one: exit
+    2, one `error:` line naming the id and why, no traceback, nothing written."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runner, failed, count = CliRunner(), [], 0
+    for key, tokens in TEMPLATES.items():
+        for position, name, kind in template_arguments(key):
+            if kind != "model" or name not in ("--model", "--sft", "--dpo"):
+                continue
+            for hub_id, why in HUB_NAMES.items():
+                count += 1
+                out = tmp_path / f"cell-{count}"
+                out.mkdir()
+                args = [hub_id if k == position else token.replace("{out}", str(out)) if token.startswith("{out}")
+                        else str(artifacts[token[1:-1]]) if token.startswith("{") else token for k, token in enumerate(tokens)]
+                result = runner.invoke(app, [*key.split("#")[0].split(), *args])
+                errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+                if (result.exit_code != EXIT_INPUT or len(errors) != 1 or hub_id not in errors[0] or why not in errors[0]
+                        or "Traceback" in result.output or any(out.iterdir())):
+                    failed.append(f"{key} {name} <- {hub_id}: exit {result.exit_code} | {result.output[-300:]!r}")
+    assert count >= 20 and not failed, "\n".join(failed)
