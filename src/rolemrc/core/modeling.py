@@ -15,7 +15,7 @@ import torch
 from rolemrc.core.artifacts import describe
 from rolemrc.core.errors import InputError
 from rolemrc.core.hub import hub_snapshot, looks_like_path, parse_hub_id
-from rolemrc.core.io import cache_dir, file_fingerprint
+from rolemrc.core.io import file_fingerprint, pulled_models
 from rolemrc.core.placement import check_dtype
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -67,11 +67,6 @@ def check_model_dir(path: str | os.PathLike) -> Path:
             what = f"{describe(path)}, not a Hugging Face model directory (no config.json)"
         raise ModelDirError(f"{path}: {what}")
     return path
-
-
-def pulled_models() -> Path:
-    """Where `rolemrc models pull NAME` puts models (read now: $ROLEMRC_CACHE may change)."""
-    return cache_dir() / "models"
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
