@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 from rolemrc.core.artifacts import expect
 from rolemrc.core.errors import InputError
 from rolemrc.core.hub import looks_like_path
-from rolemrc.core.io import read_yaml
+from rolemrc.core.io import pulled_models, read_yaml
 from rolemrc.serve.engines import ENGINES, engine_class
 from rolemrc.serve.errors import ServeConfigError
 
@@ -179,9 +179,11 @@ def _resolve(base: Path, value: str) -> Path:
 
 
 def _model_dir(where: str, base: Path, value: str) -> Path:
-    """A model field's directory: a path resolved against `base`, else a model name (a pulled model, a hub id)
-    resolved by `core.modeling.resolve_model` (a hub id is looked up now, before anything is served)."""
-    if looks_like_path(str(value)) or (base / str(value)).exists():
+    """A model field's directory: a pulled model's name or a hub id resolved by `core.modeling.resolve_model` (a hub
+    id is looked up now, before anything is served), else a path resolved against `base` (checked by `preflight`)."""
+    name = str(value)
+    if (looks_like_path(name) or (base / name).exists() or ("/" not in name
+            and not (pulled_models() / name / "config.json").is_file())):
         return _resolve(base, value)
     from rolemrc.core.modeling import resolve_model
 
