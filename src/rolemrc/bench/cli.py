@@ -9,6 +9,7 @@ import typer
 
 from rolemrc.core.cli import choice, cli_app
 from rolemrc.core.extras import needs
+from rolemrc.core.placement import Dtype
 
 app = cli_app(help="Benchmarks; each prints JSON and can write it to --out.")
 Size = choice(("demo", "medium", "large"))   # the keys of bench.common.SIZES (which imports torch)
@@ -131,8 +132,8 @@ def serve_cmd(
     model: Path = typer.Option(None, help="with --engine: a local model directory (default: a random-init --size model)"),
     units: int = typer.Option(None, help="with --engine: units per layer of each restraint (default: 10% of the MLP "
                                          "width; vLLM's LoRA rank follows it)"),
-    dtype: str = typer.Option(None, help="with --engine: the served dtype, float32 (serve's default) | bfloat16 | "
-                                         "float16 | auto"),
+    dtype: Dtype = typer.Option(None, help="with --engine: the served dtype (default float32; auto: the checkpoint's "
+                                           "own)"),
     device: str = DEVICE,
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.core.errors import InputError
-from rolemrc.core.modeling import check_model_dir
+from rolemrc.core.modeling import resolve_model
 
 CLIENTS = {"lm_eval": "ROLEMRC_LMEVAL_PYTHON", "guidellm": "ROLEMRC_GUIDELLM_PYTHON"}
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -151,7 +151,7 @@ def run(model: Path, engines: tuple[str, ...] = ENGINES, streams: int = 4, reque
     unknown = [e for e in engines if e not in ENGINES]
     if unknown or not engines:
         raise InputError(f"--engine: unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
-    model = check_model_dir(model).resolve()
+    model = resolve_model(model).resolve()
     for client in CLIENTS:
         client_python(client)
     version = vllm_version() if "vllm" in engines else None

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -23,9 +23,10 @@ from tqdm.auto import tqdm
 from rolemrc.bench.common import SIZES, make_model_dir
 from rolemrc.core.chat import render_chat
 from rolemrc.core.errors import InputError
-from rolemrc.core.modeling import check_model_dir
+from rolemrc.core.modeling import resolve_model
+from rolemrc.core.placement import DTYPES
 from rolemrc.intervene import Restraint, bake
-from rolemrc.serve.engines.base import Dtype, Prompt, Resolved, SamplingParams
+from rolemrc.serve.engines.base import Prompt, Resolved, SamplingParams
 from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
 
 
@@ -205,12 +206,12 @@ def run_http(engines: tuple[str, ...], model: Path | None = None, concurrencies:
 
     from rolemrc.serve.launch import running_server
 
-    if dtype not in get_args(Dtype):
-        raise InputError(f"--dtype {dtype}: choose from {', '.join(get_args(Dtype))}")
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype}: choose from {', '.join(DTYPES)}")
     unknown = [e for e in engines if e not in ENGINES]
     if unknown or not engines:
         raise InputError(f"--engine: unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
-    given = check_model_dir(model).resolve() if model is not None else None
+    given = resolve_model(model).resolve() if model is not None else None
     version = vllm_version() if "vllm" in engines else None
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -19,6 +19,11 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def pulled_models() -> Path:
+    """Where `rolemrc models pull NAME` puts models, and model names are looked up: the cache's models/ (read now)."""
+    return cache_dir() / "models"
+
+
 class JsonlError(InputError):
     """A JSONL file could not be read; the message names the file and line."""
 

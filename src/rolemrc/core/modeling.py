@@ -1,4 +1,5 @@
-"""Loading local Hugging Face causal-LM directories and fingerprinting models."""
+"""Naming, loading and fingerprinting Hugging Face causal LMs: a local directory, a model pulled by `rolemrc models
+pull`, or a hub id (`org/name[@revision]`, core/hub.py)."""
 
 from __future__ import annotations
 
@@ -13,28 +14,33 @@ import torch
 
 from rolemrc.core.artifacts import describe
 from rolemrc.core.errors import InputError
-from rolemrc.core.io import file_fingerprint
+from rolemrc.core.hub import hub_snapshot, looks_like_path, parse_hub_id
+from rolemrc.core.io import file_fingerprint, pulled_models
+from rolemrc.core.placement import check_dtype
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
+    """A torch dtype from one of DTYPES' names (None and "auto" stay None: the checkpoint's own), else an InputError."""
+    if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        return None
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'") from None
+    check_dtype(dtype)
+    return None if dtype in (None, "auto") else TORCH_DTYPES[dtype]
 
 
 def checkpoint_dtype(path: str | os.PathLike) -> str:
     """The dtype a HF checkpoint stores its weights in (config.json's `dtype`, or `torch_dtype` before transformers 5),
-    float32 where it says none: what `--dtype auto` means for commands that write or count weights."""
+    float32 where it says none: what `--dtype auto` means, on any device."""
     config = json.loads((check_model_dir(path) / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return stored if stored in DTYPES else "float32"
+    return stored if stored in TORCH_DTYPES else "float32"
+
+
+def load_dtype(path: str | os.PathLike, dtype: str | None) -> str:
+    """The dtype name a model directory is loaded at: `dtype`, or its checkpoint's own for "auto" and None."""
+    resolve_dtype(dtype)
+    return checkpoint_dtype(path) if dtype in (None, "auto") else str(dtype)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -61,6 +67,29 @@ def check_model_dir(path: str | os.PathLike) -> Path:
             what = f"{describe(path)}, not a Hugging Face model directory (no config.json)"
         raise ModelDirError(f"{path}: {what}")
     return path
+
+
+def resolve_model(model: str | os.PathLike) -> Path:
+    """The local directory a model name stands for, checked to hold a model (cheap: callers resolve before they read
+    data or load anything): a path as it is; a bare name, the model pulled under that name (`rolemrc models pull`);
+    `org/name[@revision]`, the hub id's snapshot (the HF cache first, the hub when not cached and not offline).
+    A ModelDirError or HubModelError names the model and why otherwise."""
+    name = os.fspath(model)
+    if looks_like_path(name):
+        return check_model_dir(Path(name).expanduser())
+    if "/" not in name and "@" not in name:
+        pulled = pulled_models() / name
+        if (pulled / "config.json").is_file():
+            return pulled
+        raise ModelDirError(f"{name}: no such directory, and no model of that name pulled into {pulled_models()} "
+                            "(rolemrc models list; rolemrc models pull NAME), nor a hub id (org/name)")
+    return check_model_dir(hub_snapshot(parse_hub_id(name)))
+
+
+def model_source(model: str | os.PathLike, directory: Path) -> dict[str, str]:
+    """Metadata of a model loaded from a name: `model` as the user named it (a path, pulled name or hub id with its
+    revision) and `model_dir`, the directory it resolved to (for a hub id, its snapshot)."""
+    return {"model": os.fspath(model), "model_dir": str(directory)}
 
 
 def is_path(model: Any) -> bool:
@@ -109,19 +138,20 @@ def tokenizer_of(model: Any, tokenizer: Any = None) -> Any:
     return tokenizer
 
 
-def load_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = "float32", device: str | None = "auto",
+def load_model(model: str | os.PathLike, *, dtype: str | torch.dtype | None = "auto", device: str | None = "auto",
                device_map: str | dict | None = None, max_memory: dict | None = None):
-    """Load (model, tokenizer) from a local HF directory, in eval mode, never touching the hub.
+    """Load (model, tokenizer) from a model name (`resolve_model`), in eval mode, at `dtype` ("auto": the
+    checkpoint's own, on any device) on `device` ("auto": a GPU when there is one).
 
     `device_map` (with optional `max_memory`) places the layers with accelerate's big-model loading instead of
     moving the whole model to `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    check_model_dir(path)
+    path = resolve_model(model)
+    dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(load_dtype(path, dtype))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     placement = {"device_map": device_map, "max_memory": max_memory} if device_map else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True, **placement)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **placement)
     if not device_map:
         model.to(resolve_device(device))
     model.eval()
@@ -149,8 +179,9 @@ WEIGHT_FINGERPRINTS: WeakKeyDictionary = WeakKeyDictionary()   # loaded model ->
 
 
 def dir_fingerprint(path: str | os.PathLike) -> str:
-    """Fingerprint of a model directory's config and weights (cached while its files keep their sizes and times)."""
-    path = check_model_dir(path)
+    """Fingerprint of a model's config and weights (a model name: `resolve_model`; cached while its files keep their
+    sizes and times; a hub snapshot's symlinks are followed into the cache's blobs)."""
+    path = resolve_model(path)
     files = [p for p in sorted(path.iterdir()) if p.name == "config.json" or p.suffix in (".safetensors", ".bin")]
     key = (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
     if key not in DIR_FINGERPRINTS:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import typer
 
 from rolemrc.core.cli import LIMIT, ROUNDS, choice, cli_app
 from rolemrc.core.errors import InputError
 from rolemrc.core.extras import needs, require
+from rolemrc.core.placement import MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.core.records import first_cases, read_records
 from rolemrc.eval.dataset import DATASETS, check_dataset
-from rolemrc.eval.generate import DType, GenerateConfig, generate
+from rolemrc.eval.generate import GenerateConfig, generate
 from rolemrc.eval.judges import JUDGES, JudgeConfig
 from rolemrc.eval.metrics import METRICS, MetricConfig, metrics_help, parse_metrics
 from rolemrc.intervene.fit import STRICT_HELP
@@ -23,7 +24,7 @@ app = cli_app(help="Generate responses, score them (metrics + judge, CIs), compa
 
 def _generate_config(data: Path, model: str, base_url: str | None, restraint: str | None, strict: bool,
                      extra_body: str | None, max_new_tokens: int, batch_size: int, concurrency: int, dtype: str,
-                     device: str, dataset: str | None, allow_drift: bool,
+                     device: str, device_map: str | None, dataset: str | None, allow_drift: bool,
                      limit: int | None) -> tuple[list[dict[str, Any]], GenerateConfig]:
     """(test records: the first `limit` of them, GenerateConfig), every input checked before any model loads. The
     dataset check reads the whole file."""
@@ -33,7 +34,7 @@ def _generate_config(data: Path, model: str, base_url: str | None, restraint: st
         raise InputError(f"--extra-body is not JSON: {exc}") from None
     config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, strict=strict, extra_body=body,
                             max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
-                            device=device)
+                            device=device, device_map=device_map)
     records, _ = read_records(data, "test")
     check = check_dataset(records, dataset, allow_drift=allow_drift)
     if check.get("drift"):
@@ -70,15 +71,14 @@ def _score(responses: Path, out: Path, configs: tuple[JudgeConfig, MetricConfig 
 DatasetName = choice(DATASETS)
 JudgeName = choice(JUDGES)
 GEN = {
-    "model": typer.Option(..., help="local HF model directory, or the model id at --base-url"),
+    "model": typer.Option(..., help=f"{MODEL_HELP}; with --base-url, the model id there"),
     "base_url": typer.Option(None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1"),
     "restraint": typer.Option(None, help="restraint spec (YAML/JSON) applied as runtime hooks (local models)"),
     "strict": typer.Option(False, "--strict", help=STRICT_HELP),
     "extra_body": typer.Option(None, help='JSON merged into each endpoint request, e.g. \'{"restraint": "mt"}\''),
     "max_new_tokens": typer.Option(256), "batch_size": typer.Option(8, help="local batch size"),
     "concurrency": typer.Option(8, help="endpoint requests in flight"),
-    "dtype": typer.Option("float32", help=" | ".join(get_args(DType))),
-    "device": typer.Option("auto"),
+    "dtype": dtype_option(), "device": device_option(), "device_map": device_map_option(),
     "dataset": typer.Option(None, help="check the file against this dataset's published task histogram (rolemrc: "
                             "18 tasks)"),
     "allow_drift": typer.Option(False, "--allow-drift", help="score a file that drifts from --dataset's histogram"),
@@ -101,14 +101,15 @@ def generate_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = 
                  model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
                  strict: bool = GEN["strict"],
                  extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
-                 batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
-                 device: str = GEN["device"], dataset: DatasetName = GEN["dataset"],
-                 allow_drift: bool = GEN["allow_drift"], limit: int = GEN["limit"]) -> None:
+                 batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: Dtype = GEN["dtype"],
+                 device: str = GEN["device"], device_map: DeviceMap = GEN["device_map"],
+                 dataset: DatasetName = GEN["dataset"], allow_drift: bool = GEN["allow_drift"],
+                 limit: int = GEN["limit"]) -> None:
     """Generate responses (id, task, response, latency, tokens) for a test file."""
     if base_url:
         require("eval", what="`rolemrc eval generate --base-url`")
     generate(*_generate_config(data, model, base_url, restraint, strict, extra_body, max_new_tokens, batch_size, concurrency,
-                               dtype, device, dataset, allow_drift, limit), out=out)
+                               dtype, device, device_map, dataset, allow_drift, limit), out=out)
     typer.echo(f"wrote {out}")
 
 
@@ -130,9 +131,10 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
             model: str = GEN["model"], base_url: str = GEN["base_url"], restraint: str = GEN["restraint"],
             strict: bool = GEN["strict"],
             extra_body: str = GEN["extra_body"], max_new_tokens: int = GEN["max_new_tokens"],
-            batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: str = GEN["dtype"],
-            device: str = GEN["device"], dataset: DatasetName = GEN["dataset"], allow_drift: bool = GEN["allow_drift"],
-            limit: int = GEN["limit"], judge: JudgeName = SCORE["judge"], judge_model: str = SCORE["judge_model"],
+            batch_size: int = GEN["batch_size"], concurrency: int = GEN["concurrency"], dtype: Dtype = GEN["dtype"],
+            device: str = GEN["device"], device_map: DeviceMap = GEN["device_map"], dataset: DatasetName = GEN["dataset"],
+            allow_drift: bool = GEN["allow_drift"], limit: int = GEN["limit"], judge: JudgeName = SCORE["judge"],
+            judge_model: str = SCORE["judge_model"],
             judge_base_url: str = SCORE["judge_base_url"], judge_concurrency: int = SCORE["judge_concurrency"],
             metrics: str = SCORE["metrics"], bertscore_model: str = SCORE["bertscore_model"],
             bertscore_layer: int = SCORE["bertscore_layer"], rounds: int = SCORE["rounds"]) -> None:
@@ -140,7 +142,7 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
     configs = _score_configs(out, judge, judge_model, judge_base_url, judge_concurrency, metrics, bertscore_model,
                              bertscore_layer)
     records, config = _generate_config(data, model, base_url, restraint, strict, extra_body, max_new_tokens, batch_size,
-                                       concurrency, dtype, device, dataset, allow_drift, limit)
+                                       concurrency, dtype, device, device_map, dataset, allow_drift, limit)
     generate(records, config, out=out / "responses.jsonl")
     _score(out / "responses.jsonl", out, configs, rounds, limit)
 

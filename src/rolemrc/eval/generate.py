@@ -1,4 +1,4 @@
-"""Generation: responses for a test set from a local HF model directory (batched, left-padded, greedy,
+"""Generation: responses for a test set from a local model (a directory, a pulled model or a hub id; batched, left-padded, greedy,
 chat template, optional restraint as runtime hooks) or from any OpenAI-compatible endpoint
 (`core.openai_client`: concurrency limit, retries with backoff; `extra_body`). Output records keep `question` and
 `reference` so scoring can be rerun without regenerating."""
@@ -9,15 +9,15 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import write_jsonl
+from rolemrc.core.placement import DeviceMap, Dtype, check_dtype, check_placement
 from rolemrc.core.records import normalize_record, read_records
-
-DType = Literal["float32", "float16", "bfloat16", "auto"]
 
 
 class GenerationError(RolemrcError, RuntimeError):
@@ -26,15 +26,17 @@ class GenerationError(RolemrcError, RuntimeError):
 
 @dataclass
 class GenerateConfig:
-    """Where responses come from: `model` is a local HF directory, or a model id when `base_url` is set."""
+    """Where responses come from: `model` is a model name (a local HF directory, a pulled model's name or a hub id
+    `org/name[@revision]`, resolved to `model_dir` when the config is made), or a model id when `base_url` is set."""
 
     model: str = ""
     base_url: str | None = None
     max_new_tokens: int = 256
     temperature: float = 0.0           # 0: greedy
     batch_size: int = 8                # local
-    dtype: DType = "float32"           # local
+    dtype: Dtype = "auto"              # local; auto: the checkpoint's own
     device: str = "auto"               # local
+    device_map: DeviceMap | None = None  # local: place the layers over the GPUs instead of `device`
     restraint: Any = None              # local: a Restraint, spec dict, or YAML/JSON path
     strict: bool = False               # local: refuse a restraint selected on another model (default: a warning)
     api_key_env: str = "OPENAI_API_KEY"
@@ -44,17 +46,22 @@ class GenerateConfig:
     timeout_s: float = 120.0
     extra_body: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    model_dir: Path | None = field(default=None, init=False)   # where a local model resolved to
 
     def __post_init__(self) -> None:
         if not self.model:
             raise InputError("generate needs a model (a local HF directory, or a model id with base_url)")
         if self.max_new_tokens < 1:
             raise InputError("max_new_tokens must be at least 1")
-        if self.dtype not in get_args(DType):
-            raise InputError(f"unknown dtype {self.dtype!r}; choose one of {get_args(DType)}")
+        check_dtype(self.dtype)
+        check_placement(self.device, self.device_map)
         if self.restraint is not None and self.base_url:
             raise InputError("a restraint applies to local models; for an endpoint pass it in extra_body "
                              "({'restraint': ...}) as rolemrc serve expects")
+        if not self.base_url:
+            from rolemrc.core.modeling import resolve_model
+
+            self.model_dir = resolve_model(self.model)
 
 
 def _with_response(record: dict, response: str, latency: float, tokens: int, **extra) -> dict:
@@ -96,8 +103,8 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
         from rolemrc.intervene.spec import as_restraint
 
         restraint = as_restraint(config.restraint)
-        check_origin(restraint, config.model, config.strict)
-    model, tok = load_model(config.model, dtype=config.dtype, device=config.device)
+        check_origin(restraint, config.model_dir, config.strict)
+    model, tok = load_model(config.model_dir, dtype=config.dtype, device=config.device, device_map=config.device_map)
     return generate_rows(model, tok, records, [restraint] * len(records), config)
 
 

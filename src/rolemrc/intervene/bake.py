@@ -14,14 +14,17 @@ import torch
 from torch import nn
 
 from rolemrc.core.modeling import (
-    check_model_dir,
     checkpoint_dtype,
     dir_fingerprint,
     is_path,
+    load_dtype,
     loaded_model,
     model_fingerprint,
     model_name,
+    model_source,
+    resolve_device,
     resolve_dtype,
+    resolve_model,
     tokenizer_of,
 )
 from rolemrc.core.version import __version__
@@ -133,34 +136,40 @@ def provenance_metadata(source: str, fingerprint: str, r: Restraint) -> dict[str
             "rolemrc_restraint": json.dumps(r.to_dict(), sort_keys=True), "rolemrc_version": __version__}
 
 
-def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, dtype: str | None = None, *,
-         tokenizer: Any = None, strict: bool = False) -> BakeReport:
+def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, dtype: str | None = "auto", *,
+         device: str = "auto", tokenizer: Any = None, strict: bool = False) -> BakeReport:
     """Fold `restraint` into a model's weights, scaled in float32 and stored at `dtype`.
 
-    `model` is a HF model directory (written as a standard HF checkpoint in `out_dir`, which it requires; `dtype`
-    default float32, "auto": the checkpoint's own) or a loaded transformers model, which is folded in place at its
-    own dtype (like PEFT's `merge_and_unload`) and also saved to `out_dir` when given, with `tokenizer` (default: the
-    one in the model's directory, if any). The checkpoint's safetensors metadata and its rolemrc.json record the
-    source's fingerprint and the spec."""
+    `model` is a model name (a HF model directory, a pulled model's name or a hub id; written as a standard HF
+    checkpoint in `out_dir`, which it requires; `dtype` "auto": the checkpoint's own, so a bf16 checkpoint stays bf16)
+    folded on `device` ("auto": a GPU when there is one), or a loaded transformers model, which is folded in place at
+    its own dtype (like PEFT's `merge_and_unload`) and also saved to `out_dir` when given, with `tokenizer` (default:
+    the one in the model's directory, if any). The checkpoint's safetensors metadata and its rolemrc.json record the
+    source (as named, and the directory it resolved to), its fingerprint and the spec."""
     r = as_restraint(restraint)
-    check_origin(r, model if is_path(model) else loaded_model(model), strict)   # another model: a warning, or refused
     if not is_path(model):
+        check_origin(r, loaded_model(model), strict)   # another model: a warning, or refused
         return bake_loaded(loaded_model(model), r, out_dir, dtype, tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = check_model_dir(model)
+    src = resolve_model(model)
+    check_origin(r, src, strict)
     if out_dir is None:
         raise RestraintError(f"bake of the model directory {src} needs out_dir, the checkpoint to write")
     refuse_overwrite(out_dir, src)
-    dtype = checkpoint_dtype(src) if dtype == "auto" else dtype or "float32"
+    dtype = load_dtype(src, dtype)
     target = resolve_dtype(dtype)
-    loaded = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+    # at the checkpoint's own dtype each slice is scaled in float32 and stored back as a float32 load would give it;
+    # another dtype is read in float32 and cast once, after the fold
+    read = target if dtype == checkpoint_dtype(src) else torch.float32
+    loaded = AutoModelForCausalLM.from_pretrained(src, dtype=read, local_files_only=True).to(resolve_device(device))
     validate(r, loaded)
     changed = elements_changed(loaded, r, target)
     scaled = fold_restraint(loaded, r)
     report = BakeReport(str(out_dir), dir_fingerprint(src), dtype, sum(scaled.values()), changed, changed == 0,
                         r.to_dict())
-    write_baked(loaded.to(target), AutoTokenizer.from_pretrained(src, local_files_only=True), src, report, r)
+    source = model_source(model, src)
+    write_baked(loaded.to(target), AutoTokenizer.from_pretrained(src, local_files_only=True), source, report, r)
     return report
 
 
@@ -183,7 +192,7 @@ def bake_loaded(model: nn.Module, r: Restraint, out_dir: str | os.PathLike | Non
     report = BakeReport(None if out_dir is None else str(out_dir), fingerprint, name, sum(touched.values()), changed,
                         changed == 0, r.to_dict())
     if out_dir is not None:
-        write_baked(model, tokenizer, model_name(model), report, r)
+        write_baked(model, tokenizer, {"model": model_name(model), "model_dir": ""}, report, r)
     return report
 
 
@@ -193,9 +202,9 @@ def refuse_overwrite(out_dir: str | os.PathLike, source: str | os.PathLike) -> N
         raise RestraintError(f"bake output {out_dir} must differ from the source model directory")
 
 
-def write_baked(model: nn.Module, tokenizer: Any, source: str | os.PathLike, report: BakeReport, r: Restraint) -> None:
+def write_baked(model: nn.Module, tokenizer: Any, source: dict[str, str], report: BakeReport, r: Restraint) -> None:
     """Save a folded model and its tokenizer to `report.out_dir` as a HF checkpoint whose safetensors metadata and
-    rolemrc.json record where it came from."""
+    rolemrc.json record where it came from (`source`: `core.modeling.model_source`)."""
     from safetensors.torch import load_file, save_file
 
     out = Path(report.out_dir)
@@ -203,11 +212,11 @@ def write_baked(model: nn.Module, tokenizer: Any, source: str | os.PathLike, rep
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    metadata = provenance_metadata(str(source), report.source_fingerprint, r)
+    metadata = provenance_metadata(source["model"], report.source_fingerprint, r)
     for file in sorted(out.glob("*.safetensors")):
         save_file(load_file(file), str(file), metadata=metadata)
-    (out / "rolemrc.json").write_text(json.dumps({"stage": "bake", "source_model": str(source), **report.to_dict()},
-                                                 indent=1, sort_keys=True))
+    provenance = {"stage": "bake", "source_model": source["model"], "source_dir": source["model_dir"]}
+    (out / "rolemrc.json").write_text(json.dumps({**provenance, **report.to_dict()}, indent=1, sort_keys=True))
 
 
 def fold_restraint_plan(model: nn.Module, r: Restraint) -> list[str]:

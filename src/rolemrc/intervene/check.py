@@ -17,13 +17,15 @@ import torch
 from rolemrc.core.chat import render_chat
 from rolemrc.core.modeling import (
     check_model_dir,
-    checkpoint_dtype,
     is_path,
+    load_dtype,
     load_model,
     loaded_model,
     resolve_dtype,
+    resolve_model,
     tokenizer_of,
 )
+from rolemrc.core.placement import check_placement
 from rolemrc.core.records import as_turns
 from rolemrc.intervene.bake import changed_elements, elements_changed, fold_restraint_plan
 from rolemrc.intervene.fit import check_origin, validate
@@ -116,21 +118,24 @@ def weights_changed(model: Any, r: Restraint, baked_dir: str | os.PathLike | Non
 
 
 def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None,
-          prompts: list[str | list[dict]] | None = None, dtype: str | None = None, device: str = "auto", *,
-          tokenizer: Any = None, strict: bool = False) -> CheckReport:
+          prompts: list[str | list[dict]] | None = None, dtype: str | None = "auto", device: str = "auto", *,
+          device_map: str | None = None, tokenizer: Any = None, strict: bool = False) -> CheckReport:
     """Compare original, runtime-hooked and (optionally) baked logits; count the weight elements the bake changes (in
     `baked_dir`'s stored dtype, else at the run dtype), and call it a numerical no-op only when that count is 0.
 
-    `model` is a HF model directory, loaded at `dtype` (default float32; "auto": the checkpoint's own) on `device`,
-    or a loaded transformers model, run as it is (its own dtype and device) with `tokenizer` (default: the one in its
-    directory). Prompts are plain strings or chat turn lists (default: three sample prompts)."""
+    `model` is a model name (a HF model directory, a pulled model's name or a hub id), loaded at `dtype` ("auto": the
+    checkpoint's own) on `device` (or placed by `device_map`), or a loaded transformers model, run as it is (its own
+    dtype and device) with `tokenizer` (default: the one in its directory). Prompts are plain strings or chat turn lists
+    (default: three sample prompts)."""
     r = as_restraint(restraint)
-    check_origin(r, model if is_path(model) else loaded_model(model), strict)   # another model: a warning, or refused
+    check_placement(device, device_map)
+    model = resolve_model(model) if is_path(model) else loaded_model(model)
+    check_origin(r, model, strict)   # another model: a warning, or refused
     if baked_dir is not None:
         check_model_dir(baked_dir)
     if is_path(model):
-        dtype = checkpoint_dtype(model) if dtype == "auto" else dtype or "float32"
-        loaded, tok = load_model(model, dtype=dtype, device=device)
+        dtype = load_dtype(model, dtype)
+        loaded, tok = load_model(model, dtype=dtype, device=device, device_map=device_map)
     else:
         loaded, tok = loaded_model(model), tokenizer_of(model, tokenizer)
         own = str(next(loaded.parameters()).dtype).removeprefix("torch.")
@@ -150,7 +155,7 @@ def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None
                          weights_dtype=str(stored).removeprefix("torch."),
                          hook_vs_original_max_abs=float((hooked - original).abs().max()))
     if baked_dir is not None:
-        baked = _logits(load_model(baked_dir, dtype=dtype, device=device)[0], batch)
+        baked = _logits(load_model(baked_dir, dtype=dtype, device=device, device_map=device_map)[0], batch)
         diff = (baked - hooked).abs()
         report.baked_vs_original_max_abs = float((baked - original).abs().max())
         report.baked_vs_hook_max_abs = float(diff.max())

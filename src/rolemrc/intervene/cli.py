@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from rolemrc.core.cli import cli_app
+from rolemrc.core.placement import MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.intervene.fit import STRICT_HELP
 from rolemrc.intervene.select import SELECTORS, selectors_help
@@ -54,25 +55,27 @@ def select_cmd(
 
 @app.command("bake")
 def bake_cmd(
-    model: Path = typer.Option(..., "--model", help="source HF model directory"),
+    model: Path = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
     spec: Path = typer.Option(..., "--restraint", help="restraint spec at a hook point that bakes: "
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold)),
     out: Path = typer.Option(..., "--out", help="output HF directory"),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | auto (the checkpoint's own)"),
+    dtype: Dtype = dtype_option("dtype to write (each scaled slice computed in float32); auto: the checkpoint's own "
+                                "(config.json), so a bf16 checkpoint stays bf16"),
+    device: str = device_option("where to fold: cpu, cuda, cuda:1, ... (auto: cuda if available)"),
     strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Fold the restraint into the weights and write a standard HF checkpoint."""
     from rolemrc.intervene.bake import bake
 
-    report = bake(model, spec, out, dtype, strict=strict)
+    report = bake(model, spec, out, dtype, device=device, strict=strict)
     typer.echo(json.dumps(brief(report.to_dict()), indent=1))
     if report.numerical_noop:
-        typer.secho(f"NUMERICAL NO-OP: no weight element changes at {dtype}", fg=typer.colors.YELLOW, err=True)
+        typer.secho(f"NUMERICAL NO-OP: no weight element changes at {report.dtype}", fg=typer.colors.YELLOW, err=True)
 
 
 @app.command("lora")
 def lora_cmd(
-    model: Path = typer.Option(..., "--model", help="source HF model directory"),
+    model: Path = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
     spec: Path = typer.Option(..., "--restraint", help="restraint spec at a hook point that exports as LoRA: "
                               + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold and point.lora)),
     out: Path = typer.Option(..., "--out", help="output PEFT adapter directory"),
@@ -87,17 +90,18 @@ def lora_cmd(
 
 @app.command("check")
 def check_cmd(
-    model: Path = typer.Option(..., "--model", help="source HF model directory"),
+    model: Path = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
     spec: Path = typer.Option(..., "--restraint", help="restraint spec"),
     baked: Path = typer.Option(None, "--baked", help="baked directory to compare with the runtime hook"),
-    dtype: str = typer.Option("float32", help="dtype to run and count changes at: float32 | bfloat16 | float16 | auto "
-                                              "(the checkpoint's own)"),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)"),
+    dtype: Dtype = dtype_option("dtype to run and count changes at; auto: the checkpoint's own (config.json), on any "
+                                "device"),
+    device: str = device_option(),
+    device_map: DeviceMap = device_map_option(),
     strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Hook vs baked logits, weight elements changed at the dtype, and a no-op verdict."""
     from rolemrc.intervene.check import check
 
-    report = check(model, spec, baked_dir=baked, dtype=dtype, device=device, strict=strict)
+    report = check(model, spec, baked_dir=baked, dtype=dtype, device=device, device_map=device_map, strict=strict)
     typer.echo(json.dumps(report.to_dict(), indent=1))
     typer.secho(report.verdict, fg=typer.colors.YELLOW if report.numerical_noop else typer.colors.GREEN, err=True)

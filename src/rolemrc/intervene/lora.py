@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rolemrc.core.modeling import check_model_dir, dir_fingerprint, is_path, loaded_model, model_fingerprint, model_name
+from rolemrc.core.modeling import dir_fingerprint, is_path, loaded_model, model_fingerprint, model_name, resolve_model
 from rolemrc.core.version import __version__
 from rolemrc.intervene.bake import Fold, fold_target, lora_exportable, provenance_metadata
 from rolemrc.intervene.fit import check_origin, validate
@@ -110,8 +110,8 @@ class LoraExporter:
         if is_path(model):
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            self.src: Path | None = check_model_dir(model)
-            self.source = str(self.src)
+            self.src: Path | None = resolve_model(model)
+            self.source = str(model)   # as named (a hub id with its revision); `src` is where it resolved to
             config = AutoConfig.from_pretrained(self.src, local_files_only=True)
             with torch.device("meta"):
                 self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -232,5 +232,5 @@ def _target_name(model: nn.Module, role: str) -> str:
 def export_lora(model: Any, spec: Any, out_dir: str | os.PathLike, *, rank: int | None = None,
                 strict: bool = False) -> LoraReport:
     """Write `spec` as a PEFT LoRA adapter for `model`, a HF model directory or a loaded transformers model (see
-    `LoraExporter.export`); the adapter's base_model_name_or_path is that directory (or the loaded model's)."""
+    `LoraExporter.export`); the adapter's base_model_name_or_path is the model as named (or the loaded model's directory)."""
     return LoraExporter(model).export(spec, out_dir, rank=rank, strict=strict)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rolemrc.core.io import cache_dir
+from rolemrc.core.io import pulled_models
 from rolemrc.models.errors import ModelsError
 
-CACHE_ROOT = cache_dir() / "models"
+CACHE_ROOT = pulled_models()   # as the CLI starts: its help and `models list`
 
 
 @dataclass(frozen=True)
@@ -56,5 +56,5 @@ def get(name: str) -> KnownModel:
 
 
 def default_dir(name: str) -> Path:
-    """Where `rolemrc models pull NAME` writes by default."""
-    return CACHE_ROOT / name
+    """Where `rolemrc models pull NAME` writes by default (where model names are looked up)."""
+    return pulled_models() / name

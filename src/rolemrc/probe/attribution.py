@@ -21,7 +21,8 @@ Attribution file (docs/ARCHITECTURE.md "Attribution file"): safetensors with `at
 [layers, width]: the sum over the dimension's pairs of each pair's score rounded to SCORE_UNIT, so sums are exact in
 any order: shards, processes, merges), `pairs.<dim>` (int64 scalar) and `case_hashes` (int64 [pairs], sorted); metadata
 `kind: attribution`, hook, width, layers, dimensions, models (sft and dpo), reply_tokens, score_bits, max_length,
-dimension_field, truncated, limit, data and pairs fingerprints, toolkit_version.
+dimension_field, truncated, limit, data and pairs fingerprints, batch_size (pairs per batch; `auto`: probe/memory.py),
+peak_memory_gib (torch.cuda.max_memory_allocated on the DPO model's GPU; empty on the CPU), toolkit_version.
 
 A pair's score does not depend on the pairs it is batched with: a batch holds pairs of one length bucket
 (`bucket_length`) padded to that bucket's length, and on the CPU a padded row's activations depend on its padded
@@ -37,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -46,21 +47,17 @@ from rolemrc.core.artifacts import JSONL_INPUT, check_format, expect, stamp
 from rolemrc.core.chat import tokenize_replies
 from rolemrc.core.io import file_fingerprint, iter_jsonl
 from rolemrc.core.modeling import check_model_dir
+from rolemrc.core.placement import DeviceMap, Dtype, check_dtype, check_placement
 from rolemrc.core.records import first_cases, normalize_record, reply_text
 from rolemrc.core.version import __version__
 from rolemrc.probe.cases import UNGROUPED, case_dimensions, case_hash, cases_fingerprint, membership_matrix, pad_right
-from rolemrc.probe.collect import (
-    check_placement,
-    check_same_shape,
-    check_same_tokenizer,
-    load_probed,
-    shared_window,
-)
+from rolemrc.probe.collect import check_same_shape, check_same_tokenizer, load_probed, resolve_named, shared_window
 from rolemrc.probe.counts import CASE_HASHES, read_tensors, write_tensors
-from rolemrc.probe.distributed import all_reduce_sum, process_group, shard_from_env
+from rolemrc.probe.distributed import all_reduce_min, all_reduce_sum, process_group, shard_from_env
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.hooks import WIDTHS, Site, check_point, hook_point, num_layers, site, width
-from rolemrc.probe.options import DeviceMap
+from rolemrc.probe.memory import auto_batch_size
+from rolemrc.probe.paired import NAME_KEYS
 
 KIND = "attribution"  # metadata `kind` of an attribution file
 ROLES = ("sft", "dpo")
@@ -79,20 +76,23 @@ class AttributeConfig:
     """How to attribute (module docstring)."""
 
     hook: str = "mlp.act"  # a name in HOOK_POINTS
-    batch_size: int = 4  # preference pairs per batch (twice as many sequences)
+    batch_size: int | Literal["auto"] = "auto"  # preference pairs per batch (twice as many sequences); probe/memory.py
     dimension_field: str | None = None
     max_length: int | None = None  # default: the models' context window; longer pairs keep their prompt's last tokens
     limit: int | None = None  # use only the first `limit` pairs of the data
-    dtype: str = "float32"
+    dtype: Dtype = "auto"  # auto: the checkpoint's own
     device: str = "auto"
     device_map: DeviceMap | None = None  # place each model loaded from a directory over this process's devices
     progress: bool = True
 
     def __post_init__(self) -> None:
         check_point(self.hook)
+        check_dtype(self.dtype)
         check_placement(self.device, self.device_map)
-        if self.batch_size < 1:
-            raise ProbeError(f"batch size must be >= 1, got {self.batch_size}")
+        if isinstance(self.batch_size, str) and self.batch_size.isdigit():
+            self.batch_size = int(self.batch_size)
+        if self.batch_size != "auto" and not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ProbeError(f"batch size must be auto or a whole number >= 1, got {self.batch_size!r}")
         if self.max_length is not None and self.max_length < 2:
             raise ProbeError(f"max length must be >= 2 tokens, got {self.max_length}")
 
@@ -146,8 +146,9 @@ class Attribution:
 
     @property
     def model_identity(self) -> dict[str, dict[str, str]]:
-        """Each model's metadata but its path (files computed anywhere may name the same model differently)."""
-        return {role: {k: v for k, v in m.items() if k != "model"} for role, m in json.loads(self.meta["models"]).items()}
+        """Each model's metadata but its name and directory (files computed anywhere may name the same model
+        differently)."""
+        return {role: {k: v for k, v in m.items() if k not in NAME_KEYS} for role, m in json.loads(self.meta["models"]).items()}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -327,19 +328,30 @@ def frozen(*models: Any) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
+def batch_size(dpo: Any, pairs: Pairs, config: AttributeConfig, cap: int | None, shard: Any) -> int:
+    """Pairs per batch: config's, or for auto the cost model's at the longest padded length (the same on every rank:
+    the smallest of theirs, so all split the pairs alike)."""
+    if config.batch_size != "auto":
+        return config.batch_size
+    longest = max(bucket_length(max(len(c), len(r)), cap) for c, r in zip(pairs.chosen, pairs.rejected))
+    device = next(dpo.parameters()).device
+    return all_reduce_min(auto_batch_size(dpo, config.hook, longest), device, shard)
+
+
 def attribute_pairs(sft: Any, dpo: Any, tokenizer: Any, pairs: Pairs, config: AttributeConfig,
-                    cap: int | None) -> torch.Tensor:
-    """The hot loop: int64 [dims, layers, width] sums of the pairs' scores in SCORE_UNITs, on the DPO model's
-    device. Each batch: the chosen then the rejected sequences through the DPO model (activations and the margin's
-    gradient), then through the SFT model (its activations, scored at once). Launched as several processes, each
-    scores every world-th batch and the sums are added over the ranks."""
+                    cap: int | None) -> tuple[torch.Tensor, int]:
+    """The hot loop: (int64 [dims, layers, width] sums of the pairs' scores in SCORE_UNITs, on the DPO model's
+    device; the pairs per batch). Each batch: the chosen then the rejected sequences through the DPO model
+    (activations and the margin's gradient), then through the SFT model (its activations, scored at once).
+    Launched as several processes, each scores every world-th batch and the sums are added over the ranks."""
     layers, units = num_layers(dpo), width(dpo, config.hook)
     device, sft_device = next(dpo.parameters()).device, next(sft.parameters()).device
     sums = torch.zeros(len(pairs.dimensions), layers, units, dtype=torch.int64, device=device)
     dpo_sites, sft_sites = ([site(m, config.hook, i) for i in range(layers)] for m in (dpo, sft))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with process_group(device) as shard, frozen(sft, dpo):
-        batches = pair_batches(pairs, config.batch_size, cap, shard.rank, shard.world)
+        size = batch_size(dpo, pairs, config, cap, shard)
+        batches = pair_batches(pairs, size, cap, shard.rank, shard.world)
         bar = tqdm(total=sum(len(idx) for idx, _ in batches), desc=f"attribute {config.hook}", unit="pair",
                    disable=not (config.progress and shard.main))
         for idx, length in batches:
@@ -356,7 +368,7 @@ def attribute_pairs(sft: Any, dpo: Any, tokenizer: Any, pairs: Pairs, config: At
             bar.update(n)
         bar.close()
         all_reduce_sum([sums], shard)
-    return sums
+    return sums, size
 
 
 def config_shape(path: str | os.PathLike, hook: str) -> dict[str, Any]:
@@ -382,7 +394,8 @@ def attribute(models: Sequence[Any], data: Any, config: AttributeConfig | None =
     """Attribution patching of a DPO model against its SFT model over preference pairs.
 
     models: exactly two, the reference (SFT) first, then the model tuned from it (DPO), as `collect_paired` takes
-    them: local HF directories, or loaded causal LMs (then pass their `tokenizers`).
+    them: model names (local HF directories, pulled models' names, hub ids `org/name[@revision]`), or loaded causal
+    LMs (then pass their `tokenizers`).
     data: a JSONL path or a list of preference-pair records (`prompt`, `chosen`, `rejected`, `task`).
     Keyword overrides replace fields of `config`. Inputs are checked before a model loads.
     """
@@ -391,13 +404,13 @@ def attribute(models: Sequence[Any], data: Any, config: AttributeConfig | None =
                          f"it (DPO) second; got {len(models)}")
     sft, dpo = models
     config = AttributeConfig(**{**asdict(config or AttributeConfig()), **overrides})
-    directories = [m for m in (sft, dpo) if isinstance(m, (str, os.PathLike))]
-    for path in directories:
-        check_model_dir(path)
+    sft, dpo = resolve_named(sft), resolve_named(dpo)
     records, data_fingerprint = read_pairs(data)
     records = first_cases(records, config.limit)
-    if len(directories) == 2:
-        check_same_configs(sft, dpo, config.hook)
+    if isinstance(sft, tuple) and isinstance(dpo, tuple):
+        check_same_configs(sft[1], dpo[1], config.hook)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     loaded = [load_probed(m, t, config) for m, t in zip((sft, dpo), tokenizers, strict=True)]
     (sft, tokenizer, sft_meta), (dpo, _, dpo_meta) = loaded
     names = [sft_meta["model"], dpo_meta["model"]]
@@ -405,14 +418,17 @@ def attribute(models: Sequence[Any], data: Any, config: AttributeConfig | None =
     check_same_shape([sft, dpo], names, config.hook)
     cap = shared_window([sft, dpo], tokenizer, config.max_length)
     pairs = build_pairs(records, tokenizer, dimension_field=config.dimension_field, max_length=cap)
-    sums = attribute_pairs(sft, dpo, tokenizer, pairs, config, cap)
+    sums, size = attribute_pairs(sft, dpo, tokenizer, pairs, config, cap)
+    device = next(dpo.parameters()).device
+    peak = f"{torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f}" if device.type == "cuda" else ""
     fingerprint = cases_fingerprint(pairs.hashes)
     meta = {**stamp(KIND), "hook": config.hook, "width": str(sums.shape[2]), "layers": str(sums.shape[1]),
             "models": json.dumps(dict(zip(ROLES, (sft_meta, dpo_meta)))), "reply_tokens": REPLY_TOKENS,
             "score_bits": str(SCORE_BITS), "max_length": str(cap), "dimension_field": config.dimension_field or "",
             "truncated": str(pairs.truncated), "limit": str(config.limit or ""),
             "data_fingerprint": data_fingerprint or fingerprint,
-            "pairs_fingerprint": fingerprint, "toolkit_version": __version__}
+            "pairs_fingerprint": fingerprint, "batch_size": str(size), "peak_memory_gib": peak,
+            "toolkit_version": __version__}
     counts = pairs.membership.sum(0).round().long().tolist()
     return Attribution({d: sums[j].cpu() for j, d in enumerate(pairs.dimensions)},
                        dict(zip(pairs.dimensions, counts)), meta, pairs.hashes.sort().values)

@@ -9,17 +9,16 @@ from typing import Any
 import typer
 
 from rolemrc.core.cli import LIMIT, choice, cli_app
+from rolemrc.core.placement import DEVICE_HELP, MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.probe.hooks import HOOK_POINTS
-from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
+from rolemrc.probe.options import Backend, Rank, Tokens
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
 
 # where and how the models of `collect` and `attribute` load
-DTYPE = typer.Option("float32", help="float32 | bfloat16 | float16 | auto")
-DEVICE = typer.Option("auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available; launched as several processes, "
-                      "each rank's own GPU)")
-DEVICE_MAP = typer.Option(None, help="spread each model's layers over this process's GPUs (then the CPU) with "
-                          "accelerate's big-model placement, instead of --device")
+DEVICE = device_option(DEVICE_HELP + "; launched as several processes, each rank's own GPU")
+DEVICE_MAP = device_map_option("spread each model's layers over this process's GPUs (then the CPU) with "
+                               "accelerate's big-model placement, instead of --device")
 # the inputs of `collect` and `attribute`
 Hook = choice(HOOK_POINTS)
 HOOK = typer.Option("mlp.act", help="hook point (docs/probe.md)")
@@ -29,8 +28,8 @@ MAX_LENGTH = typer.Option(None, min=1, help="keep at most this many tokens per s
 
 @app.command("collect")
 def collect_cmd(
-    model: list[Path] = typer.Option(..., "--model", help="local HF causal-LM directory; repeat it to collect "
-                                     "several models paired over the same cases (one paired probe file)"),
+    model: list[Path] = typer.Option(..., "--model", help=f"{MODEL_HELP}; repeat it to collect several models paired "
+                                     "over the same cases (one paired probe file)"),
     data: Path = typer.Option(..., "--data", help="JSONL records (test, pair or SFT format)"),
     out: Path = typer.Option(..., "--out", help="probe file to write (.safetensors)"),
     hook: Hook = HOOK,
@@ -43,7 +42,7 @@ def collect_cmd(
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
     max_length: int = MAX_LENGTH,
     limit: int = LIMIT,
-    dtype: str = DTYPE,
+    dtype: Dtype = dtype_option(),
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
 ) -> None:
@@ -74,17 +73,17 @@ def _report(probe: Any) -> dict[str, Any]:
 
 @app.command("attribute")
 def attribute_cmd(
-    model: list[Path] = typer.Option(..., "--model", help="local HF causal-LM directory, given exactly twice: the "
-                                     "reference (SFT) first, then the model tuned from it (DPO; same tokenizer and "
-                                     "shape)"),
+    model: list[Path] = typer.Option(..., "--model", help=f"{MODEL_HELP}; given exactly twice: the reference "
+                                     "(SFT) first, then the model tuned from it (DPO; same tokenizer and shape)"),
     pairs: Path = typer.Option(..., "--pairs", help="JSONL preference pairs (prompt, chosen, rejected, task)"),
     out: Path = typer.Option(..., "--out", help="attribution file to write (.safetensors)"),
     hook: Hook = HOOK,
-    batch_size: int = typer.Option(4, min=1, help="preference pairs per batch (twice as many sequences)"),
+    batch_size: str = typer.Option("auto", help="preference pairs per batch (twice as many sequences); auto: as many as "
+                                   "80% of the GPU's free memory holds by rolemrc.probe.memory's cost model (4 on the CPU)"),
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     max_length: int = MAX_LENGTH,
     limit: int = LIMIT,
-    dtype: str = DTYPE,
+    dtype: Dtype = dtype_option(),
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
 ) -> None:
@@ -115,7 +114,8 @@ def _attribution_report(result: Any, top: int = 5) -> dict[str, Any]:
 
     return {"pairs": result.pairs, "empty_dimensions": result.empty_dimensions, "hook": result.meta["hook"],
             "layers": int(result.meta["layers"]), "width": int(result.meta["width"]),
-            "truncated": int(result.meta["truncated"]), "top": {d: units(s) for d, s in result.scores.items()}}
+            "truncated": int(result.meta["truncated"]), "batch_size": result.meta.get("batch_size"),
+            "peak_memory_gib": result.meta.get("peak_memory_gib") or None, "top": {d: units(s) for d, s in result.scores.items()}}
 
 
 @app.command("merge")

@@ -21,8 +21,11 @@ from rolemrc.core.modeling import (
     loaded_model,
     model_fingerprint,
     model_name,
+    model_source,
+    resolve_model,
     tokenizer_of,
 )
+from rolemrc.core.placement import DeviceMap, Dtype, check_dtype, check_placement
 from rolemrc.core.records import as_records, first_cases
 from rolemrc.core.version import __version__
 from rolemrc.probe.backends import make_backend
@@ -31,7 +34,7 @@ from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, t
 from rolemrc.probe.distributed import all_reduce_sum, process_group, rank_gpus, shard_from_env
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
-from rolemrc.probe.options import Backend, DeviceMap, Rank, Tokens
+from rolemrc.probe.options import Backend, Rank, Tokens
 from rolemrc.probe.paired import PairedCounter, PairedCounts
 
 
@@ -49,7 +52,7 @@ class CollectConfig:
     generation_prompt: bool = True
     max_length: int | None = None  # default: the model's context window; longer prompts keep their last tokens
     limit: int | None = None  # use only the first `limit` cases of the data
-    dtype: str = "float32"
+    dtype: Dtype = "auto"  # auto: the checkpoint's own
     device: str = "auto"
     device_map: DeviceMap | None = None  # place a model loaded from a directory over this process's devices
     progress: bool = True
@@ -62,26 +65,22 @@ class CollectConfig:
         check_choice("backend", self.backend, get_args(Backend))
         if self.backend != "torch":
             require("backends", what=f"the {self.backend} probe backend")
+        check_dtype(self.dtype)
         check_placement(self.device, self.device_map)
-
-
-def check_placement(device: str, device_map: DeviceMap | None) -> None:
-    """Refuse an unknown device map, or one given with a device."""
-    if device_map is not None:
-        check_choice("device map", device_map, get_args(DeviceMap))
-        if device != "auto":
-            raise ProbeError(f"give a device ({device}) or a device map ({device_map}), not both")
 
 
 def collect(model: Any, data: Any, config: CollectConfig | None = None, *, tokenizer: Any = None,
             **overrides: Any) -> ProbeCounts:
     """Count how often each unit is in the top `top_fraction` per layer and dimension.
 
-    model: a local HF directory or a loaded causal LM (with `tokenizer`, or the one in its directory).
+    model: a model name (a local HF directory, a pulled model's name, or a hub id `org/name[@revision]`) or a loaded
+    causal LM (with `tokenizer`, or the one in its directory).
     data: a JSONL path, or a list of records (test, pair or SFT format), plain prompt strings or chat turn lists.
     Keyword overrides replace fields of `config`.
     """
-    config, data, data_fingerprint = _prepare(data, config, overrides)
+    config = _config(config, overrides)
+    model = resolve_named(model)
+    data, data_fingerprint = _read(data, config.limit)
     model, tokenizer, model_meta = load_probed(model, tokenizer, config)
     cases, meta = _cases(data, data_fingerprint, [model], tokenizer, config)
     counter = count_cases(model, tokenizer, cases, config)
@@ -95,7 +94,9 @@ def collect_paired(models: Sequence[Any], data: Any, config: CollectConfig | Non
     a tokenizer: the cases are tokenised once. Arguments as for `collect` (a tokenizer per loaded model)."""
     if len(models) < 2:
         raise ProbeError(f"paired collection needs two or more models, got {len(models)}")
-    config, data, data_fingerprint = _prepare(data, config, overrides)
+    config = _config(config, overrides)
+    models = [resolve_named(m) for m in models]
+    data, data_fingerprint = _read(data, config.limit)
     tokenizers = list(tokenizers) if tokenizers is not None else [None] * len(models)
     loaded = [load_probed(m, t, config) for m, t in zip(models, tokenizers, strict=True)]
     names = [meta["model"] for _, _, meta in loaded]
@@ -135,35 +136,47 @@ def check_same_shape(models: list[Any], names: list[str], hook: str) -> None:
             raise ProbeError(f"models {names[0]} and {name} differ at {hook}: (layers, width) {shapes[0]} vs {shape}")
 
 
-def _prepare(data: Any, config: CollectConfig | None, overrides: dict[str, Any]) -> tuple[CollectConfig, list, str]:
-    """The config with overrides, and the records read and checked before a model loads."""
-    config = CollectConfig(**{**asdict(config or CollectConfig()), **overrides})
+def _config(config: CollectConfig | None, overrides: dict[str, Any]) -> CollectConfig:
+    return CollectConfig(**{**asdict(config or CollectConfig()), **overrides})
+
+
+def resolve_named(model: Any) -> Any:
+    """A loaded model as it is; a model name as (the name, its resolved directory), checked before data is read."""
+    return (model, resolve_model(model)) if is_path(model) else model
+
+
+def _read(data: Any, limit: int | None) -> tuple[list, str]:
+    """The records read (the first `limit` of them) and checked before a model loads, and the file's fingerprint ('' for
+    records)."""
     data_fingerprint, source = "", None
     if isinstance(data, (str, os.PathLike)):
         source, data = data, read_input_jsonl(data)
         data_fingerprint = file_fingerprint(source)
     else:
         data = as_records(list(data))
-    data = first_cases(data, config.limit)
+    data = first_cases(data, limit)
     prompt_cases(data, source)
-    return config, data, data_fingerprint
+    return data, data_fingerprint
 
 
 def load_probed(model: Any, tokenizer: Any, config: Any) -> tuple[Any, Any, dict[str, str]]:
-    """(model, tokenizer, per-model metadata) from a directory, or a loaded model with its tokenizer (passed, or read
-    from the model's directory); `config`
-    (a CollectConfig, or any with its dtype, device and device_map) says how to load a directory."""
-    if is_path(model):
-        path, fingerprint, fingerprint_of = str(model), dir_fingerprint(model), "directory"
+    """(model, tokenizer, per-model metadata) from a (name, directory) pair (`resolve_named`), or a loaded model with
+    its tokenizer (passed, or read from the model's directory); `config` (a CollectConfig, or any with its dtype,
+    device and device_map) says how to load a directory."""
+    if isinstance(model, tuple):
+        name, directory = model
+        source = {**model_source(name, directory), "model_fingerprint": dir_fingerprint(directory),
+                  "model_fingerprint_of": "directory"}
         if config.device_map:
-            model, tokenizer = load_placed(model, config.dtype, config.device_map)
+            model, tokenizer = load_placed(directory, config.dtype, config.device_map)
         else:
-            model, tokenizer = load_model(model, dtype=config.dtype, device=rank_device(config.device))
+            model, tokenizer = load_model(directory, dtype=config.dtype, device=rank_device(config.device))
     else:
-        fingerprint, path, fingerprint_of = model_fingerprint(loaded_model(model)), model_name(model), "weights"
+        source = {"model": model_name(model), "model_dir": "", "model_fingerprint": model_fingerprint(loaded_model(model)),
+                  "model_fingerprint_of": "weights"}
         tokenizer = tokenizer_of(model, tokenizer)
     return model, tokenizer, {
-        "model": path, "model_fingerprint": fingerprint, "model_fingerprint_of": fingerprint_of,
+        **source,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "attn_implementation": str(getattr(model.config, "_attn_implementation", "")),
     }

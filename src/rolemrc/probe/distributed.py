@@ -74,3 +74,14 @@ def all_reduce_sum(tensors: Iterable[torch.Tensor], shard: Shard) -> None:
 
         for tensor in tensors:
             dist.all_reduce(tensor)
+
+
+def all_reduce_min(value: int, device: torch.device, shard: Shard) -> int:
+    """The smallest of the ranks' `value`s (`value` alone)."""
+    if shard.world == 1:
+        return value
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())

@@ -16,11 +16,11 @@ from rolemrc.probe.cases import cases_fingerprint, dimension_order
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
 from rolemrc.probe.diff import Probe, ProbeMismatchError, check_comparable
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.paired import MODEL_KEYS, PairedCounts, load_probe
+from rolemrc.probe.paired import MODEL_KEYS, NAME_KEYS, PairedCounts, load_probe
 
 # Metadata that must agree for counts to add up: the counting settings, and each model's identity at its dtype.
 MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field",
-              *(key for key in MODEL_KEYS if key not in ("model", "model_fingerprint_of")))   # the fingerprint says it
+              *(key for key in MODEL_KEYS if key not in (*NAME_KEYS, "model_fingerprint_of")))   # the fingerprint says it
 
 
 def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
@@ -87,10 +87,12 @@ def merge_attribution(paths: Sequence[str | os.PathLike]) -> Attribution:
     hashes = _disjoint_cases(names, [x.case_hashes for x in loaded])
     fingerprint = cases_fingerprint(hashes)
     dims = dimension_order({d for x in loaded for d in x.dimensions}, bool(loaded[0].meta["dimension_field"]))
-    meta = {**loaded[0].meta, "data_fingerprint": fingerprint, "pairs_fingerprint": fingerprint,
-            "truncated": str(sum(int(x.meta["truncated"]) for x in loaded)), "toolkit_version": __version__,
-            "merged_from": json.dumps([{"file": name, "data_fingerprint": x.meta["data_fingerprint"], "pairs": len(x.case_hashes)}
-                                       for name, x in zip(names, loaded)])}
+    per_run = ("batch_size", "peak_memory_gib")   # how each file's run went: kept per file
+    meta = {**{k: v for k, v in loaded[0].meta.items() if k not in per_run}, "data_fingerprint": fingerprint,
+            "pairs_fingerprint": fingerprint, "truncated": str(sum(int(x.meta["truncated"]) for x in loaded)),
+            "toolkit_version": __version__,
+            "merged_from": json.dumps([{"file": name, "data_fingerprint": x.meta["data_fingerprint"], "pairs": len(x.case_hashes),
+                                        **{k: x.meta.get(k, "") for k in per_run}} for name, x in zip(names, loaded)])}
     return Attribution({d: _add([x.sums[d] for x in loaded if d in x.sums]) for d in dims},
                        {d: sum(x.pairs.get(d, 0) for x in loaded) for d in dims}, meta, hashes)
 

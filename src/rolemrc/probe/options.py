@@ -7,6 +7,5 @@ from typing import Literal, get_args
 Backend = Literal["torch", "nnsight", "transformer-lens"]  # collector backends (probe/backends.py)
 Tokens = Literal["last", "all"]  # the last prompt token, or every prompt token (each one observation)
 Rank = Literal["signed", "abs"]  # rank units by signed value or by magnitude
-DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]  # transformers' placement strategies
 Direction = Literal["both", "up", "down"]  # units that moved: |delta| > 0, delta > 0 (more active under B), delta < 0
 DIRECTIONS: tuple[str, ...] = get_args(Direction)

@@ -40,7 +40,8 @@ from rolemrc.probe.counts import (
 )
 from rolemrc.probe.errors import ProbeError
 
-MODEL_KEYS = ("model", "model_fingerprint", "model_fingerprint_of", "dtype", "attn_implementation")  # per model
+NAME_KEYS = ("model", "model_dir")  # how a model was named and where it was found: not what it is
+MODEL_KEYS = (*NAME_KEYS, "model_fingerprint", "model_fingerprint_of", "dtype", "attn_implementation")  # per model
 STATS = {"last": ("discordant",), "all": ("share_diff_sum", "share_diff_sq")}
 ACT_DIFF = ("act_diff_sum", "act_diff_sq")  # per pair, both token policies
 PAIR_STATS = (*STATS["last"], *STATS["all"], *ACT_DIFF)  # every per-pair tensor's name

@@ -10,7 +10,8 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from rolemrc.core.artifacts import expect
 from rolemrc.core.errors import InputError
-from rolemrc.core.io import read_yaml
+from rolemrc.core.hub import looks_like_path
+from rolemrc.core.io import pulled_models, read_yaml
 from rolemrc.serve.engines import ENGINES, engine_class
 from rolemrc.serve.errors import ServeConfigError
 
@@ -46,7 +47,9 @@ class ModelConfig:
         for key, f in allowed.items():
             if f.default is MISSING and f.default_factory is MISSING and not entry.get(key):
                 raise ServeConfigError(f"{where}: engine {engine!r} needs {key}")
-            if f.metadata.get("local_path") and entry.get(key):
+            if f.metadata.get("model_dir") and entry.get(key):
+                entry[key] = str(_model_dir(where, base, entry[key]))
+            elif f.metadata.get("local_path") and entry.get(key):
                 entry[key] = str(_resolve(base, entry[key]))
         try:
             made = options(**entry)
@@ -173,6 +176,21 @@ class ServeConfig:
 def _resolve(base: Path, value: str) -> Path:
     path = Path(os.path.expanduser(str(value)))
     return path if path.is_absolute() else (base / path).resolve()
+
+
+def _model_dir(where: str, base: Path, value: str) -> Path:
+    """A model field's directory: a pulled model's name or a hub id resolved by `core.modeling.resolve_model` (a hub
+    id is looked up now, before anything is served), else a path resolved against `base` (checked by `preflight`)."""
+    name = str(value)
+    if (looks_like_path(name) or (base / name).exists() or ("/" not in name
+            and not (pulled_models() / name / "config.json").is_file())):
+        return _resolve(base, value)
+    from rolemrc.core.modeling import resolve_model
+
+    try:
+        return resolve_model(str(value))
+    except InputError as exc:
+        raise ServeConfigError(f"{where}: {exc}") from None
 
 
 def check_model_dir(where: str, path: str) -> None:

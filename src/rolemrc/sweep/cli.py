@@ -10,6 +10,7 @@ import typer
 
 from rolemrc.core.cli import LIMIT, cli_app
 from rolemrc.core.extras import needs
+from rolemrc.core.placement import MODEL_HELP, Dtype, device_option, dtype_option
 from rolemrc.eval.cli import SCORE, JudgeName
 from rolemrc.intervene.select import SELECTORS
 from rolemrc.probe.options import Direction
@@ -22,7 +23,7 @@ app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline 
 @app.command("run")
 @needs("eval")
 def run_cmd(
-    model: Path = typer.Option(..., "--model", help="HF model directory (the model the diff's B side is)"),
+    model: Path = typer.Option(..., "--model", help=f"the model the diff's B side is: {MODEL_HELP}"),
     diff: Path = typer.Option(..., "--diff", help="diff directory (for --method attribution: an attribution file)"),
     data: Path = typer.Option(..., "--data", help="test JSONL"),
     limit: int = LIMIT,
@@ -53,6 +54,8 @@ def run_cmd(
                                               "generate a cell they have in common (the baseline) once"),
     strict: bool = typer.Option(False, "--strict", help="refuse a diff of another model than --model (default: a "
                                 "warning naming both)"),
+    dtype: Dtype = dtype_option(),
+    device: str = device_option(),
 ) -> None:
     """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
     controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
@@ -65,6 +68,7 @@ def run_cmd(
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
                          engine=engine.value, base_url=base_url, served_model=served_model, concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,
-                         cells_dir=str(cells_dir) if cells_dir else None, strict=strict, limit=limit)
+                         cells_dir=str(cells_dir) if cells_dir else None, strict=strict, limit=limit, dtype=dtype,
+                         device=device)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))

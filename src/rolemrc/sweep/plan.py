@@ -11,6 +11,7 @@ from typing import Any
 
 from rolemrc.core.extras import require
 from rolemrc.core.openai_client import ROLEMRC_KEY_ENV
+from rolemrc.core.placement import Dtype, check_dtype
 from rolemrc.intervene.select import SELECTORS
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError
 from rolemrc.probe.options import Direction
@@ -51,6 +52,8 @@ class SweepConfig:
     judge_base_url: str | None = None
     strict: bool = False           # refuse restraints selected on another model than `model` (default: a warning)
     limit: int | None = None       # use only the first `limit` cases of `data` (part of each cell's identity)
+    dtype: Dtype = "auto"          # the in-process model's dtype (auto: the checkpoint's own)
+    device: str = "auto"           # and its device (auto: a GPU when there is one)
 
     def __post_init__(self) -> None:
         if not self.dimensions:
@@ -61,6 +64,7 @@ class SweepConfig:
             raise RestraintError(f"cells_per_pass must be >= 1, got {self.cells_per_pass}")
         if not self.factors or not self.top_k:
             raise RestraintError("a sweep needs at least one factor and one top-k")
+        check_dtype(self.dtype)
         if self.base_url and self.engine != IN_PROCESS:
             raise RestraintError(f"--base-url generates on a running server; --engine {self.engine} starts one: choose one")
         check_engine(self.engine)

@@ -50,22 +50,23 @@ class CellStore:
 def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[Cell], CellStore]:
     """Generate every cell not yet in the store (model loaded once; cells share batches, or a server's); returns
     the plan."""
-    from rolemrc.core.modeling import dir_fingerprint, load_model
+    from rolemrc.core.modeling import dir_fingerprint, load_model, resolve_model
     from rolemrc.core.records import first_cases, read_records
     from rolemrc.intervene.fit import check_origin
     from rolemrc.intervene.select import input_hook
     from rolemrc.probe.hooks import width
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
+    directory = resolve_model(config.model)
     records = first_cases(read_records(config.data, "test")[0], config.limit)
-    settings = {"model": dir_fingerprint(config.model), "data": file_fingerprint(config.data), "limit": config.limit,
+    settings = {"model": dir_fingerprint(directory), "data": file_fingerprint(config.data), "limit": config.limit,
                 "max_new_tokens": config.max_new_tokens, "engine": engine_label(config)}
-    model, tok = load_model(config.model, device="auto")
+    model, tok = load_model(directory, dtype=config.dtype, device=config.device)
     hook = input_hook(config.diff)
     cells = plan(config, width(model, hook), settings)
     selected = next((c.restraint for c in cells if c.restraint is not None and c.restraint.model), None)
     if selected is not None:   # every selected cell names the same model: the diff's B side
-        check_origin(selected, config.model, config.strict)
+        check_origin(selected, directory, config.strict)
     store = CellStore(config.cells_dir or Path(config.out) / "cells")
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,

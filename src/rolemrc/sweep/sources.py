@@ -52,8 +52,8 @@ def server_config(config: Any, cells: list[Any]) -> dict[str, Any]:
     """A `rolemrc serve` config serving the sweep's model on `config.engine`, sized for its largest cell and its
     passes (the sizing options that engine's `Options` has: LoRA rank and slots, memory)."""
     from dataclasses import fields
-    from pathlib import Path
 
+    from rolemrc.core.modeling import resolve_model
     from rolemrc.intervene.lora import lora_rank
     from rolemrc.serve.engines import engine_class
 
@@ -63,7 +63,7 @@ def server_config(config: Any, cells: list[Any]) -> dict[str, Any]:
     sizing = {"max_lora_rank": lora_rank(widest), "max_loras": slots, "max_inline_adapters": slots,
               "memory_utilization": config.vllm_memory}
     options = {f.name for f in fields(engine_class(config.engine).Options)}
-    model = {"engine": config.engine, "path": str(Path(config.model).resolve()),
+    model = {"engine": config.engine, "path": str(resolve_model(config.model).resolve()),
              **{k: v for k, v in sizing.items() if k in options}}
     return {"models": {"sweep": model}, "allow_inline_restraints": True, "max_inline_units": largest, "db": None,
             "max_new_tokens": config.max_new_tokens, "max_batch": config.batch_size}

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, TypeVar
 from rolemrc.core.artifacts import expect
 from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import read_yaml
+from rolemrc.core.placement import MODEL_HELP
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 STAGES = ("base", "sft", "dpo")
@@ -198,7 +199,7 @@ class SFTTrainConfig(TrainConfig, LoraOptions):
     stage = "sft"
     arguments = "trl.SFTConfig"
 
-    model: str = field(metadata={"help": "model directory to fine-tune (e.g. the base model)"})
+    model: str = field(metadata={"help": f"model to fine-tune (e.g. the base model): {MODEL_HELP}"})
     data: list[str] = field(metadata={"help": "SFT JSONL (conversations; capitalised roles accepted)"})
     mix: list[str] = field(default_factory=list, metadata={
         "help": "PATH:RATIO adds RATIO x len(data) SFT records from PATH"})
@@ -211,7 +212,7 @@ class DPOTrainConfig(TrainConfig, LoraOptions):
     stage = "dpo"
     arguments = "trl.DPOConfig"
 
-    model: str = field(metadata={"help": "SFT model directory (also the frozen reference)"})
+    model: str = field(metadata={"help": f"SFT model (also the frozen reference): {MODEL_HELP}"})
     data: list[str] = field(metadata={"help": "preference pairs JSONL (prompt, chosen, rejected)"})
 
     def __post_init__(self) -> None:

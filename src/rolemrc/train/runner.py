@@ -16,7 +16,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from rolemrc.core.modeling import dir_fingerprint
+from rolemrc.core.modeling import dir_fingerprint, resolve_model
 from rolemrc.core.version import __version__
 from rolemrc.train.config import TrainConfig, TrainConfigError, checkpoints_dir, trl_arguments, world_size
 from rolemrc.train.data import DataReport
@@ -103,10 +103,11 @@ def summarise(history: list[dict[str, float]], train_metrics: dict[str, float], 
     return metrics
 
 
-def source_model(path: str | os.PathLike) -> dict[str, Any]:
-    """Path, fingerprint and (if it has a manifest) stage of the model a stage starts from."""
-    path = Path(path)
-    info: dict[str, Any] = {"path": str(path), "fingerprint": dir_fingerprint(path)}
+def source_model(model: str | os.PathLike) -> dict[str, Any]:
+    """The model a stage starts from as named (a path, a pulled model's name, a hub id), the directory it resolved
+    to, its fingerprint and (if it has a manifest) stage."""
+    path = resolve_model(model)
+    info: dict[str, Any] = {"path": str(model), "model_dir": str(path), "fingerprint": dir_fingerprint(path)}
     if (path / MANIFEST).is_file():
         info["stage"] = json.loads((path / MANIFEST).read_text()).get("stage")
     return info
@@ -165,10 +166,11 @@ def train_and_save(trainer, config: TrainConfig, *, stage: str, report: DataRepo
 
 
 def start_model(path: str | os.PathLike):
-    """(model, tokenizer) a stage starts from, in train mode; the tokenizer must have a chat template."""
+    """(model, tokenizer) a stage starts from (a model name: `resolve_model`), in train mode, in float32 (the trainer
+    casts for mixed precision); the tokenizer must have a chat template."""
     from rolemrc.core.modeling import load_model
 
-    model, tokenizer = load_model(path, device="cpu")
+    model, tokenizer = load_model(path, dtype="float32", device="cpu")
     if not getattr(tokenizer, "chat_template", None):
         raise TrainConfigError(f"{path}: the tokenizer has no chat_template; SFT/DPO need one "
                           "(the embedded base model has one; set tokenizer.chat_template for others)")

@@ -9,14 +9,14 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 from rolemrc.intervene.spec import Restraint
 from rolemrc.serve.errors import ApiError
 
-Dtype = Literal["float32", "float16", "bfloat16", "auto"]
 LOCAL_PATH = {"local_path": True}   # field metadata: a path resolved against the config file's folder
-MODEL_DIR = {**LOCAL_PATH, "model_dir": True}   # ... that must hold a Hugging Face model (checked before serving)
+MODEL_DIR = {**LOCAL_PATH, "model_dir": True}   # ... or a model name (a pulled model, a hub id) that must resolve to a
+#                                                   Hugging Face model (checked before serving)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from rolemrc.core.errors import InputError
+from rolemrc.core.placement import DeviceMap, Dtype, check_placement
 from rolemrc.intervene.fit import validate
 from rolemrc.intervene.runtime import RowScales
 from rolemrc.intervene.spec import Restraint
@@ -21,7 +23,6 @@ from rolemrc.serve.batch import Batch
 from rolemrc.serve.engines.base import (
     MODEL_DIR,
     Capabilities,
-    Dtype,
     Final,
     Generation,
     Piece,
@@ -31,7 +32,7 @@ from rolemrc.serve.engines.base import (
     TokenLogprob,
     check_token_ids,
 )
-from rolemrc.serve.errors import ApiError
+from rolemrc.serve.errors import ApiError, ServeConfigError
 from rolemrc.serve.sampling import TextStream, choose, make_generator
 
 log = logging.getLogger("rolemrc.serve")
@@ -39,11 +40,19 @@ log = logging.getLogger("rolemrc.serve")
 
 @dataclass
 class TransformersOptions:
-    """`path`: a local HF directory."""
+    """`path`: a model (a local HF directory, a pulled model's name or a hub id); `dtype` auto: the checkpoint's own;
+    `device` auto: a GPU when there is one; `device_map`: the layers placed over the GPUs instead."""
 
     path: str = field(metadata=MODEL_DIR)
-    dtype: Dtype = "float32"
-    device: str = "cpu"
+    dtype: Dtype = "auto"
+    device: str = "auto"
+    device_map: DeviceMap | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            check_placement(self.device, self.device_map)
+        except InputError as exc:
+            raise ServeConfigError(str(exc)) from None
 
 
 @dataclass
@@ -76,7 +85,8 @@ class TransformersEngine:
 
         hf_logging.disable_progress_bar()
         self.name = name
-        self.model, self.tokenizer = load_model(options.path, dtype=options.dtype, device=options.device)
+        self.model, self.tokenizer = load_model(options.path, dtype=options.dtype, device=options.device,
+                                               device_map=options.device_map)
         self.context_window = int(context_window(self.model, self.tokenizer, default=2048))
         eos = {self.tokenizer.eos_token_id, *_as_list(getattr(self.model.generation_config, "eos_token_id", None))}
         self.eos_ids = torch.tensor(sorted(e for e in eos if e is not None), dtype=torch.long)

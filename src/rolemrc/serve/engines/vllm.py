@@ -30,12 +30,12 @@ from typing import Any
 import httpx
 
 from rolemrc.core.io import cache_dir
+from rolemrc.core.placement import Dtype
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.engines.base import (
     LOCAL_PATH,
     MODEL_DIR,
     Capabilities,
-    Dtype,
     Prompt,
     Resolved,
     SamplingParams,
