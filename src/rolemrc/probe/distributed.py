@@ -74,3 +74,14 @@ def all_reduce_sum(tensors: Iterable[torch.Tensor], shard: Shard) -> None:
 
         for tensor in tensors:
             dist.all_reduce(tensor)
+
+
+def all_gather(tensor: torch.Tensor, shard: Shard) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on each), in rank order ([tensor] alone)."""
+    if shard.world <= 1:
+        return [tensor]
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(shard.world)]
+    dist.all_gather(parts, tensor)
+    return parts
