@@ -44,6 +44,8 @@ def collect_cmd(
     tokens: Tokens = typer.Option("last", help="last prompt token, or all prompt tokens"),
     rank: Rank = typer.Option("signed", help="rank by signed value, or by abs"),
     batch_size: int = typer.Option(16, min=1),
+    top_cases: int = typer.Option(5, min=0, help="per unit and model, keep the cases that activate it most (their "
+                                  "short prompt texts too; the explorer shows them); 0: off"),
     backend: Backend = typer.Option("torch"),
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
@@ -60,7 +62,7 @@ def collect_cmd(
     from rolemrc.probe.distributed import shard_from_env
 
     config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
-                           backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
+                           top_cases=top_cases, backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
                            max_length=max_length, dtype=dtype, device=device, device_map=device_map)
     probe = collect(model[0], data, config) if len(model) == 1 else collect_paired(model, data, config)
     if shard_from_env().main:

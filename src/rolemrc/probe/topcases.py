@@ -13,6 +13,7 @@ position: the same lists from one pass, from shards merged (`probe merge`) or fr
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ TEXT_CHARS = 200  # a case's prompt as stored: its last turn, cut to this many c
 EMPTY = torch.iinfo(torch.int64).min  # a slot that holds no case (a unit seen on fewer than N cases)
 LOW = 2 ** 32 - 1  # the low 32 bits: LOW - position, so at equal values the lower position ranks first
 TEXTS_KEY = "top_case_texts"  # the metadata key of the listed cases' texts
+TOP_FILE = "top_cases.safetensors"  # in a diff folder: both sides' top cases (`save_sides`)
 
 
 def check_top_cases(n: int) -> int:
@@ -130,15 +132,39 @@ class TopCases:
         return cls.listing(tensors[f"top_values{suffix}"], tensors[f"top_cases{suffix}"], texts)
 
 
-def texts_meta(tops: list[TopCases | None]) -> dict[str, str]:
-    """The metadata entry holding the listed cases' texts of one file (its models' top cases share positions)."""
+def texts_meta(tops: list[TopCases | None], key: str = TEXTS_KEY) -> dict[str, str]:
+    """The metadata entry `key` holding the listed cases' texts of one file (its models' top cases share positions)."""
     texts = {p: t for top in tops if top is not None for p, t in top.texts.items()}
-    return {TEXTS_KEY: json.dumps({str(p): texts[p] for p in sorted(texts)})} if texts else {}
+    return {key: json.dumps({str(p): texts[p] for p in sorted(texts)})} if texts else {}
 
 
-def read_texts(meta: dict[str, str]) -> dict[int, dict[str, Any]]:
+def read_texts(meta: dict[str, str], key: str = TEXTS_KEY) -> dict[int, dict[str, Any]]:
     """The listed cases' texts of a file's metadata (popped from it)."""
-    return {int(p): t for p, t in json.loads(meta.pop(TEXTS_KEY, "{}")).items()}
+    return {int(p): t for p, t in json.loads(meta.pop(key, "{}")).items()}
+
+
+def save_sides(path: str | os.PathLike, tops: dict[str, TopCases]) -> None:
+    """Write a diff's top cases, per side ("a", "b"), into one safetensors file (TOP_FILE in the diff folder)."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t for side, top in tops.items() for name, t in top.tensors(f".{side}").items()}
+    meta = {"sides": json.dumps(list(tops))}
+    for side, top in tops.items():
+        meta.update(texts_meta([top], f"{TEXTS_KEY}.{side}"))
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_sides(path: str | os.PathLike) -> dict[str, TopCases]:
+    """A diff's top cases per side (`save_sides`); {} when the file is absent."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        return {}
+    with safe_open(str(path), framework="pt") as fh:
+        meta = dict(fh.metadata() or {})
+        tensors = {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    return {side: TopCases.from_tensors(tensors, read_texts(meta, f"{TEXTS_KEY}.{side}"), f".{side}")
+            for side in json.loads(meta["sides"])}
 
 
 def renumbered(hashes: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
