@@ -173,11 +173,16 @@ def diff_cmd(
 def explore_cmd(
     diff: Path = typer.Option(..., "--diff", help="the diff folder written by `rolemrc probe diff`"),
     out: Path = typer.Option(..., "--out", help="HTML file to write"),
-    max_units: int = typer.Option(512, help="most changed units embedded per layer (for the preview: per layer and sign)"),
+    attribution: Path = typer.Option(None, "--attribution", help="an attribution file (`rolemrc probe attribute`) of "
+                                     "the same models: adds the attribution selector"),
+    max_units: int = typer.Option(512, help="highest scored units embedded per layer and selector (for the preview: "
+                                  "per layer and sign)"),
     fdr: float = typer.Option(0.05, help="q threshold for highlighting and for the preview's q < fdr"),
 ) -> None:
-    """Write a self-contained interactive layer explorer (open it in a browser)."""
+    """Write a self-contained interactive layer explorer (open it in a browser): each selector's ranking
+    (frequency, standardized, attribution with --attribution), each unit's top prompts under A and B (from
+    `probe collect --top-cases`), and a preview of what `intervene select --method X` picks."""
     from rolemrc.probe.explorer import write_explorer
 
-    path = write_explorer(diff, out, max_units=max_units, fdr=fdr)
+    path = write_explorer(diff, out, max_units=max_units, fdr=fdr, attribution=attribution)
     typer.echo(json.dumps({"out": str(path), "bytes": path.stat().st_size}))

@@ -10,3 +10,4 @@ Rank = Literal["signed", "abs"]  # rank units by signed value or by magnitude
 DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]  # transformers' placement strategies
 Direction = Literal["both", "up", "down"]  # units that moved: |delta| > 0, delta > 0 (more active under B), delta < 0
 DIRECTIONS: tuple[str, ...] = get_args(Direction)
+TOKEN_METHODS = {"last": "frequency", "all": "frequency-all"}  # a diff's token policy -> its frequency selector
