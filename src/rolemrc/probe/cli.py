@@ -62,8 +62,9 @@ def collect_cmd(
     from rolemrc.probe.distributed import shard_from_env
 
     config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
-                           top_cases=top_cases, backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
-                           max_length=max_length, dtype=dtype, device=device, device_map=device_map)
+                           top_cases=top_cases, backend=backend, dimension_field=dimension_field,
+                           generation_prompt=generation_prompt, max_length=max_length, dtype=dtype, device=device,
+                           device_map=device_map)
     probe = collect(model[0], data, config) if len(model) == 1 else collect_paired(model, data, config)
     if shard_from_env().main:
         typer.echo(json.dumps({"out": str(probe.save(out)), **_report(probe)}, indent=1))

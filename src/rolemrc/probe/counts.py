@@ -4,7 +4,8 @@ Probe file (docs/ARCHITECTURE.md "Probe file"): safetensors with `count.<dim>` (
 scalar: prompts), `observations.<dim>` (int64 scalar: counted token positions; equals cases with the
 `last` token policy), `act_sum.<dim>` and `act_sq.<dim>` (int64 [2, layers, width]: the activation's sum and sum
 of squares over the counted positions, as fixed-point limbs, `fixed_point`), `case_hashes` (int64 [cases], sorted:
-which cases were counted, `cases.case_hash`) and each unit's top cases (`top_values`, `top_cases`: probe/topcases.py). `freq = count / observations`. Metadata records how the counts were made.
+which cases were counted, `cases.case_hash`) and each unit's top cases (`top_values`, `top_cases`:
+probe/topcases.py). `freq = count / observations`. Metadata records how the counts were made.
 """
 
 from __future__ import annotations

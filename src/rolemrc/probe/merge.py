@@ -26,8 +26,8 @@ MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field",
 
 def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
     """Sum probe files (paths, or loaded probes) of the same model(s) and counting settings over disjoint
-    cases: counts, cases, observations and paired statistics add up, and each unit's top cases merge. Refuses files that are not comparable
-    (MERGE_KEYS, checked as `probe diff` checks) or that share a case (`case_hashes`)."""
+    cases: counts, cases, observations and paired statistics add up, and each unit's top cases merge. Refuses files
+    that are not comparable (MERGE_KEYS, checked as `probe diff` checks) or that share a case (`case_hashes`)."""
     if len(probes) < 2:
         raise ProbeError(f"merging needs two or more probe files, got {len(probes)}")
     names = [str(p) if isinstance(p, (str, os.PathLike)) else f"probe {i}" for i, p in enumerate(probes)]

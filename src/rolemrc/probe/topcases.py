@@ -5,9 +5,9 @@ tokens; |activation| with rank=abs).
 Each (value, case) is one int64 key, value bits high and the case's position (in the file's sorted `case_hashes`)
 low, so one `topk` over (running top N ++ batch) per batch merges, on the model's device, and ties break by case
 position: the same lists from one pass, from shards merged (`probe merge`) or from ranks gathered. A file stores
-`top_values` (`top_values.<m>` per model of a paired file; float32 [layers, width, N], descending, NaN where fewer than N cases), `top_cases` (int32, positions in
-`case_hashes`, -1 where empty) and, in its metadata, `top_case_texts`: each listed case's id, dimensions and prompt
-(its last turn, cut to TEXT_CHARS).
+`top_values` (`top_values.<m>` per model of a paired file; float32 [layers, width, N], descending, NaN where fewer
+than N cases), `top_cases` (int32, positions in `case_hashes`, -1 where empty) and, in its metadata,
+`top_case_texts`: each listed case's id, dimensions and prompt (its last turn, cut to TEXT_CHARS).
 """
 
 from __future__ import annotations
