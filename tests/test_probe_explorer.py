@@ -107,15 +107,15 @@ def test_the_page_embeds_the_top_prompts_of_the_units_it_shows(paired_dir):
     prompts = data["prompts"]
     shown = {(layer, unit) for d in data["dimensions"].values() for sel in d["selectors"].values()
              for layer, units in enumerate(sel["units"]) for unit in units}
-    assert {tuple(map(int, key.split(":"))) for key in prompts["units"]} == shown and prompts["n"] == 5
-    for key, sides in prompts["units"].items():
-        layer, unit = map(int, key.split(":"))
+    assert {divmod(flat, 96) for flat in prompts["units"]} == shown and prompts["n"] == 5
+    for row, flat in enumerate(prompts["units"]):
+        layer, unit = divmod(flat, 96)
         for side in ("a", "b"):
-            top = result.top_cases[side]
-            assert [c for c, _ in sides[side]] == top.cases[layer, unit].tolist()
-            assert [v for _, v in sides[side]] == pytest.approx(top.values[layer, unit].tolist(), rel=1e-5)
-            for c, _ in sides[side]:
-                assert prompts["texts"][side][c] == [top.texts[c]["id"], top.texts[c]["dimensions"], top.texts[c]["text"]]
+            top, got = result.top_cases[side], prompts["sides"][side]
+            assert got["cases"][row] == top.cases[layer, unit].tolist()
+            assert got["values"][row] == pytest.approx(top.values[layer, unit].tolist(), rel=1e-3)
+            for c in got["cases"][row]:
+                assert got["texts"][c] == [top.texts[c]["id"], top.texts[c]["dimensions"], top.texts[c]["text"]]
 
 
 def test_explorer_data_preview_is_exact_for_small_k(diff_dir):

@@ -27,6 +27,7 @@ from rolemrc.probe.ranking import first_per_group, moved, rank_units
 from rolemrc.probe.topcases import TopCases
 
 TEMPLATE = Path(__file__).with_name("templates") / "explorer.html"
+PROMPT_DIGITS = 4  # significant digits of the top prompts' activations
 DIGITS = 6  # significant digits of the values in the page: a tiny q keeps its digits, never shows as 0
 
 
@@ -103,20 +104,16 @@ def ranked_data(r: Ranked, max_units: int, fdr: float) -> tuple[dict, torch.Tens
     return data, top.reshape(-1)
 
 
-def top_prompts(tops: dict[str, TopCases], units: torch.Tensor, width: int) -> dict:
-    """For the flat `units` the panels show: per side, each unit's top cases as [case, activation] pairs, and the
-    texts of the cases listed ([id, dimensions, text])."""
-    out: dict = {"n": max((t.n for t in tops.values()), default=0), "units": {}, "texts": {}}
-    units = units.tolist()
+def top_prompts(tops: dict[str, TopCases], units: torch.Tensor) -> dict:
+    """For the flat `units` the panels show (sorted): per side, each unit's top cases (`cases`, -1 where empty) and
+    their activations (`values`, PROMPT_DIGITS significant digits), and the texts of the cases listed ([id,
+    dimensions, text])."""
+    out: dict = {"n": max((t.n for t in tops.values()), default=0), "units": units.tolist(), "sides": {}}
     for side, top in tops.items():
-        cases = top.cases.reshape(-1, top.n)[units].tolist()
-        values = significant(top.values.reshape(-1, top.n)[units])
-        listed = set()
-        for flat, row, vals in zip(units, cases, values):
-            kept = [[c, v] for c, v in zip(row, vals) if c >= 0]
-            out["units"].setdefault(f"{flat // width}:{flat % width}", {})[side] = kept
-            listed.update(c for c, _ in kept)
-        out["texts"][side] = {c: [top.texts[c]["id"], top.texts[c]["dimensions"], top.texts[c]["text"]] for c in sorted(listed)}
+        cases = top.cases.reshape(-1, top.n)[units]
+        listed = torch.unique(cases[cases >= 0]).tolist()
+        out["sides"][side] = {"cases": cases.tolist(), "values": significant(top.values.reshape(-1, top.n)[units], PROMPT_DIGITS),
+                              "texts": {c: [top.texts[c][key] for key in ("id", "dimensions", "text")] for c in listed}}
     return out
 
 
@@ -135,7 +132,7 @@ def explorer_data(result: DiffResult, max_units: int = 512, fdr: float = 0.05,
     return {"hook": result.hook, "a": result.meta.get("a", ""), "b": result.meta.get("b", ""), "fdr": fdr,
             "layers": int(result.meta["layers"]), "width": width, "max_units": max_units, "not_compared": result.empty,
             "scores": SCORES, "scatter": SCATTER, "no_attribution": "" if attribution is not None else NO_ATTRIBUTION,
-            "prompts": top_prompts(result.top_cases, units, width), "dimensions": dims}
+            "prompts": top_prompts(result.top_cases, units), "dimensions": dims}
 
 
 def check_attribution(result: DiffResult, attribution: Attribution, where: str) -> None:
