@@ -37,6 +37,7 @@ TEMPLATES: dict[str, list[str]] = {
     "probe merge": ["{probe}", "{probe}", "--out", "{out}/m.safetensors"],
     "probe diff": ["{probe}", "{probe}", "--out", "{out}/d"],
     "probe explore": ["--diff", "{diff}", "--out", "{out}/e.html"],
+    "probe explore#attribution": ["--diff", "{diff}", "--attribution", "{attribution}", "--out", "{out}/e.html"],
     "intervene select": ["--diff", "{diff}", "--dimension", "role_style", "--top-k", "4", "--out", "{out}/s.yaml"],
     "intervene bake": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/b"],
     "intervene lora": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/l"],

@@ -1,4 +1,5 @@
-"""The layer explorer page, loaded in headless Chromium: no console errors, clicks work."""
+"""The layer explorer page: its data ranks every selector as `intervene select` does; loaded in headless Chromium:
+no console errors, clicks work, a unit's top prompts show."""
 
 import json
 from pathlib import Path
@@ -7,13 +8,18 @@ import pytest
 import torch
 from browser import browser_page
 from fixtures import write_diff_file
+from train_fixtures import pair_records
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
+from rolemrc.core.taxonomy import TASKS
 from rolemrc.core.tiny import build_model
+from rolemrc.intervene.select import select
 from rolemrc.intervene.spec import Restraint, RestraintError, parse_layers
-from rolemrc.probe import collect, diff, write_diff
-from rolemrc.probe.explorer import explorer_data
+from rolemrc.probe import collect, collect_paired, diff, load_diff, write_diff
+from rolemrc.probe.attribution import attribute, load_attribution
+from rolemrc.probe.errors import ProbeError
+from rolemrc.probe.explorer import explorer_data, write_explorer
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
@@ -30,22 +36,99 @@ def diff_dir(model_dirs, records, tokenizer, tmp_path_factory):
     return root / "diff"
 
 
-def test_explorer_data_preview_is_exact_for_small_k(diff_dir):
-    from rolemrc.probe import load_diff
+@pytest.fixture(scope="module")
+def paired_dir(model_dirs, records, tokenizer, tmp_path_factory):
+    """A paired diff of two 3-layer Llamas (their top cases kept) and an attribution file of the same two models."""
+    root = tmp_path_factory.mktemp("explorer-paired")
+    for name, seed in (("a", 0), ("b", 11)):
+        build_model("llama", tokenizer, seed=seed, hidden=64, layers=3, intermediate=96).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    write_diff(diff(collect_paired([root / "a", root / "b"], records, device="cpu", progress=False)), root / "diff",
+               figures=False)
+    pairs = [{**x, "task": TASKS[i % len(TASKS)]} for i, x in enumerate(pair_records(20))]
+    attribute(root / "a", root / "b", pairs, device="cpu", progress=False).save(root / "attribution.safetensors")
+    return root
 
+
+def preview(ranked: dict, layers: list[int] | None, direction: str, top_k: int | None) -> list[tuple[int, int]]:
+    """The page's preview (templates/explorer.html previewSelect) in Python: the first top_k ranked units (every
+    unit with q < fdr when top_k is None) in the layers and direction."""
+    chosen = []
+    for layer, unit, score, sig in zip(ranked["layer"], ranked["unit"], ranked["score"], ranked["sig"]):
+        if (layers is not None and layer not in layers) or (direction == "up" and score < 0) or \
+                (direction == "down" and score > 0) or (top_k is None and not sig):
+            continue
+        chosen.append((layer, unit))
+        if len(chosen) == top_k:
+            break
+    return chosen
+
+
+def test_every_selectors_preview_equals_what_select_picks(paired_dir):
+    """For each selector: top-k up to max_units, and q < fdr where the page embeds every qualifying unit (max_units
+    at least the width here), list the units `select --method` picks."""
+    result, attribution = load_diff(paired_dir / "diff"), load_attribution(paired_dir / "attribution.safetensors")
+    sources = {"frequency": result, "standardized": result, "attribution": attribution}
+    checked = set()
+    for max_units, settings in ((24, ((None, "both", 1), (None, "both", 24), ("1-2", "up", 10), ("0", "down", 7))),
+                                (96, ((None, "both", None), ("0,2", "up", None), ("1", "down", None)))):
+        data = explorer_data(result, max_units=max_units, attribution=attribution)
+        for dim, d in data["dimensions"].items():
+            assert sorted(d["selectors"]) == sorted(m for m in sources if m != "attribution" or dim in attribution.scores)
+            for method, sel in d["selectors"].items():
+                for layers, direction, top_k in settings:
+                    if top_k is None and not sel["tested"]:
+                        continue
+                    try:
+                        want = select(sources[method], dim, method=method, layers=layers, direction=direction,
+                                      top_k=top_k, fdr=None if top_k else 0.05).units
+                    except RestraintError:   # no unit qualifies
+                        want = {}
+                    got = preview(sel["ranked"], parse_layers(layers, 3), direction, top_k)
+                    assert sorted(got) == sorted((layer, unit) for layer, units in want.items() for unit in units), \
+                        (dim, method, layers, direction, top_k)
+                    checked.add((method, top_k is None))
+    assert checked == {("frequency", False), ("frequency", True), ("standardized", False), ("standardized", True),
+                       ("attribution", False)}
+
+
+def test_the_page_offers_attribution_only_with_a_matching_file(paired_dir, diff_dir, tmp_path):
+    result = load_diff(paired_dir / "diff")
+    data = explorer_data(result)
+    assert all(sorted(d["selectors"]) == ["frequency", "standardized"] for d in data["dimensions"].values())
+    assert "probe attribute" in data["no_attribution"]
+    with pytest.raises(ProbeError, match="attribution of mlp.act 3 x 96, but the diff is of mlp.act 2 x 96"):
+        write_explorer(diff_dir, tmp_path / "x.html", attribution=paired_dir / "attribution.safetensors")
+
+
+def test_the_page_embeds_the_top_prompts_of_the_units_it_shows(paired_dir):
+    result = load_diff(paired_dir / "diff")
+    data = explorer_data(result, max_units=4)
+    prompts = data["prompts"]
+    shown = {(layer, unit) for d in data["dimensions"].values() for sel in d["selectors"].values()
+             for layer, units in enumerate(sel["units"]) for unit in units}
+    assert {divmod(flat, 96) for flat in prompts["units"]} == shown and prompts["n"] == 5
+    for row, flat in enumerate(prompts["units"]):
+        layer, unit = divmod(flat, 96)
+        for side in ("a", "b"):
+            top, got = result.top_cases[side], prompts["sides"][side]
+            assert got["cases"][row] == top.cases[layer, unit].tolist()
+            assert got["values"][row] == pytest.approx(top.values[layer, unit].tolist(), rel=1e-3)
+            for c in got["cases"][row]:
+                assert got["texts"][c] == [top.texts[c]["id"], top.texts[c]["dimensions"], top.texts[c]["text"]]
+
+
+def test_explorer_data_preview_is_exact_for_small_k(diff_dir):
     result = load_diff(diff_dir)
     data = explorer_data(result, max_units=8)
-    d = data["dimensions"]["multi_turn"]
+    d = data["dimensions"]["multi_turn"]["selectors"]["frequency"]
     assert len(d["units"]) == data["layers"] and all(len(u) == 8 for u in d["units"])
-    embedded = sorted((abs(x) for row in d["delta"] for x in row), reverse=True)[:8]
+    embedded = sorted((abs(x) for row in d["score"] for x in row), reverse=True)[:8]
     truth = sorted(result.delta["multi_turn"].abs().reshape(-1).tolist(), reverse=True)[:8]
     assert embedded == pytest.approx(truth)
 
 
 def test_the_page_from_a_diffresult_equals_the_page_from_its_folder(diff_dir, tmp_path):
-    from rolemrc.probe import load_diff
-    from rolemrc.probe.explorer import write_explorer
-
     pages = [write_explorer(x, tmp_path / f"{k}.html") for k, x in enumerate((diff_dir, load_diff(diff_dir)))]
     assert pages[0].read_text() == pages[1].read_text()
 
@@ -71,6 +154,40 @@ def test_explorer_page_in_headless_chromium(diff_dir, tmp_path):
         page.select_option("#pv-direction", "up")
         rows = page.eval_on_selector_all("#preview-table tr", "rows => rows.length")
         assert rows >= 2
+        assert page.eval_on_selector_all("#selector option", "els => els.map(e => e.value)") == ["frequency", "standardized"]
+        assert "probe attribute" in page.text_content("#selector-note")
+        assert errors == []
+
+
+def test_the_page_switches_selector_and_shows_a_clicked_units_top_prompts(paired_dir, tmp_path):
+    out = tmp_path / "explorer.html"
+    res = CliRunner().invoke(app, ["probe", "explore", "--diff", str(paired_dir / "diff"), "--out", str(out),
+                                   "--attribution", str(paired_dir / "attribution.safetensors")])
+    assert res.exit_code == 0, res.output
+    result = load_diff(paired_dir / "diff")
+    with browser_page() as (page, errors):
+        page.goto(out.as_uri())
+        page.wait_for_function("window.explorerReady === true", timeout=20_000)
+        page.select_option("#dimension", "multi_turn")
+        assert page.eval_on_selector_all("#selector option", "els => els.map(e => e.value)") == \
+            ["frequency", "standardized", "attribution"]
+        page.select_option("#selector", "attribution")
+        assert "attribution (mean score per pair)" in page.text_content("#units .g-ytitle")
+        assert "mean activation A" in page.text_content("#scatter .g-xtitle")
+        layer = int(page.text_content("#scatter .gtitle").split(":")[0].removeprefix("layer "))
+        box = page.locator("#units .bars .point path").nth(0).bounding_box()  # a real click on the first bar
+        page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_function("document.querySelector('#prompts-title').textContent.startsWith('layer')")
+        unit = int(page.text_content("#prompts-title").split("unit ")[1])
+        assert page.text_content("#prompts-title") == f"layer {layer}, unit {unit}"
+        shown = page.eval_on_selector_all("#prompts .side", "sides => sides.map(s => [...s.querySelectorAll('tr')]"
+                                          ".slice(1).map(r => [...r.cells].map(c => c.textContent)))")
+        for side, rows in zip(("a", "b"), shown):
+            top = result.top_cases[side]
+            assert [row[2] for row in rows] == [top.texts[c]["text"] for c in top.cases[layer, unit].tolist()]
+            assert [float(row[0]) for row in rows] == pytest.approx(top.values[layer, unit].tolist(), rel=1e-3)
+        page.select_option("#pv-mode", "fdr")
+        assert page.text_content("#preview-summary") == "error: --method attribution has no q-values here: select with top-k"
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "explorer.png"), full_page=True)
         assert errors == []
@@ -166,9 +283,7 @@ def test_explorer_parse_layers_refuses_what_python_refuses(tied_page):
 
 
 def test_explorer_shows_a_tiny_q_with_its_digits(tied_page):
-    from rolemrc.probe import load_diff
-
-    data = explorer_data(load_diff(tied_page / "diff"), max_units=6)["dimensions"]["multi_turn"]
+    data = explorer_data(load_diff(tied_page / "diff"), max_units=6)["dimensions"]["multi_turn"]["selectors"]["frequency"]
     assert 1e-9 in data["ranked"]["q"] and all(q > 0 for row in data["q"] for q in row)
     with browser_page() as (page, errors):
         page.goto((tied_page / "page.html").as_uri())

@@ -35,7 +35,7 @@ def random_cases(n: int, length: int, vocab: int, seed: int = 0) -> Cases:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, vocab, (n, length), generator=gen).tolist()
     membership = torch.ones(n, 1)
-    return Cases(ids, membership, ["all"], 0, "bench")
+    return Cases(ids, membership, ["all"], 0, "bench", torch.arange(n))
 
 
 def sync(device: torch.device | str) -> None:

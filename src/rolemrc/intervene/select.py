@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeAlias
 from rolemrc.core.artifacts import expect
 from rolemrc.core.registry import Registry
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError, parse_layers
-from rolemrc.probe.options import DIRECTIONS, Direction
+from rolemrc.probe.options import DIRECTIONS, TOKEN_METHODS, Direction
 
 if TYPE_CHECKING:
     import torch
@@ -158,9 +158,6 @@ def input_hook(path: str | os.PathLike) -> str:
     expect(path, ("diff", "diff-file", "attribution"), "a selector reads a diff folder (from `rolemrc probe diff`) or "
            "an attribution file (from `rolemrc probe attribute`)")
     return read_tensors(input_file(path), "diff or attribution file", missing="no such diff or attribution file")[0]["hook"]
-
-
-TOKEN_METHODS = {"last": "frequency", "all": "frequency-all"}  # a diff's token policy -> its frequency selector
 
 
 @selector("frequency", reads="diff", ranks="|freq_b - freq_a|, then the diff's q",

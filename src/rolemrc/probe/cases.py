@@ -13,6 +13,7 @@ from rolemrc.core.chat import render_chat
 from rolemrc.core.records import prompt_turns
 from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
 from rolemrc.probe.errors import ProbeError
+from rolemrc.probe.topcases import case_text
 
 UNGROUPED = "all"
 
@@ -28,6 +29,7 @@ class Cases:
     truncated: int
     fingerprint: str
     hashes: torch.Tensor | None = None
+    texts: list[dict[str, Any]] | None = None  # per case: id, dimensions, prompt text (topcases.case_text)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -90,7 +92,8 @@ def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
     Records with no dimension count under `all`. Prompts longer than `max_length` keep their last
     `max_length` tokens (the position the probe reads) and are counted as truncated.
     """
-    texts = [render_chat(tokenizer, turns, add_generation_prompt=generation_prompt) for turns in prompt_cases(records)]
+    turns = prompt_cases(records)
+    texts = [render_chat(tokenizer, t, add_generation_prompt=generation_prompt) for t in turns]
     per_case = [case_dimensions(record, dimension_field) or [UNGROUPED] for record in records]
     dimensions, membership = membership_matrix(per_case, bool(dimension_field))
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -100,7 +103,9 @@ def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
         ids = [x[-max_length:] for x in ids]
     hashes = torch.tensor([case_hash(record.get("id"), x, dims) for record, x, dims in zip(records, ids, per_case)],
                           dtype=torch.int64)
-    return Cases(ids, membership, dimensions, truncated, cases_fingerprint(hashes), hashes)
+    shown = [{"id": record.get("id"), "dimensions": dims, "text": case_text(t)}
+             for record, dims, t in zip(records, per_case, turns)]
+    return Cases(ids, membership, dimensions, truncated, cases_fingerprint(hashes), hashes, shown)
 
 
 def batch_indices(cases: Cases, batch_size: int, rank: int = 0, world: int = 1) -> list[list[int]]:

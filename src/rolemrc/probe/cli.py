@@ -37,6 +37,8 @@ def collect_cmd(
     tokens: Tokens = typer.Option("last", help="last prompt token, or all prompt tokens"),
     rank: Rank = typer.Option("signed", help="rank by signed value, or by abs"),
     batch_size: int = typer.Option(16, min=1),
+    top_cases: int = typer.Option(5, min=0, help="per unit and model, keep the cases that activate it most (their "
+                                  "short prompt texts too; the explorer shows them); 0: off"),
     backend: Backend = typer.Option("torch"),
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
@@ -54,8 +56,9 @@ def collect_cmd(
     from rolemrc.probe.distributed import shard_from_env
 
     config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
-                           backend=backend, dimension_field=dimension_field, generation_prompt=generation_prompt,
-                           max_length=max_length, limit=limit, dtype=dtype, device=device, device_map=device_map)
+                           top_cases=top_cases, backend=backend, dimension_field=dimension_field,
+                           generation_prompt=generation_prompt, max_length=max_length, limit=limit, dtype=dtype,
+                           device=device, device_map=device_map)
     probe = collect(model[0], data, config) if len(model) == 1 else collect_paired(model, data, config)
     if shard_from_env().main:
         typer.echo(json.dumps({"out": str(probe.save(out)), **_report(probe)}, indent=1))
@@ -167,11 +170,16 @@ def diff_cmd(
 def explore_cmd(
     diff: Path = typer.Option(..., "--diff", help="the diff folder written by `rolemrc probe diff`"),
     out: Path = typer.Option(..., "--out", help="HTML file to write"),
-    max_units: int = typer.Option(512, help="most changed units embedded per layer (for the preview: per layer and sign)"),
+    attribution: Path = typer.Option(None, "--attribution", help="an attribution file (`rolemrc probe attribute`) of "
+                                     "the same models: adds the attribution selector"),
+    max_units: int = typer.Option(512, help="highest scored units embedded per layer and selector (for the preview: "
+                                  "per layer and sign)"),
     fdr: float = typer.Option(0.05, help="q threshold for highlighting and for the preview's q < fdr"),
 ) -> None:
-    """Write a self-contained interactive layer explorer (open it in a browser)."""
+    """Write a self-contained interactive layer explorer (open it in a browser): each selector's ranking
+    (frequency, standardized, attribution with --attribution), each unit's top prompts under A and B (from
+    `probe collect --top-cases`), and a preview of what `intervene select --method X` picks."""
     from rolemrc.probe.explorer import write_explorer
 
-    path = write_explorer(diff, out, max_units=max_units, fdr=fdr)
+    path = write_explorer(diff, out, max_units=max_units, fdr=fdr, attribution=attribution)
     typer.echo(json.dumps({"out": str(path), "bytes": path.stat().st_size}))

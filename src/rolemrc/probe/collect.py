@@ -31,11 +31,12 @@ from rolemrc.core.version import __version__
 from rolemrc.probe.backends import make_backend
 from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prompt_cases
 from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, top_k_size
-from rolemrc.probe.distributed import all_reduce_sum, process_group, rank_gpus, shard_from_env
+from rolemrc.probe.distributed import all_gather, all_reduce_sum, process_group, rank_gpus, shard_from_env
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
 from rolemrc.probe.options import Backend, Rank, Tokens
 from rolemrc.probe.paired import PairedCounter, PairedCounts
+from rolemrc.probe.topcases import TopCases, check_top_cases, sorted_positions
 
 
 @dataclass
@@ -47,6 +48,7 @@ class CollectConfig:
     tokens: Tokens = "last"  # "last" prompt token, or "all" prompt tokens (each one observation)
     rank: Rank = "signed"  # or "abs"
     batch_size: int = 16
+    top_cases: int = 5  # each unit's most activating cases kept per model (0: off; probe/topcases.py)
     backend: Backend = "torch"
     dimension_field: str | None = None
     generation_prompt: bool = True
@@ -60,6 +62,7 @@ class CollectConfig:
     def __post_init__(self) -> None:
         check_point(self.hook)
         check_top_fraction(self.top_fraction)
+        check_top_cases(self.top_cases)
         check_choice("token policy", self.tokens, get_args(Tokens))
         check_choice("rank", self.rank, get_args(Rank))
         check_choice("backend", self.backend, get_args(Backend))
@@ -210,6 +213,7 @@ def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
                         generation_prompt=config.generation_prompt, max_length=max_length)
     return cases, {
         "hook": config.hook, "top_fraction": repr(config.top_fraction), "tokens": config.tokens, "rank": config.rank,
+        "top_cases": str(config.top_cases),
         "backend": config.backend, "generation_prompt": str(config.generation_prompt).lower(),
         "dimension_field": config.dimension_field or "",
         "data_fingerprint": data_fingerprint or cases.fingerprint, "cases_fingerprint": cases.fingerprint,
@@ -231,6 +235,7 @@ def _shape_meta(counter: TopKCounter) -> dict[str, str]:
 def _counts(counter: TopKCounter, cases: Cases, meta: dict[str, str]) -> ProbeCounts:
     counter.check_moments()
     dims = counter.dimensions
+    texts = dict(zip(sorted_positions(cases.hashes).tolist(), cases.texts)) if counter.top is not None else {}
     return ProbeCounts(
         count={d: counter.count[j].cpu() for j, d in enumerate(dims)},
         cases={d: int(counter.cases[j]) for j, d in enumerate(dims)},
@@ -239,6 +244,7 @@ def _counts(counter: TopKCounter, cases: Cases, meta: dict[str, str]) -> ProbeCo
         case_hashes=cases.hashes.sort().values,
         act_sum={d: counter.moments[0, :, j].cpu() for j, d in enumerate(dims)},
         act_sq={d: counter.moments[1, :, j].cpu() for j, d in enumerate(dims)},
+        top=TopCases.from_keys(counter.top.keys, texts) if counter.top is not None else None,
     )
 
 
@@ -262,7 +268,7 @@ def _counters(models: list[Any], cases: Cases, config: CollectConfig, *, keep_ca
         units = width(model, config.hook)
         return TopKCounter(cases.dimensions, num_layers(model), units, top_k_size(config.top_fraction, units),
                            tokens=config.tokens, rank=config.rank, device=next(model.parameters()).device,
-                           keep_cases=keep_cases)
+                           keep_cases=keep_cases, top_cases=config.top_cases)
 
     return [counter(m) for m in models]
 
@@ -270,9 +276,11 @@ def _counters(models: list[Any], cases: Cases, config: CollectConfig, *, keep_ca
 def _stream(models: list[Any], counters: list[TopKCounter], tokenizer: Any, cases: Cases, config: CollectConfig,
             after_batch: Callable[[torch.Tensor], None] | None = None, totals: Sequence[torch.Tensor] = ()) -> None:
     """This process's batches (`batch_indices`) through every model's backend into its counter, then
-    `after_batch(membership)`; at the end `totals` (the counters' sums) are summed over the processes."""
+    `after_batch(membership)`; at the end `totals` (the counters' sums) are summed over the processes and the
+    counters' top cases merged."""
     backends = [make_backend(config.backend, m, config.hook, tokenizer) for m in models]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    positions = sorted_positions(cases.hashes)
     with process_group(counters[0].count.device) as shard:
         mine = sum(map(len, batch_indices(cases, config.batch_size, shard.rank, shard.world)))
         bar = tqdm(total=mine, desc=f"probe {config.hook}", unit="case", disable=not (config.progress and shard.main))
@@ -281,7 +289,7 @@ def _stream(models: list[Any], counters: list[TopKCounter], tokenizer: Any, case
                 membership = cases.membership[idx]
                 for model, counter, backend in zip(models, counters, backends):
                     device = next(model.parameters()).device
-                    counter.start_batch(membership, mask)
+                    counter.start_batch(membership, mask, positions[idx])
                     backend.run(input_ids.to(device), mask.to(device), counter.add)
                     counter.finish_batch()
                 if after_batch is not None:
@@ -289,6 +297,9 @@ def _stream(models: list[Any], counters: list[TopKCounter], tokenizer: Any, case
                 bar.update(len(idx))
         bar.close()
         all_reduce_sum(totals, shard)
+        for counter in counters:
+            if counter.top is not None:
+                counter.top.merge_ranks(all_gather(counter.top.keys, shard))
 
 
 def collect_to_file(model: Any, data: Any, out: str | os.PathLike, config: CollectConfig | None = None,

@@ -3,8 +3,9 @@
 Probe file (docs/ARCHITECTURE.md "Probe file"): safetensors with `count.<dim>` (int64 [layers, width]), `cases.<dim>` (int64
 scalar: prompts), `observations.<dim>` (int64 scalar: counted token positions; equals cases with the
 `last` token policy), `act_sum.<dim>` and `act_sq.<dim>` (int64 [2, layers, width]: the activation's sum and sum
-of squares over the counted positions, as fixed-point limbs, `fixed_point`) and `case_hashes` (int64 [cases], sorted:
-which cases were counted, `cases.case_hash`). `freq = count / observations`. Metadata records how the counts were made.
+of squares over the counted positions, as fixed-point limbs, `fixed_point`), `case_hashes` (int64 [cases], sorted:
+which cases were counted, `cases.case_hash`) and each unit's top cases (`top_values`, `top_cases`:
+probe/topcases.py). `freq = count / observations`. Metadata records how the counts were made.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from rolemrc.core.artifacts import check_format, expect, stamp
 from rolemrc.probe.errors import ProbeError, ProbeFileError
 from rolemrc.probe.options import Rank, Tokens
+from rolemrc.probe.topcases import TopCases, TopCaseTracker, read_texts, texts_meta
 
 # Metadata keys that must agree for two probe files to be comparable.
 COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens", "rank", "generation_prompt", "limit")
@@ -111,12 +113,15 @@ class TopKCounter:
     activation x and x^2 per dimension (`moments`: [2 (x, x^2), 2 limbs, dims, layers, width] int64). Everything
     stays on the model's device; memory is O(dimensions x layers x width) plus one batch. With `keep_cases`,
     `case_share()` and `case_sums()` give the last batch's per-case activity and activation sums (for paired
-    probing, probe/paired.py).
+    probing, probe/paired.py). With `top_cases` N > 0, `top` keeps each unit's N most activating cases
+    (probe/topcases.py).
     """
 
     def __init__(self, dimensions: list[str], layers: int, width: int, k: int, *, tokens: Tokens = "last",
-                 rank: Rank = "signed", device: torch.device | str = "cpu", keep_cases: bool = False):
+                 rank: Rank = "signed", device: torch.device | str = "cpu", keep_cases: bool = False, top_cases: int = 0):
         self.dimensions, self.layers, self.width, self.k = list(dimensions), layers, width, k
+        self.top = TopCaseTracker(layers, width, top_cases, device) if top_cases else None
+        self._positions: torch.Tensor | None = None  # [batch]: the batch's cases' positions (topcases.sorted_positions)
         self.tokens, self.rank, self.keep_cases = tokens, rank, keep_cases
         d = len(self.dimensions)
         self.count = torch.zeros(d, layers, width, dtype=torch.int64, device=device)
@@ -137,10 +142,16 @@ class TopKCounter:
         """The accumulated sums over cases (what processes counting shards of the cases add up)."""
         return [self.count, self.cases, self.observations, self.moments]
 
-    def start_batch(self, membership: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """membership: [batch, dims] 0/1 (which dimensions each case counts in); mask: [batch, seq].
+    def start_batch(self, membership: torch.Tensor, attention_mask: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> None:
+        """membership: [batch, dims] 0/1 (which dimensions each case counts in); mask: [batch, seq]; positions: each
+        case's position among the sorted case hashes (needed with `top_cases`).
         Positions are found where the mask lives (the CPU, for the collector), so no device sync."""
         device = self.count.device
+        if self.top is not None:
+            if positions is None:
+                raise ProbeError("a TopKCounter with top_cases needs each batch's case positions")
+            self._positions = positions.to(device)
         membership = membership.to(dtype=torch.float32)
         mask = attention_mask.bool()
         if self.tokens == "last":
@@ -195,6 +206,11 @@ class TopKCounter:
         hits = torch.einsum("od,low->dlw", self._weights, active).round().long()
         index = slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else layers
         self.count[:, index] += hits
+        if self.top is not None:  # per case: its value (the largest over its positions with `all`)
+            per_case = scores if self.tokens == "last" else scores.new_full(
+                (len(layers), len(self._membership), self.width), -torch.inf).scatter_reduce_(
+                1, self._rows[None, :, None].expand_as(scores), scores, "amax")
+            self.top.add(index, per_case, self._positions)
         if self.keep_cases:  # observation -> its case (the identity with the `last` policy)
             self._case_hits[layers] = active.new_zeros(len(layers), *self._case_hits.shape[1:]).index_add_(1, self._rows, active)
         self._add_moments(index, selected)
@@ -246,6 +262,7 @@ class ProbeCounts:
     act_sum: dict[str, torch.Tensor]  # int64 [2, layers, width] limbs
     act_sq: dict[str, torch.Tensor]   # sums of x^2, likewise
     meta: dict[str, str] = field(default_factory=dict)
+    top: TopCases | None = None  # each unit's most activating cases (collected with top_cases > 0)
 
     @property
     def dimensions(self) -> list[str]:
@@ -293,10 +310,11 @@ class ProbeCounts:
             tensors[f"act_sum.{tag}{d}"] = self.act_sum[d].cpu().contiguous()
             tensors[f"act_sq.{tag}{d}"] = self.act_sq[d].cpu().contiguous()
         tensors[CASE_HASHES] = self.case_hashes
-        return tensors
+        return tensors | (self.top.tensors(f".{model}" if tag else "") if self.top is not None else {})
 
     def save(self, path: str | os.PathLike) -> Path:
-        return write_tensors(path, self.tensors(), {**self.meta, "dimensions": json.dumps(self.dimensions), **stamp("probe")})
+        return write_tensors(path, self.tensors(), {**self.meta, "dimensions": json.dumps(self.dimensions),
+                                                    **texts_meta([self.top]), **stamp("probe")})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeCounts:
@@ -312,8 +330,9 @@ class ProbeCounts:
         tag = "" if model is None else f"{model}."
         meta = dict(meta)
         dims = json.loads(meta.pop("dimensions"))
+        top = TopCases.from_tensors(tensors, read_texts(meta), "" if model is None else f".{model}")
         count = {d: tensors[f"count.{tag}{d}"] for d in dims}
         cases = {d: int(tensors[f"cases.{d}"]) for d in dims}
         observations = {d: int(tensors[f"observations.{d}"]) for d in dims}
         moments = [{d: tensors[f"{name}.{tag}{d}"] for d in dims} for name in ("act_sum", "act_sq")]
-        return cls(count, cases, observations, tensors[CASE_HASHES], *moments, meta=meta)
+        return cls(count, cases, observations, tensors[CASE_HASHES], *moments, meta=meta, top=top)

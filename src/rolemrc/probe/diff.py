@@ -18,6 +18,7 @@ from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.paired import PairedCounts, load_probe
 from rolemrc.probe.ranking import rank_units
+from rolemrc.probe.topcases import TOP_FILE, TopCases, load_sides, save_sides
 
 DIFF_FILE = "diff.safetensors"
 # The per-unit tests, by code (core.stats.TEST_LABELS; diff metadata and summary.json "test" and "effect_test"):
@@ -57,6 +58,7 @@ class DiffResult:
     effect_t: dict[str, torch.Tensor] = field(default_factory=dict)
     effect_p: dict[str, torch.Tensor] = field(default_factory=dict)
     effect_q: dict[str, torch.Tensor] = field(default_factory=dict)
+    top_cases: dict[str, TopCases] = field(default_factory=dict)  # side ("a", "b") -> its probe's top cases
 
     @property
     def dimensions(self) -> list[str]:
@@ -128,7 +130,8 @@ class DiffResult:
         return rows
 
     def save(self, out_dir: str | os.PathLike, *, top_n: int = 200, fdr: float = 0.05) -> Path:
-        """Write diff.safetensors, layers.json, units.csv/json and summary.json into out_dir."""
+        """Write diff.safetensors, layers.json, units.csv/json, summary.json and (when the probes kept them) both
+        sides' top cases (topcases.TOP_FILE) into out_dir."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)
@@ -145,6 +148,9 @@ class DiffResult:
         meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "cases_a": json.dumps(self.cases_a),
                 "cases_b": json.dumps(self.cases_b), "empty": json.dumps(self.empty), **stamp("diff")}
         save_file(tensors, str(out / DIFF_FILE), metadata=meta)
+        (out / TOP_FILE).unlink(missing_ok=True)
+        if self.top_cases:
+            save_sides(out / TOP_FILE, self.top_cases)
         layers = self.layer_summary(fdr)
         (out / "layers.json").write_text(json.dumps(layers, indent=1))
         units = self.ranked_units(top_n)
@@ -283,6 +289,7 @@ def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], frequency: 
     for d in b.dimensions:
         if d not in a.count:
             result.empty[d] = "only in b"
+    result.top_cases = {side: c.top for side, c in (("a", a), ("b", b)) if c.top is not None}
     return result
 
 
@@ -314,7 +321,8 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
     tables = {name: {d: tensors[f"{name}.{d}"] for d in dims}
               for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue", *EFFECT_TABLES)}
     return DiffResult(**tables, meta=meta, cases_a=json.loads(meta.pop("cases_a", "{}")),
-                      cases_b=json.loads(meta.pop("cases_b", "{}")), empty=json.loads(meta.pop("empty", "{}")))
+                      cases_b=json.loads(meta.pop("cases_b", "{}")), empty=json.loads(meta.pop("empty", "{}")),
+                      top_cases=load_sides(file.parent / TOP_FILE))
 
 
 def top_set_jaccard(freq_a: torch.Tensor, freq_b: torch.Tensor, k: int) -> torch.Tensor:

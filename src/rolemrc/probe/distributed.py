@@ -85,3 +85,14 @@ def all_reduce_min(value: int, device: torch.device, shard: Shard) -> int:
     tensor = torch.tensor([value], device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
+
+
+def all_gather(tensor: torch.Tensor, shard: Shard) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on each), in rank order ([tensor] alone)."""
+    if shard.world <= 1:
+        return [tensor]
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(shard.world)]
+    dist.all_gather(parts, tensor)
+    return parts

@@ -17,16 +17,17 @@ from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts
 from rolemrc.probe.diff import Probe, ProbeMismatchError, check_comparable
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.paired import MODEL_KEYS, NAME_KEYS, PairedCounts, load_probe
+from rolemrc.probe.topcases import merge_top
 
 # Metadata that must agree for counts to add up: the counting settings, and each model's identity at its dtype.
-MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field",
+MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field", "top_cases",
               *(key for key in MODEL_KEYS if key not in (*NAME_KEYS, "model_fingerprint_of")))   # the fingerprint says it
 
 
 def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
     """Sum probe files (paths, or loaded probes) of the same model(s) and counting settings over disjoint
-    cases: counts, cases, observations and paired statistics add up. Refuses files that are not comparable
-    (MERGE_KEYS, checked as `probe diff` checks) or that share a case (`case_hashes`)."""
+    cases: counts, cases, observations and paired statistics add up, and each unit's top cases merge. Refuses files
+    that are not comparable (MERGE_KEYS, checked as `probe diff` checks) or that share a case (`case_hashes`)."""
     if len(probes) < 2:
         raise ProbeError(f"merging needs two or more probe files, got {len(probes)}")
     names = [str(p) if isinstance(p, (str, os.PathLike)) else f"probe {i}" for i, p in enumerate(probes)]
@@ -117,7 +118,8 @@ def _add(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _sum(parts: list[ProbeCounts], dims: list[str], hashes: torch.Tensor) -> ProbeCounts:
-    """One model's counts and activation moments summed over the parts (a dimension a part lacks counts zero there)."""
+    """One model's counts and activation moments summed over the parts (a dimension a part lacks counts zero there),
+    and its top cases merged."""
     def total(table: str) -> dict[str, torch.Tensor]:
         return {d: _add([getattr(p, table)[d] for p in parts if d in p.count]) for d in dims}
 
@@ -128,4 +130,5 @@ def _sum(parts: list[ProbeCounts], dims: list[str], hashes: torch.Tensor) -> Pro
         case_hashes=hashes,
         act_sum=total("act_sum"),
         act_sq=total("act_sq"),
+        top=merge_top([(p.top, p.case_hashes) for p in parts], hashes) if parts[0].top is not None else None,
     )

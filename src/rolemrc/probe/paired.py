@@ -13,8 +13,9 @@ Per model `act_sum.<m>.<dim>`, `act_sq.<m>.<dim>` (its activation moments, as in
 both token policies) `act_diff_sum.<i>.<j>.<dim>`, `act_diff_sq.<i>.<j>.<dim>` (int64 [2, layers, width], fixed-point
 limbs as `counts.fixed_point`): the sums over cases of d and d^2, d = the case's mean over its counted positions of
 x_j - x_i (each case's d and d^2 rounded once to MOMENT_UNIT), for a paired t-test of each unit's activation.
-Metadata: the shared counting keys, `dimensions`, and `models` (JSON list, per model: model, model_fingerprint,
-dtype, attn_implementation).
+Per model `top_values.<m>` and `top_cases.<m>` (each unit's most activating cases, probe/topcases.py; their texts
+shared). Metadata: the shared counting keys, `dimensions`, and `models` (JSON list, per model: model,
+model_fingerprint, dtype, attn_implementation).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rolemrc.probe.counts import (
     write_tensors,
 )
 from rolemrc.probe.errors import ProbeError
+from rolemrc.probe.topcases import read_texts, texts_meta
 
 NAME_KEYS = ("model", "model_dir")  # how a model was named and where it was found: not what it is
 MODEL_KEYS = (*NAME_KEYS, "model_fingerprint", "model_fingerprint_of", "dtype", "attn_implementation")  # per model
@@ -167,7 +169,8 @@ class PairedCounts:
         for m, counts in enumerate(self.counts):
             tensors.update(counts.tensors(model=m))
         models = [{key: c.meta.get(key, "") for key in MODEL_KEYS} for c in self.counts]
-        meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "models": json.dumps(models), **stamp("paired-probe")}
+        meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "models": json.dumps(models),
+                **texts_meta([c.top for c in self.counts]), **stamp("paired-probe")}
         return write_tensors(path, tensors, meta)
 
     @classmethod
@@ -175,6 +178,7 @@ class PairedCounts:
         models = json.loads(meta.pop("models"))
         counts = [ProbeCounts.from_tensors({**meta, **model}, tensors, model=m) for m, model in enumerate(models)]
         meta.pop("dimensions")
+        read_texts(meta)
         stats = {k: v for k, v in tensors.items() if k.split(".", 1)[0] in PAIR_STATS}
         return cls(counts, stats, meta)
 
