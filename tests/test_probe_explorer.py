@@ -46,7 +46,7 @@ def paired_dir(model_dirs, records, tokenizer, tmp_path_factory):
     write_diff(diff(collect_paired([root / "a", root / "b"], records, device="cpu", progress=False)), root / "diff",
                figures=False)
     pairs = [{**x, "task": TASKS[i % len(TASKS)]} for i, x in enumerate(pair_records(20))]
-    attribute(root / "a", root / "b", pairs, device="cpu", progress=False).save(root / "attribution.safetensors")
+    attribute([root / "a", root / "b"], pairs, device="cpu", progress=False).save(root / "attribution.safetensors")
     return root
 
 
