@@ -108,8 +108,8 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     run("probe", "attribute", "--sft", model, "--dpo", other, "--pairs", str(made["pairs"]),
         "--out", str(root / "attribution.safetensors"))
     run("probe", "diff", str(root / "paired.safetensors"), "--out", str(root / "diff"), "--no-figures")
-    run("intervene", "select", "--diff", str(root / "diff"), "--dimension", "role_style", "--top-k", "4",
-        "--factor", "0", "--out", str(root / "restraint.yaml"))
+    run("intervene", "select", "--diff", str(root / "diff"), "--dimension", "role_style", "--method", "frequency",
+        "--top-k", "4", "--factor", "0", "--out", str(root / "restraint.yaml"))
     run("intervene", "lora", "--model", model, "--restraint", str(root / "restraint.yaml"), "--out", str(root / "adapter"))
     run("eval", "generate", "--data", str(made["records"]), "--model", model, "--max-new-tokens", "4",
         "--out", str(root / "responses.jsonl"))
