@@ -14,6 +14,7 @@ from rolemrc.cli import app
 from rolemrc.core.artifacts import stamp
 from rolemrc.core.errors import RolemrcError
 from rolemrc.intervene import SELECTORS, Restraint, select
+from rolemrc.intervene.budget import BUDGET_HELP
 from rolemrc.probe.attribution import load_attribution
 from rolemrc.probe.counts import write_tensors
 from rolemrc.probe.diff import DiffResult
@@ -184,7 +185,8 @@ def test_cli_methods_and_one_line_errors(tmp_path):
     code, out = run_cli("--diff", diff, "--dimension", "multi_turn", "--method", "nope", "--out", tmp_path / "x.yaml")
     assert code == 2 and "Invalid value for '--method'" in out and "'nope' is not one of 'frequency'," in out, out
     code, out = run_cli("--help")
-    assert code == 0 and all(name in out for name in SELECTORS.names()) and out.count("exactly one of") == 4
+    assert code == 0 and all(name in out for name in SELECTORS.names()) and "--per-layer" in out and "--share" in out
+    assert all(help.endswith("(exactly one of --top-k/--per-layer/--share/--fdr)") for help in BUDGET_HELP.values())
 
 
 def test_an_unknown_method_fails_before_torch_loads(tmp_path):
