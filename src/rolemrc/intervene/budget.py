@@ -48,8 +48,21 @@ class Budget:
         return {"top_k": f"top-{self.value}", "per_layer": f"{self.value}/layer", "share": f"share {self.value:.3g}",
                 "fdr": f"q < {self.value:g}"}[self.kind]
 
+    @property
+    def slug(self) -> str:
+        """For names: 'k64', '16pl', 's0.17', 'q0.05'."""
+        return {"top_k": f"k{self.value}", "per_layer": f"{self.value}pl", "share": f"s{self.value:.3g}",
+                "fdr": f"q{self.value:g}"}[self.kind]
+
     def to_dict(self) -> dict[str, float]:
         return {self.kind: self.value}
+
+    @classmethod
+    def of(cls, data: dict[str, float]) -> Budget:
+        """The budget of a `to_dict()` mapping (a sweep cell's `budget`)."""
+        if not isinstance(data, dict) or len(data) != 1:
+            raise RestraintError(f"a budget is one {{kind: value}}, got {data!r}")
+        return cls(*next(iter(data.items())))
 
 
 def one_budget(**given: float | None) -> Budget:
@@ -62,16 +75,19 @@ def one_budget(**given: float | None) -> Budget:
     return Budget(*next(iter(named.items())))
 
 
-def budget_grid(what: str = "budget", **given: list[float] | None) -> list[Budget] | None:
-    """A grid's budgets from lists under at most one of top_k/per_layer/share (None: none given)."""
+GRID_ONE = "at most one of --top-k/--per-layer/--share"
+
+
+def budget_grid(default: list[Budget], **given: list[float] | None) -> list[Budget]:
+    """A grid's budgets: the list under the one of top_k/per_layer/share that is given, else `default`."""
     named = {k: v for k, v in given.items() if v is not None}
     if len(named) > 1:
-        raise RestraintError(f"{what}: choose one of {', '.join(BUDGET_OPTIONS[k] for k in named)}")
+        raise RestraintError(f"choose {GRID_ONE} (given: {', '.join(BUDGET_OPTIONS[k] for k in named)})")
     if not named:
-        return None
+        return default
     kind, values = next(iter(named.items()))
     if not values:
-        raise RestraintError(f"{what}: {BUDGET_OPTIONS[kind]} needs at least one value")
+        raise RestraintError(f"{BUDGET_OPTIONS[kind]} needs at least one value")
     return [Budget(kind, v) for v in values]
 
 

@@ -9,8 +9,8 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.taxonomy import DIMENSIONS
-from rolemrc.intervene.fit import STRICT_HELP
 from rolemrc.intervene.budget import BUDGET_HELP
+from rolemrc.intervene.fit import STRICT_HELP
 from rolemrc.intervene.select import SelectorName, selectors_help
 from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.probe.hooks import HOOK_POINTS

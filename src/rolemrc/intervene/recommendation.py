@@ -48,7 +48,7 @@ class Recommendation:
         if self.status != "found" or self.selector is None or not self.budget or self.factor is None:
             raise RestraintError(f"the calibration found no recipe to use ({self.status}: {self.why}); name --method "
                                  "and --factor yourself (docs/calibration.md)")
-        return self.selector, Budget(*next(iter(self.budget.items()))), self.factor
+        return self.selector, Budget.of(self.budget), self.factor
 
 
 def load_recommendation(path: str | os.PathLike) -> Recommendation:

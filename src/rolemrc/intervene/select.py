@@ -15,7 +15,8 @@ import enum
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
@@ -200,6 +201,23 @@ def recipe(method: str | None, factor: float | None, calibration: str | os.PathL
 
 FREQUENCY_WARNING = ("--method frequency reproduces the paper; on the calibration it undid none of a planted change "
                      "(docs/calibration.md)")
+
+
+@contextmanager
+def warnings_once() -> Iterator[None]:
+    """While the block runs, each distinct warning of `select` is logged once (a grid selects many times)."""
+    seen: set[str] = set()
+
+    def first(record: logging.LogRecord) -> bool:
+        new = record.getMessage() not in seen
+        seen.add(record.getMessage())
+        return new
+
+    log.addFilter(first)
+    try:
+        yield
+    finally:
+        log.removeFilter(first)
 
 
 def paper_factor_note(dtype: str | None) -> str:
