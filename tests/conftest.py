@@ -115,7 +115,8 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
         "--out", str(root / "responses.jsonl"))
     run("eval", "score", str(root / "responses.jsonl"), "--metrics", "bleu", "--out", str(root / "eval-run"))
     run("sweep", "run", "--model", model, "--diff", str(root / "diff"), "--data", str(made["records"]),
-        "--dimension", "role_style", "--factors", "0", "--top-k", "4", "--controls", "0", "--metrics", "bleu",
+        "--dimension", "role_style", "--method", "frequency", "--factors", "0", "--top-k", "4", "--controls", "0",
+        "--metrics", "bleu",
         "--max-new-tokens", "4", "--out", str(root / "sweep"))
     made |= {"probe": root / "probe.safetensors", "paired-probe": root / "paired.safetensors",
              "attribution": root / "attribution.safetensors", "diff": root / "diff", "restraint": root / "restraint.yaml",

@@ -43,7 +43,7 @@ TEMPLATES: dict[str, list[str]] = {
     "intervene lora": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/l"],
     "intervene check": ["--model", "{model}", "--restraint", "{restraint}", "--baked", "{model}"],
     "sweep run": ["--model", "{model}", "--diff", "{diff}", "--data", "{records}", "--out", "{out}/s",
-                  "--dimension", "role_style"],
+                  "--dimension", "role_style", "--method", "frequency"],
     "eval generate": ["--data", "{records}", "--out", "{out}/r.jsonl", "--model", "{model}", "--restraint", "{restraint}"],
     "eval score": ["{responses}", "--out", "{out}/run"],
     "eval run": ["--data", "{records}", "--out", "{out}/run", "--model", "{model}"],

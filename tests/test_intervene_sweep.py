@@ -30,7 +30,7 @@ class Killed(Exception):
 
 def config(root, out, **kw):
     return SweepConfig(model=str(root / "model"), diff=str(root / "diff"), data=str(root / "test.jsonl"), out=str(out),
-                       dimensions=["multi_turn"], **{"factors": [0.5, 0.0], "top_k": [8], "controls": 2,
+                       dimensions=["multi_turn"], **{"method": "frequency", "factors": [0.5, 0.0], "top_k": [8], "controls": 2,
                                                      "max_new_tokens": 6, "batch_size": 8, "cells_per_pass": 2, **kw})
 
 
@@ -39,7 +39,7 @@ def test_plan_has_a_baseline_then_each_cell_with_its_controls(setup, tmp_path):
     assert [c.kind for c in cells] == ["baseline"] + ["selected", "control", "control"] * 4
     assert len({c.id for c in cells}) == len(cells)
     for cell in cells[1:]:
-        assert cell.restraint.factor == cell.grid["factor"] and cell.restraint.num_units == cell.grid["top_k"]
+        assert cell.restraint.factor == cell.grid["factor"] and cell.restraint.num_units == cell.grid["budget"]["top_k"]
     selected, control = cells[1], cells[2]
     assert all(not set(control.restraint.units.get(layer, ())) & set(units)
                for layer, units in selected.restraint.units.items())
@@ -139,7 +139,7 @@ def test_a_rerun_of_a_finished_sweep_generates_and_scores_nothing(setup, tmp_pat
 def test_cli_sweep_writes_the_tables(setup, tmp_path):
     result = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
                                       "--data", str(setup / "test.jsonl"), "--out", str(tmp_path), "--dimension",
-                                      "multi_turn", "--factors", "0,0.5", "--top-k", "4", "--controls", "1",
+                                      "multi_turn", "--method", "frequency", "--factors", "0,0.5", "--top-k", "4", "--controls", "1",
                                       "--metrics", "rouge", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["cells"] == 2 and (tmp_path / "sweep.md").is_file()
