@@ -119,7 +119,7 @@ def test_a_factor_one_grid_finds_nothing_and_says_so(setup, tmp_path):
     assert all(e["vs_baseline"]["diff"] == 0 and e["vs_baseline"]["p_holm"] == 1 for e in cell["scores"].values())
     assert summary["headline"].startswith("No cell beats both") and "0 of 1 cells differ" in summary["headline"]
     markdown = (tmp_path / "sweep.md").read_text()
-    assert summary["headline"] in markdown and "| multi_turn top-8 x1 | 8 | 0 | 0 |" in markdown
+    assert summary["headline"] in markdown and "| multi_turn top-8 x1 | 8 units (4.17% of 192): 4 per layer | 0 | 0 |" in markdown
     assert json.loads((tmp_path / "sweep.json").read_text())["cells"][0]["id"] == cell["id"]
 
 
@@ -145,5 +145,5 @@ def test_cli_sweep_writes_the_tables(setup, tmp_path):
     assert json.loads(result.stdout.strip().splitlines()[-1])["cells"] == 2 and (tmp_path / "sweep.md").is_file()
     bad = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
                                    "--data", str(setup / "test.jsonl"), "--out", str(tmp_path / "x"), "--dimension",
-                                   "multi_turn", "--factors", "half"])
+                                   "multi_turn", "--method", "frequency", "--factors", "half"])
     assert bad.exit_code != 0 and "comma-separated numbers" in bad.output

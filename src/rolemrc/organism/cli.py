@@ -87,7 +87,6 @@ def calibrate_cmd(
     change a restraint undoes (paired CI) against random-unit controls, the cost on the other dimensions and the
     null's false-positive rate; writes calibration.json/.md/.html/.png under --out and prints JSON."""
     from rolemrc.organism.calibration import build_and_calibrate
-
     from rolemrc.sweep.plan import numbers
 
     overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
