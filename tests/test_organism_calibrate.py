@@ -81,8 +81,8 @@ def test_selectors_that_see_the_change_undo_it_and_random_units_do_not(calibrate
         (large,) = cells(result, "planted", selector, 0.0, 16)
         assert not finds_change(small) and small["restoration"]["share"] < 1, (selector, small)
         assert finds_change(large) and large["restoration"]["share"] == 1, (selector, large)
-    assert result["headline"].startswith("The planted change is found by standardized from 4 units (0.0651% of "
-                                         "6,144): per layer [0, 4] (x0: 100% undone")
+    assert result["headline"].startswith("The planted change is found by standardized from 4 units (6.25% of 64): "
+                                         "per layer [0, 4] (x0: 100% undone")
     assert result["diff_flags"]["planted"]["all"]["effect"] == len(ANSWERABLE_UNITS)
 
 
@@ -92,7 +92,7 @@ def test_the_recommendation_is_the_best_cell_and_select_takes_it(calibrated):
     result, root = calibrated
     rec = result["recommendation"]
     assert rec["status"] == "found" and rec["selector"] == "standardized" and rec["budget"] == {"top_k": 4}
-    assert rec["factor"] == 0.0 and rec["share"] == 4 / 6144 and rec["per_layer"]["max"] == 4
+    assert rec["factor"] == 0.0 and rec["share"] == 4 / 64 and rec["per_layer"]["max"] == 4
     assert rec["why"].startswith("standardized x0 at 4 units") and "undid 100% of the planted change" in rec["why"]
     assert rec["rests_on"]["probe_cases"] == 10 and rec["rests_on"]["heldout_cases"] == 12
     assert rec["rests_on"]["attribution_pairs"] == 6
