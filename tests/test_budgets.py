@@ -110,3 +110,23 @@ def test_select_takes_method_budget_and_factor_from_a_calibration(tmp_path):
 def test_the_diff_records_the_dtype_the_spec_states(tmp_path):
     assert DELTA.shape == (3, 4)   # the constructed diff has no fingerprint, so its spec names no model
     assert select(write_diff(tmp_path / "d"), "multi_turn", method="standardized", factor=0, top_k=1).model == {}
+
+
+def test_sweep_and_calibration_grids_take_one_kind_of_budget(tmp_path):
+    """Two kinds of budget are one `error:` line before any model loads or any organism trains."""
+    sweep = CliRunner().invoke(app, ["sweep", "run", "--model", str(tmp_path), "--diff", str(tmp_path), "--data",
+                                     str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "s"), "--dimension", "role_style",
+                                     "--method", "standardized", "--top-k", "4", "--share", "0.1"])
+    calibrate = CliRunner().invoke(app, ["organism", "calibrate", "--out", str(tmp_path / "c"), "--per-layer", "16",
+                                         "--share", "0.1"])
+    for res, given in ((sweep, "--top-k, --share"), (calibrate, "--per-layer, --share")):
+        assert res.exit_code == 2 and res.output.strip().splitlines() == [
+            f"error: choose at most one of --top-k/--per-layer/--share (given: {given})"], res.output
+    assert not (tmp_path / "s").exists() and not (tmp_path / "c").exists()
+    from rolemrc.sweep.plan import SweepConfig
+
+    config = SweepConfig(model="m", diff="d", data="t", out=str(tmp_path), dimensions=["role_style"],
+                         method="attribution", per_layer=[16, 64])
+    assert config.budgets() == [Budget("per_layer", 16), Budget("per_layer", 64)]
+    assert [b.value for b in SweepConfig(model="m", diff="d", data="t", out=str(tmp_path), dimensions=["x"],
+                                         method="attribution").budgets()] == [0.01, 0.05, 0.17]
