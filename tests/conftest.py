@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import corpus, test_records
 
 from rolemrc.core.tiny import build_model, train_tokenizer
+from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
 
 ARCHS = ("llama", "qwen2", "gpt2")
 
@@ -122,6 +123,11 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
              "attribution": root / "attribution.safetensors", "diff": root / "diff", "restraint": root / "restraint.yaml",
              "peft-adapter": root / "adapter", "responses": root / "responses.jsonl", "eval-run": root / "eval-run",
              "sweep": root / "sweep"}
+    (root / "calibration").mkdir()   # a calibration's recommendation (the run itself: tests/test_organism_calibrate.py)
+    recommendation = Recommendation("found", "the frequency selector at top-4 x0 (a fixture)", selector="frequency",
+                                    budget={"top_k": 4}, factor=0.0)
+    (root / "calibration" / "calibration.json").write_text(json.dumps({RECOMMENDATION: recommendation.to_dict()}))
+    made["calibration"] = root / "calibration"
 
     writer = gguf.GGUFWriter(str(root / "model.gguf"), "llama")
     writer.add_name("a GGUF with no tensors")

@@ -214,7 +214,9 @@ def test_select_from_diff(tmp_path):
     with pytest.raises(RestraintError, match="out of range"):
         select(tmp_path / "d", "multi_turn", method="frequency", factor=0.0, top_k=3, layers="2-5")
     with pytest.raises(RestraintError, match="exactly one"):
-        select(tmp_path / "d", "multi_turn")
+        select(tmp_path / "d", "multi_turn", method="frequency", factor=0.0)
+    with pytest.raises(RestraintError, match="select needs --method and --factor named"):
+        select(tmp_path / "d", "multi_turn", top_k=3)
 
 
 def test_cli_select_bake_check(model_dirs, tmp_path):
@@ -229,7 +231,7 @@ def test_cli_select_bake_check(model_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     printed = json.loads(res.stdout)   # a summary, not every unit id (those are in the spec and baked/rolemrc.json)
     assert printed["restraint"]["units"] == 8 and sum(printed["restraint"]["per_layer"].values()) == 8
-    assert len(res.stdout.splitlines()) < 25
+    assert len(res.stdout.splitlines()) < 32
     res = runner.invoke(app, ["intervene", "check", "--model", str(model_dirs["llama"]), "--restraint", str(tmp_path / "s.yaml"),
                               "--baked", str(tmp_path / "baked")])
     assert res.exit_code == 0, res.output

@@ -158,7 +158,7 @@ def test_cli_methods_and_one_line_errors(tmp_path):
     assert code == 0, out
     printed = json.loads(out)
     assert printed["method"] == "standardized" and printed["share"] == 0.25
-    assert printed["units_per_layer"] == {"min": 1, "median": 1.0, "max": 1, "list": [1, 1, 1]}
+    assert printed["units_per_layer"] == {"min": 1, "median": 1.0, "max": 1} and printed["per_layer"] == {"0": 1, "1": 1, "2": 1}
     assert Restraint.load(tmp_path / "s.yaml").units == {0: [2], 1: [0], 2: [1]}
     code, out = run_cli("--diff", write_attribution(tmp_path / "a.safetensors"), "--dimension", "multi_turn",
                         "--method", "attribution", "--top-k", 2, "--factor", 0, "--out", tmp_path / "a.yaml")
