@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import corpus, test_records
 
 from rolemrc.core.tiny import build_model, train_tokenizer
+from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
 
 ARCHS = ("llama", "qwen2", "gpt2")
 
@@ -108,19 +109,25 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     run("probe", "attribute", "--model", model, "--model", other, "--pairs", str(made["pairs"]),
         "--out", str(root / "attribution.safetensors"))
     run("probe", "diff", str(root / "paired.safetensors"), "--out", str(root / "diff"), "--no-figures")
-    run("intervene", "select", "--diff", str(root / "diff"), "--dimension", "role_style", "--top-k", "4",
-        "--factor", "0", "--out", str(root / "restraint.yaml"))
+    run("intervene", "select", "--diff", str(root / "diff"), "--dimension", "role_style", "--method", "frequency",
+        "--top-k", "4", "--factor", "0", "--out", str(root / "restraint.yaml"))
     run("intervene", "lora", "--model", model, "--restraint", str(root / "restraint.yaml"), "--out", str(root / "adapter"))
     run("eval", "generate", "--data", str(made["records"]), "--model", model, "--max-new-tokens", "4",
         "--out", str(root / "responses.jsonl"))
     run("eval", "score", str(root / "responses.jsonl"), "--metrics", "bleu", "--out", str(root / "eval-run"))
     run("sweep", "run", "--model", model, "--diff", str(root / "diff"), "--data", str(made["records"]),
-        "--dimension", "role_style", "--factors", "0", "--top-k", "4", "--controls", "0", "--metrics", "bleu",
+        "--dimension", "role_style", "--method", "frequency", "--factors", "0", "--top-k", "4", "--controls", "0",
+        "--metrics", "bleu",
         "--max-new-tokens", "4", "--out", str(root / "sweep"))
     made |= {"probe": root / "probe.safetensors", "paired-probe": root / "paired.safetensors",
              "attribution": root / "attribution.safetensors", "diff": root / "diff", "restraint": root / "restraint.yaml",
              "peft-adapter": root / "adapter", "responses": root / "responses.jsonl", "eval-run": root / "eval-run",
              "sweep": root / "sweep"}
+    (root / "calibration").mkdir()   # a calibration's recommendation (the run itself: tests/test_organism_calibrate.py)
+    recommendation = Recommendation("found", "the frequency selector at top-4 x0 (a fixture)", selector="frequency",
+                                    budget={"top_k": 4}, factor=0.0)
+    (root / "calibration" / "calibration.json").write_text(json.dumps({RECOMMENDATION: recommendation.to_dict()}))
+    made["calibration"] = root / "calibration"
 
     writer = gguf.GGUFWriter(str(root / "model.gguf"), "llama")
     writer.add_name("a GGUF with no tensors")

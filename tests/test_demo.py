@@ -69,7 +69,9 @@ def test_demo_writes_every_artifact_and_an_honest_summary(first_run):
 def test_demo_sweeps_factors_and_unit_counts_against_controls(first_run):
     out, _, summary = first_run
     sweep = summary["sweep"]
-    assert [(c["top_k"], c["factor"]) for c in sweep["cells"]] == [(k, f) for k in (16, 64) for f in (1 - 1e-6, 0.5, 0.0)]
+    assert [(c["budget"], c["factor"]) for c in sweep["cells"]] == [({"top_k": k}, f) for k in (16, 64)
+                                                                      for f in (1 - 1e-6, 0.5, 0.0)]
+    assert all(c["coverage"]["units"] == c["units"] and "per_layer" in c["coverage"] for c in sweep["cells"])
     plan = json.loads((out / "sweep" / "plan.json").read_text())["cells"]
     assert len(plan) == 1 + 6 * 3 and len(list((out / "sweep" / "cells").glob("*.jsonl"))) == len(plan)
     assert sweep["cells"][0]["max_logit_shift"] < 1e-4 < sweep["cells"][2]["max_logit_shift"]   # x(1-1e-6) vs x0

@@ -38,12 +38,15 @@ TEMPLATES: dict[str, list[str]] = {
     "probe diff": ["{probe}", "{probe}", "--out", "{out}/d"],
     "probe explore": ["--diff", "{diff}", "--out", "{out}/e.html"],
     "probe explore#attribution": ["--diff", "{diff}", "--attribution", "{attribution}", "--out", "{out}/e.html"],
-    "intervene select": ["--diff", "{diff}", "--dimension", "role_style", "--top-k", "4", "--out", "{out}/s.yaml"],
+    "intervene select": ["--diff", "{diff}", "--dimension", "role_style", "--method", "frequency", "--top-k", "4",
+                         "--factor", "0", "--out", "{out}/s.yaml"],
+    "intervene select#calibration": ["--diff", "{diff}", "--dimension", "role_style", "--calibration", "{calibration}",
+                                     "--out", "{out}/s.yaml"],
     "intervene bake": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/b"],
     "intervene lora": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/l"],
     "intervene check": ["--model", "{model}", "--restraint", "{restraint}", "--baked", "{model}"],
     "sweep run": ["--model", "{model}", "--diff", "{diff}", "--data", "{records}", "--out", "{out}/s",
-                  "--dimension", "role_style"],
+                  "--dimension", "role_style", "--method", "frequency"],
     "eval generate": ["--data", "{records}", "--out", "{out}/r.jsonl", "--model", "{model}", "--restraint", "{restraint}"],
     "eval score": ["{responses}", "--out", "{out}/run"],
     "eval run": ["--data", "{records}", "--out", "{out}/run", "--model", "{model}"],
@@ -71,6 +74,7 @@ ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("probe merge", "probes"): ("probe", "paired-probe", "attribution"),
     ("probe explore", "--diff"): ("diff", "diff-file"), ("intervene select", "--diff"): ("diff", "diff-file", "attribution"),
     ("sweep run", "--diff"): ("diff", "diff-file", "attribution"),
+    ("intervene select", "--calibration"): ("calibration", "json"),
 }
 # path arguments outside the matrix, and why
 OUTSIDE = {

@@ -169,7 +169,7 @@ from transformers import AutoModelForCausalLM
 sft, dpo, data, out = sys.argv[1:5]
 paired = rolemrc.collect_paired([sft, dpo], data)
 result = rolemrc.diff(paired)
-spec = rolemrc.select(result, "role_style", top_k=4, factor=0.0)
+spec = rolemrc.select(result, "role_style", method="frequency", top_k=4, factor=0.0)
 model = AutoModelForCausalLM.from_pretrained(dpo, local_files_only=True)
 lora = rolemrc.export_lora(model, spec, out + "/lora-py")
 check = rolemrc.check(model, spec, prompts=["Who keeps the lighthouse?"])
@@ -223,8 +223,8 @@ def test_the_core_wheel_alone_runs_the_method(model_dirs, tokenizer, records, tm
              ["probe", "collect", "--model", sft, "--model", model, "--data", str(data), "--out", "paired.safetensors"],
              ["probe", "diff", "paired.safetensors", "--out", "diff"],
              ["probe", "explore", "--diff", "diff", "--out", "explorer.html"],
-             ["intervene", "select", "--diff", "diff", "--dimension", "role_style", "--top-k", "4", "--factor", "0",
-              "--out", "spec.yaml"],
+             ["intervene", "select", "--diff", "diff", "--dimension", "role_style", "--method", "frequency", "--top-k", "4",
+              "--factor", "0", "--out", "spec.yaml"],
              ["intervene", "bake", "--model", model, "--restraint", "spec.yaml", "--out", "baked"],
              ["intervene", "lora", "--model", model, "--restraint", "spec.yaml", "--out", "lora"],
              ["intervene", "check", "--model", model, "--restraint", "spec.yaml", "--baked", "baked"]]

@@ -203,18 +203,20 @@ def test_select_from_diff(tmp_path):
     delta = torch.tensor([[0.9, -0.8, 0.1, 0.0], [0.0, 0.5, -0.95, 0.2], [0.3, 0.0, 0.0, -0.4]])
     q = torch.where(delta.abs() > 0.45, 0.001, 0.5)
     write_diff_file(tmp_path / "d", delta, q)
-    r = select(tmp_path / "d", "multi_turn", top_k=3)
+    r = select(tmp_path / "d", "multi_turn", method="frequency", factor=0.0, top_k=3)
     assert r.units == {0: [0, 1], 1: [2]} and r.hook == "mlp.act" and r.name == "multi-turn-restraint"
-    assert select(tmp_path / "d", "multi_turn", top_k=2, direction="up").units == {0: [0], 1: [1]}
-    assert select(tmp_path / "d", "multi_turn", top_k=10, direction="down", layers="1-2").units == {1: [2], 2: [3]}
-    assert select(tmp_path / "d/diff.safetensors", "multi_turn", fdr=0.05).num_units == 4
+    assert select(tmp_path / "d", "multi_turn", method="frequency", factor=0.0, top_k=2, direction="up").units == {0: [0], 1: [1]}
+    assert select(tmp_path / "d", "multi_turn", method="frequency", factor=0.0, top_k=10, direction="down", layers="1-2").units == {1: [2], 2: [3]}
+    assert select(tmp_path / "d/diff.safetensors", "multi_turn", method="frequency", factor=0.0, fdr=0.05).num_units == 4
     assert r.source["top_k"] == 3 and r.source["dimension"] == "multi_turn"
     with pytest.raises(RestraintError, match="not in the diff"):
-        select(tmp_path / "d", "nested", top_k=3)
+        select(tmp_path / "d", "nested", method="frequency", factor=0.0, top_k=3)
     with pytest.raises(RestraintError, match="out of range"):
-        select(tmp_path / "d", "multi_turn", top_k=3, layers="2-5")
+        select(tmp_path / "d", "multi_turn", method="frequency", factor=0.0, top_k=3, layers="2-5")
     with pytest.raises(RestraintError, match="exactly one"):
-        select(tmp_path / "d", "multi_turn")
+        select(tmp_path / "d", "multi_turn", method="frequency", factor=0.0)
+    with pytest.raises(RestraintError, match="select needs --method and --factor named"):
+        select(tmp_path / "d", "multi_turn", top_k=3)
 
 
 def test_cli_select_bake_check(model_dirs, tmp_path):
@@ -222,14 +224,14 @@ def test_cli_select_bake_check(model_dirs, tmp_path):
     write_diff_file(tmp_path / "d", delta, torch.full_like(delta, 0.01))
     runner = CliRunner()
     res = runner.invoke(app, ["intervene", "select", "--diff", str(tmp_path / "d"), "--dimension", "multi_turn",
-                              "--top-k", "8", "--factor", "0", "--out", str(tmp_path / "s.yaml")])
+                              "--method", "frequency", "--top-k", "8", "--factor", "0", "--out", str(tmp_path / "s.yaml")])
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["intervene", "bake", "--model", str(model_dirs["llama"]), "--restraint", str(tmp_path / "s.yaml"),
                               "--out", str(tmp_path / "baked")])
     assert res.exit_code == 0, res.output
     printed = json.loads(res.stdout)   # a summary, not every unit id (those are in the spec and baked/rolemrc.json)
     assert printed["restraint"]["units"] == 8 and sum(printed["restraint"]["per_layer"].values()) == 8
-    assert len(res.stdout.splitlines()) < 25
+    assert len(res.stdout.splitlines()) < 32
     res = runner.invoke(app, ["intervene", "check", "--model", str(model_dirs["llama"]), "--restraint", str(tmp_path / "s.yaml"),
                               "--baked", str(tmp_path / "baked")])
     assert res.exit_code == 0, res.output
@@ -242,6 +244,6 @@ def test_cli_select_bake_check(model_dirs, tmp_path):
                               str(tmp_path / "s.yaml"), "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "nomodel: no such directory" in res.output
     res = runner.invoke(app, ["intervene", "select", "--diff", str(tmp_path / "d"), "--dimension", "nested",
-                              "--top-k", "8", "--out", str(tmp_path / "t.yaml")])
+                              "--method", "frequency", "--top-k", "8", "--factor", "0", "--out", str(tmp_path / "t.yaml")])
     assert res.exit_code == 2 and "'nested' is not in the diff" in res.output
     assert math.isclose(Restraint.load(tmp_path / "s.yaml").factor, 0.0)

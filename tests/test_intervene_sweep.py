@@ -30,7 +30,7 @@ class Killed(Exception):
 
 def config(root, out, **kw):
     return SweepConfig(model=str(root / "model"), diff=str(root / "diff"), data=str(root / "test.jsonl"), out=str(out),
-                       dimensions=["multi_turn"], **{"factors": [0.5, 0.0], "top_k": [8], "controls": 2,
+                       dimensions=["multi_turn"], **{"method": "frequency", "factors": [0.5, 0.0], "top_k": [8], "controls": 2,
                                                      "max_new_tokens": 6, "batch_size": 8, "cells_per_pass": 2, **kw})
 
 
@@ -39,7 +39,7 @@ def test_plan_has_a_baseline_then_each_cell_with_its_controls(setup, tmp_path):
     assert [c.kind for c in cells] == ["baseline"] + ["selected", "control", "control"] * 4
     assert len({c.id for c in cells}) == len(cells)
     for cell in cells[1:]:
-        assert cell.restraint.factor == cell.grid["factor"] and cell.restraint.num_units == cell.grid["top_k"]
+        assert cell.restraint.factor == cell.grid["factor"] and cell.restraint.num_units == cell.grid["budget"]["top_k"]
     selected, control = cells[1], cells[2]
     assert all(not set(control.restraint.units.get(layer, ())) & set(units)
                for layer, units in selected.restraint.units.items())
@@ -119,7 +119,7 @@ def test_a_factor_one_grid_finds_nothing_and_says_so(setup, tmp_path):
     assert all(e["vs_baseline"]["diff"] == 0 and e["vs_baseline"]["p_holm"] == 1 for e in cell["scores"].values())
     assert summary["headline"].startswith("No cell beats both") and "0 of 1 cells differ" in summary["headline"]
     markdown = (tmp_path / "sweep.md").read_text()
-    assert summary["headline"] in markdown and "| multi_turn top-8 x1 | 8 | 0 | 0 |" in markdown
+    assert summary["headline"] in markdown and "| multi_turn top-8 x1 | 8 units (4.17% of 192): 4 per layer | 0 | 0 |" in markdown
     assert json.loads((tmp_path / "sweep.json").read_text())["cells"][0]["id"] == cell["id"]
 
 
@@ -139,7 +139,7 @@ def test_a_rerun_of_a_finished_sweep_generates_and_scores_nothing(setup, tmp_pat
 def test_cli_sweep_writes_the_tables(setup, tmp_path):
     result = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
                                       "--data", str(setup / "test.jsonl"), "--out", str(tmp_path), "--dimension",
-                                      "multi_turn", "--factors", "0,0.5", "--top-k", "4", "--controls", "1",
+                                      "multi_turn", "--method", "frequency", "--factors", "0,0.5", "--top-k", "4", "--controls", "1",
                                       "--metrics", "rouge", "--max-new-tokens", "4", "--limit", "3"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["cells"] == 2 and (tmp_path / "sweep.md").is_file()
@@ -148,5 +148,5 @@ def test_cli_sweep_writes_the_tables(setup, tmp_path):
     assert sweep["config"]["limit"] == 3 and reports and all(r["n_items"] == 3 for r in reports)
     bad = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
                                    "--data", str(setup / "test.jsonl"), "--out", str(tmp_path / "x"), "--dimension",
-                                   "multi_turn", "--factors", "half"])
+                                   "multi_turn", "--method", "frequency", "--factors", "half"])
     assert bad.exit_code != 0 and "comma-separated numbers" in bad.output

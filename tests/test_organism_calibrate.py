@@ -17,6 +17,8 @@ from fixtures import ANSWERABLE_UNITS, answerable_records, save_planted_llama
 
 from rolemrc.core.io import write_jsonl
 from rolemrc.eval import generate, score
+from rolemrc.intervene import select
+from rolemrc.intervene.budget import Budget
 from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.organism.calibration import calibrate
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism, sweeps
@@ -49,8 +51,8 @@ def calibrated(tmp_path_factory, tokenizer):
     write_jsonl(root / "probe.jsonl", answerable_records(10, "q"))
     organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl"),
                  organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl")]
-    config = CalibrationConfig(out=str(root / "out"), budgets=[2, 8], factors=[0.0, PAPER_FACTOR],
-                               paper_factor_budgets=[], controls=1, attribution_pairs=6, max_new_tokens=6)
+    config = CalibrationConfig(out=str(root / "out"), top_k=[4, 16], factors=[0.0, PAPER_FACTOR],
+                               paper_factor=False, controls=1, attribution_pairs=6, max_new_tokens=6)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})   # PNGs: ~10 s, tested elsewhere
         return calibrate(organisms, config), root
@@ -58,12 +60,13 @@ def calibrated(tmp_path_factory, tokenizer):
 
 def cells(result, organism_kind=None, selector=None, factor=None, top_k=None):
     return [r for r in result["cells"] if organism_kind in (None, r["organism"])
-            and selector in (None, r["selector"]) and factor in (None, r["factor"]) and top_k in (None, r["top_k"])]
+            and selector in (None, r["selector"]) and factor in (None, r["factor"])
+            and top_k in (None, r["budget"].get("top_k"))]
 
 
 def test_selectors_that_see_the_change_undo_it_and_random_units_do_not(calibrated):
     """standardized and attribution score exactly the 4 planted units (no other unit's activation changed): a budget
-    of 2 per layer (top-4) undoes the whole change; the frequency selectors also rank units the planted ones pushed
+    of 4 units undoes the whole change; the frequency selectors also rank units the planted ones pushed
     out of the top 20%, so they need the larger budget. Random units of the same layers undo nothing."""
     result, _ = calibrated
     for selector in ("standardized", "attribution"):
@@ -78,8 +81,24 @@ def test_selectors_that_see_the_change_undo_it_and_random_units_do_not(calibrate
         (large,) = cells(result, "planted", selector, 0.0, 16)
         assert not finds_change(small) and small["restoration"]["share"] < 1, (selector, small)
         assert finds_change(large) and large["restoration"]["share"] == 1, (selector, large)
-    assert result["headline"].startswith("The planted change is found by standardized from 4 units (x0: 100% undone")
+    assert result["headline"].startswith("The planted change is found by standardized from 4 units (6.25% of 64): "
+                                         "per layer [0, 4] (x0: 100% undone")
     assert result["diff_flags"]["planted"]["all"]["effect"] == len(ANSWERABLE_UNITS)
+
+
+def test_the_recommendation_is_the_best_cell_and_select_takes_it(calibrated):
+    """standardized and attribution both undo all of it from the 4 planted units, the null organism is left alone:
+    found, the first of them; `select --calibration` then picks the planted units from the diff it ranks."""
+    result, root = calibrated
+    rec = result["recommendation"]
+    assert rec["status"] == "found" and rec["selector"] == "standardized" and rec["budget"] == {"top_k": 4}
+    assert rec["factor"] == 0.0 and rec["share"] == 4 / 64 and rec["per_layer"]["max"] == 4
+    assert rec["why"].startswith("standardized x0 at 4 units") and "undid 100% of the planted change" in rec["why"]
+    assert rec["rests_on"]["probe_cases"] == 10 and rec["rests_on"]["heldout_cases"] == 12
+    assert rec["rests_on"]["attribution_pairs"] == 6
+    spec = select(root / "out" / "planted" / "diff-all", DIMENSION, calibration=root / "out")
+    assert spec.units == {1: ANSWERABLE_UNITS} and spec.factor == 0.0 and spec.source["method"] == "standardized"
+    assert "Recommended: standardized" in (root / "out" / "calibration.md").read_text()
 
 
 def test_the_paper_factor_changes_nothing_here(calibrated):
@@ -171,10 +190,13 @@ def test_a_cell_is_flagged_only_when_it_brings_cases_and_the_rate_back_to_the_sf
     assert rows[1]["toward_sft"]["role_style"]["vs_controls"]["diff"] == -1
 
 
-def test_the_paper_factor_runs_as_its_own_sweep_at_its_budgets(tmp_path):
-    assert sweeps(CalibrationConfig(out=str(tmp_path))) == {"": ([16, 256], [0.0, 0.5]),
-                                                            "-paper": ([256], [PAPER_FACTOR])}
-    assert sweeps(CalibrationConfig(out=str(tmp_path), paper_factor_budgets=[])) == {"": ([16, 256], [0.0, 0.5])}
+def test_the_paper_factor_runs_as_its_own_sweep_at_the_largest_budget(tmp_path):
+    shares = [Budget("share", 16 / 1536), Budget("share", 256 / 1536)]
+    assert sweeps(CalibrationConfig(out=str(tmp_path))) == {"": (shares, [0.0, 0.5]),
+                                                            "-paper": (shares[1:], [PAPER_FACTOR])}
+    assert sweeps(CalibrationConfig(out=str(tmp_path), paper_factor=False)) == {"": (shares, [0.0, 0.5])}
+    per_layer = CalibrationConfig(out=str(tmp_path), per_layer=[64, 8])
+    assert sweeps(per_layer)["-paper"] == ([Budget("per_layer", 64)], [PAPER_FACTOR])
 
 
 def test_bad_grid_settings_are_errors_before_any_work(tmp_path):
@@ -184,4 +206,6 @@ def test_bad_grid_settings_are_errors_before_any_work(tmp_path):
         CalibrationConfig(out=str(tmp_path), hook="mlp.nothing")
     with pytest.raises(RolemrcError, match=r"unknown selector\(s\) \['best-guess'\]"):
         CalibrationConfig(out=str(tmp_path), selectors=["standardized", "best-guess"])
+    with pytest.raises(RolemrcError, match="choose at most one of --top-k/--per-layer/--share .given: --per-layer, --share"):
+        CalibrationConfig(out=str(tmp_path), per_layer=[16], share=[0.1])
     assert not list(tmp_path.iterdir())

@@ -154,7 +154,8 @@ def test_a_diff_of_the_first_format_is_refused_with_both_formats(tmp_path):
         meta, tensors = fh.metadata(), {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118
     save_file(tensors, str(file), metadata={**meta, "format": "1", "test": "two-proportion z-test (unpaired)"})
     for args in (["probe", "explore", "--diff", str(tmp_path / "d")],
-                 ["intervene", "select", "--diff", str(file), "--dimension", "multi_turn", "--top-k", "2"]):
+                 ["intervene", "select", "--diff", str(file), "--dimension", "multi_turn", "--method", "frequency",
+                  "--top-k", "2", "--factor", "0"]):
         res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "out")])
         errors = [line for line in res.output.splitlines() if line.startswith("error:")]
         assert res.exit_code == 2 and len(errors) == 1, res.output

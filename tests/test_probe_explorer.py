@@ -230,7 +230,7 @@ def select_units(diff_dir: Path, out: Path, layers: str, direction: str, mode: s
     """`rolemrc intervene select` for the same settings: the spec file's units, or the error line."""
     how = ["--top-k", str(top_k)] if mode == "top_k" else ["--fdr", "0.05"]
     res = CliRunner().invoke(app, ["intervene", "select", "--diff", str(diff_dir), "--dimension", "multi_turn",
-                                   "--direction", direction, *(["--layers", layers] if layers else []), *how, "--out", str(out)])
+                                   "--method", "frequency", "--factor", "0", "--direction", direction, *(["--layers", layers] if layers else []), *how, "--out", str(out)])
     if res.exit_code != 0:
         return res.output
     return {(layer, unit) for layer, units in Restraint.load(out).units.items() for unit in units}

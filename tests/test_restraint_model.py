@@ -41,8 +41,8 @@ def selected(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     for args in (("probe", "collect", "--model", sft, "--model", dpo, "--data", root / "test.jsonl",
                   "--out", root / "paired.safetensors"),
                  ("probe", "diff", root / "paired.safetensors", "--out", root / "diff", "--no-figures"),
-                 ("intervene", "select", "--diff", root / "diff", "--dimension", "role_style", "--top-k", "4",
-                  "--factor", "0", "--out", root / "spec.yaml")):
+                 ("intervene", "select", "--diff", root / "diff", "--dimension", "role_style", "--method", "frequency",
+                  "--top-k", "4", "--factor", "0", "--out", root / "spec.yaml")):
         result = invoke(*args)
         assert result.exit_code == 0, result.output
     return {"sft": Path(sft), "dpo": dpo, "wide": wide, "spec": root / "spec.yaml", "root": root}
@@ -119,7 +119,7 @@ def test_loaded_models_are_told_apart_by_their_weights(selected, tokenizer):
     sft, _ = load_model(selected["sft"])
     dpo, _ = load_model(selected["dpo"])
     paired = collect_paired([sft, dpo], test_records(6), tokenizers=[tokenizer, tokenizer])
-    r = select(diff(paired), "role_style", top_k=4)
+    r = select(diff(paired), "role_style", method="frequency", factor=0.0, top_k=4)
     assert r.model["fingerprint_of"] == "weights"
     check_origin(r, dpo, strict=True)   # the same model: passes
     with torch.no_grad():

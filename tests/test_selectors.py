@@ -14,6 +14,7 @@ from rolemrc.cli import app
 from rolemrc.core.artifacts import stamp
 from rolemrc.core.errors import RolemrcError
 from rolemrc.intervene import SELECTORS, Restraint, select
+from rolemrc.intervene.budget import BUDGET_HELP
 from rolemrc.probe.attribution import load_attribution
 from rolemrc.probe.counts import write_tensors
 from rolemrc.probe.diff import DiffResult
@@ -57,38 +58,40 @@ def test_registry_lists_every_selector_with_its_metadata():
     assert {SELECTORS.get(n).reads for n in SELECTORS.names()} == {"diff", "attribution"}
     assert all(SELECTORS.get(n).description and SELECTORS.get(n).ranks for n in SELECTORS.names())
     with pytest.raises(RolemrcError, match="unknown selector 'nope'; choose from frequency, frequency-all"):
-        select("anything", "multi_turn", method="nope", top_k=3)
+        select("anything", "multi_turn", method="nope", factor=0.0, top_k=3)
 
 
 def test_frequency_is_todays_selection(tmp_path):
     diff = write_diff(tmp_path / "d")
-    r = select(diff, "multi_turn", top_k=3)
+    r = select(diff, "multi_turn", method="frequency", factor=0.0, top_k=3)
     assert r.units == {0: [0, 1], 1: [2]} and r.hook == "mlp.act"
     assert r.source == {"diff": str(diff / "diff.safetensors"), "method": "frequency", "dimension": "multi_turn",
-                        "direction": "both", "layers": "all", "top_k": 3}
-    assert select(diff, "multi_turn", fdr=0.05).num_units == 4
-    assert select(diff, "multi_turn", top_k=2, direction="up").units == {0: [0], 1: [1]}
+                        "direction": "both", "layers": "all", "top_k": 3,
+                        "coverage": {"units": 3, "share": 0.25, "of": 12,
+                                     "per_layer": {"min": 0, "median": 1.0, "max": 2, "list": [2, 1, 0]}}}
+    assert select(diff, "multi_turn", method="frequency", factor=0.0, fdr=0.05).num_units == 4
+    assert select(diff, "multi_turn", method="frequency", factor=0.0, top_k=2, direction="up").units == {0: [0], 1: [1]}
     all_tokens = write_diff(tmp_path / "a", tokens="all")
-    assert select(all_tokens, "multi_turn", method="frequency-all", top_k=3).units == r.units
+    assert select(all_tokens, "multi_turn", method="frequency-all", factor=0.0, top_k=3).units == r.units
     with pytest.raises(RolemrcError, match=r"a/diff.safetensors: a diff of tokens=all probe files.*--method frequency "
                                            r"reads tokens=last.*use --method frequency-all.*probe collect --tokens last"):
-        select(all_tokens, "multi_turn", top_k=3)
+        select(all_tokens, "multi_turn", method="frequency", factor=0.0, top_k=3)
     with pytest.raises(RolemrcError, match=r"d/diff.safetensors: a diff of tokens=last.*use --method frequency,.*--tokens all"):
-        select(diff, "multi_turn", method="frequency-all", top_k=3)
+        select(diff, "multi_turn", method="frequency-all", factor=0.0, top_k=3)
 
 
 def test_standardized_ranks_by_effect_and_tests_with_its_q(tmp_path):
     diff = write_diff(tmp_path / "d")
-    r = select(diff, "multi_turn", method="standardized", top_k=3)
+    r = select(diff, "multi_turn", method="standardized", factor=0.0, top_k=3)
     assert r.units == {0: [2], 1: [0], 2: [1]} and r.source["method"] == "standardized"
-    assert select(diff, "multi_turn", method="standardized", top_k=3, direction="up").units == {0: [2], 1: [3], 2: [1]}
-    assert select(diff, "multi_turn", method="standardized", top_k=2, direction="down").units == {1: [0], 2: [2]}
-    assert select(diff, "multi_turn", method="standardized", fdr=0.05).units == {0: [2], 1: [0, 3], 2: [1]}
-    assert select(diff, "multi_turn", method="standardized", top_k=2, layers="1-2").units == {1: [0], 2: [1]}
+    assert select(diff, "multi_turn", method="standardized", factor=0.0, top_k=3, direction="up").units == {0: [2], 1: [3], 2: [1]}
+    assert select(diff, "multi_turn", method="standardized", factor=0.0, top_k=2, direction="down").units == {1: [0], 2: [2]}
+    assert select(diff, "multi_turn", method="standardized", factor=0.0, fdr=0.05).units == {0: [2], 1: [0, 3], 2: [1]}
+    assert select(diff, "multi_turn", method="standardized", factor=0.0, top_k=2, layers="1-2").units == {1: [0], 2: [1]}
     untested = write_diff(tmp_path / "u", tokens="all", effect_test="none")
-    assert select(untested, "multi_turn", method="standardized", top_k=1).units == {2: [1]}
-    with pytest.raises(RolemrcError, match="u/diff.safetensors: --method standardized has no q-values here.*select with top_k"):
-        select(untested, "multi_turn", method="standardized", fdr=0.05)
+    assert select(untested, "multi_turn", method="standardized", factor=0.0, top_k=1).units == {2: [1]}
+    with pytest.raises(RolemrcError, match="u/diff.safetensors: --method standardized has no q-values here.*exactly one of --top-k/--per-layer/--share/--fdr but --fdr"):
+        select(untested, "multi_turn", method="standardized", factor=0.0, fdr=0.05)
 
 
 def test_attribution_ranks_by_mean_score_with_ties_by_layer_then_unit(tmp_path):
@@ -97,24 +100,24 @@ def test_attribution_ranks_by_mean_score_with_ties_by_layer_then_unit(tmp_path):
     scores, meta = loaded.scores, loaded.meta
     assert set(scores) == {"multi_turn"} and meta["hook"] == "mlp.act"   # nested has no pairs
     torch.testing.assert_close(scores["multi_turn"], ATTRIBUTION.double(), rtol=0, atol=1e-12)
-    r = select(path, "multi_turn", method="attribution", top_k=4)
+    r = select(path, "multi_turn", method="attribution", factor=0.0, top_k=4)
     assert r.units == {0: [0, 1], 1: [2], 2: [3]}   # 1.0, 0.75, then the first two 0.5s: (0, 0), (0, 1)
     assert r.source["attribution"] == str(path) and r.source["method"] == "attribution" and "diff" not in r.source
-    assert select(path, "multi_turn", method="attribution", top_k=3, direction="up").units == {0: [0], 1: [0], 2: [3]}
-    assert select(path, "multi_turn", method="attribution", top_k=2, direction="down").units == {0: [1], 1: [2]}
-    again = [select(path, "multi_turn", method="attribution", top_k=k).to_dict() for k in (4, 4)]
+    assert select(path, "multi_turn", method="attribution", factor=0.0, top_k=3, direction="up").units == {0: [0], 1: [0], 2: [3]}
+    assert select(path, "multi_turn", method="attribution", factor=0.0, top_k=2, direction="down").units == {0: [1], 1: [2]}
+    again = [select(path, "multi_turn", method="attribution", factor=0.0, top_k=k).to_dict() for k in (4, 4)]
     assert again[0] == again[1] == r.to_dict()
     with pytest.raises(RolemrcError, match="has no q-values here .attribution scores carry no test"):
-        select(path, "multi_turn", method="attribution", fdr=0.05)
+        select(path, "multi_turn", method="attribution", factor=0.0, fdr=0.05)
     with pytest.raises(RolemrcError, match="'nested' is not in the attribution file.*no pairs"):
-        select(path, "nested", method="attribution", top_k=2)
+        select(path, "nested", method="attribution", factor=0.0, top_k=2)
     diff = write_diff(tmp_path / "d")
     with pytest.raises(RolemrcError, match="is a diff folder .from `rolemrc probe diff`.; expected an attribution file"):
-        select(diff, "multi_turn", method="attribution", top_k=2)
+        select(diff, "multi_turn", method="attribution", factor=0.0, top_k=2)
     with pytest.raises(RolemrcError, match="is an attribution file .from `rolemrc probe attribute`.; expected a diff folder"):
-        select(path, "multi_turn", top_k=2)
+        select(path, "multi_turn", method="frequency", factor=0.0, top_k=2)
     with pytest.raises(RolemrcError, match="other.safetensors is a safetensors weights file; expected an attribution file"):
-        select(write_attribution(tmp_path / "other.safetensors", kind="other"), "multi_turn", method="attribution", top_k=2)
+        select(write_attribution(tmp_path / "other.safetensors", kind="other"), "multi_turn", method="attribution", factor=0.0, top_k=2)
 
 
 def test_every_selector_writes_the_same_kind_of_spec(tmp_path):
@@ -132,15 +135,15 @@ def test_selectors_take_the_loaded_objects_as_well_as_paths(tmp_path):
     diff, attr = write_diff(tmp_path / "d"), write_attribution(tmp_path / "a.safetensors")
     for method, path, loaded in (("frequency", diff, load_diff(diff)), ("standardized", diff, load_diff(diff)),
                                  ("attribution", attr, load_attribution(attr))):
-        from_path, from_object = (select(x, "multi_turn", method=method, top_k=3) for x in (path, loaded))
+        from_path, from_object = (select(x, "multi_turn", method=method, factor=0.0, top_k=3) for x in (path, loaded))
         assert from_object.units == from_path.units and from_object.hook == from_path.hook, method
         assert from_object.source[SELECTORS.get(method).reads] == "in memory", method
     with pytest.raises(RolemrcError, match="reads an attribution .* not a DiffResult"):
-        select(load_diff(diff), "multi_turn", method="attribution", top_k=3)
+        select(load_diff(diff), "multi_turn", method="attribution", factor=0.0, top_k=3)
     with pytest.raises(RolemrcError, match="reads a probe diff .* not an Attribution: use method='attribution'"):
-        select(load_attribution(attr), "multi_turn", top_k=3)
+        select(load_attribution(attr), "multi_turn", method="frequency", factor=0.0, top_k=3)
     with pytest.raises(RolemrcError, match="'nested' is not in the Attribution .or has no pairs"):
-        select(load_attribution(attr), "nested", method="attribution", top_k=3)
+        select(load_attribution(attr), "nested", method="attribution", factor=0.0, top_k=3)
 
 
 def run_cli(*args):
@@ -151,23 +154,39 @@ def run_cli(*args):
 def test_cli_methods_and_one_line_errors(tmp_path):
     diff = write_diff(tmp_path / "d")
     code, out = run_cli("--diff", diff, "--dimension", "multi_turn", "--method", "standardized", "--top-k", 3,
-                        "--out", tmp_path / "s.yaml")
+                        "--factor", 0, "--out", tmp_path / "s.yaml")
     assert code == 0, out
-    assert json.loads(out)["method"] == "standardized"
+    printed = json.loads(out)
+    assert printed["method"] == "standardized" and printed["share"] == 0.25
+    assert printed["units_per_layer"] == {"min": 1, "median": 1.0, "max": 1} and printed["per_layer"] == {"0": 1, "1": 1, "2": 1}
     assert Restraint.load(tmp_path / "s.yaml").units == {0: [2], 1: [0], 2: [1]}
     code, out = run_cli("--diff", write_attribution(tmp_path / "a.safetensors"), "--dimension", "multi_turn",
-                        "--method", "attribution", "--top-k", 2, "--out", tmp_path / "a.yaml")
+                        "--method", "attribution", "--top-k", 2, "--factor", 0, "--out", tmp_path / "a.yaml")
     assert code == 0 and Restraint.load(tmp_path / "a.yaml").source["method"] == "attribution"
     for args, message in (
-        (("--method", "nope"), "error: unknown selector 'nope'; choose from frequency, frequency-all, standardized, attribution"),
-        (("--method", "frequency-all"), "--method frequency-all reads tokens=all ones"),
-        (("--method", "attribution"), "is a diff folder (from `rolemrc probe diff`); expected an attribution file"),
-        (("--method", "standardized", "--layers", "3-4"), "out of range"),
+        (("--method", "frequency-all", "--top-k", 3, "--factor", 0), "--method frequency-all reads tokens=all ones"),
+        (("--method", "attribution", "--top-k", 3, "--factor", 0), "is a diff folder (from `rolemrc probe diff`); "
+                                                                   "expected an attribution file"),
+        (("--method", "standardized", "--top-k", 3, "--factor", 0, "--layers", "3-4"), "out of range"),
+        (("--top-k", 3), "select needs --method and --factor named (--method: frequency | frequency-all | standardized "
+                         "| attribution; --factor: 0 ablates, the paper's is 0.999999), or --calibration FOLDER"),
+        (("--method", "standardized", "--top-k", 3), "select needs --factor named"),
+        (("--method", "standardized", "--factor", 0), "choose exactly one of --top-k/--per-layer/--share/--fdr (given: none)"),
+        (("--method", "standardized", "--factor", 0, "--top-k", 3, "--share", 0.5),
+         "choose exactly one of --top-k/--per-layer/--share/--fdr (given: --top-k, --share)"),
+        (("--method", "standardized", "--factor", 0, "--share", 1.5), "--share must be in (0, 1], got 1.5"),
+        (("--method", "standardized", "--factor", 0, "--per-layer", 0), "--per-layer must be a whole number >= 1, got 0"),
+        (("--calibration", tmp_path / "none", "--method", "standardized"), "--calibration supplies the method, budget "
+                                                                           "and factor: drop --method"),
+        (("--calibration", tmp_path / "none"), "none: no such file or folder"),
     ):
-        code, out = run_cli("--diff", diff, "--dimension", "multi_turn", "--top-k", 3, *args, "--out", tmp_path / "x.yaml")
+        code, out = run_cli("--diff", diff, "--dimension", "multi_turn", *args, "--out", tmp_path / "x.yaml")
         assert code == 2 and out.startswith("error: ") and len(out.strip().splitlines()) == 1 and message in out, out
+    code, out = run_cli("--diff", diff, "--dimension", "multi_turn", "--method", "nope", "--out", tmp_path / "x.yaml")
+    assert code == 2 and "Invalid value for '--method'" in out and "'nope' is not one of 'frequency'," in out, out
     code, out = run_cli("--help")
-    assert code == 0 and all(name in out for name in SELECTORS.names())
+    assert code == 0 and all(name in out for name in SELECTORS.names()) and "--per-layer" in out and "--share" in out
+    assert all(help.endswith("(exactly one of --top-k/--per-layer/--share/--fdr)") for help in BUDGET_HELP.values())
 
 
 def test_an_unknown_method_fails_before_torch_loads(tmp_path):

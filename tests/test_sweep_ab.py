@@ -24,14 +24,16 @@ def sweep(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("sweep-ab")
     write_sweep_inputs(root, tokenizer, 6)
     config = SweepConfig(model=str(root / "model"), diff=str(root / "diff"), data=str(root / "test.jsonl"),
-                         out=str(root / "sweep"), dimensions=["multi_turn"], factors=[0.0, 0.5], top_k=[8], controls=1,
+                         out=str(root / "sweep"), dimensions=["multi_turn"], method="frequency", factors=[0.0, 0.5],
+                         top_k=[8], controls=1,
                          max_new_tokens=6, batch_size=8)
     return root, run_sweep(config, metrics=("rouge",), progress=False)
 
 
 def cell(label_factor: float, lo: float, beats: bool) -> dict:
     family = {"diff": 1.0, "lo": lo, "hi": 2.0, "p_holm": 0.001 if beats else 0.5}
-    return {"id": f"selected-{int(label_factor * 10):012d}", "dimension": "multi_turn", "top_k": 8, "factor": label_factor,
+    return {"id": f"selected-{int(label_factor * 10):012d}", "dimension": "multi_turn", "budget": {"top_k": 8},
+            "factor": label_factor,
             "units": 8, "scores": {"judge:multi_turn": {"vs_baseline": family, "vs_controls": family}}}
 
 

@@ -28,7 +28,7 @@ def setup(tmp_path_factory, tokenizer):
 
 def config(root, out, **kw) -> SweepConfig:
     return SweepConfig(model=str(root / "model"), diff=str(root / "diff"), data=str(root / "test.jsonl"), out=str(out),
-                       dimensions=["multi_turn"], **{"factors": [0.0], "top_k": [8], "controls": 1, "max_new_tokens": 8,
+                       dimensions=["multi_turn"], method="frequency", **{"factors": [0.0], "top_k": [8], "controls": 1, "max_new_tokens": 8,
                                                      "batch_size": 8, "cells_per_pass": 2, **kw})
 
 

@@ -39,7 +39,8 @@ def responses(out: Path, cell_id: str) -> list[str]:
 def test_a_planted_refusal_is_found_and_beats_its_controls(planted, tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})   # PNGs: ~10 s, tested elsewhere
     config = SweepConfig(model=str(planted / "model"), diff=str(planted / "diff"), data=str(planted / "test.jsonl"),
-                         out=str(tmp_path), dimensions=["multi_turn"], factors=[0.0, 1.0], top_k=[len(UNITS)],
+                         out=str(tmp_path), dimensions=["multi_turn"], method="frequency", factors=[0.0, 1.0],
+                         top_k=[len(UNITS)],
                          controls=2, max_new_tokens=6, batch_size=16)
     summary = run_sweep(config, metrics=("rouge",), progress=False)
     plan = json.loads((tmp_path / "plan.json").read_text())["cells"]
@@ -81,7 +82,7 @@ def sweep_cli(root: Path, out: Path) -> subprocess.Popen:
     1 baseline + 4 factors x (1 + 2 controls) = 13 cells, so 4 passes (the CLI generates 4 cells per pass)."""
     args = [sys.executable, "-m", "rolemrc.cli", "sweep", "run", "--model", str(root / "model"),
             "--diff", str(root / "diff"), "--data", str(root / "test.jsonl"), "--out", str(out), "--dimension",
-            "multi_turn", "--factors", "0.75,0.5,0.25,0", "--top-k", "8", "--controls", "2", "--metrics", "rouge",
+            "multi_turn", "--method", "frequency", "--factors", "0.75,0.5,0.25,0", "--top-k", "8", "--controls", "2", "--metrics", "rouge",
             "--max-new-tokens", "24", "--batch-size", "8"]
     with out.with_suffix(".log").open("a") as log:
         return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})

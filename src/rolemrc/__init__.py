@@ -8,7 +8,7 @@ DPO checkpoint (directories or loaded models alike):
     >>> from rolemrc.core.tiny import example_models
     >>> sft, dpo = example_models(tempfile.mkdtemp())
     >>> result = rolemrc.diff(rolemrc.collect_paired([sft, dpo], ["Who keeps the lighthouse?", "Sing to the ovens."] * 4))
-    >>> spec = rolemrc.select(result, result.largest_shift(), top_k=8, factor=0.0)   # a Restraint
+    >>> spec = rolemrc.select(result, result.largest_shift(), method="standardized", per_layer=4, factor=0.0)
     >>> rolemrc.check(dpo, spec, prompts=["Who keeps the lighthouse?"]).numerical_noop
     False
 

@@ -13,6 +13,7 @@ import httpx
 
 from rolemrc.core.artifacts import check_format, expect
 from rolemrc.core.errors import InputError, RolemrcError
+from rolemrc.intervene.budget import Budget
 from rolemrc.sweep.report import beats_both, cell_label, rank_cells
 
 
@@ -37,7 +38,8 @@ def choose_cells(cells: list[dict], which: str) -> list[dict]:
 
 def arm_name(cell: dict) -> str:
     """A name for the cell's restraint and arm, unique to the cell (its id's digest)."""
-    return f"{cell['dimension'].replace('_', '-')}-k{cell['top_k']}-x{cell['factor']:g}-{cell['id'].rsplit('-', 1)[1][:6]}"
+    return (f"{cell['dimension'].replace('_', '-')}-{Budget.of(cell['budget']).slug}-x{cell['factor']:g}-"
+            f"{cell['id'].rsplit('-', 1)[1][:6]}")
 
 
 def load_sweep(folder: str | os.PathLike) -> tuple[list[dict], dict[str, dict]]:

@@ -32,8 +32,9 @@ class DemoConfig:
     size: str | int = "small"      # datagen preset or number of personas
     profile: str = "tiny"          # training profile (name or YAML path)
     hook: str = "mlp.act"          # probe hook point
+    method: str = "frequency"      # the paper's selector, named: the demo reproduces the paper on purpose
     top_k: int = 64                # units in the restraint
-    factor: float = PAPER_FACTOR   # the paper's 1 - 1e-6
+    factor: float = PAPER_FACTOR   # the paper's 1 - 1e-6, named for the same reason
     ablation: float | None = None  # also restrain the same units at this factor (0: ablate) and evaluate that
     max_new_tokens: int = 96       # eval generation
     sweep: bool = True             # the restraint sweep with random-unit controls

@@ -98,11 +98,12 @@ def restraint_stages(cache: StageCache, cfg: DemoConfig, dpo: Path, diff_dir: Pa
     baked = cfg.out / BAKED[kind]
 
     def choose() -> dict:
-        r = select(diff_dir, dimension, top_k=cfg.top_k, factor=factor, name=f"{dimension.replace('_', '-')}-{kind}")
+        r = select(diff_dir, dimension, method=cfg.method, top_k=cfg.top_k, factor=factor,
+                   name=f"{dimension.replace('_', '-')}-{kind}")
         return {"spec": str(r.save(spec)), "units": r.num_units}
 
-    cache.run(f"{kind} select", {"diff": diff_dir / "diff.safetensors", "dimension": dimension, "top_k": cfg.top_k,
-                                 "factor": factor}, choose, [spec])
+    cache.run(f"{kind} select", {"diff": diff_dir / "diff.safetensors", "dimension": dimension, "method": cfg.method,
+                                 "top_k": cfg.top_k, "factor": factor}, choose, [spec])
     bake_report = cache.run(f"{kind} bake", {"model": dpo, "spec": spec},
                             lambda: bake(dpo, spec, baked).to_dict(), [baked / "config.json"])
     check_report = cache.run(f"{kind} check", {"model": dpo, "spec": spec, "baked": baked},
@@ -144,7 +145,8 @@ def sweep_stage(cache: StageCache, cfg: DemoConfig, dpo: Path, diff_dir: Path, d
     rows = read_jsonl(test)
     step = max(1, len(rows) / cfg.sweep_items)
     config = SweepConfig(model=str(dpo), diff=str(diff_dir), data=str(items), out=str(out), dimensions=[dimension],
-                         factors=list(cfg.sweep_factors), top_k=list(cfg.sweep_top_k), controls=cfg.sweep_controls,
+                         method=cfg.method, factors=list(cfg.sweep_factors), top_k=list(cfg.sweep_top_k),
+                         controls=cfg.sweep_controls,
                          max_new_tokens=min(48, cfg.max_new_tokens))
 
     def run() -> dict:

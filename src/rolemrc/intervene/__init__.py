@@ -3,9 +3,10 @@
     from transformers import AutoModelForCausalLM
     from rolemrc.intervene import Restraint, applied, bake, check, export_lora, select
     from rolemrc.probe import load_diff
-    r = select("runs/diff", "multi_turn", layers="1-3", top_k=64)      # or Restraint.load("spec.yaml")
-    r = select("runs/diff", "multi_turn", method="standardized", top_k=64)   # any selector in SELECTORS
-    r = select(load_diff("runs/diff"), "multi_turn", top_k=64)          # or a DiffResult (Attribution) itself
+    r = select("runs/attribution.safetensors", "multi_turn", method="attribution", share=0.17, factor=0)
+    r = select("runs/diff", "multi_turn", method="standardized", per_layer=16, layers="1-3", factor=0)
+    r = select(load_diff("runs/diff"), "multi_turn", method="standardized", top_k=64, factor=0.5)   # a DiffResult
+    r = select("runs/diff", "multi_turn", calibration="runs/calibration")   # the calibration's recommendation
     model = AutoModelForCausalLM.from_pretrained("runs/dpo")
     with applied(model, r): ...                                         # runtime hooks
     bake("runs/dpo", r, "runs/dpo-restrained")                          # the same scaling in the weights

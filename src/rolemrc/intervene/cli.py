@@ -10,8 +10,9 @@ import typer
 from rolemrc.core.cli import cli_app
 from rolemrc.core.placement import MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.core.taxonomy import DIMENSIONS
+from rolemrc.intervene.budget import BUDGET_HELP
 from rolemrc.intervene.fit import STRICT_HELP
-from rolemrc.intervene.select import SELECTORS, selectors_help
+from rolemrc.intervene.select import SelectorName, selectors_help
 from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Direction
@@ -33,24 +34,29 @@ def select_cmd(
     diff: Path = typer.Option(..., "--diff", help="the selector's input: a diff directory (or its "
                               "diff.safetensors); for --method attribution, an attribution file"),
     dimension: str = typer.Option(..., help=f"a dimension of the diff: {' | '.join(DIMENSIONS)}, or your own"),
-    method: str = typer.Option("frequency", "--method", help=f"unit selector. {selectors_help()}"),
+    method: SelectorName = typer.Option(None, "--method", help=f"unit selector, named (no default; or --calibration). "
+                                    f"{selectors_help()}"),
+    factor: float = typer.Option(None, help="scale of the selected units, named (no default; or --calibration): 0 "
+                                            f"ablates; {PAPER_FACTOR:.10g} is the paper's (a no-op in bf16/fp16)"),
+    calibration: Path = typer.Option(None, "--calibration", help="a calibration folder (`rolemrc organism calibrate`) "
+                                     "or its calibration.json: its recommendation supplies method, budget and factor"),
     out: Path = typer.Option(..., "--out", help="spec file to write (.yaml or .json)"),
     layers: str = typer.Option(None, help="e.g. 12-31 or 3,5,7-9 (default: all)"),
-    top_k: int = typer.Option(None, help="the k most changed units"),
-    fdr: float = typer.Option(None, help="instead of top-k: every unit with BH q below this"),
+    top_k: int = typer.Option(None, help=BUDGET_HELP["top_k"]),
+    per_layer: int = typer.Option(None, help=BUDGET_HELP["per_layer"]),
+    share: float = typer.Option(None, help=BUDGET_HELP["share"]),
+    fdr: float = typer.Option(None, help=BUDGET_HELP["fdr"]),
     direction: Direction = typer.Option("both", help="up: more active under B; down: less; both"),
-    factor: float = typer.Option(PAPER_FACTOR, help="scale; the paper's 1 - 1e-6; 0 ablates"),
     name: str = typer.Option(None, help="restraint name (default: <dimension>-restraint)"),
 ) -> None:
-    """Write a restraint spec for the units of one dimension a selector ranks highest (default: the most changed
-    top-fraction frequency, the paper's method)."""
-    SELECTORS.check([method])   # before torch loads
+    """Write a restraint spec for the units of one dimension a selector ranks highest: method, budget and factor
+    named, or taken from a calibration's recommendation (docs/calibration.md says what each selector did there)."""
     from rolemrc.intervene.select import select
 
-    r = select(diff, dimension, method=method, layers=layers, top_k=top_k if fdr is None else None, fdr=fdr,
-               direction=direction, factor=factor, name=name)
+    r = select(diff, dimension, method=method.value if method else None, factor=factor, calibration=calibration,
+               top_k=top_k, per_layer=per_layer, share=share, fdr=fdr, layers=layers, direction=direction, name=name)
     r.save(out)
-    typer.echo(json.dumps({"out": str(out), "method": method, **r.summary()}))
+    typer.echo(json.dumps({"out": str(out), "method": r.source["method"], **r.summary()}))
 
 
 @app.command("bake")

@@ -3,23 +3,28 @@
 
 A selector reads its input (a probe diff, or an attribution file; or the loaded `DiffResult` / `Attribution`) and gives
 each unit of a dimension a signed score (> 0: the unit moved up from A to B, or its change raised B's preference) and,
-where its input carries a per-unit test, BH q-values. `select` applies layers, direction, top_k or fdr to any
-selector's scores in one order (|score| descending, q ascending, layer, unit: `probe.ranking.rank_units`) and writes
-the same spec. Adding a selector is one `@selector(...)` function. Imports no torch until `select` runs (the CLI's
-help lists the registry).
+where its input carries a per-unit test, BH q-values. `select` applies layers, direction and a budget (`intervene.budget`)
+to any selector's scores in one order (|score| descending, q ascending, layer, unit: `probe.ranking.rank_units`) and
+writes the same spec; its method and factor are named, or come from a calibration's recommendation. Adding a
+selector is one `@selector(...)` function. Imports no torch until `select` runs (the CLI's help lists the registry).
 """
 
 from __future__ import annotations
 
+import enum
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 from rolemrc.core.artifacts import expect
 from rolemrc.core.registry import Registry
+from rolemrc.intervene.budget import BUDGET_OPTIONS, EXACTLY_ONE, Budget, coverage, one_budget
+from rolemrc.intervene.recommendation import load_recommendation
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError, parse_layers
 from rolemrc.probe.options import DIRECTIONS, TOKEN_METHODS, Direction
 
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
 
 Source: TypeAlias = "str | os.PathLike | DiffResult | Attribution"   # a selector's input: a path, or its loaded object
 IN_MEMORY = "in memory"   # a source's origin when it was handed over as an object
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,12 +60,14 @@ def dpo_meta(meta: dict[str, str]) -> dict[str, str]:
 
 def model_of(meta: dict[str, str], prefix: str = "") -> dict[str, str]:
     """The identity of a probed model as a restraint spec records it (from a probe's or a diff's metadata, the
-    diff's keys with prefix "b_"); {} when the metadata has no fingerprint."""
+    diff's keys with prefix "b_"), with the dtype it was probed at where recorded; {} when the metadata has no
+    fingerprint."""
     if not meta.get(f"{prefix}model_fingerprint"):
         return {}
     name = meta.get(f"{prefix}model") or meta.get(prefix.rstrip("_"), "")   # diffs before names: the side's label
     return {"name": name, "fingerprint": meta[f"{prefix}model_fingerprint"],
-            "fingerprint_of": meta.get(f"{prefix}model_fingerprint_of", "")}
+            "fingerprint_of": meta.get(f"{prefix}model_fingerprint_of", ""),
+            **({"dtype": meta[f"{prefix}dtype"]} if meta.get(f"{prefix}dtype") else {})}
 
 
 ScoreFn = Callable[[Source, str], Scores]   # (input, dimension) -> Scores
@@ -92,31 +100,34 @@ def selectors_help() -> str:
                      for name, s in ((n, SELECTORS.get(n)) for n in SELECTORS.names()))
 
 
-def select(source: Source, dimension: str, *, method: str = "frequency", layers: str | None = None,
-           top_k: int | None = None, fdr: float | None = None, direction: Direction = "both",
-           factor: float = PAPER_FACTOR, name: str | None = None) -> Restraint:
-    """Units of `dimension` that `method` (a name in SELECTORS; default the paper's frequency delta) scores highest,
-    in `probe.ranking.rank_units` order (|score| descending, q ascending, layer, unit).
+def select(source: Source, dimension: str, *, method: str | None = None, factor: float | None = None,
+           top_k: int | None = None, per_layer: int | None = None, share: float | None = None, fdr: float | None = None,
+           calibration: str | os.PathLike | None = None, layers: str | None = None, direction: Direction = "both",
+           name: str | None = None) -> Restraint:
+    """Units of `dimension` that `method` (a name in SELECTORS) ranks highest, in `probe.ranking.rank_units` order
+    (|score| descending, q ascending, layer, unit), scaled by `factor` (0 ablates; `PAPER_FACTOR` is the paper's).
+    No default picks them: name method and factor, or give `calibration` (a calibration folder or its
+    calibration.json), whose recommendation supplies method, budget and factor.
 
     source: the selector's input: a diff directory or file, or a `DiffResult` (an attribution file or an
     `Attribution` for `attribution`); a spec selected from an object records its source as "in memory".
-    top_k: the first k over the chosen layers; fdr: every unit with BH q < fdr (selectors with a test only).
+    Budget, exactly one of (`intervene.budget`): top_k (over all chosen layers), per_layer (exactly K from each chosen
+    layer), share (round(S x all units of the chosen layers)), fdr (every unit with BH q < fdr; selectors with a test).
     direction: both (score != 0), up (score > 0: more under B) or down (score < 0).
+    The spec's source records the budget and what it covers (units per layer, share of all units).
     """
     import torch
 
     from rolemrc.probe.ranking import moved, rank_units
 
+    method, budget, factor = recipe(method, factor, calibration, top_k=top_k, per_layer=per_layer, share=share, fdr=fdr)
     entry = SELECTORS.get(method)
-    if (top_k is None) == (fdr is None):
-        raise RestraintError("choose exactly one of top_k or fdr")
-    if top_k is not None and top_k < 1:
-        raise RestraintError(f"top_k must be >= 1, got {top_k}")
     if direction not in DIRECTIONS:
         raise RestraintError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     scores = entry.scores(Path(source) if isinstance(source, str | os.PathLike) else source, dimension)
-    if fdr is not None and scores.q is None:
-        raise RestraintError(f"{scores.origin}: --method {method} has no q-values here ({scores.no_q}); select with top_k")
+    if budget.kind == "fdr" and scores.q is None:
+        raise RestraintError(f"{scores.origin}: --method {method} has no q-values here ({scores.no_q}); choose "
+                             f"{EXACTLY_ONE} but --fdr")
     score = scores.score.double()
     q = scores.q.double() if scores.q is not None else torch.full_like(score, torch.nan)
     n_layers, n_units = score.shape
@@ -125,22 +136,106 @@ def select(source: Source, dimension: str, *, method: str = "frequency", layers:
     allowed[chosen if chosen is not None else slice(None)] = True
 
     eligible = allowed[:, None] & moved(score, direction)
-    if fdr is not None:
-        eligible &= q < fdr
+    if budget.kind == "fdr":
+        eligible &= q < budget.value
     order = rank_units(score, q)
-    flat = order[eligible.reshape(-1)[order]][:top_k]
+    flat = order[eligible.reshape(-1)[order]]   # every eligible unit, best first
+    if budget.kind == "per_layer":
+        flat = flat[rank_in_layer(flat // n_units, n_layers) < budget.value]
+    elif budget.kind in ("top_k", "share"):
+        flat = flat[:budget.value if budget.kind == "top_k" else round(budget.value * int(allowed.sum()) * n_units)]
     if len(flat) == 0:
         raise RestraintError(f"no unit of {dimension!r} qualifies (method {method}, layers {layers or 'all'}, direction "
-                             f"{direction}" + (f", q < {fdr}" if fdr is not None else "") + ")")
-    units: dict[int, list[int]] = {}
-    for layer, unit in zip((flat // n_units).tolist(), (flat % n_units).tolist()):
-        units.setdefault(layer, []).append(unit)
+                             f"{direction}, {budget.label})")
+    counts = torch.bincount(flat // n_units, minlength=n_layers)
+    if budget.kind == "per_layer" and bool((counts[allowed] < budget.value).any()):
+        short = allowed & (counts < budget.value)
+        log.warning("%s: %d of %d layers have fewer than %d units that moved (%s), so they give what they have",
+                    scores.origin, int(short.sum()), int(allowed.sum()), budget.value, direction)
+    ids = flat.sort().values
+    units = {layer: chunk.remainder(n_units).tolist()
+             for layer, chunk in zip(counts.nonzero().squeeze(1).tolist(), ids.split(counts[counts > 0].tolist()))}
     spec_source = {entry.reads: scores.origin, "method": method, "dimension": dimension,
-                   "direction": direction, "layers": layers or "all",
-                   **({"top_k": top_k} if top_k is not None else {"fdr": fdr})}
+                   "direction": direction, "layers": layers or "all", **budget.to_dict(),
+                   "coverage": coverage(counts[allowed].tolist(), n_units, n_layers),
+                   **({"calibration": str(calibration)} if calibration is not None else {})}
     model = scores.model and {**scores.model, "layers": n_layers, "width": n_units}
+    if factor == PAPER_FACTOR:
+        log.warning(paper_factor_note(scores.model.get("dtype")))
     return Restraint(name=name or f"{dimension.replace('_', '-')}-restraint", hook=scores.hook, units=units,
                      factor=factor, source=spec_source, model=model)
+
+
+def rank_in_layer(layer: torch.Tensor, n_layers: int) -> torch.Tensor:
+    """For units listed best first with their `layer`: each one's rank within its layer (0 = its layer's best)."""
+    import torch
+
+    by_layer, where = torch.sort(layer, stable=True)   # grouped by layer, rank order kept inside each group
+    counts = torch.bincount(by_layer, minlength=n_layers)
+    starts = counts.cumsum(0) - counts
+    rank = torch.empty_like(layer)
+    rank[where] = torch.arange(len(layer)) - starts[by_layer]
+    return rank
+
+
+def recipe(method: str | None, factor: float | None, calibration: str | os.PathLike | None,
+           **budget: float | None) -> tuple[str, Budget, float]:
+    """(method, budget, factor): as named, or from a calibration's recommendation; never a silent default."""
+    if calibration is not None:
+        named = [o for o, v in (("--method", method), ("--factor", factor),
+                                *((BUDGET_OPTIONS[k], v) for k, v in budget.items())) if v is not None]
+        if named:
+            raise RestraintError(f"--calibration supplies the method, budget and factor: drop {', '.join(named)}")
+        return load_recommendation(calibration).recipe()
+    if method is None or factor is None:
+        missing = " and ".join(o for o, v in (("--method", method), ("--factor", factor)) if v is None)
+        raise RestraintError(f"select needs {missing} named (--method: {SELECTORS.listing(' | ')}; --factor: 0 "
+                             f"ablates, the paper's is {PAPER_FACTOR:.10g}), or --calibration FOLDER (a calibration's "
+                             "recommendation supplies method, budget and factor); what the calibration found about "
+                             "each: docs/calibration.md")
+    SELECTORS.check([method])
+    if method == "frequency":
+        log.warning(FREQUENCY_WARNING)
+    return method, one_budget(**budget), float(factor)
+
+
+FREQUENCY_WARNING = ("--method frequency reproduces the paper; on the calibration it undid none of a planted change "
+                     "(docs/calibration.md)")
+
+
+@contextmanager
+def warnings_once() -> Iterator[None]:
+    """While the block runs, each distinct warning of `select` is logged once (a grid selects many times)."""
+    seen: set[str] = set()
+
+    def first(record: logging.LogRecord) -> bool:
+        new = record.getMessage() not in seen
+        seen.add(record.getMessage())
+        return new
+
+    log.addFilter(first)
+    try:
+        yield
+    finally:
+        log.removeFilter(first)
+
+
+def paper_factor_note(dtype: str | None) -> str:
+    """One line on the paper's factor 1 - 1e-6 at the dtype the selected units' model was probed at."""
+    import torch
+
+    head = f"factor {PAPER_FACTOR:.10g} is the paper's factor: "
+    checked = "; `rolemrc intervene check` measures whether any verdict moves"
+    at = getattr(torch, dtype, None) if dtype else None
+    if not isinstance(at, torch.dtype):
+        return (head + "the dtype the model was probed at is not recorded; it rounds to 1.0 (an exact no-op) in "
+                "bfloat16 and float16, and changes each selected activation by 1e-6 relative in float32, where the "
+                "calibration saw no verdict move (docs/calibration.md)" + checked)
+    rounded = torch.tensor(PAPER_FACTOR, dtype=at).item()
+    if rounded == 1.0:
+        return head + f"it rounds to 1.0 in {dtype}, the dtype the model was probed at: an exact no-op there" + checked
+    return (head + f"in {dtype}, the dtype the model was probed at, it changes each selected activation by "
+            f"{1 - rounded:.2g} relative; the calibration saw no verdict move at it (docs/calibration.md)" + checked)
 
 
 def input_file(path: str | os.PathLike) -> Path:
@@ -225,3 +320,6 @@ def _diff(source: Source, dimension: str) -> tuple[DiffResult, str]:
         raise RestraintError(f"dimension {dimension!r} is not in the diff" + (f" ({why})" if why else "")
                              + f"; compared: {result.dimensions}")
     return result, origin
+
+
+SelectorName = enum.Enum("SelectorName", {name: name for name in SELECTORS.names()}, type=str)   # the CLI's choice

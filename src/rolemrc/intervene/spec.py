@@ -121,9 +121,13 @@ class Restraint:
                                      f"({self.hook} has width {width})")
 
     def summary(self) -> dict[str, Any]:
-        """What a person reads: name, hook, factor, digest and unit counts per layer (the unit ids are in the spec)."""
+        """What a person reads: name, hook, factor, digest, unit counts per layer (the unit ids are in the spec) and,
+        for a selected spec, the share of all units at the hook point and units per layer (min, median, max)."""
+        spread = (self.source.get("coverage") or {}).get("per_layer")
         return {"name": self.name, "hook": self.hook, "factor": self.factor, "digest": self.digest,
-                "units": self.num_units, "per_layer": {int(k): len(v) for k, v in sorted(self.units.items())}}
+                "units": self.num_units, "per_layer": {int(k): len(v) for k, v in sorted(self.units.items())},
+                **({"share": self.source["coverage"]["share"],
+                    "units_per_layer": {k: spread[k] for k in ("min", "median", "max")}} if spread else {})}
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "hook": self.hook, "factor": self.factor,

@@ -7,7 +7,9 @@ cell against the known answer (scoring.py: restoration and its CI, the cost on e
 flagged as brought back to the SFT model; on the null organism the share of cells flagged is the pipeline's
 false-positive rate). Beside it, how many units each diff flags by itself (BH q < 0.05).
 
-The paper's factor 1 - 1e-6 runs as a sweep of its own at the largest budget only (`paper_factor_budgets`).
+The paper's factor 1 - 1e-6 runs as a sweep of its own at the largest budget only (`paper_factor`). From the cells,
+one recommendation (organism/recommend.py): the selector, budget and factor `intervene select --calibration` uses, or
+why there is none.
 Every stage is cached under --out (organisms, probes, diffs, attribution, one sweep per organism and selector, the
 sweeps of an organism sharing one store of generated cells, so their common baseline is generated once), so a rerun
 of the grid alone only generates the cells that are new.
@@ -24,6 +26,8 @@ from typing import Any
 from rolemrc.core.io import read_jsonl, write_json, write_jsonl
 from rolemrc.core.stages import StageCache
 from rolemrc.core.taxonomy import dimensions_for_task
+from rolemrc.intervene.budget import Budget
+from rolemrc.intervene.recommendation import RECOMMENDATION
 from rolemrc.organism.calibration_config import (
     ALPHA,
     ORGANISM_SETTINGS,
@@ -36,6 +40,7 @@ from rolemrc.organism.calibration_config import (
     sweeps,
 )
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline
+from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations
 
 
@@ -91,22 +96,15 @@ def diff_flags(diff_dir: str, dimension: str, fdr: float = ALPHA) -> dict[str, i
             "effect": count(result.effect_q) if result.effect_tested else None}
 
 
-def layers_of(model: str, hook: str) -> int:
-    from rolemrc.probe.attribution import config_shape
-
-    return int(config_shape(model, hook)["layers"])
-
-
 def sweep_stage(organism: Organism, selector: str, source: str, config: CalibrationConfig, out: Path,
-                budgets: list[int], factors: list[float]) -> dict:
+                budgets: list[Budget], factors: list[float]) -> dict:
     """One sweep (the sweep resumes by itself: finished cells are kept) of `selector` over budgets x factors, its
     cells in the organism's shared store."""
     from rolemrc.sweep import SweepConfig, run_sweep
 
-    layers = layers_of(organism.dpo, config.hook)
     sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(out),
                         cells_dir=str(out.parent / "cells"), dimensions=[organism.dimension], factors=list(factors),
-                        top_k=[b * layers for b in budgets], method=selector, controls=config.controls,
+                        **{budgets[0].kind: [b.value for b in budgets]}, method=selector, controls=config.controls,
                         seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
     return run_sweep(sweep, metrics=[])
 
@@ -139,6 +137,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     flag_restorations(rows)
     null = [r for r in rows if r["organism"] == "null"]
     result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows),
+              RECOMMENDATION: recommend(rows, organisms, config).to_dict(),
               "diff_flags": flags, "cells": rows, "sweeps": sweep_dirs, "skipped": skipped, "timing": timing,
               "null_false_positive_rate": _rate(null, "flagged"), "null_changed_rate": _rate(null, "changed")}
     result["figure"] = calibration_figure(rows, root)
@@ -153,13 +152,15 @@ def _rate(rows: list[dict[str, Any]], key: str) -> float | None:
 
 def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int | None = None,
                         organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None,
-                        hook: str = "mlp.act") -> dict:
+                        hook: str = "mlp.act", budgets: dict[str, list[float]] | None = None) -> dict:
     """Build both organisms from `base` under `organisms_dir` (default out/organisms; cached there, so a folder that
-    `rolemrc organism build` filled with the same settings is reused), then calibrate; the command's JSON."""
+    `rolemrc organism build` filled with the same settings is reused), then calibrate; the command's JSON.
+    budgets: at most one of top_k/per_layer/share -> values, instead of the (quick) grid's."""
     from rolemrc.organism.build import build_organism
     from rolemrc.organism.config import QUICK, OrganismConfig
 
-    config = CalibrationConfig(out=str(out), hook=hook, **(QUICK_GRID if quick else {}))   # checked before any work
+    grid = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k != "share"}
+    config = CalibrationConfig(out=str(out), hook=hook, **grid, **(budgets or {}))   # checked before any work
     started = time.perf_counter()
     cache = StageCache(out)
     settings = {**(QUICK if quick else ORGANISM_SETTINGS), **(organism_overrides or {})}
@@ -176,7 +177,7 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     result = calibrate(organisms, config, cache=cache)
     cells = sum(t["cells"] for t in result["timing"].values())
     grid_seconds = sum(t["seconds"] for t in result["timing"].values())
-    return {"headline": result["headline"], "quick": quick,
+    return {"headline": result["headline"], RECOMMENDATION: result[RECOMMENDATION], "quick": quick,
             "organisms": {k: {"headline": r["headline"], "meets_target": r["meets_target"],
                               "training_seconds": r["training"]["seconds"]} for k, r in reports.items()},
             "null_false_positive_rate": result["null_false_positive_rate"], "diff_flags": result["diff_flags"],

@@ -6,10 +6,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rolemrc.intervene.budget import Budget, budget_grid
 from rolemrc.intervene.spec import PAPER_FACTOR
 
 SELECTOR_INPUTS = {"frequency": "last", "frequency-all": "all", "standardized": "all", "attribution": "attribution"}
 ALPHA = 0.05   # the significance level of every test and flag
+# the default budgets: shares of all units at the hook point, ranked over all layers; 16 and 256 units per layer of
+# SmolLM2-135M's 1,536-wide MLP on average (480 and 7,680 of its 46,080 units), the grid docs/calibration.md measured
+SHARES = (16 / 1536, 256 / 1536)
 
 
 @dataclass
@@ -25,26 +29,30 @@ class Organism:
     sft_eval: str
     probe: str
     dimension: str
+    settings: dict[str, Any] = field(default_factory=dict)   # how it was built (`OrganismConfig.settings`)
 
     @classmethod
     def from_report(cls, report: dict[str, Any], probe: str | Path) -> Organism:
         return cls(report["kind"], report["sft"], report["dpo"], report["pairs"], report["heldout"],
-                   report["sft_eval"], str(probe), report["planted_dimension"])
+                   report["sft_eval"], str(probe), report["planted_dimension"], report.get("settings", {}))
 
 
 @dataclass
 class CalibrationConfig:
-    """The grid and its costs. Budgets are units per layer (top_k = budget x layers, ranked over all layers)."""
+    """The grid and its costs. Budgets as `sweep run`'s (`intervene.budget`): at most one of top_k, per_layer,
+    share, default SHARES."""
 
     out: str
     selectors: list[str] = field(default_factory=lambda: list(SELECTOR_INPUTS))
-    # 64 per layer is cut to keep the full calibration under 2 h on 2 cores: with it, the run alone took 2 h 4 min,
-    # and at 1,920 units no selector undid anything on either organism
-    budgets: list[int] = field(default_factory=lambda: [16, 256])
+    top_k: list[int] | None = None
+    per_layer: list[int] | None = None
+    # 64 per layer (a share of 1/24) is cut to keep the full calibration under 2 h on 2 cores: with it, the run alone
+    # took 2 h 4 min, and at 1,920 units no selector undid anything on either organism
+    share: list[float] | None = None
     factors: list[float] = field(default_factory=lambda: [0.0, 0.5])
-    # the paper's near-identity factor 1 - 1e-6 as its own sweep, at these budgets only: its effect can only grow with
-    # the units it scales, so the largest budget is where it would show
-    paper_factor_budgets: list[int] = field(default_factory=lambda: [256])
+    # the paper's near-identity factor 1 - 1e-6 as its own sweep, at the largest budget only: its effect can only grow
+    # with the units it scales, so the largest budget is where it would show
+    paper_factor: bool = True
     controls: int = 1
     attribution_pairs: int = 16       # organism pairs (of the planted dimension first) attribution runs over
     max_new_tokens: int = 32          # as the organisms' held-out eval, so the SFT run is comparable
@@ -61,21 +69,27 @@ class CalibrationConfig:
             from rolemrc.core.errors import InputError
 
             raise InputError(f"unknown selector(s) {unknown}; calibration knows {', '.join(SELECTOR_INPUTS)}")
+        self.budgets()
+
+    def budgets(self) -> list[Budget]:
+        """The grid's budgets: the top_k, per_layer or share list given, else SHARES."""
+        return budget_grid([Budget("share", s) for s in SHARES], top_k=self.top_k, per_layer=self.per_layer,
+                           share=self.share)
 
 
-def sweeps(config: CalibrationConfig) -> dict[str, tuple[list[int], list[float]]]:
-    """A selector's sweeps, by folder suffix: budgets x factors, and the paper's factor at its own budgets."""
-    grids = {"": (config.budgets, config.factors)}
-    if config.paper_factor_budgets:
-        grids["-paper"] = (config.paper_factor_budgets, [PAPER_FACTOR])
-    return {suffix: grid for suffix, grid in grids.items() if grid[0] and grid[1]}
+def sweeps(config: CalibrationConfig) -> dict[str, tuple[list[Budget], list[float]]]:
+    """A selector's sweeps, by folder suffix: budgets x factors, and the paper's factor at the largest budget."""
+    budgets = config.budgets()
+    grids = {"": (budgets, config.factors)}
+    if config.paper_factor:
+        grids["-paper"] = ([max(budgets, key=lambda b: b.value)], [PAPER_FACTOR])
+    return {suffix: grid for suffix, grid in grids.items() if grid[1]}
 
 
 # `--quick`: the paper's selector and attribution (the one that ranks units by their effect on the preference), the
 # largest budget only (the one a change spread over many units can show at), both ends of the factors, half the
 # attribution pairs and probe cases.
-QUICK_GRID = {"selectors": ["frequency", "attribution"], "budgets": [256], "factors": [0.0], "paper_factor_budgets": [256],
-         "attribution_pairs": 8}
+QUICK_GRID = {"selectors": ["frequency", "attribution"], "share": [SHARES[-1]], "factors": [0.0], "attribution_pairs": 8}
 PROBE_CASES = 48
 QUICK_PROBE_CASES = 24
 # the organisms' settings of the full calibration (`--quick`: organism.config.QUICK): every planted case and 4 per other

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rolemrc.intervene.budget import Budget, coverage_text
+from rolemrc.intervene.recommendation import RECOMMENDATION
 from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.organism.scoring import finds_change
 
@@ -19,7 +21,7 @@ def headline(rows: list[dict[str, Any]]) -> str:
     for r in sorted(found, key=lambda r: r["units"]):
         best.setdefault(r["selector"], r)
     if best:
-        parts = [f"{s} from {r['units']} units (x{r['factor']:g}: {r['restoration']['share']:.0%} undone, "
+        parts = [f"{s} from {coverage_text(r['coverage'])} (x{r['factor']:g}: {r['restoration']['share']:.0%} undone, "
                  f"95% CI {r['restoration']['lo']:.0%} to {r['restoration']['hi']:.0%})" for s, r in best.items()]
         first = "The planted change is found by " + "; ".join(parts)
         missed = sorted({r["selector"] for r in planted} - set(best))
@@ -31,7 +33,7 @@ def headline(rows: list[dict[str, Any]]) -> str:
         scored = [r for r in planted if r["restoration"]["lo"] == r["restoration"]["lo"]]
         if scored:
             r = max(scored, key=lambda r: r["restoration"]["lo"])
-            first += (f"; closest: {r['selector']} at {r['units']} units x{r['factor']:g}, "
+            first += (f"; closest: {r['selector']} at {coverage_text(r['coverage'])} x{r['factor']:g}, "
                       f"{r['restoration']['share']:.0%} undone (95% CI {r['restoration']['lo']:.0%} to "
                       f"{r['restoration']['hi']:.0%}), Holm p {_p(r['p_vs_baseline'])} against the baseline and "
                       f"{_p(r['p_vs_controls'])} against the controls")
@@ -47,15 +49,28 @@ def headline(rows: list[dict[str, Any]]) -> str:
     return first + second + third
 
 
+def recommendation_text(rec: dict[str, Any]) -> str:
+    """One line on what `intervene select --calibration` takes from this calibration, or why it refuses."""
+    if rec["status"] != "found":
+        return f"No recommendation ({rec['status']}): {rec['why']}. `intervene select --calibration` refuses it."
+    return (f"Recommended: {rec['selector']} x{rec['factor']:g} at {Budget.of(rec['budget']).label} "
+            f"({rec['why']}); `intervene select --calibration` takes it. It rests on {_settings(rec['rests_on'])}.")
+
+
+def _settings(rests_on: dict[str, Any]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in rests_on.items() if v is not None) or "nothing recorded"
+
+
 def calibration_markdown(result: dict[str, Any]) -> str:
-    lines = [f"**{result['headline']}**", "", "| organism | selector | units | factor | undone (95% CI) | controls | "
+    lines = [f"**{result['headline']}**", "", recommendation_text(result[RECOMMENDATION]), "",
+             "| organism | selector | units (share of all; per layer) | factor | undone (95% CI) | controls | "
              "p vs baseline | p vs controls | other dimensions (diff, Holm p) | closer to SFT |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cells"]:
         s = r["restoration"]
         ctrl = ", ".join(f"{c:.0%}" for c in r["controls_restoration"]) or "-"
         others = "; ".join(f"{k} {v['diff']:+.2f} ({v['p_holm']:.2g})" for k, v in r["others"].items())
-        lines.append(f"| {r['organism']} | {r['selector']} | {r['units']} | {r['factor']:g} | {s['share']:.0%} "
+        lines.append(f"| {r['organism']} | {r['selector']} | {coverage_text(r['coverage'])} | {r['factor']:g} | {s['share']:.0%} "
                      f"({s['lo']:.0%} to {s['hi']:.0%}) | {ctrl} | {_p(r['p_vs_baseline'])} | {_p(r['p_vs_controls'])} "
                      f"| {others} | {', '.join(r['flagged']) or '-'} |")
     lines += ["", "Units the diffs flag by themselves (BH q < 0.05, planted dimension): "

@@ -10,7 +10,8 @@ import typer
 
 from rolemrc.core.cli import choice, cli_app
 from rolemrc.core.extras import needs
-from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_PROBE_CASES
+from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
+from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_PROBE_CASES, SHARES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
 from rolemrc.probe.cli import Hook
 
@@ -18,6 +19,7 @@ app = cli_app(help="Known-answer organisms (a DPO model with a planted change, a
                    "calibration of the method on them.")
 DEFAULTS = {f.name: f for f in dataclasses.fields(OrganismConfig)}
 OrganismKind = choice(KINDS)
+GRID_HELP = f"{GRID_ONE}; default: --share {','.join(f'{s:.4g}' for s in SHARES)}, 16 and 256 per layer of SmolLM2"
 
 
 def _help(name: str) -> str:
@@ -70,8 +72,12 @@ def calibrate_cmd(
     organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
                                               "build` filled with the same settings is reused"),
     quick: bool = typer.Option(False, "--quick", help="organisms with 16 steps and fewer held-out cases; the frequency "
-                                           "and attribution selectors at 256 units per layer, factors 0 and 1 - 1e-6, "
-                                           "8 attribution pairs, 24 probe cases"),
+                                           "and attribution selectors at a share of 1/6 (256 of SmolLM2's 1,536 units "
+                                           "per layer on average), factors 0 and 1 - 1e-6, 8 attribution pairs, 24 "
+                                           "probe cases"),
+    top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
+    per_layer: str = typer.Option(None, help=f"comma-separated units from each layer ({GRID_HELP})"),
+    share: str = typer.Option(None, help=f"comma-separated shares of all units, ranked over them ({GRID_HELP})"),
     probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "
                                                f"(default {PROBE_CASES}, {QUICK_PROBE_CASES} with --quick)"),
     hook: Hook = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use"),
@@ -83,10 +89,13 @@ def calibrate_cmd(
     change a restraint undoes (paired CI) against random-unit controls, the cost on the other dimensions and the
     null's false-positive rate; writes calibration.json/.md/.html/.png under --out and prints JSON."""
     from rolemrc.organism.calibration import build_and_calibrate
+    from rolemrc.sweep.plan import numbers
 
     overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
+    budgets = {key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
+               (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
-                                 organisms_dir=organisms, hook=hook)
+                                 organisms_dir=organisms, hook=hook, budgets=budgets)
     text = json.dumps(result, indent=1)
     typer.echo(text)
     if json_out:

@@ -77,7 +77,7 @@ def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path)
     dpo = base_all.get(key, {})
     rows = []
     for cell in summary["cells"]:
-        grid = {k: cell[k] for k in ("dimension", "factor", "top_k")}
+        grid = {k: cell[k] for k in ("dimension", "factor", "budget")}
         controls = [per_item(sweep_dir / "scores" / c["id"]) for c in plan
                     if c["kind"] == "control" and c["grid"] == grid]
         mine_all = per_item(sweep_dir / "scores" / cell["id"])
@@ -90,7 +90,8 @@ def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path)
                    if n.startswith("judge:") and e["vs_baseline"]["p_holm"] < ALPHA]
         rows.append({"organism": organism.kind, "dimension": organism.dimension, "selector": selector,
                      "factor": cell["factor"],
-                     "units": cell["units"], "top_k": cell["top_k"], "restoration": restoration(sft, dpo, mine),
+                     "units": cell["units"], "budget": cell["budget"], "coverage": cell["coverage"],
+                     "restoration": restoration(sft, dpo, mine),
                      "controls_restoration": [c["share"] for c in ctrl],
                      "controls_change": [c["cell_minus_dpo"] for c in ctrl],
                      "p_vs_baseline": planted.get("vs_baseline", {}).get("p_holm"),

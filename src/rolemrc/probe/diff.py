@@ -269,7 +269,7 @@ def _compare(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str], frequency: 
         **{key: a.meta[key] for key in (*COMPARABLE_KEYS, "k") if key in a.meta},
         "a": names[0], "b": names[1], "test": test_name, "effect_test": effect_name,
         **{f"{side}_{key}": c.meta.get(key, "") for side, c in (("a", a), ("b", b))
-           for key in ("model", "model_fingerprint", "model_fingerprint_of")},
+           for key in ("model", "model_fingerprint", "model_fingerprint_of", "dtype")},
     })
     for d in a.dimensions:
         if d not in b.count:

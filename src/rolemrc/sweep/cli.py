@@ -12,10 +12,13 @@ from rolemrc.core.cli import LIMIT, cli_app
 from rolemrc.core.extras import needs
 from rolemrc.core.placement import MODEL_HELP, Dtype, device_option, dtype_option
 from rolemrc.eval.cli import SCORE, JudgeName
-from rolemrc.intervene.select import SELECTORS
+from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
+from rolemrc.intervene.select import SelectorName
 from rolemrc.probe.options import Direction
 from rolemrc.serve.engines import EngineName
-from rolemrc.sweep.plan import FACTORS
+from rolemrc.sweep.plan import FACTORS, SHARES
+
+GRID_HELP = f"{GRID_ONE}; default: --share {','.join(map(str, SHARES))}"
 
 app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls.")
 
@@ -30,9 +33,12 @@ def run_cmd(
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
     dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
     factors: str = typer.Option(",".join(f"{f:.10g}" for f in FACTORS), help="comma-separated scales"),
-    top_k: str = typer.Option("16,64,256", help="comma-separated unit counts"),
-    method: str = typer.Option("frequency", "--method", help=f"unit selector: {SELECTORS.listing(' | ')} "
-                               "(see `rolemrc intervene select --help`)"),
+    method: SelectorName = typer.Option(..., "--method", help="unit selector, named (see `rolemrc intervene select "
+                                        "--help`; what each did on the calibration: docs/calibration.md)"),
+    top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
+    per_layer: str = typer.Option(None, help=f"comma-separated units from each selected layer ({GRID_HELP})"),
+    share: str = typer.Option(None, help="comma-separated shares of all units of the selected layers, ranked over them "
+                                         f"({GRID_HELP})"),
     direction: Direction = typer.Option("both", help="up | down | both"),
     layers: str = typer.Option(None, help="e.g. 12-31 (default: all)"),
     controls: int = typer.Option(3, help="random-unit control sets per cell"),
@@ -57,14 +63,16 @@ def run_cmd(
     dtype: Dtype = dtype_option(),
     device: str = device_option(),
 ) -> None:
-    """Dose-response sweep: every dimension x top-k x factor cell, each against the baseline and against random-unit
+    """Dose-response sweep: every dimension x budget x factor cell, each against the baseline and against random-unit
     controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
     from rolemrc.sweep.plan import SweepConfig, numbers
     from rolemrc.sweep.run import run_sweep
 
     config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
-                         factors=numbers(factors, "--factors"), top_k=[int(k) for k in numbers(top_k, "--top-k")],
-                         method=method, direction=direction, layers=layers, controls=controls, seed=seed,
+                         factors=numbers(factors, "--factors"), method=method.value,
+                         **{key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
+                            (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None},
+                         direction=direction, layers=layers, controls=controls, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
                          engine=engine.value, base_url=base_url, served_model=served_model, concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,

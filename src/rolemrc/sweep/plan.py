@@ -1,10 +1,11 @@
-"""The sweep's plan: a grid of cells (dimension x factor x top-k), each with seeded random-unit controls, and one
+"""The sweep's plan: a grid of cells (dimension x budget x factor), each with seeded random-unit controls, and one
 shared unrestrained baseline. A cell's id digests everything its responses depend on, so a rerun finds the cells
 it already has."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from rolemrc.core.extras import require
 from rolemrc.core.openai_client import ROLEMRC_KEY_ENV
 from rolemrc.core.placement import Dtype, check_dtype
+from rolemrc.intervene.budget import Budget, budget_grid
 from rolemrc.intervene.select import SELECTORS
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError
 from rolemrc.probe.options import Direction
@@ -19,6 +21,9 @@ from rolemrc.sweep.sources import IN_PROCESS, check_engine
 
 BASELINE = "baseline"
 FACTORS = (PAPER_FACTOR, 0.99, 0.9, 0.5, 0.0)   # the default grid's scales
+# the default grid's budgets, as shares of the MLP units: on SmolLM2 the calibration saw nothing move at 1% and 4%,
+# and attribution x 0 undo a planted change at 17% (and break role style on a smaller organism): docs/calibration.md
+SHARES = (0.01, 0.05, 0.17)
 
 
 @dataclass
@@ -30,10 +35,13 @@ class SweepConfig:
     data: str
     out: str
     dimensions: list[str]
+    method: str                    # the unit selector (intervene.select.SELECTORS), named; `diff` is its input
     cells_dir: str | None = None   # where generated cells are kept (default OUT/cells); sweeps may share one
     factors: list[float] = field(default_factory=lambda: list(FACTORS))
-    top_k: list[int] = field(default_factory=lambda: [16, 64, 256])
-    method: str = "frequency"      # the unit selector (intervene.select.SELECTORS); `diff` is its input
+    # the budgets, at most one of (intervene.budget): global counts, units from each layer, shares of all units
+    top_k: list[int] | None = None
+    per_layer: list[int] | None = None
+    share: list[float] | None = None
     direction: Direction = "both"
     layers: str | None = None
     controls: int = 3
@@ -62,8 +70,9 @@ class SweepConfig:
             raise RestraintError(f"controls must be >= 0, got {self.controls}")
         if self.cells_per_pass < 1:
             raise RestraintError(f"cells_per_pass must be >= 1, got {self.cells_per_pass}")
-        if not self.factors or not self.top_k:
-            raise RestraintError("a sweep needs at least one factor and one top-k")
+        if not self.factors:
+            raise RestraintError("a sweep needs at least one factor")
+        self.budgets()
         check_dtype(self.dtype)
         if self.base_url and self.engine != IN_PROCESS:
             raise RestraintError(f"--base-url generates on a running server; --engine {self.engine} starts one: choose one")
@@ -73,6 +82,11 @@ class SweepConfig:
             require("serve", what=f"a sweep on the {self.engine} engine (a rolemrc server)")
         SELECTORS.check([self.method])
         self.judge_config()
+
+    def budgets(self) -> list[Budget]:
+        """The grid's budgets: the top_k, per_layer or share list given, else SHARES."""
+        return budget_grid([Budget("share", s) for s in SHARES], top_k=self.top_k, per_layer=self.per_layer,
+                           share=self.share)
 
     def judge_config(self) -> Any:
         """The `eval.judges.JudgeConfig` scoring every cell (an unknown or misconfigured judge is an error)."""
@@ -95,7 +109,7 @@ class Cell:
 
     id: str
     kind: str                      # baseline | selected | control
-    grid: dict[str, Any]           # dimension, factor, top_k of the grid cell ({} for the baseline)
+    grid: dict[str, Any]           # dimension, factor, budget ({kind: value}) of the grid cell ({} for the baseline)
     restraint: Restraint | None
     draw: int | None = None        # control index
 
@@ -114,18 +128,17 @@ def cell_id(kind: str, restraint: Restraint | None, settings: dict[str, Any]) ->
 def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell]:
     """The baseline, then per grid cell its selected units and `config.controls` controls. `width`: units at the
     diff's hook point; `settings`: what else responses depend on (model, data, generation)."""
-    from rolemrc.intervene.select import select
+    from rolemrc.intervene.select import select, warnings_once
     from rolemrc.sweep.controls import draw_controls
 
     cells = [Cell(cell_id(BASELINE, None, settings), BASELINE, {}, None)]
-    for dimension in config.dimensions:
-        for top_k in config.top_k:
-            for factor in config.factors:
-                grid = {"dimension": dimension, "factor": factor, "top_k": top_k}
-                name = f"{dimension.replace('_', '-')}-k{top_k}-x{factor:g}"
-                chosen = select(config.diff, dimension, method=config.method, layers=config.layers, top_k=top_k,
-                                direction=config.direction, factor=factor, name=name)
-                cells.append(Cell(cell_id("selected", chosen, settings), "selected", grid, chosen))
-                cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k)
-                          for k, c in enumerate(draw_controls(chosen, width, config.controls, seed=config.seed))]
+    with warnings_once():   # one paper-factor or frequency note for the whole grid
+        for dimension, budget, factor in itertools.product(config.dimensions, config.budgets(), config.factors):
+            grid = {"dimension": dimension, "factor": factor, "budget": budget.to_dict()}
+            name = f"{dimension.replace('_', '-')}-{budget.slug}-x{factor:g}"
+            chosen = select(config.diff, dimension, method=config.method, layers=config.layers,
+                            direction=config.direction, factor=factor, name=name, **budget.to_dict())
+            cells.append(Cell(cell_id("selected", chosen, settings), "selected", grid, chosen))
+            cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k)
+                      for k, c in enumerate(draw_controls(chosen, width, config.controls, seed=config.seed))]
     return cells

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from rolemrc.core.figures import write_figures
-from rolemrc.sweep.report import ALPHA
+from rolemrc.intervene.budget import Budget
+from rolemrc.sweep.report import ALPHA, cell_label
 from rolemrc.sweep.stats import COMPARISONS, JUDGE_PREFIX
 
 
 def dose_response(summary: dict, dimension: str):
     """For the cells selected on `dimension`: the judge pass share on it (or, when the test set has no verdict on
-    it, on the first judged dimension) against the factor, one line per top-k with its 95% CI band (paired
+    it, on the first judged dimension) against the factor, one line per budget with its 95% CI band (paired
     against the baseline), the mean of its random-unit controls dashed, the baseline flat."""
     import plotly.graph_objects as go
 
@@ -20,8 +21,10 @@ def dose_response(summary: dict, dimension: str):
     score = JUDGE_PREFIX + dimension if JUDGE_PREFIX + dimension in judged else (judged or [JUDGE_PREFIX + dimension])[0]
     cells = [c for c in cells if score in c["scores"]]
     fig = go.Figure()
-    for k, top_k in enumerate(sorted({c["top_k"] for c in cells})):
-        row = sorted((c for c in cells if c["top_k"] == top_k), key=lambda c: c["factor"])
+    budgets = sorted({Budget.of(c["budget"]) for c in cells}, key=lambda b: min(c["units"] for c in cells
+                                                                                  if Budget.of(c["budget"]) == b))
+    for k, budget in enumerate(budgets):
+        row = sorted((c for c in cells if Budget.of(c["budget"]) == budget), key=lambda c: c["factor"])
         x = [c["factor"] for c in row]
         tests = [c["scores"][score]["vs_baseline"] for c in row]
         color = f"hsl({(k * 67) % 360}, 65%, 45%)"
@@ -30,10 +33,10 @@ def dose_response(summary: dict, dimension: str):
                                  fill="toself", fillcolor=color.replace("hsl", "hsla").replace(")", ", 0.15)"),
                                  line={"width": 0}, hoverinfo="skip", showlegend=False))
         fig.add_trace(go.Scatter(x=x, y=[c["scores"][score]["mean"] for c in row], mode="lines+markers",
-                                 name=f"top-{top_k}", line={"color": color}))
+                                 name=budget.label, line={"color": color}))
         if all("controls_mean" in c["scores"][score] for c in row):
             fig.add_trace(go.Scatter(x=x, y=[c["scores"][score]["controls_mean"] for c in row], mode="lines",
-                                     name=f"top-{top_k} random controls", line={"color": color, "dash": "dash"}))
+                                     name=f"{budget.label} random controls", line={"color": color, "dash": "dash"}))
     if score in summary["baseline"]:
         fig.add_hline(y=summary["baseline"][score], line_dash="dot", annotation_text="baseline")
     fig.update_layout(title=f"units of {dimension}: {score.removeprefix(JUDGE_PREFIX)} pass share vs factor "
@@ -48,7 +51,7 @@ def effects_heatmap(summary: dict, family: str):
 
     cells = summary["cells"]
     names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not n.startswith(JUDGE_PREFIX), n))
-    labels = [f"{c['dimension']} top-{c['top_k']} x{c['factor']:g}" for c in cells]
+    labels = [cell_label(c) for c in cells]
     tests = [[c["scores"].get(n, {}).get(family) for n in names] for c in cells]
     z = [[t["diff"] if t else None for t in row] for row in tests]
     text = [[f"{t['diff']:+.3f}{' *' if t['p_holm'] < ALPHA else ''}" if t else "" for t in row] for row in tests]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from rolemrc.intervene.budget import Budget, coverage_text
 from rolemrc.sweep.stats import COMPARISONS, JUDGE_PREFIX, item_scores
 
 ALPHA = 0.05
@@ -14,7 +15,8 @@ ALPHA = 0.05
 
 def sweep_summary(config: Any, selected: list, effects: dict[str, dict], prints: dict[str, dict], baseline: Any) -> dict:
     base = {name: sum(v.values()) / len(v) for name, v in item_scores(baseline).items() if v}
-    cells = [{"id": c.id, **c.grid, **prints[c.id], "scores": effects[c.id]} for c in selected]
+    cells = [{"id": c.id, **c.grid, **prints[c.id], "coverage": c.restraint.source["coverage"], "scores": effects[c.id]}
+             for c in selected]
     return {"config": asdict(config), "alpha": ALPHA, "baseline": base, "cells": cells, "headline": headline(cells)}
 
 
@@ -25,7 +27,8 @@ def _wins(cell: dict, family: str, sign: int) -> list[str]:
 
 
 def cell_label(cell: dict) -> str:
-    return f"{cell['dimension']} top-{cell['top_k']} x{cell['factor']:g}"
+    """'role_style 16/layer x0', 'role_style top-64 x0.5', 'role_style share 0.17 x0'."""
+    return f"{cell['dimension']} {Budget.of(cell['budget']).label} x{cell['factor']:g}"
 
 
 def beats_both(cell: dict) -> list[str]:
@@ -76,8 +79,9 @@ def sweep_markdown(summary: dict) -> str:
              "Effects are paired per item: the cell minus the baseline, and the cell minus the mean of its random-unit "
              "controls (same units per layer, same factor). Mean [95% bootstrap CI], Holm-corrected p over the grid; "
              f"* marks p < {summary['alpha']}.", "",
-             "| cell | units | weight elements | max Δlogit |", "|---|---|---|---|"]
-    lines += [f"| {cell_label(c)} | {c['units']} | {c['weight_elements_changed']} | {c['max_logit_shift']:.3g} |" for c in cells]
+             "| cell | units (share of all; per layer) | weight elements | max Δlogit |", "|---|---|---|---|"]
+    lines += [f"| {cell_label(c)} | {coverage_text(c['coverage'])} | {c['weight_elements_changed']} | "
+              f"{c['max_logit_shift']:.3g} |" for c in cells]
     for family, title in COMPARISONS.items():
         lines += ["", f"## Effect {title}", "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         lines += [f"| {cell_label(c)} | " + " | ".join(effect_text(c["scores"].get(n), family) for n in names) + " |"
