@@ -81,7 +81,7 @@ def test_every_selectors_preview_equals_what_select_picks(paired_dir):
                         continue
                     try:
                         want = select(sources[method], dim, method=method, layers=layers, direction=direction,
-                                      top_k=top_k, fdr=None if top_k else 0.05).units
+                                      top_k=top_k, fdr=None if top_k else 0.05, factor=0.0).units
                     except RestraintError:   # no unit qualifies
                         want = {}
                     got = preview(sel["ranked"], parse_layers(layers, 3), direction, top_k)
