@@ -26,7 +26,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from PIL import Image
+from PIL import Image, ImageOps
 
 ROOT = Path(__file__).resolve().parents[1]
 PLOTLY_JSON = "application/vnd.plotly.v1+json"
@@ -63,10 +63,15 @@ def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int) -> Pa
         box = page.locator("#layers .bars .point path").nth(layer).bounding_box()
         page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] - 3)
         page.wait_for_function(f"document.querySelector('#scatter .gtitle').textContent.startsWith('layer {layer}')")
-        shot = page.screenshot(full_page=True)
+        page.mouse.move(0, 0)   # no hover label or toolbar in the picture
+        page.wait_for_timeout(500)
+        shot = Image.open(io.BytesIO(page.screenshot(full_page=True)))
         if errors:
             raise RuntimeError(f"the explorer page logged errors: {errors}")
-    return save_png(shot, img / "explorer.png")
+    content = ImageOps.invert(shot.convert("RGB")).getbbox()   # the page without its blank bottom
+    buffer = io.BytesIO()
+    shot.crop((0, 0, shot.width, min(shot.height, content[3] + 24))).save(buffer, format="PNG")
+    return save_png(buffer.getvalue(), img / "explorer.png")
 
 
 def sweep_figure(demo: Path, img: Path, dimension: str) -> Path:
@@ -80,10 +85,7 @@ def static_figures(nb: nbformat.NotebookNode) -> list[bytes]:
 
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if PLOTLY_JSON in o.get("data", {})]
     figures = [pio.from_json(json.dumps(o["data"][PLOTLY_JSON])) for o in outputs]
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = [str(Path(tmp) / f"{k}.png") for k in range(len(figures))]
-        pio.write_images(figures, paths)
-        pngs = [Path(p).read_bytes() for p in paths]
+    pngs = [fig.to_image(format="png") for fig in figures]   # at the layout's size, where it sets one
     for output, fig, png in zip(outputs, figures, pngs):
         plotly_json = output["data"][PLOTLY_JSON]
         title = (fig.layout.title.text or "Plotly figure")
