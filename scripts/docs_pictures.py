@@ -113,11 +113,13 @@ def execute(name: str, env: dict[str, str], out_dir: Path) -> list[bytes]:
     return pngs
 
 
-def notebooks(demo: Path, out_dir: Path, img: Path) -> list[Path]:
-    """Both notebooks executed on the demo's outputs; the A/B notebook's chart becomes the A/B picture."""
+def notebooks(demo: Path, out_dir: Path, img: Path, ab_requests: int) -> list[Path]:
+    """Both notebooks executed on the demo's outputs (`ab_requests` A/B requests); the A/B notebook's chart becomes
+    the A/B picture."""
     execute("layer_explorer.ipynb", {"ROLEMRC_DIFF_DIR": str(demo / "diff")}, out_dir)
     ab = execute("ab_testing.ipynb", {"ROLEMRC_MODEL_DIR": str(demo / "dpo"), "ROLEMRC_RESTRAINT": str(demo / "restraint.yaml"),
-                                      "ROLEMRC_TEST_DATA": str(demo / "data" / "test.jsonl")}, out_dir)
+                                      "ROLEMRC_TEST_DATA": str(demo / "data" / "test.jsonl"),
+                                      "ROLEMRC_AB_REQUESTS": str(ab_requests)}, out_dir)
     return [out_dir / "layer_explorer.ipynb", out_dir / "ab_testing.ipynb", save_png(ab[-1], img / "ab_chart.png")]
 
 
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("demo", type=Path, help="a `rolemrc demo --out` folder")
     parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img", help="where the pictures go")
     parser.add_argument("--notebooks", type=Path, default=ROOT / "notebooks", help="where the executed notebooks go")
+    parser.add_argument("--ab-requests", type=int, default=40, help="requests the A/B notebook sends (one user each)")
     parser.add_argument("--calibration", type=Path, help="a `rolemrc organism calibrate --out` folder (its chart)")
     args = parser.parse_args(argv)
     demo = args.demo.resolve()
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     written = [*diff_heatmaps(demo, args.img, shift["dimension"]),
                explorer_screenshot(demo, args.img, shift["dimension"], shift["peak_layer"]),
                sweep_figure(demo, args.img, shift["dimension"]),
-               *notebooks(demo, args.notebooks.resolve(), args.img)]
+               *notebooks(demo, args.notebooks.resolve(), args.img, args.ab_requests)]
     if args.calibration:
         written.append(save_png((args.calibration / "calibration.png").read_bytes(), args.img / "calibration.png"))
     for path in written:
