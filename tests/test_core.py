@@ -111,3 +111,14 @@ def test_figures_share_one_png_session_and_report_a_missing_browser(tmp_path, mo
     assert all(paths["png_error"].endswith("(PNG export needs Chromium: apt-get install -y chromium)")
                for paths in missing.values()), missing
     assert [r.levelname for r in caplog.records if r.name == "rolemrc.core.figures"] == ["WARNING"]
+
+
+def test_figure_pngs_take_the_layout_size_unless_given_one(tmp_path):
+    import plotly.graph_objects as go
+    from PIL import Image
+
+    from rolemrc.core.figures import write_figures
+
+    figures = {"sized": go.Figure(go.Bar(y=[1, 2]), layout={"width": 900, "height": 300}), "plain": go.Figure(go.Bar(y=[1]))}
+    written = write_figures(figures, tmp_path, width=None, height=None)
+    assert [Image.open(written[stem]["png"]).size for stem in figures] == [(900, 300), (700, 500)]

@@ -1,5 +1,6 @@
 """`rolemrc demo` end to end at a micro scale: every artifact exists, a rerun reuses every stage, and a
-changed setting reruns only the stages downstream of it. The pretrained path (`--base DIR`) runs on a small
+changed setting reruns only the stages downstream of it; scripts/docs_pictures.py makes the docs' pictures and the
+notebooks' outputs from a run. The pretrained path (`--base DIR`) runs on a small
 Llama whose chat template, like SmolLM2's, has no {% generation %} markers, with LoRA SFT/DPO, an ablation,
 the LoRA export and (where vLLM is installed, as under `make test`) the vLLM engine."""
 
@@ -8,10 +9,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from fixtures import SMOLLM2_TEMPLATE, save_peaked_llama
+from test_notebooks import unsaved_outputs
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
@@ -88,6 +92,21 @@ def test_rerun_reuses_every_stage_and_a_new_factor_reruns_only_downstream(first_
     ablated = demo(out, profile, "--no-vllm", "--sweep-items", "12", "--factor", "0")
     assert set(ablated["stages_run"]) == set(DOWNSTREAM)   # select, bake, check, eval after, compare, serve
     assert ablated["restraint"]["factor"] == 0
+
+
+def test_docs_pictures_come_from_a_demo_run(first_run, tmp_path):
+    out, _, _ = first_run
+    script = Path(__file__).resolve().parents[1] / "scripts" / "docs_pictures.py"
+    proc = subprocess.run([sys.executable, str(script), str(out), "--img", str(tmp_path / "img"),
+                           "--notebooks", str(tmp_path / "notebooks"), "--ab-requests", "8"],   # the micro model's
+                          capture_output=True, text=True, timeout=900)   # 1,024-token window holds the first 13 prompts
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pictures = {p.name: p.stat().st_size for p in (tmp_path / "img").iterdir()}
+    assert set(pictures) == {"probe_heatmap_dimensions.png", "probe_heatmap_units.png", "explorer.png",
+                             "sweep_dose_response.png", "ab_chart.png"}
+    assert all(2_000 < size < 400_000 for size in pictures.values()), pictures
+    for name in ("layer_explorer.ipynb", "ab_testing.ipynb"):
+        assert unsaved_outputs(tmp_path / "notebooks" / name) == [], name
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The notebooks run top to bottom on small fixtures (nbclient), so they cannot rot."""
+"""The notebooks run top to bottom on small fixtures (nbclient), so they cannot rot; the committed ones carry the
+outputs of a demo run (scripts/docs_pictures.py), each figure as a PNG."""
 
 import os
 from pathlib import Path
@@ -10,6 +11,7 @@ from rolemrc.core.tiny import build_model
 from rolemrc.probe import collect_paired, diff, write_diff
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+PLOTLY_JSON = "application/vnd.plotly.v1+json"
 
 
 def run_notebook(name: str, env: dict[str, str], tmp_path: Path) -> nbformat.NotebookNode:
@@ -43,7 +45,7 @@ def test_layer_explorer_notebook(model_dirs, records, tokenizer, tmp_path):
     assert "hook mlp.act: 2 layers x 96 units" in text and "largest shift:" in text
     assert "per-unit test: mcnemar" in text   # the paired diff docs/probe.md recommends
     plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
-             if "application/vnd.plotly.v1+json" in o.get("data", {})]
+             if PLOTLY_JSON in o.get("data", {})]
     assert len(plots) >= 4
 
 
@@ -61,5 +63,29 @@ def test_ab_testing_notebook(model_dirs, records, tmp_path):
     assert "control" in text and "restrained" in text
     assert "restrained vs control" in text and "server exited with 0" in text
     plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
-             if "application/vnd.plotly.v1+json" in o.get("data", {})]
+             if PLOTLY_JSON in o.get("data", {})]
     assert len(plots) == 1
+
+
+def unsaved_outputs(path: Path) -> list[str]:
+    """What keeps a notebook file from showing its run: a code cell never run or without output, an error, a
+    figure without a static PNG, plotly.js embedded (HTML output)."""
+    nb = nbformat.read(path, as_version=4)
+    problems = []
+    for k, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        data = [o.get("data", {}) for o in cell.outputs]
+        if cell.execution_count is None or not cell.outputs:
+            problems.append(f"code cell {k}: not run or no output")
+        problems += [f"code cell {k}: {o.ename}" for o in cell.outputs if o.output_type == "error"]
+        problems += [f"code cell {k}: a figure without image/png" for d in data if PLOTLY_JSON in d and "image/png" not in d]
+        problems += [f"code cell {k}: HTML output" for d in data if "text/html" in d and "plotly" in d["text/html"]]
+    return problems
+
+
+def test_committed_notebooks_carry_their_outputs():
+    for name, figures in (("layer_explorer.ipynb", 4), ("ab_testing.ipynb", 1)):
+        path = NOTEBOOKS / name
+        assert unsaved_outputs(path) == [], name
+        nb = nbformat.read(path, as_version=4)
+        pngs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if "image/png" in o.get("data", {})]
+        assert len(pngs) == figures and path.stat().st_size < 1_000_000, name

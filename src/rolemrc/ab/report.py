@@ -171,18 +171,21 @@ def figure(report: dict[str, Any]):
               *[(f"metric {k}", lambda a, k=k: (a.get("metrics") or {}).get(k))
                 for k in sorted({k for a in report["arms"].values() for k in (a.get("metrics") or {})})],
               *[(k, lambda a, k=k: a.get(k)) for k in OPERATIONAL]]
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[t for t, _ in panels])
-    for col, (_, get) in enumerate(panels, start=1):
+    cols = min(PANEL_COLUMNS, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[t for t, _ in panels])
+    for p, (_, get) in enumerate(panels):
         for k, (name, arm) in enumerate(report["arms"].items()):
             mean, lo, hi = (math.nan if v is None else v for v in map((get(arm) or {}).get, ("mean", "lo", "hi")))
-            fig.add_bar(x=[name], y=[mean], name=name, marker_color=PALETTE[k % len(PALETTE)], showlegend=col == 1,
+            fig.add_bar(x=[name], y=[mean], name=name, marker_color=PALETTE[k % len(PALETTE)], showlegend=p == 0,
                         error_y={"type": "data", "symmetric": False, "array": [hi - mean], "arrayminus": [mean - lo]},
-                        row=1, col=col)
+                        row=p // cols + 1, col=p % cols + 1)
     fig.update_layout(title=f"A/B experiment {report['experiment']} ({report['unit']['text']}; 95% CIs over users)",
-                      template="plotly_white", width=max(700, 260 * len(panels)), height=420)
+                      template="plotly_white", width=max(700, 300 * cols), height=120 + 280 * rows)
     return fig
 
 
+PANEL_COLUMNS = 3   # panels per row of the chart: it stays legible at a page's width
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
 
 

@@ -32,7 +32,9 @@ def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str
     try:
         import plotly.io as pio
 
-        pio.write_images(list(figures.values()), [str(p) for p in pngs.values()], width=width, height=height)
+        pio.write_images(list(figures.values()), [str(p) for p in pngs.values()],   # per figure: kaleido's batch
+                         width=[width or fig.layout.width for fig in figures.values()],   # ignores the layout's size
+                         height=[height or fig.layout.height for fig in figures.values()])
     except Exception as exc:
         hint = " (PNG export needs kaleido: pip install 'rolemrc[png]')" if missing("png") else PNG_HINT
         log.warning("PNG export of %s failed (%s)%s", ", ".join(figures), exc, hint)
