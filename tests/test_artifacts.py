@@ -22,7 +22,7 @@ from rolemrc.core.errors import EXIT_INPUT
 IDENTIFIED = {   # artifact (conftest's `artifacts`) -> what identify() says it is
     "model": "model", "records": "records", "pairs": "records", "sft-records": "records", "responses": "responses",
     "probe": "probe", "paired-probe": "paired-probe", "attribution": "attribution", "diff": "diff",
-    "restraint": "restraint", "peft-adapter": "peft-adapter", "eval-run": "eval-run", "sweep": "sweep", "gguf": "gguf",
+    "restraint": "restraint", "peft-adapter": "peft-adapter", "eval-run": "eval-run", "sweep": "sweep", "calibration": "calibration", "gguf": "gguf",
     "sqlite": "sqlite", "serve-config": "serve-config", "train-config": "train-config", "personas": "records",
     "mrc": "records", "missing": "missing", "empty-file": "empty-file", "empty-folder": "empty-folder",
     "folder": "folder", "binary": "binary", "non-utf8": "non-utf8",

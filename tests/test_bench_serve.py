@@ -34,6 +34,6 @@ def test_bad_engine_and_model_are_input_errors(tmp_path):
     result = runner.invoke(app, ["serve", "--engine", "vllm,tgi"])
     assert result.exit_code == EXIT_INPUT and "unknown engine(s) ['tgi']; choose from vllm, transformers" in result.output
     result = runner.invoke(app, ["serve", "--engine", "transformers", "--dtype", "float64"])
-    assert result.exit_code == EXIT_INPUT and "--dtype float64: choose from auto, float32, bfloat16, float16" in result.output
+    assert result.exit_code == EXIT_INPUT and "'--dtype': 'float64' is not one of 'auto', 'float32', 'bfloat16', 'float16'" in result.output
     result = runner.invoke(app, ["serve", "--engine", "transformers", "--model", str(tmp_path)])
     assert result.exit_code == EXIT_INPUT and "not a Hugging Face model directory" in result.output

@@ -82,7 +82,7 @@ def test_pyproject_lists_each_extra_as_core_extras_does():
     for extra in EXTRAS.values():
         assert names[extra.name] == sorted(extra.distributions), extra.name
     assert optional["all"] == [f"rolemrc[{','.join(ALL)}]"]
-    assert set(optional) == {*EXTRAS, "all", "vllm", "dev"}
+    assert set(optional) == {*EXTRAS, "all", "dev"}
     core = {spec.split(">")[0] for spec in PYPROJECT["project"]["dependencies"]}
     assert not core & {d for e in EXTRAS.values() for d in e.distributions}, "an extra's package is in the core"
 

@@ -32,14 +32,14 @@ def _generate_config(data: Path, model: str, base_url: str | None, restraint: st
         body = json.loads(extra_body) if extra_body else {}
     except json.JSONDecodeError as exc:
         raise InputError(f"--extra-body is not JSON: {exc}") from None
-    config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, strict=strict, extra_body=body,
-                            max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
-                            device=device, device_map=device_map)
     records, _ = read_records(data, "test")
     check = check_dataset(records, dataset, allow_drift=allow_drift)
     if check.get("drift"):
         typer.secho(f"warning: {len(check['drift'])} task counts differ from the {dataset} histogram (--allow-drift)",
                     fg="yellow", err=True)
+    config = GenerateConfig(model=model, base_url=base_url, restraint=restraint, strict=strict, extra_body=body,
+                            max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency, dtype=dtype,
+                            device=device, device_map=device_map)   # resolves the model: a hub id may download
     return first_cases(records, limit), config
 
 

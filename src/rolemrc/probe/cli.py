@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from rolemrc.core.cli import LIMIT, choice, cli_app
+from rolemrc.core.cli import LIMIT, Command, choice, cli_app
 from rolemrc.core.placement import DEVICE_HELP, MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Backend, Rank, Tokens
@@ -26,7 +27,18 @@ MAX_LENGTH = typer.Option(None, min=1, help="keep at most this many tokens per s
                           "the reply); a reply that alone exceeds it keeps its first ones (default: the context window)")
 
 
-@app.command("collect")
+class HookTableCommand(Command):
+    """A command whose `--hook` choices are the rows of HOOK_POINTS as they are when the CLI is built: a row added
+    after this module was imported counts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if param.name == "hook":
+                param.type_descriptor = replace(param.type_descriptor, annotation=choice(HOOK_POINTS))
+
+
+@app.command("collect", cls=HookTableCommand)
 def collect_cmd(
     model: list[Path] = typer.Option(..., "--model", help=f"{MODEL_HELP}; repeat it to collect several models paired "
                                      "over the same cases (one paired probe file)"),
@@ -74,7 +86,7 @@ def _report(probe: Any) -> dict[str, Any]:
             "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
 
 
-@app.command("attribute")
+@app.command("attribute", cls=HookTableCommand)
 def attribute_cmd(
     model: list[Path] = typer.Option(..., "--model", help=f"{MODEL_HELP}; given exactly twice: the reference "
                                      "(SFT) first, then the model tuned from it (DPO; same tokenizer and shape)"),

@@ -17,10 +17,6 @@ def dpo_trainer(config: DPOTrainConfig, *, callbacks: tuple[TrainerCallback, ...
     from datasets import Dataset
     from trl import DPOTrainer
 
-    from rolemrc.core.modeling import resolve_model
-
-    resolve_model(config.model)   # a missing model or unknown hub id before the data is read
-
     files = jsonl_files(config.data)
     report = DataReport()
     pairs = load_examples(files, pair_example, report)

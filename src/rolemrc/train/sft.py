@@ -17,10 +17,6 @@ def sft_trainer(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...
     from datasets import Dataset
     from trl import SFTTrainer
 
-    from rolemrc.core.modeling import resolve_model
-
-    resolve_model(config.model)   # a missing model or unknown hub id before the data is read
-
     from rolemrc.train.data import sft_examples
 
     report = DataReport()
