@@ -52,7 +52,8 @@ def diff_heatmaps(demo: Path, img: Path, dimension: str) -> list[Path]:
 
 
 def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int) -> Path:
-    """The explorer page with `dimension` chosen and the bar of `layer` clicked, so its unit panel shows."""
+    """The explorer page with `dimension` chosen, the bar of `layer` clicked (its unit panel shows) and the preview's
+    first unit clicked (its top prompts under A and B show)."""
     sys.path.insert(0, str(ROOT / "tests"))   # the tests' headless Chromium (Playwright on /usr/bin/chromium)
     from browser import browser_page
 
@@ -63,6 +64,8 @@ def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int) -> Pa
         box = page.locator("#layers .bars .point path").nth(layer).bounding_box()
         page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] - 3)
         page.wait_for_function(f"document.querySelector('#scatter .gtitle').textContent.startsWith('layer {layer}')")
+        page.locator("#preview-table tr[data-unit]").first.click()
+        page.wait_for_function("document.getElementById('prompts-sides').children.length > 0")
         page.mouse.move(0, 0)   # no hover label or toolbar in the picture
         page.wait_for_timeout(500)
         shot = Image.open(io.BytesIO(page.screenshot(full_page=True)))
