@@ -119,13 +119,20 @@ def test_probe_collect_records_the_id_and_its_snapshot(offline, tmp_path):
 def test_an_uncached_id_is_one_error_before_the_data_is_read(offline, tmp_path):
     for args in (["probe", "collect", "--model", "org/absent", "--data", tmp_path / "none.jsonl", "--out", tmp_path / "p"],
                  ["probe", "attribute", "--model", "org/tiny", "--model", "org/absent", "--pairs", tmp_path / "none.jsonl",
-                  "--out", tmp_path / "a"],
-                 ["eval", "run", "--model", "org/absent", "--data", tmp_path / "none.jsonl", "--out", tmp_path / "r"]):
+                  "--out", tmp_path / "a"]):
         result = invoke(*args)
         errors = [line for line in result.output.splitlines() if line.startswith("error:")]
         assert result.exit_code == EXIT_INPUT and len(errors) == 1, result.output
         assert errors[0].startswith("error: org/absent: not a local directory") and "none.jsonl" not in errors[0]
-    assert not any(tmp_path.iterdir())
+    # eval (like train) reads its data first: a name that resolves on the hub may download a whole model
+    result = invoke("eval", "run", "--model", "org/absent", "--data", tmp_path / "none.jsonl", "--out", tmp_path / "r")
+    assert result.exit_code == EXIT_INPUT and "none.jsonl: no such file" in result.output
+    (tmp_path / "none.jsonl").write_text('{"question": [{"role": "User", "content": "hi"}], "task": "x"}\n')
+    result = invoke("eval", "run", "--model", "org/absent", "--data", tmp_path / "none.jsonl", "--out", tmp_path / "r")
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == EXIT_INPUT and len(errors) == 1 and errors[0].startswith("error: org/absent: not a local"), \
+        result.output
+    assert not (tmp_path / "r").exists() and not (tmp_path / "p").exists() and not (tmp_path / "a").exists()
 
 
 def test_bake_from_a_hub_id_records_it(offline, tmp_path):
