@@ -1,5 +1,5 @@
-"""Decoding in tensors for the in-process engine: batched next-token choice and incremental text with stop
-strings."""
+"""Choosing tokens and releasing text: batched next-token choice (greedy, temperature, top-p, per-request seeds) and
+incremental text with stop strings."""
 
 from __future__ import annotations
 

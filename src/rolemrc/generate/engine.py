@@ -1,0 +1,323 @@
+"""The generation engine: continuous batching over a transformers causal LM with one KV-cache slot per request.
+
+Each `step` admits waiting requests into free slots as one prefill group, runs the group's next prefill chunk (so a
+long prompt never stalls the rows that are decoding for more than a chunk), then one decode step for every decoding
+row, whatever its restraint. The decode step reads the last tokens and positions from per-slot tensors whose addresses
+never change, so on CUDA it replays a captured graph (`graphs.DecodeGraphs`) at a few batch sizes. Single-threaded:
+a server drives it from one scheduler thread, the offline API (`offline.generate`) from the caller's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rolemrc.generate.cache import SlotCache, attention_mask, round_up
+from rolemrc.generate.params import Output, SamplingParams, TokenLogprob
+from rolemrc.generate.sampling import TextStream, choose, make_generator
+from rolemrc.generate.scales import SlotScales
+from rolemrc.intervene.spec import Restraint
+
+log = logging.getLogger("rolemrc.generate")
+
+PREFILL_TOKENS = 4096   # tokens per prefill forward (a chunk covers PREFILL_TOKENS // rows prompt positions)
+
+
+@dataclass(eq=False)
+class Request:
+    """One request: its prompt ids, settings, token budget and restraint (validated against the model already).
+    `emit` receives its `Output`s on the engine's thread; `cancelled` is polled every step."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    emit: Callable[[Output], None]
+    restraint: Restraint | None = None
+    cancelled: Callable[[], bool] = lambda: False
+    slot: int = -1
+    out: list[int] = field(default_factory=list)
+    pending: list[TokenLogprob] = field(default_factory=list)   # log-probabilities of tokens whose text is held
+    stream: TextStream | None = None
+    generator: torch.Generator | None = None
+    admitted: float = 0.0   # perf_counter when its prefill began
+
+
+@dataclass
+class PrefillGroup:
+    """Requests admitted together: their prompts left-padded to one width, each column's cache position per row
+    (a row's padding is written after its prompt, where its generated tokens will overwrite it), done in chunks."""
+
+    requests: list[Request]
+    slots: torch.Tensor
+    ids: torch.Tensor         # [rows, width]
+    positions: torch.Tensor   # [rows, width]
+    limit: torch.Tensor       # [rows] prompt lengths
+    done: int = 0             # columns prefilled
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS and the generation config's."""
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    extra = extra if isinstance(extra, (list, tuple)) else [extra]
+    return {e for e in (tokenizer.eos_token_id, *extra) if e is not None}
+
+
+class Engine:
+    """Continuous batching for one loaded model, `max_batch` requests at a time."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32, prefill_tokens: int = PREFILL_TOKENS,
+                 graphs: bool = True) -> None:
+        self.model, self.tokenizer, self.slots = model, tokenizer, max_batch
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = next(model.parameters()).dtype
+        self.eos = torch.tensor(sorted(eos_ids(model, tokenizer)), dtype=torch.long)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos[0])
+        self.prefill_tokens = prefill_tokens
+        self.cache = SlotCache(max_batch, 1)
+        self.scales = SlotScales(model, max_batch)
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.waiting: deque[Request] = deque()
+        self.group: PrefillGroup | None = None
+        self.decoding: dict[int, Request] = {}
+        self.free = list(range(max_batch))
+        self.tokens = torch.full((max_batch,), self.pad_id, dtype=torch.long, device=self.device)   # next input
+        self.next_pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)   # where it is written
+        self.lengths = [0] * max_batch          # positions a decoding slot fills after its next decode step
+        self.unlimited = torch.full((max_batch,), 2**62, dtype=torch.long, device=self.device)
+        self._token_text: dict[int, str] = {}
+        self.graphs = None
+        if graphs and self.device.type == "cuda":
+            from rolemrc.generate.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+
+    # public ---------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.stream = TextStream(self.tokenizer, request.params.stop)
+        request.generator = make_generator(request.params.seed)
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.group or self.decoding)
+
+    @property
+    def running(self) -> list[Request]:
+        return [*(self.group.requests if self.group else []), *self.decoding.values()]
+
+    def step(self) -> None:
+        """One round: admit, one prefill chunk, one decode step."""
+        self._drop_cancelled()
+        if self.group is None and self.waiting and self.free:
+            self._admit()
+        if self.group is not None:
+            self._prefill_chunk()
+        if self.decoding:
+            self._decode()
+
+    def fail(self, exc: BaseException) -> list[Request]:
+        """Free every running request's slot after a failed forward; returns them (the caller reports the error)."""
+        failed = self.running
+        self.group = None
+        for request in failed:
+            self._free(request)
+        self.decoding.clear()
+        return failed
+
+    # scheduling -----------------------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled()]:
+            self.waiting.remove(request)
+            request.emit(Output(finish_reason="cancelled"))
+        for slot, request in list(self.decoding.items()):
+            if request.cancelled():
+                del self.decoding[slot]
+                self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        requests = []
+        while self.waiting and len(requests) < len(self.free):
+            requests.append(self.waiting.popleft())
+        self.free.sort()
+        slots = [self.free.pop(0) for _ in requests]
+        if self.cache.reserve(max(len(r.prompt) + r.max_tokens for r in requests)) and self.graphs:
+            self.graphs.clear()
+        width = max(len(r.prompt) for r in requests)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        lengths = torch.tensor([len(r.prompt) for r in requests])
+        now = time.perf_counter()
+        for row, request in enumerate(requests):
+            request.slot, request.admitted = slots[row], now
+            ids[row, width - len(request.prompt):] = torch.tensor(request.prompt)
+            self.scales.assign(request.slot, request.restraint)
+        column = torch.arange(width)[None]
+        pad = (width - lengths)[:, None]
+        positions = torch.where(column >= pad, column - pad, column + lengths[:, None])
+        index = torch.tensor(slots, device=self.device)
+        self.next_pos[index] = lengths.to(self.device)   # a prefilling slot's safe write position in decode steps
+        self.group = PrefillGroup(requests, index, ids.to(self.device), positions.to(self.device),
+                                  lengths.to(self.device))
+
+    def _prefill_chunk(self) -> None:
+        group = self.group
+        rows, width = len(group.requests), group.ids.shape[1]
+        end = min(width, group.done + max(1, self.prefill_tokens // rows))
+        scored = [i for i, r in enumerate(group.requests) if r.params.prompt_logprobs]
+        write = group.positions[:, group.done:end]
+        logits = self._forward(group.ids[:, group.done:end], group.slots, write, group.limit, width,
+                               keep=0 if scored else 1)
+        if scored:
+            self._prompt_logprobs(group, scored, logits, group.done, end)
+        group.done = end
+        if end < width:
+            return
+        self.group = None
+        last = logits[:, -1]
+        for request in group.requests:
+            self.lengths[request.slot] = len(request.prompt)
+        self._advance(group.requests, last, group.slots)
+
+    def _decode(self) -> None:
+        slots = sorted(self.decoding)
+        hi = slots[-1] + 1
+        width = round_up(max(self.lengths[s] for s in slots))
+        if self.graphs is not None:
+            logits = self.graphs.decode(hi, width)
+        else:
+            logits = self.decode_forward(hi, width)
+        index = torch.tensor(slots, device=self.device)
+        self._advance([self.decoding[s] for s in slots], logits[index, -1], index)
+
+    def decode_forward(self, rows: int, width: int) -> torch.Tensor:
+        """The decode step over slots [0, rows) (slots not decoding run as padding and are ignored): logits
+        [rows, 1, vocab]. Its inputs are `tokens` and `next_pos`, so a graph captured from it replays as is."""
+        positions = self.next_pos[:rows, None]
+        return self._forward(self.tokens[:rows, None], slice(0, rows), positions, self.unlimited[:rows], width, keep=1)
+
+    def _forward(self, ids: torch.Tensor, rows: slice | torch.Tensor, write: torch.Tensor, limit: torch.Tensor,
+                 width: int, keep: int) -> torch.Tensor:
+        self.cache.at(rows, write, width)
+        self.scales.rows = rows
+        mask = attention_mask(write, limit, width, self.dtype)
+        out = self.model(input_ids=ids, position_ids=write, attention_mask=mask, use_cache=True,
+                         logits_to_keep=keep, **{self.cache_arg: self.cache})
+        return out.logits
+
+    # tokens ---------------------------------------------------------------------------------------
+
+    def _advance(self, requests: list[Request], logits: torch.Tensor, slots: torch.Tensor) -> None:
+        """Choose each request's next token from its logits [rows, vocab], emit its text, finish the ones that
+        ended and put the others in (or keep them in) the decode batch."""
+        params = [r.params for r in requests]
+        tokens = choose(logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.top_p for p in params]),
+                        [r.generator for r in requests])
+        logprobs = self._step_logprobs(requests, logits, tokens)
+        self.tokens[slots] = tokens.to(self.device)
+        host = tokens.cpu()
+        staying = []
+        for request, token, eos, logprob in zip(requests, host.tolist(), torch.isin(host, self.eos).tolist(), logprobs):
+            request.out.append(token)
+            if logprob is not None:
+                request.pending.append(logprob)
+            reason = None
+            if eos and not request.params.ignore_eos:
+                reason = "stop"
+            else:
+                delta, stopped = request.stream.add(token)
+                if delta:
+                    request.emit(Output(delta, request.pending))
+                    request.pending = []
+                if stopped:
+                    reason = "stop"
+                elif len(request.out) >= request.max_tokens:
+                    reason = "length"
+            if reason:
+                self.decoding.pop(request.slot, None)
+                self._finish(request, reason)
+            else:
+                self.decoding[request.slot] = request
+                staying.append(request.slot)
+        if staying:   # the chosen token goes into the cache at the next decode step
+            index = torch.tensor(staying, device=self.device)
+            self.next_pos[index] = torch.tensor([self.lengths[s] for s in staying], device=self.device)
+            for s in staying:
+                self.lengths[s] += 1
+
+    def _finish(self, request: Request, reason: str) -> None:
+        text = request.stream.flush() if reason != "cancelled" else ""
+        request.emit(Output(text, request.pending, reason, len(request.out)))
+        request.pending = []
+        self._free(request)
+
+    def _free(self, request: Request) -> None:
+        slot = request.slot
+        self.scales.release(slot)
+        self.tokens[slot] = self.pad_id
+        self.next_pos[slot] = 0
+        self.lengths[slot] = 0
+        self.free.append(slot)
+
+    # log-probabilities ----------------------------------------------------------------------------
+
+    def _step_logprobs(self, requests: list[Request], logits: torch.Tensor,
+                       tokens: torch.Tensor) -> list[TokenLogprob | None]:
+        """Each chosen token's log-probability, for the requests that asked (None for the others)."""
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(requests)
+        if not rows:
+            return out
+        index = torch.tensor(rows, device=logits.device)
+        ids = tokens[index.cpu()].tolist()
+        scored = score(logits[index], tokens[index.cpu()], max(requests[i].params.logprobs for i in rows))
+        for r, i in enumerate(rows):
+            out[i] = self._entries(ids[r:r + 1], scored, r, requests[i].params.logprobs)[0]
+        return out
+
+    def _prompt_logprobs(self, group: PrefillGroup, rows: list[int], logits: torch.Tensor, start: int,
+                         end: int) -> None:
+        """Emit the prompt tokens' log-probabilities that columns [start, end) of the group's prefill predict
+        (the logits at a column score the next column's token; the prompt's first token has none)."""
+        width = group.ids.shape[1]
+        for i in rows:
+            request = group.requests[i]
+            first_col = width - len(request.prompt)
+            entries = [TokenLogprob(self._text(request.prompt[0]), None, [])] if start <= first_col < end else []
+            lo, hi = max(start, first_col), min(end, width - 1)   # predicting columns lo+1 .. hi
+            if hi > lo:
+                targets = group.ids[i, lo + 1:hi + 1]
+                scored = score(logits[i, lo - start:hi - start], targets, request.params.logprobs)
+                entries += self._entries(targets.tolist(), scored, 0, request.params.logprobs)
+            if entries:
+                request.emit(Output("", entries))
+
+    def _entries(self, ids: list[int], scored: tuple[list, list, list], start: int, k: int) -> list[TokenLogprob]:
+        """TokenLogprobs for `ids`, read from rows start.. of `scored`, keeping each row's top `k`."""
+        chosen, values, indices = scored
+        return [TokenLogprob(self._text(t), chosen[start + j],
+                             [(self._text(a), v) for a, v in zip(indices[start + j][:k], values[start + j][:k])])
+                for j, t in enumerate(ids)]
+
+    def _text(self, token: int) -> str:
+        """One token's text on its own (cached)."""
+        if token not in self._token_text:
+            self._token_text[token] = self.tokenizer.decode([token], clean_up_tokenization_spaces=False)
+        return self._token_text[token]
+
+
+def score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[list, list, list]:
+    """Log-probabilities of `targets` [N] under `logits` [N, V] and the top `k` per row, as lists: one log_softmax
+    and one topk on the model's device. The distribution is the model's own (log-softmax of the raw logits,
+    temperature 1, before top-p), which is what OpenAI reports; it is the same for greedy and sampled requests and
+    shows a restraint's effect directly."""
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(1, targets.to(logp.device)[:, None])[:, 0]
+    top = logp.topk(k, dim=-1)
+    return chosen.tolist(), top.values.tolist(), top.indices.tolist()

@@ -1,0 +1,57 @@
+"""What a generation request asks for and what it gets back: `SamplingParams` in, `TokenLogprob`s and an `Output`
+per step out, a `Completion` at the end (offline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings; temperature 0 means greedy."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None     # None: none; k: each token's log-probability and its k most likely alternatives
+    echo: bool = False              # the output starts with the prompt's text (completions)
+    prompt_logprobs: bool = False   # also the prompt tokens' (from the prefill; the first token's is None)
+    response_format: dict[str, Any] | None = None   # OpenAI's json_object / json_schema (structured outputs)
+
+
+@dataclass
+class TokenLogprob:
+    """One token's log-probability and the `top` alternatives (most likely first), as (text, logprob)."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class Output:
+    """What one engine step gives a request: new text (held back while it may still become a stop string or an
+    unfinished character), the log-probabilities of the tokens it came from, and, on its last step, why it ended
+    (stop | length | cancelled) and how many tokens it generated (a final EOS counts, as in vLLM)."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """An offline request's result: the generated ids (a final EOS included), their text (special tokens skipped;
+    up to a stop string), why it ended, its log-probabilities when asked, and the seconds from admission to end."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    logprobs: list[TokenLogprob]
+    latency: float

@@ -1,0 +1,65 @@
+"""Restraints per slot: each site's multipliers [slots, width], a request's row written when it joins and reset to
+ones when it leaves. A site's hook is installed while some slot restrains it, so unrestrained batches run without
+hooks, and every forward multiplies whole rows at once (nothing per unit, nothing per step in Python)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from rolemrc.intervene.spec import Restraint
+from rolemrc.probe.hooks import site, width
+
+Site = tuple[str, int]   # (hook point, layer)
+
+
+class SlotScales:
+    """The restraint multipliers of every slot. `rows` (set before each forward) says which slots the batch rows
+    are: a contiguous run (the decode step) or an index (a prefill group)."""
+
+    def __init__(self, model: Any, slots: int) -> None:
+        self.model, self.slots = model, slots
+        self.tables: dict[Site, torch.Tensor] = {}
+        self.users: Counter[Site] = Counter()
+        self.handles: dict[Site, Any] = {}
+        self.held: dict[int, Restraint] = {}
+        self.rows: slice | torch.Tensor = slice(0, 0)
+
+    @property
+    def sites(self) -> tuple[Site, ...]:
+        """The sites hooked now (they shape the forward: part of a captured graph's key)."""
+        return tuple(sorted(self.handles))
+
+    def assign(self, slot: int, restraint: Restraint | None) -> None:
+        """Give `slot` this restraint (validated against the model already); None leaves it all ones."""
+        if restraint is None:
+            return
+        param = next(self.model.parameters())
+        factor = torch.tensor(restraint.factor, dtype=param.dtype)
+        for layer, units in restraint.units.items():
+            key = (restraint.hook, layer)
+            if key not in self.tables:
+                self.tables[key] = torch.ones(self.slots, width(self.model, restraint.hook), dtype=param.dtype,
+                                              device=param.device)
+            self.tables[key][slot, torch.tensor(units, device=param.device)] = factor.to(param.device)
+            self.users[key] += 1
+            if key not in self.handles:
+                table = self.tables[key]
+                self.handles[key] = site(self.model, *key).rewrite(
+                    lambda t, table=table: t * table[self.rows].to(t.dtype)[:, None, :])
+        self.held[slot] = restraint
+
+    def release(self, slot: int) -> None:
+        """`slot` is free: its rows back to ones, hooks no slot needs any more removed."""
+        restraint = self.held.pop(slot, None)
+        if restraint is None:
+            return
+        for layer in restraint.units:
+            key = (restraint.hook, layer)
+            self.tables[key][slot] = 1
+            self.users[key] -= 1
+            if not self.users[key]:
+                self.handles.pop(key).remove()
+                del self.users[key]
