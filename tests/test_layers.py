@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("core",),
     ("models", "datagen", "train", "probe"),
     ("intervene",),
+    ("generate",),
     ("eval", "serve"),
     ("sweep",),
     ("ab", "organism"),

@@ -12,7 +12,7 @@ from rolemrc.core.stats import welch
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.errors import ServeConfigError
 from rolemrc.serve.experiments import assign
-from rolemrc.serve.sampling import TextStream, choose, make_generator
+from rolemrc.generate.sampling import TextStream, choose, make_generator
 
 
 def test_choose_greedy_nucleus_and_seeds():
@@ -196,7 +196,8 @@ def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
     import subprocess
     import sys
 
-    from rolemrc.serve.engines.base import Prompt, Resolved, SamplingParams
+    from rolemrc.generate.params import SamplingParams
+    from rolemrc.serve.engines.base import Prompt, Resolved
     from rolemrc.serve.engines.vllm import StderrTail, VllmEngine, VllmOptions
     from rolemrc.serve.errors import ApiError
 

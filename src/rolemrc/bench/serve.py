@@ -26,7 +26,8 @@ from rolemrc.core.errors import InputError
 from rolemrc.core.modeling import resolve_model
 from rolemrc.core.placement import DTYPES
 from rolemrc.intervene import Restraint, bake
-from rolemrc.serve.engines.base import Prompt, Resolved, SamplingParams
+from rolemrc.generate.params import SamplingParams
+from rolemrc.serve.engines.base import Prompt, Resolved
 from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
 
 

@@ -27,7 +27,8 @@ from pydantic import BaseModel
 
 from rolemrc.serve import protocol as p
 from rolemrc.serve.config import ServeConfig
-from rolemrc.serve.engines.base import Engine, Final, Generation, Piece, Prompt, Resolved, SamplingParams, TokenLogprob
+from rolemrc.generate.params import SamplingParams, TokenLogprob
+from rolemrc.serve.engines.base import Engine, Final, Generation, Piece, Prompt, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.experiments import assign
 from rolemrc.serve.state import State, app_state

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from rolemrc.generate.params import SamplingParams, TokenLogprob
 from rolemrc.intervene.spec import Restraint
 from rolemrc.serve.errors import ApiError
 
@@ -27,31 +28,6 @@ class Capabilities:
     lora_restraints: bool = False      # ... as LoRA adapters, told the registered ones by `register_adapters`
     logprobs: bool = False             # returns token log-probabilities
     structured_outputs: bool = False   # constrains decoding to `response_format` (JSON object / JSON Schema)
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding settings; temperature 0 means greedy."""
-
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None     # None: none; k: each token's log-probability and its k most likely alternatives
-    echo: bool = False              # the output starts with the prompt's text (completions)
-    prompt_logprobs: bool = False   # also the prompt tokens' (from the prefill; the first token's is None)
-    response_format: dict[str, Any] | None = None   # OpenAI's json_object / json_schema (structured outputs)
-
-
-@dataclass
-class TokenLogprob:
-    """One token's log-probability and the `top` alternatives (most likely first), as (text, logprob)."""
-
-    token: str
-    logprob: float | None
-    top: list[tuple[str, float]]
 
 
 @dataclass
