@@ -9,9 +9,9 @@ from rolemrc.core.chat import render_chat
 from rolemrc.core.modeling import load_model
 from rolemrc.core.records import normalize_record
 from rolemrc.eval.generate import GenerateConfig, generate, generate_rows
+from rolemrc.generate.scales import SlotScales
 from rolemrc.intervene import Restraint, RestraintError, applied
 from rolemrc.intervene.bake import changed_elements, elements_changed, fold_restraint
-from rolemrc.intervene.runtime import applied_per_row
 from rolemrc.sweep.controls import draw_controls
 
 SELECTED = Restraint(name="kb", hook="mlp.act", factor=0.0, units={0: [1, 5, 7], 3: list(range(40))})
@@ -37,14 +37,23 @@ def test_controls_refuse_a_layer_with_too_few_units_left():
 
 @pytest.mark.parametrize("hook", ["mlp.act", "attn.out"])
 def test_per_row_restraints_equal_each_restraint_alone(model_dirs, hook):
-    """One batch whose rows carry different restraints (or none) gives each row the logits it gets alone."""
+    """One batch whose rows (the engine's slots) carry different restraints (or none) gives each row the logits it
+    gets alone; releasing the slots removes the hooks."""
     model, tok = load_model(model_dirs["llama"], device="cpu")
     a = Restraint(name="a", hook=hook, factor=0.0, units={0: [1, 5, 7], 1: [2, 3]})
     b = Restraint(name="b", hook=hook, factor=0.5, units={1: [2, 9]})
     rows = [a, None, b, a]
     ids = tok([render_chat(tok, PROMPT)] * len(rows), return_tensors="pt", add_special_tokens=False)["input_ids"]
-    with torch.no_grad(), applied_per_row(model, rows):
+    scales = SlotScales(model, slots=6)
+    for slot, r in enumerate(rows):
+        scales.assign(slot, r)
+    scales.rows = slice(0, len(rows))
+    with torch.no_grad():
         together = model(ids).logits
+    assert scales.sites == tuple(sorted({(hook, 0), (hook, 1)}))
+    for slot in range(len(rows)):
+        scales.release(slot)
+    assert scales.sites == () and not scales.users
     with torch.no_grad():
         plain = model(ids[:1]).logits[0]
         alone = {}

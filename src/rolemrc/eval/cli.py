@@ -76,7 +76,7 @@ GEN = {
     "restraint": typer.Option(None, help="restraint spec (YAML/JSON) applied as runtime hooks (local models)"),
     "strict": typer.Option(False, "--strict", help=STRICT_HELP),
     "extra_body": typer.Option(None, help='JSON merged into each endpoint request, e.g. \'{"restraint": "mt"}\''),
-    "max_new_tokens": typer.Option(256), "batch_size": typer.Option(8, help="local batch size"),
+    "max_new_tokens": typer.Option(256), "batch_size": typer.Option(32, help="local: rows the engine decodes together"),
     "concurrency": typer.Option(8, help="endpoint requests in flight"),
     "dtype": dtype_option(), "device": device_option(), "device_map": device_map_option(),
     "dataset": typer.Option(None, help="check the file against this dataset's published task histogram (rolemrc: "

@@ -1,5 +1,5 @@
-"""Generation: responses for a test set from a local model (a directory, a pulled model or a hub id; batched, left-padded, greedy,
-chat template, optional restraint as runtime hooks) or from any OpenAI-compatible endpoint
+"""Generation: responses for a test set from a local model (a directory, a pulled model or a hub id; on the generation
+engine, greedy by default, chat template, optional restraint per row) or from any OpenAI-compatible endpoint
 (`core.openai_client`: concurrency limit, retries with backoff; `extra_body`). Output records keep `question` and
 `reference` so scoring can be rerun without regenerating."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ class GenerateConfig:
     base_url: str | None = None
     max_new_tokens: int = 256
     temperature: float = 0.0           # 0: greedy
-    batch_size: int = 8                # local
+    batch_size: int = 32               # local: rows decoding together
     dtype: Dtype = "auto"              # local; auto: the checkpoint's own
     device: str = "auto"               # local
     device_map: DeviceMap | None = None  # local: place the layers over the GPUs instead of `device`
@@ -109,16 +108,15 @@ def _generate_local(records: list[dict], config: GenerateConfig) -> list[dict]:
 
 
 def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[Any], config: GenerateConfig) -> list[dict]:
-    """Responses of a loaded model for `records`, record i under `restraints[i]` (a Restraint or None): rows
-    with different restraints share batches (intervene.runtime.applied_per_row)."""
-    import torch
-
+    """Responses of a loaded model for `records`, record i under `restraints[i]` (a Restraint or None), on the
+    generation engine (`generate.offline`): up to `batch_size` rows decode together, whatever their restraints."""
     from rolemrc.core.chat import render_chat
     from rolemrc.core.modeling import context_window
+    from rolemrc.generate.engine import eos_ids
+    from rolemrc.generate.offline import generate as run_engine
+    from rolemrc.generate.params import SamplingParams
     from rolemrc.intervene.fit import validate
-    from rolemrc.intervene.runtime import applied_per_row
 
-    tok.padding_side = "left"
     limit = context_window(model, tok)
     room = (limit - config.max_new_tokens) if limit else None
     if room is not None and room < 1:
@@ -128,25 +126,15 @@ def generate_rows(model: Any, tok: Any, records: list[dict], restraints: list[An
     prompts = [tok(render_chat(tok, r["question"]), add_special_tokens=False)["input_ids"] for r in records]
     truncated = [room is not None and len(p) > room for p in prompts]
     prompts = [p[-room:] if cut else p for p, cut in zip(prompts, truncated)]
-    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))  # similar lengths batch together
-    results: list[dict | None] = [None] * len(records)
-    sampling = {"do_sample": True, "temperature": config.temperature} if config.temperature > 0 else {"do_sample": False}
-    bar = tqdm(total=len(records), desc="generate", disable=not config.progress)
-    with torch.inference_mode():
-        for start in range(0, len(order), config.batch_size):
-            batch = order[start:start + config.batch_size]
-            enc = tok.pad({"input_ids": [prompts[i] for i in batch]}, return_tensors="pt").to(model.device)
-            began = time.perf_counter()
-            with applied_per_row(model, [restraints[i] for i in batch]):
-                out = model.generate(**enc, max_new_tokens=config.max_new_tokens, pad_token_id=tok.pad_token_id,
-                                     eos_token_id=tok.eos_token_id, **sampling)
-            latency = (time.perf_counter() - began) / len(batch)   # amortised over the batch
-            for row, i in zip(out[:, enc["input_ids"].shape[1]:].tolist(), batch):
-                n = next((k for k, t in enumerate(row) if t in (tok.eos_token_id, tok.pad_token_id)), len(row))
-                results[i] = _with_response(records[i], tok.decode(row[:n], skip_special_tokens=True).strip(), latency, n,
-                                            truncated=truncated[i])
-            bar.update(len(batch))
-    bar.close()
+    params = SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature)
+    done = run_engine(model, tok, prompts, params, restraints, max_batch=config.batch_size, progress=config.progress)
+    ends = eos_ids(model, tok)
+    results = []
+    for record, completion, cut in zip(records, done, truncated):
+        ids = completion.token_ids[:-1] if completion.token_ids[-1:] and completion.token_ids[-1] in ends \
+            else completion.token_ids
+        results.append(_with_response(record, tok.decode(ids, skip_special_tokens=True).strip(), completion.latency,
+                                      len(ids), truncated=cut))
     return results
 
 

@@ -41,6 +41,7 @@ class Request:
     emit: Callable[[Output], None]
     restraint: Restraint | None = None
     cancelled: Callable[[], bool] = lambda: False
+    text: bool = True   # emit text as it comes (stop strings need it); False: ids only, the caller decodes
     slot: int = -1
     out: list[int] = field(default_factory=list)
     pending: list[TokenLogprob] = field(default_factory=list)   # log-probabilities of tokens whose text is held
@@ -101,7 +102,7 @@ class Engine:
     # public ---------------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        request.stream = TextStream(self.tokenizer, request.params.stop)
+        request.stream = TextStream(self.tokenizer, request.params.stop) if request.text or request.params.stop else None
         request.generator = make_generator(request.params.seed)
         self.waiting.append(request)
 
@@ -231,7 +232,7 @@ class Engine:
             if eos and not request.params.ignore_eos:
                 reason = "stop"
             else:
-                delta, stopped = request.stream.add(token)
+                delta, stopped = request.stream.add(token) if request.stream else ("", False)
                 if delta:
                     request.emit(Output(delta, request.pending))
                     request.pending = []
@@ -252,7 +253,7 @@ class Engine:
                 self.lengths[s] += 1
 
     def _finish(self, request: Request, reason: str) -> None:
-        text = request.stream.flush() if reason != "cancelled" else ""
+        text = request.stream.flush() if request.stream and reason != "cancelled" else ""
         request.emit(Output(text, request.pending, reason, len(request.out)))
         request.pending = []
         self._free(request)

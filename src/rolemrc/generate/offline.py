@@ -24,6 +24,7 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[list[int]], params: S
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     restraints = list(restraints) if restraints is not None else [None] * len(prompts)
     engine = Engine(model, tokenizer, max_batch=max_batch)
+    ends = set(engine.eos.tolist())
     texts: list[list[str]] = [[] for _ in prompts]
     logprobs: list[list] = [[] for _ in prompts]
     results: list[Completion | None] = [None] * len(prompts)
@@ -36,15 +37,17 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[list[int]], params: S
             logprobs[i].extend(output.logprobs)
             if output.finish_reason is not None:
                 request = requests[i]
-                results[i] = Completion(request.out, "".join(texts[i]), output.finish_reason, len(request.prompt),
-                                        logprobs[i], time.perf_counter() - request.admitted)
+                text = "".join(texts[i]) if request.stream else tokenizer.decode(
+                    [t for t in request.out if t not in ends], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                results[i] = Completion(request.out, text, output.finish_reason, len(request.prompt), logprobs[i],
+                                        time.perf_counter() - request.admitted)
                 bar.update()
         return emit
 
     for i, (prompt, p, r) in enumerate(zip(prompts, params, restraints)):
         if p.max_tokens is None:
             raise ValueError("offline generation needs max_tokens")
-        requests.append(Request(list(prompt), p, p.max_tokens, collector(i), r))
+        requests.append(Request(list(prompt), p, p.max_tokens, collector(i), r, text=False))
         engine.add(requests[-1])
     try:
         with torch.inference_mode():

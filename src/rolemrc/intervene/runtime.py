@@ -103,11 +103,3 @@ def applied_rows(model: Any, scales: RowScales) -> Iterator[Any]:
     finally:
         for h in handles:
             h.remove()
-
-
-@contextmanager
-def applied_per_row(model: Any, rows: list[Restraint | None]) -> Iterator[Any]:
-    """Apply a different restraint to each row of the batch (None: none) for the duration of the block, so one
-    batched forward or `generate` serves many restraints. Inside, every batch must have len(rows) rows."""
-    with applied_rows(model, RowScales.of(model, rows)):
-        yield model

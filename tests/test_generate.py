@@ -1,0 +1,118 @@
+"""The generation engine against transformers itself: greedy tokens, chunked prefill, slots reused and grown,
+log-probabilities, stop strings and cancellation."""
+
+import pytest
+import torch
+
+from rolemrc.core.chat import render_chat
+from rolemrc.core.modeling import load_model
+from rolemrc.generate.engine import Engine, Request
+from rolemrc.generate.offline import generate
+from rolemrc.generate.params import SamplingParams
+
+QUESTIONS = ["who keeps the lighthouse", "the baker sings at dawn to the ovens and the bread",
+             "tell me about the river that floods every spring and the town beside it, and the keeper", "storms",
+             "a keeper", "what does the baker knead before the sun is up over the rocks", "the sea", "dawn"]
+
+
+def prompts_of(tok, n=len(QUESTIONS)):
+    return [tok(render_chat(tok, [{"role": "user", "content": q}]), add_special_tokens=False)["input_ids"]
+            for q in QUESTIONS[:n]]
+
+
+def hf_greedy(model, tok, prompt, tokens):
+    """One request alone through `model.generate`: the reference every batching must reproduce."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_greedy_tokens_equal_transformers_one_request_at_a_time(model_dirs, arch):
+    """Eight prompts of different lengths through three slots: rows join and leave by slot mid-generation."""
+    model, tok = load_model(model_dirs[arch], device="cpu")
+    prompts = prompts_of(tok)
+    done = generate(model, tok, prompts, GREEDY, max_batch=3, progress=False)
+    assert [c.token_ids for c in done] == [hf_greedy(model, tok, p, 12) for p in prompts]
+    assert all(c.finish_reason == "length" and c.prompt_tokens == len(p) for c, p in zip(done, prompts))
+
+
+def drive(engine, requests, after=None):
+    """Add `requests`, step until done; `after` = (steps, late requests) added after that many steps."""
+    with torch.inference_mode():
+        for r in requests:
+            engine.add(r)
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            if after and steps == after[0]:
+                for r in after[1]:
+                    engine.add(r)
+    return requests + (after[1] if after else [])
+
+
+def test_chunked_prefill_and_a_growing_cache_change_nothing(model_dirs):
+    """A prefill of 5 tokens per forward (each prompt in many chunks, decode steps in between) and a late
+    request that outgrows the cache while others decode give the same tokens as one pass."""
+    model, tok = load_model(model_dirs["llama"], device="cpu")
+    prompts = prompts_of(tok)
+    whole = [c.token_ids for c in generate(model, tok, prompts, GREEDY, max_batch=8, progress=False)]
+    engine = Engine(model, tok, max_batch=3, prefill_tokens=5)
+    long = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    late = Request(prompts[4], long, 150, lambda o: None, text=False)
+    requests = drive(engine, [Request(p, GREEDY, 12, lambda o: None, text=False) for p in prompts[:4]], (3, [late]))
+    assert engine.cache.length >= len(prompts[4]) + 150 > 128
+    assert [r.out for r in requests[:4]] == whole[:4]
+    assert late.out == hf_greedy(model, tok, prompts[4], 150)
+    chunked = drive(Engine(model, tok, max_batch=2, prefill_tokens=5),
+                    [Request(p, GREEDY, 12, lambda o: None, text=False) for p in prompts])
+    assert [r.out for r in chunked] == whole
+    assert sorted(engine.free) == [0, 1, 2] and not engine.scales.held
+
+
+def test_logprobs_of_steps_and_prompts_equal_a_plain_forward(model_dirs):
+    """Each chosen token's log-probability and the prompt's (scored over several prefill chunks) equal the
+    log-softmax of one forward over the whole text."""
+    model, tok = load_model(model_dirs["qwen2"], device="cpu")
+    prompts = prompts_of(tok, 3)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=True)
+    outputs: dict[int, list] = {i: [] for i in range(3)}
+    requests = drive(Engine(model, tok, max_batch=3, prefill_tokens=7),
+                     [Request(p, params, 6, outputs[i].append) for i, p in enumerate(prompts)])
+    with torch.inference_mode():
+        for i, (p, r) in enumerate(zip(prompts, requests)):
+            entries = [e for o in outputs[i] for e in o.logprobs]
+            assert len(entries) == len(p) + 6 and entries[0].logprob is None
+            text = torch.tensor([p + r.out[:-1]])
+            logp = model(text).logits[0].float().log_softmax(-1)
+            expected = [*logp[torch.arange(text.shape[1] - 1), text[0, 1:]].tolist(), logp[-1, r.out[-1]].item()]
+            assert [e.logprob for e in entries[1:]] == pytest.approx(expected, abs=1e-4)
+            assert all(len(e.top) == 3 for e in entries[1:])
+
+
+def test_stop_strings_and_cancellation_free_their_slots(peaked_model):
+    model, tok = load_model(peaked_model, device="cpu")
+    prompts = prompts_of(tok, 4)
+    free_run = generate(model, tok, prompts[:1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                        progress=False)[0]
+    stop = free_run.text[len(free_run.text) // 2:][:3]
+    assert stop.strip()
+    stopped = generate(model, tok, prompts[:1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                               stop=[stop]), progress=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.text == free_run.text[:free_run.text.index(stop)]
+    engine = Engine(model, tok, max_batch=2)
+    cancel = {"now": False}
+    outs: list = []
+    with torch.inference_mode():
+        engine.add(Request(prompts[0], GREEDY, 12, outs.append, cancelled=lambda: cancel["now"]))
+        engine.step()
+        cancel["now"] = True
+        engine.step()
+        assert outs[-1].finish_reason == "cancelled" and not engine.has_work()
+        assert sorted(engine.free) == [0, 1]
