@@ -107,3 +107,42 @@ def test_cuda_hub_cache_id(model_dirs, records, tmp_path, monkeypatch):
     assert counts.meta["model"] == "org/tiny" and counts.meta["model_dir"].endswith("c" * 40)
     model, _ = load_model("org/tiny")
     assert next(model.parameters()).device.type == "cuda"
+
+
+def _run_engine(model, tok, prompts, params, restraints=None, **options):
+    from rolemrc.generate.engine import Engine, Request
+
+    engine = Engine(model, tok, **options)
+    requests = [Request(p, params, params.max_tokens, lambda o: None, r, text=False)
+                for p, r in zip(prompts, restraints or [None] * len(prompts))]
+    with torch.inference_mode():
+        for r in requests:
+            engine.add(r)
+        while engine.has_work():
+            engine.step()
+    return engine, [r.out for r in requests]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_engine_graphs_equal_eager_and_restraints_mix(peaked_model, dtype):
+    """The decode step replayed as CUDA graphs gives the tokens eager decoding gives (greedy, a model with clear
+    margins), also with rows under different restraints in one batch, each equal to its restraint alone."""
+    from rolemrc.core.chat import render_chat
+    from rolemrc.generate.params import SamplingParams
+
+    model, tok = load_model(peaked_model, device="cuda", dtype=dtype)
+    prompts = [tok(render_chat(tok, [{"role": "user", "content": f"the keeper {'of the light ' * k}"}]),
+                   add_special_tokens=False)["input_ids"] for k in range(10)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    graphed, tokens = _run_engine(model, tok, prompts, params, max_batch=4)
+    assert graphed.graphs is not None and graphed.graphs.graphs and not graphed.graphs.broken
+    assert _run_engine(model, tok, prompts, params, max_batch=4, graphs=False)[1] == tokens
+    a = Restraint(name="a", hook="mlp.act", factor=0.0, units={0: list(range(0, 96, 2))})
+    b = Restraint(name="b", hook="mlp.act", factor=0.0, units={1: list(range(1, 96, 2))})
+    rows = [a, None, b, a, None, b, a, None, b, None]
+    mixed = _run_engine(model, tok, prompts, params, rows, max_batch=4)[1]
+    for r in (a, b):
+        alone = _run_engine(model, tok, prompts, params, [r] * len(prompts), max_batch=4)[1]
+        assert [m for m, x in zip(mixed, rows) if x is r] == [t for t, x in zip(alone, rows) if x is r]
+    assert [m for m, x in zip(mixed, rows) if x is None] == [t for t, x in zip(tokens, rows) if x is None]
+    assert mixed != tokens
