@@ -9,6 +9,7 @@ from rolemrc.core.modeling import load_model
 from rolemrc.generate.engine import Engine, Request
 from rolemrc.generate.offline import generate
 from rolemrc.generate.params import SamplingParams
+from rolemrc.intervene import Restraint, applied
 
 QUESTIONS = ["who keeps the lighthouse", "the baker sings at dawn to the ovens and the bread",
              "tell me about the river that floods every spring and the town beside it, and the keeper", "storms",
@@ -74,6 +75,26 @@ def test_chunked_prefill_and_a_growing_cache_change_nothing(model_dirs):
                     [Request(p, GREEDY, 12, lambda o: None, text=False) for p in prompts])
     assert [r.out for r in chunked] == whole
     assert sorted(engine.free) == [0, 1, 2] and not engine.scales.held
+
+
+def test_shared_prefixes_are_copied_not_computed_and_change_nothing(model_dirs):
+    """Prompts that share a long system prompt: after the first group, the others copy its positions (also from a
+    freed slot), and every token equals one request alone through transformers; a restraint keeps its own copy."""
+    model, tok = load_model(model_dirs["llama"], device="cpu")
+    system = "you are the keeper of the lighthouse on the rocks and you watch the storm " * 4
+    prompts = [tok(render_chat(tok, [{"role": "system", "content": system}, {"role": "user", "content": q}]),
+                   add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    engine = Engine(model, tok, max_batch=3)
+    requests = drive(engine, [Request(p, GREEDY, 12, lambda o: None, text=False) for p in prompts])
+    assert [r.out for r in requests] == [hf_greedy(model, tok, p, 12) for p in prompts]
+    shared = min(len(p) for p in prompts) // 2
+    assert engine.stats["prompt_tokens_reused"] >= (len(prompts) - 1) * shared
+    restraint = Restraint(name="r", hook="mlp.act", factor=0.0, units={0: list(range(0, 96, 3))})
+    engine.stats.clear()
+    restrained = drive(engine, [Request(p, GREEDY, 12, lambda o: None, restraint, text=False) for p in prompts[:2]])
+    assert [r.out for r in restrained] != [r.out for r in requests[:2]]   # so reusing unrestrained keys would show
+    with applied(model, restraint):
+        assert [r.out for r in restrained] == [hf_greedy(model, tok, p, 12) for p in prompts[:2]]
 
 
 def test_logprobs_of_steps_and_prompts_equal_a_plain_forward(model_dirs):

@@ -66,6 +66,12 @@ class SlotCache(Cache):
         values[index, :, self.write] = value_states.transpose(1, 2)
         return keys[self.rows, :, :self.width], values[self.rows, :, :self.width]
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Slot `dst`'s first `length` positions become slot `src`'s (every layer)."""
+        for store in (self.keys, self.values):
+            for t in store.values():
+                t[dst, :, :length] = t[src, :, :length]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
 

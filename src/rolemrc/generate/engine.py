@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +21,7 @@ import torch
 
 from rolemrc.generate.cache import SlotCache, attention_mask, round_up
 from rolemrc.generate.params import Output, SamplingParams, TokenLogprob
+from rolemrc.generate.prefix import BLOCK, PrefixIndex, block_hashes
 from rolemrc.generate.sampling import TextStream, choose, make_generator
 from rolemrc.generate.scales import SlotScales
 from rolemrc.intervene.spec import Restraint
@@ -48,18 +49,21 @@ class Request:
     stream: TextStream | None = None
     generator: torch.Generator | None = None
     admitted: float = 0.0   # perf_counter when its prefill began
+    hashes: list[int] | None = None   # its prompt's blocks (prefix.block_hashes)
 
 
 @dataclass
 class PrefillGroup:
-    """Requests admitted together: their prompts left-padded to one width, each column's cache position per row
-    (a row's padding is written after its prompt, where its generated tokens will overwrite it), done in chunks."""
+    """Requests admitted together: what is left of their prompts left-padded to one width, each column's cache
+    position per row (a row's padding is written after its prompt, where its generated tokens will overwrite it),
+    done in chunks."""
 
     requests: list[Request]
     slots: torch.Tensor
-    ids: torch.Tensor         # [rows, width]
+    ids: torch.Tensor         # [rows, width]: each prompt's part not copied from a held prefix
     positions: torch.Tensor   # [rows, width]
     limit: torch.Tensor       # [rows] prompt lengths
+    span: int                 # the longest prompt: positions attended over
     done: int = 0             # columns prefilled
 
 
@@ -83,6 +87,8 @@ class Engine:
         self.prefill_tokens = prefill_tokens
         self.cache = SlotCache(max_batch, 1)
         self.scales = SlotScales(model, max_batch)
+        self.prefixes = PrefixIndex()
+        self.stats: Counter[str] = Counter()   # prompt tokens admitted, and those copied from a held prefix
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.waiting: deque[Request] = deque()
         self.group: PrefillGroup | None = None
@@ -128,6 +134,7 @@ class Engine:
         failed = self.running
         self.group = None
         for request in failed:
+            self.prefixes.drop(request.slot)
             self._free(request)
         self.decoding.clear()
         return failed
@@ -144,28 +151,56 @@ class Engine:
                 self._finish(request, "cancelled")
 
     def _admit(self) -> None:
-        requests = []
-        while self.waiting and len(requests) < len(self.free):
-            requests.append(self.waiting.popleft())
+        """Take waiting requests into free slots as one prefill group. A request whose prompt begins like one a
+        slot holds (`prefix.PrefixIndex`) starts from a copy of those positions; one whose next block another
+        request of this group is about to compute waits for the next group, to copy it then."""
         self.free.sort()
-        slots = [self.free.pop(0) for _ in requests]
+        requests, starts, computing, deferred = [], [], set(), []
+        scan = len(self.free) * 4 + 64   # how far down the queue a group looks for requests it can take
+        while self.waiting and self.free and scan:
+            scan -= 1
+            request = self.waiting.popleft()
+            if request.hashes is None:
+                key = request.restraint.digest if request.restraint is not None else ""
+                request.hashes = [] if request.params.prompt_logprobs else block_hashes(
+                    key, request.prompt, len(request.prompt) - 1)
+            blocks, source = self.prefixes.longest(request.hashes)
+            if blocks < len(request.hashes) and request.hashes[blocks] in computing:
+                deferred.append(request)
+                continue
+            slot = source if source in self.free else self.free[0]
+            self.free.remove(slot)
+            if source is not None and source != slot:
+                self.cache.copy(source, slot, blocks * BLOCK)
+            self.prefixes.hold(slot, request.hashes[:blocks])
+            computing.update(request.hashes[blocks:])
+            request.slot = slot
+            requests.append(request)
+            starts.append(blocks * BLOCK)
+            self.stats["prompt_tokens"] += len(request.prompt)
+            self.stats["prompt_tokens_reused"] += blocks * BLOCK
+        self.waiting.extendleft(reversed(deferred))
+        if not requests:
+            return
         if self.cache.reserve(max(len(r.prompt) + r.max_tokens for r in requests)) and self.graphs:
             self.graphs.clear()
-        width = max(len(r.prompt) for r in requests)
+        suffixes = [r.prompt[k:] for r, k in zip(requests, starts)]
+        width = max(len(x) for x in suffixes)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
-        lengths = torch.tensor([len(r.prompt) for r in requests])
         now = time.perf_counter()
-        for row, request in enumerate(requests):
-            request.slot, request.admitted = slots[row], now
-            ids[row, width - len(request.prompt):] = torch.tensor(request.prompt)
+        for row, (request, suffix) in enumerate(zip(requests, suffixes)):
+            request.admitted = now
+            ids[row, width - len(suffix):] = torch.tensor(suffix)
             self.scales.assign(request.slot, request.restraint)
-        column = torch.arange(width)[None]
-        pad = (width - lengths)[:, None]
-        positions = torch.where(column >= pad, column - pad, column + lengths[:, None])
-        index = torch.tensor(slots, device=self.device)
+        lengths = torch.tensor([len(r.prompt) for r in requests])
+        first = torch.tensor(starts)[:, None]
+        column, pad = torch.arange(width)[None], (width - torch.tensor([len(x) for x in suffixes]))[:, None]
+        room = torch.tensor([max(1, r.max_tokens) for r in requests])[:, None]
+        positions = torch.where(column >= pad, first + column - pad, lengths[:, None] + column % room)
+        index = torch.tensor([r.slot for r in requests], device=self.device)
         self.next_pos[index] = lengths.to(self.device)   # a prefilling slot's safe write position in decode steps
         self.group = PrefillGroup(requests, index, ids.to(self.device), positions.to(self.device),
-                                  lengths.to(self.device))
+                                  lengths.to(self.device), int(lengths.max()))
 
     def _prefill_chunk(self) -> None:
         group = self.group
@@ -173,7 +208,7 @@ class Engine:
         end = min(width, group.done + max(1, self.prefill_tokens // rows))
         scored = [i for i, r in enumerate(group.requests) if r.params.prompt_logprobs]
         write = group.positions[:, group.done:end]
-        logits = self._forward(group.ids[:, group.done:end], group.slots, write, group.limit, width,
+        logits = self._forward(group.ids[:, group.done:end], group.slots, write, group.limit, group.span,
                                keep=0 if scored else 1)
         if scored:
             self._prompt_logprobs(group, scored, logits, group.done, end)
@@ -184,6 +219,7 @@ class Engine:
         last = logits[:, -1]
         for request in group.requests:
             self.lengths[request.slot] = len(request.prompt)
+            self.prefixes.hold(request.slot, request.hashes)
         self._advance(group.requests, last, group.slots)
 
     def _decode(self) -> None:
@@ -262,7 +298,7 @@ class Engine:
         slot = request.slot
         self.scales.release(slot)
         self.tokens[slot] = self.pad_id
-        self.next_pos[slot] = 0
+        self.next_pos[slot] = self.cache.length - 1   # past the prefix it still holds
         self.lengths[slot] = 0
         self.free.append(slot)
 
