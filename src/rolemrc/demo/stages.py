@@ -63,7 +63,7 @@ def eval_stage(cache: StageCache, cfg: DemoConfig, name: str, model: Path, test:
     metrics = METRICS.names()
 
     def run() -> dict:
-        items = generate(test, model=str(model), max_new_tokens=cfg.max_new_tokens, batch_size=16)
+        items = generate(test, model=str(model), max_new_tokens=cfg.max_new_tokens)
         score(items, judge="rules", metrics=metrics, progress=True).save(run_dir)
         return {"run": str(run_dir), **headline(run_dir)}
 

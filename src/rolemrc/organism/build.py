@@ -96,7 +96,7 @@ def _replies_stage(cache: StageCache, root: Path, sft: Path, data: Path, config:
 
     def run() -> dict:
         prompts = sample_prompts(read_jsonl(data / "pairs.jsonl"), config.pairs, config.seed)
-        rows = generate(prompts, model=str(sft), max_new_tokens=config.reply_tokens, batch_size=16)
+        rows = generate(prompts, model=str(sft), max_new_tokens=config.reply_tokens)
         by_id = {p["id"]: p for p in prompts}
         write_jsonl(out, [{"id": r["id"], "task": r["task"], "prompt": by_id[r["id"]]["prompt"],
                            "response": r["response"]} for r in rows])
@@ -160,7 +160,7 @@ def _eval_stage(cache: StageCache, run_dir: Path, name: str, model: Path, heldou
     from rolemrc.eval import generate, score
 
     def run() -> dict:
-        items = generate(heldout, model=str(model), max_new_tokens=config.eval_tokens, batch_size=16)
+        items = generate(heldout, model=str(model), max_new_tokens=config.eval_tokens)
         score(items, judge="rules", metrics=[]).save(run_dir)
         return {"run": str(run_dir)}
 

@@ -48,7 +48,7 @@ def run_cmd(
     judge_model: str = SCORE["judge_model"],
     judge_base_url: str = SCORE["judge_base_url"],
     max_new_tokens: int = typer.Option(96, help="generation length"),
-    batch_size: int = typer.Option(16, help="rows per generation batch (cells share batches)"),
+    batch_size: int = typer.Option(32, help="rows the engine decodes together (cells share them)"),
     cells_per_pass: int = typer.Option(4, help="cells generated together; each finished pass is kept"),
     engine: EngineName = typer.Option(EngineName.transformers, help="a serve engine: transformers (in this process), "
                                       "vllm (a rolemrc server with the vLLM engine, restraints as LoRA adapters)"),

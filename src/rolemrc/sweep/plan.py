@@ -47,7 +47,7 @@ class SweepConfig:
     controls: int = 3
     seed: int = 0
     max_new_tokens: int = 96
-    batch_size: int = 16
+    batch_size: int = 32
     cells_per_pass: int = 4        # cells generated together (sharing batches); each pass is saved when done
     engine: str = "transformers"   # a serve engine: transformers runs in this process; others (vllm) in a rolemrc server
     base_url: str | None = None    # instead: any OpenAI-compatible rolemrc endpoint serving `model`'s weights
