@@ -161,7 +161,7 @@ class Engine:
             scan -= 1
             request = self.waiting.popleft()
             if request.hashes is None:
-                key = request.restraint.digest if request.restraint is not None else ""
+                key = self.scales.known(request.restraint)[0] if request.restraint is not None else ""
                 request.hashes = [] if request.params.prompt_logprobs else block_hashes(
                     key, request.prompt, len(request.prompt) - 1)
             blocks, source = self.prefixes.longest(request.hashes)

@@ -4,15 +4,17 @@ hooks, and every forward multiplies whole rows at once (nothing per unit, nothin
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 import torch
 
+from rolemrc.intervene.runtime import scale_vector
 from rolemrc.intervene.spec import Restraint
 from rolemrc.probe.hooks import site, width
 
 Site = tuple[str, int]   # (hook point, layer)
+KNOWN = 256   # restraints whose rows are kept ready
 
 
 class SlotScales:
@@ -26,24 +28,37 @@ class SlotScales:
         self.handles: dict[Site, Any] = {}
         self.held: dict[int, Restraint] = {}
         self.rows: slice | torch.Tensor = slice(0, 0)
+        self._known: OrderedDict[int, tuple[Restraint, str, dict[Site, torch.Tensor]]] = OrderedDict()
 
     @property
     def sites(self) -> tuple[Site, ...]:
         """The sites hooked now (they shape the forward: part of a captured graph's key)."""
         return tuple(sorted(self.handles))
 
+    def known(self, restraint: Restraint) -> tuple[str, dict[Site, torch.Tensor]]:
+        """The restraint's digest and its multipliers [width] per site, made once per restraint object (the last
+        `KNOWN` kept), so a request joining costs one row copy per site."""
+        entry = self._known.get(id(restraint))
+        if entry is None or entry[0] is not restraint:
+            param = next(self.model.parameters())
+            n_units = width(self.model, restraint.hook)
+            rows = {(restraint.hook, layer): scale_vector(restraint, layer, n_units, param.dtype, param.device)
+                    for layer in restraint.units}
+            entry = (restraint, restraint.digest, rows)
+            self._known[id(restraint)] = entry
+            if len(self._known) > KNOWN:
+                self._known.popitem(last=False)
+        self._known.move_to_end(id(restraint))
+        return entry[1], entry[2]
+
     def assign(self, slot: int, restraint: Restraint | None) -> None:
         """Give `slot` this restraint (validated against the model already); None leaves it all ones."""
         if restraint is None:
             return
-        param = next(self.model.parameters())
-        factor = torch.tensor(restraint.factor, dtype=param.dtype)
-        for layer, units in restraint.units.items():
-            key = (restraint.hook, layer)
+        for key, row in self.known(restraint)[1].items():
             if key not in self.tables:
-                self.tables[key] = torch.ones(self.slots, width(self.model, restraint.hook), dtype=param.dtype,
-                                              device=param.device)
-            self.tables[key][slot, torch.tensor(units, device=param.device)] = factor.to(param.device)
+                self.tables[key] = torch.ones(self.slots, row.shape[0], dtype=row.dtype, device=row.device)
+            self.tables[key][slot] = row
             self.users[key] += 1
             if key not in self.handles:
                 table = self.tables[key]
