@@ -163,7 +163,8 @@ def generate_cmd(
                                           "on the CPU)"),
     prompt_tokens: int = typer.Option(64, help="prompt tokens per request (varied: 1/4 to 2x this)"),
     waves: int = typer.Option(2, help="requests per run = concurrency x waves, all queued at start"),
-    repeats: int = typer.Option(3, help="interleaved timed repeats after one warm-up (median)"),
+    repeats: int = typer.Option(None, help="interleaved timed repeats after one warm-up (median; default 3, 1 on "
+                                           "CUDA)"),
     device: str = DEVICE,
     dtype: Dtype = typer.Option("auto", help="auto: the checkpoint's own; bfloat16 for the GPU shapes"),
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),

@@ -62,16 +62,18 @@ def sync(device: torch.device | str) -> None:
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: torch.device | str = "cpu",
                 contexts: dict[str, Callable[[], AbstractContextManager]] | None = None) -> dict[str, float]:
     """Median wall time per function after one untimed call each, calls interleaved round-robin so drift and noise
-    hit all alike; a function named in `contexts` runs inside a fresh context from its factory, entered and left
-    untimed (its setup)."""
+    hit all alike, each round starting one function later (what a call leaves behind lands on each in turn); a
+    function named in `contexts` runs inside a fresh context from its factory, entered and left untimed (its setup)."""
     contexts = contexts or {}
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats + 1):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats + 1):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
             with contexts.get(name, nullcontext)():
                 sync(device)
                 start = time.perf_counter()
-                fn()
+                fns[name]()
                 sync(device)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts[1:]) for name, ts in times.items()}

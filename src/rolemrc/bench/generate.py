@@ -15,11 +15,12 @@ repeats interleaved (medians)."""
 
 from __future__ import annotations
 
+import gc
 import platform
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,18 +131,9 @@ class Batching:
     attention until it closes, so each run opens its own); `run` times nothing itself."""
 
     def __init__(self, model: Any, rows: int, load: Workload, pad_id: int) -> None:
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-        self.model, self.load, self.error = model, load, None
+        self.model, self.rows, self.load, self.pad_id = model, rows, load, pad_id
+        self.error: str | None = None
         self.manager: Any = None
-        longest = max(len(p) for p in load.prompts) + max(load.budgets)
-        self.generation = GenerationConfig(do_sample=False, max_new_tokens=max(load.budgets), pad_token_id=pad_id,
-                                           eos_token_id=-1)
-        page = 256   # tokens per cache block (the config's default)
-        self.config = ContinuousBatchingConfig(page_size=page, max_requests_per_batch=rows,
-                                               num_blocks=2 * rows * -(-longest // page) + 4,
-                                               max_batch_tokens=PREFILL_TOKENS)
 
     def fail(self, exc: BaseException) -> None:
         self.error = self.error or f"{type(exc).__name__}: {exc}"
@@ -151,12 +143,26 @@ class Batching:
         with ExitStack() as stack:
             if self.error is None:
                 try:
-                    self.manager = stack.enter_context(self.model.continuous_batching_context_manager(
-                        generation_config=self.generation, continuous_batching_config=self.config, block=True,
-                        timeout=30))
+                    self.manager = stack.enter_context(self._open())
                 except Exception as exc:   # any failure is the measurement's result
                     self.fail(exc)
             yield
+
+    def _open(self) -> AbstractContextManager:
+        """The manager's context: at most `rows` requests per batch, the engine's prefill budget, cache blocks for
+        two requests per row (not a share of the free memory)."""
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        budgets = self.load.budgets
+        longest = max(len(p) for p in self.load.prompts) + max(budgets)
+        page = 256   # tokens per cache block, the default (`page_size` since 5.18, `block_size` before)
+        config = ContinuousBatchingConfig(max_requests_per_batch=self.rows, max_batch_tokens=PREFILL_TOKENS,
+                                          num_blocks=2 * self.rows * -(-longest // page) + 4)
+        generation = GenerationConfig(do_sample=False, max_new_tokens=max(budgets), pad_token_id=self.pad_id,
+                                      eos_token_id=-1)
+        return self.model.continuous_batching_context_manager(generation_config=generation,
+                                                              continuous_batching_config=config, block=True, timeout=30)
 
     def run(self, patience: float = 300.0) -> None:
         if self.error is not None:
@@ -283,9 +289,10 @@ def meets_targets(sizes: dict[str, Any], device_type: str) -> dict[str, bool | N
 
 
 def run(sizes: tuple[str, ...] = ("demo",), concurrencies: tuple[int, ...] = (1, 8, 32), tokens: int | None = None,
-        waves: int = 2, repeats: int = 3, prompt_tokens: int = 64, device: str = "cpu",
+        waves: int = 2, repeats: int | None = None, prompt_tokens: int = 64, device: str = "cpu",
         dtype: str = "auto") -> dict[str, Any]:
-    """The benchmark over `sizes` (NAMES); `tokens` per request at most (default 64 on CUDA, 32 elsewhere)."""
+    """The benchmark over `sizes` (NAMES); `tokens` per request at most (default 64 on CUDA, 32 elsewhere);
+    `repeats` timed rounds after the warm-up (default 1 on CUDA, where both GPU shapes must fit in minutes, else 3)."""
     unknown = [s for s in sizes if s not in NAMES]
     if unknown or not sizes:
         raise InputError(f"--size: unknown size(s) {unknown}; choose from {', '.join(NAMES)}")
@@ -293,9 +300,10 @@ def run(sizes: tuple[str, ...] = ("demo",), concurrencies: tuple[int, ...] = (1,
     if device_type != "cuda" and any(s in SHAPES for s in sizes):
         raise InputError(f"--size {', '.join(s for s in sizes if s in SHAPES)}: GPU shapes; run them with a CUDA "
                          f"device (this run's is {device})")
-    if min(concurrencies, default=0) < 1 or waves < 1 or repeats < 1 or prompt_tokens < 1:
-        raise InputError("--concurrency, --waves, --repeats and --prompt-tokens must be at least 1")
-    tokens = tokens or (64 if device_type == "cuda" else 32)
+    tokens = tokens if tokens is not None else 64 if device_type == "cuda" else 32
+    repeats = repeats if repeats is not None else 1 if device_type == "cuda" else 3
+    if min(concurrencies, default=0) < 1 or waves < 1 or repeats < 1 or prompt_tokens < 1 or tokens < 1:
+        raise InputError("--concurrency, --waves, --repeats, --prompt-tokens and --tokens must be at least 1")
     bar = tqdm(total=len(sizes) * len(WORKLOADS) * len(concurrencies) * len(VARIANTS) * (repeats + 1),
                desc="measurements", unit="run")
     results: dict[str, Any] = {}
@@ -310,7 +318,8 @@ def run(sizes: tuple[str, ...] = ("demo",), concurrencies: tuple[int, ...] = (1,
                 continue
             results[name] = measure_size(model, tok, concurrencies, tokens, prompt_tokens, waves, repeats, device,
                                          bar.update)
-            del model
+            del model, tok
+            gc.collect()
             if device_type == "cuda":
                 torch.cuda.empty_cache()
     bar.close()
