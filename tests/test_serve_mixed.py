@@ -11,8 +11,8 @@ import pytest
 import torch
 from fixtures import save_peaked_llama
 
-from rolemrc.intervene import Restraint
 from rolemrc.generate.params import SamplingParams
+from rolemrc.intervene import Restraint
 from rolemrc.serve.engines.base import Generation, Prompt, Resolved
 from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
 from rolemrc.serve.launch import running_server
