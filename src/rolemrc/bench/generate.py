@@ -214,7 +214,7 @@ def build_shape(name: str, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
     return model.eval(), id_tokenizer(config.vocab_size)
 
 
-def load(name: str, root: Path, device: str, dtype: str) -> tuple[Any, Any]:
+def load_size(name: str, root: Path, device: str, dtype: str) -> tuple[Any, Any]:
     """(model, tokenizer) for a size name; a ModelDirError when SmolLM2 is not pulled."""
     if name in SHAPES:
         return build_shape(name, device, resolve_dtype(dtype) or torch.bfloat16)
@@ -311,7 +311,7 @@ def run(sizes: tuple[str, ...] = ("demo",), concurrencies: tuple[int, ...] = (1,
         for name in sizes:
             bar.set_postfix_str(name)
             try:
-                model, tok = load(name, Path(tmp), device, dtype)
+                model, tok = load_size(name, Path(tmp), device, dtype)
             except ModelDirError as exc:
                 results[name] = {"skipped": f"{exc} (rolemrc models pull smollm2)"}
                 bar.update(len(WORKLOADS) * len(concurrencies) * len(VARIANTS) * (repeats + 1))
