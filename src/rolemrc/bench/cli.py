@@ -152,6 +152,36 @@ def serve_cmd(
         emit(run(concurrencies, tokens or 32, waves, repeats or 3, size, device=concrete(device)), out)
 
 
+@app.command("generate")
+def generate_cmd(
+    size: list[str] = typer.Option(["demo", "smollm2"], "--size", help="repeatable or a comma list of: demo, smollm2 "
+                                   "(the pulled smollm2-135m-instruct; skipped with a note when not pulled), and on "
+                                   "a GPU llama-1b, llama-8b (random-init, built on the device)"),
+    concurrency: str = typer.Option("1,8,32", help="comma list of requests in flight (max_batch of the engine, rows "
+                                                   "of a static batch)"),
+    tokens: int = typer.Option(None, help="completion tokens per request at most (ignore_eos; default 64 on CUDA, 32 "
+                                          "on the CPU)"),
+    prompt_tokens: int = typer.Option(64, help="prompt tokens per request (varied: 1/4 to 2x this)"),
+    waves: int = typer.Option(2, help="requests per run = concurrency x waves, all queued at start"),
+    repeats: int = typer.Option(None, help="interleaved timed repeats after one warm-up (median; default 3, 1 on "
+                                           "CUDA)"),
+    device: str = DEVICE,
+    dtype: Dtype = typer.Option("auto", help="auto: the checkpoint's own; bfloat16 for the GPU shapes"),
+    out: Path = typer.Option(None, "--json", help="also write the JSON here"),
+) -> None:
+    """Completion tokens/s of the generation engine (unrestrained, one restraint, a mix of 4) against HF `generate`
+    on static batches and transformers' `generate_batch`, fixed and varied workloads, side by side in one run."""
+    from rolemrc.bench.generate import run
+    from rolemrc.core.errors import InputError
+
+    try:
+        concurrencies = tuple(int(c) for c in concurrency.split(","))
+    except ValueError:
+        raise InputError(f"--concurrency {concurrency}: give a comma list of integers, e.g. 1,8,32") from None
+    sizes = tuple(s.strip() for entry in size for s in entry.split(",") if s.strip())
+    emit(run(sizes, concurrencies, tokens, waves, repeats, prompt_tokens, concrete(device), dtype), out)
+
+
 @app.command("clients")
 @needs("serve")
 def clients_cmd(
@@ -177,11 +207,12 @@ def all_cmd(
                                             "the CPU)"),
 ) -> None:
     """Every benchmark at its default settings (tens of minutes on 2 CPU cores); one JSON file each."""
-    from rolemrc.bench import intervene, probe, retrieval, serve
+    from rolemrc.bench import generate, intervene, probe, retrieval, serve
 
     device = concrete(device)
     runs = {"probe": lambda: probe.run(device=device), "intervene": lambda: intervene.run(device=device),
-            "serve": lambda: serve.run(device=device), "retrieval": retrieval.run}
+            "serve": lambda: serve.run(device=device), "generate": lambda: generate.run(device=device),
+            "retrieval": retrieval.run}
     for name, run in runs.items():
         typer.echo(f"== bench {name}", err=True)
         emit(run(), out / f"{name}.json")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import statistics
 import subprocess
 import tempfile
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rolemrc.bench.common import SIZES, make_model_dir
+from rolemrc.bench.common import SIZES, bench_restraints, make_model_dir
 from rolemrc.core.chat import render_chat
 from rolemrc.core.errors import InputError
 from rolemrc.core.modeling import resolve_model
@@ -129,18 +128,6 @@ VARIANTS = ("unrestrained", "one_restraint", "mix_of_4")
 # after `vllm` (restraints as LoRA, through rolemrc's vLLM plugin where installed), each in its own server: vLLM
 # without LoRA (the speed restraints are measured against) and vLLM on its own LoRA ops (the plugin off: before it)
 LORA_OFF, OWN_OPS = "vllm-lora-off", "vllm-own-ops"
-
-
-def bench_restraints(layers: int, intermediate: int, units: int | None = None, n: int = 4,
-                     seed: int = 0) -> list[Restraint]:
-    """`n` restraints silencing `units` random MLP units per layer (default 10%; factor 0: outputs change)."""
-    rng = random.Random(seed)
-    k = units or max(1, round(intermediate * 0.1))
-    if not 0 < k <= intermediate:
-        raise InputError(f"--units {k}: choose 1..{intermediate} (the model's MLP width)")
-    return [Restraint(name=f"r{j}", hook="mlp.act", factor=0.0,
-                      units={layer: sorted(rng.sample(range(intermediate), k)) for layer in range(layers)})
-            for j in range(n)]
 
 
 def model_for(variant: str, engine: str, i: int) -> str:
