@@ -1,7 +1,8 @@
 """Where a sweep's responses come from: the model loaded in this process (engine `transformers`: the generation engine
-`rolemrc.generate`, restraints as runtime hooks, rows with different restraints sharing batches), any OpenAI-
-compatible `rolemrc serve` endpoint (`--base-url`: each row's restraint sent inline), or a `rolemrc serve` started for
-the sweep with another engine of serve's registry that runs a local model (`vllm`: restraints become LoRA adapters)."""
+`rolemrc.generate`, restraints as runtime hooks, rows with different restraints sharing batches), any
+OpenAI-compatible `rolemrc serve` endpoint (`--base-url`: each row's restraint sent inline), or a `rolemrc serve`
+started for the sweep with another engine of serve's registry that runs a local model (`vllm`: restraints become LoRA
+adapters)."""
 
 from __future__ import annotations
 
