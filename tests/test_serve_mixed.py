@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from fixtures import save_peaked_llama
+from fixtures import corpus, save_peaked_llama
 
-from rolemrc.intervene import Restraint
 from rolemrc.generate.params import SamplingParams
+from rolemrc.intervene import Restraint
 from rolemrc.serve.engines.base import Generation, Prompt, Resolved
 from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
 from rolemrc.serve.launch import running_server
@@ -129,8 +129,6 @@ def test_slot_scales_restrain_each_row_alone_and_release_slots(model_dirs):
 def test_concurrent_requests_equal_the_offline_api(peaked, tokenizer):
     """Twelve fixture prompts submitted at once to an engine of 4 slots (so requests wait, join and leave) get the
     offline API's greedy texts."""
-    from fixtures import corpus
-
     from rolemrc.core.modeling import load_model
     from rolemrc.generate.offline import generate
 

@@ -9,10 +9,10 @@ import torch
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.stats import welch
+from rolemrc.generate.sampling import TextStream, choose, make_generator
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.errors import ServeConfigError
 from rolemrc.serve.experiments import assign
-from rolemrc.generate.sampling import TextStream, choose, make_generator
 
 
 def test_choose_greedy_nucleus_and_seeds():

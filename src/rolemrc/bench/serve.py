@@ -25,8 +25,8 @@ from rolemrc.core.chat import render_chat
 from rolemrc.core.errors import InputError
 from rolemrc.core.modeling import resolve_model
 from rolemrc.core.placement import DTYPES
-from rolemrc.intervene import Restraint, bake
 from rolemrc.generate.params import SamplingParams
+from rolemrc.intervene import Restraint, bake
 from rolemrc.serve.engines.base import Prompt, Resolved
 from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
 

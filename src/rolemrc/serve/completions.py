@@ -25,9 +25,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from rolemrc.generate.params import SamplingParams, TokenLogprob
 from rolemrc.serve import protocol as p
 from rolemrc.serve.config import ServeConfig
-from rolemrc.generate.params import SamplingParams, TokenLogprob
 from rolemrc.serve.engines.base import Engine, Final, Generation, Piece, Prompt, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.experiments import assign
