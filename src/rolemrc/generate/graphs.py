@@ -35,7 +35,7 @@ class DecodeGraphs:
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(rows, width)
-            except Exception as exc:   # noqa: BLE001 - any capture failure means: run eager
+            except Exception as exc:
                 log.warning("the decode step cannot be captured as a CUDA graph (%s: %s); decoding eagerly",
                             type(exc).__name__, exc)
                 self.broken = True
