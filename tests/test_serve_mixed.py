@@ -96,6 +96,12 @@ def test_slot_scales_restrain_each_row_alone_and_release_slots(model_dirs):
     model, tok = load_model(model_dirs["llama"], device="cpu")
     a, b = Restraint(name="a", hook="mlp.act", factor=0.0, units={0: [1, 5]}), restraints()[2]   # b: layers 0 and 1
     ids = torch.tensor([tok(CHAT[0]["content"])["input_ids"]])
+    with torch.inference_mode():
+        with applied(model, a):
+            alone_a = model(input_ids=ids).logits[0]
+        with applied(model, b):
+            alone_b = model(input_ids=ids).logits[0]
+        plain = model(input_ids=ids).logits[0]
     scales = SlotScales(model, 4)
     scales.assign(0, a)
     scales.assign(2, b)
@@ -106,11 +112,6 @@ def test_slot_scales_restrain_each_row_alone_and_release_slots(model_dirs):
         return model(input_ids=ids.expand(len(rows), -1)).logits
 
     with torch.inference_mode():
-        with applied(model, a):
-            alone_a = model(input_ids=ids).logits[0]
-        with applied(model, b):
-            alone_b = model(input_ids=ids).logits[0]
-        plain = model(input_ids=ids).logits[0]
         mixed = run([2, 1, 0, 3])
         assert not torch.allclose(alone_a, plain) and not torch.allclose(alone_b, plain)
         for row, want in zip(mixed, [alone_b, plain, alone_a, plain]):
