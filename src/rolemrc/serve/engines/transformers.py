@@ -87,7 +87,7 @@ class TransformersEngine:
         self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch)
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
         self.admitted = 0
-        self.running: Counter[str] = Counter()   # replaced whole by the scheduler thread after each step
+        self.running: Counter[str] = Counter()   # replaced whole by the scheduler thread (`_publish`)
         self._submitted: deque[ServeRequest] = deque()   # not yet handed to the engine
         self._queued: Counter[str] = Counter()      # handed to the engine, waiting for a slot
         self._cv = threading.Condition()
@@ -212,4 +212,6 @@ class TransformersEngine:
     def _publish(self) -> None:
         """The labels of the engine's waiting and running requests, for `queue_depth` and `running` (under the lock)."""
         self._queued = Counter(r.label for r in self.engine.waiting)
-        self.running = Counter(r.label for r in self.engine.running)
+        running = Counter(dict.fromkeys(self.running, 0))   # labels served before stay, at 0 (their gauges read 0)
+        running.update(r.label for r in self.engine.running)
+        self.running = running
