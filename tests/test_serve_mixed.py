@@ -158,6 +158,44 @@ def test_concurrent_requests_equal_the_offline_api(peaked, tokenizer):
     assert len(set(texts)) > 6
 
 
+def test_a_failed_forward_ends_its_requests_with_500_and_the_engine_serves_on(peaked, tokenizer):
+    """A forward that raises (here on a poisoned prompt) ends the requests it ran with a 500; the request waiting
+    behind them then runs as if nothing happened, and the engine stays healthy."""
+    from rolemrc.serve.errors import ApiError
+
+    poison = tokenizer("storms storms storms")["input_ids"]
+    params = SamplingParams(max_tokens=6, temperature=0)
+
+    def refuse(_module, _args, kwargs):
+        if kwargs["input_ids"].shape[1] == len(poison) and kwargs["input_ids"][0].tolist() == poison:
+            raise RuntimeError("poisoned forward")
+
+    async def go() -> tuple[list[str], str, str, tuple]:
+        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=1, max_queue=16,
+                                    default_max_tokens=8)
+        await engine.start()
+        try:
+            alone = await (await engine.submit(Prompt(text="a baker in the old"), params, Resolved())).text()
+            engine.model.register_forward_pre_hook(refuse, with_kwargs=True)
+            bad = await engine.submit(Prompt(token_ids=poison), params, Resolved())
+            good = await engine.submit(Prompt(text="a baker in the old"), params, Resolved())
+            errors = []
+            try:
+                await bad.text()
+            except ApiError as exc:
+                errors.append(f"{exc.status} {exc}")
+            after = await asyncio.wait_for(good.text(), 60)   # a dead scheduler thread would never answer
+            health = engine.health()
+        finally:
+            await engine.stop()   # joins the scheduler thread: its last counts are in
+        return errors, alone, after, (health, dict(engine.running), dict(engine.queue_depth()))
+
+    errors, alone, after, (health, running, waiting) = asyncio.run(go())
+    assert len(errors) == 1 and errors[0].startswith("500 generation failed: RuntimeError: poisoned forward")
+    assert after == alone and alone
+    assert health == ("ok", None) and running == {"none": 0} and waiting == {}
+
+
 @pytest.fixture(scope="module")
 def server(peaked, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-mixed")
