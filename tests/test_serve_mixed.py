@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from fixtures import save_peaked_llama
+from fixtures import corpus, save_peaked_llama
 
 from rolemrc.generate.params import SamplingParams
 from rolemrc.intervene import Restraint
@@ -85,22 +85,115 @@ def test_rows_under_different_restraints_share_forwards_and_join_running_batches
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=0, atol=1e-4)
 
 
-def test_row_scales_follow_rows_through_select_and_merge(model_dirs):
+def test_slot_scales_restrain_each_row_alone_and_release_slots(model_dirs):
+    """Rows under different restraints (and none) in one forward equal separate runs under `applied`; a released
+    slot goes back to ones, and a site's hook is removed once no slot restrains it."""
     from rolemrc.core.modeling import load_model
-    from rolemrc.intervene.runtime import RowScales
+    from rolemrc.generate.scales import SlotScales
+    from rolemrc.intervene.runtime import applied
+    from rolemrc.probe.hooks import site
 
-    model, _ = load_model(model_dirs["llama"], device="cpu")
-    a, b = Restraint(name="a", hook="mlp.act", factor=0.0, units={0: [1, 5]}), restraints()[2]
-    left, right = [a, None, b], [None, a]
-    merged = RowScales.of(model, left).merge(RowScales.of(model, right))
-    direct = RowScales.of(model, left + right)
-    assert merged.scales.keys() == direct.scales.keys()
-    assert all(torch.equal(merged.scales[k], direct.scales[k]) for k in direct.scales)
-    kept, alone = merged.select([4, 1]), RowScales.of(model, [a, None])
-    assert kept.restraints == (a, None) and set(kept.scales) == set(alone.scales) == {("mlp.act", 0)}   # b's layer 1 left
-    assert torch.equal(kept.scales[("mlp.act", 0)], alone.scales[("mlp.act", 0)])
-    assert merged.select([1, 3]).scales == {}
-    assert RowScales.of(model, [None, None]).scales == {}
+    model, tok = load_model(model_dirs["llama"], device="cpu")
+    a, b = Restraint(name="a", hook="mlp.act", factor=0.0, units={0: [1, 5]}), restraints()[2]   # b: layers 0 and 1
+    ids = torch.tensor([tok(CHAT[0]["content"])["input_ids"]])
+    with torch.inference_mode():
+        with applied(model, a):
+            alone_a = model(input_ids=ids).logits[0]
+        with applied(model, b):
+            alone_b = model(input_ids=ids).logits[0]
+        plain = model(input_ids=ids).logits[0]
+    scales = SlotScales(model, 4)
+    scales.assign(0, a)
+    scales.assign(2, b)
+    scales.assign(3, None)
+
+    def run(rows: list[int]) -> torch.Tensor:
+        scales.rows = torch.tensor(rows)
+        return model(input_ids=ids.expand(len(rows), -1)).logits
+
+    with torch.inference_mode():
+        mixed = run([2, 1, 0, 3])
+        assert not torch.allclose(alone_a, plain) and not torch.allclose(alone_b, plain)
+        for row, want in zip(mixed, [alone_b, plain, alone_a, plain]):
+            torch.testing.assert_close(row, want, rtol=0, atol=1e-5)
+        assert scales.sites == (("mlp.act", 0), ("mlp.act", 1))
+        scales.release(2)
+        assert scales.sites == (("mlp.act", 0),)   # only b restrained layer 1
+        assert bool((scales.tables[("mlp.act", 0)][2] == 1).all())
+        torch.testing.assert_close(run([2, 0])[0], plain, rtol=0, atol=1e-5)
+        scales.release(0)
+        assert scales.sites == ()
+        assert not site(model, "mlp.act", 0).module._forward_hooks and not site(model, "mlp.act", 1).module._forward_hooks
+        torch.testing.assert_close(run([0])[0], plain, rtol=0, atol=0)
+
+
+def test_concurrent_requests_equal_the_offline_api(peaked, tokenizer):
+    """Twelve fixture prompts submitted at once to an engine of 4 slots (so requests wait, join and leave) get the
+    offline API's greedy texts."""
+    from rolemrc.core.modeling import load_model
+    from rolemrc.generate.offline import generate
+
+    prompts = corpus(12, seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0)
+
+    async def served() -> tuple[list[str], list[list[int]]]:
+        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=4, max_queue=16,
+                                    default_max_tokens=8)
+        await engine.start()
+        try:
+            gens = [await engine.submit(Prompt(text=p), params, Resolved()) for p in prompts]
+
+            async def text(gen: Generation) -> str:
+                async with gen:
+                    return await gen.text()
+
+            return await asyncio.gather(*map(text, gens)), [engine.encode(Prompt(text=p)) for p in prompts]
+        finally:
+            await engine.stop()
+
+    texts, ids = asyncio.run(served())
+    model, tok = load_model(peaked, device="cpu")
+    offline = generate(model, tok, ids, params, progress=False)
+    assert [c.text for c in offline] == texts
+    assert len(set(texts)) > 6
+
+
+def test_a_failed_forward_ends_its_requests_with_500_and_the_engine_serves_on(peaked, tokenizer):
+    """A forward that raises (here on a poisoned prompt) ends the requests it ran with a 500; the request waiting
+    behind them then runs as if nothing happened, and the engine stays healthy."""
+    from rolemrc.serve.errors import ApiError
+
+    poison = tokenizer("storms storms storms")["input_ids"]
+    params = SamplingParams(max_tokens=6, temperature=0)
+
+    def refuse(_module, _args, kwargs):
+        if kwargs["input_ids"].shape[1] == len(poison) and kwargs["input_ids"][0].tolist() == poison:
+            raise RuntimeError("poisoned forward")
+
+    async def go() -> tuple[list[str], str, str, tuple]:
+        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=1, max_queue=16,
+                                    default_max_tokens=8)
+        await engine.start()
+        try:
+            alone = await (await engine.submit(Prompt(text="a baker in the old"), params, Resolved())).text()
+            engine.model.register_forward_pre_hook(refuse, with_kwargs=True)
+            bad = await engine.submit(Prompt(token_ids=poison), params, Resolved())
+            good = await engine.submit(Prompt(text="a baker in the old"), params, Resolved())
+            errors = []
+            try:
+                await bad.text()
+            except ApiError as exc:
+                errors.append(f"{exc.status} {exc}")
+            after = await asyncio.wait_for(good.text(), 60)   # a dead scheduler thread would never answer
+            health = engine.health()
+        finally:
+            await engine.stop()   # joins the scheduler thread: its last counts are in
+        return errors, alone, after, (health, dict(engine.running), dict(engine.queue_depth()))
+
+    errors, alone, after, (health, running, waiting) = asyncio.run(go())
+    assert len(errors) == 1 and errors[0].startswith("500 generation failed: RuntimeError: poisoned forward")
+    assert after == alone and alone
+    assert health == ("ok", None) and running == {"none": 0} and waiting == {}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""The `transformers` engine runs in-process over a local HF directory: one scheduler thread batches
-concurrent requests whatever their restraints (each row carries its own as per-row runtime multipliers,
-`intervene.runtime.RowScales`), decodes token by token over a shared KV cache (so streaming and cancellation
-are per step), lets arrivals join a running batch in order and drops finished or cancelled rows."""
+"""The `transformers` engine runs in-process over a local HF directory: a thin wrapper of the generation engine
+(`generate.engine.Engine`: one KV-cache slot per request, arrivals prefilled together, each row under its own
+restraint). Requests are admitted on the event loop; one scheduler thread hands them to the engine and steps it
+while there is work, and each request's `Output`s become the `Piece`s and `Final` of its `Generation`."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import asyncio
 import logging
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from rolemrc.core.errors import InputError
 from rolemrc.core.placement import DeviceMap, Dtype, check_placement
+from rolemrc.generate.engine import Engine, Request
+from rolemrc.generate.params import Output
 from rolemrc.intervene.fit import validate
-from rolemrc.intervene.runtime import RowScales
 from rolemrc.intervene.spec import Restraint
-from rolemrc.serve.batch import Batch
 from rolemrc.serve.engines.base import (
     MODEL_DIR,
     Capabilities,
@@ -29,11 +29,10 @@ from rolemrc.serve.engines.base import (
     Prompt,
     Resolved,
     SamplingParams,
-    TokenLogprob,
     check_token_ids,
 )
+from rolemrc.serve.engines.supervisor import EngineState
 from rolemrc.serve.errors import ApiError, ServeConfigError
-from rolemrc.serve.sampling import TextStream, choose, make_generator
 
 log = logging.getLogger("rolemrc.serve")
 
@@ -55,19 +54,16 @@ class TransformersOptions:
             raise ServeConfigError(str(exc)) from None
 
 
-@dataclass
-class Sequence:
-    """Scheduler-side state of one request."""
+@dataclass(eq=False)
+class ServeRequest(Request):
+    """An engine request with the stream its outputs go to (its `emit` pushes them there) and its restraint label."""
 
-    gen: Generation
-    prompt: list[int]
-    params: SamplingParams
-    resolved: Resolved
-    max_tokens: int
-    stream: TextStream
-    generator: torch.Generator | None
-    out: list[int] = field(default_factory=list)
-    pending: list[TokenLogprob] = field(default_factory=list)   # log-probabilities of tokens whose text is held
+    gen: Generation = field(kw_only=True)
+    label: str = field(kw_only=True)
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", code="shutting_down")
 
 
 class TransformersEngine:
@@ -88,35 +84,40 @@ class TransformersEngine:
         self.model, self.tokenizer = load_model(options.path, dtype=options.dtype, device=options.device,
                                                device_map=options.device_map)
         self.context_window = int(context_window(self.model, self.tokenizer, default=2048))
-        eos = {self.tokenizer.eos_token_id, *_as_list(getattr(self.model.generation_config, "eos_token_id", None))}
-        self.eos_ids = torch.tensor(sorted(e for e in eos if e is not None), dtype=torch.long)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos_ids[0])
-        self.max_batch, self.max_queue, self.default_max_tokens = max_batch, max_queue, default_max_tokens
+        self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch)
+        self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
         self.admitted = 0
-        self.running: Counter[str] = Counter()
-        self._waiting: deque[Sequence] = deque()
+        self.running: Counter[str] = Counter()   # replaced whole by the scheduler thread (`_publish`)
+        self._submitted: deque[ServeRequest] = deque()   # not yet handed to the engine
+        self._queued: Counter[str] = Counter()      # handed to the engine, waiting for a slot
         self._cv = threading.Condition()
         self._stopping = False
-        self._token_text: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     async def start(self) -> None:
         self._thread.start()
 
     async def stop(self) -> None:
+        """Refuse new requests and end waiting ones with 503; running ones finish."""
         with self._cv:
             self._stopping = True
-            for seq in self._waiting:
-                seq.gen.push(ApiError(503, "the server is shutting down", code="shutting_down"))
-            self._waiting.clear()
+            for request in self._submitted:
+                request.gen.push(shutting_down())
+            self._submitted.clear()
             self._cv.notify_all()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30)
 
+    def health(self) -> tuple[EngineState, str | None]:
+        """Dead once the scheduler thread has ended while serving."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            return "dead", "the scheduler thread ended"
+        return "ok", None
+
     def queue_depth(self) -> Counter[str]:
         """Waiting requests per restraint label."""
         with self._cv:
-            return Counter(seq.resolved.label for seq in self._waiting)
+            return Counter(r.label for r in self._submitted) + self._queued
 
     def check_restraint(self, restraint: Restraint) -> None:
         validate(restraint, self.model)
@@ -146,7 +147,7 @@ class TransformersEngine:
             raise ApiError(400, "the prompt is empty", param="prompt")
         with self._cv:
             if self._stopping:
-                raise ApiError(503, "the server is shutting down", code="shutting_down")
+                raise shutting_down()
             if self.admitted >= self.max_queue:
                 raise ApiError(429, f"the queue of {self.name!r} is full ({self.max_queue} requests); retry later",
                                code="queue_full")
@@ -155,8 +156,9 @@ class TransformersEngine:
             if params.echo:   # the prompt as sent; token ids decoded, as vLLM does
                 gen.push(Piece(prompt.text if prompt.text is not None
                                else self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)))
-            self._waiting.append(Sequence(gen, ids, params, resolved, max_tokens,
-                                          TextStream(self.tokenizer, params.stop), make_generator(params.seed)))
+            self._submitted.append(ServeRequest(ids, params, max_tokens, self._emitter(gen, len(ids), max_tokens),
+                                                resolved.restraint, cancelled=lambda: gen.cancelled, gen=gen,
+                                                label=resolved.label))
             self._cv.notify()
         return gen
 
@@ -164,164 +166,52 @@ class TransformersEngine:
         with self._cv:
             self.admitted -= 1
 
+    def _emitter(self, gen: Generation, prompt_tokens: int, max_tokens: int) -> Callable[[Output], None]:
+        """A request's `emit`: its engine outputs become `Piece`s of `gen`, its finish a `Final`."""
+        def emit(output: Output) -> None:
+            if output.text or output.logprobs:
+                gen.push(Piece(output.text, output.logprobs))
+            if output.finish_reason is None:
+                return
+            if output.finish_reason == "cancelled":
+                log.info("cancelled", extra={"model": self.name, "completion_tokens": output.completion_tokens,
+                                             "max_tokens": max_tokens})
+            gen.push(Final(output.finish_reason, prompt_tokens, output.completion_tokens))
+        return emit
+
     # scheduler thread -------------------------------------------------------------------------
 
-    def _take(self, room: int, block: bool) -> list[Sequence]:
-        """Up to `room` waiting requests, oldest first, whatever their restraints (block: wait for one)."""
-        with self._cv:
-            while block and not self._waiting and not self._stopping:
-                self._cv.wait()
-            waiting = [s for s in self._waiting if not s.gen.cancelled]
-            for seq in self._waiting:
-                if seq.gen.cancelled:
-                    seq.gen.push(Final("cancelled", len(seq.prompt), 0))
-            if not waiting:
-                self._waiting.clear()
-                return []
-            self._waiting = deque(waiting[room:])
-            return waiting[:room]
-
     def _run(self) -> None:
-        while not self._stopping:
-            group = self._take(self.max_batch, block=True)
-            if not group:
-                continue
-            try:
-                with torch.inference_mode():
-                    self._run_group(group)
-            except Exception as exc:  # a failed forward must not take the server down
-                log.exception("generation failed")
-                for seq in group:
-                    seq.gen.push(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}"))
+        """Hand submitted requests to the engine and step it while there is work; a failed forward ends the requests
+        it was running with a 500 and the thread goes on. After `stop`, the engine's waiting requests get 503 and
+        the running ones finish."""
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not (self._submitted or self._stopping or self.engine.has_work()):
+                        self._cv.wait()
+                    if self._stopping:
+                        for request in self.engine.waiting:
+                            request.gen.push(shutting_down())
+                        self.engine.waiting.clear()
+                    for request in self._submitted:
+                        self.engine.add(request)
+                    self._submitted.clear()
+                    self._publish()
+                    if not self.engine.has_work():
+                        return
+                try:
+                    self.engine.step()
+                except Exception as exc:  # a failed forward must not take the server down
+                    log.exception("generation failed")
+                    for request in self.engine.fail(exc):
+                        request.gen.push(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}"))
+                with self._cv:
+                    self._publish()
 
-    def _run_group(self, seqs: list[Sequence]) -> None:
-        batch, logits = self._prefill(seqs)
-        self.running.update(s.resolved.label for s in seqs)
-        try:
-            while seqs:
-                tokens = choose(logits, torch.tensor([s.params.temperature for s in seqs]),
-                                torch.tensor([s.params.top_p for s in seqs]), [s.generator for s in seqs])
-                done = self._advance(seqs, tokens, self._step_logprobs(seqs, logits, tokens))
-                keep = [i for i in range(len(seqs)) if i not in done]
-                if done:
-                    self.running.subtract(seqs[i].resolved.label for i in done)
-                    batch.select(keep)
-                    seqs, tokens = [seqs[i] for i in keep], tokens[keep]
-                joiners = self._take(self.max_batch - len(seqs), block=False) if batch.can_merge() else []
-                if seqs:
-                    logits = batch.step(self.model, tokens)
-                if joiners:
-                    self.running.update(s.resolved.label for s in joiners)
-                    extra, extra_logits = self._prefill(joiners)
-                    if seqs:
-                        batch.merge(extra)
-                        logits = torch.cat([logits, extra_logits])
-                    else:
-                        batch, logits = extra, extra_logits
-                    seqs = seqs + joiners
-        finally:
-            self.running.subtract(s.resolved.label for s in seqs)
-
-    def _prefill(self, seqs: list[Sequence]) -> tuple[Batch, torch.Tensor]:
-        """Prefill `seqs`; pushes the prompt log-probabilities of those that asked (`echo` with `logprobs`)
-        from the same forward. Returns the batch and the last-position logits [B, V]."""
-        rows = [i for i, s in enumerate(seqs) if s.params.prompt_logprobs]
-        scales = RowScales.of(self.model, [s.resolved.restraint for s in seqs], checked=True)
-        batch, logits = Batch.prefill(self.model, [s.prompt for s in seqs], self.pad_id, scales, every_position=bool(rows))
-        if not rows:
-            return batch, logits
-        width = logits.shape[1]
-        targets = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        valid = torch.zeros((len(rows), width), dtype=torch.bool)
-        for r, i in enumerate(rows):
-            prompt = seqs[i].prompt
-            targets[r, width - len(prompt):] = torch.tensor(prompt)
-            valid[r, width - len(prompt) + 1:] = True   # a token is scored by the logits one position before it
-        index = torch.tensor(rows, device=logits.device)
-        scored = self._score(logits[index, :-1][valid[:, 1:].to(logits.device)], targets[:, 1:][valid[:, 1:]],
-                             max(seqs[i].params.logprobs for i in rows))
-        start = 0
-        for i in rows:
-            seq, n = seqs[i], len(seqs[i].prompt) - 1
-            first = TokenLogprob(self._text(seq.prompt[0]), None, [])
-            seq.gen.push(Piece("", [first, *self._entries(seq.prompt[1:], scored, start, seq.params.logprobs)]))
-            start += n
-        return batch, logits[:, -1]
-
-    def _step_logprobs(self, seqs: list[Sequence], logits: torch.Tensor,
-                       tokens: torch.Tensor) -> list[TokenLogprob | None]:
-        """Each chosen token's log-probability, for the rows that asked (None for the others)."""
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(seqs)
-        if not rows:
-            return out
-        index = torch.tensor(rows, device=logits.device)
-        ids = tokens[index].tolist()
-        scored = self._score(logits[index], tokens[index], max(seqs[i].params.logprobs for i in rows))
-        for r, i in enumerate(rows):
-            out[i] = self._entries(ids[r:r + 1], scored, r, seqs[i].params.logprobs)[0]
-        return out
-
-    @staticmethod
-    def _score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[list, list, list]:
-        """Log-probabilities of `targets` [N] under `logits` [N, V] and the top `k` per row, as lists: one
-        log_softmax and one topk on the model's device. The distribution is the model's own (log-softmax
-        of the raw logits, temperature 1, before top-p), which is what OpenAI reports; it is the same for
-        greedy and sampled requests and shows a restraint's effect directly."""
-        logp = logits.float().log_softmax(-1)
-        chosen = logp.gather(1, targets.to(logp.device)[:, None])[:, 0]
-        top = logp.topk(k, dim=-1)
-        return chosen.tolist(), top.values.tolist(), top.indices.tolist()
-
-    def _entries(self, ids: list[int], scored: tuple[list, list, list], start: int, k: int) -> list[TokenLogprob]:
-        """TokenLogprobs for `ids`, read from rows start.. of `scored`, keeping each row's top `k`."""
-        chosen, values, indices = scored
-        return [TokenLogprob(self._text(t), chosen[start + j],
-                             [(self._text(a), v) for a, v in zip(indices[start + j][:k], values[start + j][:k])])
-                for j, t in enumerate(ids)]
-
-    def _text(self, token: int) -> str:
-        """One token's text on its own (cached)."""
-        if token not in self._token_text:
-            self._token_text[token] = self.tokenizer.decode([token], clean_up_tokenization_spaces=False)
-        return self._token_text[token]
-
-    def _advance(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: list[TokenLogprob | None]) -> set[int]:
-        """Record each row's new token, emit text (with the log-probabilities of the tokens it came from),
-        and return the rows that finished. A final EOS counts as generated and keeps its log-probability
-        entry, but adds no text (as vLLM)."""
-        done: set[int] = set()
-        is_eos = torch.isin(tokens.cpu(), self.eos_ids).tolist()
-        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
-            if seq.gen.cancelled:
-                log.info("cancelled", extra={"model": self.name, "completion_tokens": len(seq.out),
-                                             "max_tokens": seq.max_tokens})
-                seq.gen.push(Final("cancelled", len(seq.prompt), len(seq.out)))
-                done.add(i)
-                continue
-            reason = None
-            seq.out.append(token)
-            if logprobs[i] is not None:
-                seq.pending.append(logprobs[i])
-            if is_eos[i] and not seq.params.ignore_eos:
-                reason = "stop"
-            else:
-                delta, stopped = seq.stream.add(token)
-                if delta:
-                    seq.gen.push(Piece(delta, seq.pending))
-                    seq.pending = []
-                if stopped:
-                    reason = "stop"
-                elif len(seq.out) >= seq.max_tokens:
-                    reason = "length"
-            if reason:
-                seq.gen.push(Piece(seq.stream.flush(), seq.pending))
-                seq.gen.push(Final(reason, len(seq.prompt), len(seq.out)))
-                done.add(i)
-        return done
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    def _publish(self) -> None:
+        """The labels of the engine's waiting and running requests, for `queue_depth` and `running` (under the lock)."""
+        self._queued = Counter(r.label for r in self.engine.waiting)
+        running = Counter(dict.fromkeys(self.running, 0))   # labels served before stay, at 0 (their gauges read 0)
+        running.update(r.label for r in self.engine.running)
+        self.running = running
