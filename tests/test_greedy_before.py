@@ -57,3 +57,29 @@ def test_eval_and_per_row_restraints_generate_what_they_did_before(name, request
     restraints = [Restraint.from_dict(d) if d else None for d in before["restraints"]]
     check_path(model, tok, records, [restraints[i % len(restraints)] for i in range(len(records))], config,
                before["eval_restrained"])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "peaked", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_serve_generates_what_it_did_before(name, request):
+    """All records submitted at once to serve's transformers engine (max_batch 8, as recorded)."""
+    import asyncio
+
+    from rolemrc.serve.engines.base import Prompt, Resolved
+    from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
+
+    before = RECORDED[name]
+    records = [normalize_record(r, k + 1, "test")[0] for k, r in enumerate(fixture_records()[:len(before["records"])])]
+
+    async def run() -> dict:
+        engine = TransformersEngine("greedy", TransformersOptions(path=str(model_dir(name, request)), device="cpu"),
+                                    max_batch=8, max_queue=64, default_max_tokens=before["max_new_tokens"])
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=before["max_new_tokens"], temperature=0)
+            gens = [await engine.submit(Prompt(messages=r["question"]), params, Resolved()) for r in records]
+            texts = [await g.text() for g in gens]
+            return {r["id"]: (t, g.final.completion_tokens) for r, t, g in zip(records, texts, gens)}
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(run()) == {key: (row["text"], row["completion_tokens"]) for key, row in before["serve"].items()}
