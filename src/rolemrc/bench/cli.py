@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import typer
@@ -24,6 +25,15 @@ def concrete(device: str) -> str:
     from rolemrc.core.modeling import resolve_device
 
     return str(resolve_device(device))
+
+
+def concurrency_list(text: str) -> tuple[int, ...]:
+    """`--concurrency 1,8,32` as integers >= 1 (an InputError otherwise)."""
+    from rolemrc.core.errors import InputError
+
+    if not re.fullmatch(r"\s*[1-9]\d*\s*(,\s*[1-9]\d*\s*)*", text):
+        raise InputError(f"--concurrency {text}: give a comma list of integers >= 1, e.g. 1,8,32")
+    return tuple(int(c) for c in text.split(","))
 
 
 def emit(result: dict, out: Path | None) -> None:
@@ -142,7 +152,7 @@ def serve_cmd(
     from rolemrc.bench.serve import run, run_http
     from rolemrc.core.errors import InputError
 
-    concurrencies = tuple(int(c) for c in concurrency.split(","))
+    concurrencies = concurrency_list(concurrency)
     if engine:
         emit(run_http(tuple(e.strip() for e in engine.split(",")), model, concurrencies, tokens or 64, waves,
                       repeats or 1, size, units=units, dtype=dtype or "float32", device=concrete(device)), out)
@@ -172,14 +182,9 @@ def generate_cmd(
     """Completion tokens/s of the generation engine (unrestrained, one restraint, a mix of 4) against HF `generate`
     on static batches and transformers' `generate_batch`, fixed and varied workloads, side by side in one run."""
     from rolemrc.bench.generate import run
-    from rolemrc.core.errors import InputError
 
-    try:
-        concurrencies = tuple(int(c) for c in concurrency.split(","))
-    except ValueError:
-        raise InputError(f"--concurrency {concurrency}: give a comma list of integers, e.g. 1,8,32") from None
     sizes = tuple(s.strip() for entry in size for s in entry.split(",") if s.strip())
-    emit(run(sizes, concurrencies, tokens, waves, repeats, prompt_tokens, concrete(device), dtype), out)
+    emit(run(sizes, concurrency_list(concurrency), tokens, waves, repeats, prompt_tokens, concrete(device), dtype), out)
 
 
 @app.command("clients")
