@@ -1,6 +1,8 @@
 """The generation engine against transformers itself: greedy tokens, chunked prefill, slots reused and grown,
 log-probabilities, stop strings and cancellation."""
 
+import copy
+
 import pytest
 import torch
 
@@ -137,3 +139,29 @@ def test_stop_strings_and_cancellation_free_their_slots(peaked_model):
         engine.step()
         assert outs[-1].finish_reason == "cancelled" and not engine.has_work()
         assert sorted(engine.free) == [0, 1]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_sliding_window_layers_see_only_their_window(tokenizer, arch):
+    """A Mistral whose every layer slides over 8 positions, and a Qwen2 with one full and one sliding layer: the
+    engine's masks (one windowed mask; a mask per layer type) give transformers' own tokens on prompts longer
+    than the window, and those differ from what full attention gives."""
+    from transformers import AutoModelForCausalLM
+
+    from rolemrc.core.tiny import tiny_config
+
+    config = tiny_config(arch, len(tokenizer), hidden=64, layers=2, intermediate=96)
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    torch.manual_seed(5)
+    full = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    config.sliding_window = 8
+    if arch == "qwen2":
+        config.use_sliding_window, config.layer_types = True, ["full_attention", "sliding_attention"]
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.load_state_dict(full.state_dict())
+    prompts = prompts_of(tokenizer, 4)
+    assert min(len(p) for p in prompts) > 8
+    done = generate(model, tokenizer, prompts, GREEDY, max_batch=2, progress=False)
+    expected = [hf_greedy(model, tokenizer, p, 12) for p in prompts]
+    assert [c.token_ids for c in done] == expected
+    assert expected != [hf_greedy(full, tokenizer, p, 12) for p in prompts]

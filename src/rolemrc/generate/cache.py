@@ -9,6 +9,8 @@ is concatenated, re-padded or copied per step, and the decode step's tensors kee
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -76,11 +78,26 @@ class SlotCache(Cache):
         return self.width
 
 
-def attention_mask(write: torch.Tensor, limit: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+def attention_mask(write: torch.Tensor, limit: torch.Tensor, width: int, dtype: torch.dtype,
+                   window: int | None = None) -> torch.Tensor:
     """Additive mask [rows, 1, tokens, width]: the token at position p of a row sees the positions j <= p that hold
     its own tokens (j < `limit` of the row: its prompt length while prefilling, anything once decoding) and
-    always itself, so a padding token (written past the prompt, overwritten later) never leaves a row empty."""
+    always itself, so a padding token (written past the prompt, overwritten later) never leaves a row empty.
+    `window`: a sliding-window layer's, which also drops j <= p - window (transformers' rule)."""
     j = torch.arange(width, device=write.device)
     p = write[:, :, None]
     seen = (j <= p) & ((j < limit[:, None, None]) | (j == p))
+    if window is not None:
+        seen &= (j > p - window) | (j == p)
     return torch.zeros(seen.shape, dtype=dtype, device=write.device).masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
+
+
+def mask_layout(config: Any) -> tuple[int | None, bool]:
+    """(sliding window, whether masks go per layer type): a config listing `layer_types` with sliding layers takes
+    {"full_attention": ..., "sliding_attention": ...}; one with a `sliding_window` and no layer types (Mistral)
+    takes the windowed mask alone; any other the plain one."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return (window, True) if window and "sliding_attention" in types else (None, False)
+    return window or None, False

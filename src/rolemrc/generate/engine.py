@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rolemrc.generate.cache import SlotCache, attention_mask, round_up
+from rolemrc.generate.cache import SlotCache, attention_mask, mask_layout, round_up
 from rolemrc.generate.params import Output, SamplingParams, TokenLogprob
 from rolemrc.generate.prefix import BLOCK, PrefixIndex, block_hashes
 from rolemrc.generate.sampling import TextStream, choose, make_generator
@@ -89,6 +89,7 @@ class Engine:
         self.scales = SlotScales(model, max_batch)
         self.prefixes = PrefixIndex()
         self.stats: Counter[str] = Counter()   # prompt tokens admitted, and those copied from a held prefix
+        self.window, self.per_layer_type = mask_layout(model.config)
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.waiting: deque[Request] = deque()
         self.group: PrefillGroup | None = None
@@ -244,6 +245,9 @@ class Engine:
         self.cache.at(rows, write, width)
         self.scales.rows = rows
         mask = attention_mask(write, limit, width, self.dtype)
+        if self.window is not None:
+            sliding = attention_mask(write, limit, width, self.dtype, self.window)
+            mask = {"full_attention": mask, "sliding_attention": sliding} if self.per_layer_type else sliding
         out = self.model(input_ids=ids, position_ids=write, attention_mask=mask, use_cache=True,
                          logits_to_keep=keep, **{self.cache_arg: self.cache})
         return out.logits
