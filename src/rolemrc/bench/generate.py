@@ -85,7 +85,8 @@ def check_count(what: str, got: int, load: Workload) -> None:
 
 
 def engine_run(engine: Engine, load: Workload, restraints: list[Restraint | None]) -> None:
-    """Every request of `load` through `engine`, all queued at once."""
+    """Every request of `load` through `engine`, all queued at once, none copying a prompt an earlier round left."""
+    engine.prefixes.clear()
     done: list[int] = []
 
     def emit(output: Any) -> None:

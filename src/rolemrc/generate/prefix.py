@@ -46,3 +46,8 @@ class PrefixIndex:
             holders.discard(slot)
             if not holders:
                 del self.slots[h]
+
+    def clear(self) -> None:
+        """Forget every held prefix (the keys stay in the cache, unused): a benchmark's rounds start equal."""
+        self.slots.clear()
+        self.held.clear()
