@@ -130,7 +130,7 @@ class Engine:
         if self.decoding:
             self._decode()
 
-    def fail(self, exc: BaseException) -> list[Request]:
+    def fail(self) -> list[Request]:
         """Free every running request's slot after a failed forward; returns them (the caller reports the error)."""
         failed = self.running
         self.group = None

@@ -204,7 +204,7 @@ class TransformersEngine:
                     self.engine.step()
                 except Exception as exc:  # a failed forward must not take the server down
                     log.exception("generation failed")
-                    for request in self.engine.fail(exc):
+                    for request in self.engine.fail():
                         request.gen.push(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}"))
                 with self._cv:
                     self._publish()
