@@ -50,3 +50,6 @@ def test_sizes_the_run_cannot_measure_are_refused_before_loading():
     assert result.exit_code == 2 and "error: --size llama-8b: GPU shapes" in result.output
     result = CliRunner().invoke(app, ["generate", "--size", "huge"])
     assert result.exit_code == 2 and "unknown size(s) ['huge']" in result.output
+    for bad in ("1,x", "0", "8,,32"):
+        result = CliRunner().invoke(app, ["generate", "--size", "demo", "--concurrency", bad])
+        assert result.exit_code == 2 and f"error: --concurrency {bad}: give a comma list" in result.output
