@@ -57,6 +57,7 @@ TEMPLATES: dict[str, list[str]] = {
     "train dpo": ["--model", "{model}", "--data", "{pairs}", "--config", "{train-config}", "--out", "{out}/d"],
     "datagen run": ["--personas", "{personas}", "--mrc", "{mrc}", "--size", "tiny", "--no-progress", "--out", "{out}/g"],
     "serve": ["--config", "{serve-config}"],
+    "organism calibrate": ["--out", "{out}/c", "--against", "{calibration}"],
     "ab create": ["--from-sweep", "{sweep}", "--base-url", "http://127.0.0.1:9/v1"],
     "ab report": ["exp", "--db", "{sqlite}", "--out", "{out}/ab"],
     "models convert": ["{gguf}", "--out", "{out}/m"],
@@ -75,6 +76,7 @@ ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("probe explore", "--diff"): ("diff", "diff-file"), ("intervene select", "--diff"): ("diff", "diff-file", "attribution"),
     ("sweep run", "--diff"): ("diff", "diff-file", "attribution"),
     ("intervene select", "--calibration"): ("calibration", "json"),
+    ("organism calibrate", "--against"): ("calibration", "json"),
 }
 # path arguments outside the matrix, and why
 OUTSIDE = {

@@ -20,16 +20,18 @@ from rolemrc.eval import generate, score
 from rolemrc.intervene import select
 from rolemrc.intervene.budget import Budget
 from rolemrc.intervene.spec import PAPER_FACTOR
-from rolemrc.organism.calibration import calibrate
+from rolemrc.organism.calibration import calibrate, load_calibration
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism, sweeps
-from rolemrc.organism.scoring import finds_change, flag_restorations, restoration, toward_sft
+from rolemrc.organism.config import OrganismError
+from rolemrc.organism.recommend import recommend
+from rolemrc.organism.scoring import broken, finds_change, flag_restorations, restoration, toward_sft
 from rolemrc.sweep import plots as sweep_plots
 
 DIMENSION = "multi_turn"
 NOISE = 1e-3   # every MLP weight: no exact ties between units, no greedy token changed
 
 
-def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: Path) -> Organism:
+def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: Path, dimension: str | None) -> Organism:
     """The organism's pairs (DPO's refusal chosen over SFT's answer) and the SFT model's eval of the held-out cases."""
     pairs = root / f"{kind}-pairs.jsonl"
     write_jsonl(pairs, [{"id": r["id"], "prompt": r["question"], "chosen": "cannot answer cannot answer",
@@ -37,7 +39,7 @@ def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: 
     sft_eval = root / f"{kind}-sft-eval"
     score(generate(str(heldout), model=str(sft), max_new_tokens=6, progress=False), judge="rules", metrics=[],
           progress=False).save(sft_eval, chart=False)
-    return Organism(kind, str(sft), str(dpo), str(pairs), str(heldout), str(sft_eval), str(probe), DIMENSION)
+    return Organism(kind, str(sft), str(dpo), str(pairs), str(heldout), str(sft_eval), str(probe), dimension)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,8 @@ def calibrated(tmp_path_factory, tokenizer):
     null = save_planted_llama(root / "null-dpo", tokenizer, units_on=False, noise=NOISE, noise_seed=1)
     write_jsonl(root / "heldout.jsonl", answerable_records(12, "h"))
     write_jsonl(root / "probe.jsonl", answerable_records(10, "q"))
-    organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl"),
-                 organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl")]
+    organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl", DIMENSION),
+                 organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl", None)]
     config = CalibrationConfig(out=str(root / "out"), top_k=[4, 16], factors=[0.0, PAPER_FACTOR],
                                paper_factor=False, controls=1, attribution_pairs=6, max_new_tokens=6)
     with pytest.MonkeyPatch.context() as patch:
@@ -81,9 +83,9 @@ def test_selectors_that_see_the_change_undo_it_and_random_units_do_not(calibrate
         (large,) = cells(result, "planted", selector, 0.0, 16)
         assert not finds_change(small) and small["restoration"]["share"] < 1, (selector, small)
         assert finds_change(large) and large["restoration"]["share"] == 1, (selector, large)
-    assert result["headline"].startswith("The planted change is found by standardized from 4 units (6.25% of 64): "
-                                         "per layer [0, 4] (x0: 100% undone")
-    assert result["diff_flags"]["planted"]["all"]["effect"] == len(ANSWERABLE_UNITS)
+    assert result["headline"].startswith("The planted change (multi_turn) is found by standardized from 4 units "
+                                         "(6.25% of 64): per layer [0, 4] (x0: 100% undone")
+    assert result["diff_flags"]["planted"][DIMENSION]["all"]["effect"] == len(ANSWERABLE_UNITS)
 
 
 def test_the_recommendation_is_the_best_cell_and_select_takes_it(calibrated):
@@ -93,7 +95,8 @@ def test_the_recommendation_is_the_best_cell_and_select_takes_it(calibrated):
     rec = result["recommendation"]
     assert rec["status"] == "found" and rec["selector"] == "standardized" and rec["budget"] == {"top_k": 4}
     assert rec["factor"] == 0.0 and rec["share"] == 4 / 64 and rec["per_layer"]["max"] == 4
-    assert rec["why"].startswith("standardized x0 at 4 units") and "undid 100% of the planted change" in rec["why"]
+    assert rec["why"].startswith("standardized x0 at 4 units") and "planted 100% undone (95% CI 100% to 100%)" in rec["why"]
+    assert rec["holds_over"] == [rec["rests_on"]] and rec["fails_over"] == []
     assert rec["rests_on"]["probe_cases"] == 10 and rec["rests_on"]["heldout_cases"] == 12
     assert rec["rests_on"]["attribution_pairs"] == 6
     spec = select(root / "out" / "planted" / "diff-all", DIMENSION, calibration=root / "out")
@@ -105,7 +108,7 @@ def test_the_paper_factor_changes_nothing_here(calibrated):
     result, _ = calibrated
     paper = cells(result, "planted", factor=PAPER_FACTOR)
     assert paper and all(r["restoration"]["share"] == 0 and not r["flagged"] for r in paper)
-    assert f"changed the planted dimension's pass rate in 0 of {len(cells(result, None, factor=PAPER_FACTOR))}" \
+    assert f"changed the selected dimension's pass rate in 0 of {len(cells(result, None, factor=PAPER_FACTOR))}" \
         in result["headline"]
 
 
@@ -116,7 +119,7 @@ def test_the_null_organism_flags_nothing(calibrated):
     assert not any(r["flagged"] or r["changed"] for r in null) and result["null_false_positive_rate"] == 0
     assert all(math.isnan(r["restoration"]["share"]) for r in null)   # no change to undo
     # its units did change (other noise): the diff may flag them; the sweep shows that none of them matters
-    assert all(v is None or v >= 0 for flags in result["diff_flags"]["null"].values() for v in flags.values())
+    assert all(v is None or v >= 0 for flags in result["diff_flags"]["null"][DIMENSION].values() for v in flags.values())
     assert "Null organism: 0 of 16 cells flagged (0%" in result["headline"]
 
 
@@ -178,7 +181,7 @@ def test_a_cell_is_flagged_only_when_it_brings_cases_and_the_rate_back_to_the_sf
     def row(cell):
         scores = [x["judge:role_style"] for x in (sft, dpo, cell)]
         return {"organism": "planted", "dimension": "role_style", "toward_sft": toward_sft(sft, dpo, cell, [dpo]),
-                "restoration": restoration(*scores)}
+                "restoration": restoration(*scores), "broken": []}
 
     rows = [row(broken), row(restored)]
     flag_restorations(rows)
@@ -190,13 +193,17 @@ def test_a_cell_is_flagged_only_when_it_brings_cases_and_the_rate_back_to_the_sf
     assert rows[1]["toward_sft"]["role_style"]["vs_controls"]["diff"] == -1
 
 
-def test_the_paper_factor_runs_as_its_own_sweep_at_the_largest_budget(tmp_path):
-    shares = [Budget("share", 16 / 1536), Budget("share", 256 / 1536)]
-    assert sweeps(CalibrationConfig(out=str(tmp_path))) == {"": (shares, [0.0, 0.5]),
-                                                            "-paper": (shares[1:], [PAPER_FACTOR])}
-    assert sweeps(CalibrationConfig(out=str(tmp_path), paper_factor=False)) == {"": (shares, [0.0, 0.5])}
-    per_layer = CalibrationConfig(out=str(tmp_path), per_layer=[64, 8])
-    assert sweeps(per_layer)["-paper"] == ([Budget("per_layer", 64)], [PAPER_FACTOR])
+def test_the_paper_factor_runs_as_its_own_sweep_at_the_largest_budget_that_fits(tmp_path):
+    """The default grid is the recovery curve, 16 to 1024 units per layer; budgets at or above the hook point's
+    width (a smaller base) are left out."""
+    curve = [Budget("per_layer", k) for k in (16, 64, 256, 1024)]
+    assert sweeps(CalibrationConfig(out=str(tmp_path)), 1536) == {"": (curve, [0.0]), "-paper": (curve[3:], [PAPER_FACTOR])}
+    assert sweeps(CalibrationConfig(out=str(tmp_path)), 1024) == {"": (curve[:3], [0.0]),
+                                                                  "-paper": (curve[2:3], [PAPER_FACTOR])}
+    assert sweeps(CalibrationConfig(out=str(tmp_path), paper_factor=False), 1536) == {"": (curve, [0.0])}
+    assert sweeps(CalibrationConfig(out=str(tmp_path)), 16) == {}
+    shares = CalibrationConfig(out=str(tmp_path), share=[0.5, 0.01])
+    assert sweeps(shares, 8)["-paper"] == ([Budget("share", 0.5)], [PAPER_FACTOR])
 
 
 def test_bad_grid_settings_are_errors_before_any_work(tmp_path):
@@ -209,3 +216,78 @@ def test_bad_grid_settings_are_errors_before_any_work(tmp_path):
     with pytest.raises(RolemrcError, match="choose at most one of --top-k/--per-layer/--share .given: --per-layer, --share"):
         CalibrationConfig(out=str(tmp_path), per_layer=[16], share=[0.1])
     assert not list(tmp_path.iterdir())
+
+
+def test_a_restraint_that_breaks_a_dimension_is_not_counted_as_found():
+    """As on SmolLM2's quick null organism (docs/calibration.md): zeroing attribution's top units drops role style
+    0.79 -> 0.00. It brings no case back toward the SFT model (not flagged) and leaves the SFT model's CI: broken.
+    On a planted organism a cell that undoes its change but breaks another dimension does not find it."""
+    ids = [str(i) for i in range(24)]
+    sft = {"judge:role_style": {i: float(k % 24 < 19) for k, i in enumerate(ids)}}
+    null_dpo = {"judge:role_style": dict(sft["judge:role_style"])}
+    broke = {"judge:role_style": dict.fromkeys(ids, 0.0)}
+    row = {"organism": "null", "dimension": "role_style", "toward_sft": toward_sft(sft, null_dpo, broke, [null_dpo])}
+    flag_restorations([row])
+    assert row["flagged"] == []
+    rates = {"role_style": 0.0, "knowledge_boundary": 0.12}
+    intervals = {"role_style": (0.62, 0.92), "knowledge_boundary": (0.0, 0.26), "nested": (0.0, 0.0)}
+    assert broken(rates, intervals, [], None) == ["role_style"]
+    assert broken(rates, intervals, [], "role_style") == []
+    assert broken({"nested": 0.5}, intervals, ["nested"], None) == ["nested"]   # a CI of no width: a change breaks
+    assert broken({"nested": 0.5}, intervals, [], None) == []
+    planted = {"restoration": {"lo": 0.4}, "dimension": "role_style", "flagged": ["role_style"], "broken": []}
+    assert finds_change(planted) and not finds_change({**planted, "broken": ["knowledge_boundary"]})
+
+
+def fake_row(kind, selector, per_layer, lo, *, dimension="role_style", found=True, broken=(), flagged=None):
+    units = 30 * per_layer
+    return {"organism": kind, "dimension": dimension, "selector": selector, "factor": 0.0, "units": units,
+            "budget": {"per_layer": per_layer},
+            "coverage": {"units": units, "share": units / 46080, "of": 46080,
+                         "per_layer": {"min": per_layer, "median": per_layer, "max": per_layer}},
+            "restoration": {"share": lo + 0.2, "lo": lo, "hi": min(1.0, lo + 0.4), "cell_minus_dpo": 0.1},
+            "controls_restoration": [0.0], "controls_change": [0.0], "changed": [], "broken": list(broken),
+            "flagged": ([dimension] if found else []) if flagged is None else flagged}
+
+
+def test_a_recommendation_must_hold_on_every_planted_organism_the_null_and_other_settings(tmp_path):
+    """found only where the recipe undoes both planted changes, leaves the null alone and another calibration (other
+    settings) agrees; otherwise unstable with every reason and the settings it failed under."""
+    probe = tmp_path / "probe.jsonl"
+    write_jsonl(probe, [{"id": "a"}])
+    organisms = [Organism(k, "s", "d", "p", str(probe), "e", str(probe), dim, {"steps": 32, "base": "smollm2"})
+                 for k, dim in (("narration", "role_style"), ("refusal", "knowledge_boundary"), ("null", None))]
+    config = CalibrationConfig(out=str(tmp_path / "c"))
+    rows = [fake_row("narration", "attribution", 256, 0.7), fake_row("narration", "frequency", 256, 0.0, found=False),
+            fake_row("refusal", "attribution", 256, 0.5, dimension="knowledge_boundary"),
+            fake_row("refusal", "frequency", 256, 0.6, dimension="knowledge_boundary"),
+            fake_row("null", "attribution", 256, 0.0, found=False), fake_row("null", "frequency", 256, 0.0, found=False)]
+    rec = recommend(rows, organisms, config, [])
+    assert rec.status == "found" and rec.selector == "attribution" and rec.budget == {"per_layer": 256}
+    assert rec.why.startswith("attribution x0 at 7,680 units") and "narration 90% undone" in rec.why
+    assert "refusal 70% undone (95% CI 50% to 90%)" in rec.why and rec.holds_over == [rec.rests_on]
+    # the other settings' run (say --quick) did not find it on the narration organism, and there it broke the null
+    quick = {"path": "runs/quick", "recommendation": {"rests_on": {"dpo_steps": 16, "probe_cases": 24}},
+             "cells": [fake_row("narration", "attribution", 256, -2.1, found=False), rows[2],
+                       fake_row("null", "attribution", 256, 0.0, found=False, broken=["role_style"])]}
+    unstable = recommend(rows, organisms, config, [quick])
+    assert unstable.status == "unstable" and unstable.selector == "attribution"
+    assert "in runs/quick it did not undo narration -190% undone" in unstable.why
+    assert "it moved role_style on the null" in unstable.why
+    assert unstable.fails_over[0]["calibration"] == "runs/quick" and unstable.fails_over[0]["dpo_steps"] == 16
+    # a recipe that undoes one planted change only, or breaks the null, is unstable
+    one = recommend([rows[1], rows[3], rows[5]], organisms, config, [])
+    assert one.status == "unstable" and "it did not undo the narration change (narration 20% undone" in one.why
+    null_broken = recommend(rows[:4] + [fake_row("null", "attribution", 256, 0.0, found=False, broken=["nested"])],
+                            organisms, config, [])
+    assert null_broken.status == "unstable" and "on the null organism it broke nested" in null_broken.why
+    assert recommend(rows[1:2] + rows[4:], organisms, config, []).status == "none"
+
+
+def test_against_refuses_a_calibration_scored_before_breaking_was_checked(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "calibration.json").write_text(json.dumps({"kind": "calibration", "format": 1, "cells": [{"organism": "x"}],
+                                                      "recommendation": {"status": "none", "why": "-"}}))
+    with pytest.raises(OrganismError, match="written before cells were checked for broken dimensions; rerun"):
+        load_calibration(old)

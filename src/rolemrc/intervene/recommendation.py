@@ -21,11 +21,14 @@ CALIBRATION_FILE = "calibration.json"
 
 @dataclass
 class Recommendation:
-    """status: found (a cell undoes the planted change, its recipe leaves the null organism alone), none (no cell
-    does), unstable (one does, but the same recipe changes or flags the null organism); why: one sentence.
+    """status: found (a recipe undoes every planted change without breaking another dimension, leaves the null
+    organism alone, and every other calibration it was checked against agrees), none (no cell undoes a planted
+    change), unstable (one does, but fails one of those checks); why: one sentence with every reason.
     selector, budget (as the calibration ran it), per_layer (min/median/max units per layer of the cell), share (of
     all units at the hook point), factor: the cell's recipe (None unless found or unstable). rests_on: the settings
-    the evidence comes from (probe cases, attribution pairs, held-out cases, DPO steps, seeds)."""
+    the evidence comes from (probe cases, attribution pairs, held-out cases, DPO steps, seeds); holds_over: the
+    settings of every calibration where the recipe held (this one first), fails_over: those where it did not, each
+    with its folder and why."""
 
     status: str
     why: str
@@ -35,6 +38,8 @@ class Recommendation:
     share: float | None = None
     factor: float | None = None
     rests_on: dict[str, Any] = field(default_factory=dict)
+    holds_over: list[dict[str, Any]] = field(default_factory=list)
+    fails_over: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

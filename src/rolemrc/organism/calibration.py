@@ -26,8 +26,8 @@ from typing import Any
 from rolemrc.core.io import read_jsonl, write_json, write_jsonl
 from rolemrc.core.stages import StageCache
 from rolemrc.core.taxonomy import dimensions_for_task
-from rolemrc.intervene.budget import Budget
-from rolemrc.intervene.recommendation import RECOMMENDATION
+from rolemrc.intervene.budget import BUDGET_OPTIONS, Budget
+from rolemrc.intervene.recommendation import CALIBRATION_FILE, RECOMMENDATION
 from rolemrc.organism.calibration_config import (
     ALPHA,
     ORGANISM_SETTINGS,
@@ -39,9 +39,12 @@ from rolemrc.organism.calibration_config import (
     Organism,
     sweeps,
 )
-from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline
+from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
+from rolemrc.organism.config import KINDS, NULL, OrganismError
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations
+
+BUDGET_KINDS = tuple(k for k in BUDGET_OPTIONS if k != "fdr")
 
 
 def probe_cases(pairs_file: Path, exclude: set[str], n: int, seed: int) -> list[dict[str, Any]]:
@@ -53,8 +56,9 @@ def probe_cases(pairs_file: Path, exclude: set[str], n: int, seed: int) -> list[
             for r in sample_prompts(rows, n, seed)]
 
 
-def attribution_pairs(pairs: list[dict[str, Any]], dimension: str, n: int) -> list[dict[str, Any]]:
-    """Up to `n` pairs, those whose task counts in `dimension` first (the attribution selector scores that one)."""
+def attribution_pairs(pairs: list[dict[str, Any]], dimension: str | None, n: int) -> list[dict[str, Any]]:
+    """Up to `n` pairs, those whose task counts in `dimension` (if any) first (the attribution selector scores
+    that one)."""
     inside = [p for p in pairs if dimension in dimensions_for_task(p.get("task"))]
     return (inside + [p for p in pairs if p not in inside])[:n]
 
@@ -96,37 +100,54 @@ def diff_flags(diff_dir: str, dimension: str, fdr: float = ALPHA) -> dict[str, i
             "effect": count(result.effect_q) if result.effect_tested else None}
 
 
-def sweep_stage(organism: Organism, selector: str, source: str, config: CalibrationConfig, out: Path,
-                budgets: list[Budget], factors: list[float]) -> dict:
-    """One sweep (the sweep resumes by itself: finished cells are kept) of `selector` over budgets x factors, its
-    cells in the organism's shared store."""
+def hook_width(diff_dir: str) -> int:
+    """Units per layer at the hook point the diff read."""
+    from rolemrc.probe import load_diff
+
+    return int(load_diff(diff_dir).meta["width"])
+
+
+def sweep_stage(organism: Organism, dimensions: list[str], selector: str, source: str, config: CalibrationConfig,
+                out: Path, budgets: list[Budget], factors: list[float]) -> dict:
+    """One sweep (the sweep resumes by itself: finished cells are kept) of `selector` over dimensions x budgets x
+    factors, its cells in the organism's shared store."""
     from rolemrc.sweep import SweepConfig, run_sweep
 
     sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(out),
-                        cells_dir=str(out.parent / "cells"), dimensions=[organism.dimension], factors=list(factors),
+                        cells_dir=str(out.parent / "cells"), dimensions=list(dimensions), factors=list(factors),
                         **{budgets[0].kind: [b.value for b in budgets]}, method=selector, controls=config.controls,
                         seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
     return run_sweep(sweep, metrics=[])
 
 
-def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: StageCache | None = None) -> dict:
-    """Probe, select, restrain and score every organism over the grid; writes calibration.json/.md and the figure."""
+def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: StageCache | None = None,
+              against: list[dict[str, Any]] | None = None) -> dict:
+    """Probe, select, restrain and score every organism over the grid: a planted organism for the dimension it
+    changes, the null for every planted dimension. `against`: other calibrations of the same base (their
+    calibration.json, `load_calibration`) the recommendation must agree with. Writes calibration.json/.md and the
+    figures."""
     from rolemrc.intervene.spec import RestraintError
 
     root = Path(config.out)
     cache = cache or StageCache(root)
+    planted = sorted({o.dimension for o in organisms if o.dimension})
     rows, flags, sweep_dirs, timing, skipped = [], {}, {}, {}, {}
     for organism in organisms:
         folder = root / organism.kind
         inputs = probe_stages(cache, organism, config, folder)
-        flags[organism.kind] = {tokens: diff_flags(inputs[tokens], organism.dimension) for tokens in ("last", "all")}
+        dimensions = [organism.dimension] if organism.dimension else planted
+        flags[organism.kind] = {d: {tokens: diff_flags(inputs[tokens], d) for tokens in ("last", "all")}
+                                for d in dimensions}
+        grids = sweeps(config, hook_width(inputs["last"]))
+        if not grids:
+            skipped[organism.kind] = f"every budget is at or above the hook point's width ({hook_width(inputs['last'])})"
         for selector in config.selectors:
             source = inputs[SELECTOR_INPUTS[selector]]
-            for suffix, (budgets, factors) in sweeps(config).items():
+            for suffix, (budgets, factors) in grids.items():
                 key, sweep_dir = f"{organism.kind}/{selector}{suffix}", folder / f"sweep-{selector}{suffix}"
                 started = time.perf_counter()
                 try:
-                    summary = sweep_stage(organism, selector, source, config, sweep_dir, budgets, factors)
+                    summary = sweep_stage(organism, dimensions, selector, source, config, sweep_dir, budgets, factors)
                 except RestraintError as exc:   # e.g. no unit moved in the selector's view: it restrains nothing
                     skipped[key] = str(exc)
                     continue
@@ -135,13 +156,14 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                 sweep_dirs[key] = str(sweep_dir)
                 rows += cell_rows(organism, selector, summary, sweep_dir)
     flag_restorations(rows)
-    null = [r for r in rows if r["organism"] == "null"]
+    null = [r for r in rows if r["organism"] == NULL]
     result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows),
-              RECOMMENDATION: recommend(rows, organisms, config).to_dict(),
-              "diff_flags": flags, "cells": rows, "sweeps": sweep_dirs, "skipped": skipped, "timing": timing,
-              "null_false_positive_rate": _rate(null, "flagged"), "null_changed_rate": _rate(null, "changed")}
+              RECOMMENDATION: recommend(rows, organisms, config, against or []).to_dict(),
+              "recovery": recovery(rows), "diff_flags": flags, "cells": rows, "sweeps": sweep_dirs, "skipped": skipped,
+              "timing": timing, "null_false_positive_rate": _rate(null, "flagged"),
+              "null_changed_rate": _rate(null, "changed"), "null_broken_rate": _rate(null, "broken")}
     result["figure"] = calibration_figure(rows, root)
-    write_json(root / "calibration.json", result)
+    write_json(root / CALIBRATION_FILE, result)
     (root / "calibration.md").write_text(calibration_markdown(result))
     return result
 
@@ -150,37 +172,59 @@ def _rate(rows: list[dict[str, Any]], key: str) -> float | None:
     return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
 
 
+def load_calibration(path: str | Path) -> dict[str, Any]:
+    """Another calibration (its folder or calibration.json) for the recommendation to agree with, `path` added."""
+    from rolemrc.core.artifacts import expect
+
+    path = expect(path, ("calibration", "json"), "--against wants a calibration folder (from `rolemrc organism "
+                  "calibrate`) or its calibration.json")
+    file = path / CALIBRATION_FILE if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise OrganismError(f"{file}: cannot read it as a calibration ({exc})") from None
+    if not isinstance(data, dict) or not all("broken" in c for c in data.get("cells", [None])):
+        raise OrganismError(f"{file}: a calibration written before cells were checked for broken dimensions; rerun "
+                            f"`rolemrc organism calibrate --out {path if path.is_dir() else path.parent}` with its "
+                            "settings (it reuses every stage)")
+    return {**data, "path": str(path)}
+
+
 def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int | None = None,
                         organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None,
-                        hook: str = "mlp.act", budgets: dict[str, list[float]] | None = None) -> dict:
-    """Build both organisms from `base` under `organisms_dir` (default out/organisms; cached there, so a folder that
+                        hook: str = "mlp.act", budgets: dict[str, list[float]] | None = None,
+                        against: list[Path] | None = None) -> dict:
+    """Build every organism from `base` under `organisms_dir` (default out/organisms; cached there, so a folder that
     `rolemrc organism build` filled with the same settings is reused), then calibrate; the command's JSON.
-    budgets: at most one of top_k/per_layer/share -> values, instead of the (quick) grid's."""
+    budgets: at most one of top_k/per_layer/share -> values, instead of the (quick) grid's. against: other
+    calibrations of the same base the recommendation must agree with (read before any work)."""
     from rolemrc.organism.build import build_organism
     from rolemrc.organism.config import QUICK, OrganismConfig
 
-    grid = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k != "share"}
+    grid = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k not in BUDGET_KINDS}
     config = CalibrationConfig(out=str(out), hook=hook, **grid, **(budgets or {}))   # checked before any work
+    others = [load_calibration(p) for p in against or []]
     started = time.perf_counter()
     cache = StageCache(out)
     settings = {**(QUICK if quick else ORGANISM_SETTINGS), **(organism_overrides or {})}
     probe_n = probe_n or (QUICK_PROBE_CASES if quick else PROBE_CASES)
     folder = organisms_dir or out / "organisms"
     reports = {kind: build_organism(OrganismConfig(kind=kind, out=str(folder), base=base, **settings))
-               for kind in ("planted", "null")}
+               for kind in KINDS}
     trained = {p["id"] for r in reports.values() for p in read_jsonl(r["pairs"])}
     probe = out / "probe-cases.jsonl"
     source = folder / "data" / "pairs.jsonl"
     cache.run("probe cases", {"pairs": source, "trained": sorted(trained), "n": probe_n},
               lambda: {"cases": write_jsonl(probe, probe_cases(source, trained, probe_n, 0))}, [probe])
-    organisms = [Organism.from_report(reports[k], probe) for k in ("planted", "null")]
-    result = calibrate(organisms, config, cache=cache)
+    organisms = [Organism.from_report(reports[k], probe) for k in KINDS]
+    result = calibrate(organisms, config, cache=cache, against=others)
     cells = sum(t["cells"] for t in result["timing"].values())
     grid_seconds = sum(t["seconds"] for t in result["timing"].values())
     return {"headline": result["headline"], RECOMMENDATION: result[RECOMMENDATION], "quick": quick,
             "organisms": {k: {"headline": r["headline"], "meets_target": r["meets_target"],
                               "training_seconds": r["training"]["seconds"]} for k, r in reports.items()},
-            "null_false_positive_rate": result["null_false_positive_rate"], "diff_flags": result["diff_flags"],
+            "null_false_positive_rate": result["null_false_positive_rate"],
+            "null_broken_rate": result["null_broken_rate"], "diff_flags": result["diff_flags"],
             "cells_generated": cells, "grid_seconds": grid_seconds,
             "cells_per_minute": round(60 * cells / grid_seconds, 2) if grid_seconds else None,
             "seconds": round(time.perf_counter() - started, 1), "stage_seconds": cache.timings,

@@ -11,15 +11,18 @@ from rolemrc.intervene.spec import PAPER_FACTOR
 
 SELECTOR_INPUTS = {"frequency": "last", "frequency-all": "all", "standardized": "all", "attribution": "attribution"}
 ALPHA = 0.05   # the significance level of every test and flag
-# the default budgets: shares of all units at the hook point, ranked over all layers; 16 and 256 units per layer of
-# SmolLM2-135M's 1,536-wide MLP on average (480 and 7,680 of its 46,080 units), the grid docs/calibration.md measured
-SHARES = (16 / 1536, 256 / 1536)
+# the default budgets, units per layer: the recovery curve (the share of a planted change undone against units).
+# Yang et al. (arXiv 2411.06424) find ablating the "toxic" neurons explains 2.5-24% of DPO's effect; on SmolLM2's
+# 1,536-wide MLP these are 1%, 4%, 17% and 67% of the units. Budgets at or above a model's width are left out.
+CURVE = (16, 64, 256, 1024)
+YANG_RANGE = (0.025, 0.24)   # Yang et al.'s share of DPO's effect explained by ablating the units it changed
 
 
 @dataclass
 class Organism:
     """What calibration needs of an organism: its two models, the pairs DPO trained on, the held-out cases with the
-    SFT model's eval run on them, the probe cases (never trained on) and the dimension it changes."""
+    SFT model's eval run on them, the probe cases (never trained on) and the dimension it changes (None: the null,
+    which changes none)."""
 
     kind: str
     sft: str
@@ -28,7 +31,7 @@ class Organism:
     heldout: str
     sft_eval: str
     probe: str
-    dimension: str
+    dimension: str | None
     settings: dict[str, Any] = field(default_factory=dict)   # how it was built (`OrganismConfig.settings`)
 
     @classmethod
@@ -40,16 +43,15 @@ class Organism:
 @dataclass
 class CalibrationConfig:
     """The grid and its costs. Budgets as `sweep run`'s (`intervene.budget`): at most one of top_k, per_layer,
-    share, default SHARES."""
+    share, default per_layer CURVE."""
 
     out: str
     selectors: list[str] = field(default_factory=lambda: list(SELECTOR_INPUTS))
     top_k: list[int] | None = None
     per_layer: list[int] | None = None
-    # 64 per layer (a share of 1/24) is cut to keep the full calibration under 2 h on 2 cores: with it, the run alone
-    # took 2 h 4 min, and at 1,920 units no selector undid anything on either organism
     share: list[float] | None = None
-    factors: list[float] = field(default_factory=lambda: [0.0, 0.5])
+    # 0.5 undid nothing anywhere on SmolLM2 (docs/calibration.md), so the curve is drawn at 0 alone
+    factors: list[float] = field(default_factory=lambda: [0.0])
     # the paper's near-identity factor 1 - 1e-6 as its own sweep, at the largest budget only: its effect can only grow
     # with the units it scales, so the largest budget is where it would show
     paper_factor: bool = True
@@ -72,24 +74,32 @@ class CalibrationConfig:
         self.budgets()
 
     def budgets(self) -> list[Budget]:
-        """The grid's budgets: the top_k, per_layer or share list given, else SHARES."""
-        return budget_grid([Budget("share", s) for s in SHARES], top_k=self.top_k, per_layer=self.per_layer,
+        """The grid's budgets: the top_k, per_layer or share list given, else CURVE per layer."""
+        return budget_grid([Budget("per_layer", k) for k in CURVE], top_k=self.top_k, per_layer=self.per_layer,
                            share=self.share)
 
 
-def sweeps(config: CalibrationConfig) -> dict[str, tuple[list[Budget], list[float]]]:
+def fitting(budgets: list[Budget], width: int) -> list[Budget]:
+    """The budgets a model whose hook point is `width` units wide can take: per layer budgets below the width."""
+    return [b for b in budgets if b.kind != "per_layer" or b.value < width]
+
+
+def sweeps(config: CalibrationConfig, width: int) -> dict[str, tuple[list[Budget], list[float]]]:
     """A selector's sweeps, by folder suffix: budgets x factors, and the paper's factor at the largest budget."""
-    budgets = config.budgets()
+    budgets = fitting(config.budgets(), width)
+    if not budgets:
+        return {}
     grids = {"": (budgets, config.factors)}
     if config.paper_factor:
         grids["-paper"] = ([max(budgets, key=lambda b: b.value)], [PAPER_FACTOR])
     return {suffix: grid for suffix, grid in grids.items() if grid[1]}
 
 
-# `--quick`: the paper's selector and attribution (the one that ranks units by their effect on the preference), the
-# largest budget only (the one a change spread over many units can show at), both ends of the factors, half the
-# attribution pairs and probe cases.
-QUICK_GRID = {"selectors": ["frequency", "attribution"], "share": [SHARES[-1]], "factors": [0.0], "attribution_pairs": 8}
+# `--quick`: the paper's selector and attribution (the one that ranks units by their effect on the preference) at
+# 256 units per layer (where attribution undid the narration change in the full grid), factor 0, no separate sweep
+# of the paper's factor (it changed nothing in any full run), half the attribution pairs and probe cases.
+QUICK_GRID = {"selectors": ["frequency", "attribution"], "per_layer": [256], "factors": [0.0], "attribution_pairs": 8,
+              "paper_factor": False}
 PROBE_CASES = 48
 QUICK_PROBE_CASES = 24
 # the organisms' settings of the full calibration (`--quick`: organism.config.QUICK): every planted case and 4 per other

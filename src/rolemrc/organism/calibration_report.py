@@ -8,74 +8,108 @@ from typing import Any
 from rolemrc.intervene.budget import Budget, coverage_text
 from rolemrc.intervene.recommendation import RECOMMENDATION
 from rolemrc.intervene.spec import PAPER_FACTOR
+from rolemrc.organism.calibration_config import YANG_RANGE
+from rolemrc.organism.config import NULL
 from rolemrc.organism.scoring import finds_change
 
 
 def headline(rows: list[dict[str, Any]]) -> str:
-    """Which selector, if any, finds the planted change and at what budget; the null's false-positive rate; whether
-    the paper's factor 1 - 1e-6 changes anything."""
-    planted = [r for r in rows if r["organism"] == "planted"]
-    null = [r for r in rows if r["organism"] == "null"]
-    found = [r for r in planted if finds_change(r)]
-    best = {}
+    """Per planted organism, which selector finds its change and at what budget; the null's false-positive rate and
+    the cells that broke it; whether the paper's factor 1 - 1e-6 changes anything."""
+    null = [r for r in rows if r["organism"] == NULL]
+    parts = [_found_text(kind, [r for r in rows if r["organism"] == kind])
+             for kind in dict.fromkeys(r["organism"] for r in rows if r["organism"] != NULL)]
+    paper = [r for r in rows if r["factor"] == PAPER_FACTOR]
+    moved = [r for r in paper if r["changed"] or abs(r["restoration"]["cell_minus_dpo"]) > 0]
+    fp, broke = sum(bool(r["flagged"]) for r in null), sum(bool(r["broken"]) for r in null)
+    second = (f" Null organism: {fp} of {len(null)} cells flagged ({fp / len(null):.0%}, target <= 5%; flagged: a "
+              f"dimension's cases and pass rate brought closer to the SFT model's than by the baseline and the "
+              f"controls); {broke} broke a dimension (out of the SFT model's 95% CI)." if null else "")
+    third = (f" The paper's factor 1 - 1e-6 changed the selected dimension's pass rate in {len(moved)} of {len(paper)} "
+             "cells." if paper else "")
+    return " ".join(parts) + second + third
+
+
+def _found_text(kind: str, cells: list[dict[str, Any]]) -> str:
+    dimension = cells[0]["dimension"]
+    found = [r for r in cells if finds_change(r)]
+    best: dict[str, dict[str, Any]] = {}
     for r in sorted(found, key=lambda r: r["units"]):
         best.setdefault(r["selector"], r)
     if best:
         parts = [f"{s} from {coverage_text(r['coverage'])} (x{r['factor']:g}: {r['restoration']['share']:.0%} undone, "
                  f"95% CI {r['restoration']['lo']:.0%} to {r['restoration']['hi']:.0%})" for s, r in best.items()]
-        first = "The planted change is found by " + "; ".join(parts)
-        missed = sorted({r["selector"] for r in planted} - set(best))
-        first += f"; not by {', '.join(missed)}." if missed else "."
-    else:
-        first = (f"No selector finds the planted change: none of {len(planted)} cells brings the planted dimension's "
-                 "cases and pass rate closer to the SFT model's than its baseline and its random-unit controls (Holm "
-                 "p < 0.05) with restoration's CI above 0")
-        scored = [r for r in planted if r["restoration"]["lo"] == r["restoration"]["lo"]]
-        if scored:
-            r = max(scored, key=lambda r: r["restoration"]["lo"])
-            first += (f"; closest: {r['selector']} at {coverage_text(r['coverage'])} x{r['factor']:g}, "
-                      f"{r['restoration']['share']:.0%} undone (95% CI {r['restoration']['lo']:.0%} to "
-                      f"{r['restoration']['hi']:.0%}), Holm p {_p(r['p_vs_baseline'])} against the baseline and "
-                      f"{_p(r['p_vs_controls'])} against the controls")
-        first += "."
-    paper = [r for r in rows if r["factor"] == PAPER_FACTOR]
-    moved = [r for r in paper if r["changed"] or abs(r["restoration"]["cell_minus_dpo"]) > 0]
-    fp, changed = sum(bool(r["flagged"]) for r in null), sum(bool(r["changed"]) for r in null)
-    second = (f" Null organism: {fp} of {len(null)} cells flagged ({fp / len(null):.0%}, target <= 5%; flagged: a "
-              f"dimension's cases and pass rate brought closer to the SFT model's than by the baseline and the "
-              f"controls); {changed} changed some dimension against the baseline." if null else "")
-    third = (f" The paper's factor 1 - 1e-6 changed the planted dimension's pass rate in {len(moved)} of {len(paper)} "
-             "cells." if paper else "")
-    return first + second + third
+        missed = sorted({r["selector"] for r in cells} - set(best))
+        return (f"The {kind} change ({dimension}) is found by " + "; ".join(parts)
+                + (f"; not by {', '.join(missed)}." if missed else "."))
+    text = (f"No selector finds the {kind} change ({dimension}): none of {len(cells)} cells brings its cases and pass "
+            "rate closer to the SFT model's than its baseline and its random-unit controls (Holm p < 0.05) with "
+            "restoration's CI above 0 and no other dimension broken")
+    scored = [r for r in cells if r["restoration"]["lo"] == r["restoration"]["lo"]]
+    if scored:
+        r = max(scored, key=lambda r: r["restoration"]["lo"])
+        text += (f"; closest: {r['selector']} at {coverage_text(r['coverage'])} x{r['factor']:g}, "
+                 f"{r['restoration']['share']:.0%} undone (95% CI {r['restoration']['lo']:.0%} to "
+                 f"{r['restoration']['hi']:.0%})" + (f", breaking {', '.join(r['broken'])}" if r["broken"] else ""))
+    return text + "."
+
+
+def recovery(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The recovery curve: per planted organism, selector and factor, the share of the change undone (95% CI) at each
+    budget, by units per layer (the median over layers), beside its random-unit controls' shares."""
+    out = [{"organism": r["organism"], "dimension": r["dimension"], "selector": r["selector"], "factor": r["factor"],
+            "per_layer": r["coverage"]["per_layer"]["median"], "units": r["units"],
+            **{k: r["restoration"][k] for k in ("share", "lo", "hi")}, "controls": r["controls_restoration"],
+            "found": finds_change(r), "broken": r["broken"]} for r in rows if r["organism"] != NULL]
+    return sorted(out, key=lambda c: (c["organism"], c["selector"], c["factor"], c["units"]))
 
 
 def recommendation_text(rec: dict[str, Any]) -> str:
-    """One line on what `intervene select --calibration` takes from this calibration, or why it refuses."""
+    """One line on what `intervene select --calibration` takes from this calibration, or why it refuses; the settings
+    it holds over and those it fails under."""
+    over = "; ".join(_settings(r) for r in rec.get("holds_over", []))
     if rec["status"] != "found":
-        return f"No recommendation ({rec['status']}): {rec['why']}. `intervene select --calibration` refuses it."
+        text = f"No recommendation ({rec['status']}): {rec['why']}. `intervene select --calibration` refuses it."
+        return text + (f" Settings: {over}." if rec["status"] == "unstable" else "")
     return (f"Recommended: {rec['selector']} x{rec['factor']:g} at {Budget.of(rec['budget']).label} "
-            f"({rec['why']}); `intervene select --calibration` takes it. It rests on {_settings(rec['rests_on'])}.")
+            f"({rec['why']}); `intervene select --calibration` takes it. It holds over: {over}.")
+
+
+SETTING_NAMES = ("probe_cases", "attribution_pairs", "heldout_cases", "dpo_steps", "organism_seed", "control_seed")
 
 
 def _settings(rests_on: dict[str, Any]) -> str:
-    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in rests_on.items() if v is not None) or "nothing recorded"
+    said = [f"{k.replace('_', ' ')} {rests_on[k]}" for k in SETTING_NAMES if rests_on.get(k) is not None]
+    return ", ".join(said) or "nothing recorded"
 
 
 def calibration_markdown(result: dict[str, Any]) -> str:
     lines = [f"**{result['headline']}**", "", recommendation_text(result[RECOMMENDATION]), "",
-             "| organism | selector | units (share of all; per layer) | factor | undone (95% CI) | controls | "
-             "p vs baseline | p vs controls | other dimensions (diff, Holm p) | closer to SFT |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "## Recovery curve", "", "The share of each planted change undone against units per layer (Yang et al., "
+             f"arXiv 2411.06424: ablating the units DPO changed explains {YANG_RANGE[0]:.1%} to {YANG_RANGE[1]:.0%} of "
+             "its effect).", "",
+             "| organism | selector | factor | units per layer | units | undone (95% CI) | random-unit controls | found |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in result["recovery"]:
+        ctrl = ", ".join(f"{x:.0%}" for x in c["controls"]) or "-"
+        found = "yes" if c["found"] else (f"no (broke {', '.join(c['broken'])})" if c["broken"] else "no")
+        lines.append(f"| {c['organism']} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
+                     f"{c['units']:,} | {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | {ctrl} | {found} |")
+    lines += ["", "## Every cell", "",
+              "| organism | selected for | selector | units (share of all; per layer) | factor | undone (95% CI) | "
+              "controls | p vs baseline | p vs controls | other dimensions (diff, Holm p) | closer to SFT | broken |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cells"]:
         s = r["restoration"]
         ctrl = ", ".join(f"{c:.0%}" for c in r["controls_restoration"]) or "-"
         others = "; ".join(f"{k} {v['diff']:+.2f} ({v['p_holm']:.2g})" for k, v in r["others"].items())
-        lines.append(f"| {r['organism']} | {r['selector']} | {coverage_text(r['coverage'])} | {r['factor']:g} | {s['share']:.0%} "
-                     f"({s['lo']:.0%} to {s['hi']:.0%}) | {ctrl} | {_p(r['p_vs_baseline'])} | {_p(r['p_vs_controls'])} "
-                     f"| {others} | {', '.join(r['flagged']) or '-'} |")
-    lines += ["", "Units the diffs flag by themselves (BH q < 0.05, planted dimension): "
-              + "; ".join(f"{k} {t}: frequency {v['frequency']}, effect {v['effect']}"
-                          for k, d in result["diff_flags"].items() for t, v in d.items())]
+        lines.append(f"| {r['organism']} | {r['dimension']} | {r['selector']} | {coverage_text(r['coverage'])} | "
+                     f"{r['factor']:g} | {s['share']:.0%} ({s['lo']:.0%} to {s['hi']:.0%}) | {ctrl} | "
+                     f"{_p(r['p_vs_baseline'])} | {_p(r['p_vs_controls'])} | {others} | {', '.join(r['flagged']) or '-'} "
+                     f"| {', '.join(r['broken']) or '-'} |")
+    lines += ["", "Units the diffs flag by themselves (BH q < 0.05): "
+              + "; ".join(f"{k} {d} {t}: frequency {v['frequency']}, effect {v['effect']}"
+                          for k, dims in result["diff_flags"].items() for d, ts in dims.items() for t, v in ts.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -84,52 +118,64 @@ def _p(p: float | None) -> str:
 
 
 def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
-    """Per organism a panel of one line per selector and factor (a colour per selector in every panel; factor 0
-    solid, others dashed) against units restrained, the random-unit controls as a grey band (lowest to highest at
-    each size), flagged cells (`flag_restorations`) as stars. planted: the share of the change undone (95% CI);
-    null, which has no change to undo: the change in the planted dimension's pass rate."""
+    """The recovery curves: per planted organism the share of its change undone (95% CI) against units per layer,
+    one line per selector and factor (a colour per selector; factor 0 solid, others dashed), found cells as stars and
+    cells that broke another dimension as crosses, the random-unit controls as a grey band (lowest to highest of
+    every selector's controls at each size) and Yang et al.'s 2.5-24% as a shaded band; for the null, which has no
+    change to undo, the change in each selected dimension's pass rate."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
     from rolemrc.core.figures import write_figure
 
-    kinds = sorted({r["organism"] for r in rows}, key=lambda k: k != "planted")
+    kinds = sorted({r["organism"] for r in rows}, key=lambda k: (k == NULL, k))
     color = {s: qualitative.Plotly[k % len(qualitative.Plotly)] for k, s in enumerate(sorted({r["selector"] for r in rows}))}
-    titles = [f"{k}: share of the planted change undone" if k == "planted" else f"{k}: change in pass rate vs DPO"
-              for k in kinds]
+    titles = ["null: change in pass rate vs DPO" if k == NULL else
+              f"{k} ({next(r['dimension'] for r in rows if r['organism'] == k)}): share undone" for k in kinds]
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=titles)
+    per_layer = lambda r: r["coverage"]["per_layer"]["median"]  # noqa: E731
     for col, kind in enumerate(kinds, 1):
         mine = [r for r in rows if r["organism"] == kind]
-        share = kind == "planted"
+        share = kind != NULL
         value = (lambda r: r["restoration"]["share"]) if share else (lambda r: r["restoration"]["cell_minus_dpo"])
         controls = "controls_restoration" if share else "controls_change"
-        units = sorted({r["units"] for r in mine})
-        band = [[c for r in mine if r["units"] == u for c in r[controls] if c == c] or [0.0] for u in units]
-        fig.add_trace(go.Scatter(x=units + units[::-1], y=[max(c) for c in band] + [min(c) for c in band][::-1],
+        xs = sorted({per_layer(r) for r in mine})
+        band = [[c for r in mine if per_layer(r) == x for c in r[controls] if c == c] or [0.0] for x in xs]
+        fig.add_trace(go.Scatter(x=xs + xs[::-1], y=[max(c) for c in band] + [min(c) for c in band][::-1],
                                  fill="toself", fillcolor="rgba(120,120,120,0.3)", line={"width": 1, "color": "grey"},
                                  name="random-unit controls", showlegend=col == 1, hoverinfo="skip"), 1, col)
+        if share:
+            fig.add_hrect(y0=YANG_RANGE[0], y1=YANG_RANGE[1], fillcolor="rgba(255,165,0,0.18)", line_width=0,
+                          row=1, col=col)
+            fig.add_trace(go.Scatter(x=[xs[0]], y=[YANG_RANGE[1]], mode="text", text=["Yang et al. 2.5-24%"],
+                                     textposition="top right", showlegend=False, hoverinfo="skip"), 1, col)
         for selector in sorted({r["selector"] for r in mine}):
             for factor in sorted({r["factor"] for r in mine}):
-                line = sorted((r for r in mine if r["selector"] == selector and r["factor"] == factor),
-                              key=lambda r: r["units"])
-                ys = [value(r) for r in line]
-                error = ({"type": "data", "symmetric": False,
-                          "array": [r["restoration"]["hi"] - y for r, y in zip(line, ys)],
-                          "arrayminus": [y - r["restoration"]["lo"] for r, y in zip(line, ys)]} if share else None)
-                fig.add_trace(go.Scatter(x=[r["units"] for r in line], y=ys, mode="lines+markers",
-                                         name=f"{selector} x{factor:g}", legendgroup=f"{selector}{factor}",
-                                         showlegend=col == 1,
-                                         marker={"color": color[selector],
-                                                 "symbol": ["star" if r["flagged"] else "circle" for r in line],
-                                                 "size": [14 if r["flagged"] else 7 for r in line]},
-                                         hovertext=[f"flagged: {', '.join(r['flagged'])}" if r["flagged"] else
-                                                    "not flagged" for r in line],
-                                         line={"dash": "solid" if factor == 0 else "dash", "color": color[selector]},
-                                         error_y=error), 1, col)
-        fig.update_xaxes(type="log", title_text="units restrained", row=1, col=col)
+                for dimension in sorted({r["dimension"] for r in mine}):
+                    line = sorted((r for r in mine if (r["selector"], r["factor"], r["dimension"]) ==
+                                   (selector, factor, dimension)), key=per_layer)
+                    if not line:
+                        continue
+                    ys = [value(r) for r in line]
+                    error = ({"type": "data", "symmetric": False,
+                              "array": [r["restoration"]["hi"] - y for r, y in zip(line, ys)],
+                              "arrayminus": [y - r["restoration"]["lo"] for r, y in zip(line, ys)]} if share else None)
+                    symbol = ["star" if finds_change(r) or (not share and r["flagged"]) else
+                              "x" if r["broken"] else "circle" for r in line]
+                    fig.add_trace(go.Scatter(
+                        x=[per_layer(r) for r in line], y=ys, mode="lines+markers",
+                        name=f"{selector} x{factor:g}" + ("" if share else f" ({dimension})"),
+                        legendgroup=f"{selector}{factor}", showlegend=col == 1 or not share,
+                        marker={"color": color[selector], "symbol": symbol, "size": [14 if m != "circle" else 7
+                                                                                     for m in symbol]},
+                        hovertext=[f"{r['units']:,} units; flagged: {', '.join(r['flagged']) or '-'}; broken: "
+                                   f"{', '.join(r['broken']) or '-'}" for r in line],
+                        line={"dash": "solid" if factor == 0 else "dash", "color": color[selector]},
+                        error_y=error), 1, col)
+        fig.update_xaxes(type="log", title_text="units per layer", row=1, col=col)
     fig.update_layout(template="plotly_white", margin={"t": 110},
-                      title="Calibration: does restraining a selector's units undo a known change?<br><sup>stars: "
-                            "flagged (a dimension's cases and pass rate brought back toward the SFT model's beyond the "
-                            "baseline and the controls)</sup>")
+                      title="Recovery curves: does restraining a selector's units undo a known change?<br><sup>stars: "
+                            "found (undone beyond the baseline and the controls, nothing else broken; on the null: "
+                            "flagged, a false positive); crosses: broke another dimension</sup>")
     return write_figure(fig, out, "calibration", plotlyjs=True)

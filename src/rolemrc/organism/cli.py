@@ -11,7 +11,7 @@ import typer
 from rolemrc.core.cli import choice, cli_app
 from rolemrc.core.extras import needs
 from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
-from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_PROBE_CASES, SHARES
+from rolemrc.organism.calibration_config import CURVE, PROBE_CASES, QUICK_GRID, QUICK_PROBE_CASES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
 from rolemrc.probe.cli import Hook
 
@@ -19,7 +19,7 @@ app = cli_app(help="Known-answer organisms (a DPO model with a planted change, a
                    "calibration of the method on them.")
 DEFAULTS = {f.name: f for f in dataclasses.fields(OrganismConfig)}
 OrganismKind = choice(KINDS)
-GRID_HELP = f"{GRID_ONE}; default: --share {','.join(f'{s:.4g}' for s in SHARES)}, 16 and 256 per layer of SmolLM2"
+GRID_HELP = f"{GRID_ONE}; default: --per-layer {','.join(map(str, CURVE))} (those below the model's width)"
 
 
 def _help(name: str) -> str:
@@ -71,10 +71,9 @@ def calibrate_cmd(
     base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
     organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
                                               "build` filled with the same settings is reused"),
-    quick: bool = typer.Option(False, "--quick", help="organisms with 16 steps and fewer held-out cases; the frequency "
-                                           "and attribution selectors at a share of 1/6 (256 of SmolLM2's 1,536 units "
-                                           "per layer on average), factors 0 and 1 - 1e-6, 8 attribution pairs, 24 "
-                                           "probe cases"),
+    quick: bool = typer.Option(False, "--quick", help="organisms with 16 steps and fewer held-out cases; the "
+                                           f"frequency and attribution selectors at {QUICK_GRID['per_layer'][0]} units "
+                                           "per layer, factor 0, 8 attribution pairs, 24 probe cases"),
     top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
     per_layer: str = typer.Option(None, help=f"comma-separated units from each layer ({GRID_HELP})"),
     share: str = typer.Option(None, help=f"comma-separated shares of all units, ranked over them ({GRID_HELP})"),
@@ -83,21 +82,29 @@ def calibrate_cmd(
     hook: Hook = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use"),
     steps: int = typer.Option(None, "--max-steps", help="DPO steps of each organism (default: organism build's)"),
     learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),
+    against: list[Path] = typer.Option(None, "--against", help="another calibration folder of the same base (other "
+                                                              "settings, e.g. the --quick one beside the full one) the "
+                                                              "recommendation must agree with; repeat for more"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
-    """A planted and a null organism from the SFT model, then per selector x budget x factor the share of the planted
-    change a restraint undoes (paired CI) against random-unit controls, the cost on the other dimensions and the
-    null's false-positive rate; writes calibration.json/.md/.html/.png under --out and prints JSON."""
+    """Planted organisms (each a known change on one dimension) and a null one from the SFT model --base (a
+    directory, a pulled model or a hub id), then per selector x budget x factor the share of each planted change a
+    restraint undoes (paired CI) against random-unit controls, what it breaks on the other dimensions and the null's
+    false-positive rate; writes calibration.json/.md/.html/.png under --out, prints JSON, and ends with the
+    recommendation (selector, units per layer, factor) and how sure it is."""
+    from rolemrc.intervene.recommendation import RECOMMENDATION
     from rolemrc.organism.calibration import build_and_calibrate
+    from rolemrc.organism.calibration_report import recommendation_text
     from rolemrc.sweep.plan import numbers
 
     overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
     budgets = {key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
-                                 organisms_dir=organisms, hook=hook, budgets=budgets)
+                                 organisms_dir=organisms, hook=hook, budgets=budgets, against=against)
     text = json.dumps(result, indent=1)
     typer.echo(text)
+    typer.echo(recommendation_text(result[RECOMMENDATION]), err=True)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(text)

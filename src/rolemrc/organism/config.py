@@ -9,6 +9,7 @@ from typing import Any
 from rolemrc.core.errors import RolemrcError
 
 KINDS = ("planted", "null")
+NULL = "null"   # the organism that plants nothing
 PLANTED_DIMENSION = "role_style"   # what the planted organism changes (pairs.py says how)
 
 

@@ -1,55 +1,119 @@
 """The one place a recommended selector, budget and factor come from: a calibration's cells turned into a
 `Recommendation` (intervene/recommendation.py, the format `intervene select --calibration` reads).
 
-found: a planted cell undoes the change (`finds_change`: restoration's CI above 0, cases brought back toward the SFT
-model beyond the baseline and the random-unit controls), and the same recipe on the null organism neither flags nor
-changes any dimension, nor does it change another dimension of the planted one; the best such cell (highest lower CI
-bound, then fewer units). unstable: the best cell that undoes it fails one of those checks (or there is no null
-organism to check it on). none: no cell undoes it."""
+A recipe (selector, budget, factor) is found when it undoes the change of every planted organism (`finds_change`:
+restoration's CI above 0, the planted dimension's cases brought back toward the SFT model beyond the baseline and
+the random-unit controls, no other dimension broken), and on the null organism it neither flags, changes nor breaks
+any dimension, and every other calibration it is checked against (`against`: the same base under other settings,
+e.g. `--quick` beside the full grid) found it too. The best such recipe (highest lower CI bound over the planted
+organisms, then fewer units) is `found`; the best recipe that undoes at least one planted change but fails one of
+those checks is `unstable`, with every reason; `none` when no cell undoes any planted change."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from rolemrc.intervene.budget import coverage_text
 from rolemrc.intervene.recommendation import Recommendation
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism
+from rolemrc.organism.config import NULL
 from rolemrc.organism.scoring import finds_change
 
+Recipe = tuple[str, str, float]
 
-def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: CalibrationConfig) -> Recommendation:
-    """The recommendation of a calibration's scored cells (`flag_restorations` done)."""
+
+def recipe_of(row: dict[str, Any]) -> Recipe:
+    return row["selector"], json.dumps(row["budget"], sort_keys=True), row["factor"]
+
+
+def planted_rows(rows: list[dict[str, Any]]) -> dict[Recipe, dict[str, dict[str, Any]]]:
+    """recipe -> planted organism kind -> its cell."""
+    out: dict[Recipe, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if r["organism"] != NULL:
+            out.setdefault(recipe_of(r), {})[r["organism"]] = r
+    return out
+
+
+def _undone(kind: str, r: dict[str, Any]) -> str:
+    s = r["restoration"]
+    return f"{kind} {s['share']:.0%} undone (95% CI {s['lo']:.0%} to {s['hi']:.0%})"
+
+
+def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: CalibrationConfig,
+              against: list[dict[str, Any]]) -> Recommendation:
+    """The recommendation of a calibration's scored cells (`flag_restorations` done); `against`: other calibrations
+    (their calibration.json with `path`) whose cells must agree."""
     rests_on = settings(organisms, config)
-    planted = [r for r in rows if r["organism"] == "planted"]
-    found = [r for r in planted if finds_change(r)]
+    kinds = [o.kind for o in organisms if o.dimension]
+    recipes = planted_rows(rows)
+    found = {k: v for k, v in recipes.items() if any(finds_change(r) for r in v.values())}
     if not found:
-        return Recommendation("none", f"the calibration found no selector that undoes the planted change ({len(planted)} "
-                                      "cells tried); name --method and --factor yourself", rests_on=rests_on)
-    best = max(found, key=lambda r: (r["restoration"]["lo"], -r["units"]))
-    recipe = (f"{best['selector']} x{best['factor']:g} at {coverage_text(best['coverage'])} undid "
-              f"{best['restoration']['share']:.0%} of the planted change (95% CI {best['restoration']['lo']:.0%} to "
-              f"{best['restoration']['hi']:.0%})")
-    twins = [r for r in rows if r["organism"] == "null" and all(r[k] == best[k] for k in ("selector", "budget", "factor"))]
-    doubts = [f"on the null organism it flagged {', '.join(r['flagged'])}" for r in twins if r["flagged"]]
-    doubts += [f"on the null organism it changed {', '.join(r['changed'])} against its baseline" for r in twins
-               if r["changed"]]
-    doubts += [f"it changed {d} too" for d in best["changed"] if d != best["dimension"]]
+        return Recommendation("none", f"the calibration found no selector that undoes a planted change "
+                                      f"({sum(map(len, recipes.values()))} cells tried on {', '.join(kinds)}); name "
+                                      "--method and --factor yourself", rests_on=rests_on)
+
+    def strength(recipe: Recipe) -> tuple[int, float, int]:
+        cells = found[recipe]
+        undone = [cells[k]["restoration"]["lo"] if k in cells and finds_change(cells[k]) else float("-inf")
+                  for k in kinds]
+        return sum(x > float("-inf") for x in undone), min(undone), -next(iter(cells.values()))["units"]
+
+    recipe = max(found, key=strength)
+    cells = found[recipe]
+    best = next(iter(cells.values()))
+    selector, _, factor = recipe
+    text = (f"{selector} x{factor:g} at {coverage_text(best['coverage'])}: "
+            + "; ".join(_undone(k, cells[k]) for k in kinds if k in cells))
+    doubts = [f"it did not undo the {k} change" + (f" ({_undone(k, cells[k])}"
+                                                    + (f", broke {', '.join(cells[k]['broken'])}" if cells[k]["broken"]
+                                                       else "") + ")" if k in cells else " (not tried)")
+              for k in kinds if k not in cells or not finds_change(cells[k])]
+    twins = [r for r in rows if r["organism"] == NULL and recipe_of(r) == recipe]
+    for what, verb in (("flagged", "flagged"), ("changed", "changed"), ("broken", "broke")):
+        hit = sorted({d for r in twins for d in r[what]})
+        if hit:
+            doubts.append(f"on the null organism it {verb} {', '.join(hit)}")
     if not twins:
         doubts.append("there was no null organism to check it on")
+    holds_over, fails_over = [rests_on], []
+    for other in against:
+        verdict = _verdict_in(other, recipe)
+        if verdict is None:
+            holds_over.append(other["recommendation"]["rests_on"])
+        else:
+            fails_over.append({**other["recommendation"]["rests_on"], "calibration": other["path"], "why": verdict})
+            doubts.append(f"in {other['path']} {verdict}")
     status = "unstable" if doubts else "found"
-    return Recommendation(status, recipe + ("; but " + "; ".join(doubts) if doubts else ""),
-                          selector=best["selector"], budget=best["budget"], per_layer=best["coverage"]["per_layer"],
-                          share=best["coverage"]["share"], factor=best["factor"], rests_on=rests_on)
+    return Recommendation(status, text + ("; but " + "; ".join(doubts) if doubts else ""),
+                          selector=selector, budget=best["budget"], per_layer=best["coverage"]["per_layer"],
+                          share=best["coverage"]["share"], factor=factor, rests_on=rests_on,
+                          holds_over=holds_over, fails_over=fails_over)
+
+
+def _verdict_in(other: dict[str, Any], recipe: Recipe) -> str | None:
+    """None when `recipe` undoes every planted change of another calibration and leaves its null alone; else why not."""
+    mine = planted_rows(other["cells"]).get(recipe)
+    if not mine:
+        return "it was not tried"
+    missed = [_undone(k, r) for k, r in mine.items() if not finds_change(r)]
+    twins = [r for r in other["cells"] if r["organism"] == NULL and recipe_of(r) == recipe]
+    null = sorted({d for r in twins for what in ("flagged", "changed", "broken") for d in r[what]})
+    why = ([f"it did not undo {'; '.join(missed)}"] if missed else []) + ([f"it moved {', '.join(null)} on the null"]
+                                                                          if null else [])
+    return "; ".join(why) or None
 
 
 def settings(organisms: list[Organism], config: CalibrationConfig) -> dict[str, Any]:
     """What the evidence rests on: probe cases, attribution pairs, held-out cases, DPO steps, seeds, controls."""
-    planted = next((o for o in organisms if o.kind == "planted"), organisms[0] if organisms else None)
+    planted = next((o for o in organisms if o.dimension), organisms[0] if organisms else None)
     if planted is None:
         return {}
     lines = lambda path: sum(1 for line in Path(path).read_text().splitlines() if line.strip())  # noqa: E731
-    return {"base": planted.settings.get("base"), "probe_cases": lines(planted.probe),
-            "attribution_pairs": config.attribution_pairs, "heldout_cases": lines(planted.heldout),
-            "dpo_steps": planted.settings.get("steps"), "organism_seed": planted.settings.get("seed"),
-            "control_seed": config.seed, "controls": config.controls, "max_new_tokens": config.max_new_tokens}
+    return {"base": planted.settings.get("base"), "organisms": [o.kind for o in organisms],
+            "probe_cases": lines(planted.probe), "attribution_pairs": config.attribution_pairs,
+            "heldout_cases": lines(planted.heldout), "dpo_steps": planted.settings.get("steps"),
+            "organism_seed": planted.settings.get("seed"), "control_seed": config.seed, "controls": config.controls,
+            "max_new_tokens": config.max_new_tokens}

@@ -1,6 +1,8 @@
 """Scoring a calibration cell against the known answer: how much of the planted change it undoes (restoration, with a
-paired bootstrap CI), its cost on every other dimension, and whether it brings a dimension back to the SFT model's
-cases and pass rate beyond its baseline and random-unit controls (flagged, Holm over an organism's cells)."""
+paired bootstrap CI), its cost on every other dimension, whether it brings a dimension back to the SFT model's cases
+and pass rate beyond its baseline and random-unit controls (flagged, Holm over an organism's cells), and which
+dimensions it breaks (moves out of the SFT model's 95% CI). A cell finds the change only if it undoes it without
+breaking anything else: a restraint that breaks a model is not one that undoes a change."""
 
 from __future__ import annotations
 
@@ -64,20 +66,42 @@ def toward_sft(sft: dict[str, dict[str, float]], base: dict[str, dict[str, float
     return out
 
 
+def sft_intervals(sft_eval: str | Path) -> dict[str, tuple[float | None, float | None]]:
+    """dimension -> the SFT model's 95% CI of its pass rate (the eval run's bootstrap, stratified by task)."""
+    dims = json.loads((Path(sft_eval) / "report.json").read_text())["judge_aggregates"]["dimensions"]
+    return {d: (v.get("lo"), v.get("hi")) for d, v in dims.items()}
+
+
+def broken(rates: dict[str, float], intervals: dict[str, tuple[float | None, float | None]], changed: list[str],
+           planted: str | None) -> list[str]:
+    """The dimensions (but `planted`, which is meant to move) whose pass rate under the cell lies outside the SFT
+    model's 95% CI; where that CI has no width (every task scored alike), those the cell changed against its baseline
+    (Holm p < ALPHA)."""
+    out = []
+    for dim, rate in sorted(rates.items()):
+        lo, hi = intervals.get(dim, (None, None))
+        if dim == planted or lo is None or hi is None:
+            continue
+        if (not lo <= rate <= hi) if hi > lo else dim in changed:
+            out.append(dim)
+    return out
+
+
 def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per grid cell: restoration with CI, its controls' restoration, p against baseline and controls on the
-    planted dimension (Holm over the sweep's grid), the cost on the other dimensions, the dimensions it changes
-    against the baseline, and its distance to the SFT model per dimension (`toward_sft`, Holm-corrected later)."""
+    """One row per grid cell: restoration with CI of the dimension the cell selected for, its controls'
+    restoration, p against baseline and controls on that dimension (Holm over the sweep's grid), the cost on the
+    other dimensions, the dimensions it changes against the baseline and those it breaks, and its distance to the SFT
+    model per dimension (`toward_sft`, Holm-corrected later)."""
     plan = json.loads((sweep_dir / "plan.json").read_text())["cells"]
-    key = f"judge:{organism.dimension}"
     sft_all = {k: v for k, v in per_item(organism.sft_eval).items() if k.startswith("judge:")}
-    sft = sft_all.get(key, {})
+    intervals = sft_intervals(organism.sft_eval)
     base_id = next(c["id"] for c in plan if c["kind"] == "baseline")
     base_all = per_item(sweep_dir / "scores" / base_id)
-    dpo = base_all.get(key, {})
     rows = []
     for cell in summary["cells"]:
         grid = {k: cell[k] for k in ("dimension", "factor", "budget")}
+        key = f"judge:{cell['dimension']}"
+        sft, dpo = sft_all.get(key, {}), base_all.get(key, {})
         controls = [per_item(sweep_dir / "scores" / c["id"]) for c in plan
                     if c["kind"] == "control" and c["grid"] == grid]
         mine_all = per_item(sweep_dir / "scores" / cell["id"])
@@ -88,7 +112,9 @@ def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path)
                   for n, e in cell["scores"].items() if n.startswith("judge:") and n != key}
         changed = [n.removeprefix("judge:") for n, e in cell["scores"].items()
                    if n.startswith("judge:") and e["vs_baseline"]["p_holm"] < ALPHA]
-        rows.append({"organism": organism.kind, "dimension": organism.dimension, "selector": selector,
+        rates = {n.removeprefix("judge:"): float(np.mean(list(v.values()))) for n, v in mine_all.items()
+                 if n.startswith("judge:") and v}
+        rows.append({"organism": organism.kind, "dimension": cell["dimension"], "selector": selector,
                      "factor": cell["factor"],
                      "units": cell["units"], "budget": cell["budget"], "coverage": cell["coverage"],
                      "restoration": restoration(sft, dpo, mine),
@@ -98,6 +124,7 @@ def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path)
                      "p_vs_controls": planted.get("vs_controls", {}).get("p_holm"),
                      "diff_vs_baseline": planted.get("vs_baseline", {}).get("diff"),
                      "max_logit_shift": cell.get("max_logit_shift"), "others": others, "changed": changed,
+                     "rates": rates, "broken": broken(rates, intervals, changed, organism.dimension),
                      "toward_sft": toward_sft(sft_all, base_all, mine_all, controls)})
     return rows
 
@@ -123,6 +150,6 @@ def flag_restorations(rows: list[dict[str, Any]]) -> None:
 
 
 def finds_change(row: dict[str, Any]) -> bool:
-    """The cell undoes the planted change: restoration's CI above 0, and the planted dimension's cases closer to the
-    SFT model's than under the baseline and under the controls (`flag_restorations`)."""
-    return bool(row["restoration"]["lo"] > 0 and row["dimension"] in row["flagged"])
+    """The cell undoes the planted change: restoration's CI above 0, the planted dimension's cases closer to the
+    SFT model's than under the baseline and under the controls (`flag_restorations`), and no other dimension broken."""
+    return bool(row["restoration"]["lo"] > 0 and row["dimension"] in row["flagged"] and not row["broken"])
