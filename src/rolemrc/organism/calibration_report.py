@@ -129,14 +129,14 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
 
     from rolemrc.core.figures import write_figure
 
-    kinds = sorted({r["organism"] for r in rows}, key=lambda k: (k == NULL, k))
+    panels = sorted({(r["organism"], r["dimension"]) for r in rows}, key=lambda p: (p[0] == NULL, p))
     color = {s: qualitative.Plotly[k % len(qualitative.Plotly)] for k, s in enumerate(sorted({r["selector"] for r in rows}))}
-    titles = ["null: change in pass rate vs DPO" if k == NULL else
-              f"{k} ({next(r['dimension'] for r in rows if r['organism'] == k)}): share undone" for k in kinds]
-    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=titles)
+    titles = [f"null, selected for {d}: change in pass rate" if k == NULL else f"{k} ({d}): share undone"
+              for k, d in panels]
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=titles)
     per_layer = lambda r: r["coverage"]["per_layer"]["median"]  # noqa: E731
-    for col, kind in enumerate(kinds, 1):
-        mine = [r for r in rows if r["organism"] == kind]
+    for col, (kind, dimension) in enumerate(panels, 1):
+        mine = [r for r in rows if (r["organism"], r["dimension"]) == (kind, dimension)]
         share = kind != NULL
         value = (lambda r: r["restoration"]["share"]) if share else (lambda r: r["restoration"]["cell_minus_dpo"])
         controls = "controls_restoration" if share else "controls_change"
@@ -152,27 +152,22 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
                                      textposition="top right", showlegend=False, hoverinfo="skip"), 1, col)
         for selector in sorted({r["selector"] for r in mine}):
             for factor in sorted({r["factor"] for r in mine}):
-                for dimension in sorted({r["dimension"] for r in mine}):
-                    line = sorted((r for r in mine if (r["selector"], r["factor"], r["dimension"]) ==
-                                   (selector, factor, dimension)), key=per_layer)
-                    if not line:
-                        continue
-                    ys = [value(r) for r in line]
-                    error = ({"type": "data", "symmetric": False,
-                              "array": [r["restoration"]["hi"] - y for r, y in zip(line, ys)],
-                              "arrayminus": [y - r["restoration"]["lo"] for r, y in zip(line, ys)]} if share else None)
-                    symbol = ["star" if finds_change(r) or (not share and r["flagged"]) else
-                              "x" if r["broken"] else "circle" for r in line]
-                    fig.add_trace(go.Scatter(
-                        x=[per_layer(r) for r in line], y=ys, mode="lines+markers",
-                        name=f"{selector} x{factor:g}" + ("" if share else f" ({dimension})"),
-                        legendgroup=f"{selector}{factor}", showlegend=col == 1 or not share,
-                        marker={"color": color[selector], "symbol": symbol, "size": [14 if m != "circle" else 7
-                                                                                     for m in symbol]},
-                        hovertext=[f"{r['units']:,} units; flagged: {', '.join(r['flagged']) or '-'}; broken: "
-                                   f"{', '.join(r['broken']) or '-'}" for r in line],
-                        line={"dash": "solid" if factor == 0 else "dash", "color": color[selector]},
-                        error_y=error), 1, col)
+                line = sorted((r for r in mine if (r["selector"], r["factor"]) == (selector, factor)), key=per_layer)
+                ys = [value(r) for r in line]
+                error = ({"type": "data", "symmetric": False,
+                          "array": [r["restoration"]["hi"] - y for r, y in zip(line, ys)],
+                          "arrayminus": [y - r["restoration"]["lo"] for r, y in zip(line, ys)]} if share else None)
+                symbol = ["star" if finds_change(r) or (not share and r["flagged"]) else
+                          "x" if r["broken"] else "circle" for r in line]
+                fig.add_trace(go.Scatter(
+                    x=[per_layer(r) for r in line], y=ys, mode="lines+markers", name=f"{selector} x{factor:g}",
+                    legendgroup=f"{selector}{factor}", showlegend=col == 1,
+                    marker={"color": color[selector], "symbol": symbol,
+                            "size": [14 if m != "circle" else 7 for m in symbol]},
+                    hovertext=[f"{r['units']:,} units; flagged: {', '.join(r['flagged']) or '-'}; broken: "
+                               f"{', '.join(r['broken']) or '-'}" for r in line],
+                    line={"dash": "solid" if factor == 0 else "dash", "color": color[selector]},
+                    error_y=error), 1, col)
         fig.update_xaxes(type="log", title_text="units per layer", row=1, col=col)
     fig.update_layout(template="plotly_white", margin={"t": 110},
                       title="Recovery curves: does restraining a selector's units undo a known change?<br><sup>stars: "
