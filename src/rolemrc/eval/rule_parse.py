@@ -64,6 +64,7 @@ def rule_kind(name: str, *patterns: str, params: Params = lambda g: {}) -> Calla
 NOT = (r"\b(?:(?:do|does|must|should|may|will)\s+not|don't|doesn't|mustn't|shouldn't|cannot|can't|never|avoid|"
        r"without|refrain\s+from)")
 QUOTED = r"['\"‘“](?P<quoted>.+?)['\"’”](?=[\s.,;:!?)]*(?:$|\s))"
+NOT_MORE = rf"(?:{NOT}\s+(?:(?:us|includ|add|writ|put)\w*\s+)?|\b(?:no|not)\s+)more\s+than"
 END = r"\b(?:(?:end|finish|conclude|close|sign\s+off)(?:s|ing)?|wrap(?:s|ping)?\s+up)\b"
 
 
@@ -81,6 +82,8 @@ def _emoji_params(g: dict[str, str | None]) -> dict[str, Any] | None:
     for group, bound, offset in (("most", "max", 0), ("lt", "max", -1), ("gt", "min", 1)):
         if g.get(group) is not None:
             return None if (n := _count(g[group])) is None else {bound: n + offset}
+    if g.get("plural") is not None:
+        return {"min": 1, "plural": True}
     n = _count(g.get("n"))
     return None if n is None else {"min": n, **({"max": n} if g.get("exactly") else {})}
 
@@ -97,13 +100,14 @@ EMOJI_VERB = r"(?:include|use|add|insert|put|contain|incorporate|sprinkl|scatter
     r"\bemoji\s+(?:at|as)\s+the\s+(?:very\s+)?(?:end|last\s+character)\b(?P<end>)",
     rf"{NOT}\s+(?:(?:us|includ|add|insert|put)\w*\s+)?(?:any\s+)?emojis?\b(?P<none>)",
     r"\bno\s+emojis?\b(?P<none>)", r"\bemoji-free\b(?P<none>)",
-    rf"\b(?:at\s+most|(?:no|not)\s+more\s+than|up\s+to|a\s+maximum\s+of)\s+(?P<most>{NUMBER})\s+emojis?\b",
+    rf"(?:\b(?:at\s+most|up\s+to|a\s+maximum\s+of)|{NOT_MORE})\s+(?P<most>{NUMBER})\s+emojis?\b",
     rf"\b(?P<most>{NUMBER})\s+emojis?\s+or\s+(?:fewer|less)\b", rf"\b(?:fewer|less)\s+than\s+(?P<lt>{NUMBER})\s+emojis?\b",
     rf"\bmore\s+than\s+(?P<gt>{NUMBER})\s+emojis?\b",
     rf"\b{EMOJI_VERB}\s+(?:(?P<exactly>exactly)\s+|(?:at\s+least|a\s+minimum\s+of)\s+)?"
     rf"(?P<n>{NUMBER}|an?|some|one\s+or\s+more)\s+emojis?\b",
     rf"\b(?:(?P<exactly>exactly)\s+|(?:at\s+least|a\s+minimum\s+of)\s+)(?P<n>{NUMBER})\s+emojis?\b",
-    rf"\b(?P<n>{NUMBER})\s+or\s+more\s+emojis\b", rf"\b{EMOJI_VERB}\s+emojis\b",
+    rf"\b(?P<n>{NUMBER})\s+or\s+more\s+emojis\b", rf"\b{EMOJI_VERB}\s+(?:some\s+)?emojis\b(?P<plural>)",
+    rf"\b{EMOJI_VERB}(?P<gap>[^.\n]{{0,30}}?)\bwith\s+(?:some\s+)?emojis\b(?P<plural>)",
     params=_emoji_params)
 def emoji(params: dict[str, Any], text: str) -> str | None:
     if "at" in params:
@@ -114,6 +118,8 @@ def emoji(params: dict[str, Any], text: str) -> str | None:
         verb = "begin" if at == "start" else "end"
         return f"{verb}s with an emoji" if negated else f"does not {verb} with an emoji"
     n = len(emojis(text))
+    if n == 1 and params.get("plural"):
+        raise CannotTell("one emoji where emojis are asked for")
     if n < params.get("min", 0) or n > params.get("max", n):
         return f"{n} emojis"
     return None
@@ -150,9 +156,9 @@ NOTHING_AFTER = r"(?:[\s.]*no\s+other\s+words\s+should\s+follow\s+(?:this|the|th
     rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:]{{0,40}}?)\bwith\s+(?:an?\s+|the\s+|one\s+)?"
     r"(?P<mark>question\s+mark|exclamation\s+(?:mark|point)|period|full\s+stop)\b",
     rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}(?:(?:sentence|phrase|words?|line|"
-    rf"sign-?off)\s*:?\s*)?{QUOTED}{NOTHING_AFTER}",
+    rf"sign-?off)\b\s*:?\s*)?{QUOTED}{NOTHING_AFTER}",
     rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}(?:sentence|phrase|words?|line|"
-    r"sign-?off)\s*:?\s*(?P<rest>[^'\"‘“\s].*?)\s*$",
+    r"sign-?off)\b\s*:?\s*(?P<rest>[^'\"‘“\s].*?)\s*$",
     params=lambda g: {"negated": g.get("negated") is not None,
                       **({"text": MARKS[g["mark"].split()[0].lower()], "mark": True} if g.get("mark")
                          else {"text": g.get("quoted") or g["rest"], "mark": False})})
@@ -229,7 +235,7 @@ WORDS = r"\s+words?\b"
 
 @rule_kind(
     "words",
-    rf"\b(?:no|not)\s+(?:more|longer)\s+than\s+(?P<le>{NUMBER}){WORDS}",
+    rf"(?:\b(?:no|not)\s+longer\s+than|{NOT_MORE})\s+(?P<le>{NUMBER}){WORDS}",
     rf"\b(?:at\s+most|up\s+to|(?:a\s+)?max(?:imum)?(?:\s+of)?|within|not\s+(?:to\s+)?exceed(?:ing)?)\s+(?P<le>{NUMBER}){WORDS}",
     rf"\blimit\w*\b(?P<gap>[^.\n]{{0,40}}?)\bto\s+(?:(?:at\s+most|a\s+maximum\s+of)\s+)?(?P<le>{NUMBER}){WORDS}",
     rf"\b(?P<le>{NUMBER}){WORDS}\s+or\s+(?:fewer|less)\b", rf"\b(?P<le>{NUMBER})[\s-]words?\s+(?:limit|maximum|max)\b",
@@ -264,8 +270,9 @@ RULE_LINE = re.compile(r"^(?:formatting rule|rule|requirement|instruction)s?\s*:
 # Words a rule's wording may carry besides what its phrasing matched: anything else (a negation, a number,
 # "every sentence", "mention your childhood") means the clause says more than was understood.
 FILLER = frozenset("""a all also always an and answer answers any at be do entire entirely every here in is it
-    contain contains keep kindly least make must of once only please reply replies respond response responses should
-    somewhere strictly sure the through throughout to use user when whole with write written you your""".split())
+    contain contains for keep kindly least long make must of once only please reply replies respond response responses should
+    somewhere stay strictly sure the through throughout to use user whatsoever when whole with write written you
+    your""".split())
 CLAUSE_END = re.compile(r"[.!?;]+(?=\s|$)|\n")
 WORD_TOKEN = re.compile(r"[^\W_]+")
 
