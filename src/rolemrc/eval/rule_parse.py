@@ -147,6 +147,17 @@ def keyword(params: dict[str, Any], text: str) -> str | None:
 MARKS = {"question": "?", "exclamation": "!", "period": ".", "full": "."}
 
 
+def _ending_params(g: dict[str, str | None]) -> dict[str, Any] | None:
+    """An unquoted phrase runs to the end of the line that states the rule; one holding two sentences is not
+    one phrase to end with (where would it stop?)."""
+    if g.get("mark"):
+        return {"negated": g.get("negated") is not None, "text": MARKS[g["mark"].split()[0].lower()], "mark": True}
+    text = g.get("quoted") or g["rest"] or ""
+    if not g.get("quoted") and re.search(r"[.!?]\s+\S", text):
+        return None
+    return {"negated": g.get("negated") is not None, "text": text, "mark": False}
+
+
 PHRASE = r"with\s+(?:the\s+|this\s+)?(?:(?:exact|following|same)\s+)*"
 NOTHING_AFTER = r"(?:[\s.]*no\s+other\s+words\s+should\s+follow\s+(?:this|the|that)\s+phrase\b)?"
 
@@ -157,11 +168,9 @@ NOTHING_AFTER = r"(?:[\s.]*no\s+other\s+words\s+should\s+follow\s+(?:this|the|th
     r"(?P<mark>question\s+mark|exclamation\s+(?:mark|point)|period|full\s+stop)\b",
     rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}(?:(?:sentence|phrase|words?|line|"
     rf"sign-?off)\b\s*:?\s*)?{QUOTED}{NOTHING_AFTER}",
-    rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}(?:sentence|phrase|words?|line|"
-    r"sign-?off)\b\s*:?\s*(?P<rest>[^'\"‘“\s].*?)\s*$",
-    params=lambda g: {"negated": g.get("negated") is not None,
-                      **({"text": MARKS[g["mark"].split()[0].lower()], "mark": True} if g.get("mark")
-                         else {"text": g.get("quoted") or g["rest"], "mark": False})})
+    rf"^(?P<gap_lead>[^\S\n]*(?:[\w']+[^\S\n]+)*?)(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}"
+    r"(?:sentence|phrase|words?|line|sign-?off)\b\s*:?\s*(?P<rest>[^'\"‘“\s].*?)\s*$",
+    params=_ending_params)
 def ends_with(params: dict[str, Any], text: str) -> str | None:
     """A mark may be followed by closing quotes or brackets; a phrase ending in a letter by a full stop."""
     end, tail = params["text"], text.rstrip()
@@ -195,7 +204,11 @@ def forbidden_mark(params: dict[str, Any], text: str) -> str | None:
 CAPITALS = r"(?:capital|upper[\s-]?case)\s+letters"
 
 
-@rule_kind("upper", rf"\b(?:{CAPITALS}|uppercase|upper\s+case|all[\s-]caps|block\s+capitals|in\s+capitals)\b",
+UPPER = rf"(?:{CAPITALS}|upper[\s-]?case)"
+
+
+@rule_kind("upper", rf"(?:(?<=\bin\s)|(?<=\ball\s)|(?<=\bonly\s)){UPPER}\b|\b{UPPER}\s+only\b",
+           r"\b(?:all[\s-]caps|block\s+capitals|in\s+capitals)\b",
            rf"{NOT}\s+(?:(?:us|includ|writ)\w*\s+)?(?:any\s+)?lower[\s-]?case(?:\s+letters)?\b",
            r"\bcapitali[sz]e\s+(?:all|every)\s+letters?\b")
 def upper(params: dict[str, Any], text: str) -> str | None:
@@ -290,8 +303,8 @@ def unexplained(text: str) -> list[str]:
 def parse_rules(text: str, every_clause: bool = True) -> tuple[list[Rule], list[str]]:
     """The rules stated in `text` in order, and its clauses not understood (all of `text` if no rule is).
 
-    Overlapping phrasings go to the longest match; a match whose gap (`gap` group) holds unexplained words is
-    no match. A clause that states a rule but says more than its phrasings and FILLER words explain counts
+    Overlapping phrasings go to the longest match; a match whose gaps (groups named `gap...`) hold unexplained
+    words is no match. A clause that states a rule but says more than its phrasings and FILLER words explain counts
     none of its rules and is not understood; so is any unexplained clause of a rule line (`every_clause`),
     while in a whole system prompt the clauses stating no rule are the role's description.
     """
@@ -301,7 +314,8 @@ def parse_rules(text: str, every_clause: bool = True) -> tuple[list[Rule], list[
     for m, kind, params in found:
         if any(m.start() < end and start < m.end() for (start, end), _ in chosen):
             continue
-        if not unexplained(m.groupdict().get("gap") or "") and (p := params(m.groupdict())) is not None:
+        gaps = " ".join(text for name, text in m.groupdict().items() if name.startswith("gap") and text)
+        if not unexplained(gaps) and (p := params(m.groupdict())) is not None:
             chosen.append((m.span(), Rule(kind, p, m.group(0))))
     chosen.sort(key=lambda c: c[0])
     masked = text
