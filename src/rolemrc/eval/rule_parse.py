@@ -1,18 +1,22 @@
 """Nested formatting rules: parsed from the system prompt's wording, each checked exactly on the reply.
 
 This is eval's own verifier: it never imports the datagen package, so a bug in the generator's rules shows
-up here instead of being graded by itself, and rules phrased in other ways (the RoleMRC release's) are
-judged too. Each rule kind registers its phrasings (regexes whose named groups carry the parameters)
+up here instead of being graded by itself, and rules phrased in other ways (the RoleMRC release's, IFEval's)
+are judged too. Each rule kind registers its phrasings (regexes whose named groups carry the parameters)
 and one checker. Where phrasings overlap, the longest match wins, so "Do not use any capital letters"
-is `lower`, not `upper`. The kinds and what they check:
+is `lower`, not `upper`. A clause is judged only if its phrasings and FILLER words explain every word of it:
+"Do not answer in English", "End every sentence with a period" or "Use two emojis and mention your
+childhood" are not understood (unjudgeable), never read as the rule they contain. The kinds and what they check:
 
-- emoji: begins / ends with an emoji; at least N, exactly N, at most N or no emojis
+- emoji: begins / ends (or not) with an emoji; at least N, exactly N, at most N, fewer / more than N or no
+  emojis ("emojis" with no number: at least one, and one alone cannot be told)
 - keyword: the word appears (any case, inflections count) / must not appear as a word
-- ends_with: ends with the given phrase (case-sensitive) or punctuation mark
-- forbidden_mark: no commas / exclamation marks / question marks / semicolons / colons / periods
+- ends_with: ends (or not) with the given phrase (case-sensitive) or punctuation mark
+- forbidden_mark: none of the named commas / exclamation marks / question marks / semicolons / colons / periods
 - upper / lower / title: no lower-case letters / no capitals / every word starts with a capital
 - words: at most, fewer than, at least, more than, exactly or between N words (digits or words)
-- language: written in the language (text_facts.language_problem says how that is told)
+- language: written in the language (text_facts.language_problem says how that is told; too short to tell
+  is CannotTell)
 """
 
 from __future__ import annotations
@@ -282,10 +286,13 @@ def language(params: dict[str, Any], text: str) -> str | None:
 RULE_LINE = re.compile(r"^(?:formatting rule|rule|requirement|instruction)s?\s*:\s*(.+)$", re.I | re.M)
 # Words a rule's wording may carry besides what its phrasing matched: anything else (a negation, a number,
 # "every sentence", "mention your childhood") means the clause says more than was understood.
-FILLER = frozenset("""a all also always an and answer answers any at be do entire entirely every here in is it
-    contain contains for keep kindly least long make must of once only please reply replies respond response responses should
-    somewhere stay strictly sure the through throughout to use user whatsoever when whole with write written you
-    your""".split())
+FILLER = frozenset((
+    "a", "all", "also", "always", "an", "and", "answer", "answers", "any", "at", "be", "contain",
+    "contains", "do", "entire", "entirely", "every", "for", "in", "is", "it", "keep", "kindly", "least", "long",
+    "make", "must", "of", "once", "only", "please", "replies", "reply", "respond", "response", "responses", "should",
+    "somewhere", "stay", "strictly", "sure", "the", "through", "throughout", "to", "use", "user", "whatsoever",
+    "whole", "with", "write", "written", "you", "your",
+))
 CLAUSE_END = re.compile(r"[.!?;]+(?=\s|$)|\n")
 WORD_TOKEN = re.compile(r"[^\W_]+")
 
