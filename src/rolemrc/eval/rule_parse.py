@@ -307,7 +307,7 @@ def unexplained(text: str) -> list[str]:
     return [w for w in WORD_TOKEN.findall(text) if w.lower() not in FILLER]
 
 
-def parse_rules(text: str, every_clause: bool = True) -> tuple[list[Rule], list[str]]:
+def parse_rules(text: str, every_clause: bool) -> tuple[list[Rule], list[str]]:
     """The rules stated in `text` in order, and its clauses not understood (all of `text` if no rule is).
 
     Overlapping phrasings go to the longest match; a match whose gaps (groups named `gap...`) hold unexplained
@@ -321,7 +321,7 @@ def parse_rules(text: str, every_clause: bool = True) -> tuple[list[Rule], list[
     for m, kind, params in found:
         if any(m.start() < end and start < m.end() for (start, end), _ in chosen):
             continue
-        gaps = " ".join(text for name, text in m.groupdict().items() if name.startswith("gap") and text)
+        gaps = " ".join(value for name, value in m.groupdict().items() if name.startswith("gap") and value)
         if not unexplained(gaps) and (p := params(m.groupdict())) is not None:
             chosen.append((m.span(), Rule(kind, p, m.group(0))))
     chosen.sort(key=lambda c: c[0])

@@ -2,7 +2,7 @@
 
 Deliberately simple and stated: a word is a whitespace-separated token (each Chinese or Japanese
 character counts as one, as these scripts put no spaces between words); the language of Latin-script
-text is the one whose common function words it uses most; Chinese, Japanese, Korean, Russian, Arabic,
+text is told by the common function words it uses; Chinese, Japanese, Korean, Russian, Arabic,
 Hindi, Greek and Hebrew are told by their script alone (so Russian cannot be told from Ukrainian).
 A reply too short to tell (too few function words, kanji without kana) raises CannotTell instead of a verdict.
 """
