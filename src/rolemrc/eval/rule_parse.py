@@ -1,18 +1,22 @@
 """Nested formatting rules: parsed from the system prompt's wording, each checked exactly on the reply.
 
 This is eval's own verifier: it never imports the datagen package, so a bug in the generator's rules shows
-up here instead of being graded by itself, and rules phrased in other ways (the RoleMRC release's) are
-judged too. Each rule kind registers its phrasings (regexes whose named groups carry the parameters)
+up here instead of being graded by itself, and rules phrased in other ways (the RoleMRC release's, IFEval's)
+are judged too. Each rule kind registers its phrasings (regexes whose named groups carry the parameters)
 and one checker. Where phrasings overlap, the longest match wins, so "Do not use any capital letters"
-is `lower`, not `upper`. The kinds and what they check:
+is `lower`, not `upper`. A clause is judged only if its phrasings and FILLER words explain every word of it:
+"Do not answer in English", "End every sentence with a period" or "Use two emojis and mention your
+childhood" are not understood (unjudgeable), never read as the rule they contain. The kinds and what they check:
 
-- emoji: begins / ends with an emoji; at least N, exactly N, at most N or no emojis
+- emoji: begins / ends (or not) with an emoji; at least N, exactly N, at most N, fewer / more than N or no
+  emojis ("emojis" with no number: at least one, and one alone cannot be told)
 - keyword: the word appears (any case, inflections count) / must not appear as a word
-- ends_with: ends with the given phrase (case-sensitive) or punctuation mark
-- forbidden_mark: no commas / exclamation marks / question marks / semicolons / colons / periods
+- ends_with: ends (or not) with the given phrase (case-sensitive) or punctuation mark
+- forbidden_mark: none of the named commas / exclamation marks / question marks / semicolons / colons / periods
 - upper / lower / title: no lower-case letters / no capitals / every word starts with a capital
 - words: at most, fewer than, at least, more than, exactly or between N words (digits or words)
-- language: written in the language (text_facts.language_problem says how that is told)
+- language: written in the language (text_facts.language_problem says how that is told; too short to tell
+  is CannotTell)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from rolemrc.eval.text_facts import (
     LANGUAGES,
     NUMBER,
+    CannotTell,
     count_words,
     emojis,
     ends_with_emoji,
@@ -63,7 +68,8 @@ def rule_kind(name: str, *patterns: str, params: Params = lambda g: {}) -> Calla
 NOT = (r"\b(?:(?:do|does|must|should|may|will)\s+not|don't|doesn't|mustn't|shouldn't|cannot|can't|never|avoid|"
        r"without|refrain\s+from)")
 QUOTED = r"['\"‘“](?P<quoted>.+?)['\"’”](?=[\s.,;:!?)]*(?:$|\s))"
-END = r"\b(?:end|finish|conclude|close|sign\s+off)(?:s|ing)?\b"
+NOT_MORE = rf"(?:{NOT}\s+(?:(?:us|includ|add|writ|put)\w*\s+)?|\b(?:no|not)\s+)more\s+than"
+END = r"\b(?:(?:end|finish|conclude|close|sign\s+off)(?:s|ing)?|wrap(?:s|ping)?\s+up)\b"
 
 
 def _count(text: str | None) -> int | None:
@@ -77,25 +83,35 @@ def _emoji_params(g: dict[str, str | None]) -> dict[str, Any] | None:
         return {"at": "start" if g.get("start") is not None else "end", "negated": g.get("negated") is not None}
     if g.get("none") is not None:
         return {"max": 0}
-    if g.get("most") is not None:
-        return None if (n := _count(g["most"])) is None else {"max": n}
+    for group, bound, offset in (("most", "max", 0), ("lt", "max", -1), ("gt", "min", 1)):
+        if g.get(group) is not None:
+            return None if (n := _count(g[group])) is None else {bound: n + offset}
+    if g.get("plural") is not None:
+        return {"min": 1, "plural": True}
     n = _count(g.get("n"))
     return None if n is None else {"min": n, **({"max": n} if g.get("exactly") else {})}
 
 
+EMOJI_VERB = r"(?:include|use|add|insert|put|contain|incorporate|sprinkl|scatter|pepper|feature|employ|ha(?:ve|s))\w*"
+
+
 @rule_kind(
     "emoji",
-    rf"(?:(?P<negated>{NOT})\s+)?\b(?:begin|start|open)\w*\b[^.\n]{{0,40}}?\bwith\s+(?:an?|one|a\s+single|any)\s+emojis?\b"
+    rf"(?:(?P<negated>{NOT})\s+)?\b(?:begin|start|open)\w*\b(?P<gap>[^.\n]{{0,40}}?)\bwith\s+(?:an?|one|a\s+single|any)\s+emojis?\b"
     r"(?P<start>)",
     r"\bemoji\s+(?:at|as)\s+the\s+(?:very\s+)?(?:start|beginning|first\s+character)\b(?P<start>)",
-    rf"(?:(?P<negated>{NOT})\s+)?{END}[^.\n]{{0,40}}?\bwith\s+(?:an?|one|a\s+single|any)\s+emojis?\b(?P<end>)",
+    rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n]{{0,40}}?)\bwith\s+(?:an?|one|a\s+single|any)\s+emojis?\b(?P<end>)",
     r"\bemoji\s+(?:at|as)\s+the\s+(?:very\s+)?(?:end|last\s+character)\b(?P<end>)",
     rf"{NOT}\s+(?:(?:us|includ|add|insert|put)\w*\s+)?(?:any\s+)?emojis?\b(?P<none>)",
     r"\bno\s+emojis?\b(?P<none>)", r"\bemoji-free\b(?P<none>)",
-    rf"\b(?:at\s+most|(?:no|not)\s+more\s+than|up\s+to)\s+(?P<most>{NUMBER})\s+emojis?\b",
-    rf"\b(?:include|use|add|insert|put|contain|incorporate)\w*\s+(?:(?P<exactly>exactly)\s+|at\s+least\s+)?"
+    rf"(?:\b(?:at\s+most|up\s+to|a\s+maximum\s+of)|{NOT_MORE})\s+(?P<most>{NUMBER})\s+emojis?\b",
+    rf"\b(?P<most>{NUMBER})\s+emojis?\s+or\s+(?:fewer|less)\b", rf"\b(?:fewer|less)\s+than\s+(?P<lt>{NUMBER})\s+emojis?\b",
+    rf"\bmore\s+than\s+(?P<gt>{NUMBER})\s+emojis?\b",
+    rf"\b{EMOJI_VERB}\s+(?:(?P<exactly>exactly)\s+|(?:at\s+least|a\s+minimum\s+of)\s+)?"
     rf"(?P<n>{NUMBER}|an?|some|one\s+or\s+more)\s+emojis?\b",
-    r"\b(?:include|use|add)\w*\s+emojis\b",
+    rf"\b(?:(?P<exactly>exactly)\s+|(?:at\s+least|a\s+minimum\s+of)\s+)(?P<n>{NUMBER})\s+emojis?\b",
+    rf"\b(?P<n>{NUMBER})\s+or\s+more\s+emojis\b", rf"\b{EMOJI_VERB}\s+(?:some\s+)?emojis\b(?P<plural>)",
+    rf"\b{EMOJI_VERB}(?P<gap>[^.\n]{{0,30}}?)\bwith\s+(?:some\s+)?emojis\b(?P<plural>)",
     params=_emoji_params)
 def emoji(params: dict[str, Any], text: str) -> str | None:
     if "at" in params:
@@ -106,6 +122,8 @@ def emoji(params: dict[str, Any], text: str) -> str | None:
         verb = "begin" if at == "start" else "end"
         return f"{verb}s with an emoji" if negated else f"does not {verb} with an emoji"
     n = len(emojis(text))
+    if n == 1 and params.get("plural"):
+        raise CannotTell("one emoji where emojis are asked for")
     if n < params.get("min", 0) or n > params.get("max", n):
         return f"{n} emojis"
     return None
@@ -133,16 +151,30 @@ def keyword(params: dict[str, Any], text: str) -> str | None:
 MARKS = {"question": "?", "exclamation": "!", "period": ".", "full": "."}
 
 
+def _ending_params(g: dict[str, str | None]) -> dict[str, Any] | None:
+    """An unquoted phrase runs to the end of the line that states the rule; one holding two sentences is not
+    one phrase to end with (where would it stop?)."""
+    if g.get("mark"):
+        return {"negated": g.get("negated") is not None, "text": MARKS[g["mark"].split()[0].lower()], "mark": True}
+    text = g.get("quoted") or g["rest"] or ""
+    if not g.get("quoted") and re.search(r"[.!?]\s+\S", text):
+        return None
+    return {"negated": g.get("negated") is not None, "text": text, "mark": False}
+
+
+PHRASE = r"with\s+(?:the\s+|this\s+)?(?:(?:exact|following|same)\s+)*"
+NOTHING_AFTER = r"(?:[\s.]*no\s+other\s+words\s+should\s+follow\s+(?:this|the|that)\s+phrase\b)?"
+
+
 @rule_kind(
     "ends_with",
-    rf"{END}[^.\n:]{{0,40}}?\bwith\s+(?:an?\s+|the\s+|one\s+)?(?P<mark>question\s+mark|exclamation\s+(?:mark|point)|"
-    r"period|full\s+stop)\b",
-    rf"{END}[^.\n:'\"‘“]{{0,40}}?\bwith\s+(?:the\s+)?(?:(?:exact|following|same)\s+)*(?:(?:sentence|phrase|words?|line|"
-    rf"sign-?off)\s*:?\s*)?{QUOTED}",
-    rf"{END}[^.\n:'\"‘“]{{0,40}}?\bwith\s+(?:the\s+)?(?:(?:exact|following|same)\s+)*(?:sentence|phrase|words?|line|"
-    r"sign-?off)\s*:?\s*(?P<rest>[^'\"‘“\s].*?)\s*$",
-    params=lambda g: ({"text": MARKS[g["mark"].split()[0].lower()], "mark": True} if g.get("mark")
-                      else {"text": g.get("quoted") or g["rest"], "mark": False}))
+    rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:]{{0,40}}?)\bwith\s+(?:an?\s+|the\s+|one\s+)?"
+    r"(?P<mark>question\s+mark|exclamation\s+(?:mark|point)|period|full\s+stop)\b",
+    rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}(?:(?:sentence|phrase|words?|line|"
+    rf"sign-?off)\b\s*:?\s*)?{QUOTED}{NOTHING_AFTER}",
+    rf"^(?P<gap_lead>[^\S\n]*(?:[\w']+[^\S\n]+)*?)(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}"
+    r"(?:sentence|phrase|words?|line|sign-?off)\b\s*:?\s*(?P<rest>[^'\"‘“\s].*?)\s*$",
+    params=_ending_params)
 def ends_with(params: dict[str, Any], text: str) -> str | None:
     """A mark may be followed by closing quotes or brackets; a phrase ending in a letter by a full stop."""
     end, tail = params["text"], text.rstrip()
@@ -150,37 +182,45 @@ def ends_with(params: dict[str, Any], text: str) -> str | None:
         tail = tail.rstrip("\"'”’»)]")
     elif end[-1:].isalnum():
         tail = tail.rstrip(".!?")
-    return None if tail.endswith(end) else f"does not end with {end!r}"
+    if tail.endswith(end) == params["negated"]:
+        return f"ends with {end!r}" if params["negated"] else f"does not end with {end!r}"
+    return None
 
 
 MARK_CHARS = {"comma": ",，、،", "exclamation": "!！", "question": "?？", "semicolon": ";；", "colon": ":：",
               "period": ".。", "full": ".。"}
-MARK_NAME = (r"(?P<mark>commas?|exclamation\s+(?:marks?|points?)|question\s+marks?|semicolons?|colons?|periods|"
-             r"full\s+stops)")
+ONE_MARK = r"(?:commas?|exclamation\s+(?:marks?|points?)|question\s+marks?|semicolons?|colons?|periods|full\s+stops)"
+MARK_NAME = rf"(?P<mark>{ONE_MARK}(?:\s*,\s*(?:or\s+|and\s+)?{ONE_MARK}|\s+(?:or|and|nor)\s+{ONE_MARK})*)"
 
 
 @rule_kind(
     "forbidden_mark",
-    rf"{NOT}\s+(?:(?:us|includ|put|add|writ|contain)\w*\s+)?(?:any\s+|a\s+single\s+|an?\s+)?{MARK_NAME}\b",
+    rf"{NOT}\s+(?:(?:us|includ|put|add|writ|contain)\w*\s+|the\s+use\s+of\s+)?(?:any\s+|a\s+single\s+|an?\s+)?"
+    rf"{MARK_NAME}\b",
     rf"\bno\s+{MARK_NAME}\b", rf"\b{MARK_NAME}\s+(?:are|is)\s+not\s+(?:allowed|permitted)\b",
     r"\b(?P<mark>comma)-free\b",
-    params=lambda g: {"mark": g["mark"].split()[0].lower().rstrip("s")})
+    params=lambda g: {"marks": [m.split()[0].lower().rstrip("s") for m in re.findall(ONE_MARK, g["mark"], re.I)]})
 def forbidden_mark(params: dict[str, Any], text: str) -> str | None:
-    found = sum(text.count(c) for c in MARK_CHARS[params["mark"]])
-    return f"{found} {params['mark']} mark(s)" if found else None
+    found = {mark: n for mark in params["marks"] if (n := sum(text.count(c) for c in MARK_CHARS[mark]))}
+    return ", ".join(f"{n} {mark} mark(s)" for mark, n in found.items()) or None
 
 
 CAPITALS = r"(?:capital|upper[\s-]?case)\s+letters"
 
 
-@rule_kind("upper", rf"\b(?:{CAPITALS}|uppercase|upper\s+case|all[\s-]caps|block\s+capitals|in\s+capitals)\b",
+UPPER = rf"(?:{CAPITALS}|upper[\s-]?case)"
+
+
+@rule_kind("upper", rf"(?:(?<=\bin\s)|(?<=\ball\s)|(?<=\bonly\s)){UPPER}\b|\b{UPPER}\s+only\b",
+           r"\b(?:all[\s-]caps|block\s+capitals|in\s+capitals)\b",
            rf"{NOT}\s+(?:(?:us|includ|writ)\w*\s+)?(?:any\s+)?lower[\s-]?case(?:\s+letters)?\b",
            r"\bcapitali[sz]e\s+(?:all|every)\s+letters?\b")
 def upper(params: dict[str, Any], text: str) -> str | None:
     return "has lower-case letters" if any(c.islower() for c in text) else None
 
 
-@rule_kind("lower", r"\blower[\s-]?case\b", rf"{NOT}\s+(?:(?:us|includ|writ)\w*\s+)?(?:any\s+)?{CAPITALS}\b",
+@rule_kind("lower", r"\blower[\s-]?case(?:\s+letters)?\b", rf"\bno\s+{CAPITALS}\s+(?:are\s+)?(?:allowed|permitted)\b",
+           rf"{NOT}\s+(?:(?:us|includ|writ)\w*\s+)?(?:any\s+)?{CAPITALS}\b",
            rf"\bno\s+{CAPITALS}\b", r"\bno\s+capitali[sz]ation\b", rf"{NOT}\s+capitali[sz]e\b")
 def lower(params: dict[str, Any], text: str) -> str | None:
     return "has capital letters" if any(c.isupper() for c in text) else None
@@ -188,7 +228,7 @@ def lower(params: dict[str, Any], text: str) -> str | None:
 
 @rule_kind("title", r"\bcapitali[sz]e\s+(?:the\s+first\s+letter\s+of\s+)?(?:every|each|all(?:\s+the)?)\s+words?\b",
            r"\b(?:start|begin)\w*\s+(?:every|each)\s+word\s+with\s+(?:a\s+)?(?:capital|upper[\s-]?case)(?:\s+letters?)?",
-           r"\b(?:every|each)\s+word\b[^.\n]{0,30}?\b(?:start|begin)\w*\s+with\s+(?:a\s+)?(?:capital|upper[\s-]?case)"
+           r"\b(?:every|each)\s+word\b(?P<gap>[^.\n]{0,30}?)\b(?:start|begin)\w*\s+with\s+(?:a\s+)?(?:capital|upper[\s-]?case)"
            r"(?:\s+letters?)?", r"\btitle[\s-]case\b")
 def title(params: dict[str, Any], text: str) -> str | None:
     low = [w for w in text.split() if (first := next((c for c in w if c.isalpha()), "")) and first.islower()]
@@ -212,9 +252,9 @@ WORDS = r"\s+words?\b"
 
 @rule_kind(
     "words",
-    rf"\b(?:no|not)\s+(?:more|longer)\s+than\s+(?P<le>{NUMBER}){WORDS}",
+    rf"(?:\b(?:no|not)\s+longer\s+than|{NOT_MORE})\s+(?P<le>{NUMBER}){WORDS}",
     rf"\b(?:at\s+most|up\s+to|(?:a\s+)?max(?:imum)?(?:\s+of)?|within|not\s+(?:to\s+)?exceed(?:ing)?)\s+(?P<le>{NUMBER}){WORDS}",
-    rf"\blimit\w*\b[^.\n]{{0,40}}?\bto\s+(?:(?:at\s+most|a\s+maximum\s+of)\s+)?(?P<le>{NUMBER}){WORDS}",
+    rf"\blimit\w*\b(?P<gap>[^.\n]{{0,40}}?)\bto\s+(?:(?:at\s+most|a\s+maximum\s+of)\s+)?(?P<le>{NUMBER}){WORDS}",
     rf"\b(?P<le>{NUMBER}){WORDS}\s+or\s+(?:fewer|less)\b", rf"\b(?P<le>{NUMBER})[\s-]words?\s+(?:limit|maximum|max)\b",
     rf"\b(?:fewer|less|shorter)\s+than\s+(?P<lt>{NUMBER}){WORDS}", rf"\b(?:under|below)\s+(?P<lt>{NUMBER}){WORDS}",
     rf"\b(?:at\s+least|(?:no|not)\s+(?:fewer|less)\s+than|(?:a\s+)?min(?:imum)?(?:\s+of)?)\s+(?P<ge>{NUMBER}){WORDS}",
@@ -229,13 +269,14 @@ def words(params: dict[str, Any], text: str) -> str | None:
     return None if low <= n <= high else f"{n} words, allowed {low}..{params.get('max', 'any')}"
 
 
-LANG = rf"(?:(?:simplified|traditional|standard|modern|plain)\s+)?(?P<lang>{'|'.join((*LANGUAGES, 'Mandarin'))})\b"
+LANG = (rf"(?:(?:simplified|traditional|standard|modern|plain)\s+)?(?P<lang>{'|'.join((*LANGUAGES, 'Mandarin'))})\b"
+        r"(?:\s+language)?(?:\s*,?\s*(?:and\s+)?no\s+other\s+language\s+is\s+(?:allowed|permitted))?")
 
 
 @rule_kind(
     "language",
-    rf"\b(?:respond|reply|answer|write|communicate)\w*\b(?:\s+\w+){{0,4}}?\s+in\s+{LANG}",
-    rf"\b(?:response|reply|answer|output)s?\b[^.\n]{{0,30}}?\bin\s+{LANG}",
+    rf"\b(?:respond|reply|answer|write|communicate)\w*\b(?P<gap>(?:\s+\w+){{0,4}}?)\s+in\s+{LANG}",
+    rf"\b(?:response|reply|answer|output)s?\b(?P<gap>[^.\n]{{0,30}}?)\bin\s+{LANG}",
     rf"\buse\s+only\s+(?:the\s+)?{LANG}", rf"\buse\s+(?:the\s+)?{LANG}(?:\s+language)?\s+only\b",
     params=lambda g: {"language": "Chinese" if g["lang"].lower() == "mandarin" else g["lang"].capitalize()})
 def language(params: dict[str, Any], text: str) -> str | None:
@@ -243,6 +284,17 @@ def language(params: dict[str, Any], text: str) -> str | None:
 
 
 RULE_LINE = re.compile(r"^(?:formatting rule|rule|requirement|instruction)s?\s*:\s*(.+)$", re.I | re.M)
+# Words a rule's wording may carry besides what its phrasing matched: anything else (a negation, a number,
+# "every sentence", "mention your childhood") means the clause says more than was understood.
+FILLER = frozenset((
+    "a", "all", "also", "always", "an", "and", "answer", "answers", "any", "at", "be", "contain",
+    "contains", "do", "entire", "entirely", "every", "for", "in", "is", "it", "keep", "kindly", "least", "long",
+    "make", "must", "of", "once", "only", "please", "replies", "reply", "respond", "response", "responses", "should",
+    "somewhere", "stay", "strictly", "sure", "the", "through", "throughout", "to", "use", "user", "whatsoever",
+    "whole", "with", "write", "written", "you", "your",
+))
+CLAUSE_END = re.compile(r"[.!?;]+(?=\s|$)|\n")
+WORD_TOKEN = re.compile(r"[^\W_]+")
 
 
 def rule_texts(system: str) -> list[str]:
@@ -250,21 +302,54 @@ def rule_texts(system: str) -> list[str]:
     return RULE_LINE.findall(system) or [system]
 
 
-def parse_rules(text: str) -> list[Rule]:
-    """Every rule stated in `text`, in the order stated; overlapping phrasings go to the longest match."""
+def unexplained(text: str) -> list[str]:
+    """The words of `text` that no phrasing explains (FILLER words aside)."""
+    return [w for w in WORD_TOKEN.findall(text) if w.lower() not in FILLER]
+
+
+def parse_rules(text: str, every_clause: bool) -> tuple[list[Rule], list[str]]:
+    """The rules stated in `text` in order, and its clauses not understood (all of `text` if no rule is).
+
+    Overlapping phrasings go to the longest match; a match whose gaps (groups named `gap...`) hold unexplained
+    words is no match. A clause that states a rule but says more than its phrasings and FILLER words explain counts
+    none of its rules and is not understood; so is any unexplained clause of a rule line (`every_clause`),
+    while in a whole system prompt the clauses stating no rule are the role's description.
+    """
     found = sorted(((m, kind, params) for kind, pattern, params in PHRASINGS for m in pattern.finditer(text)),
                    key=lambda x: (x[0].start() - x[0].end(), x[0].start()))
     chosen: list[tuple[tuple[int, int], Rule]] = []
     for m, kind, params in found:
         if any(m.start() < end and start < m.end() for (start, end), _ in chosen):
             continue
-        if (p := params(m.groupdict())) is not None:
+        gaps = " ".join(value for name, value in m.groupdict().items() if name.startswith("gap") and value)
+        if not unexplained(gaps) and (p := params(m.groupdict())) is not None:
             chosen.append((m.span(), Rule(kind, p, m.group(0))))
-    return [rule for _, rule in sorted(chosen, key=lambda c: c[0])]
+    chosen.sort(key=lambda c: c[0])
+    masked = text
+    for (start, end), _ in chosen:
+        masked = masked[:start] + " " * (end - start) + masked[end:]
+    rules: list[Rule] = []
+    unknown: list[str] = []
+    start = 0
+    for stop in [m.end() for m in CLAUSE_END.finditer(masked)] + [len(text)]:
+        stated = [rule for (at, _), rule in chosen if start <= at < stop]
+        if unexplained(masked[start:stop]) and (stated or every_clause):
+            unknown.append(text[start:stop].strip())
+        else:
+            rules += stated
+        start = stop
+    return rules, unknown if rules or unknown else [text.strip()]
+
+
+def parse_system(system: str) -> list[tuple[list[Rule], list[str]]]:
+    """parse_rules over each of the system prompt's rule texts."""
+    texts = rule_texts(system)
+    return [parse_rules(text, every_clause=texts != [system]) for text in texts]
 
 
 def find_rules(system: str) -> list[Rule]:
-    return [rule for text in rule_texts(system) for rule in parse_rules(text)]
+    """Every rule the system prompt states that is understood."""
+    return [rule for rules, _ in parse_system(system) for rule in rules]
 
 
 def find_rule(system: str) -> Rule | None:
@@ -273,24 +358,32 @@ def find_rule(system: str) -> Rule | None:
 
 
 def check_rule(rule: Rule, reply: str) -> str | None:
-    """None if the (stripped) reply obeys the rule, else why not."""
+    """None if the (stripped) reply obeys the rule, else why not; CannotTell if that cannot be decided."""
     return CHECKS[rule.kind](rule.params, reply)
 
 
 def nested_verdict(system: str, reply: str) -> tuple[int | None, str]:
     """(1 / 0, why) for a reply under the system prompt's rules, or (None, why) when they cannot be judged.
 
-    A broken recognised rule scores 0 even when another rule line is not understood; otherwise every
-    rule line must be recognised (and every recognised rule obeyed) to score 1.
+    A broken understood rule scores 0 even when another clause is not understood or another rule cannot be
+    told on this reply; otherwise every rule clause must be understood (parse_rules), and every rule decided
+    and obeyed, to score 1.
     """
-    texts = rule_texts(system)
-    parsed = [(text, parse_rules(text)) for text in texts]
-    rules = [rule for _, found in parsed for rule in found]
-    broken = [f"breaks rule {rule.kind} ({why})" for rule in rules if (why := check_rule(rule, reply))]
+    parsed = parse_system(system)
+    rules = [rule for found, _ in parsed for rule in found]
+    broken, untold = [], []
+    for rule in rules:
+        try:
+            if why := check_rule(rule, reply):
+                broken.append(f"breaks rule {rule.kind} ({why})")
+        except CannotTell as e:
+            untold.append(f"cannot tell rule {rule.kind} ({e})")
     if broken:
         return 0, "; ".join(broken)
-    unknown = [text for text, found in parsed if not found]
+    unknown = [clause for _, clauses in parsed for clause in clauses]
     if unknown:
-        where = "the system prompt" if texts == [system] else "; ".join(repr(t) for t in unknown)
-        return None, f"no formatting rule recognised in {where}"
+        where = "the system prompt" if unknown == [system.strip()] else "; ".join(repr(t) for t in unknown)
+        return None, f"no formatting rule understood in {where}"
+    if untold:
+        return None, "; ".join(untold)
     return 1, "obeys rule " + ", ".join(rule.kind for rule in rules)

@@ -14,8 +14,10 @@ Per aspect, what it judges and what it cannot:
 - nested: every formatting rule stated in the system prompt (its `Formatting rule:` lines, else all of
   it), parsed from its wording and checked exactly by eval's own verifier (rolemrc.eval.rule_parse:
   emojis, keywords, endings, punctuation, capitals, word limits, language). A broken rule scores 0;
-  a rule line it cannot parse otherwise gives no score (status `unjudgeable`, counted, with the
-  line). Cannot judge: free-form content constraints.
+  otherwise a rule clause it does not fully understand, or a check it cannot decide (the language of
+  a reply too short to tell), gives no score (status `unjudgeable`, counted, with the reason).
+  Cannot judge: free-form content constraints ("mention your childhood"); in a system prompt without
+  rule lines, a clause stating no recognised rule reads as the role's description.
 - multi_turn: answerable (`-2ndanswer`) must answer after the user insists, unanswerable
   (`-2ndrefused`) must keep refusing; both with the knowledge checks above.
 - prioritized (`-refused`): the system directive forbids answering, so the reply must decline

@@ -2,8 +2,9 @@
 
 Deliberately simple and stated: a word is a whitespace-separated token (each Chinese or Japanese
 character counts as one, as these scripts put no spaces between words); the language of Latin-script
-text is the one whose common function words it uses most; Chinese, Japanese, Korean, Russian, Arabic,
+text is told by the common function words it uses; Chinese, Japanese, Korean, Russian, Arabic,
 Hindi, Greek and Hebrew are told by their script alone (so Russian cannot be told from Ukrainian).
+A reply too short to tell (too few function words, kanji without kana) raises CannotTell instead of a verdict.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ _TENS = {word: 10 * (i + 2)
 _SCALES = {"hundred": 100, "thousand": 1000}
 NUMBER_WORD = "|".join(sorted((*_UNITS, *_TENS, *_SCALES), key=len, reverse=True))
 NUMBER = rf"(?:\d+|(?:{NUMBER_WORD})(?:(?:\s+and\s+|[\s-]+)(?:{NUMBER_WORD}))*)\b"
+
+
+class CannotTell(Exception):
+    """A recognised rule whose check cannot be decided honestly on this reply; the message says why."""
 
 
 def emojis(text: str) -> list[str]:
@@ -82,22 +87,33 @@ _KANA = re.compile("[\u3040-\u30FF]")
 
 
 def language_problem(text: str, language: str) -> str | None:
-    """None if `text` reads as `language` (one of LANGUAGES), else why not."""
+    """None if `text` reads as `language` (one of LANGUAGES), else why not; CannotTell if it is too short to tell.
+
+    Latin-script text reads as the language when it has 2+ of its function words and more than any other
+    language's; it does not when another language leads by 2+, or has some while the language has none in 4+ words.
+    """
     letters = [c for c in text if c.isalpha()]
     if not letters:
-        return "no letters"
+        raise CannotTell("no letters")
     if language in _SCRIPTS:
         share = len(re.findall(f"[{_SCRIPTS[language]}]", "".join(letters))) / len(letters)
         if share < 0.5:
             return f"not written in {language} script ({share:.0%} of letters)"
-        if language in ("Chinese", "Japanese") and bool(_KANA.search(text)) != (language == "Japanese"):
-            return "kana present" if language == "Chinese" else "no kana (reads as Chinese)"
+        if language == "Chinese" and _KANA.search(text):
+            return "kana present"
+        if language == "Japanese" and not _KANA.search(text):
+            if len(letters) < 10:
+                raise CannotTell(f"{len(letters)} characters without kana: Chinese or Japanese")
+            return "no kana (reads as Chinese)"
         return None
     if sum(ord(c) < 0x250 for c in letters) < len(letters) / 2:
         return "not written in Latin script"
     tokens = re.findall(r"[^\W\d_]+", text.lower())
     hits = {name: sum(t in words for t in tokens) for name, words in _FUNCTION_WORDS.items()}
-    best = max(hits.values())
-    if hits[language] == 0 or [n for n, h in hits.items() if h == best] != [language]:
-        return f"{hits[language]} {language} function words, {best} of another language"
-    return None
+    own, other = hits.pop(language), max(hits.values())
+    why = f"{own} {language} function words, {other} of another language"
+    if own >= 2 and own > other:
+        return None
+    if other - own >= 2 or (own == 0 and other and len(tokens) >= 4):
+        return why
+    raise CannotTell(f"too little to tell: {why}")
