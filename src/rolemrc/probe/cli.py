@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from click.core import ParameterSource
+from typer._click.core import ParameterSource
 
 from rolemrc.core.cli import LIMIT, Command, choice, cli_app
 from rolemrc.core.placement import DEVICE_HELP, MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
@@ -63,6 +63,8 @@ def collect_cmd(
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     generation_prompt: bool = typer.Option(True, help="render the prompt with the template's generation prompt (the "
                                            "RoleMRC code renders it without)"),
+    prepend_bos: bool = typer.Option(False, "--prepend-bos", help="put the tokenizer's BOS token before the rendered "
+                                     "prompt, as TransformerLens does to a string (the RoleMRC code on Llama)"),
     max_length: int = MAX_LENGTH,
     limit: int = LIMIT,
     dtype: Dtype = dtype_option(),
@@ -78,7 +80,8 @@ def collect_cmd(
 
     settings = dict(hook=hook, top_fraction=top_fraction, top_rounding=top_rounding, tokens=tokens, rank=rank,
                     batch_size=batch_size, top_cases=top_cases, backend=backend, dimension_field=dimension_field,
-                    generation_prompt=generation_prompt, max_length=max_length, limit=limit, dtype=dtype,
+                    generation_prompt=generation_prompt, prepend_bos=prepend_bos, max_length=max_length, limit=limit,
+                    dtype=dtype,
                     device=device, device_map=device_map)
     if preset:  # the preset's settings, but for options given on the command line
         chosen = PRESETS.get(preset).settings

@@ -55,6 +55,7 @@ class CollectConfig:
     backend: Backend = "torch"
     dimension_field: str | None = None
     generation_prompt: bool = True
+    prepend_bos: bool = False  # put the tokenizer's BOS token before the rendered prompt (TransformerLens does)
     max_length: int | None = None  # default: the model's context window; longer prompts keep their last tokens
     limit: int | None = None  # use only the first `limit` cases of the data
     dtype: Dtype = "auto"  # auto: the checkpoint's own
@@ -230,13 +231,15 @@ def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
     """Tokenised cases (prompts cut to the shortest context window) and the shared metadata."""
     max_length = shared_window(models, tokenizer, config.max_length)
     cases = build_cases(data, tokenizer, dimension_field=config.dimension_field,
-                        generation_prompt=config.generation_prompt, max_length=max_length)
+                        generation_prompt=config.generation_prompt, prepend_bos=config.prepend_bos,
+                        max_length=max_length)
     return cases, {
         "hook": config.hook, "top_fraction": repr(config.top_fraction), "top_rounding": config.top_rounding,
         "tokens": config.tokens, "rank": config.rank,
         "preset": config.preset, "preset_overrides": ",".join(config.preset_overrides()),
         "top_cases": str(config.top_cases),
         "backend": config.backend, "generation_prompt": str(config.generation_prompt).lower(),
+        "prepend_bos": str(config.prepend_bos).lower(),
         "dimension_field": config.dimension_field or "",
         "data_fingerprint": data_fingerprint or cases.fingerprint, "cases_fingerprint": cases.fingerprint,
         "truncated": str(cases.truncated), "max_length": str(max_length), "limit": str(config.limit or ""),

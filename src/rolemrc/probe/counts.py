@@ -25,7 +25,7 @@ from rolemrc.probe.topcases import TopCases, TopCaseTracker, read_texts, texts_m
 
 # Metadata keys that must agree for two probe files to be comparable.
 COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "top_rounding", "tokens", "rank", "generation_prompt",
-                   "limit")
+                   "prepend_bos", "limit")
 CASE_HASHES = "case_hashes"  # the probe file's tensor of case identities
 FRACTION_BITS = 32
 MOMENT_UNIT = 2.0 ** -FRACTION_BITS  # each observation's x and x^2 are rounded to this once, before any sum

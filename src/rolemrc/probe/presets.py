@@ -23,15 +23,18 @@ class Preset:
 
 PRESETS: Registry[Preset] = Registry("preset")
 
-# interpret.py: HookedTransformer.run_with_cache(tokenizer.apply_chat_template(question, tokenize=False)), the last
-# position of each layer's hook tensor; visualize.py: per layer keep_top_percentage(matrix, 20) (argsort, the
-# top int(width * 0.2) signed values), count_non_zero_by_dim, per evaluation dimension.
+# interpret.py: HookedTransformer.run_with_cache(tokenizer.apply_chat_template(question, tokenize=False)) (a string:
+# TransformerLens puts a BOS token before it, but not on Qwen2), the last position of each layer's hook tensor;
+# visualize.py: per layer keep_top_percentage(matrix, 20) (argsort, the top int(width * 0.2) signed values),
+# count_non_zero_by_dim, per evaluation dimension.
 _AUTHORS = dict(top_fraction=0.2, top_rounding="down", tokens="last", rank="signed", generation_prompt=False)
 
 PRESETS.register("rolemrc-code")(Preset(
-    "the RoleMRC authors' analysis on Llama-3.1: blocks.{i}.hook_mlp_out (the MLP's output), the last prompt token "
-    "of the chat template without a generation prompt, the top int(0.2 * width) units by signed value per layer",
-    f"{ROLEMRC_CODE}/interpret.py and visualize.py", {"hook": "mlp.out", **_AUTHORS}))
+    "the RoleMRC authors' analysis of Llama-3.1: blocks.{i}.hook_mlp_out (the MLP's output), the last token of the "
+    "prompt rendered without a generation prompt and after a BOS token, the top int(0.2 * width) units by signed "
+    "value per layer", f"{ROLEMRC_CODE}/interpret.py and visualize.py",
+    {"hook": "mlp.out", "prepend_bos": True, **_AUTHORS}))
 PRESETS.register("rolemrc-code-qwen")(Preset(
-    "rolemrc-code with the hook list their script overwrites for Qwen2.5: blocks.{i}.hook_attn_out (the attention "
-    "output)", f"{ROLEMRC_CODE}/interpret.py", {"hook": "attn.out", **_AUTHORS}))
+    "their analysis of Qwen2.5: the hook list their script overwrites, blocks.{i}.hook_attn_out (the attention "
+    "output), and no BOS token (TransformerLens adds none on Qwen2)", f"{ROLEMRC_CODE}/interpret.py",
+    {"hook": "attn.out", "prepend_bos": False, **_AUTHORS}))
