@@ -78,11 +78,10 @@ def collect_cmd(
     from rolemrc.probe.collect import CollectConfig, collect, collect_paired
     from rolemrc.probe.distributed import shard_from_env
 
-    settings = dict(hook=hook, top_fraction=top_fraction, top_rounding=top_rounding, tokens=tokens, rank=rank,
-                    batch_size=batch_size, top_cases=top_cases, backend=backend, dimension_field=dimension_field,
-                    generation_prompt=generation_prompt, prepend_bos=prepend_bos, max_length=max_length, limit=limit,
-                    dtype=dtype,
-                    device=device, device_map=device_map)
+    settings = {"hook": hook, "top_fraction": top_fraction, "top_rounding": top_rounding, "tokens": tokens,
+                "rank": rank, "batch_size": batch_size, "top_cases": top_cases, "backend": backend,
+                "dimension_field": dimension_field, "generation_prompt": generation_prompt, "prepend_bos": prepend_bos,
+                "max_length": max_length, "limit": limit, "dtype": dtype, "device": device, "device_map": device_map}
     if preset:  # the preset's settings, but for options given on the command line
         chosen = PRESETS.get(preset).settings
         settings = {key: value for key, value in settings.items()

@@ -291,7 +291,8 @@ def count_paired(models: list[Any], tokenizer: Any, cases: Cases, config: Collec
 def _counters(models: list[Any], cases: Cases, config: CollectConfig, *, keep_cases: bool) -> list[TopKCounter]:
     def counter(model: Any) -> TopKCounter:
         units = width(model, config.hook)
-        return TopKCounter(cases.dimensions, num_layers(model), units, top_k_size(config.top_fraction, units, config.top_rounding),
+        k = top_k_size(config.top_fraction, units, config.top_rounding)
+        return TopKCounter(cases.dimensions, num_layers(model), units, k,
                            tokens=config.tokens, rank=config.rank, device=next(model.parameters()).device,
                            keep_cases=keep_cases, top_cases=config.top_cases)
 

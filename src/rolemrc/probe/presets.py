@@ -27,7 +27,7 @@ PRESETS: Registry[Preset] = Registry("preset")
 # TransformerLens puts a BOS token before it, but not on Qwen2), the last position of each layer's hook tensor;
 # visualize.py: per layer keep_top_percentage(matrix, 20) (argsort, the top int(width * 0.2) signed values),
 # count_non_zero_by_dim, per evaluation dimension.
-_AUTHORS = dict(top_fraction=0.2, top_rounding="down", tokens="last", rank="signed", generation_prompt=False)
+_AUTHORS = {"top_fraction": 0.2, "top_rounding": "down", "tokens": "last", "rank": "signed", "generation_prompt": False}
 
 PRESETS.register("rolemrc-code")(Preset(
     "the RoleMRC authors' analysis of Llama-3.1: blocks.{i}.hook_mlp_out (the MLP's output), the last token of the "
