@@ -5,7 +5,6 @@ Prints JSON; every ratio is measured side by side in one run."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -20,9 +19,11 @@ from rolemrc.bench.common import SIZES, interleaved, make_model_dir, random_case
 from rolemrc.probe.cases import Cases, batches
 from rolemrc.probe.collect import CollectConfig, count_cases
 from rolemrc.probe.hooks import HOOK_POINTS
+from rolemrc.probe.presets import PRESETS
 
-# RoleMRC hooked the MLP output on Llama (TransformerLens `hook_mlp_out`): the baseline's point.
-BASELINE_POINT = "mlp.out"
+# The RoleMRC code's settings (the `rolemrc-code` preset): its hook point, the MLP output (TransformerLens
+# `hook_mlp_out`), is the baseline's.
+BASELINE_POINT = PRESETS.get("rolemrc-code").settings["hook"]
 BRIDGE_NAME = HOOK_POINTS[BASELINE_POINT].bridge
 
 
@@ -34,14 +35,14 @@ def plain_forward(model, cases: Cases, batch_size: int, pad_id: int) -> None:
 
 def rolemrc_code_approach(bridge, cases: Cases, n_layers: int, top_fraction: float, device: str = "cpu") -> np.ndarray:
     """What the RoleMRC analysis code does: run_with_cache per prompt, keep the hooked activations,
-    then top-k in numpy."""
+    then the top int(top_fraction * width) in numpy."""
     names = {BRIDGE_NAME.format(i=i) for i in range(n_layers)}
     kept = []
     for ids in cases.input_ids:
         _, cache = bridge.run_with_cache(torch.tensor([ids], device=device), names_filter=lambda name: name in names)
         kept.append(np.stack([cache[BRIDGE_NAME.format(i=i)][0, -1].float().cpu().numpy() for i in range(n_layers)]))
     acts = np.stack(kept)  # [cases, layers, width]
-    k = math.ceil(top_fraction * acts.shape[-1])
+    k = max(1, int(top_fraction * acts.shape[-1]))
     top = np.argpartition(-acts, k - 1, axis=-1)[..., :k]
     active = np.zeros_like(acts, dtype=np.int64)
     np.put_along_axis(active, top, 1, axis=-1)
@@ -65,7 +66,8 @@ def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int
     for point in configs:
         out[f"collect_{point}_s"] = round(times[point], 3)
         out[f"collect_{point}_over_forward"] = round(times[point] / times["forward"], 3)
-    ours = count_cases(model, tok, cases, CollectConfig(hook=BASELINE_POINT, batch_size=batch_size, progress=False))
+    preset = CollectConfig.from_preset("rolemrc-code", batch_size=batch_size, progress=False)
+    ours = count_cases(model, tok, cases, preset)
 
     bridge_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
     bridge = TransformerBridge.boot_transformers(str(path), hf_model=bridge_model, tokenizer=tok, device=device)

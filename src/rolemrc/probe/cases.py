@@ -86,8 +86,9 @@ def prompt_cases(records: list[dict[str, Any]], source: str | os.PathLike | None
 
 
 def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_field: str | None = None,
-                generation_prompt: bool = True, max_length: int | None = None) -> Cases:
-    """Render each record's prompt turns with the chat template and tokenise them.
+                generation_prompt: bool = True, prepend_bos: bool = False, max_length: int | None = None) -> Cases:
+    """Render each record's prompt turns with the chat template and tokenise them (`prepend_bos`: then put the
+    tokenizer's BOS token first, as TransformerLens does to a string it is given).
 
     Records with no dimension count under `all`. Prompts longer than `max_length` keep their last
     `max_length` tokens (the position the probe reads) and are counted as truncated.
@@ -97,6 +98,10 @@ def build_cases(records: list[dict[str, Any]], tokenizer: Any, *, dimension_fiel
     per_case = [case_dimensions(record, dimension_field) or [UNGROUPED] for record in records]
     dimensions, membership = membership_matrix(per_case, bool(dimension_field))
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if prepend_bos:
+        if tokenizer.bos_token_id is None:
+            raise ProbeError("prepend_bos: the tokenizer has no BOS token")
+        ids = [[tokenizer.bos_token_id, *x] for x in ids]
     truncated = 0
     if max_length:
         truncated = sum(len(x) > max_length for x in ids)

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from typer._click.core import ParameterSource
 
 from rolemrc.core.cli import LIMIT, Command, choice, cli_app
 from rolemrc.core.placement import DEVICE_HELP, MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.probe.hooks import HOOK_POINTS
-from rolemrc.probe.options import Backend, Rank, Tokens
+from rolemrc.probe.options import Backend, Rank, Rounding, Tokens
+from rolemrc.probe.presets import PRESETS
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
 
@@ -22,6 +24,7 @@ DEVICE_MAP = device_map_option("spread each model's layers over this process's G
                                "accelerate's big-model placement, instead of --device")
 # the inputs of `collect` and `attribute`
 Hook = choice(HOOK_POINTS)
+PresetName = choice(PRESETS)
 HOOK = typer.Option("mlp.act", help="hook point (docs/probe.md)")
 MAX_LENGTH = typer.Option(None, min=1, help="keep at most this many tokens per sequence: the prompt's last ones (nearest "
                           "the reply); a reply that alone exceeds it keeps its first ones (default: the context window)")
@@ -40,12 +43,17 @@ class HookTableCommand(Command):
 
 @app.command("collect", cls=HookTableCommand)
 def collect_cmd(
+    ctx: typer.Context,
     model: list[Path] = typer.Option(..., "--model", help=f"{MODEL_HELP}; repeat it to collect several models paired "
                                      "over the same cases (one paired probe file)"),
     data: Path = typer.Option(..., "--data", help="JSONL records (test, pair or SFT format)"),
     out: Path = typer.Option(..., "--out", help="probe file to write (.safetensors)"),
+    preset: PresetName = typer.Option(None, help="named settings (docs/probe.md): rolemrc-code reproduces the RoleMRC "
+                                      "authors' analysis; options given beside it override it"),
     hook: Hook = HOOK,
     top_fraction: float = typer.Option(0.2, help="share of units counted as active per observation"),
+    top_rounding: Rounding = typer.Option("up", help="top_fraction x width to a unit count: up, or down (the RoleMRC "
+                                          "code's int())"),
     tokens: Tokens = typer.Option("last", help="last prompt token, or all prompt tokens"),
     rank: Rank = typer.Option("signed", help="rank by signed value, or by abs"),
     batch_size: int = typer.Option(16, min=1),
@@ -53,7 +61,10 @@ def collect_cmd(
                                   "short prompt texts too; the explorer shows them); 0: off"),
     backend: Backend = typer.Option("torch"),
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
-    generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
+    generation_prompt: bool = typer.Option(True, help="render the prompt with the template's generation prompt (the "
+                                           "RoleMRC code renders it without)"),
+    prepend_bos: bool = typer.Option(False, "--prepend-bos", help="put the tokenizer's BOS token before the rendered "
+                                     "prompt, as TransformerLens does to a string (the RoleMRC code on Llama)"),
     max_length: int = MAX_LENGTH,
     limit: int = LIMIT,
     dtype: Dtype = dtype_option(),
@@ -67,10 +78,15 @@ def collect_cmd(
     from rolemrc.probe.collect import CollectConfig, collect, collect_paired
     from rolemrc.probe.distributed import shard_from_env
 
-    config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
-                           top_cases=top_cases, backend=backend, dimension_field=dimension_field,
-                           generation_prompt=generation_prompt, max_length=max_length, limit=limit, dtype=dtype,
-                           device=device, device_map=device_map)
+    settings = {"hook": hook, "top_fraction": top_fraction, "top_rounding": top_rounding, "tokens": tokens,
+                "rank": rank, "batch_size": batch_size, "top_cases": top_cases, "backend": backend,
+                "dimension_field": dimension_field, "generation_prompt": generation_prompt, "prepend_bos": prepend_bos,
+                "max_length": max_length, "limit": limit, "dtype": dtype, "device": device, "device_map": device_map}
+    if preset:  # the preset's settings, but for options given on the command line
+        chosen = PRESETS.get(preset).settings
+        settings = {key: value for key, value in settings.items()
+                    if key not in chosen or ctx.get_parameter_source(key) is not ParameterSource.DEFAULT}
+    config = CollectConfig.from_preset(preset, **settings) if preset else CollectConfig(**settings)
     probe = collect(model[0], data, config) if len(model) == 1 else collect_paired(model, data, config)
     if shard_from_env().main:
         typer.echo(json.dumps({"out": str(probe.save(out)), **_report(probe)}, indent=1))
@@ -82,6 +98,7 @@ def _report(probe: Any) -> dict[str, Any]:
 
     counts, extra = (probe.counts[0], {"models": probe.models}) if isinstance(probe, PairedCounts) else (probe, {})
     return {**extra, "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
+            **{key: counts.meta[key] for key in ("preset", "preset_overrides") if counts.meta.get(key)},
             "hook": counts.meta["hook"], "k": int(counts.meta["k"]), "layers": int(counts.meta["layers"]),
             "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
 

@@ -34,17 +34,20 @@ from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, t
 from rolemrc.probe.distributed import all_gather, all_reduce_sum, process_group, rank_gpus, shard_from_env
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
-from rolemrc.probe.options import Backend, Rank, Tokens
+from rolemrc.probe.options import Backend, Rank, Rounding, Tokens
 from rolemrc.probe.paired import PairedCounter, PairedCounts
+from rolemrc.probe.presets import PRESETS
 from rolemrc.probe.topcases import TopCases, check_top_cases, sorted_positions
 
 
 @dataclass
 class CollectConfig:
-    """How to count (docs/ARCHITECTURE.md "Probe file"). Defaults reproduce the RoleMRC analysis on `mlp.act`."""
+    """How to count (docs/ARCHITECTURE.md "Probe file"); rolemrc's defaults, or a named preset's settings
+    (`from_preset`, probe/presets.py; docs/probe.md compares them)."""
 
     hook: str = "mlp.act"  # a name in HOOK_POINTS
     top_fraction: float = 0.2
+    top_rounding: Rounding = "up"  # top_fraction * width to a unit count: up, or down as the RoleMRC code does
     tokens: Tokens = "last"  # "last" prompt token, or "all" prompt tokens (each one observation)
     rank: Rank = "signed"  # or "abs"
     batch_size: int = 16
@@ -52,16 +55,21 @@ class CollectConfig:
     backend: Backend = "torch"
     dimension_field: str | None = None
     generation_prompt: bool = True
+    prepend_bos: bool = False  # put the tokenizer's BOS token before the rendered prompt (TransformerLens does)
     max_length: int | None = None  # default: the model's context window; longer prompts keep their last tokens
     limit: int | None = None  # use only the first `limit` cases of the data
     dtype: Dtype = "auto"  # auto: the checkpoint's own
     device: str = "auto"
     device_map: DeviceMap | None = None  # place a model loaded from a directory over this process's devices
     progress: bool = True
+    preset: str = ""  # the preset these settings started from (set by `from_preset`)
 
     def __post_init__(self) -> None:
         check_point(self.hook)
         check_top_fraction(self.top_fraction)
+        check_choice("top rounding", self.top_rounding, get_args(Rounding))
+        if self.preset:
+            PRESETS.check([self.preset])
         check_top_cases(self.top_cases)
         check_choice("token policy", self.tokens, get_args(Tokens))
         check_choice("rank", self.rank, get_args(Rank))
@@ -71,6 +79,16 @@ class CollectConfig:
         check_dtype(self.dtype)
         check_placement(self.device, self.device_map)
 
+    @classmethod
+    def from_preset(cls, preset: str, **overrides: Any) -> CollectConfig:
+        """The settings of the preset named `preset` (probe/presets.py), `overrides` on top."""
+        return cls(**{**PRESETS.get(preset).settings, **overrides, "preset": preset})
+
+    def preset_overrides(self) -> list[str]:
+        """The fields of this config that differ from its preset's settings."""
+        settings = PRESETS.get(self.preset).settings if self.preset else {}
+        return [key for key, value in settings.items() if getattr(self, key) != value]
+
 
 def collect(model: Any, data: Any, config: CollectConfig | None = None, *, tokenizer: Any = None,
             **overrides: Any) -> ProbeCounts:
@@ -79,7 +97,7 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     model: a model name (a local HF directory, a pulled model's name, or a hub id `org/name[@revision]`) or a loaded
     causal LM (with `tokenizer`, or the one in its directory).
     data: a JSONL path, or a list of records (test, pair or SFT format), plain prompt strings or chat turn lists.
-    Keyword overrides replace fields of `config`.
+    Keyword overrides replace fields of `config`; `preset="rolemrc-code"` without a config starts from that preset.
     """
     config = _config(config, overrides)
     model = resolve_named(model)
@@ -140,6 +158,9 @@ def check_same_shape(models: list[Any], names: list[str], hook: str) -> None:
 
 
 def _config(config: CollectConfig | None, overrides: dict[str, Any]) -> CollectConfig:
+    """`config` with `overrides` on top; without a config, the defaults, or the preset an override names."""
+    if config is None and overrides.get("preset"):
+        return CollectConfig.from_preset(**overrides)
     return CollectConfig(**{**asdict(config or CollectConfig()), **overrides})
 
 
@@ -210,11 +231,15 @@ def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
     """Tokenised cases (prompts cut to the shortest context window) and the shared metadata."""
     max_length = shared_window(models, tokenizer, config.max_length)
     cases = build_cases(data, tokenizer, dimension_field=config.dimension_field,
-                        generation_prompt=config.generation_prompt, max_length=max_length)
+                        generation_prompt=config.generation_prompt, prepend_bos=config.prepend_bos,
+                        max_length=max_length)
     return cases, {
-        "hook": config.hook, "top_fraction": repr(config.top_fraction), "tokens": config.tokens, "rank": config.rank,
+        "hook": config.hook, "top_fraction": repr(config.top_fraction), "top_rounding": config.top_rounding,
+        "tokens": config.tokens, "rank": config.rank,
+        "preset": config.preset, "preset_overrides": ",".join(config.preset_overrides()),
         "top_cases": str(config.top_cases),
         "backend": config.backend, "generation_prompt": str(config.generation_prompt).lower(),
+        "prepend_bos": str(config.prepend_bos).lower(),
         "dimension_field": config.dimension_field or "",
         "data_fingerprint": data_fingerprint or cases.fingerprint, "cases_fingerprint": cases.fingerprint,
         "truncated": str(cases.truncated), "max_length": str(max_length), "limit": str(config.limit or ""),
@@ -266,7 +291,8 @@ def count_paired(models: list[Any], tokenizer: Any, cases: Cases, config: Collec
 def _counters(models: list[Any], cases: Cases, config: CollectConfig, *, keep_cases: bool) -> list[TopKCounter]:
     def counter(model: Any) -> TopKCounter:
         units = width(model, config.hook)
-        return TopKCounter(cases.dimensions, num_layers(model), units, top_k_size(config.top_fraction, units),
+        k = top_k_size(config.top_fraction, units, config.top_rounding)
+        return TopKCounter(cases.dimensions, num_layers(model), units, k,
                            tokens=config.tokens, rank=config.rank, device=next(model.parameters()).device,
                            keep_cases=keep_cases, top_cases=config.top_cases)
 

@@ -20,11 +20,12 @@ import torch
 
 from rolemrc.core.artifacts import check_format, expect, stamp
 from rolemrc.probe.errors import ProbeError, ProbeFileError
-from rolemrc.probe.options import Rank, Tokens
+from rolemrc.probe.options import Rank, Rounding, Tokens
 from rolemrc.probe.topcases import TopCases, TopCaseTracker, read_texts, texts_meta
 
 # Metadata keys that must agree for two probe files to be comparable.
-COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "tokens", "rank", "generation_prompt", "limit")
+COMPARABLE_KEYS = ("hook", "width", "layers", "top_fraction", "top_rounding", "tokens", "rank", "generation_prompt",
+                   "prepend_bos", "limit")
 CASE_HASHES = "case_hashes"  # the probe file's tensor of case identities
 FRACTION_BITS = 32
 MOMENT_UNIT = 2.0 ** -FRACTION_BITS  # each observation's x and x^2 are rounded to this once, before any sum
@@ -61,9 +62,10 @@ def check_top_fraction(top_fraction: float) -> float:
     return top_fraction
 
 
-def top_k_size(top_fraction: float, width: int) -> int:
-    """Units counted as active per observation: ceil(top_fraction * width), at least 1."""
-    return max(1, math.ceil(check_top_fraction(top_fraction) * width - 1e-9))
+def top_k_size(top_fraction: float, width: int, rounding: Rounding = "up") -> int:
+    """Units counted as active per observation: top_fraction * width rounded up (or down), at least 1."""
+    share = check_top_fraction(top_fraction) * width
+    return max(1, math.ceil(share - 1e-9) if rounding == "up" else math.floor(share + 1e-9))
 
 
 def read_tensors(path: str | os.PathLike, what: str, *, missing: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
