@@ -59,9 +59,9 @@ from rolemrc.probe.distributed import all_reduce_min, all_reduce_sum, process_gr
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.hooks import WIDTHS, Site, check_point, hook_point, num_layers, site, width
 from rolemrc.probe.memory import auto_batch_size
+from rolemrc.probe.options import DEFAULT_RESAMPLES
 from rolemrc.probe.paired import NAME_KEYS
 from rolemrc.probe.resample import (
-    DEFAULT_RESAMPLES,
     check_resamples,
     replicate_tensors,
     resample_count,

@@ -12,7 +12,7 @@ import typer
 from rolemrc.core.cli import LIMIT, Command, choice, cli_app
 from rolemrc.core.placement import DEVICE_HELP, MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.probe.hooks import HOOK_POINTS
-from rolemrc.probe.options import Backend, Rank, Tokens
+from rolemrc.probe.options import DEFAULT_RESAMPLES, Backend, Rank, Tokens
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
 
@@ -23,6 +23,8 @@ DEVICE_MAP = device_map_option("spread each model's layers over this process's G
 # the inputs of `collect` and `attribute`
 Hook = choice(HOOK_POINTS)
 HOOK = typer.Option("mlp.act", help="hook point (docs/probe.md)")
+RESAMPLES = typer.Option(DEFAULT_RESAMPLES, min=0, help="Poisson bootstrap replicates of the cases counted alongside, so "
+                         "`probe diff` and `intervene select` report how stable a selection is (0: off; probe/resample.py)")
 MAX_LENGTH = typer.Option(None, min=1, help="keep at most this many tokens per sequence: the prompt's last ones (nearest "
                           "the reply); a reply that alone exceeds it keeps its first ones (default: the context window)")
 
@@ -56,6 +58,7 @@ def collect_cmd(
     generation_prompt: bool = typer.Option(True, help="--no-generation-prompt reproduces the RoleMRC code"),
     max_length: int = MAX_LENGTH,
     limit: int = LIMIT,
+    resamples: int = RESAMPLES,
     dtype: Dtype = dtype_option(),
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
@@ -70,7 +73,7 @@ def collect_cmd(
     config = CollectConfig(hook=hook, top_fraction=top_fraction, tokens=tokens, rank=rank, batch_size=batch_size,
                            top_cases=top_cases, backend=backend, dimension_field=dimension_field,
                            generation_prompt=generation_prompt, max_length=max_length, limit=limit, dtype=dtype,
-                           device=device, device_map=device_map)
+                           device=device, device_map=device_map, resamples=resamples)
     probe = collect(model[0], data, config) if len(model) == 1 else collect_paired(model, data, config)
     if shard_from_env().main:
         typer.echo(json.dumps({"out": str(probe.save(out)), **_report(probe)}, indent=1))
@@ -98,6 +101,7 @@ def attribute_cmd(
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     max_length: int = MAX_LENGTH,
     limit: int = LIMIT,
+    resamples: int = RESAMPLES,
     dtype: Dtype = dtype_option(),
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
@@ -110,7 +114,7 @@ def attribute_cmd(
     from rolemrc.probe.distributed import shard_from_env
 
     config = AttributeConfig(hook=hook, batch_size=batch_size, dimension_field=dimension_field, max_length=max_length,
-                             limit=limit, dtype=dtype, device=device, device_map=device_map)
+                             limit=limit, dtype=dtype, device=device, device_map=device_map, resamples=resamples)
     result = attribute(model, pairs, config)
     if shard_from_env().main:
         typer.echo(json.dumps({"out": str(result.save(out)), **_attribution_report(result)}, indent=1))
@@ -170,12 +174,16 @@ def diff_cmd(
     from rolemrc.probe.diff import diff
     from rolemrc.probe.errors import ProbeError
     from rolemrc.probe.report import write_diff
+    from rolemrc.probe.resample import stability_lines
 
     if b is not None and (model_a, model_b) != (0, 1):
         raise ProbeError("--a/--b pick models of one paired probe file; with two probe files, leave them out")
     result = diff(a, b, models=(model_a, model_b))
     summary = write_diff(result, out, top_n=top_n, fdr=fdr, bins=bins, figures=figures)
     typer.echo(json.dumps(summary, indent=1))
+    if summary["stability"]:
+        typer.echo(f"stability over {len(result.resamples)} resamples of the cases (Jaccard of the units each ranking "
+                   "selects per layer):\n" + "\n".join(stability_lines(summary["stability"])), err=True)
 
 
 @app.command("explore")

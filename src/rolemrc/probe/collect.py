@@ -34,9 +34,9 @@ from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, t
 from rolemrc.probe.distributed import all_gather, all_reduce_sum, process_group, rank_gpus, shard_from_env
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
-from rolemrc.probe.options import Backend, Rank, Tokens
+from rolemrc.probe.options import DEFAULT_RESAMPLES, Backend, Rank, Tokens
 from rolemrc.probe.paired import PairedCounter, PairedCounts
-from rolemrc.probe.resample import DEFAULT_RESAMPLES, check_resamples, resample_weights, with_replicates
+from rolemrc.probe.resample import check_resamples, resample_weights, with_replicates
 from rolemrc.probe.topcases import TopCases, check_top_cases, sorted_positions
 
 

@@ -21,7 +21,6 @@ import torch
 from rolemrc.probe.errors import ProbeError
 
 RESAMPLED = "resampled."  # the prefix of a replicate tensor's name in a file
-DEFAULT_RESAMPLES = 5
 RESAMPLE_SEED = 0x43  # part of every weight: files with the same seed resample a shared case alike
 NOT_RESAMPLED = ("case_hashes", "top_values", "top_cases")  # tensor names (before any "."): the full sample's only
 _POISSON_CDF = np.cumsum([math.exp(-1) / math.factorial(k) for k in range(24)])  # P(X <= k), X ~ Poisson(1)
@@ -75,17 +74,17 @@ def replicate_tensors(tensors: dict[str, torch.Tensor], r: int) -> dict[str, tor
     return kept | {name[len(RESAMPLED):]: t[r] for name, t in tensors.items() if name.startswith(RESAMPLED)}
 
 
-def selection_overlap(full: torch.Tensor, replicates: torch.Tensor) -> dict[str, float | int]:
+def selection_overlap(full: torch.Tensor, replicates: torch.Tensor, pool: int | None = None) -> dict[str, float | int]:
     """How alike the selections of the full sample (bool [units]) and of R replicates (bool [R, units]) are: the
     units selected (full sample), the Jaccard index of every pair of replicates (mean, min; None below 2 replicates),
-    of each replicate with the full sample (mean), and `chance`: the expected Jaccard of two random selections of the
-    same size k from the same N units, k / (2N - k)."""
+    of each replicate with the full sample (mean), and `chance`: about the expected Jaccard of two random selections
+    of the same size k (the mean over the selections) from the same N units (`pool`, default all), k / (2N - k)."""
     masks = torch.cat([full[None], replicates]).double()
     inter = masks @ masks.T
     sizes = masks.sum(1)
     union = sizes[:, None] + sizes[None, :] - inter
     jaccard = torch.where(union > 0, inter / union.clamp_min(1), torch.ones_like(union))
-    n_rep, total = len(replicates), full.numel()
+    n_rep, total = len(replicates), full.numel() if pool is None else pool
     pairs = jaccard[1:, 1:][torch.triu_indices(n_rep, n_rep, 1).unbind()]
     k = float(sizes.mean())
     return {"units": int(sizes[0]), "resamples": n_rep,
@@ -93,3 +92,15 @@ def selection_overlap(full: torch.Tensor, replicates: torch.Tensor) -> dict[str,
             "jaccard_min": float(pairs.min()) if len(pairs) else None,
             "jaccard_full": float(jaccard[0, 1:].mean()) if n_rep else None,
             "chance": k / (2 * total - k) if total else 0.0}
+
+
+def stability_lines(rows: list[dict]) -> list[str]:
+    """`selection_overlap` rows (with dimension, method and budget) as an aligned text table."""
+    def number(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    head = f"{'dimension':<22} {'method':<14} {'budget':<10} {'units':>7} {'jaccard mean':>12} {'min':>6} " \
+           f"{'vs full':>7} {'chance':>6}"
+    return [head] + [f"{r['dimension']:<22} {r['method']:<14} {r['budget']:<10} {r['units']:>7} "
+                     f"{number(r['jaccard_mean']):>12} {number(r['jaccard_min']):>6} {number(r['jaccard_full']):>7} "
+                     f"{number(r['chance']):>6}" for r in rows]
