@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from rolemrc.intervene.budget import Budget
 from rolemrc.intervene.select import SELECTORS, Source, selected_units
+from rolemrc.intervene.spec import RestraintError
 from rolemrc.probe.options import Direction
 
 STABILITY_BUDGETS = tuple(Budget("per_layer", k) for k in (16, 64, 256))   # the recovery curve's budgets
@@ -31,7 +32,12 @@ def selection_stability(source: Source, dimension: str, method: str, budgets: Se
     entry = SELECTORS.get(method)
     if isinstance(source, str | os.PathLike):
         source = load_attribution(source) if entry.reads == "attribution" else load_diff(source)
-    samples = [entry.scores(x, dimension) for x in (source, *source.resamples)]
+    samples = [entry.scores(source, dimension)]
+    for replicate in source.resamples:
+        try:
+            samples.append(entry.scores(replicate, dimension))
+        except RestraintError:   # the replicate drew no case of the dimension
+            continue
     if len(samples) == 1:
         return []
     rows = []
