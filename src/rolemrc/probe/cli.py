@@ -86,7 +86,7 @@ def _report(probe: Any) -> dict[str, Any]:
     counts, extra = (probe.counts[0], {"models": probe.models}) if isinstance(probe, PairedCounts) else (probe, {})
     return {**extra, "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
             "hook": counts.meta["hook"], "k": int(counts.meta["k"]), "layers": int(counts.meta["layers"]),
-            "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
+            "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"]), "resamples": len(probe.resamples)}
 
 
 @app.command("attribute", cls=HookTableCommand)
@@ -133,7 +133,8 @@ def _attribution_report(result: Any, top: int = 5) -> dict[str, Any]:
 
     return {"pairs": result.pairs, "empty_dimensions": result.empty_dimensions, "hook": result.meta["hook"],
             "layers": int(result.meta["layers"]), "width": int(result.meta["width"]),
-            "truncated": int(result.meta["truncated"]), "batch_size": result.meta.get("batch_size"),
+            "truncated": int(result.meta["truncated"]), "resamples": len(result.resamples),
+            "batch_size": result.meta.get("batch_size"),
             "peak_memory_gib": result.meta.get("peak_memory_gib") or None, "top": {d: units(s) for d, s in result.scores.items()}}
 
 
