@@ -26,8 +26,6 @@ def brief(report: dict) -> dict:
     return {**report, "restraint": Restraint.from_dict(report["restraint"]).summary()}
 
 
-NO_STABILITY = ("stability: none (the input holds no resamples; probe or attribute with --resamples 5 to see whether "
-                "the selection survives another sample)")
 app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them, sweep a grid of them.")
 
 
@@ -52,7 +50,9 @@ def select_cmd(
     name: str = typer.Option(None, help="restraint name (default: <dimension>-restraint)"),
 ) -> None:
     """Write a restraint spec for the units of one dimension a selector ranks highest: method, budget and factor
-    named, or taken from a calibration's recommendation (docs/calibration.md says what each selector did there)."""
+    named, or taken from a calibration's recommendation (docs/calibration.md says what each selector did there).
+    The JSON's `stability`: how alike this selection is across the input's resamples (Jaccard, beside chance; a table
+    on stderr), null for an input without resamples."""
     from rolemrc.intervene.select import select
     from rolemrc.intervene.stability import selection_stability
     from rolemrc.probe.resample import stability_lines
@@ -64,7 +64,8 @@ def select_cmd(
     stability = selection_stability(diff, dimension, r.source["method"], [budget], layers=layers, direction=direction)
     typer.echo(json.dumps({"out": str(out), "method": r.source["method"], **r.summary(),
                            "stability": stability[0] if stability else None}))
-    typer.echo("\n".join(stability_lines(stability)) if stability else NO_STABILITY, err=True)
+    if stability:   # null without resamples in the input (probed or attributed with --resamples 0)
+        typer.echo("\n".join(stability_lines(stability)), err=True)
 
 
 @app.command("bake")
