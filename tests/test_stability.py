@@ -38,6 +38,8 @@ def test_overlap_of_known_selections():
     assert got["units"] == 2 and got["resamples"] == 3
     assert got["jaccard_mean"] == pytest.approx((1 / 3 + 0 + 0) / 3) and got["jaccard_min"] == 0
     assert got["jaccard_full"] == pytest.approx((1 + 1 / 3 + 0) / 3) and got["chance"] == pytest.approx(2 / 14)
+    nothing = selection_overlap(torch.zeros(8, dtype=torch.bool), torch.zeros(3, 8, dtype=torch.bool))
+    assert nothing["units"] == 0 and nothing["jaccard_mean"] is nothing["jaccard_full"] is None and nothing["chance"] == 0
 
 
 def resampled(records, tokenizer, r, resamples):

@@ -209,10 +209,10 @@ class DiffResult:
         rows = []
         for d in self.resampled_dimensions if self.resamples else []:
             for method, (score, q) in rankings.items():
-                for k in per_layer:
-                    full, *reps = (top_per_layer(getattr(x, score)[d], getattr(x, q)[d], k) for x in (self, *self.resamples))
-                    rows.append({"dimension": d, "method": method, "budget": f"{k}/layer",
-                                 **selection_overlap(full, torch.stack(reps))})
+                full, *reps = (top_per_layer(getattr(x, score)[d], getattr(x, q)[d], per_layer)
+                               for x in (self, *self.resamples))
+                rows += [{"dimension": d, "method": method, "budget": f"{k}/layer",
+                          **selection_overlap(full[b], torch.stack([r[b] for r in reps]))} for b, k in enumerate(per_layer)]
         return rows
 
     def largest_shift(self) -> str | None:
@@ -347,16 +347,16 @@ def standardized_effect(mean_a: torch.Tensor, var_a: torch.Tensor, mean_b: torch
     return torch.where(pooled > 0, (mean_b - mean_a) / pooled.clamp_min(1e-300), torch.zeros_like(pooled))
 
 
-def top_per_layer(score: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool [layers * width]: the k units of each layer that `intervene select --per-layer k` takes (score != 0,
-    `ranking.rank_units` order)."""
-    eligible = moved(score, "both").reshape(-1)
+def top_per_layer(score: torch.Tensor, q: torch.Tensor, per_layer: Sequence[int]) -> list[torch.Tensor]:
+    """Per k of `per_layer`, bool [layers * width]: the k units of each layer that `intervene select --per-layer k`
+    takes (score != 0, `ranking.rank_units` order)."""
     order = rank_units(score, q)
-    order = order[eligible[order]]
+    order = order[moved(score, "both").reshape(-1)[order]]
     layer = torch.arange(score.numel()) // score.shape[1]
-    chosen = torch.zeros(score.numel(), dtype=torch.bool)
-    chosen[order[first_per_group(order, layer, k)]] = True
-    return chosen
+    masks = torch.zeros(len(per_layer), score.numel(), dtype=torch.bool)
+    for mask, k in zip(masks, per_layer):
+        mask[order[first_per_group(order, layer, k)]] = True
+    return list(masks)
 
 
 def load_diff(path: str | os.PathLike) -> DiffResult:

@@ -76,21 +76,23 @@ def replicate_tensors(tensors: dict[str, torch.Tensor], r: int) -> dict[str, tor
 
 def selection_overlap(full: torch.Tensor, replicates: torch.Tensor, pool: int | None = None) -> dict[str, float | int]:
     """How alike the selections of the full sample (bool [units]) and of R replicates (bool [R, units]) are: the
-    units selected (full sample), the Jaccard index of every pair of replicates (mean, min; None below 2 replicates),
-    of each replicate with the full sample (mean), and `chance`: about the expected Jaccard of two random selections
-    of the same size k (the mean over the selections) from the same N units (`pool`, default all), k / (2N - k)."""
+    units selected (full sample), the Jaccard index of every pair of replicates (mean, min), of each replicate with the
+    full sample (mean), each None where no pair has a unit selected (two empty selections have no overlap), and
+    `chance`: about the expected Jaccard of two random selections of the same size k (the mean over the selections)
+    from the same N units (`pool`, default all), k / (2N - k)."""
     masks = torch.cat([full[None], replicates]).double()
     inter = masks @ masks.T
     sizes = masks.sum(1)
     union = sizes[:, None] + sizes[None, :] - inter
-    jaccard = torch.where(union > 0, inter / union.clamp_min(1), torch.ones_like(union))
+    jaccard = inter / union   # NaN where both selections are empty: undefined, left out of the means
     n_rep, total = len(replicates), full.numel() if pool is None else pool
     pairs = jaccard[1:, 1:][torch.triu_indices(n_rep, n_rep, 1).unbind()]
+    pairs, with_full = pairs[~pairs.isnan()], jaccard[0, 1:][~jaccard[0, 1:].isnan()]
     k = float(sizes.mean())
     return {"units": int(sizes[0]), "resamples": n_rep,
             "jaccard_mean": float(pairs.mean()) if len(pairs) else None,
             "jaccard_min": float(pairs.min()) if len(pairs) else None,
-            "jaccard_full": float(jaccard[0, 1:].mean()) if n_rep else None,
+            "jaccard_full": float(with_full.mean()) if len(with_full) else None,
             "chance": k / (2 * total - k) if total else 0.0}
 
 
