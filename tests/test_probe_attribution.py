@@ -25,6 +25,7 @@ from rolemrc.probe.cases import build_cases
 from rolemrc.probe.diff import ProbeMismatchError
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.merge import merge_any, merge_files
+from rolemrc.probe.resample import resample_weights
 
 LAYERS, CHANGED_LAYER, CHANGED = 3, 1, [5, 17, 40]
 # where each tested hook point's tensor lives, written out plainly: (module path, its output or its input)
@@ -197,6 +198,22 @@ def test_shards_merged_equal_one_pass_exactly(dirs, pairs, tmp_path):
         merge_any([parts[0], probe])
     res = CliRunner().invoke(app, ["probe", "diff", str(parts[0]), "--out", str(tmp_path / "d")])
     assert res.exit_code == 2 and f"{parts[0]} is an attribution file" in res.output
+
+
+def test_a_replicate_is_the_attribution_of_its_resample_of_the_pairs(dirs, tokenizer, pairs, tmp_path):
+    """Replicate r of an attribution equals the attribution of the pairs each repeated w[r, pair] times (the stored
+    replicate of the file too); the pairs' weights come from their hashes alone."""
+    kw = {"batch_size": 3, "device": "cpu", "progress": False}
+    result = attribute([dirs["sft"], dirs["dpo"]], pairs, resamples=2, **kw)
+    loaded = load_attribution(result.save(tmp_path / "resampled.safetensors"))
+    assert loaded.meta["resamples"] == "2" and len(loaded.resamples) == 2
+    weights = resample_weights(build_pairs(pairs, tokenizer).hashes, 2)
+    for r in range(2):
+        resampled = [p for p, w in zip(pairs, weights[r].tolist()) for _ in range(w)]
+        once = attribute([dirs["sft"], dirs["dpo"]], resampled, resamples=0, **kw)
+        for got in (result.resamples[r], loaded.resamples[r]):
+            assert got.pairs == once.pairs
+            assert all(torch.equal(got.sums[d], once.sums[d]) for d in once.dimensions)
 
 
 def test_batches_pad_to_their_length_bucket():

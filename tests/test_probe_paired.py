@@ -189,7 +189,7 @@ def test_cli_paired_collect_and_diff(model_dirs, other_llama, records, tmp_path)
 
     def run(*args):
         res = runner.invoke(app, [str(a) for a in args])
-        return res, (json.loads(res.output[res.output.index("{"):]) if res.exit_code == 0 else None)
+        return res, (json.loads(res.stdout[res.stdout.index("{"):]) if res.exit_code == 0 else None)
 
     common = ("--data", data, "--batch-size", 8, "--device", "cpu")
     sft, dpo = model_dirs["llama"], other_llama

@@ -10,7 +10,7 @@ import typer
 from rolemrc.core.cli import cli_app
 from rolemrc.core.placement import MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.core.taxonomy import DIMENSIONS
-from rolemrc.intervene.budget import BUDGET_HELP
+from rolemrc.intervene.budget import BUDGET_HELP, BUDGET_OPTIONS, Budget
 from rolemrc.intervene.fit import STRICT_HELP
 from rolemrc.intervene.select import SelectorName, selectors_help
 from rolemrc.intervene.spec import PAPER_FACTOR
@@ -50,13 +50,22 @@ def select_cmd(
     name: str = typer.Option(None, help="restraint name (default: <dimension>-restraint)"),
 ) -> None:
     """Write a restraint spec for the units of one dimension a selector ranks highest: method, budget and factor
-    named, or taken from a calibration's recommendation (docs/calibration.md says what each selector did there)."""
+    named, or taken from a calibration's recommendation (docs/calibration.md says what each selector did there).
+    The JSON's `stability`: how alike this selection is across the input's resamples (Jaccard, beside chance; a table
+    on stderr), null for an input without resamples."""
     from rolemrc.intervene.select import select
+    from rolemrc.intervene.stability import selection_stability
+    from rolemrc.probe.resample import stability_lines
 
     r = select(diff, dimension, method=method.value if method else None, factor=factor, calibration=calibration,
                top_k=top_k, per_layer=per_layer, share=share, fdr=fdr, layers=layers, direction=direction, name=name)
     r.save(out)
-    typer.echo(json.dumps({"out": str(out), "method": r.source["method"], **r.summary()}))
+    budget = next(Budget(kind, r.source[kind]) for kind in BUDGET_OPTIONS if kind in r.source)
+    stability = selection_stability(diff, dimension, r.source["method"], [budget], layers=layers, direction=direction)
+    typer.echo(json.dumps({"out": str(out), "method": r.source["method"], **r.summary(),
+                           "stability": stability[0] if stability else None}))
+    if stability:   # null without resamples in the input (probed or attributed with --resamples 0)
+        typer.echo("\n".join(stability_lines(stability)), err=True)
 
 
 @app.command("bake")

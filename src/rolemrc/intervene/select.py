@@ -118,32 +118,13 @@ def select(source: Source, dimension: str, *, method: str | None = None, factor:
     """
     import torch
 
-    from rolemrc.probe.ranking import moved, rank_units
-
     method, budget, factor = recipe(method, factor, calibration, top_k=top_k, per_layer=per_layer, share=share, fdr=fdr)
     entry = SELECTORS.get(method)
     if direction not in DIRECTIONS:
         raise RestraintError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     scores = entry.scores(Path(source) if isinstance(source, str | os.PathLike) else source, dimension)
-    if budget.kind == "fdr" and scores.q is None:
-        raise RestraintError(f"{scores.origin}: --method {method} has no q-values here ({scores.no_q}); choose "
-                             f"{EXACTLY_ONE} but --fdr")
-    score = scores.score.double()
-    q = scores.q.double() if scores.q is not None else torch.full_like(score, torch.nan)
-    n_layers, n_units = score.shape
-    chosen = parse_layers(layers, n_layers)
-    allowed = torch.zeros(n_layers, dtype=torch.bool)
-    allowed[chosen if chosen is not None else slice(None)] = True
-
-    eligible = allowed[:, None] & moved(score, direction)
-    if budget.kind == "fdr":
-        eligible &= q < budget.value
-    order = rank_units(score, q)
-    flat = order[eligible.reshape(-1)[order]]   # every eligible unit, best first
-    if budget.kind == "per_layer":
-        flat = flat[rank_in_layer(flat // n_units, n_layers) < budget.value]
-    elif budget.kind in ("top_k", "share"):
-        flat = flat[:budget.value if budget.kind == "top_k" else round(budget.value * int(allowed.sum()) * n_units)]
+    flat, allowed = selected_units(scores, method, budget, layers, direction)
+    n_layers, n_units = scores.score.shape
     if len(flat) == 0:
         raise RestraintError(f"no unit of {dimension!r} qualifies (method {method}, layers {layers or 'all'}, direction "
                              f"{direction}, {budget.label})")
@@ -164,6 +145,36 @@ def select(source: Source, dimension: str, *, method: str | None = None, factor:
         log.warning(paper_factor_note(scores.model.get("dtype")))
     return Restraint(name=name or f"{dimension.replace('_', '-')}-restraint", hook=scores.hook, units=units,
                      factor=factor, source=spec_source, model=model)
+
+
+def selected_units(scores: Scores, method: str, budget: Budget, layers: str | None,
+                   direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat ids, layer * width + unit, of the units the budget takes, best first; bool [layers]: the chosen layers):
+    the units of `layers` that moved in `direction` (under q < the budget's with fdr), in `rank_units` order, cut
+    by the budget. Possibly none."""
+    import torch
+
+    from rolemrc.probe.ranking import moved, rank_units
+
+    if budget.kind == "fdr" and scores.q is None:
+        raise RestraintError(f"{scores.origin}: --method {method} has no q-values here ({scores.no_q}); choose "
+                             f"{EXACTLY_ONE} but --fdr")
+    score = scores.score.double()
+    q = scores.q.double() if scores.q is not None else torch.full_like(score, torch.nan)
+    n_layers, n_units = score.shape
+    chosen = parse_layers(layers, n_layers)
+    allowed = torch.zeros(n_layers, dtype=torch.bool)
+    allowed[chosen if chosen is not None else slice(None)] = True
+    eligible = allowed[:, None] & moved(score, direction)
+    if budget.kind == "fdr":
+        eligible &= q < budget.value
+    order = rank_units(score, q)
+    flat = order[eligible.reshape(-1)[order]]   # every eligible unit, best first
+    if budget.kind == "per_layer":
+        flat = flat[rank_in_layer(flat // n_units, n_layers) < budget.value]
+    elif budget.kind in ("top_k", "share"):
+        flat = flat[:budget.value if budget.kind == "top_k" else round(budget.value * int(allowed.sum()) * n_units)]
+    return flat, allowed
 
 
 def rank_in_layer(layer: torch.Tensor, n_layers: int) -> torch.Tensor:

@@ -19,9 +19,11 @@ gradients; a reply-only sum would drop the last prompt token, which predicts the
 
 Attribution file (docs/ARCHITECTURE.md "Attribution file"): safetensors with `attribution.<dim>` (int64
 [layers, width]: the sum over the dimension's pairs of each pair's score rounded to SCORE_UNIT, so sums are exact in
-any order: shards, processes, merges), `pairs.<dim>` (int64 scalar) and `case_hashes` (int64 [pairs], sorted); metadata
+any order: shards, processes, merges), `pairs.<dim>` (int64 scalar), `case_hashes` (int64 [pairs], sorted) and with
+resamples R > 0 `resampled.attribution.<dim>` (int64 [R, layers, width]) and `resampled.pairs.<dim>` (int64 [R]): the
+Poisson bootstrap replicates of the pairs, each pair's score summed with its integer weight (probe/resample.py); metadata
 `kind: attribution`, hook, width, layers, dimensions, models (sft and dpo), reply_tokens, score_bits, max_length,
-dimension_field, truncated, limit, data and pairs fingerprints, batch_size (pairs per batch; `auto`: probe/memory.py),
+dimension_field, truncated, limit, resamples, data and pairs fingerprints, batch_size (pairs per batch; `auto`: probe/memory.py),
 peak_memory_gib (torch.cuda.max_memory_allocated on the DPO model's GPU; empty on the CPU), toolkit_version.
 
 A pair's score does not depend on the pairs it is batched with: a batch holds pairs of one length bucket
@@ -36,7 +38,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,7 +59,16 @@ from rolemrc.probe.distributed import all_reduce_min, all_reduce_sum, process_gr
 from rolemrc.probe.errors import ProbeError
 from rolemrc.probe.hooks import WIDTHS, Site, check_point, hook_point, num_layers, site, width
 from rolemrc.probe.memory import auto_batch_size
+from rolemrc.probe.options import DEFAULT_RESAMPLES
 from rolemrc.probe.paired import NAME_KEYS
+from rolemrc.probe.resample import (
+    check_resamples,
+    replicate_tensors,
+    resample_count,
+    resample_weights,
+    stack_replicates,
+    with_replicates,
+)
 
 KIND = "attribution"  # metadata `kind` of an attribution file
 ROLES = ("sft", "dpo")
@@ -68,7 +79,7 @@ MAX_SCORE = 2.0 ** (62 - SCORE_BITS)  # a pair's |score| must stay below this to
 SAME_TOKENS = "attribution compares both models' activations on the same tokens"
 # Metadata that must agree for attribution files to add up (and `Attribution.model_identity`).
 ATTRIBUTION_KEYS = ("kind", "hook", "width", "layers", "reply_tokens", "score_bits", "max_length", "dimension_field",
-                    "limit")
+                    "limit", "resamples")
 
 
 @dataclass
@@ -84,9 +95,11 @@ class AttributeConfig:
     device: str = "auto"
     device_map: DeviceMap | None = None  # place each model loaded from a directory over this process's devices
     progress: bool = True
+    resamples: int = DEFAULT_RESAMPLES  # Poisson bootstrap replicates of the pairs scored alongside (0: off)
 
     def __post_init__(self) -> None:
         check_point(self.hook)
+        check_resamples(self.resamples)
         check_dtype(self.dtype)
         check_placement(self.device, self.device_map)
         if isinstance(self.batch_size, str) and self.batch_size.isdigit():
@@ -116,12 +129,14 @@ class Pairs:
 
 @dataclass
 class Attribution:
-    """Per dimension, the summed scores (int64 [layers, width] in SCORE_UNITs) and the pairs they sum over."""
+    """Per dimension, the summed scores (int64 [layers, width] in SCORE_UNITs) and the pairs they sum over;
+    `resamples`: the Poisson bootstrap replicates of the pairs (probe/resample.py), each an Attribution."""
 
     sums: dict[str, torch.Tensor]
     pairs: dict[str, int]
     meta: dict[str, str]
     case_hashes: torch.Tensor  # int64 [pairs], sorted
+    resamples: list[Attribution] = field(default_factory=list)
 
     @property
     def dimensions(self) -> list[str]:
@@ -155,7 +170,7 @@ class Attribution:
         for d in self.dimensions:
             out[f"attribution.{d}"] = self.sums[d].cpu().contiguous()
             out[f"pairs.{d}"] = torch.tensor(self.pairs[d], dtype=torch.int64)
-        return {**out, CASE_HASHES: self.case_hashes}
+        return {**out, CASE_HASHES: self.case_hashes, **stack_replicates([rep.tensors() for rep in self.resamples])}
 
     def save(self, path: str | os.PathLike) -> Path:
         return write_tensors(path, self.tensors(), {**self.meta, "dimensions": json.dumps(self.dimensions)})
@@ -177,9 +192,16 @@ def load_attribution(path: str | os.PathLike) -> Attribution:
     expect(path, "attribution", "expected an attribution file (from `rolemrc probe attribute`)")
     meta, tensors = read_tensors(path, "attribution file", missing="no such attribution file")
     check_format(path, meta, KIND)
+    return attribution_from_tensors(meta, tensors)
+
+
+def attribution_from_tensors(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> Attribution:
+    """An Attribution from an attribution file's metadata and tensors, its replicates included."""
+    resamples = [attribution_from_tensors(meta, replicate_tensors(tensors, r)) for r in range(resample_count(tensors))]
+    meta = dict(meta)
     dims = json.loads(meta.pop("dimensions"))
     return Attribution({d: tensors[f"attribution.{d}"] for d in dims}, {d: int(tensors[f"pairs.{d}"]) for d in dims},
-                       meta, tensors[CASE_HASHES])
+                       meta, tensors[CASE_HASHES], resamples)
 
 
 def read_pairs(data: Any) -> tuple[list[dict[str, Any]], str]:
@@ -307,12 +329,12 @@ def unit_scores(model: Any, sites: list[Site], input_ids: torch.Tensor, mask: to
 
 def in_score_units(per_pair: torch.Tensor, membership: torch.Tensor) -> torch.Tensor:
     """int64 [dims, layers, width]: per dimension, the sum over its pairs of each pair's scores [pairs, layers, width]
-    rounded to SCORE_UNIT (integers: exact in any order)."""
+    rounded to SCORE_UNIT, each times the pair's integer membership weight [pairs, dims] (exact in any order)."""
     if not torch.isfinite(per_pair).all() or per_pair.abs().max() >= MAX_SCORE:
         raise ProbeError(f"a pair's attribution is not finite or exceeds {MAX_SCORE:g} (largest |score| "
                          f"{per_pair.abs().max().item():g}); attribute in float32 (--dtype float32)")
-    units = (per_pair / SCORE_UNIT).round().long()
-    return (membership.long().T.to(units.device)[:, :, None, None] * units.unsqueeze(0)).sum(1)
+    units = (per_pair / SCORE_UNIT).round().long()   # int64 (no integer matmul on GPUs): one row at a time
+    return torch.stack([(units * weight[:, None, None]).sum(0) for weight in membership.long().T.to(units.device)])
 
 
 @contextmanager
@@ -340,13 +362,16 @@ def batch_size(dpo: Any, pairs: Pairs, config: AttributeConfig, cap: int | None,
 
 def attribute_pairs(sft: Any, dpo: Any, tokenizer: Any, pairs: Pairs, config: AttributeConfig,
                     cap: int | None) -> tuple[torch.Tensor, int]:
-    """The hot loop: (int64 [dims, layers, width] sums of the pairs' scores in SCORE_UNITs, on the DPO model's
-    device; the pairs per batch). Each batch: the chosen then the rejected sequences through the DPO model
+    """The hot loop: (int64 [dims x (1 + resamples), layers, width] sums of the pairs' scores in SCORE_UNITs, on the
+    DPO model's device, the full sample's dimensions then each replicate's (`resample.with_replicates`); the pairs per
+    batch). Each batch: the chosen then the rejected sequences through the DPO model
     (activations and the margin's gradient), then through the SFT model (its activations, scored at once).
     Launched as several processes, each scores every world-th batch and the sums are added over the ranks."""
     layers, units = num_layers(dpo), width(dpo, config.hook)
     device, sft_device = next(dpo.parameters()).device, next(sft.parameters()).device
-    sums = torch.zeros(len(pairs.dimensions), layers, units, dtype=torch.int64, device=device)
+    rows = len(pairs.dimensions) * (1 + config.resamples)   # the full sample's dimensions, then each replicate's
+    sums = torch.zeros(rows, layers, units, dtype=torch.int64, device=device)
+    weights = resample_weights(pairs.hashes, config.resamples)
     dpo_sites, sft_sites = ([site(m, config.hook, i) for i in range(layers)] for m in (dpo, sft))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with process_group(device) as shard, frozen(sft, dpo):
@@ -364,7 +389,7 @@ def attribute_pairs(sft: Any, dpo: Any, tokenizer: Any, pairs: Pairs, config: At
             acts, grads = margin_gradients(dpo, dpo_sites, input_ids, mask, targets.to(device), sign)
             scores = torch.zeros(2 * n, layers, units, dtype=torch.float64, device=device)
             unit_scores(sft, sft_sites, input_ids.to(sft_device), mask.to(sft_device), acts, grads, scores)
-            sums += in_score_units(scores[:n] + scores[n:], pairs.membership[idx])
+            sums += in_score_units(scores[:n] + scores[n:], with_replicates(pairs.membership[idx], weights[:, idx]))
             bar.update(n)
         bar.close()
         all_reduce_sum([sums], shard)
@@ -428,10 +453,15 @@ def attribute(models: Sequence[Any], data: Any, config: AttributeConfig | None =
             "truncated": str(pairs.truncated), "limit": str(config.limit or ""),
             "data_fingerprint": data_fingerprint or fingerprint,
             "pairs_fingerprint": fingerprint, "batch_size": str(size), "peak_memory_gib": peak,
-            "toolkit_version": __version__}
-    counts = pairs.membership.sum(0).round().long().tolist()
-    return Attribution({d: sums[j].cpu() for j, d in enumerate(pairs.dimensions)},
-                       dict(zip(pairs.dimensions, counts)), meta, pairs.hashes.sort().values)
+            "resamples": str(config.resamples), "toolkit_version": __version__}
+    counts = with_replicates(pairs.membership, resample_weights(pairs.hashes, config.resamples)).sum(0).round().long()
+    dims, hashes = pairs.dimensions, pairs.hashes.sort().values
+
+    def block(b: int) -> Attribution:   # the full sample (0) or replicate b - 1
+        rows = list(enumerate(dims, start=b * len(dims)))
+        return Attribution({d: sums[j].cpu() for j, d in rows}, {d: int(counts[j]) for j, d in rows}, meta, hashes)
+
+    return replace(block(0), resamples=[block(1 + r) for r in range(config.resamples)])
 
 
 def attribute_to_file(models: Sequence[Any], data: Any, out: str | os.PathLike, config: AttributeConfig | None = None,

@@ -13,7 +13,7 @@ from typer._click.core import ParameterSource
 from rolemrc.core.cli import LIMIT, Command, choice, cli_app
 from rolemrc.core.placement import DEVICE_HELP, MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.probe.hooks import HOOK_POINTS
-from rolemrc.probe.options import Backend, Rank, Rounding, Tokens
+from rolemrc.probe.options import DEFAULT_RESAMPLES, Backend, Rank, Rounding, Tokens
 from rolemrc.probe.presets import PRESETS
 
 app = cli_app(help="Top-k unit frequencies per dimension, and their SFT-vs-DPO diff.")
@@ -26,6 +26,8 @@ DEVICE_MAP = device_map_option("spread each model's layers over this process's G
 Hook = choice(HOOK_POINTS)
 PresetName = choice(PRESETS)
 HOOK = typer.Option("mlp.act", help="hook point (docs/probe.md)")
+RESAMPLES = typer.Option(DEFAULT_RESAMPLES, min=0, help="Poisson bootstrap replicates of the cases counted alongside, so "
+                         "`probe diff` and `intervene select` report how stable a selection is (0: off; probe/resample.py)")
 MAX_LENGTH = typer.Option(None, min=1, help="keep at most this many tokens per sequence: the prompt's last ones (nearest "
                           "the reply); a reply that alone exceeds it keeps its first ones (default: the context window)")
 
@@ -67,6 +69,7 @@ def collect_cmd(
                                      "prompt, as TransformerLens does to a string (the RoleMRC code on Llama)"),
     max_length: int = MAX_LENGTH,
     limit: int = LIMIT,
+    resamples: int = RESAMPLES,
     dtype: Dtype = dtype_option(),
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
@@ -81,7 +84,8 @@ def collect_cmd(
     settings = {"hook": hook, "top_fraction": top_fraction, "top_rounding": top_rounding, "tokens": tokens,
                 "rank": rank, "batch_size": batch_size, "top_cases": top_cases, "backend": backend,
                 "dimension_field": dimension_field, "generation_prompt": generation_prompt, "prepend_bos": prepend_bos,
-                "max_length": max_length, "limit": limit, "dtype": dtype, "device": device, "device_map": device_map}
+                "max_length": max_length, "limit": limit, "dtype": dtype, "device": device, "device_map": device_map,
+                "resamples": resamples}
     if preset:  # the preset's settings, but for options given on the command line
         chosen = PRESETS.get(preset).settings
         settings = {key: value for key, value in settings.items()
@@ -100,7 +104,7 @@ def _report(probe: Any) -> dict[str, Any]:
     return {**extra, "cases": counts.cases, "empty_dimensions": counts.empty_dimensions,
             **{key: counts.meta[key] for key in ("preset", "preset_overrides") if counts.meta.get(key)},
             "hook": counts.meta["hook"], "k": int(counts.meta["k"]), "layers": int(counts.meta["layers"]),
-            "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"])}
+            "width": int(counts.meta["width"]), "truncated": int(counts.meta["truncated"]), "resamples": len(probe.resamples)}
 
 
 @app.command("attribute", cls=HookTableCommand)
@@ -115,6 +119,7 @@ def attribute_cmd(
     dimension_field: str = typer.Option(None, help="record field naming the dimension(s), instead of the task taxonomy"),
     max_length: int = MAX_LENGTH,
     limit: int = LIMIT,
+    resamples: int = RESAMPLES,
     dtype: Dtype = dtype_option(),
     device: str = DEVICE,
     device_map: DeviceMap = DEVICE_MAP,
@@ -127,7 +132,7 @@ def attribute_cmd(
     from rolemrc.probe.distributed import shard_from_env
 
     config = AttributeConfig(hook=hook, batch_size=batch_size, dimension_field=dimension_field, max_length=max_length,
-                             limit=limit, dtype=dtype, device=device, device_map=device_map)
+                             limit=limit, dtype=dtype, device=device, device_map=device_map, resamples=resamples)
     result = attribute(model, pairs, config)
     if shard_from_env().main:
         typer.echo(json.dumps({"out": str(result.save(out)), **_attribution_report(result)}, indent=1))
@@ -146,7 +151,8 @@ def _attribution_report(result: Any, top: int = 5) -> dict[str, Any]:
 
     return {"pairs": result.pairs, "empty_dimensions": result.empty_dimensions, "hook": result.meta["hook"],
             "layers": int(result.meta["layers"]), "width": int(result.meta["width"]),
-            "truncated": int(result.meta["truncated"]), "batch_size": result.meta.get("batch_size"),
+            "truncated": int(result.meta["truncated"]), "resamples": len(result.resamples),
+            "batch_size": result.meta.get("batch_size"),
             "peak_memory_gib": result.meta.get("peak_memory_gib") or None, "top": {d: units(s) for d, s in result.scores.items()}}
 
 
@@ -187,12 +193,16 @@ def diff_cmd(
     from rolemrc.probe.diff import diff
     from rolemrc.probe.errors import ProbeError
     from rolemrc.probe.report import write_diff
+    from rolemrc.probe.resample import stability_lines
 
     if b is not None and (model_a, model_b) != (0, 1):
         raise ProbeError("--a/--b pick models of one paired probe file; with two probe files, leave them out")
     result = diff(a, b, models=(model_a, model_b))
     summary = write_diff(result, out, top_n=top_n, fdr=fdr, bins=bins, figures=figures)
     typer.echo(json.dumps(summary, indent=1))
+    if summary["stability"]:
+        typer.echo(f"stability over {len(result.resamples)} resamples of the cases (Jaccard of the units each ranking "
+                   "selects per layer):\n" + "\n".join(stability_lines(summary["stability"])), err=True)
 
 
 @app.command("explore")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, get_args
 
@@ -34,9 +34,10 @@ from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, t
 from rolemrc.probe.distributed import all_gather, all_reduce_sum, process_group, rank_gpus, shard_from_env
 from rolemrc.probe.errors import ProbeError, check_choice
 from rolemrc.probe.hooks import check_point, num_layers, width
-from rolemrc.probe.options import Backend, Rank, Rounding, Tokens
+from rolemrc.probe.options import DEFAULT_RESAMPLES, Backend, Rank, Rounding, Tokens
 from rolemrc.probe.paired import PairedCounter, PairedCounts
 from rolemrc.probe.presets import PRESETS
+from rolemrc.probe.resample import check_resamples, resample_weights, with_replicates
 from rolemrc.probe.topcases import TopCases, check_top_cases, sorted_positions
 
 
@@ -63,6 +64,7 @@ class CollectConfig:
     device_map: DeviceMap | None = None  # place a model loaded from a directory over this process's devices
     progress: bool = True
     preset: str = ""  # the preset these settings started from (set by `from_preset`)
+    resamples: int = DEFAULT_RESAMPLES  # Poisson bootstrap replicates counted alongside (0: off; probe/resample.py)
 
     def __post_init__(self) -> None:
         check_point(self.hook)
@@ -70,6 +72,7 @@ class CollectConfig:
         check_choice("top rounding", self.top_rounding, get_args(Rounding))
         if self.preset:
             PRESETS.check([self.preset])
+        check_resamples(self.resamples)
         check_top_cases(self.top_cases)
         check_choice("token policy", self.tokens, get_args(Tokens))
         check_choice("rank", self.rank, get_args(Rank))
@@ -105,7 +108,9 @@ def collect(model: Any, data: Any, config: CollectConfig | None = None, *, token
     model, tokenizer, model_meta = load_probed(model, tokenizer, config)
     cases, meta = _cases(data, data_fingerprint, [model], tokenizer, config)
     counter = count_cases(model, tokenizer, cases, config)
-    return _counts(counter, cases, {**meta, **model_meta, **_shape_meta(counter)})
+    meta = {**meta, **model_meta, **_shape_meta(counter)}
+    return replace(_counts(counter, cases, meta), resamples=[_counts(counter, cases, meta, 1 + r)
+                                                             for r in range(config.resamples)])
 
 
 def collect_paired(models: Sequence[Any], data: Any, config: CollectConfig | None = None, *,
@@ -127,8 +132,13 @@ def collect_paired(models: Sequence[Any], data: Any, config: CollectConfig | Non
     cases, meta = _cases(data, data_fingerprint, models, tokenizer, config)
     paired = count_paired(models, tokenizer, cases, config)
     meta = {**meta, **_shape_meta(paired.counters[0])}
-    counts = [_counts(counter, cases, {**meta, **model_meta}) for counter, (_, _, model_meta) in zip(paired.counters, loaded)]
-    return PairedCounts(counts, paired.tensors(cases.dimensions), meta)
+
+    def block(b: int) -> PairedCounts:   # the full sample (0) or replicate b - 1
+        counts = [_counts(counter, cases, {**meta, **model_meta}, b)
+                  for counter, (_, _, model_meta) in zip(paired.counters, loaded)]
+        return PairedCounts(counts, paired.tensors(cases.dimensions, b), meta)
+
+    return replace(block(0), resamples=[block(1 + r) for r in range(config.resamples)])
 
 
 PAIRED_TOKENS = "paired probing tokenises the cases once, so probe them separately and diff unpaired"
@@ -243,7 +253,7 @@ def _cases(data: list, data_fingerprint: str, models: list[Any], tokenizer: Any,
         "dimension_field": config.dimension_field or "",
         "data_fingerprint": data_fingerprint or cases.fingerprint, "cases_fingerprint": cases.fingerprint,
         "truncated": str(cases.truncated), "max_length": str(max_length), "limit": str(config.limit or ""),
-        "toolkit_version": __version__,
+        "resamples": str(config.resamples), "toolkit_version": __version__,
     }
 
 
@@ -257,19 +267,21 @@ def _shape_meta(counter: TopKCounter) -> dict[str, str]:
     return {"k": str(counter.k), "width": str(counter.width), "layers": str(counter.layers)}
 
 
-def _counts(counter: TopKCounter, cases: Cases, meta: dict[str, str]) -> ProbeCounts:
+def _counts(counter: TopKCounter, cases: Cases, meta: dict[str, str], block: int = 0) -> ProbeCounts:
+    """The counter's counts of the full sample (block 0, with the top cases) or of replicate block - 1."""
     counter.check_moments()
-    dims = counter.dimensions
-    texts = dict(zip(sorted_positions(cases.hashes).tolist(), cases.texts)) if counter.top is not None else {}
+    rows = list(enumerate(counter.dimensions, start=block * len(counter.dimensions)))
+    top = counter.top is not None and block == 0
+    texts = dict(zip(sorted_positions(cases.hashes).tolist(), cases.texts)) if top else {}
     return ProbeCounts(
-        count={d: counter.count[j].cpu() for j, d in enumerate(dims)},
-        cases={d: int(counter.cases[j]) for j, d in enumerate(dims)},
-        observations={d: int(counter.observations[j]) for j, d in enumerate(dims)},
+        count={d: counter.count[j].cpu() for j, d in rows},
+        cases={d: int(counter.cases[j]) for j, d in rows},
+        observations={d: int(counter.observations[j]) for j, d in rows},
         meta=meta,
         case_hashes=cases.hashes.sort().values,
-        act_sum={d: counter.moments[0, :, j].cpu() for j, d in enumerate(dims)},
-        act_sq={d: counter.moments[1, :, j].cpu() for j, d in enumerate(dims)},
-        top=TopCases.from_keys(counter.top.keys, texts) if counter.top is not None else None,
+        act_sum={d: counter.moments[0, :, j].cpu() for j, d in rows},
+        act_sq={d: counter.moments[1, :, j].cpu() for j, d in rows},
+        top=TopCases.from_keys(counter.top.keys, texts) if top else None,
     )
 
 
@@ -294,7 +306,7 @@ def _counters(models: list[Any], cases: Cases, config: CollectConfig, *, keep_ca
         k = top_k_size(config.top_fraction, units, config.top_rounding)
         return TopKCounter(cases.dimensions, num_layers(model), units, k,
                            tokens=config.tokens, rank=config.rank, device=next(model.parameters()).device,
-                           keep_cases=keep_cases, top_cases=config.top_cases)
+                           keep_cases=keep_cases, top_cases=config.top_cases, resamples=config.resamples)
 
     return [counter(m) for m in models]
 
@@ -307,12 +319,13 @@ def _stream(models: list[Any], counters: list[TopKCounter], tokenizer: Any, case
     backends = [make_backend(config.backend, m, config.hook, tokenizer) for m in models]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     positions = sorted_positions(cases.hashes)
+    weights = resample_weights(cases.hashes, config.resamples)
     with process_group(counters[0].count.device) as shard:
         mine = sum(map(len, batch_indices(cases, config.batch_size, shard.rank, shard.world)))
         bar = tqdm(total=mine, desc=f"probe {config.hook}", unit="case", disable=not (config.progress and shard.main))
         with torch.inference_mode():
             for idx, input_ids, mask in batches(cases, config.batch_size, pad_id, shard.rank, shard.world):
-                membership = cases.membership[idx]
+                membership = with_replicates(cases.membership[idx], weights[:, idx])
                 for model, counter, backend in zip(models, counters, backends):
                     device = next(model.parameters()).device
                     counter.start_batch(membership, mask, positions[idx])

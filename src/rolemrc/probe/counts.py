@@ -5,7 +5,9 @@ scalar: prompts), `observations.<dim>` (int64 scalar: counted token positions; e
 `last` token policy), `act_sum.<dim>` and `act_sq.<dim>` (int64 [2, layers, width]: the activation's sum and sum
 of squares over the counted positions, as fixed-point limbs, `fixed_point`), `case_hashes` (int64 [cases], sorted:
 which cases were counted, `cases.case_hash`) and each unit's top cases (`top_values`, `top_cases`:
-probe/topcases.py). `freq = count / observations`. Metadata records how the counts were made.
+probe/topcases.py). With resamples (metadata `resamples` R > 0), `resampled.<name>` [R, ...] for each of these but
+`case_hashes` and the top cases: the Poisson bootstrap replicates (probe/resample.py). `freq = count / observations`.
+Metadata records how the counts were made.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from rolemrc.core.artifacts import check_format, expect, stamp
 from rolemrc.probe.errors import ProbeError, ProbeFileError
 from rolemrc.probe.options import Rank, Rounding, Tokens
+from rolemrc.probe.resample import replicate_tensors, resample_count, stack_replicates
 from rolemrc.probe.topcases import TopCases, TopCaseTracker, read_texts, texts_meta
 
 # Metadata keys that must agree for two probe files to be comparable.
@@ -116,16 +119,18 @@ class TopKCounter:
     stays on the model's device; memory is O(dimensions x layers x width) plus one batch. With `keep_cases`,
     `case_share()` and `case_sums()` give the last batch's per-case activity and activation sums (for paired
     probing, probe/paired.py). With `top_cases` N > 0, `top` keeps each unit's N most activating cases
-    (probe/topcases.py).
+    (probe/topcases.py). With `resamples` R, every sum has (1 + R) x dimensions rows, fed a membership whose blocks of
+    dimensions are the full sample's, then each replicate's weighted one (`resample.with_replicates`).
     """
 
     def __init__(self, dimensions: list[str], layers: int, width: int, k: int, *, tokens: Tokens = "last",
-                 rank: Rank = "signed", device: torch.device | str = "cpu", keep_cases: bool = False, top_cases: int = 0):
+                 rank: Rank = "signed", device: torch.device | str = "cpu", keep_cases: bool = False, top_cases: int = 0,
+                 resamples: int = 0):
         self.dimensions, self.layers, self.width, self.k = list(dimensions), layers, width, k
         self.top = TopCaseTracker(layers, width, top_cases, device) if top_cases else None
         self._positions: torch.Tensor | None = None  # [batch]: the batch's cases' positions (topcases.sorted_positions)
         self.tokens, self.rank, self.keep_cases = tokens, rank, keep_cases
-        d = len(self.dimensions)
+        d = len(self.dimensions) * (1 + resamples)  # the full sample's dimensions, then each replicate's
         self.count = torch.zeros(d, layers, width, dtype=torch.int64, device=device)
         self.cases = torch.zeros(d, dtype=torch.int64, device=device)
         self.observations = torch.zeros(d, dtype=torch.int64, device=device)
@@ -265,6 +270,7 @@ class ProbeCounts:
     act_sq: dict[str, torch.Tensor]   # sums of x^2, likewise
     meta: dict[str, str] = field(default_factory=dict)
     top: TopCases | None = None  # each unit's most activating cases (collected with top_cases > 0)
+    resamples: list[ProbeCounts] = field(default_factory=list)  # the Poisson bootstrap replicates (probe/resample.py)
 
     @property
     def dimensions(self) -> list[str]:
@@ -312,6 +318,7 @@ class ProbeCounts:
             tensors[f"act_sum.{tag}{d}"] = self.act_sum[d].cpu().contiguous()
             tensors[f"act_sq.{tag}{d}"] = self.act_sq[d].cpu().contiguous()
         tensors[CASE_HASHES] = self.case_hashes
+        tensors |= stack_replicates([rep.tensors(model) for rep in self.resamples])
         return tensors | (self.top.tensors(f".{model}" if tag else "") if self.top is not None else {})
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -328,8 +335,11 @@ class ProbeCounts:
 
     @classmethod
     def from_tensors(cls, meta: dict[str, str], tensors: dict[str, torch.Tensor], model: int | None = None) -> ProbeCounts:
-        """From a probe file's metadata and tensors; `model` picks one model's counts in a paired file."""
+        """From a probe file's metadata and tensors; `model` picks one model's counts in a paired file (whose
+        replicates the PairedCounts holds)."""
         tag = "" if model is None else f"{model}."
+        resamples = [] if model is not None else [cls.from_tensors(meta, replicate_tensors(tensors, r))
+                                                  for r in range(resample_count(tensors))]
         meta = dict(meta)
         dims = json.loads(meta.pop("dimensions"))
         top = TopCases.from_tensors(tensors, read_texts(meta), "" if model is None else f".{model}")
@@ -337,4 +347,4 @@ class ProbeCounts:
         cases = {d: int(tensors[f"cases.{d}"]) for d in dims}
         observations = {d: int(tensors[f"observations.{d}"]) for d in dims}
         moments = [{d: tensors[f"{name}.{tag}{d}"] for d in dims} for name in ("act_sum", "act_sq")]
-        return cls(count, cases, observations, tensors[CASE_HASHES], *moments, meta=meta, top=top)
+        return cls(count, cases, observations, tensors[CASE_HASHES], *moments, meta=meta, top=top, resamples=resamples)

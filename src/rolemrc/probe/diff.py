@@ -7,7 +7,7 @@ import csv
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -16,8 +16,10 @@ from rolemrc.core.artifacts import check_format, describe, expect, stamp
 from rolemrc.core.stats import TEST_LABELS, benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test, welch_t_test
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
+from rolemrc.probe.options import TOKEN_METHODS
 from rolemrc.probe.paired import PairedCounts, load_probe
-from rolemrc.probe.ranking import rank_units
+from rolemrc.probe.ranking import first_per_group, moved, rank_units
+from rolemrc.probe.resample import RESAMPLED, replicate_tensors, resample_count, selection_overlap, stack_replicates
 from rolemrc.probe.topcases import TOP_FILE, TopCases, load_sides, save_sides
 
 DIFF_FILE = "diff.safetensors"
@@ -27,6 +29,8 @@ DIFF_FILE = "diff.safetensors"
 # per-case mean activation differences (paired), "welch-t" from the moments (unpaired, tokens=last), "none"
 # (unpaired, tokens=all).
 EFFECT_TABLES = ("mean_a", "mean_b", "effect", "effect_t", "effect_p", "effect_q")  # DiffResult fields, diff tensors
+RESAMPLED_TABLES = ("delta", "qvalue", "effect", "effect_q")   # what a diff keeps of each replicate: what selectors read
+STABILITY_PER_LAYER = (16, 64, 256)   # units per layer `DiffResult.stability` reports by default
 NO_TEST_WHY = ("unpaired tokens=all probe files count every prompt token as a trial, but the tokens of one prompt are "
                "correlated: no valid per-unit test, so no p- or q-values (collect both models paired: "
                "`rolemrc probe collect --model A --model B --tokens all`)")
@@ -59,6 +63,9 @@ class DiffResult:
     effect_p: dict[str, torch.Tensor] = field(default_factory=dict)
     effect_q: dict[str, torch.Tensor] = field(default_factory=dict)
     top_cases: dict[str, TopCases] = field(default_factory=dict)  # side ("a", "b") -> its probe's top cases
+    # The diffs of the probes' Poisson bootstrap replicates (probe/resample.py); a loaded diff's replicates hold the
+    # tables the selectors read (RESAMPLED_TABLES) of the dimensions every replicate compared.
+    resamples: list[DiffResult] = field(default_factory=list)
 
     @property
     def dimensions(self) -> list[str]:
@@ -145,6 +152,9 @@ class DiffResult:
             for name in EFFECT_TABLES:
                 dtype = torch.float64 if name in ("effect_p", "effect_q") else torch.float32
                 tensors[f"{name}.{d}"] = getattr(self, name)[d].to(dtype).contiguous()
+        tensors |= stack_replicates([{f"{name}.{d}": getattr(rep, name)[d].to(tensors[f"{name}.{d}"].dtype)
+                                      for name in RESAMPLED_TABLES for d in self.resampled_dimensions}
+                                     for rep in self.resamples])
         meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "cases_a": json.dumps(self.cases_a),
                 "cases_b": json.dumps(self.cases_b), "empty": json.dumps(self.empty), **stamp("diff")}
         save_file(tensors, str(out / DIFF_FILE), metadata=meta)
@@ -183,7 +193,27 @@ class DiffResult:
                 "test": self.test, "test_label": TEST_LABELS[self.test], **({} if self.tested else {"no_test": NO_TEST_WHY}),
                 "effect_test": self.effect_test, "effect_test_label": TEST_LABELS[self.effect_test], "fdr": fdr,
                 "dimensions": per_dim, "largest_shift": ranked[0] if ranked else None,
-                "not_compared": self.empty}
+                "not_compared": self.empty, "stability": self.stability()}
+
+    @property
+    def resampled_dimensions(self) -> list[str]:
+        """The dimensions every replicate compared (all of them, without replicates)."""
+        return [d for d in self.dimensions if all(d in rep.delta for rep in self.resamples)]
+
+    def stability(self, per_layer: Sequence[int] = STABILITY_PER_LAYER) -> list[dict]:
+        """Per dimension, ranking (the frequency selector of the diff's token policy: |delta|, then q; standardized:
+        |effect|, then its q) and units per layer: how alike the units ranked highest in the full sample and in each
+        replicate are (`resample.selection_overlap`); [] without replicates. The units are those `intervene select
+        --per-layer K --direction both` takes."""
+        rankings = {TOKEN_METHODS[self.meta["tokens"]]: ("delta", "qvalue"), "standardized": ("effect", "effect_q")}
+        rows = []
+        for d in self.resampled_dimensions if self.resamples else []:
+            for method, (score, q) in rankings.items():
+                full, *reps = (top_per_layer(getattr(x, score)[d], getattr(x, q)[d], per_layer)
+                               for x in (self, *self.resamples))
+                rows += [{"dimension": d, "method": method, "budget": f"{k}/layer",
+                          **selection_overlap(full[b], torch.stack([r[b] for r in reps]))} for b, k in enumerate(per_layer)]
+        return rows
 
     def largest_shift(self) -> str | None:
         """The dimension whose units moved most (largest mean |delta|), as `summary()["largest_shift"]`."""
@@ -219,11 +249,21 @@ def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) 
         if not isinstance(paired, PairedCounts):
             raise ProbeError(f"{a}: one model's probe file; give a second probe file, or a paired file "
                              "(`rolemrc probe collect --model A --model B ...`)")
-        return _diff_paired(paired, *models, str(a) if not isinstance(a, PairedCounts) else "")
+        where = str(a) if not isinstance(a, PairedCounts) else ""
+        return replace(_diff_paired(paired, *models, where),
+                       resamples=[_diff_paired(rep, *models, where) for rep in paired.resamples])
     (a, name_a), (b, name_b) = _single(a), _single(b)
     check_comparable(a, b)
+    resampled = len(a.resamples) == len(b.resamples)   # both with the same replicates (else the diff has none)
+    return replace(_diff_single(a, b, (name_a, name_b)),
+                   resamples=[_diff_single(*reps, (name_a, name_b)) for reps in zip(a.resamples, b.resamples)]
+                   if resampled else [])
+
+
+def _diff_single(a: ProbeCounts, b: ProbeCounts, names: tuple[str, str]) -> DiffResult:
+    """Two unpaired probe files: the two-proportion z-test and Welch's t (tokens=last), no test (tokens=all)."""
     if a.meta.get("tokens") == "all":
-        return _compare(a, b, (name_a, name_b), (None, "none"), (None, "none"))
+        return _compare(a, b, names, (None, "none"), (None, "none"))
 
     def welch(d: str) -> tuple[torch.Tensor, torch.Tensor]:
         return welch_t_test(*a.moments(d), a.observations[d], *b.moments(d), b.observations[d])
@@ -231,7 +271,7 @@ def diff(a: Probe, b: Probe | None = None, *, models: tuple[int, int] = (0, 1)) 
     def frequency(d: str) -> tuple[torch.Tensor, torch.Tensor]:
         return two_proportion_test(a.count[d], a.observations[d], b.count[d], b.observations[d])
 
-    return _compare(a, b, (name_a, name_b), (frequency, "two-proportion-z"), (welch, "welch-t"))
+    return _compare(a, b, names, (frequency, "two-proportion-z"), (welch, "welch-t"))
 
 
 def _single(x: Probe) -> tuple[ProbeCounts, str]:
@@ -307,6 +347,18 @@ def standardized_effect(mean_a: torch.Tensor, var_a: torch.Tensor, mean_b: torch
     return torch.where(pooled > 0, (mean_b - mean_a) / pooled.clamp_min(1e-300), torch.zeros_like(pooled))
 
 
+def top_per_layer(score: torch.Tensor, q: torch.Tensor, per_layer: Sequence[int]) -> list[torch.Tensor]:
+    """Per k of `per_layer`, bool [layers * width]: the k units of each layer that `intervene select --per-layer k`
+    takes (score != 0, `ranking.rank_units` order)."""
+    order = rank_units(score, q)
+    order = order[moved(score, "both").reshape(-1)[order]]
+    layer = torch.arange(score.numel()) // score.shape[1]
+    masks = torch.zeros(len(per_layer), score.numel(), dtype=torch.bool)
+    for mask, k in zip(masks, per_layer):
+        mask[order[first_per_group(order, layer, k)]] = True
+    return list(masks)
+
+
 def load_diff(path: str | os.PathLike) -> DiffResult:
     """Load a diff from its directory or its diff.safetensors file."""
     path = Path(path)
@@ -320,9 +372,13 @@ def load_diff(path: str | os.PathLike) -> DiffResult:
     dims = json.loads(meta.pop("dimensions"))
     tables = {name: {d: tensors[f"{name}.{d}"] for d in dims}
               for name in ("freq_a", "freq_b", "delta", "z", "pvalue", "qvalue", *EFFECT_TABLES)}
+    resampled = [name.removeprefix(f"{RESAMPLED}delta.") for name in tensors if name.startswith(f"{RESAMPLED}delta.")]
+    resamples = [DiffResult(freq_a={}, freq_b={}, z={}, pvalue={}, meta=meta, **{
+        name: {d: view[f"{name}.{d}"] for d in resampled} for name in RESAMPLED_TABLES})
+        for view in (replicate_tensors(tensors, r) for r in range(resample_count(tensors)))]
     return DiffResult(**tables, meta=meta, cases_a=json.loads(meta.pop("cases_a", "{}")),
                       cases_b=json.loads(meta.pop("cases_b", "{}")), empty=json.loads(meta.pop("empty", "{}")),
-                      top_cases=load_sides(file.parent / TOP_FILE))
+                      top_cases=load_sides(file.parent / TOP_FILE), resamples=resamples)
 
 
 def top_set_jaccard(freq_a: torch.Tensor, freq_b: torch.Tensor, k: int) -> torch.Tensor:

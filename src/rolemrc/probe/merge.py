@@ -20,13 +20,14 @@ from rolemrc.probe.paired import MODEL_KEYS, NAME_KEYS, PairedCounts, load_probe
 from rolemrc.probe.topcases import merge_top
 
 # Metadata that must agree for counts to add up: the counting settings, and each model's identity at its dtype.
-MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field", "top_cases",
+MERGE_KEYS = (*COMPARABLE_KEYS, "k", "backend", "max_length", "dimension_field", "top_cases", "resamples",
               *(key for key in MODEL_KEYS if key not in (*NAME_KEYS, "model_fingerprint_of")))   # the fingerprint says it
 
 
 def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
     """Sum probe files (paths, or loaded probes) of the same model(s) and counting settings over disjoint
-    cases: counts, cases, observations and paired statistics add up, and each unit's top cases merge. Refuses files
+    cases: counts, cases, observations and paired statistics add up, replicate by replicate too (probe/resample.py),
+    and each unit's top cases merge. Refuses files
     that are not comparable (MERGE_KEYS, checked as `probe diff` checks) or that share a case (`case_hashes`)."""
     if len(probes) < 2:
         raise ProbeError(f"merging needs two or more probe files, got {len(probes)}")
@@ -49,14 +50,15 @@ def merge(probes: Sequence[Probe]) -> ProbeCounts | PairedCounts:
     seen = {d for counts in models for d in counts[0].dimensions}
     dims = dimension_order(seen, bool(meta.get("dimension_field")))
     summed = [_sum([counts[m] for counts in models], dims, hashes) for m in range(len(models[0]))]
+    resamples = [merge([x.resamples[r] for x in loaded]) for r in range(len(loaded[0].resamples))]
     if not isinstance(loaded[0], PairedCounts):
-        summed[0].meta = meta
+        summed[0].meta, summed[0].resamples = meta, resamples
         return summed[0]
     for m, counts in enumerate(summed):
         counts.meta = {**meta, **{key: loaded[0].counts[m].meta.get(key, "") for key in MODEL_KEYS}}
     keys = dict.fromkeys(key for x in loaded for key in x.pair_stats)
     stats = {key: _add([x.pair_stats[key] for x in loaded if key in x.pair_stats]) for key in keys}
-    return PairedCounts(summed, stats, meta)
+    return PairedCounts(summed, stats, meta, resamples)
 
 
 def merge_files(paths: Sequence[str | os.PathLike], out: str | os.PathLike) -> Path:
@@ -75,8 +77,9 @@ def merge_any(paths: Sequence[str | os.PathLike]) -> ProbeCounts | PairedCounts 
 
 def merge_attribution(paths: Sequence[str | os.PathLike]) -> Attribution:
     """Sum attribution files of the same models and settings over disjoint pairs into the file one pass over all
-    their pairs gives (each pair's score is an integer of SCORE_UNITs: exact in any order). Refuses files of another
-    hook, shape, policy or models (fingerprints and dtype), and files that share a pair (`case_hashes`)."""
+    their pairs gives (each pair's score is an integer of SCORE_UNITs: exact in any order; replicates add up too).
+    Refuses files of another hook, shape, policy or models (fingerprints and dtype), and files that share a pair
+    (`case_hashes`)."""
     if len(paths) < 2:
         raise ProbeError(f"merging needs two or more attribution files, got {len(paths)}")
     names, loaded = [str(p) for p in paths], [load_attribution(p) for p in paths]
@@ -94,8 +97,15 @@ def merge_attribution(paths: Sequence[str | os.PathLike]) -> Attribution:
             "toolkit_version": __version__,
             "merged_from": json.dumps([{"file": name, "data_fingerprint": x.meta["data_fingerprint"], "pairs": len(x.case_hashes),
                                         **{k: x.meta.get(k, "") for k in per_run}} for name, x in zip(names, loaded)])}
-    return Attribution({d: _add([x.sums[d] for x in loaded if d in x.sums]) for d in dims},
-                       {d: sum(x.pairs.get(d, 0) for x in loaded) for d in dims}, meta, hashes)
+    return _sum_attributions(loaded, dims, meta, hashes)
+
+
+def _sum_attributions(parts: list[Attribution], dims: list[str], meta: dict[str, str], hashes: torch.Tensor) -> Attribution:
+    """The parts' score sums and pair counts added up, replicate by replicate too."""
+    resamples = [_sum_attributions([x.resamples[r] for x in parts], dims, meta, hashes)
+                 for r in range(len(parts[0].resamples))]
+    return Attribution({d: _add([x.sums[d] for x in parts if d in x.sums]) for d in dims},
+                       {d: sum(x.pairs.get(d, 0) for x in parts) for d in dims}, meta, hashes, resamples)
 
 
 def _kind(probe: ProbeCounts | PairedCounts) -> str:

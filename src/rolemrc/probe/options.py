@@ -11,3 +11,4 @@ Rounding = Literal["up", "down"]  # top_fraction x width to a unit count: ceil, 
 Direction = Literal["both", "up", "down"]  # units that moved: |delta| > 0, delta > 0 (more active under B), delta < 0
 DIRECTIONS: tuple[str, ...] = get_args(Direction)
 TOKEN_METHODS = {"last": "frequency", "all": "frequency-all"}  # a diff's token policy -> its frequency selector
+DEFAULT_RESAMPLES = 5  # Poisson bootstrap replicates a probe or an attribution counts by default (probe/resample.py)

@@ -14,7 +14,8 @@ both token policies) `act_diff_sum.<i>.<j>.<dim>`, `act_diff_sq.<i>.<j>.<dim>` (
 limbs as `counts.fixed_point`): the sums over cases of d and d^2, d = the case's mean over its counted positions of
 x_j - x_i (each case's d and d^2 rounded once to MOMENT_UNIT), for a paired t-test of each unit's activation.
 Per model `top_values.<m>` and `top_cases.<m>` (each unit's most activating cases, probe/topcases.py; their texts
-shared). Metadata: the shared counting keys, `dimensions`, and `models` (JSON list, per model: model,
+shared). With resamples, `resampled.<name>` [R, ...] for each of these but the top cases (probe/resample.py).
+Metadata: the shared counting keys, `dimensions`, and `models` (JSON list, per model: model,
 model_fingerprint, dtype, attn_implementation).
 """
 
@@ -24,7 +25,7 @@ import itertools
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from rolemrc.probe.counts import (
     write_tensors,
 )
 from rolemrc.probe.errors import ProbeError
+from rolemrc.probe.resample import replicate_tensors, resample_count, stack_replicates
 from rolemrc.probe.topcases import read_texts, texts_meta
 
 NAME_KEYS = ("model", "model_dir")  # how a model was named and where it was found: not what it is
@@ -68,7 +70,7 @@ class PairedCounter:
         first = counters[0]
         self.counters, self.tokens = counters, first.tokens
         self.pairs = list(itertools.combinations(range(len(counters)), 2))
-        shape = (len(self.pairs), 2, len(first.dimensions), first.layers, first.width)
+        shape = (len(self.pairs), 2, len(first.count), first.layers, first.width)  # rows: dimensions x (1 + resamples)
         self.stats = torch.zeros(shape, dtype=torch.int64, device=first.count.device)
         self.act_diff = torch.zeros(len(self.pairs), 2, *shape[1:], dtype=torch.int64, device=first.count.device)
 
@@ -106,11 +108,12 @@ class PairedCounter:
                  for sums in (sums_i, sums_j)]
         return means[1] - means[0]
 
-    def tensors(self, dimensions: list[str]) -> dict[str, torch.Tensor]:
-        """The paired file's per-pair tensors (module docstring)."""
+    def tensors(self, dimensions: list[str], block: int = 0) -> dict[str, torch.Tensor]:
+        """The paired file's per-pair tensors (module docstring) of the full sample (block 0) or of replicate
+        block - 1 (`TopKCounter`'s rows)."""
         out = {}
         for p, (i, j) in enumerate(self.pairs):
-            for k, d in enumerate(dimensions):
+            for k, d in enumerate(dimensions, start=block * len(dimensions)):
                 first, second = self.stats[p, 0, k].cpu(), self.stats[p, 1, k].cpu()
                 if self.tokens == "last":
                     out[f"discordant.{i}.{j}.{d}"], out[f"discordant.{j}.{i}.{d}"] = first, second
@@ -124,11 +127,13 @@ class PairedCounter:
 @dataclass
 class PairedCounts:
     """Counts of several models over the same cases (`counts[m]`, each with its model's metadata) and the
-    per-pair statistics (`pair_stats`, keyed as in the file)."""
+    per-pair statistics (`pair_stats`, keyed as in the file); `resamples`: its Poisson bootstrap replicates
+    (probe/resample.py), each a PairedCounts."""
 
     counts: list[ProbeCounts]
     pair_stats: dict[str, torch.Tensor]
     meta: dict[str, str]  # shared keys (hook, tokens, ...), without the per-model ones
+    resamples: list[PairedCounts] = field(default_factory=list)
 
     @property
     def models(self) -> list[str]:
@@ -164,10 +169,15 @@ class PairedCounts:
         total, squares = (value(self.pair_stats[f"{name}.{lo}.{hi}.{dimension}"]) for name in names)
         return (total if i < j else -total), squares
 
-    def save(self, path: str | os.PathLike) -> Path:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The paired file's tensors (module docstring)."""
         tensors = dict(self.pair_stats)
         for m, counts in enumerate(self.counts):
             tensors.update(counts.tensors(model=m))
+        return tensors | stack_replicates([rep.tensors() for rep in self.resamples])
+
+    def save(self, path: str | os.PathLike) -> Path:
+        tensors = self.tensors()
         models = [{key: c.meta.get(key, "") for key in MODEL_KEYS} for c in self.counts]
         meta = {**self.meta, "dimensions": json.dumps(self.dimensions), "models": json.dumps(models),
                 **texts_meta([c.top for c in self.counts]), **stamp("paired-probe")}
@@ -175,12 +185,13 @@ class PairedCounts:
 
     @classmethod
     def from_tensors(cls, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> PairedCounts:
+        resamples = [cls.from_tensors(dict(meta), replicate_tensors(tensors, r)) for r in range(resample_count(tensors))]
         models = json.loads(meta.pop("models"))
         counts = [ProbeCounts.from_tensors({**meta, **model}, tensors, model=m) for m, model in enumerate(models)]
         meta.pop("dimensions")
         read_texts(meta)
         stats = {k: v for k, v in tensors.items() if k.split(".", 1)[0] in PAIR_STATS}
-        return cls(counts, stats, meta)
+        return cls(counts, stats, meta, resamples)
 
 
 def load_probe(path: str | os.PathLike) -> ProbeCounts | PairedCounts:
