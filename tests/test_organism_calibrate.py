@@ -142,7 +142,9 @@ def test_tables_and_figure_are_written(calibrated):
     saved = json.loads((out / "calibration.json").read_text())
     assert saved["headline"] == result["headline"] and len(saved["cells"]) == 2 * 4 * 2 * 2
     table = (out / "calibration.md").read_text()
-    assert table.startswith(f"**{result['headline']}**") and table.count("\n| planted |") == 16
+    assert table.startswith(f"**{result['headline']}**")
+    assert table.split("## Every cell")[1].count("\n| planted |") == 16
+    assert table.split("## Recovery curve")[1].split("##")[0].count("\n| planted (multi_turn) |") == 16
     assert (out / "calibration.html").stat().st_size > 1000
     assert "png" in result["figure"] or "png_error" in result["figure"]
 
@@ -291,3 +293,18 @@ def test_against_refuses_a_calibration_scored_before_breaking_was_checked(tmp_pa
                                                       "recommendation": {"status": "none", "why": "-"}}))
     with pytest.raises(OrganismError, match="written before cells were checked for broken dimensions; rerun"):
         load_calibration(old)
+
+
+def test_stability_of_every_selection_is_reported_and_quoted_for_the_recipe(calibrated):
+    """Every selector's units across 5 resamples of the probe cases (of the pairs for attribution), per organism,
+    dimension and budget: standardized's 4 planted units are chosen in every resample of the planted organism."""
+    result, root = calibrated
+    rows = result["stability"]
+    assert {(r["organism"], r["method"], r["budget"]) for r in rows} == {
+        (o, s, b) for o in ("planted", "null") for s in ("frequency", "frequency-all", "standardized", "attribution")
+        for b in ("top-4", "top-16")}
+    assert all(r["resamples"] == 5 and r["dimension"] == DIMENSION for r in rows)
+    (steady,) = [r for r in rows if (r["organism"], r["method"], r["budget"]) == ("planted", "standardized", "top-4")]
+    assert steady["jaccard_mean"] == 1 and steady["chance"] < 0.1
+    assert "its units in planted overlap 1.00 across 5 resamples (Jaccard; chance 0.03)" in result["recommendation"]["why"]
+    assert "## Stability of the selections" in (root / "out" / "calibration.md").read_text()

@@ -37,12 +37,14 @@ from rolemrc.organism.calibration_config import (
     SELECTOR_INPUTS,
     CalibrationConfig,
     Organism,
+    fitting,
     sweeps,
 )
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
 from rolemrc.organism.config import KINDS, NULL, OrganismError
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations
+from rolemrc.probe.options import DEFAULT_RESAMPLES
 
 BUDGET_KINDS = tuple(k for k in BUDGET_OPTIONS if k != "fdr")
 
@@ -84,8 +86,8 @@ def probe_stages(cache: StageCache, organism: Organism, config: CalibrationConfi
         attribute([organism.sft, organism.dpo], str(chosen), hook=config.hook).save(scores)
         return {"out": str(scores)}
 
-    cache.run(f"{organism.kind} attribute", {"models": models, "pairs": Path(organism.pairs),
-                                             "n": config.attribution_pairs, "hook": config.hook}, attribute_stage, [scores])
+    cache.run(f"{organism.kind} attribute", {"models": models, "pairs": Path(organism.pairs), "n": config.attribution_pairs,
+                                             "hook": config.hook, "resamples": DEFAULT_RESAMPLES}, attribute_stage, [scores])
     inputs["attribution"] = str(scores)
     return inputs
 
@@ -127,11 +129,12 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     calibration.json, `load_calibration`) the recommendation must agree with. Writes calibration.json/.md and the
     figures."""
     from rolemrc.intervene.spec import RestraintError
+    from rolemrc.intervene.stability import selection_stability
 
     root = Path(config.out)
     cache = cache or StageCache(root)
     planted = sorted({o.dimension for o in organisms if o.dimension})
-    rows, flags, sweep_dirs, timing, skipped = [], {}, {}, {}, {}
+    rows, stability, flags, sweep_dirs, timing, skipped = [], [], {}, {}, {}, {}
     for organism in organisms:
         folder = root / organism.kind
         inputs = probe_stages(cache, organism, config, folder)
@@ -139,6 +142,9 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
         flags[organism.kind] = {d: {tokens: diff_flags(inputs[tokens], d) for tokens in ("last", "all")}
                                 for d in dimensions}
         grids = sweeps(config, hook_width(inputs["last"]))
+        stability += [{"organism": organism.kind, **row} for selector in config.selectors for d in dimensions
+                      for row in selection_stability(inputs[SELECTOR_INPUTS[selector]], d, selector,
+                                                     fitting(config.budgets(), hook_width(inputs["last"])))]
         if not grids:
             skipped[organism.kind] = f"every budget is at or above the hook point's width ({hook_width(inputs['last'])})"
         for selector in config.selectors:
@@ -158,8 +164,9 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     flag_restorations(rows)
     null = [r for r in rows if r["organism"] == NULL]
     result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows),
-              RECOMMENDATION: recommend(rows, organisms, config, against or []).to_dict(),
-              "recovery": recovery(rows), "diff_flags": flags, "cells": rows, "sweeps": sweep_dirs, "skipped": skipped,
+              RECOMMENDATION: recommend(rows, organisms, config, against or [], stability).to_dict(),
+              "recovery": recovery(rows), "stability": stability, "diff_flags": flags, "cells": rows,
+              "sweeps": sweep_dirs, "skipped": skipped,
               "timing": timing, "null_false_positive_rate": _rate(null, "flagged"),
               "null_changed_rate": _rate(null, "changed"), "null_broken_rate": _rate(null, "broken")}
     result["figure"] = calibration_figure(rows, root)

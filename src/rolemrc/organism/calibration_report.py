@@ -95,6 +95,15 @@ def calibration_markdown(result: dict[str, Any]) -> str:
         found = "yes" if c["found"] else (f"no (broke {', '.join(c['broken'])})" if c["broken"] else "no")
         lines.append(f"| {c['organism']} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
                      f"{c['units']:,} | {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | {ctrl} | {found} |")
+    lines += ["", "## Stability of the selections", "", "The Jaccard overlap of the units each selector takes from "
+              "Poisson bootstrap resamples of the probe cases (of the attribution pairs for attribution), beside two "
+              "random selections of the same size.", "",
+              "| organism | dimension | selector | budget | units | Jaccard mean (min) between resamples | "
+              "resample vs full sample | chance |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["stability"]:
+        lines.append(f"| {r['organism']} | {r['dimension']} | {r['method']} | {r['budget']} | {r['units']:,} | "
+                     f"{_j(r['jaccard_mean'])} ({_j(r['jaccard_min'])}) over {r['resamples']} | {_j(r['jaccard_full'])} "
+                     f"| {r['chance']:.2f} |")
     lines += ["", "## Every cell", "",
               "| organism | selected for | selector | units (share of all; per layer) | factor | undone (95% CI) | "
               "controls | p vs baseline | p vs controls | other dimensions (diff, Holm p) | closer to SFT | broken |",
@@ -111,6 +120,10 @@ def calibration_markdown(result: dict[str, Any]) -> str:
               + "; ".join(f"{k} {d} {t}: frequency {v['frequency']}, effect {v['effect']}"
                           for k, dims in result["diff_flags"].items() for d, ts in dims.items() for t, v in ts.items())]
     return "\n".join(lines) + "\n"
+
+
+def _j(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _p(p: float | None) -> str:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rolemrc.intervene.budget import coverage_text
+from rolemrc.intervene.budget import Budget, coverage_text
 from rolemrc.intervene.recommendation import Recommendation
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism
 from rolemrc.organism.config import NULL
@@ -43,9 +43,10 @@ def _undone(kind: str, r: dict[str, Any]) -> str:
 
 
 def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: CalibrationConfig,
-              against: list[dict[str, Any]]) -> Recommendation:
+              against: list[dict[str, Any]], stability: list[dict[str, Any]] | None = None) -> Recommendation:
     """The recommendation of a calibration's scored cells (`flag_restorations` done); `against`: other calibrations
-    (their calibration.json with `path`) whose cells must agree."""
+    (their calibration.json with `path`) whose cells must agree; `stability`: the selections' overlap across
+    resamples (`intervene.stability.selection_stability` rows with `organism`), quoted for the recipe."""
     rests_on = settings(organisms, config)
     kinds = [o.kind for o in organisms if o.dimension]
     recipes = planted_rows(rows)
@@ -86,6 +87,10 @@ def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: Cal
         else:
             fails_over.append({**other["recommendation"]["rests_on"], "calibration": other["path"], "why": verdict})
             doubts.append(f"in {other['path']} {verdict}")
+    label = Budget.of(best["budget"]).label
+    steady = [r for r in stability or [] if r["method"] == selector and r["budget"] == label and r["organism"] in kinds]
+    text += "".join(f"; its units in {r['organism']} overlap {r['jaccard_mean']:.2f} across {r['resamples']} resamples "
+                    f"(Jaccard; chance {r['chance']:.2f})" for r in steady if r["jaccard_mean"] is not None)
     status = "unstable" if doubts else "found"
     return Recommendation(status, text + ("; but " + "; ".join(doubts) if doubts else ""),
                           selector=selector, budget=best["budget"], per_layer=best["coverage"]["per_layer"],
