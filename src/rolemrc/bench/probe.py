@@ -49,6 +49,9 @@ def rolemrc_code_approach(bridge, cases: Cases, n_layers: int, top_fraction: flo
     return active.sum(0)
 
 
+NO_RESAMPLES = "mlp.act_resamples0"   # collection with no bootstrap replicates, beside the default
+
+
 def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int, repeats: int, device: str) -> dict:
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,6 +62,7 @@ def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int
     cases = random_cases(prompts, length, len(tok))
     out: dict = {"model": {**SIZES[size], "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}}
     configs = {point: CollectConfig(hook=point, batch_size=batch_size, progress=False) for point in ("mlp.act", BASELINE_POINT)}
+    configs[NO_RESAMPLES] = CollectConfig(hook="mlp.act", batch_size=batch_size, progress=False, resamples=0)
     times = interleaved({"forward": lambda: plain_forward(model, cases, batch_size, tok.pad_token_id),
                          **{point: lambda c=c: count_cases(model, tok, cases, c) for point, c in configs.items()}},
                         repeats, device)
@@ -66,6 +70,7 @@ def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int
     for point in configs:
         out[f"collect_{point}_s"] = round(times[point], 3)
         out[f"collect_{point}_over_forward"] = round(times[point] / times["forward"], 3)
+    out["resamples_overhead"] = round(times["mlp.act"] / times[NO_RESAMPLES], 3)   # the default 5 against none
     preset = CollectConfig.from_preset("rolemrc-code", batch_size=batch_size, progress=False)
     ours = count_cases(model, tok, cases, preset)
 
