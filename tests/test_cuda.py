@@ -31,6 +31,17 @@ def test_cuda_counts_match_cpu_and_backends(model_dirs, records, arch, point):
     assert gpu["torch"].cases == cpu.cases and gpu["torch"].observations == cpu.observations
 
 
+def test_cuda_resamples_match_cpu(model_dirs, records):
+    """The Poisson bootstrap replicates are counted on the model's device with the same weights as on the CPU (they
+    depend on each case's hash alone): each resample's cases are equal, its counts agree as the full sample's do."""
+    cpu = collect(model_dirs["llama"], records, device="cpu", progress=False, resamples=5)
+    gpu = collect(model_dirs["llama"], records, device="cuda", progress=False, resamples=5)
+    assert len(gpu.resamples) == len(cpu.resamples) == 5
+    for a, b in zip(gpu.resamples, cpu.resamples):
+        assert a.cases == b.cases and a.observations == b.observations
+        assert agreement(a, b) > 0.97
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_cuda_hook_equals_bake(model_dirs, records, arch, tmp_path):
     model, tok = load_model(model_dirs[arch], device="cuda")
