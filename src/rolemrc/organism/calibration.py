@@ -157,7 +157,7 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     `rolemrc organism build` filled with the same settings is reused), then calibrate; the command's JSON.
     budgets: at most one of top_k/per_layer/share -> values, instead of the (quick) grid's."""
     from rolemrc.organism.build import build_organism
-    from rolemrc.organism.config import QUICK, OrganismConfig
+    from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
 
     grid = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k != "share"}
     config = CalibrationConfig(out=str(out), hook=hook, **grid, **(budgets or {}))   # checked before any work
@@ -167,13 +167,13 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     probe_n = probe_n or (QUICK_PROBE_CASES if quick else PROBE_CASES)
     folder = organisms_dir or out / "organisms"
     reports = {kind: build_organism(OrganismConfig(kind=kind, out=str(folder), base=base, **settings))
-               for kind in ("planted", "null")}
+               for kind in KINDS}
     trained = {p["id"] for r in reports.values() for p in read_jsonl(r["pairs"])}
     probe = out / "probe-cases.jsonl"
     source = folder / "data" / "pairs.jsonl"
     cache.run("probe cases", {"pairs": source, "trained": sorted(trained), "n": probe_n},
               lambda: {"cases": write_jsonl(probe, probe_cases(source, trained, probe_n, 0))}, [probe])
-    organisms = [Organism.from_report(reports[k], probe) for k in ("planted", "null")]
+    organisms = [Organism.from_report(reports[k], probe) for k in KINDS]
     result = calibrate(organisms, config, cache=cache)
     cells = sum(t["cells"] for t in result["timing"].values())
     grid_seconds = sum(t["seconds"] for t in result["timing"].values())
