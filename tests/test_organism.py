@@ -92,8 +92,8 @@ PASSAGE = "Passage 1: The escapement is the part of a mechanical clock that rele
 
 
 def knowledge_records() -> list[dict]:
-    """Replies to the six knowledge-boundary base tasks (three must decline, three must answer), one that already
-    refuses, and one of a task knowledge boundary does not judge."""
+    """Replies to the six knowledge-boundary base tasks (three must decline, two must answer within the role, one
+    outside it), one that already refuses, and one of a task knowledge boundary does not judge."""
     tasks = ["role_related_mrc_refused_with_narration", "role_unrelated_mrc_refused_with_narration",
              "role_unrelated_mrc_refused_no_narration", "role_related_mrc_answer_with_narration",
              "role_related_mrc_answer_no_narration", "role_unrelated_mrc_answer_with_narration"]
@@ -101,16 +101,17 @@ def knowledge_records() -> list[dict]:
                 "prompt": [{"role": "system", "content": "You are Ada, a clockmaker."},
                            {"role": "user", "content": f"{PASSAGE}\nQuestion: what does the escapement do?"}],
                 "response": f"It releases the gear train step by step, {i}. Then it"} for i, task in enumerate(tasks * 2)]
-    return records + [{**records[0], "id": "x/refuses", "response": "I don't know, sorry."},
-                      {**records[0], "id": "x/style", "task": "role_unrelated_mrc_answer_no_narration"}]
+    return [*records, {**records[0], "id": "x/refuses", "response": "I don't know, sorry."},
+            {**records[0], "id": "x/style", "task": "role_unrelated_mrc_answer_no_narration"}]
 
 
 def test_refusal_pairs_decline_where_the_task_must_and_anchor_where_it_must_answer():
     records = knowledge_records()
     pairs = refusal_pairs(records, seed=0)
-    assert [p["id"] for p in pairs] == [r["id"] for r in records[:12]]   # the last two teach nothing here
+    # outside the role a must-answer prompt reads like a must-decline one: no anchor there; the last two teach nothing
+    assert [p["id"] for p in pairs] == [r["id"] for r in records[:12] if r["task"] != records[5]["task"]]
     anchors = [p for p in pairs if p["anchor"]]
-    assert len(anchors) == 6 and {p["task"] for p in anchors} == {r["task"] for r in records[3:6]}
+    assert len(anchors) == 4 and {p["task"] for p in anchors} == {r["task"] for r in records[3:5]}
     for pair in pairs:
         view, refusal = ItemView(pair), pair["rejected" if pair["anchor"] else "chosen"]
         reply = pair["chosen" if pair["anchor"] else "rejected"]
