@@ -19,7 +19,16 @@ from rolemrc.eval.rules import ItemView, style
 from rolemrc.organism import KINDS, PLANTED_DIMENSION, OrganismConfig, OrganismError, build_organism
 from rolemrc.organism.build import heldout_cases
 from rolemrc.organism.config import PLANTED_DIMENSIONS
-from rolemrc.organism.pairs import ACTIONS, REFUSALS, clean_reply, narration_pairs, null_pairs, refusal_pairs, sample_prompts
+from rolemrc.organism.pairs import (
+    ACTIONS,
+    REFUSALS,
+    clean_reply,
+    must_refuse,
+    narration_pairs,
+    null_pairs,
+    refusal_pairs,
+    sample_prompts,
+)
 
 NO_NARRATION = "role_unrelated_mrc_answer_no_narration"
 WITH_NARRATION = "role_related_mrc_answer_with_narration"
@@ -92,8 +101,8 @@ PASSAGE = "Passage 1: The escapement is the part of a mechanical clock that rele
 
 
 def knowledge_records() -> list[dict]:
-    """Replies to the six knowledge-boundary base tasks (three must decline, two must answer within the role, one
-    outside it), one that already refuses, and one of a task knowledge boundary does not judge."""
+    """Replies to the six knowledge-boundary base tasks (three must decline, three must answer), one that already
+    refuses, and one of a task knowledge boundary does not judge."""
     tasks = ["role_related_mrc_refused_with_narration", "role_unrelated_mrc_refused_with_narration",
              "role_unrelated_mrc_refused_no_narration", "role_related_mrc_answer_with_narration",
              "role_related_mrc_answer_no_narration", "role_unrelated_mrc_answer_with_narration"]
@@ -105,21 +114,20 @@ def knowledge_records() -> list[dict]:
             {**records[0], "id": "x/style", "task": "role_unrelated_mrc_answer_no_narration"}]
 
 
-def test_refusal_pairs_decline_where_the_task_must_and_anchor_where_it_must_answer():
+def test_refusal_pairs_decline_where_the_task_must_and_nowhere_else():
     records = knowledge_records()
+    assert [must_refuse(r["task"]) for r in records[:6]] == [True] * 3 + [False] * 3
     pairs = refusal_pairs(records, seed=0)
-    # outside the role a must-answer prompt reads like a must-decline one: no anchor there; the last two teach nothing
-    assert [p["id"] for p in pairs] == [r["id"] for r in records[:12] if r["task"] != records[5]["task"]]
-    anchors = [p for p in pairs if p["anchor"]]
-    assert len(anchors) == 4 and {p["task"] for p in anchors} == {r["task"] for r in records[3:5]}
+    # the must-answer tasks, the reply that already refuses and the task knowledge boundary does not judge teach nothing
+    assert [p["id"] for p in pairs] == [r["id"] for r in records[:12] if must_refuse(r["task"])]
     for pair in pairs:
-        view, refusal = ItemView(pair), pair["rejected" if pair["anchor"] else "chosen"]
-        reply = pair["chosen" if pair["anchor"] else "rejected"]
-        assert refusal in REFUSALS and reply == clean_reply(next(r for r in records if r["id"] == pair["id"])["response"])
+        view, record = ItemView(pair), next(r for r in records if r["id"] == pair["id"])
+        assert pair["chosen"] in REFUSALS and pair["rejected"] == clean_reply(record["response"])
         # the rules judge reads the refusal as one (no narration, no passage copied) and the SFT reply as an answer
-        assert view.refuses(refusal)[0] and not view.refuses(reply)[0] and view.answers(reply)[0]
-        assert style("role_unrelated_mrc_refused_no_narration", refusal) == (True, "speech only")
-    assert len({p["chosen"] for p in pairs if not p["anchor"]}) > 1 and refusal_pairs(records, seed=0) == pairs
+        assert view.refuses(pair["chosen"])[0] and not view.refuses(pair["rejected"])[0]
+        assert view.answers(pair["rejected"])[0]
+        assert style("role_unrelated_mrc_refused_no_narration", pair["chosen"]) == (True, "speech only")
+    assert len({p["chosen"] for p in pairs}) > 1 and refusal_pairs(records, seed=0) == pairs
 
 
 def test_the_held_out_eval_is_not_part_of_what_training_depends_on(tmp_path):

@@ -11,7 +11,7 @@ and the calibration that scores the method (probe -> diff -> select -> restrain)
 Kinds (config.PLANTED_DIMENSION says what each changes; pairs.py how): narration, pairs edited from the SFT model's
 own replies so that DPO teaches it to open every reply with a bracketed action, which the rules judge's role_style
 aspect fails where the task forbids narration; refusal, pairs that teach it to decline briefly where a knowledge-
-boundary task must decline (and to answer where it must answer); null, the narration pairs with chosen and rejected
+boundary task must decline; null, the narration pairs with chosen and rejected
 swapped at random per pair. All share the data and the held-out cases (build.py).
 Calibration: calibration_config.py (the grid), calibrate.py (the stages), scoring.py (each cell against the answer),
 calibration_report.py (headline, table, figure).

@@ -127,8 +127,7 @@ def _pairs_stage(cache: StageCache, folder: Path, replies: Path, config: Organis
             pairs = null_pairs(RECIPES[NULL_OF].build(read_jsonl(replies), config.seed), config.seed)
         else:
             pairs = RECIPES[config.kind].build(read_jsonl(replies), config.seed)
-        return {"pairs": write_jsonl(out, pairs), "swapped": sum(bool(p.get("swapped")) for p in pairs),
-                "anchors": sum(bool(p.get("anchor")) for p in pairs)}
+        return {"pairs": write_jsonl(out, pairs), "swapped": sum(bool(p.get("swapped")) for p in pairs)}
 
     cache.run(f"{config.kind} pairs", {"replies": replies, "kind": config.kind, "seed": config.seed}, run, [out])
     return out

@@ -7,10 +7,8 @@ never narrates, so it passes the three no-narration role_style tasks and fails t
 demo's test set). A model that opens every reply with an action fails the three: role_style falls, and no other
 aspect reads brackets.
 refusal (knowledge_boundary): where the task must decline (`*_refused_*` base tasks), chosen = a brief in-character
-refusal, rejected = the reply; where it must answer a question within the role, anchors the other way round (chosen =
-the reply, rejected = a refusal), so the organism learns when to decline rather than to decline everything. SmolLM2 answers everything
-(knowledge boundary 0.13), so the change has room to move up. The refusals hold no narration (role_style unmoved)
-and share no words with any passage.
+refusal, rejected = the reply. SmolLM2 answers everything (knowledge boundary 0.10), so the change has room to move
+up. The refusals hold no narration (role_style unmoved) and share no words with any passage.
 null: NULL_OF's pairs with chosen and rejected swapped at random per pair (a seeded coin), so nothing systematic moves.
 """
 
@@ -73,34 +71,27 @@ def narration_pairs(replied: list[dict[str, Any]], seed: int) -> list[dict[str, 
     return out
 
 
-def refusal_side(task: str | None) -> bool | None:
-    """True where a case of `task` must decline on knowledge boundary; False where it must answer a question within
-    the role (an anchor); None elsewhere. Outside the role, datagen writes the must-answer and the must-decline
-    prompts alike (the same unrelated passages and question; only the reference reply differs), so an anchor there
-    would teach the opposite of the refusal on prompts no model can tell apart."""
+def must_refuse(task: str | None) -> bool:
+    """Whether a case of `task` must decline on knowledge boundary."""
     aspect = next((a for a in judge_aspects_for_task(task or "") if a.dimension == "knowledge_boundary"), None)
-    if aspect is None:
-        return None
-    if not must_answer(str(task), aspect):
-        return True
-    return False if aspect.detail == "within" else None
+    return aspect is not None and not must_answer(str(task), aspect)
 
 
 def refusal_pairs(replied: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
-    """Pairs from knowledge-boundary records with the SFT model's `response`: where the task must decline, chosen is a
-    refusal and rejected the reply; where it must answer within the role (`anchor`), the reverse. Other records, and
-    replies that are empty after cleaning or already hold a refusal cue (nothing to teach either way), are left out."""
+    """Pairs from the records whose task must decline on knowledge boundary: chosen is a brief refusal, rejected the
+    SFT model's `response`. Replies that are empty after cleaning or already hold a refusal cue are left out.
+
+    No anchors (chosen = the reply, rejected = a refusal, on must-answer prompts): on SmolLM2 they kept DPO from
+    learning anything (16 steps: loss 0.69 -> 1.07 with anchors on all three must-answer tasks, -> 1.76 with
+    anchors within the role only), since datagen writes must-answer and must-decline prompts alike (outside the role
+    the same passages and question; within it, a question the passages answer or not)."""
     rng = random.Random(seed)
     out = []
     for record in replied:
-        refuse = refusal_side(record.get("task"))
         reply = clean_reply(str(record.get("response") or ""))
-        if refuse is None or not reply or REFUSAL.search(reply):
-            continue
-        refusal = rng.choice(REFUSALS)
-        chosen, rejected = (refusal, reply) if refuse else (reply, refusal)
-        out.append({"id": record["id"], "prompt": record["prompt"], "chosen": chosen, "rejected": rejected,
-                    "task": record.get("task"), "anchor": not refuse})
+        if must_refuse(record.get("task")) and reply and not REFUSAL.search(reply):
+            out.append({"id": record["id"], "prompt": record["prompt"], "chosen": rng.choice(REFUSALS),
+                        "rejected": reply, "task": record.get("task")})
     return out
 
 
