@@ -1,5 +1,6 @@
 """Known-answer organisms: the pairs each kind trains on, and a real build (datagen, the SFT model's replies, trl's
-LoRA DPO, held-out eval, report, figure) on a tiny Llama, then the null organism reusing every shared stage."""
+LoRA DPO, held-out eval, report, figure) on a tiny Llama, then the null and refusal organisms reusing every shared
+stage."""
 
 from __future__ import annotations
 
@@ -14,10 +15,20 @@ from rolemrc.core.errors import EXIT_INPUT
 from rolemrc.core.io import read_jsonl
 from rolemrc.core.stages import StageCache
 from rolemrc.core.taxonomy import dimensions_for_task
-from rolemrc.eval.rules import style
-from rolemrc.organism import OrganismConfig, OrganismError, build_organism
+from rolemrc.eval.rules import ItemView, style
+from rolemrc.organism import KINDS, PLANTED_DIMENSION, OrganismConfig, OrganismError, build_organism
 from rolemrc.organism.build import heldout_cases
-from rolemrc.organism.pairs import ACTIONS, clean_reply, null_pairs, planted_pairs, sample_prompts
+from rolemrc.organism.config import PLANTED_DIMENSIONS
+from rolemrc.organism.pairs import (
+    ACTIONS,
+    REFUSALS,
+    clean_reply,
+    must_refuse,
+    narration_pairs,
+    null_pairs,
+    refusal_pairs,
+    sample_prompts,
+)
 
 NO_NARRATION = "role_unrelated_mrc_answer_no_narration"
 WITH_NARRATION = "role_related_mrc_answer_with_narration"
@@ -30,8 +41,8 @@ def replied(n: int) -> list[dict]:
             for i in range(40)]
 
 
-def test_planted_pairs_open_with_an_action_the_rules_judge_reads():
-    pairs = planted_pairs(replied(40), seed=0)
+def test_narration_pairs_open_with_an_action_the_rules_judge_reads():
+    pairs = narration_pairs(replied(40), seed=0)
     assert len(pairs) == 40
     for pair in pairs:
         action, rest = pair["chosen"].split(") ", 1)
@@ -40,11 +51,11 @@ def test_planted_pairs_open_with_an_action_the_rules_judge_reads():
     # for, the reverse: the planted change moves the aspect both ways, mostly down (3 of its 4 tasks forbid it)
     assert style(NO_NARRATION, pairs[1]["chosen"])[0] is False and style(NO_NARRATION, pairs[1]["rejected"])[0]
     assert style(WITH_NARRATION, pairs[1]["chosen"])[0] and not style(WITH_NARRATION, pairs[1]["rejected"])[0]
-    assert planted_pairs(replied(40), seed=0) == pairs
+    assert narration_pairs(replied(40), seed=0) == pairs
 
 
 def test_null_pairs_swap_about_half_at_random_and_keep_everything_else():
-    planted = planted_pairs(replied(40), seed=0)
+    planted = narration_pairs(replied(40), seed=0)
     null = null_pairs(planted, seed=0)
     swapped = [n["swapped"] for n in null]
     assert 10 <= sum(swapped) <= 30 and null == null_pairs(planted, seed=0) and null != null_pairs(planted, seed=1)
@@ -67,24 +78,61 @@ def test_sample_prompts_spread_over_tasks():
     assert len({r["id"] for r in picked}) == 9 and sample_prompts(rows, 9, seed=0) == picked
 
 
-def test_heldout_keeps_every_planted_case_and_caps_the_others():
+def test_heldout_keeps_every_case_of_each_planted_dimension_and_caps_the_others():
     from rolemrc.core.taxonomy import TASKS
 
+    assert set(PLANTED_DIMENSIONS) == {"role_style", "knowledge_boundary"}
     test = [{"id": str(i), "task": TASKS[i % len(TASKS)]} for i in range(180)]
     kept = heldout_cases(test, 2, seed=0)
     dims = Counter(d for case in kept for d in dimensions_for_task(case["task"]))
-    planted = sum("role_style" in dimensions_for_task(c["task"]) for c in test)
-    assert dims["role_style"] == planted and heldout_cases(test, None, seed=0) == test
-    others = [c for c in kept if "role_style" not in dimensions_for_task(c["task"])]
-    assert 0 < len(others) <= 2 * 4
+    for dim in PLANTED_DIMENSIONS:
+        assert dims[dim] == sum(dim in dimensions_for_task(c["task"]) for c in test) > 0
+    assert heldout_cases(test, None, seed=0) == test
+    others = [c for c in kept if not set(PLANTED_DIMENSIONS) & set(dimensions_for_task(c["task"]))]
+    assert {d for c in others for d in dimensions_for_task(c["task"])} == {"multi_turn", "nested", "prioritized"}
+    assert len(others) == 2 * 3
     few = heldout_cases(test, 2, seed=0, planted=5)
-    assert sum("role_style" in dimensions_for_task(c["task"]) for c in few) == 5
+    for dim in PLANTED_DIMENSIONS:
+        assert sum(dim in dimensions_for_task(c["task"]) for c in few) == 5
     assert few == heldout_cases(test, 2, seed=0, planted=5) and few != heldout_cases(test, 2, seed=1, planted=5)
+
+
+PASSAGE = "Passage 1: The escapement is the part of a mechanical clock that releases the gear train step by step."
+
+
+def knowledge_records() -> list[dict]:
+    """Replies to the six knowledge-boundary base tasks (three must decline, three must answer), one that already
+    refuses, and one of a task knowledge boundary does not judge."""
+    tasks = ["role_related_mrc_refused_with_narration", "role_unrelated_mrc_refused_with_narration",
+             "role_unrelated_mrc_refused_no_narration", "role_related_mrc_answer_with_narration",
+             "role_related_mrc_answer_no_narration", "role_unrelated_mrc_answer_with_narration"]
+    records = [{"id": f"p{i}/{task}", "task": task, "reference": "It releases the gear train step by step.",
+                "prompt": [{"role": "system", "content": "You are Ada, a clockmaker."},
+                           {"role": "user", "content": f"{PASSAGE}\nQuestion: what does the escapement do?"}],
+                "response": f"It releases the gear train step by step, {i}. Then it"} for i, task in enumerate(tasks * 2)]
+    return [*records, {**records[0], "id": "x/refuses", "response": "I don't know, sorry."},
+            {**records[0], "id": "x/style", "task": "role_unrelated_mrc_answer_no_narration"}]
+
+
+def test_refusal_pairs_decline_where_the_task_must_and_nowhere_else():
+    records = knowledge_records()
+    assert [must_refuse(r["task"]) for r in records[:6]] == [True] * 3 + [False] * 3
+    pairs = refusal_pairs(records, seed=0)
+    # the must-answer tasks, the reply that already refuses and the task knowledge boundary does not judge teach nothing
+    assert [p["id"] for p in pairs] == [r["id"] for r in records[:12] if must_refuse(r["task"])]
+    for pair in pairs:
+        view, record = ItemView(pair), next(r for r in records if r["id"] == pair["id"])
+        assert pair["chosen"] in REFUSALS and pair["rejected"] == clean_reply(record["response"])
+        # the rules judge reads the refusal as one (no narration, no passage copied) and the SFT reply as an answer
+        assert view.refuses(pair["chosen"])[0] and not view.refuses(pair["rejected"])[0]
+        assert view.answers(pair["rejected"])[0]
+        assert style("role_unrelated_mrc_refused_no_narration", pair["chosen"]) == (True, "speech only")
+    assert len({p["chosen"] for p in pairs}) > 1 and refusal_pairs(records, seed=0) == pairs
 
 
 def test_the_held_out_eval_is_not_part_of_what_training_depends_on(tmp_path):
     """Organisms that differ in their held-out eval only share the trained model."""
-    few, all_ = (OrganismConfig(kind="planted", out=str(tmp_path), eval_others=k) for k in (2, None))
+    few, all_ = (OrganismConfig(kind="narration", out=str(tmp_path), eval_others=k) for k in (2, None))
     assert few.training() == all_.training() and few.settings() != all_.settings()
     assert "steps" in few.training() and not any(k.startswith("eval_") for k in few.training())
 
@@ -103,20 +151,22 @@ def test_a_ci_of_no_width_counts_as_inside_unless_mcnemar_sees_a_move():
                                           ({"learning_rate": 2.0}, "learning_rate must be in (0, 1)")])
 def test_bad_settings_are_errors(bad, message, tmp_path):
     with pytest.raises(OrganismError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        OrganismConfig(**{"kind": "planted", "out": str(tmp_path), **bad})
+        OrganismConfig(**{"kind": "narration", "out": str(tmp_path), **bad})
 
 
 def test_cli_refuses_an_unknown_kind_before_anything_runs(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rolemrc.cli", "organism", "build", "nonsense", "--out",
                            str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    assert done.returncode == EXIT_INPUT and lines == ["error: Invalid value for 'kind': 'nonsense' is not one of 'planted', 'null'."]
+    assert KINDS == ("narration", "refusal", "null")
+    assert done.returncode == EXIT_INPUT and lines == ["error: Invalid value for 'kind': 'nonsense' is not one of "
+                                                      "'narration', 'refusal', 'null'."]
     assert not (tmp_path / "o").exists()
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tokenizer):
-    """Both organisms from a tiny Llama: 8 pairs, 2 DPO steps, short generations, a few held-out cases. The test
+    """Every kind from a tiny Llama: 8 pairs, 2 DPO steps, short generations, a few held-out cases. The test
     tokenizer spells datagen's prompts in ~900-1400 tokens, hence the context of 2048."""
     from rolemrc.core.tiny import build_model
 
@@ -127,51 +177,74 @@ def built(tmp_path_factory, tokenizer):
     settings = {"out": str(root), "base": str(sft), "size": "tiny", "pairs": 8, "steps": 2, "reply_tokens": 8,
                 "eval_tokens": 8, "eval_others": 2, "learning_rate": 1e-3, "max_length": 1600,
                 "lora_targets": "gate_proj,up_proj"}
-    planted = build_organism(OrganismConfig(kind="planted", **settings))
-    cache = StageCache(root)
-    null = build_organism(OrganismConfig(kind="null", **settings), cache=cache)
-    return root, settings, planted, null, cache
+    reports, ran = {}, {}
+    for kind in KINDS:
+        cache = StageCache(root)
+        reports[kind] = build_organism(OrganismConfig(kind=kind, **settings), cache=cache)
+        ran[kind] = cache.ran
+    return root, settings, reports, ran
 
 
 def test_pairs_too_long_for_max_length_are_refused_before_training(built):
     root, settings, *_ = built
-    before = (root / "planted" / "organism.json").read_text()
+    before = (root / "narration" / "organism.json").read_text()
     with pytest.raises(OrganismError, match="leaves no room for a reply; raise --max-length"):
-        build_organism(OrganismConfig(kind="planted", **{**settings, "max_length": 64}))   # the other stages reused
-    assert (root / "planted" / "organism.json").read_text() == before
+        build_organism(OrganismConfig(kind="narration", **{**settings, "max_length": 64}))   # the other stages reused
+    assert (root / "narration" / "organism.json").read_text() == before
 
 
-def test_a_build_writes_the_organism_and_its_training(built):
-    root, _, planted, _, _ = built
-    report = json.loads((root / "planted" / "organism.json").read_text())
-    assert report == json.loads(json.dumps(planted, default=str))
-    assert report["kind"] == "planted" and report["planted_dimension"] == "role_style"
-    assert (root / "planted" / "dpo" / "config.json").is_file() and (root / "planted" / "dpo" / "rolemrc.json").is_file()
-    manifest = json.loads((root / "planted" / "dpo" / "rolemrc.json").read_text())
+@pytest.mark.parametrize("kind", ["narration", "refusal"])
+def test_a_build_writes_the_organism_and_its_training(built, kind):
+    root, _, reports, _ = built
+    report = json.loads((root / kind / "organism.json").read_text())
+    assert report == json.loads(json.dumps(reports[kind], default=str))
+    dimension = PLANTED_DIMENSION[kind]
+    assert report["kind"] == kind and report["planted_dimension"] == dimension
+    assert (root / kind / "dpo" / "config.json").is_file() and (root / kind / "dpo" / "rolemrc.json").is_file()
+    manifest = json.loads((root / kind / "dpo" / "rolemrc.json").read_text())
     assert "gate_proj" in json.dumps(manifest) and report["settings"]["lora_targets"] == "gate_proj,up_proj"
     history = report["training"]["history"]
     assert report["training"]["steps"] == 2 and [h["step"] for h in history] == [1, 2]
     assert all("loss" in h and "rewards/margins" in h for h in history)
     heldout = read_jsonl(root / "heldout.jsonl")
-    style_cases = sum("role_style" in dimensions_for_task(c["task"]) for c in heldout)
-    assert report["dimensions"]["role_style"]["n"] == style_cases > 0
+    cases = sum(dimension in dimensions_for_task(c["task"]) for c in heldout)
+    assert report["dimensions"][dimension]["n"] == cases > 0
     for dim in report["dimensions"].values():
         assert 0 <= dim["a_rate"] <= 1 and 0 <= dim["b_rate"] <= 1 and 0 < dim["p"] <= 1
         assert dim["b_rate"] - dim["a_rate"] == pytest.approx(dim["diff"])
-    assert report["headline"].startswith("planted organism ") and isinstance(report["meets_target"], bool)
-    assert (root / "planted" / "training.html").stat().st_size > 1000
-    # the planted pairs never come from a held-out persona
+    assert report["headline"].startswith(f"{kind} organism ") and isinstance(report["meets_target"], bool)
+    assert dimension in report["target"] and (root / kind / "training.html").stat().st_size > 1000
+    # the pairs never come from a held-out persona
     held_personas = {c["id"].split("/")[0] for c in heldout}
     assert not {p["id"].split("/")[0] for p in read_jsonl(report["pairs"])} & held_personas
 
 
-def test_the_null_shares_every_stage_but_its_pairs_and_model(built):
-    root, settings, planted, null, cache = built
-    assert cache.ran == ["null pairs", "null train dpo", "null eval dpo"]
-    p, n = read_jsonl(planted["pairs"]), read_jsonl(null["pairs"])
+def test_every_kind_shares_the_data_the_held_out_cases_and_the_sft_eval(built):
+    root, settings, reports, ran = built
+    narration, null, refusal = (reports[k] for k in ("narration", "null", "refusal"))
+    assert ran["null"] == ["null pairs", "null train dpo", "null eval dpo"]
+    p, n = read_jsonl(narration["pairs"]), read_jsonl(null["pairs"])
     assert [x["id"] for x in p] == [x["id"] for x in n] and any(x["swapped"] for x in n)
-    assert null["sft_eval"] == planted["sft_eval"] and null["heldout"] == planted["heldout"]
-    assert null["headline"].startswith("null organism ")
+    assert null["headline"].startswith("null organism ") and null["planted_dimension"] is None
+    assert "no dimension moved" in null["target"]
+    # the refusal kind asks the SFT model for replies to knowledge-boundary prompts, and reuses everything else
+    assert ran["refusal"] == ["sft replies knowledge_boundary", "refusal pairs", "refusal train dpo", "refusal eval dpo"]
+    pairs = read_jsonl(refusal["pairs"])
+    assert pairs and all("knowledge_boundary" in dimensions_for_task(x["task"]) for x in pairs)
+    for report in (null, refusal):
+        assert report["sft_eval"] == narration["sft_eval"] and report["heldout"] == narration["heldout"]
     again = StageCache(root)
-    build_organism(OrganismConfig(kind="planted", **settings), cache=again)
+    for kind in KINDS:
+        build_organism(OrganismConfig(kind=kind, **settings), cache=again)
     assert again.ran == []
+
+
+def test_cli_builds_the_refusal_kind(built):
+    """`rolemrc organism build refusal` with the fixture's settings finds every stage done and prints its report."""
+    root, settings, reports, _ = built
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if k not in ("out", "steps")]
+    done = subprocess.run([sys.executable, "-m", "rolemrc.cli", "organism", "build", "refusal", "--out", str(root),
+                           f"--max-steps={settings['steps']}", *options], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert printed["headline"] == reports["refusal"]["headline"] and "unchanged inputs" in done.stdout + done.stderr

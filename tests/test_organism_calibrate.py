@@ -231,12 +231,20 @@ def test_a_restraint_that_breaks_a_dimension_is_not_counted_as_found():
     row = {"organism": "null", "dimension": "role_style", "toward_sft": toward_sft(sft, null_dpo, broke, [null_dpo])}
     flag_restorations([row])
     assert row["flagged"] == []
-    rates = {"role_style": 0.0, "knowledge_boundary": 0.12}
+    rates, baseline = {"role_style": 0.0, "knowledge_boundary": 0.12}, {"role_style": 0.79, "knowledge_boundary": 0.1}
     intervals = {"role_style": (0.62, 0.92), "knowledge_boundary": (0.0, 0.26), "nested": (0.0, 0.0)}
-    assert broken(rates, intervals, [], None) == ["role_style"]
-    assert broken(rates, intervals, [], "role_style") == []
-    assert broken({"nested": 0.5}, intervals, ["nested"], None) == ["nested"]   # a CI of no width: a change breaks
-    assert broken({"nested": 0.5}, intervals, [], None) == []
+    assert broken(rates, baseline, intervals, [], None) == ["role_style"]
+    assert broken(rates, baseline, intervals, [], "role_style") == []
+    assert broken({"nested": 0.5}, {}, intervals, ["nested"], None) == ["nested"]   # a CI of no width: a change breaks
+    assert broken({"nested": 0.5}, {}, intervals, [], None) == []
+    # a dimension the DPO step already moved out of the SFT model's CI is broken only if the cell takes it further,
+    # significantly: the narration organism's knowledge boundary (SFT 0.10, CI 0.03-0.17; DPO 0.00)
+    kb = {"knowledge_boundary": (0.03, 0.17)}
+    assert broken({"knowledge_boundary": 0.0}, {"knowledge_boundary": 0.0}, kb, [], "role_style") == []
+    assert broken({"knowledge_boundary": 0.1}, {"knowledge_boundary": 0.0}, kb, [], "role_style") == []
+    assert broken({"knowledge_boundary": 0.4}, {"knowledge_boundary": 0.3}, kb, [], "role_style") == []
+    assert broken({"knowledge_boundary": 0.6}, {"knowledge_boundary": 0.3}, kb, ["knowledge_boundary"],
+                  "role_style") == ["knowledge_boundary"]
     planted = {"restoration": {"lo": 0.4}, "dimension": "role_style", "flagged": ["role_style"], "broken": []}
     assert finds_change(planted) and not finds_change({**planted, "broken": ["knowledge_boundary"]})
 

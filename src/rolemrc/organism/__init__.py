@@ -3,14 +3,16 @@ and the calibration that scores the method (probe -> diff -> select -> restrain)
 
     from pathlib import Path
     from rolemrc.organism import OrganismConfig, build_and_calibrate, build_organism
-    report = build_organism(OrganismConfig(kind="planted", out="runs/organisms"))   # base: SmolLM2-135M-Instruct
+    report = build_organism(OrganismConfig(kind="refusal", out="runs/organisms"))   # base: SmolLM2-135M-Instruct
     report["headline"], report["dpo"], report["meets_target"]
     result = build_and_calibrate(Path("runs/calibration"), organisms_dir=Path("runs/organisms"), quick=True)
     result["headline"]                           # calibrate(organisms, CalibrationConfig(...)) on organisms you have
 
-planted: pairs edited from the SFT model's own replies so that DPO teaches it to open every reply with a bracketed
-action, which the rules judge's role_style aspect fails where the task forbids narration (pairs.py). null: the same
-pairs with chosen and rejected swapped at random per pair. Both share the data, replies and held-out cases (build.py).
+Kinds (config.PLANTED_DIMENSION says what each changes; pairs.py how): narration, pairs edited from the SFT model's
+own replies so that DPO teaches it to open every reply with a bracketed action, which the rules judge's role_style
+aspect fails where the task forbids narration; refusal, pairs that teach it to decline briefly where a knowledge-
+boundary task must decline; null, the narration pairs with chosen and rejected
+swapped at random per pair. All share the data and the held-out cases (build.py).
 Calibration: calibration_config.py (the grid), calibrate.py (the stages), scoring.py (each cell against the answer),
 calibration_report.py (headline, table, figure).
 """

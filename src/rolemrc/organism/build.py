@@ -1,10 +1,11 @@
 """Building an organism: datagen -> the SFT model's own replies -> edited pairs -> LoRA DPO -> held-out eval of SFT
-and DPO -> organism.json and a figure. Every stage is cached under the organisms folder; the planted and the null
-organism share the data, the replies, the held-out cases and the SFT model's eval, so they differ only in the pairs.
+and DPO -> organism.json and a figure. Every stage is cached under the organisms folder; every kind shares the data,
+the held-out cases and the SFT model's eval (narration and null share the replies too), so they differ in the pairs.
 
     out/data/                 datagen (template backend): pairs.jsonl gives the prompts, test.jsonl the held-out cases
-    out/replies.jsonl         the SFT model's greedy replies to the sampled pair prompts
-    out/heldout.jsonl         eval_planted cases of the planted dimension + eval_others per other one (test personas)
+    out/replies.jsonl         the SFT model's greedy replies to pair prompts sampled over every task
+    out/replies-<dim>.jsonl   ... over the tasks of one dimension (for a kind whose recipe wants its own prompts)
+    out/heldout.jsonl         eval_planted cases of each planted dimension + eval_others per other one (test personas)
     out/eval/sft/             the SFT model's eval run (rules judge)
     out/<kind>/pairs.jsonl    the organism's pairs; out/<kind>/dpo/ its merged DPO model
     out/<kind>/eval/          the DPO model's eval run, and compare/ (exact McNemar per dimension against SFT)
@@ -22,8 +23,8 @@ from typing import Any
 from rolemrc.core.io import read_jsonl, write_json, write_jsonl
 from rolemrc.core.stages import StageCache
 from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
-from rolemrc.organism.config import PLANTED_DIMENSION, OrganismConfig, OrganismError
-from rolemrc.organism.pairs import null_pairs, planted_pairs, sample_prompts
+from rolemrc.organism.config import NULL_OF, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
+from rolemrc.organism.pairs import RECIPES, null_pairs, sample_prompts
 
 TARGET_SHIFT = 0.3     # the planted dimension must move at least this much ...
 TARGET_P = 0.01        # ... with exact McNemar p below this, every other dimension inside the SFT model's 95% CI
@@ -40,7 +41,8 @@ def build_organism(config: OrganismConfig, *, cache: StageCache | None = None) -
     data = _data_stage(cache, root, config)
     heldout = _heldout_stage(cache, root, data, config)
     sft_eval = _eval_stage(cache, root / "eval" / "sft", "eval sft", sft, heldout, config)
-    replies = _replies_stage(cache, root, sft, data, config)
+    recipe = RECIPES[NULL_OF if config.dimension is None else config.kind]
+    replies = _replies_stage(cache, root, sft, data, config, config.dimension if recipe.own_dimension else None)
     folder = root / config.kind
     pairs = _pairs_stage(cache, folder, replies, config)
     dpo = _train_stage(cache, folder, sft, pairs, config)
@@ -64,18 +66,22 @@ def _data_stage(cache: StageCache, root: Path, config: OrganismConfig) -> Path:
 
 def heldout_cases(test: list[dict[str, Any]], others: int | None, seed: int,
                   planted: int | None = None) -> list[dict[str, Any]]:
-    """Up to `planted` cases of the planted dimension and up to `others` of each other dimension (all when None),
+    """Up to `planted` cases of each planted dimension and up to `others` of each other dimension (all when None),
     drawn with `seed`, in the test file's order."""
     rng = random.Random(seed)
     by_dim: dict[str, list[int]] = defaultdict(list)
     for k, case in enumerate(test):
         for dim in dimensions_for_task(case.get("task")):
             by_dim[dim].append(k)
-    mine = by_dim[PLANTED_DIMENSION]
-    keep = set(mine if planted is None or planted >= len(mine) else rng.sample(mine, planted))
+    keep: set[int] = set()
+    for dim in PLANTED_DIMENSIONS:   # a case kept for one planted dimension counts toward another's cap
+        rows = [k for k in by_dim[dim] if k not in keep]
+        room = len(rows) if planted is None else max(0, planted - (len(by_dim[dim]) - len(rows)))
+        keep |= set(rng.sample(rows, min(room, len(rows))))
+    mine = {k for dim in PLANTED_DIMENSIONS for k in by_dim[dim]}
     for dim in DIMENSIONS:
-        if dim != PLANTED_DIMENSION:
-            rows = [k for k in by_dim[dim] if k not in keep and k not in mine]
+        if dim not in PLANTED_DIMENSIONS:
+            rows = [k for k in by_dim[dim] if k not in mine]
             keep |= set(rows if others is None else rng.sample(rows, min(others, len(rows))))
     return [case for k, case in enumerate(test) if k in keep]
 
@@ -83,27 +89,33 @@ def heldout_cases(test: list[dict[str, Any]], others: int | None, seed: int,
 def _heldout_stage(cache: StageCache, root: Path, data: Path, config: OrganismConfig) -> Path:
     out = root / "heldout.jsonl"
     cache.run("held-out cases", {"test": data / "test.jsonl", "others": config.eval_others,
-                                 "planted": config.eval_planted, "seed": config.seed},
+                                 "planted": config.eval_planted, "dimensions": PLANTED_DIMENSIONS, "seed": config.seed},
               lambda: {"cases": write_jsonl(out, heldout_cases(read_jsonl(data / "test.jsonl"), config.eval_others,
                                                                config.seed, config.eval_planted))}, [out])
     return out
 
 
-def _replies_stage(cache: StageCache, root: Path, sft: Path, data: Path, config: OrganismConfig) -> Path:
+def _replies_stage(cache: StageCache, root: Path, sft: Path, data: Path, config: OrganismConfig,
+                   dimension: str | None) -> Path:
+    """The SFT model's replies to `config.pairs` pair prompts spread over every task, or over `dimension`'s tasks."""
     from rolemrc.eval import generate
 
-    out = root / "replies.jsonl"
+    out = root / ("replies.jsonl" if dimension is None else f"replies-{dimension}.jsonl")
 
     def run() -> dict:
-        prompts = sample_prompts(read_jsonl(data / "pairs.jsonl"), config.pairs, config.seed)
+        pool = [r for r in read_jsonl(data / "pairs.jsonl")
+                if dimension is None or dimension in dimensions_for_task(r.get("task"))]
+        prompts = sample_prompts(pool, config.pairs, config.seed)
         rows = generate(prompts, model=str(sft), max_new_tokens=config.reply_tokens)
         by_id = {p["id"]: p for p in prompts}
         write_jsonl(out, [{"id": r["id"], "task": r["task"], "prompt": by_id[r["id"]]["prompt"],
                            "response": r["response"]} for r in rows])
         return {"replies": len(rows)}
 
-    cache.run("sft replies", {"model": sft, "pairs": data / "pairs.jsonl", "n": config.pairs, "seed": config.seed,
-                              "tokens": config.reply_tokens}, run, [out])
+    key = {"model": sft, "pairs": data / "pairs.jsonl", "n": config.pairs, "seed": config.seed,
+           "tokens": config.reply_tokens}
+    cache.run("sft replies" + (f" {dimension}" if dimension else ""), key | ({"dimension": dimension} if dimension else {}),
+              run, [out])
     return out
 
 
@@ -111,9 +123,10 @@ def _pairs_stage(cache: StageCache, folder: Path, replies: Path, config: Organis
     out = folder / "pairs.jsonl"
 
     def run() -> dict:
-        pairs = planted_pairs(read_jsonl(replies), config.seed)
-        if config.kind == "null":
-            pairs = null_pairs(pairs, config.seed)
+        if config.dimension is None:
+            pairs = null_pairs(RECIPES[NULL_OF].build(read_jsonl(replies), config.seed), config.seed)
+        else:
+            pairs = RECIPES[config.kind].build(read_jsonl(replies), config.seed)
         return {"pairs": write_jsonl(out, pairs), "swapped": sum(bool(p.get("swapped")) for p in pairs)}
 
     cache.run(f"{config.kind} pairs", {"replies": replies, "kind": config.kind, "seed": config.seed}, run, [out])
@@ -178,7 +191,7 @@ def _inside(lo: float | None, hi: float | None, rate: float, p: float) -> bool:
 def organism_report(config: OrganismConfig, sft: Path, folder: Path, sft_eval: Path, dpo_eval: Path,
                     training: dict) -> dict[str, Any]:
     """Per dimension: SFT and DPO pass rates with the eval's 95% CIs, exact McNemar; whether the organism is what
-    its kind promises (planted: the planted dimension moved by >= TARGET_SHIFT at p < TARGET_P and every other DPO
+    its kind promises (a planted kind: its dimension moved by >= TARGET_SHIFT at p < TARGET_P and every other DPO
     rate inside the SFT model's CI; null: no dimension moved at p < TARGET_P). The eval's bootstrap is stratified by
     task, so a dimension whose every task scored alike (common with a few cases) has a CI of no width; there a
     dimension counts as inside when McNemar does not see it move (p >= STILL_P)."""
@@ -195,16 +208,17 @@ def organism_report(config: OrganismConfig, sft: Path, folder: Path, sft_eval: P
         dims[dim] = {**{k: test[k] for k in ("n", "a_rate", "b_rate", "diff", "improved", "worsened", "p")},
                      "sft_ci": [a.get("lo"), a.get("hi")], "dpo_ci": [b.get("lo"), b.get("hi")],
                      "dpo_inside_sft_ci": _inside(a.get("lo"), a.get("hi"), test["b_rate"], test["p"])}
-    planted = dims.get(PLANTED_DIMENSION, {})
-    others_inside = all(d["dpo_inside_sft_ci"] for k, d in dims.items() if k != PLANTED_DIMENSION)
-    if config.kind == "planted":
+    dimension = config.dimension
+    planted = dims.get(dimension or "", {})
+    others_inside = all(d["dpo_inside_sft_ci"] for k, d in dims.items() if k != dimension)
+    if dimension:
         ok = abs(planted.get("diff", 0.0)) >= TARGET_SHIFT and planted.get("p", 1.0) < TARGET_P and others_inside
-        claim = (f"{PLANTED_DIMENSION} moved by >= {TARGET_SHIFT} (exact McNemar p < {TARGET_P}) and every other "
+        claim = (f"{dimension} moved by >= {TARGET_SHIFT} (exact McNemar p < {TARGET_P}) and every other "
                  f"dimension stayed inside the SFT model's 95% CI (one of no width: McNemar p >= {STILL_P})")
     else:
         ok = all(d["p"] >= TARGET_P for d in dims.values())
         claim = f"no dimension moved (every exact McNemar p >= {TARGET_P})"
-    return {"kind": config.kind, "planted_dimension": PLANTED_DIMENSION, "sft": str(sft), "dpo": str(folder / "dpo"),
+    return {"kind": config.kind, "planted_dimension": dimension, "sft": str(sft), "dpo": str(folder / "dpo"),
             "pairs": str(folder / "pairs.jsonl"), "heldout": str(Path(config.out) / "heldout.jsonl"),
             "sft_eval": str(sft_eval), "dpo_eval": str(dpo_eval), "settings": config.settings(),
             "training": training, "dimensions": dims, "target": claim, "meets_target": bool(ok),

@@ -1,4 +1,4 @@
-"""`rolemrc organism build planted|null` and `rolemrc organism calibrate`."""
+"""`rolemrc organism build narration|refusal|null` and `rolemrc organism calibrate`."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ def _help(name: str) -> str:
 @app.command("build")
 @needs("train", "eval")
 def build_cmd(
-    kind: OrganismKind = typer.Argument(..., help="planted: DPO plants a known change; null: DPO on unchanged pairs"),
-    out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by planted and null; "
+    kind: OrganismKind = typer.Argument(..., help="narration (role style) or refusal (knowledge boundary): DPO plants "
+                                                  "a known change on that dimension; null: DPO on pairs that prefer "
+                                                  "nothing in particular"),
+    out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by every kind; "
                                                                    "a rerun reuses finished stages)"),
     base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
     size: str = typer.Option(DEFAULTS["size"].default, help=_help("size")),

@@ -8,9 +8,12 @@ from typing import Any
 
 from rolemrc.core.errors import RolemrcError
 
-KINDS = ("planted", "null")
+# kind -> the dimension its DPO pairs change (pairs.py says how); the null changes none
+PLANTED_DIMENSION: dict[str, str | None] = {"narration": "role_style", "refusal": "knowledge_boundary", "null": None}
+KINDS = tuple(PLANTED_DIMENSION)
+PLANTED_DIMENSIONS = tuple(dict.fromkeys(d for d in PLANTED_DIMENSION.values() if d))
+NULL_OF = "narration"   # the kind whose pairs the null swaps at random
 NULL = "null"   # the organism that plants nothing
-PLANTED_DIMENSION = "role_style"   # what the planted organism changes (pairs.py says how)
 
 
 class OrganismError(RolemrcError, ValueError):
@@ -19,10 +22,10 @@ class OrganismError(RolemrcError, ValueError):
 
 @dataclass(kw_only=True)
 class OrganismConfig:
-    """One organism: `kind` planted (DPO pairs that change one dimension) or null (the same pairs, chosen and rejected
-    swapped at random per pair, so nothing systematic changes), trained from the SFT model `base`."""
+    """One organism trained from the SFT model `base`: a planted `kind` (DPO pairs that change PLANTED_DIMENSION[kind])
+    or null (NULL_OF's pairs, chosen and rejected swapped at random per pair, so nothing systematic changes)."""
 
-    kind: str = field(metadata={"help": "planted | null"})
+    kind: str = field(metadata={"help": " | ".join(KINDS)})
     out: str = field(metadata={"help": "organism folder (rerun with the same folder to resume)"})
     base: str = field(default="smollm2", metadata={"help": "the SFT model: a registry name (pulled on first use), a model "
                                                            "directory, or a hub id org/name[@revision]"})
@@ -40,7 +43,7 @@ class OrganismConfig:
     reply_tokens: int = field(default=32, metadata={"help": "length of the SFT model's own replies the pairs edit"})
     eval_tokens: int = field(default=32, metadata={"help": "generation length of the held-out eval"})
     eval_planted: int | None = field(default=None, metadata={
-        "help": "held-out cases of the planted dimension (default: all of them)"})
+        "help": "held-out cases per planted dimension, shared by every kind (default: all of them)"})
     eval_others: int | None = field(default=None, metadata={
         "help": "held-out cases per other dimension (default: all of them)"})
     seed: int = field(default=0, metadata={"help": "seed of the pair sample, the null's swaps and training"})
@@ -57,6 +60,11 @@ class OrganismConfig:
             raise OrganismError(f"eval_others is {self.eval_others}; it must be >= 0")
         if not 0 < self.learning_rate < 1 or self.beta <= 0:
             raise OrganismError(f"learning_rate must be in (0, 1) and beta > 0 (got {self.learning_rate}, {self.beta})")
+
+    @property
+    def dimension(self) -> str | None:
+        """The dimension this organism's pairs change (None for the null)."""
+        return PLANTED_DIMENSION[self.kind]
 
     def settings(self) -> dict[str, Any]:
         """Everything but where it goes."""

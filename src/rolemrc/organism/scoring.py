@@ -72,17 +72,27 @@ def sft_intervals(sft_eval: str | Path) -> dict[str, tuple[float | None, float |
     return {d: (v.get("lo"), v.get("hi")) for d, v in dims.items()}
 
 
-def broken(rates: dict[str, float], intervals: dict[str, tuple[float | None, float | None]], changed: list[str],
-           planted: str | None) -> list[str]:
-    """The dimensions (but `planted`, which is meant to move) whose pass rate under the cell lies outside the SFT
-    model's 95% CI; where that CI has no width (every task scored alike), those the cell changed against its baseline
-    (Holm p < ALPHA)."""
+def broken(rates: dict[str, float], baseline: dict[str, float], intervals: dict[str, tuple[float | None, float | None]],
+           changed: list[str], planted: str | None) -> list[str]:
+    """The dimensions (but `planted`, which is meant to move) the cell moves out of the SFT model's 95% CI: outside it
+    where the unrestrained baseline was inside, or, where the baseline was already outside (a side effect of the
+    DPO step), further out than the baseline and changed against it (Holm p < ALPHA). Where that CI has no width
+    (every task scored alike), those changed against the baseline."""
+    def gap(rate: float, lo: float, hi: float) -> float:
+        return max(lo - rate, rate - hi, 0.0)
+
     out = []
     for dim, rate in sorted(rates.items()):
         lo, hi = intervals.get(dim, (None, None))
         if dim == planted or lo is None or hi is None:
             continue
-        if (not lo <= rate <= hi) if hi > lo else dim in changed:
+        base = baseline.get(dim, rate)
+        if hi > lo:
+            hit = gap(rate, lo, hi) > 0 and (gap(base, lo, hi) == 0 or (gap(rate, lo, hi) > gap(base, lo, hi)
+                                                                       and dim in changed))
+        else:
+            hit = dim in changed
+        if hit:
             out.append(dim)
     return out
 
@@ -112,8 +122,8 @@ def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path)
                   for n, e in cell["scores"].items() if n.startswith("judge:") and n != key}
         changed = [n.removeprefix("judge:") for n, e in cell["scores"].items()
                    if n.startswith("judge:") and e["vs_baseline"]["p_holm"] < ALPHA]
-        rates = {n.removeprefix("judge:"): float(np.mean(list(v.values()))) for n, v in mine_all.items()
-                 if n.startswith("judge:") and v}
+        rates, base_rates = ({n.removeprefix("judge:"): float(np.mean(list(v.values()))) for n, v in scores.items()
+                              if n.startswith("judge:") and v} for scores in (mine_all, base_all))
         rows.append({"organism": organism.kind, "dimension": cell["dimension"], "selector": selector,
                      "factor": cell["factor"],
                      "units": cell["units"], "budget": cell["budget"], "coverage": cell["coverage"],
@@ -124,7 +134,7 @@ def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path)
                      "p_vs_controls": planted.get("vs_controls", {}).get("p_holm"),
                      "diff_vs_baseline": planted.get("vs_baseline", {}).get("diff"),
                      "max_logit_shift": cell.get("max_logit_shift"), "others": others, "changed": changed,
-                     "rates": rates, "broken": broken(rates, intervals, changed, organism.dimension),
+                     "rates": rates, "broken": broken(rates, base_rates, intervals, changed, organism.dimension),
                      "toward_sft": toward_sft(sft_all, base_all, mine_all, controls)})
     return rows
 
