@@ -206,7 +206,7 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     budgets: at most one of top_k/per_layer/share -> values, instead of the (quick) grid's. against: other
     calibrations of the same base the recommendation must agree with (read before any work)."""
     from rolemrc.organism.build import build_organism
-    from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
+    from rolemrc.organism.config import QUICK, OrganismConfig
 
     grid = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k not in BUDGET_KINDS}
     config = CalibrationConfig(out=str(out), hook=hook, **grid, **(budgets or {}))   # checked before any work
