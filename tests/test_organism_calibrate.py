@@ -288,7 +288,7 @@ def test_a_recommendation_must_hold_on_every_planted_organism_the_null_and_other
     # a recipe that undoes one planted change only, or breaks the null, is unstable
     one = recommend([rows[1], rows[3], rows[5]], organisms, config, [])
     assert one.status == "unstable" and "it did not undo the narration change (narration 20% undone" in one.why
-    null_broken = recommend(rows[:4] + [fake_row("null", "attribution", 256, 0.0, found=False, broken=["nested"])],
+    null_broken = recommend([*rows[:4], fake_row("null", "attribution", 256, 0.0, found=False, broken=["nested"])],
                             organisms, config, [])
     assert null_broken.status == "unstable" and "on the null organism it broke nested" in null_broken.why
     assert recommend(rows[1:2] + rows[4:], organisms, config, []).status == "none"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from rolemrc.core.errors import RolemrcError
+
 _PICTO = "\U0001F000-\U0001FAFF\u2600-\u27BF\u2B50\u2B55\u231A\u231B\u23E9-\u23FA"
 EMOJI = re.compile(f"[\U0001F1E6-\U0001F1FF]{{2}}|[{_PICTO}](?:\uFE0F|[\U0001F3FB-\U0001F3FF]|\u200D[{_PICTO}])*")
 _CJK = "\u3040-\u30FF\u3400-\u4DBF\u4E00-\u9FFF\uF900-\uFAFF"  # written without spaces between words
@@ -25,8 +27,9 @@ NUMBER_WORD = "|".join(sorted((*_UNITS, *_TENS, *_SCALES), key=len, reverse=True
 NUMBER = rf"(?:\d+|(?:{NUMBER_WORD})(?:(?:\s+and\s+|[\s-]+)(?:{NUMBER_WORD}))*)\b"
 
 
-class CannotTell(Exception):
-    """A recognised rule whose check cannot be decided honestly on this reply; the message says why."""
+class CannotTell(RolemrcError):
+    """A recognised rule whose check cannot be decided honestly on this reply; the message says why (caught by the
+    nested verifier, which calls the verdict unjudgeable)."""
 
 
 def emojis(text: str) -> list[str]:
