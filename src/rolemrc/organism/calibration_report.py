@@ -54,11 +54,17 @@ def _found_text(kind: str, cells: list[dict[str, Any]]) -> str:
     return text + "."
 
 
+def units_per_layer(row: dict[str, Any]) -> float:
+    """A cell's place on the recovery curve: its per-layer budget (a selector may take fewer units from a layer where
+    fewer moved), else the median of its units per layer."""
+    return row["budget"].get("per_layer", row["coverage"]["per_layer"]["median"])
+
+
 def recovery(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The recovery curve: per planted organism, selector and factor, the share of the change undone (95% CI) at each
-    budget, by units per layer (the median over layers), beside its random-unit controls' shares."""
+    budget, by units per layer (`units_per_layer`), beside its random-unit controls' shares."""
     out = [{"organism": r["organism"], "dimension": r["dimension"], "selector": r["selector"], "factor": r["factor"],
-            "per_layer": r["coverage"]["per_layer"]["median"], "units": r["units"],
+            "per_layer": units_per_layer(r), "units": r["units"],
             **{k: r["restoration"][k] for k in ("share", "lo", "hi")}, "controls": r["controls_restoration"],
             "found": finds_change(r), "broken": r["broken"]} for r in rows if r["organism"] != NULL]
     return sorted(out, key=lambda c: (c["organism"], c["selector"], c["factor"], c["units"]))
@@ -144,10 +150,10 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
 
     panels = sorted({(r["organism"], r["dimension"]) for r in rows}, key=lambda p: (p[0] == NULL, p))
     color = {s: qualitative.Plotly[k % len(qualitative.Plotly)] for k, s in enumerate(sorted({r["selector"] for r in rows}))}
-    titles = [f"null, selected for {d}: change in pass rate" if k == NULL else f"{k} ({d}): share undone"
+    titles = [f"null, selected for<br>{d}:<br>change in pass rate" if k == NULL else f"{k}<br>({d}):<br>share undone"
               for k, d in panels]
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=titles)
-    per_layer = lambda r: r["coverage"]["per_layer"]["median"]  # noqa: E731
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=titles, horizontal_spacing=0.06)
+    per_layer = units_per_layer
     for col, (kind, dimension) in enumerate(panels, 1):
         mine = [r for r in rows if (r["organism"], r["dimension"]) == (kind, dimension)]
         share = kind != NULL
@@ -160,9 +166,7 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
                                  name="random-unit controls", showlegend=col == 1, hoverinfo="skip"), 1, col)
         if share:
             fig.add_hrect(y0=YANG_RANGE[0], y1=YANG_RANGE[1], fillcolor="rgba(255,165,0,0.18)", line_width=0,
-                          row=1, col=col)
-            fig.add_trace(go.Scatter(x=[xs[0]], y=[YANG_RANGE[1]], mode="text", text=["Yang et al. 2.5-24%"],
-                                     textposition="top right", showlegend=False, hoverinfo="skip"), 1, col)
+                          annotation_text="Yang et al.", annotation_position="top left", row=1, col=col)
         for selector in sorted({r["selector"] for r in mine}):
             for factor in sorted({r["factor"] for r in mine}):
                 line = sorted((r for r in mine if (r["selector"], r["factor"]) == (selector, factor)), key=per_layer)
@@ -182,8 +186,8 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
                     line={"dash": "solid" if factor == 0 else "dash", "color": color[selector]},
                     error_y=error), 1, col)
         fig.update_xaxes(type="log", title_text="units per layer", row=1, col=col)
-    fig.update_layout(template="plotly_white", margin={"t": 110},
+    fig.update_layout(template="plotly_white", margin={"t": 175}, width=300 * len(panels) + 260, height=560,
                       title="Recovery curves: does restraining a selector's units undo a known change?<br><sup>stars: "
                             "found (undone beyond the baseline and the controls, nothing else broken; on the null: "
-                            "flagged, a false positive); crosses: broke another dimension</sup>")
+                            "flagged, a false positive); crosses: broke another dimension; shaded: Yang et al.'s 2.5-24%</sup>")
     return write_figure(fig, out, "calibration", plotlyjs=True)

@@ -57,10 +57,9 @@ def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: Cal
                                       "--method and --factor yourself", rests_on=rests_on)
 
     def strength(recipe: Recipe) -> tuple[int, float, int]:
-        cells = found[recipe]
-        undone = [cells[k]["restoration"]["lo"] if k in cells and finds_change(cells[k]) else float("-inf")
-                  for k in kinds]
-        return sum(x > float("-inf") for x in undone), min(undone), -next(iter(cells.values()))["units"]
+        """Planted changes undone, the lowest lower CI bound among them, fewer units."""
+        undone = [r["restoration"]["lo"] for r in found[recipe].values() if finds_change(r)]
+        return len(undone), min(undone), -next(iter(found[recipe].values()))["units"]
 
     recipe = max(found, key=strength)
     cells = found[recipe]
@@ -79,6 +78,10 @@ def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: Cal
             doubts.append(f"on the null organism it {verb} {', '.join(hit)}")
     if not twins:
         doubts.append("there was no null organism to check it on")
+    others = [f"{o[0]} x{o[2]:g} at {Budget.of(json.loads(o[1])).label} undid "
+              + ", ".join(k for k, r in found[o].items() if finds_change(r)) for o in found if o != recipe]
+    if others and strength(recipe)[0] < len(kinds):
+        doubts.append("no recipe undid every planted change (" + "; ".join(others) + ")")
     holds_over, fails_over = [rests_on], []
     for other in against:
         verdict = _verdict_in(other, recipe)
