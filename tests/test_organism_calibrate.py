@@ -22,6 +22,7 @@ from rolemrc.intervene.budget import Budget
 from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.organism.calibration import calibrate, load_calibration
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism, sweeps
+from rolemrc.organism.calibration_report import headline
 from rolemrc.organism.config import OrganismError
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import broken, finds_change, flag_restorations, restoration, toward_sft
@@ -203,7 +204,8 @@ def test_the_paper_factor_runs_as_its_own_sweep_at_the_largest_budget_that_fits(
     assert sweeps(CalibrationConfig(out=str(tmp_path)), 1024) == {"": (curve[:3], [0.0]),
                                                                   "-paper": (curve[2:3], [PAPER_FACTOR])}
     assert sweeps(CalibrationConfig(out=str(tmp_path), paper_factor=False), 1536) == {"": (curve, [0.0])}
-    assert sweeps(CalibrationConfig(out=str(tmp_path)), 16) == {}
+    assert sweeps(CalibrationConfig(out=str(tmp_path)), 16) == {}   # a base narrower than every budget: no cell runs
+    assert headline([]).startswith("No cell ran: every budget was at or above the hook point's width")
     shares = CalibrationConfig(out=str(tmp_path), share=[0.5, 0.01])
     assert sweeps(shares, 8)["-paper"] == ([Budget("share", 0.5)], [PAPER_FACTOR])
 

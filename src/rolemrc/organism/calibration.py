@@ -18,6 +18,7 @@ of the grid alone only generates the cells that are new.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -47,6 +48,7 @@ from rolemrc.organism.scoring import cell_rows, flag_restorations
 from rolemrc.probe.options import DEFAULT_RESAMPLES
 
 BUDGET_KINDS = tuple(k for k in BUDGET_OPTIONS if k != "fdr")
+log = logging.getLogger(__name__)
 
 
 def probe_cases(pairs_file: Path, exclude: set[str], n: int, seed: int) -> list[dict[str, Any]]:
@@ -141,12 +143,15 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
         dimensions = [organism.dimension] if organism.dimension else planted
         flags[organism.kind] = {d: {tokens: diff_flags(inputs[tokens], d) for tokens in ("last", "all")}
                                 for d in dimensions}
-        grids = sweeps(config, hook_width(inputs["last"]))
+        width = hook_width(inputs["last"])
+        grids = sweeps(config, width)
+        if not grids:
+            skipped[organism.kind] = f"every budget is at or above the hook point's width ({width} per layer)"
+            log.warning("%s: every budget of the grid is at or above %s's %d units per layer at %s, so no cell runs; "
+                        "give --per-layer values below %d", organism.kind, organism.sft, width, config.hook, width)
         stability += [{"organism": organism.kind, **row} for selector in config.selectors for d in dimensions
                       for row in selection_stability(inputs[SELECTOR_INPUTS[selector]], d, selector,
-                                                     fitting(config.budgets(), hook_width(inputs["last"])))]
-        if not grids:
-            skipped[organism.kind] = f"every budget is at or above the hook point's width ({hook_width(inputs['last'])})"
+                                                     fitting(config.budgets(), width))]
         for selector in config.selectors:
             source = inputs[SELECTOR_INPUTS[selector]]
             for suffix, (budgets, factors) in grids.items():
@@ -169,7 +174,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
               "sweeps": sweep_dirs, "skipped": skipped,
               "timing": timing, "null_false_positive_rate": _rate(null, "flagged"),
               "null_changed_rate": _rate(null, "changed"), "null_broken_rate": _rate(null, "broken")}
-    result["figure"] = calibration_figure(rows, root)
+    result["figure"] = calibration_figure(rows, root) if rows else {}
     write_json(root / CALIBRATION_FILE, result)
     (root / "calibration.md").write_text(calibration_markdown(result))
     return result

@@ -16,6 +16,9 @@ from rolemrc.organism.scoring import finds_change
 def headline(rows: list[dict[str, Any]]) -> str:
     """Per planted organism, which selector finds its change and at what budget; the null's false-positive rate and
     the cells that broke it; whether the paper's factor 1 - 1e-6 changes anything."""
+    if not rows:
+        return ("No cell ran: every budget was at or above the hook point's width, or no selector could restrain "
+                "anything (calibration.json's `skipped` says which).")
     null = [r for r in rows if r["organism"] == NULL]
     parts = [_found_text(kind, [r for r in rows if r["organism"] == kind])
              for kind in dict.fromkeys(r["organism"] for r in rows if r["organism"] != NULL)]
