@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolemrc.core.io import read_jsonl, write_json, write_jsonl
 from rolemrc.core.stages import StageCache
@@ -49,6 +49,8 @@ from rolemrc.probe.options import DEFAULT_RESAMPLES
 
 BUDGET_KINDS = tuple(k for k in BUDGET_OPTIONS if k != "fdr")
 log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from rolemrc.probe.diff import DiffResult
 
 
 def probe_cases(pairs_file: Path, exclude: set[str], n: int, seed: int) -> list[dict[str, Any]]:
@@ -94,21 +96,11 @@ def probe_stages(cache: StageCache, organism: Organism, config: CalibrationConfi
     return inputs
 
 
-def diff_flags(diff_dir: str, dimension: str, fdr: float = ALPHA) -> dict[str, int | None]:
+def diff_flags(result: DiffResult, dimension: str, fdr: float = ALPHA) -> dict[str, int | None]:
     """Units the diff flags by itself in `dimension`: BH q < fdr on the frequency test and on the effect test."""
-    from rolemrc.probe import load_diff
-
-    result = load_diff(diff_dir)
     count = lambda q: int((q.get(dimension) < fdr).sum()) if dimension in q else None  # noqa: E731
     return {"frequency": count(result.qvalue) if result.tested else None,
             "effect": count(result.effect_q) if result.effect_tested else None}
-
-
-def hook_width(diff_dir: str) -> int:
-    """Units per layer at the hook point the diff read."""
-    from rolemrc.probe import load_diff
-
-    return int(load_diff(diff_dir).meta["width"])
 
 
 def sweep_stage(organism: Organism, dimensions: list[str], selector: str, source: str, config: CalibrationConfig,
@@ -132,6 +124,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     figures."""
     from rolemrc.intervene.spec import RestraintError
     from rolemrc.intervene.stability import selection_stability
+    from rolemrc.probe import load_diff
 
     root = Path(config.out)
     cache = cache or StageCache(root)
@@ -141,9 +134,9 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
         folder = root / organism.kind
         inputs = probe_stages(cache, organism, config, folder)
         dimensions = [organism.dimension] if organism.dimension else planted
-        flags[organism.kind] = {d: {tokens: diff_flags(inputs[tokens], d) for tokens in ("last", "all")}
-                                for d in dimensions}
-        width = hook_width(inputs["last"])
+        diffs = {tokens: load_diff(inputs[tokens]) for tokens in ("last", "all")}
+        flags[organism.kind] = {d: {tokens: diff_flags(diffs[tokens], d) for tokens in diffs} for d in dimensions}
+        width = int(diffs["last"].meta["width"])   # units per layer at the hook point
         grids = sweeps(config, width)
         if not grids:
             skipped[organism.kind] = f"every budget is at or above the hook point's width ({width} per layer)"
