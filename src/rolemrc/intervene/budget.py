@@ -76,6 +76,10 @@ def one_budget(**given: float | None) -> Budget:
 
 
 GRID_ONE = "at most one of --top-k/--per-layer/--share"
+# units per layer of the recovery curve (the share of a planted change undone against units: organism calibrate's
+# default grid; its first three are the budgets whose stability probe diff reports): on SmolLM2's 1,536-wide MLP 1%,
+# 4%, 17% and 67% of the units
+CURVE = (16, 64, 256, 1024)
 
 
 def budget_grid(default: list[Budget], **given: list[float] | None) -> list[Budget]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from rolemrc.intervene.budget import Budget
+from rolemrc.intervene.budget import CURVE, Budget
 from rolemrc.intervene.select import SELECTORS, Source, selected_units
 from rolemrc.intervene.spec import RestraintError
 from rolemrc.probe.options import Direction
 
-STABILITY_BUDGETS = tuple(Budget("per_layer", k) for k in (16, 64, 256))   # the recovery curve's budgets
+STABILITY_BUDGETS = tuple(Budget("per_layer", k) for k in CURVE[:3])   # the recovery curve's, below 1,024
 
 
 def selection_stability(source: Source, dimension: str, method: str, budgets: Sequence[Budget] = STABILITY_BUDGETS,

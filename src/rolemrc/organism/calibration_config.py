@@ -6,15 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolemrc.intervene.budget import Budget, budget_grid
+from rolemrc.intervene.budget import CURVE, Budget, budget_grid
 from rolemrc.intervene.spec import PAPER_FACTOR
 
 SELECTOR_INPUTS = {"frequency": "last", "frequency-all": "all", "standardized": "all", "attribution": "attribution"}
 ALPHA = 0.05   # the significance level of every test and flag
-# the default budgets, units per layer: the recovery curve (the share of a planted change undone against units).
-# Yang et al. (arXiv 2411.06424) find ablating the "toxic" neurons explains 2.5-24% of DPO's effect; on SmolLM2's
-# 1,536-wide MLP these are 1%, 4%, 17% and 67% of the units. Budgets at or above a model's width are left out.
-CURVE = (16, 64, 256, 1024)
+# the default budgets: intervene.budget.CURVE per layer, those below a model's width. Yang et al. (arXiv 2411.06424)
+# find ablating the "toxic" neurons explains 2.5-24% of DPO's effect, the curve's reference.
 YANG_RANGE = (0.025, 0.24)   # Yang et al.'s share of DPO's effect explained by ablating the units it changed
 
 

@@ -10,8 +10,8 @@ import typer
 
 from rolemrc.core.cli import choice, cli_app
 from rolemrc.core.extras import needs
-from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
-from rolemrc.organism.calibration_config import CURVE, PROBE_CASES, QUICK_GRID, QUICK_PROBE_CASES
+from rolemrc.intervene.budget import BUDGET_OPTIONS, CURVE, GRID_ONE
+from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_GRID, QUICK_PROBE_CASES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
 from rolemrc.probe.cli import Hook
 
