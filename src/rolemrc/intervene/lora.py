@@ -11,10 +11,13 @@ server exports inline restraints per request this way, beside a vLLM process tha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
 from rolemrc.probe.hooks import HOOK_POINTS, hook_point, layout_of, module_at
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+STALE_S = 3600.0   # a hidden folder in an adapter cache this old is an export or eviction that died midway
 
 
 @dataclass
@@ -201,12 +205,16 @@ class LoraExporter:
     def cached(self, spec: Any, cache_dir: str | os.PathLike, *, rank: int | None = None,
                checked: bool = False) -> Path:
         """The adapter for `spec` under `cache_dir`, keyed by model fingerprint, `Restraint.digest` and rank;
-        exported once (written beside and renamed, so a killed export leaves nothing half-written). `checked`: `spec`
+        exported once (written beside and renamed, so a killed export leaves nothing half-written) and touched on every
+        use (its mtime orders `evict_adapters`). `checked`: `spec`
         passed `check` on this exporter already (a server checks each restraint once, when it resolves it)."""
         r = as_restraint(spec)
         r_pad = lora_rank(max(len(u) for u in r.units.values()), rank)
         out = Path(cache_dir) / f"{self.fingerprint}-{r.digest}-r{r_pad}"
-        if not (out / "adapter_model.safetensors").is_file():
+        if (out / "adapter_model.safetensors").is_file():
+            with contextlib.suppress(OSError):   # the most recently used, for `evict_adapters`
+                os.utime(out)
+        else:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-"))
             try:
@@ -218,6 +226,44 @@ class LoraExporter:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return out
+
+
+def evict_adapters(cache_dir: str | os.PathLike, *, max_count: int, max_bytes: int,
+                   keep: Collection[os.PathLike] = ()) -> list[Path]:
+    """Delete the least recently used adapters under `cache_dir` (oldest mtime first, so processes sharing the folder
+    agree) until at most `max_count` adapters of at most `max_bytes` in all are left, sparing those in `keep` (in
+    use); the ones deleted. Each is renamed to a hidden name before it is deleted, so no reader finds half of one;
+    hidden folders older than STALE_S (an export or eviction killed midway) go too."""
+    folder = Path(cache_dir)
+    if not folder.is_dir():
+        return []
+    spared = {Path(p).name for p in keep}
+    adapters = []   # (mtime, bytes, path)
+    for entry in os.scandir(folder):
+        with contextlib.suppress(FileNotFoundError):   # another process evicting it now
+            if entry.name.startswith("."):
+                if time.time() - entry.stat().st_mtime > STALE_S:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+            elif entry.is_dir():
+                size = sum(f.stat().st_size for f in os.scandir(entry.path) if f.is_file())
+                adapters.append((entry.stat().st_mtime, size, Path(entry.path)))
+    adapters.sort()
+    count, total = len(adapters), sum(size for _, size, _ in adapters)
+    evicted = []
+    for _, size, path in adapters:
+        if count <= max_count and total <= max_bytes:
+            break
+        if path.name in spared:
+            continue
+        doomed = path.with_name(f".evict-{os.getpid()}-{path.name}")
+        try:
+            path.rename(doomed)
+        except OSError:   # another process evicted it first
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        count, total = count - 1, total - size
+        evicted.append(path)
+    return evicted
 
 
 def _target_name(model: nn.Module, role: str) -> str:

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.catalog import ModelCatalog
-from rolemrc.serve.config import ServeConfig
+from rolemrc.serve.config import Role, ServeConfig
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.middleware import BodyLimit, Lifecycle
 from rolemrc.serve.routes import ops, v1
@@ -88,8 +88,9 @@ async def reregister(state: State) -> None:
             log.warning("restraint %r registered earlier is not served: %s", name, exc)
 
 
-def create_app(config: ServeConfig) -> FastAPI:
-    state = State(config, config.api_keys())
+def create_app(config: ServeConfig, keys: dict[str, Role] | None = None) -> FastAPI:
+    """`keys`: the API keys and their roles (default: the config's)."""
+    state = State(config, config.api_keys() if keys is None else keys)
     app = FastAPI(title="rolemrc serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible endpoint for RoleMRC models with per-request restraints and A/B logs")
     app.state.rolemrc = state
@@ -97,7 +98,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.include_router(ops)
     install_error_handlers(app)
     if config.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(Lifecycle, state=state)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

@@ -86,6 +86,16 @@ class ModelCatalog:
             self.restraints[rname] = restraint
             return True, fits
 
+    async def unregister(self, rname: str) -> None:
+        """Stop serving a restraint registered while serving: its variants go and its name is free again."""
+        async with self._registering:
+            for vid, (name, r) in list(self.variants.items()):
+                if r == rname:
+                    del self.variants[vid]
+                    if self.engines[name].capabilities.lora_restraints:
+                        await self.engines[name].remove_adapter(rname)
+            self.restraints.pop(rname, None)
+
     def fitted(self, rname: str) -> list[str]:
         """The models serving the registered restraint `rname`."""
         return [name for name, r in self.variants.values() if r == rname]

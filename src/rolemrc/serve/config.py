@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -16,7 +18,10 @@ from rolemrc.serve.engines import ENGINES, engine_class
 from rolemrc.serve.errors import ServeConfigError
 
 T = TypeVar("T")
+log = logging.getLogger("rolemrc.serve")
 
+Role = Literal["serve", "admin"]   # serve: completions, models, reading restraints; admin: also changing them, experiments
+ROLES: tuple[Role, ...] = get_args(Role)
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 OnEngineDead = Literal["serve_others", "exit"]
 
@@ -81,8 +86,11 @@ class ServeConfig:
     allow_inline_restraints: bool = False
     strict_restraints: bool = False     # refuse a registered restraint selected on another model (default: a warning)
     max_inline_units: int = 4096
-    api_key_env: str | None = None      # env var with one key or a comma-separated list
-    api_key_file: str | None = None     # one key per line
+    api_key_env: str | None = None      # env var with a comma-separated list of KEY or KEY:admin
+    api_key_file: str | None = None     # one KEY or `KEY admin` per line; `#` starts a comment line
+    allow_no_auth: bool = False         # serve without keys on a non-loopback host (loopback: always allowed)
+    public_health_details: bool = False   # /health lists models and engines without an admin key
+    public_metrics: bool = False        # /metrics without a key
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 120.0
     max_queue: int = 256                # requests admitted (waiting + generating) per model
@@ -160,17 +168,56 @@ class ServeConfig:
                     except RestraintError as exc:
                         raise ServeConfigError(f"model {name!r}: {exc} (strict_restraints: true)") from None
 
-    def api_keys(self) -> set[str]:
-        """Keys accepted in `Authorization: Bearer`; empty means no auth."""
-        keys: set[str] = set()
+    def api_keys(self) -> dict[str, Role]:
+        """Keys accepted in `Authorization: Bearer`, with their roles; empty (auth off) only where no source is
+        configured. ServeConfigError for a configured source that yields no key, or a line it cannot read."""
+        keys: dict[str, Role] = {}
         if self.api_key_env:
             value = os.environ.get(self.api_key_env)
             if not value:
                 raise ServeConfigError(f"api_key_env {self.api_key_env!r} is set in the config but empty in the environment")
-            keys |= {k.strip() for k in value.split(",") if k.strip()}
+            entries = [item.strip().rsplit(":", 1) if ":" in item else [item.strip()] for item in value.split(",")]
+            _add_keys(keys, [e for e in entries if e[0]], f"${self.api_key_env}")
         if self.api_key_file:
-            keys |= {line.strip() for line in Path(self.api_key_file).read_text().splitlines() if line.strip()}
+            try:
+                lines = Path(self.api_key_file).read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ServeConfigError(f"api_key_file {self.api_key_file}: unreadable ({exc})") from None
+            entries = [line.split() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+            _add_keys(keys, entries, f"api_key_file {self.api_key_file}")
         return keys
+
+    def check_auth(self, host: str) -> dict[str, Role]:
+        """The keys to serve `host` with: without any, a loopback host is served open (with a warning), any other
+        host only with `allow_no_auth: true` (else ServeConfigError)."""
+        keys = self.api_keys()
+        if not keys:
+            if not (_loopback(host) or self.allow_no_auth):
+                raise ServeConfigError(f"host {host} is reachable from other machines, but no API keys are configured: "
+                                       "set api_key_file or api_key_env (or allow_no_auth: true to serve it open)")
+            log.warning("serving without API keys: every caller is admin", extra={"host": host})
+        return keys
+
+
+def _add_keys(keys: dict[str, Role], entries: list[list[str]], source: str) -> None:
+    """Add `[KEY]` or `[KEY, ROLE]` entries from `source`; ServeConfigError when it has none or a bad one."""
+    if not entries:
+        raise ServeConfigError(f"{source} holds no API key: an empty key set would serve everyone")
+    for entry in entries:
+        key, role = entry[0], entry[1] if len(entry) > 1 else "serve"
+        if len(entry) > 2 or role not in ROLES:
+            raise ServeConfigError(f"{source}: a key's role must be one of {ROLES}, not {' '.join(entry[1:])!r}")
+        if keys.setdefault(key, role) != role:
+            raise ServeConfigError(f"{source}: a key is listed with two roles ({keys[key]} and {role})")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _resolve(base: Path, value: str) -> Path:

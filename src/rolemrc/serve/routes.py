@@ -1,10 +1,11 @@
 """The HTTP routes as module-level routers whose handlers reach the server through `request.app.state`
-(vLLM's pattern): `v1`, the OpenAI-compatible API and A/B experiments behind the API key, and `ops`,
-health and Prometheus metrics."""
+(vLLM's pattern): `v1`, the OpenAI-compatible API and A/B experiments behind the API key (changing restraints and
+experiments behind an admin key), and `ops`, health and Prometheus metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import time
 import uuid
@@ -16,25 +17,42 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from rolemrc.serve import protocol as p
 from rolemrc.serve.completions import chat_completion, text_completion
+from rolemrc.serve.config import Role
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.state import app_state
 
 ERRORS = {status: {"model": p.ErrorResponse, "description": text} for status, text in (
-    (400, "bad request"), (401, "missing or wrong API key"), (404, "unknown model, restraint or experiment"),
+    (400, "bad request"), (401, "missing or wrong API key"), (403, "an admin route with a serve key"),
+    (404, "unknown model, restraint or experiment"),
     (413, "body too large"), (422, "invalid inline restraint or invalid request fields"), (429, "queue full"),
     (503, "shutting down"), (504, "request timeout"))}
 STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}}
 bearer = HTTPBearer(auto_error=False, description="an API key from the server's key file or env var")
 
 
-async def authorized(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-    keys = app_state(request).keys
-    if not keys:
-        return
+def caller(state: Any, creds: HTTPAuthorizationCredentials | None) -> tuple[str | None, Role]:
+    """(a short stable id of the caller's key, its role); 401 without a valid key. Without keys (auth off) every
+    caller is admin."""
+    if not state.keys:
+        return None, "admin"
     if creds is None or creds.scheme.lower() != "bearer":
         raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
-    if not any(hmac.compare_digest(creds.credentials.encode(), k.encode()) for k in keys):
+    sent = creds.credentials.encode()
+    roles = [role for key, role in state.keys.items() if hmac.compare_digest(sent, key.encode())]
+    if not roles:
         raise ApiError(401, "incorrect API key", code="invalid_api_key")
+    return hashlib.sha256(sent).hexdigest()[:12], roles[0]
+
+
+async def authorized(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    """Sets `request.state.key` and `request.state.role` for every /v1 route."""
+    request.state.key, request.state.role = caller(app_state(request), creds)
+
+
+async def admin(request: Request) -> None:
+    """403 for a key whose role is not admin (after `authorized`)."""
+    if request.state.role != "admin":
+        raise ApiError(403, "this route needs an admin key", code="forbidden")
 
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)], responses=ERRORS)
@@ -68,7 +86,7 @@ async def restraints(request: Request) -> p.RestraintList:
     return p.RestraintList(data=[restraint_card(state, name) for name in state.catalog.restraints])
 
 
-@v1.post("/restraints", response_model=p.RestraintCard, status_code=201,
+@v1.post("/restraints", response_model=p.RestraintCard, status_code=201, dependencies=[Depends(admin)],
          responses={200: {"model": p.RestraintCard, "description": "already registered with the same units"},
                     409: {"model": p.ErrorResponse, "description": "the name holds another restraint"}})
 async def register_restraint(body: p.RestraintCreate, request: Request) -> Any:
@@ -83,7 +101,7 @@ async def register_restraint(body: p.RestraintCreate, request: Request) -> Any:
     return card if new else JSONResponse(card.model_dump(), status_code=200)
 
 
-@v1.post("/experiments", response_model=p.Experiment, status_code=201,
+@v1.post("/experiments", response_model=p.Experiment, status_code=201, dependencies=[Depends(admin)],
          responses={409: {"model": p.ErrorResponse, "description": "id taken"}})
 async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Experiment:
     state = app_state(request)
@@ -100,29 +118,72 @@ async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Exp
     return p.Experiment(id=exp_id, description=body.description, arms=body.arms, created=created)
 
 
-@v1.get("/experiments/{exp_id}", response_model=p.Experiment)
+@v1.get("/experiments/{exp_id}", response_model=p.Experiment, dependencies=[Depends(admin)])
 async def get_experiment(exp_id: str, request: Request) -> p.Experiment:
     return p.Experiment(**await app_state(request).experiment(exp_id))
 
 
+@v1.delete("/restraints/{name}", status_code=204, dependencies=[Depends(admin)],
+           responses={409: {"model": p.ErrorResponse, "description": "from the config file, or an experiment uses it"}})
+async def delete_restraint(name: str, request: Request) -> Response:
+    """Unregister a restraint registered while serving: its variants go, and its name is free again."""
+    state = app_state(request)
+    if name not in state.catalog.restraints:
+        raise ApiError(404, f"unknown restraint {name!r}", code="restraint_not_found", param="name")
+    if name in state.config.restraints:
+        raise ApiError(409, f"restraint {name!r} comes from the config file; remove it there", code="restraint_in_config",
+                       param="name")
+    if state.store is not None and (users := await asyncio.to_thread(state.store.experiments_using, name)):
+        raise ApiError(409, f"restraint {name!r} is an arm of experiment(s) {users}; delete those first",
+                       code="restraint_in_use", param="name")
+    await state.catalog.unregister(name)
+    if state.store is not None:
+        await asyncio.to_thread(state.store.delete_restraint, name)
+    return Response(status_code=204)
+
+
+@v1.delete("/experiments/{exp_id}", status_code=204, dependencies=[Depends(admin)])
+async def delete_experiment(exp_id: str, request: Request) -> Response:
+    """Delete an experiment with its logged requests; its id is free again."""
+    state = app_state(request)
+    await state.experiment(exp_id)   # 400 without a database, 404 unknown
+    await asyncio.to_thread(state.store.delete_experiment, exp_id)
+    return Response(status_code=204)
+
+
 @ops.get("/health")
-async def health(request: Request) -> JSONResponse:
+async def health(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> JSONResponse:
     """`ok`; `restarting` while an engine comes back; `engine_dead` once one has given up (the worst state wins,
-    with the engines not ok listed). 503 while draining or when no model can answer, else 200."""
+    with the engines not ok listed). 503 while draining or when no model can answer, else 200. Only the status
+    without an admin key (unless public_health_details)."""
     state = app_state(request)
     if state.draining:
-        return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
-    engines = {name: engine.health() if hasattr(engine, "health") else ("ok", None)
-               for name, engine in state.catalog.engines.items()}
-    down = {name: {"state": s, "reason": why} for name, (s, why) in engines.items() if s != "ok"}
-    status = "engine_dead" if any(e["state"] == "dead" for e in down.values()) else "restarting" if down else "ok"
-    body = {"status": status, "models": sorted(state.catalog.variants)} | ({"engines": down} if down else {})
-    return JSONResponse(body, status_code=503 if len(down) == len(engines) else 200)
+        body, code = {"status": "draining", "inflight": state.inflight}, 503
+    else:
+        engines = {name: engine.health() if hasattr(engine, "health") else ("ok", None)
+                   for name, engine in state.catalog.engines.items()}
+        down = {name: {"state": s, "reason": why} for name, (s, why) in engines.items() if s != "ok"}
+        status = "engine_dead" if any(e["state"] == "dead" for e in down.values()) else "restarting" if down else "ok"
+        body = {"status": status, "models": sorted(state.catalog.variants)} | ({"engines": down} if down else {})
+        code = 503 if len(down) == len(engines) else 200
+    if not (state.config.public_health_details or is_admin(state, creds)):
+        body = {"status": body["status"]}
+    return JSONResponse(body, status_code=code)
+
+
+def is_admin(state: Any, creds: HTTPAuthorizationCredentials | None) -> bool:
+    try:
+        return caller(state, creds)[1] == "admin"
+    except ApiError:
+        return False
 
 
 @ops.get("/metrics", response_class=Response)
-async def metrics(request: Request) -> Response:
+async def metrics(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Response:
+    """Prometheus metrics; needs a key of any role unless public_metrics."""
     state = app_state(request)
+    if not state.config.public_metrics:
+        caller(state, creds)
     state.metrics.inflight.set(state.inflight)
     data, content_type = state.metrics.render(state.catalog.engines)
     return Response(data, media_type=content_type)

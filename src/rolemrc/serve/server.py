@@ -55,10 +55,12 @@ class DrainingServer(uvicorn.Server):
 
 def serve(config: ServeConfig, host: str | None = None, port: int | None = None) -> None:
     """Blocking: serve until signalled."""
-    config.preflight()
+    host = host or config.host
     logging.config.dictConfig(log_config(config.log_level))
-    app = create_app(config)
-    uv = uvicorn.Config(app, host=host or config.host, port=port if port is not None else config.port,
+    keys = config.check_auth(host)
+    config.preflight()
+    app = create_app(config, keys)
+    uv = uvicorn.Config(app, host=host, port=port if port is not None else config.port,
                         log_config=log_config(config.log_level), access_log=False,
                         timeout_graceful_shutdown=int(config.drain_timeout_s) + 1)
     state = app.state.rolemrc

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from rolemrc.serve.catalog import ModelCatalog
-from rolemrc.serve.config import ServeConfig
+from rolemrc.serve.config import Role, ServeConfig
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.metrics import Metrics
 from rolemrc.serve.store import Store
@@ -19,7 +19,7 @@ from rolemrc.serve.store import Store
 @dataclass
 class State:
     config: ServeConfig
-    keys: set[str]
+    keys: dict[str, Role]   # API key -> role; empty: auth off
     metrics: Metrics = field(default_factory=Metrics)
     catalog: ModelCatalog | None = None
     store: Store | None = None

@@ -69,6 +69,28 @@ class Store:
         with self._lock:
             self._db.execute("INSERT OR IGNORE INTO restraints VALUES (?, ?, ?)", (name, json.dumps(spec), created))
 
+    def delete_restraint(self, name: str) -> bool:
+        """Forget a restraint registered while serving; False when there was none by that name."""
+        with self._lock:
+            return self._db.execute("DELETE FROM restraints WHERE name = ?", (name,)).rowcount > 0
+
+    def delete_experiment(self, exp_id: str) -> bool:
+        """Delete an experiment and its logged requests in one transaction; False when there was none."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM requests WHERE experiment = ?", (exp_id,))
+            deleted = self._db.execute("DELETE FROM experiments WHERE id = ?", (exp_id,)).rowcount > 0
+            self._db.execute("COMMIT")
+        return deleted
+
+    def experiments_using(self, restraint: str) -> list[str]:
+        """The experiments with an arm on `restraint` (by the arm's `restraint` or a `model+restraint` id)."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, arms FROM experiments ORDER BY id").fetchall()
+        return [row["id"] for row in rows if any(arm.get("restraint") == restraint
+                                                 or arm["model"].partition("+")[2] == restraint
+                                                 for arm in json.loads(row["arms"]))]
+
     def restraints(self) -> dict[str, dict[str, Any]]:
         """name -> spec of the restraints registered while serving, oldest first."""
         with self._lock:

@@ -181,3 +181,6 @@ class LoraEngine(Engine, Protocol):
 
     async def add_adapter(self, name: str, restraint: Restraint) -> None:
         """Serve a restraint registered while running (it passed `check_restraint`)."""
+
+    async def remove_adapter(self, name: str) -> None:
+        """Stop serving a restraint registered while running."""

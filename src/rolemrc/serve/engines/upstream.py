@@ -171,20 +171,18 @@ class OpenAIProxy:
             raise ApiError(429, f"the queue of {self.name!r} is full ({self.max_queue} requests); retry later",
                            code="queue_full")
         self.admitted += 1
-        release = functools.partial(self._release, resolved)
         try:
-            path, body = self.body(prompt, params, resolved, await self.upstream_model(resolved))
-        except httpx.HTTPError as exc:
+            model = await self.upstream_model(resolved)
+        except BaseException as exc:
             self.admitted -= 1
-            raise await self.failed(ApiError(502, f"{self.where()} unreachable: {_why(exc)}")) from None
-        except BaseException:
-            self.admitted -= 1
-            raise
+            raise await self._unreachable(exc) from None
+        release = functools.partial(self._release, resolved)   # from here on, every refusal releases the hold
         try:
+            path, body = self.body(prompt, params, resolved, model)
             response = await self.client.send(self.client.build_request("POST", path, json=body), stream=True)
-        except httpx.HTTPError as exc:
+        except BaseException as exc:
             release()
-            raise await self.failed(ApiError(502, f"{self.where()} unreachable: {_why(exc)}")) from None
+            raise await self._unreachable(exc) from None
         if response.status_code != 200:
             release()
             raise await self.failed(await _upstream_error(response))
@@ -192,6 +190,13 @@ class OpenAIProxy:
         gen = Generation(0, release, on_cancel=lambda: holder["task"].cancel())
         holder["task"] = asyncio.create_task(self._relay(response, gen, prompt.messages is not None, params.logprobs))
         return gen
+
+    async def _unreachable(self, exc: BaseException) -> BaseException:
+        """What a failure before the upstream answered raises: a broken connection as 502 (503 from a supervised
+        engine found down), anything else as it was."""
+        if isinstance(exc, httpx.HTTPError):
+            return await self.failed(ApiError(502, f"{self.where()} unreachable: {_why(exc)}"))
+        return exc
 
     def _release(self, resolved: Resolved) -> None:
         self.admitted -= 1

@@ -2,8 +2,10 @@
 as an exact LoRA adapter (`intervene/lora.py`), so requests with different restraints, and none, share vLLM's
 batches. Registered restraints are exported on start (cached by model fingerprint and spec digest) and passed as
 `--lora-modules`; inline ones are exported per request and loaded through vLLM's runtime LoRA loading, at most
-`max_inline_adapters` at once (the least recently used idle one is unloaded to make room). When vLLM (or its engine
-process) dies, the proxy's supervisor starts it again on the same adapters, with the inline ones loaded again."""
+`max_inline_adapters` at once (the least recently used idle one is unloaded to make room). The adapter cache keeps at
+most `max_cached_adapters` folders and `max_adapter_cache_bytes` (least recently used first out; never one vLLM has
+loaded). When vLLM (or its engine process) dies, the proxy's supervisor starts it again on the same adapters, with the
+inline ones loaded again."""
 
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ class VllmOptions:
     #                                          without rolemrc's vLLM plugin, whose LoRA ops read a no-adapter row's
     #                                          index -1 as the last slot)
     adapter_cache: str | None = field(default=None, metadata=LOCAL_PATH)   # default: the cache folder's lora/
+    max_cached_adapters: int = 64            # adapter folders kept in adapter_cache (least recently used evicted)
+    max_adapter_cache_bytes: int = 4 << 30   # and their bytes in all
     lora: bool = True                        # serve restraints as LoRA adapters (false: vLLM without LoRA layers, at
     #                                          its full speed, unrestrained requests only)
     plugin: bool = True                      # rolemrc's vLLM plugin where installed (false: vLLM's own LoRA ops)
@@ -78,7 +82,8 @@ class VllmOptions:
 
     def __post_init__(self) -> None:
         _number("memory_utilization", self.memory_utilization, above=0, most=1)
-        for key in ("max_model_len", "max_lora_rank", "max_loras", "max_inline_adapters"):
+        for key in ("max_model_len", "max_lora_rank", "max_loras", "max_inline_adapters", "max_cached_adapters",
+                    "max_adapter_cache_bytes"):
             _number(key, getattr(self, key), integer=True, least=1)
         _number("restart_max", self.restart_max, integer=True, least=0)
         _number("restart_window_s", self.restart_window_s, above=0)
@@ -109,6 +114,7 @@ class VllmEngine(OpenAIProxy):
         self.cache = Path(os.path.expanduser(options.adapter_cache)) if options.adapter_cache else cache_dir() / "lora"
         self.rank = options.max_lora_rank
         self.registered: dict[str, Restraint] = {}   # vLLM adapter name -> Restraint
+        self.loaded: dict[str, Path] = {}      # vLLM adapter name -> its folder, for the adapters vLLM holds
         self.lora = True                       # start vLLM with LoRA (see register_adapters)
         self.inline = InlineAdapters(options.max_inline_adapters)
         self.unrestrained = name   # the vLLM model unrestrained requests ask for
@@ -167,9 +173,10 @@ class VllmEngine(OpenAIProxy):
                  # only the projections restraints fold into carry LoRA layers (vLLM wraps every one otherwise)
                  "--lora-target-modules", *self.exporter.target_modules(),
                  "--max-cpu-loras", str(max(self.options.max_loras, len(adapters) + self.options.max_inline_adapters))]
+        self.loaded |= {name: self.exporter.cached(r, self.cache, checked=True) for name, r in adapters.items()}
         if adapters:
-            args += ["--lora-modules", *(f"{name}={self.exporter.cached(r, self.cache, checked=True)}"
-                                         for name, r in adapters.items())]
+            args += ["--lora-modules", *(f"{name}={self.loaded[name]}" for name in adapters)]
+        self.evict(list(self.loaded.values()))
         return [*args, *self.options.vllm_args]
 
     def environment(self) -> dict[str, str]:
@@ -260,6 +267,12 @@ class VllmEngine(OpenAIProxy):
         await self._load(adapter, restraint)
         self.registered[adapter] = restraint
 
+    async def remove_adapter(self, name: str) -> None:
+        """A restraint registered while running, unregistered: unloaded (requests in flight on it may fail)."""
+        adapter = f"{self.name}+{name}"
+        await self._unload(adapter)
+        del self.registered[adapter]
+
     def unpin(self, resolved: Resolved) -> None:
         if resolved.key.startswith("inline:"):
             self.inline.release(self._inline_name(resolved))
@@ -270,11 +283,26 @@ class VllmEngine(OpenAIProxy):
 
     async def _load(self, name: str, restraint: Restraint) -> None:
         """Export (or find cached) and load a restraint that passed `check_restraint`."""
-        path = await asyncio.to_thread(self.exporter.cached, restraint, self.cache, checked=True)
-        await self._adapter_call("load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        self.loaded[name] = await asyncio.to_thread(self.exporter.cached, restraint, self.cache, checked=True)
+        try:
+            await self._adapter_call("load_lora_adapter", {"lora_name": name, "lora_path": str(self.loaded[name])})
+        except BaseException:
+            del self.loaded[name]
+            raise
+        await asyncio.to_thread(self.evict, list(self.loaded.values()))
 
     async def _unload(self, name: str) -> None:
         await self._adapter_call("unload_lora_adapter", {"lora_name": name})
+        del self.loaded[name]
+
+    def evict(self, keep: list[Path]) -> None:
+        """Bring the adapter cache within its caps, sparing `keep` (the adapters vLLM holds)."""
+        from rolemrc.intervene.lora import evict_adapters
+
+        evicted = evict_adapters(self.cache, max_count=self.options.max_cached_adapters,
+                                 max_bytes=self.options.max_adapter_cache_bytes, keep=keep)
+        if evicted:
+            log.info("adapter cache: evicted %d least recently used", len(evicted), extra={"model": self.name})
 
     async def _adapter_call(self, path: str, body: dict[str, str]) -> None:
         response = await self.client.post(path, json=body)
