@@ -76,7 +76,15 @@ CASES = {   # name -> (model entry or a callable of the bad dirs, extra config, 
                   "vllm_args must be a list of strings"),
     "on_engine_dead": (lambda d: {"path": str(d["good"])}, {"on_engine_dead": "shrug"}, {}, "on_engine_dead 'shrug'"),
     "dtype": (lambda d: {"path": str(d["good"]), "dtype": "float8"}, {}, {}, "dtype 'float8' is not one of"),
+    # auth fails closed: a key source that yields no key, a role that is not one, a reachable host without keys
+    "empty_key_env": (lambda d: {"path": str(d["good"])}, {"api_key_env": "ROLEMRC_API_KEYS"},
+                      {"ROLEMRC_API_KEYS": ","}, "$ROLEMRC_API_KEYS holds no API key"),
+    "key_role": (lambda d: {"path": str(d["good"])}, {"api_key_env": "ROLEMRC_API_KEYS"},
+                 {"ROLEMRC_API_KEYS": "k1:admin,k2:root"}, "a key's role must be one of ('serve', 'admin'), not 'root'"),
+    "open_host": (lambda d: {"path": str(d["good"])}, {"host": "0.0.0.0"}, {},
+                  "host 0.0.0.0 is reachable from other machines, but no API keys are configured"),
 }
+CONFIG_WIDE = {"on_engine_dead", "empty_key_env", "key_role", "open_host"}   # errors that name no model
 
 
 def test_configuration_errors_are_one_line_before_the_port_is_bound(bad_dirs, model_dirs, tmp_path):
@@ -93,7 +101,7 @@ def test_configuration_errors_are_one_line_before_the_port_is_bound(bad_dirs, mo
         assert done.returncode == EXIT_INPUT, (case, lines)
         assert len(lines) == 1 and lines[0].startswith("error: "), (case, lines)   # no log: the server never started
         assert CASES[case][3] in lines[0], (case, lines[0])
-        assert "model 'm'" in lines[0] or case == "on_engine_dead", (case, lines[0])
+        assert "model 'm'" in lines[0] or case in CONFIG_WIDE, (case, lines[0])
         assert not listening(port), case
 
 

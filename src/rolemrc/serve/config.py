@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import logging
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -18,7 +17,6 @@ from rolemrc.serve.engines import ENGINES, engine_class
 from rolemrc.serve.errors import ServeConfigError
 
 T = TypeVar("T")
-log = logging.getLogger("rolemrc.serve")
 
 Role = Literal["serve", "admin"]   # serve: completions, models, reading restraints; admin: also changing them, experiments
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -188,14 +186,12 @@ class ServeConfig:
         return keys
 
     def check_auth(self, host: str) -> dict[str, Role]:
-        """The keys to serve `host` with: without any, a loopback host is served open (with a warning), any other
-        host only with `allow_no_auth: true` (else ServeConfigError)."""
+        """The keys to serve `host` with: without any, a loopback host is served open, any other host only with
+        `allow_no_auth: true` (else ServeConfigError)."""
         keys = self.api_keys()
-        if not keys:
-            if not (_loopback(host) or self.allow_no_auth):
-                raise ServeConfigError(f"host {host} is reachable from other machines, but no API keys are configured: "
-                                       "set api_key_file or api_key_env (or allow_no_auth: true to serve it open)")
-            log.warning("serving without API keys: every caller is admin", extra={"host": host})
+        if not (keys or _loopback(host) or self.allow_no_auth):
+            raise ServeConfigError(f"host {host} is reachable from other machines, but no API keys are configured: "
+                                   "set api_key_file or api_key_env (or allow_no_auth: true to serve it open)")
         return keys
 
 

@@ -56,9 +56,11 @@ class DrainingServer(uvicorn.Server):
 def serve(config: ServeConfig, host: str | None = None, port: int | None = None) -> None:
     """Blocking: serve until signalled."""
     host = host or config.host
-    logging.config.dictConfig(log_config(config.log_level))
     keys = config.check_auth(host)
     config.preflight()
+    logging.config.dictConfig(log_config(config.log_level))
+    if not keys:
+        log.warning("serving without API keys: every caller is admin", extra={"host": host})
     app = create_app(config, keys)
     uv = uvicorn.Config(app, host=host, port=port if port is not None else config.port,
                         log_config=log_config(config.log_level), access_log=False,

@@ -1,0 +1,130 @@
+"""Auth that fails closed, over real HTTP: a configured key source that yields no key stops the start (one `error:`
+line, exit 2, before any model loads); a `serve` key serves completions and reads, an `admin` key also registers and
+deletes restraints and owns experiments (403 `forbidden` otherwise); deleting a restraint or an experiment frees its
+name; /health details and /metrics are behind a key unless the config opens them."""
+
+import os
+import sqlite3
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from rolemrc.core.errors import EXIT_INPUT
+from rolemrc.intervene import Restraint
+from rolemrc.serve.launch import running_server
+
+ADMIN, SERVE = "admin-key-0123", "serve-key-4567"
+CHAT = [{"role": "user", "content": "the storms quarter the old"}]
+SPEC = {"hook": "mlp.act", "factor": 0.0, "units": {"0": [1, 2, 3]}}
+
+
+def auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-auth")
+    Restraint(name="mute", hook="mlp.act", factor=0.0, units={0: [4, 5]}).save(root / "mute.yaml")
+    (root / "keys.txt").write_text(f"# operators\n{ADMIN} admin\n\n{SERVE}\n")
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "restraints": {"mute": "mute.yaml"},
+              "allow_inline_restraints": True, "api_key_file": "keys.txt", "db": "ab.sqlite", "default_max_tokens": 4}
+    with running_server(config, workdir=root) as srv:
+        yield srv
+
+
+def call(server, method: str, path: str, key: str | None, **kw) -> httpx.Response:
+    return httpx.request(method, server.base_url + path, headers=auth(key), timeout=60, **kw)
+
+
+def test_an_empty_key_source_stops_the_cli_before_any_model_loads(tmp_path):
+    """The model path does not exist: the key error comes first, so nothing was loaded or even checked."""
+    (tmp_path / "keys.txt").write_text("\n   \n# no key yet\n")
+    (tmp_path / "serve.yaml").write_text("models: {m: nowhere}\napi_key_file: keys.txt\n")
+    done = subprocess.run([sys.executable, "-m", "rolemrc.cli", "serve", "--config", str(tmp_path / "serve.yaml")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == EXIT_INPUT and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and "holds no API key" in lines[0] and "keys.txt" in lines[0]
+
+
+def test_keys_are_required_and_roles_decide_what_a_key_may_do(server):
+    assert call(server, "GET", "/v1/models", None).json()["error"]["code"] == "missing_api_key"
+    wrong = call(server, "GET", "/v1/models", "wrong")
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 3}
+    for key in (SERVE, ADMIN):   # both roles serve and read
+        assert call(server, "POST", "/v1/chat/completions", key, json=chat).status_code == 200
+        assert call(server, "GET", "/v1/models", key).status_code == 200
+        assert call(server, "GET", "/v1/restraints", key).status_code == 200
+    arms = [{"name": "a", "model": "tiny"}, {"name": "b", "model": "tiny+mute"}]
+    admin_only = [("POST", "/v1/restraints", {"name": "late", "spec": SPEC}),
+                  ("POST", "/v1/experiments", {"id": "roles", "arms": arms}),
+                  ("GET", "/v1/experiments/roles", None), ("DELETE", "/v1/restraints/late", None),
+                  ("DELETE", "/v1/experiments/roles", None)]
+    for method, path, body in admin_only:
+        refused = call(server, method, path, SERVE, json=body)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden", (method, path)
+    for (method, path, body), status in zip(admin_only, (201, 201, 200, 204, 204)):
+        assert call(server, method, path, ADMIN, json=body).status_code == status, (method, path)
+    # a serve key sends requests into an experiment (its rows are logged), it just cannot create or read one
+    assert call(server, "POST", "/v1/experiments", ADMIN, json={"id": "roles2", "arms": arms}).status_code == 201
+    sent = call(server, "POST", "/v1/chat/completions", SERVE, json={**chat, "model": "roles2", "experiment": "roles2"})
+    assert sent.status_code == 200 and sent.json()["arm"] in ("a", "b")
+    assert call(server, "GET", "/v1/experiments/roles2", ADMIN).json()["requests"] == {sent.json()["arm"]: 1}
+
+
+def test_deleting_frees_the_name_and_takes_the_rows(server):
+    registered = call(server, "POST", "/v1/restraints", ADMIN, json={"name": "gone", "spec": SPEC})
+    assert registered.status_code == 201
+    arms = [{"name": "base", "model": "tiny"}, {"name": "g", "model": "tiny", "restraint": "gone"}]
+    assert call(server, "POST", "/v1/experiments", ADMIN, json={"id": "del", "arms": arms}).status_code == 201
+    for k in range(4):
+        body = {"model": "del", "experiment": "del", "user": f"u{k}", "messages": CHAT, "max_tokens": 2}
+        assert call(server, "POST", "/v1/chat/completions", SERVE, json=body).status_code == 200
+    in_use = call(server, "DELETE", "/v1/restraints/gone", ADMIN)
+    assert in_use.status_code == 409 and in_use.json()["error"]["code"] == "restraint_in_use"
+    from_config = call(server, "DELETE", "/v1/restraints/mute", ADMIN)
+    assert from_config.status_code == 409 and from_config.json()["error"]["code"] == "restraint_in_config"
+    assert call(server, "DELETE", "/v1/restraints/nope", ADMIN).status_code == 404
+    assert call(server, "DELETE", "/v1/experiments/nope", ADMIN).status_code == 404
+
+    assert call(server, "DELETE", "/v1/experiments/del", ADMIN).status_code == 204
+    assert call(server, "GET", "/v1/experiments/del", ADMIN).status_code == 404
+    with sqlite3.connect(server.config.parent / "ab.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM requests WHERE experiment = 'del'").fetchone() == (0,)
+    again = call(server, "POST", "/v1/experiments", ADMIN, json={"id": "del", "arms": arms[:1]})
+    assert again.status_code == 201   # the id is free, and starts with no rows
+    assert call(server, "GET", "/v1/experiments/del", ADMIN).json()["requests"] == {}
+
+    assert call(server, "DELETE", "/v1/restraints/gone", ADMIN).status_code == 204
+    models = [m["id"] for m in call(server, "GET", "/v1/models", SERVE).json()["data"]]
+    assert "tiny+gone" not in models and "tiny+mute" in models
+    assert call(server, "POST", "/v1/chat/completions", SERVE,
+                json={"model": "tiny+gone", "messages": CHAT}).status_code == 404
+    other = {**SPEC, "factor": 0.5}   # the name is free for another restraint
+    assert call(server, "POST", "/v1/restraints", ADMIN, json={"name": "gone", "spec": other}).status_code == 201
+
+
+def test_health_details_and_metrics_need_a_key(server):
+    assert call(server, "GET", "/health", None).json() == {"status": "ok"}
+    assert call(server, "GET", "/health", SERVE).json() == {"status": "ok"}
+    assert call(server, "GET", "/health", "wrong").json() == {"status": "ok"}
+    assert "tiny+mute" in call(server, "GET", "/health", ADMIN).json()["models"]
+    assert call(server, "GET", "/metrics", None).status_code == 401
+    assert call(server, "GET", "/metrics", "wrong").status_code == 401
+    assert "rolemrc_requests_total" in call(server, "GET", "/metrics", SERVE).text
+
+
+def test_keys_from_the_environment_and_public_health_and_metrics(model_dirs, tmp_path):
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "api_key_env": "SERVE_KEYS", "db": None,
+              "public_health_details": True, "public_metrics": True}
+    with running_server(config, workdir=tmp_path, env={"SERVE_KEYS": f" {ADMIN}:admin , {SERVE} ,"}) as srv:
+        assert call(srv, "GET", "/health", None).json()["models"] == ["tiny"]
+        assert call(srv, "GET", "/metrics", None).status_code == 200
+        assert call(srv, "GET", "/v1/models", None).status_code == 401
+        assert call(srv, "POST", "/v1/restraints", SERVE, json={"name": "x", "spec": SPEC}).status_code == 403
+        # allow_inline_restraints is off: past the role check, the registration itself is refused
+        assert call(srv, "POST", "/v1/restraints", ADMIN, json={"name": "x", "spec": SPEC}).status_code == 400
