@@ -158,3 +158,34 @@ def test_export_reads_only_the_folded_weights_from_a_sharded_checkpoint(dirs, tm
     export_lora(dirs["llama"], r, tmp_path / "b")
     a, b = load_file(tmp_path / "a" / "adapter_model.safetensors"), load_file(tmp_path / "b" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_adapter_cache_evicts_the_least_recently_used_within_its_caps(dirs, tmp_path):
+    """Specs differing only by factor each make a folder; `evict_adapters` keeps the cache within count and bytes by
+    mtime (which `cached` refreshes on use), never touching an adapter in use or an export under way."""
+    import os
+    import time
+
+    from rolemrc.intervene.lora import STALE_S, LoraExporter, evict_adapters
+
+    exporter, cache = LoraExporter(dirs["llama"]), tmp_path / "cache"
+    made = [exporter.cached(spec("mlp.act", factor=0.5 + k * 1e-6), cache) for k in range(8)]
+    assert len(set(made)) == 8
+    for k, path in enumerate(made):   # distinct mtimes, oldest first
+        os.utime(path, (1e9 + k, 1e9 + k))
+    assert exporter.cached(spec("mlp.act", factor=0.5), cache) == made[0]   # a hit: now the most recent
+    size = sum(f.stat().st_size for f in made[0].iterdir())
+    exporting, stale = cache / ".export-live", cache / ".evict-123-dead"
+    exporting.mkdir()
+    stale.mkdir()
+    os.utime(stale, (time.time() - STALE_S - 10,) * 2)
+
+    evicted = evict_adapters(cache, max_count=5, max_bytes=1 << 30, keep=[made[1]])
+    assert evicted == made[2:5]   # the oldest, sparing the one in use
+    assert sorted(p.name for p in cache.iterdir()) == sorted([exporting.name] + [p.name for p in (made[0], made[1], *made[5:])])
+    # (sizes differ by a few bytes: the factor is in the metadata)
+    assert evict_adapters(cache, max_count=5, max_bytes=2 * size + 64, keep=[made[1]]) == made[5:]
+    assert {p for p in cache.iterdir() if not p.name.startswith(".")} == {made[0], made[1]}
+    # a cache already within its caps, or everything in use: nothing goes
+    assert evict_adapters(cache, max_count=1, max_bytes=size, keep=[made[0], made[1]]) == []
+    assert (made[0] / "adapter_model.safetensors").is_file() and exporting.is_dir()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import httpx
+import openai
 import pytest
 
 from rolemrc.core.errors import EXIT_INPUT
@@ -54,6 +55,9 @@ def test_keys_are_required_and_roles_decide_what_a_key_may_do(server):
     assert call(server, "GET", "/v1/models", None).json()["error"]["code"] == "missing_api_key"
     wrong = call(server, "GET", "/v1/models", "wrong")
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    sdk = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        sdk.chat.completions.create(model="tiny", messages=CHAT)
     chat = {"model": "tiny", "messages": CHAT, "max_tokens": 3}
     for key in (SERVE, ADMIN):   # both roles serve and read
         assert call(server, "POST", "/v1/chat/completions", key, json=chat).status_code == 200
