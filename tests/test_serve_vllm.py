@@ -33,6 +33,7 @@ INLINE = [{"name": f"inline{k}", "hook": "mlp.act", "factor": 0.0, "units": {str
 CHATS = [[{"role": "user", "content": text}] for text in
          ("the storms quarter the old", "a keeper of the light", "tell me of the harbour", "why do gulls cry")]
 ATOL = 2e-4   # vLLM's CPU kernels vs torch's, float32
+CACHED, CACHE_BYTES = 8, 8 << 20   # the adapter cache's caps: over the 7 adapters the tests before eviction's make
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def server(peaked_model, tmp_path_factory):
     for name, r in RESTRAINTS.items():
         r.save(root / f"{name}.yaml")
     config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "adapter_cache": "lora",
-                               "max_model_len": 512, "max_inline_adapters": 2,
+                               "max_model_len": 512, "max_inline_adapters": 2, "max_cached_adapters": CACHED,
+                               "max_adapter_cache_bytes": CACHE_BYTES,
                                # a random model pads JSON with whitespace until max_tokens runs out otherwise
                                "vllm_args": ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']},
                          "t": {"path": str(peaked_model)}},
@@ -195,6 +197,31 @@ def test_inline_restraints_load_at_runtime_within_the_bound(server, client):
     assert chat(client, "v", restraint=INLINE[1]).model_extra["restraint"] == "inline"
     cached = list((server.config.parent / "lora").iterdir())
     assert len(cached) == len(RESTRAINTS) + identity_adapters(client) + len(INLINE)
+
+
+def test_inline_specs_differing_by_factor_leave_the_adapter_cache_within_its_caps(server, client):
+    """Each new spec digest exports an adapter; the least recently used ones nobody holds are evicted."""
+    cache = server.config.parent / "lora"
+    for k in range(50):
+        spec = {"name": "f", "hook": "mlp.act", "factor": 0.5 + k * 1e-6, "units": {"0": [1, 2, 3]}}
+        assert chat(client, "v", restraint=spec).model_extra["restraint"] == "inline"
+        adapters = [p for p in cache.iterdir() if not p.name.startswith(".")]
+        assert len(adapters) <= CACHED
+        assert sum(f.stat().st_size for p in adapters for f in p.iterdir()) <= CACHE_BYTES
+    # the registered restraints' adapters were never evicted: each still answers as the transformers engine does
+    assert_same(chat(client, "v+silence"), chat(client, "t+silence"))
+
+
+def test_requests_refused_after_the_adapter_hold_leave_inline_restraints_usable(server, client, tokenizer):
+    """A token id outside the vocabulary is refused (400) after the request took its inline adapter's hold: each
+    such request must release it, or `max_inline_adapters` of them leave every new inline spec a 503."""
+    for k in range(2 + 2):   # max_inline_adapters + 2, each a new spec
+        spec = {"name": "h", "hook": "mlp.act", "factor": 0.25 + k * 1e-6, "units": {"1": [4, 5]}}
+        bad = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
+                         json={"model": "v", "prompt": [5, len(tokenizer)], "max_tokens": 2, "restraint": spec})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+    fresh = {"name": "h", "hook": "mlp.act", "factor": 0.75, "units": {"1": [4, 5]}}
+    assert_same(chat(client, "v", restraint=fresh), chat(client, "t", restraint=fresh))
 
 
 def test_a_restraint_registered_while_serving_becomes_an_adapter(server, client):
