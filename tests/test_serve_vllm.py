@@ -231,6 +231,12 @@ def test_a_restraint_registered_while_serving_becomes_an_adapter(server, client)
     assert_same(chat(client, "v+late"), chat(client, "t+late"))
     assert shown(chat(client, "v+late").choices[0].message.content) != shown(chat(client, "v").choices[0].message.content)
     assert {"v+late", "t+late"} <= {m.id for m in client.models.list().data}
+    # deleted, its adapter is unloaded and the name is free for another restraint
+    assert httpx.delete(server.base_url + "/v1/restraints/late").status_code == 204
+    assert not {"v+late", "t+late"} & {m.id for m in client.models.list().data}
+    other = {**spec, "factor": 0.5}
+    assert httpx.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": other}).status_code == 201
+    assert_same(chat(client, "v+late"), chat(client, "t+late"))
 
 
 def test_unknown_and_inexpressible_restraints_are_refused(client):

@@ -91,9 +91,9 @@ class ModelCatalog:
         async with self._registering:
             for vid, (name, r) in list(self.variants.items()):
                 if r == rname:
-                    del self.variants[vid]
                     if self.engines[name].capabilities.lora_restraints:
                         await self.engines[name].remove_adapter(rname)
+                    del self.variants[vid]
             self.restraints.pop(rname, None)
 
     def fitted(self, rname: str) -> list[str]:

@@ -78,8 +78,12 @@ class Store:
         """Delete an experiment and its logged requests in one transaction; False when there was none."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("DELETE FROM requests WHERE experiment = ?", (exp_id,))
-            deleted = self._db.execute("DELETE FROM experiments WHERE id = ?", (exp_id,)).rowcount > 0
+            try:
+                self._db.execute("DELETE FROM requests WHERE experiment = ?", (exp_id,))
+                deleted = self._db.execute("DELETE FROM experiments WHERE id = ?", (exp_id,)).rowcount > 0
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
             self._db.execute("COMMIT")
         return deleted
 

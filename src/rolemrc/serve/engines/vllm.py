@@ -268,10 +268,11 @@ class VllmEngine(OpenAIProxy):
         self.registered[adapter] = restraint
 
     async def remove_adapter(self, name: str) -> None:
-        """A restraint registered while running, unregistered: unloaded (requests in flight on it may fail)."""
+        """A registered restraint, unregistered: unloaded (requests in flight on it may fail)."""
         adapter = f"{self.name}+{name}"
-        await self._unload(adapter)
-        del self.registered[adapter]
+        if adapter in self.registered:
+            await self._unload(adapter)
+            del self.registered[adapter]
 
     def unpin(self, resolved: Resolved) -> None:
         if resolved.key.startswith("inline:"):
