@@ -176,6 +176,9 @@ class Stream:
             try:
                 with httpx.stream("POST", self.base_url + "/v1/chat/completions", json=body, headers=headers,
                                   timeout=httpx.Timeout(600, connect=5)) as reply:
+                    if reply.status_code != 200:   # refused (a full queue): try again shortly
+                        self._stop.wait(0.2)
+                        continue
                     for line in reply.iter_lines():
                         if self._stop.is_set():
                             return
@@ -202,11 +205,16 @@ class Stream:
                 "stream_gap_max_ms": round(1000 * max(gaps), 1)}
 
 
+async def aiter_of(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
 async def ask(client: httpx.AsyncClient, path: str, key: str, timeout: float, body: Any = None,
               method: str = "POST") -> dict[str, Any]:
     """status, code, param and seconds of one request ("timed out" / "connection error" as its status)."""
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    content = body if isinstance(body, bytes) or (body is not None and not isinstance(body, dict)) else None
+    content = body if isinstance(body, bytes) else aiter_of(body) if isinstance(body, Iterator) else None
     start = time.perf_counter()
     try:
         reply = await client.request(method, path, headers=headers, content=content,
@@ -225,7 +233,8 @@ async def ask(client: httpx.AsyncClient, path: str, key: str, timeout: float, bo
 
 
 async def streamed_tokens(client: httpx.AsyncClient, body: dict[str, Any], key: str, cap_s: float) -> dict[str, Any]:
-    """A streaming request read for at most `cap_s`: status, tokens received, whether it finished."""
+    """A streaming request read for at most `cap_s`: status, tokens generated (the final usage, else the content
+    chunks received), whether it finished."""
     start, tokens, finished, status = time.perf_counter(), 0, False, None
 
     async def read() -> None:
@@ -233,9 +242,9 @@ async def streamed_tokens(client: httpx.AsyncClient, body: dict[str, Any], key: 
         async with client.stream("POST", "/v1/chat/completions", json=body, timeout=cap_s + 5,
                                  headers={"Authorization": f"Bearer {key}"}) as reply:
             status = reply.status_code
-            lines: AsyncIterator[str] = reply.aiter_lines()
-            async for line in lines:
-                tokens += line.startswith("data: {") and '"content"' in line
+            async for line in reply.aiter_lines():
+                chunk = json.loads(line[6:]) if line.startswith("data: {") else {}
+                tokens = (chunk.get("usage") or {}).get("completion_tokens") or tokens + bool(chunk.get("choices"))
                 finished = finished or line == "data: [DONE]"
 
     with contextlib.suppress(TimeoutError, httpx.HTTPError):
@@ -306,15 +315,15 @@ def attacks(model: str, context: int, max_queue: int, timeout: float) -> dict[st
         return answer | {"ms_per_token": round(1000 * answer["seconds"] / STREAM_TOKENS, 2)
                          if answer["status"] == 200 else None}
 
-    return {
-        "inline_units": inline_units,
+    return {   # the ones that may leave the server hung or killed last
         "chunked_body": lambda c: ask(c, chat, KEYS[0], timeout, chunked_body(model, BODY_BYTES + (1 << 20))),
         "long_stops": long_stops,
-        "prompts_times_n": lambda c: ask(c, text, KEYS[0], timeout, prompts_times_n_body(model)),
         "no_max_tokens": lambda c: streamed_tokens(c, no_max_tokens_body(model), KEYS[0], min(timeout, 5.0)),
         "echo_logprobs_at_window": lambda c: ask(c, text, KEYS[0], timeout, echo_logprobs_body(model, context)),
         "metadata": lambda c: ask(c, chat, KEYS[0], timeout, metadata_body(model)),
         "key_flood": lambda c: flood(c, model, max_queue, timeout),
+        "prompts_times_n": lambda c: ask(c, text, KEYS[0], timeout, prompts_times_n_body(model)),
+        "inline_units": inline_units,
     }
 
 
@@ -336,6 +345,7 @@ def attack_once(name: str, make: Callable[[httpx.AsyncClient], Any], target: Tar
         shared["rss_cap_hit"] = True
     if target.revive():
         shared["server_restarted"] = True
+        stream.wait_for(len(stream.tokens) + 2 * STREAM_TOKENS)   # the new server warmed up before the next attack
     return {k: v | shared for k, v in answers.items()}
 
 
@@ -352,6 +362,7 @@ def run(model: Path | None = None, base_url: str | None = None, served_model: st
     keys KEY1 and KEY2) or the one at `base_url` (whose keys must be KEY1 and KEY2, with an experiment `attacks`)."""
     from rolemrc.bench.common import make_model_dir
 
+    load = [round(x, 2) for x in os.getloadavg()]   # the machine's other work skews every timing
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if base_url is None:
@@ -390,4 +401,4 @@ def run(model: Path | None = None, base_url: str | None = None, served_model: st
             "model": str(model) if model else ("random-init demo Llama" if base_url is None else served_model),
             "context_window": context, "max_queue": max_queue, "timeout_s": timeout, "rss_cap_mb": rss_cap_mb,
             "body_bytes": BODY_BYTES, "stream_tokens": STREAM_TOKENS, "baseline": baseline,
-            "server_restarts": target.restarts, "attacks": results}
+            "server_restarts": target.restarts, "load_average_at_start": load, "attacks": results}
