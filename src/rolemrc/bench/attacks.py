@@ -349,10 +349,18 @@ def attack_once(name: str, make: Callable[[httpx.AsyncClient], Any], target: Tar
     return {k: v | shared for k, v in answers.items()}
 
 
-def server_config(model_dir: Path, max_queue: int) -> dict[str, Any]:
-    return {"models": {"tiny": {"path": str(model_dir)}}, "allow_inline_restraints": True, "db": "ab.sqlite",
-            "api_key_file": "keys.txt", "max_queue": max_queue, "max_batch": 8, "max_new_tokens": 512,
-            "request_timeout_s": 300, "log_level": "warning"}
+def start_target(model_dir: Path, root: Path, max_queue: int) -> Target:
+    """A server on `model_dir` as the bench attacks it (its files in `root`): keys KEY1 and KEY2, inline restraints,
+    an A/B database with the experiment `attacks`, room for `max_queue` requests."""
+    config = {"models": {"tiny": {"path": str(model_dir)}}, "allow_inline_restraints": True, "db": "ab.sqlite",
+              "api_key_file": "keys.txt", "max_queue": max_queue, "max_batch": 8, "max_new_tokens": 512,
+              "request_timeout_s": 300, "log_level": "warning"}
+    (root / "keys.txt").write_text("\n".join(KEYS) + "\n")
+    server = start_server(config, workdir=root, timeout=300)
+    target = Target(server.base_url, server)
+    httpx.post(target.base_url + "/v1/experiments", timeout=30, headers={"Authorization": f"Bearer {KEYS[0]}"},
+               json={"id": EXPERIMENT, "arms": [{"name": "a", "model": "tiny"}]}).raise_for_status()
+    return target
 
 
 def run(model: Path | None = None, base_url: str | None = None, served_model: str | None = None,
@@ -367,16 +375,9 @@ def run(model: Path | None = None, base_url: str | None = None, served_model: st
         root = Path(tmp)
         if base_url is None:
             model_dir = model or make_model_dir("demo", root)
-            config = server_config(model_dir, max_queue)
-            (root / "keys.txt").write_text("\n".join(KEYS) + "\n")
-            server = start_server(config, workdir=root, timeout=300)
-            target = Target(server.base_url, server)
+            target = start_target(model_dir, root, max_queue)
             window = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 2048)
             context, served_model = context or window, "tiny"
-            experiment = httpx.post(target.base_url + "/v1/experiments", timeout=30,
-                                    headers={"Authorization": f"Bearer {KEYS[0]}"},
-                                    json={"id": EXPERIMENT, "arms": [{"name": "a", "model": served_model}]})
-            experiment.raise_for_status()
         else:
             target = Target(base_url.rstrip("/").removesuffix("/v1"))
             served_model = served_model or httpx.get(target.base_url + "/v1/models", timeout=30, headers={
