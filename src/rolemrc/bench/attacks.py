@@ -34,7 +34,6 @@ CHAT = [{"role": "user", "content": "the keeper of the lighthouse"}]
 STREAM_TOKENS = 200
 MIN_WINDOW_S = 1.0
 BODY_BYTES = (1 << 20) - 4096   # payloads just under the default max_body_bytes: the attack is what the body holds
-FLOOD_TOKENS = 32
 EXPERIMENT = "attacks"
 KEYS = ("KEY1", "KEY2")   # KEY1 attacks and floods; KEY2 streams and sends the one request beside the flood
 
@@ -92,7 +91,7 @@ def metadata_body(model: str, size: int = 64 << 10) -> dict[str, Any]:
 
 
 def flood_body(model: str) -> dict[str, Any]:
-    return {"model": model, "messages": CHAT, "max_tokens": FLOOD_TOKENS, "ignore_eos": True}
+    return {"model": model, "messages": CHAT, "max_tokens": STREAM_TOKENS, "ignore_eos": True}
 
 
 # --- measuring ---
@@ -253,17 +252,34 @@ async def streamed_tokens(client: httpx.AsyncClient, body: dict[str, Any], key: 
             "tokens": tokens, "finished": finished, "capped_at_s": cap_s}
 
 
+async def admitted(client: httpx.AsyncClient, body: dict[str, Any], key: str, timeout: float) -> dict[str, Any]:
+    """Whether a streaming request gets in: its status when the answer starts (a stream starts once admitted), then
+    it is dropped."""
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, timeout=timeout,
+                                 headers={"Authorization": f"Bearer {key}"}) as reply:
+            error = json.loads(await reply.aread()).get("error", {}) if reply.status_code != 200 else {}
+            return {"status": reply.status_code, "code": error.get("code"), "param": error.get("param"),
+                    "seconds": round(time.perf_counter() - start, 3)}
+    except httpx.TimeoutException:
+        return {"status": "timed out", "code": None, "param": None, "seconds": round(time.perf_counter() - start, 3)}
+
+
 async def flood(client: httpx.AsyncClient, model: str, count: int, timeout: float) -> dict[str, Any]:
-    """KEY1 sends `count` requests at once; 0.5 s later KEY2 sends one: its answer, and KEY1's answers by status."""
+    """KEY1 sends `count` long requests at once; 0.5 s later KEY2 sends one: whether it gets in, and KEY1's
+    answers by status (those still generating 0.5 s after KEY2's answer are dropped, counted as admitted)."""
     floods = [asyncio.create_task(ask(client, "/v1/chat/completions", KEYS[0], timeout, flood_body(model)))
               for _ in range(count)]
     await asyncio.sleep(0.5)
-    second = await ask(client, "/v1/chat/completions", KEYS[1], timeout, {**flood_body(model), "max_tokens": 1})
-    answers = await asyncio.gather(*floods)
+    second = await admitted(client, flood_body(model), KEYS[1], timeout)
+    await asyncio.sleep(0.5)
     by_status: dict[str, int] = {}
-    for a in answers:
-        label = f"{a['status']} {a['code'] or ''}".strip()
+    for task in floods:
+        label = "admitted" if not task.done() else f"{task.result()['status']} {task.result()['code'] or ''}".strip()
         by_status[label] = by_status.get(label, 0) + 1
+        task.cancel()
+    await asyncio.gather(*floods, return_exceptions=True)
     return {**second, "flood": by_status}
 
 
