@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -107,7 +107,24 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-class RssSampler:
+class Background:
+    """`_run` in a daemon thread for the length of a `with` block, until `_stop` is set."""
+
+    def __enter__(self) -> Self:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class RssSampler(Background):
     """VmRSS of the server every 10 ms in a thread; `peak_since(mark)` is the growth since `mark()`; past `cap_mb`
     of growth the server is SIGKILLed (`capped` says it was)."""
 
@@ -116,16 +133,6 @@ class RssSampler:
         self.start_mb: float | None = None
         self.peak_mb: float | None = None
         self.capped = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def mark(self) -> None:
         pid = self.pid()
@@ -148,23 +155,13 @@ class RssSampler:
 
 
 @dataclass
-class Stream:
+class Stream(Background):
     """Streaming chat requests one after another in a thread; `tokens` holds (request number, arrival time)."""
 
     base_url: str
     model: str
     key: str
     tokens: list[tuple[int, float]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> Stream:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def _run(self) -> None:
         body = {"model": self.model, "messages": CHAT, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True}
