@@ -312,6 +312,10 @@ class Target:
         return True
 
 
+ATTACKS = ("chunked_body", "long_stops", "no_max_tokens", "echo_logprobs_at_window", "metadata", "key_flood",
+           "prompts_times_n", "inline_units")   # the ones that may leave the server hung or killed last
+
+
 def attacks(model: str, context: int, max_queue: int, timeout: float) -> dict[str, Callable[[httpx.AsyncClient], Any]]:
     """Each attack's coroutine factory; `inline_units` also answers for `health_during_inline_units`."""
     chat, text = "/v1/chat/completions", "/v1/completions"
@@ -328,7 +332,7 @@ def attacks(model: str, context: int, max_queue: int, timeout: float) -> dict[st
         return answer | {"ms_per_token": round(1000 * answer["seconds"] / STREAM_TOKENS, 2)
                          if answer["status"] == 200 else None}
 
-    return {   # the ones that may leave the server hung or killed last
+    return {   # in the order of ATTACKS
         "chunked_body": lambda c: ask(c, chat, KEYS[0], timeout, chunked_body(model, BODY_BYTES + (1 << 20))),
         "long_stops": long_stops,
         "no_max_tokens": lambda c: streamed_tokens(c, no_max_tokens_body(model), KEYS[0], min(timeout, 5.0)),
@@ -382,7 +386,11 @@ def run(model: Path | None = None, base_url: str | None = None, served_model: st
     """Every attack (or those in `only`) against a server this starts (on `model`, default a random-init demo Llama;
     keys KEY1 and KEY2) or the one at `base_url` (whose keys must be KEY1 and KEY2, with an experiment `attacks`)."""
     from rolemrc.bench.common import make_model_dir
+    from rolemrc.core.errors import InputError
 
+    unknown = sorted(set(only) - set(ATTACKS))
+    if unknown:
+        raise InputError(f"--only: unknown attack(s) {unknown}; choose from {', '.join(ATTACKS)}")
     load = [round(x, 2) for x in os.getloadavg()]   # the machine's other work skews every timing
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -396,7 +404,8 @@ def run(model: Path | None = None, base_url: str | None = None, served_model: st
             served_model = served_model or httpx.get(target.base_url + "/v1/models", timeout=30, headers={
                 "Authorization": f"Bearer {KEYS[0]}"}).json()["data"][0]["id"]
             context = context or 2048
-        chosen = {k: v for k, v in attacks(served_model, context, max_queue, timeout).items() if not only or k in only}
+        every = attacks(served_model, context, max_queue, timeout)
+        chosen = {k: v for k, v in every.items() if not only or k in only}
         results: dict[str, Any] = {}
         try:
             with RssSampler(lambda: target.pid, rss_cap_mb) as sampler, \
