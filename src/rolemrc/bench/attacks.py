@@ -125,7 +125,7 @@ class Background:
 
 
 class RssSampler(Background):
-    """VmRSS of the server every 10 ms in a thread; `peak_since(mark)` is the growth since `mark()`; past `cap_mb`
+    """VmRSS of the server every 10 ms in a thread; `growth_mb()` is its peak growth since `mark()`; past `cap_mb`
     of growth the server is SIGKILLed (`capped` says it was)."""
 
     def __init__(self, pid: Callable[[], int | None], cap_mb: float) -> None:
