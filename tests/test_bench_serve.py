@@ -1,5 +1,6 @@
 """`rolemrc bench serve --engine ...` at a tiny scale over real HTTP (the transformers engine only, so no vLLM is
-needed): the report is complete and every rate positive; bad engines and model directories are input errors."""
+needed): the report is complete and every rate positive; bad engines and model directories are input errors. And
+`rolemrc bench attacks` on two attacks: a report per attack (tests/test_serve_attacks.py checks the answers)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,16 @@ def test_bad_engine_and_model_are_input_errors(tmp_path):
     assert result.exit_code == EXIT_INPUT and "'--dtype': 'float64' is not one of 'auto', 'float32', 'bfloat16', 'float16'" in result.output
     result = runner.invoke(app, ["serve", "--engine", "transformers", "--model", str(tmp_path)])
     assert result.exit_code == EXIT_INPUT and "not a Hugging Face model directory" in result.output
+
+
+def test_attacks_bench_report():
+    result = CliRunner().invoke(app, ["attacks", "--only", "metadata,chunked_body", "--timeout", "10"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["benchmark"] == "attacks" and out["context_window"] == 512 and out["server_restarts"] == 0
+    assert list(out["attacks"]) == ["chunked_body", "metadata"] and out["baseline"]["stream_gap_max_ms"] > 0
+    for answer in out["attacks"].values():
+        assert isinstance(answer["status"], int) and answer["seconds"] > 0 and answer["rss_growth_mb"] is not None
+        assert answer["stream_gap_max_ms"] >= answer["stream_gap_p50_ms"] >= 0
+    result = CliRunner().invoke(app, ["attacks", "--only", "metadata,slowloris"])
+    assert result.exit_code == EXIT_INPUT and "unknown attack(s) ['slowloris']" in result.output

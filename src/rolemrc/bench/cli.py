@@ -162,6 +162,28 @@ def serve_cmd(
         emit(run(concurrencies, tokens or 32, waves, repeats or 3, size, device=concrete(device)), out)
 
 
+@app.command("attacks")
+@needs("serve")
+def attacks_cmd(
+    model: Path = typer.Option(None, help="a local model directory to serve (default: a random-init demo Llama)"),
+    base_url: str = typer.Option(None, help="attack this running server instead (its keys KEY1 and KEY2, an "
+                                            "experiment 'attacks'; no RSS without its pid)"),
+    served_model: str = typer.Option(None, help="with --base-url: the model id (default: the first it lists)"),
+    context: int = typer.Option(None, help="the served model's context window (default: its config's, or 2048)"),
+    max_queue: int = typer.Option(128, min=2, help="the server's max_queue; the flood sends this many requests"),
+    timeout: float = typer.Option(30.0, help="client timeout per attack, seconds"),
+    rss_cap_mb: float = typer.Option(2048.0, help="kill the server when an attack grows its RSS past this"),
+    only: str = typer.Option(None, help="comma list of attacks to run (default: all)"),
+    out: Path = typer.Option(None, "--json", help="also write the JSON here"),
+) -> None:
+    """Each hostile request of issue 44 sent once to a real server while a stream runs: status, code, seconds to
+    answer, server RSS growth, the stream's inter-token gaps against its baseline."""
+    from rolemrc.bench.attacks import run
+
+    emit(run(model, base_url, served_model, context, max_queue, timeout, rss_cap_mb,
+             only=tuple(a.strip() for a in only.split(",")) if only else ()), out)
+
+
 @app.command("generate")
 def generate_cmd(
     size: list[str] = typer.Option(["demo", "smollm2"], "--size", help="repeatable or a comma list of: demo, smollm2 "
