@@ -367,12 +367,13 @@ def attack_once(name: str, make: Callable[[httpx.AsyncClient], Any], target: Tar
 
 
 def start_target(model_dir: Path, root: Path, max_queue: int) -> Target:
-    """A server on `model_dir` as the bench attacks it (its files in `root`): keys KEY1 and KEY2, inline restraints,
+    """A server on `model_dir` as the bench attacks it (its files in `root`): keys KEY1 (admin) and KEY2, inline
+    restraints,
     an A/B database with the experiment `attacks`, room for `max_queue` requests."""
     config = {"models": {"tiny": {"path": str(model_dir)}}, "allow_inline_restraints": True, "db": "ab.sqlite",
               "api_key_file": "keys.txt", "max_queue": max_queue, "max_batch": 8, "max_new_tokens": 512,
               "request_timeout_s": 300, "log_level": "warning"}
-    (root / "keys.txt").write_text("\n".join(KEYS) + "\n")
+    (root / "keys.txt").write_text(f"{KEYS[0]} admin\n{KEYS[1]}\n")   # KEY1 creates the experiment
     server = start_server(config, workdir=root, timeout=300)
     target = Target(server.base_url, server)
     httpx.post(target.base_url + "/v1/experiments", timeout=30, headers={"Authorization": f"Bearer {KEYS[0]}"},
