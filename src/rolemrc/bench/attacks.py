@@ -368,8 +368,7 @@ def attack_once(name: str, make: Callable[[httpx.AsyncClient], Any], target: Tar
 
 def start_target(model_dir: Path, root: Path, max_queue: int) -> Target:
     """A server on `model_dir` as the bench attacks it (its files in `root`): keys KEY1 (admin) and KEY2, inline
-    restraints,
-    an A/B database with the experiment `attacks`, room for `max_queue` requests."""
+    restraints, an A/B database with the experiment `attacks`, room for `max_queue` requests."""
     config = {"models": {"tiny": {"path": str(model_dir)}}, "allow_inline_restraints": True, "db": "ab.sqlite",
               "api_key_file": "keys.txt", "max_queue": max_queue, "max_batch": 8, "max_new_tokens": 512,
               "request_timeout_s": 300, "log_level": "warning"}
