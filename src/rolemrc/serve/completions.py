@@ -159,7 +159,7 @@ def disconnected() -> ApiError:
     return ApiError(499, "client disconnected", type="cancelled")
 
 
-@dataclass
+@dataclass(eq=False)
 class Call(ABC):
     """One admitted request on its way out."""
 
@@ -211,7 +211,6 @@ class Call(ABC):
             await call.commit("shutdown" if error.code == "shutting_down" else "error", error.body())
             raise error from None
         call.outs = [Piece("") for _ in call.choices]
-        state.calls.add(call)
         if body.stream:
             return StreamingResponse(call.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -251,7 +250,9 @@ class Call(ABC):
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
-        """Every generation of the call, closed (cancelled if unfinished) on the way out."""
+        """The call among the server's in-flight calls; every generation of it closed (cancelled if unfinished) on the
+        way out."""
+        self.state.calls.add(self)
         try:
             yield
         finally:
