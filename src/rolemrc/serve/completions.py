@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -22,20 +21,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from rolemrc.generate.params import SamplingParams, TokenLogprob
-from rolemrc.serve import idempotency
+from rolemrc.serve import idempotency, outcome
 from rolemrc.serve import protocol as p
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines.base import Engine, Generation, Piece, Prompt, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.experiments import assign
+from rolemrc.serve.outcome import Ended, disconnected, internal_error, render
 from rolemrc.serve.state import State, app_state
-from rolemrc.serve.store import StoreError
 
 log = logging.getLogger("rolemrc.serve")
 
@@ -140,23 +138,6 @@ async def submit_all(engine: Engine, prompts: list[Prompt], params: SamplingPara
                 gen.close()
         raise refused
     return [Choice(i, prompt, gen, k == 0) for i, ((prompt, k, _), gen) in enumerate(zip(asks, gens))]
-
-
-class Ended(Exception):
-    """A request that cannot complete: why (its rows' finish_reason) and the error its client gets."""
-
-    def __init__(self, reason: str, error: ApiError) -> None:
-        super().__init__(reason)
-        self.reason, self.error = reason, error
-
-
-def internal_error(exc: Exception) -> ApiError:
-    log.error("request failed", exc_info=exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}")
-
-
-def disconnected() -> ApiError:
-    return ApiError(499, "client disconnected", type="cancelled")
 
 
 @dataclass(eq=False)
@@ -354,10 +335,10 @@ class Call(ABC):
                     await self.commit(end.reason, end.error.body())
                 except ApiError as store:
                     end.error = store
-                yield _sse(end.error.body())
+                yield p.sse(end.error.body())
                 return
             except ApiError as store:   # the store refused the rows
-                yield _sse(store.body())
+                yield p.sse(store.body())
                 return
             except (asyncio.CancelledError, GeneratorExit):
                 await self.commit_quietly(self.interrupted())
@@ -365,7 +346,7 @@ class Call(ABC):
             except Exception as exc:
                 error = internal_error(exc)
                 await self.commit_quietly("error", error.body())
-                yield _sse(error.body())
+                yield p.sse(error.body())
                 return
         self.observe(usage)
         for choice in self.choices:
@@ -384,29 +365,13 @@ class Call(ABC):
 
     def replay(self, stored: dict[str, Any]) -> Response:
         """The response stored under the request's idempotency key, whole or as server-sent events."""
-        headers = {"Idempotent-Replayed": "true"}
-        if "error" in stored:
-            return JSONResponse(stored, status_code=idempotency.replayed_status(stored), headers=headers)
-        if not self.body.stream:
-            return JSONResponse(stored, headers=headers)
-
-        async def events() -> AsyncIterator[str]:
-            chunk = {"id": stored["id"], "created": stored["created"], "model": stored["model"],
-                     **{k: stored.get(k) for k in ("restraint", "experiment", "arm")}}
-            for choice in stored["choices"]:
-                for delta in self.replayed_deltas(choice):
-                    yield _sse(self.chunk_model(**chunk, choices=[delta]).model_dump(exclude_none=True))
-            if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                yield _sse(self.chunk_model(**chunk, choices=[], usage=stored["usage"]).model_dump(exclude_none=True))
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                                     **headers})
+        usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        return idempotency.replay(stored, self.body.stream, usage, self.chunk_model, self.replayed_deltas)
 
     def chunk(self, created: int, choices: list[BaseModel], *, usage: p.Usage | None = None) -> str:
         out = self.chunk_model(id=self.id, created=created, model=self.route.model_id, choices=choices, usage=usage,
                                **self.served())
-        return _sse(out.model_dump(exclude_none=True))
+        return p.sse(out.model_dump(exclude_none=True))
 
     def timeout(self) -> ApiError:
         return ApiError(504, f"the request took longer than {self.state.config.request_timeout_s} s", code="timeout")
@@ -426,20 +391,14 @@ class Call(ABC):
                                    time.perf_counter() - self.clock, usage.prompt_tokens, usage.completion_tokens)
 
     async def commit(self, reason: str | None, response: dict[str, Any] | None) -> None:
-        """For an experiment request, once: its A/B rows (one per choice it asked for, with the text generated so
-        far; `reason` the finish_reason of all of them when it did not complete) and, with an idempotency key, the
-        response its client got, in one transaction before anything is acknowledged. 503 with the store's code
-        when the database refuses."""
+        """For an experiment request, once: its A/B rows (`outcome.rows`; `reason` the finish_reason of all of them
+        when it did not complete) and, with an idempotency key, the response its client got, in one transaction
+        before anything is acknowledged. 503 with the store's code when the database refuses."""
         if self.route.experiment is None or self.logged:
             return
         self.logged = True
-        rows = self.rows(reason)
         key = (self.route.experiment, self.key) if self.key is not None else None
-        try:
-            with anyio.CancelScope(shield=True):   # written even while the request's task is being cancelled
-                await asyncio.to_thread(self.state.store.log_request, rows, key, response if key else None)
-        except StoreError as exc:
-            raise ApiError(503, str(exc), code=exc.code) from exc
+        await outcome.write(self.state.store, outcome.rows(self, reason), key, response if key else None)
 
     async def commit_quietly(self, reason: str, response: dict[str, Any] | None = None) -> None:
         """`commit` for a request whose client can no longer be told that the store refused."""
@@ -447,26 +406,6 @@ class Call(ABC):
             await self.commit(reason, response)
         except ApiError as exc:
             log.error("A/B rows not written: %s", exc.message, extra={"id": self.id})
-
-    def rows(self, reason: str | None) -> list[dict[str, Any]]:
-        n, latency, finished = self.body.n, time.perf_counter() - self.clock, time.time()
-        if self.choices:
-            asked = [(c.index, c.prompt, out.text, c.gen) for c, out in zip(self.choices, self.outs)]
-        else:
-            asked = [(i * n + k, prompt, "", None) for i, prompt in enumerate(self.prompts) for k in range(n)]
-        rows = []
-        for index, prompt, text, gen in asked:
-            final = gen.final if gen is not None else None
-            rows.append({"id": self.id if len(asked) == 1 else f"{self.id}:{index}", "experiment": self.route.experiment,
-                         "arm": self.route.arm, "user": self.body.user, "model": self.route.model_id,
-                         "restraint": self.served()["restraint"], "endpoint": self.endpoint,
-                         "messages": self.logged_messages(prompt), "response": text,
-                         "finish_reason": reason or final.finish_reason, "latency_s": latency,
-                         "prompt_tokens": gen.prompt_tokens if gen is not None else 0,
-                         "completion_tokens": final.completion_tokens if final else 0, "metadata": self.body.metadata,
-                         "started": self.started, "finished": finished})
-        return rows
-
 
 class ChatCall(Call):
     endpoint = "chat"
@@ -545,19 +484,6 @@ class TextCall(Call):
 
 def _top(token: str, logprob: float | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-def render(body: dict[str, Any]) -> bytes:
-    """A whole response as JSON; output that cannot render (NaN, inf) is a failed generation, refused before its
-    rows are committed as a success."""
-    try:
-        return json.dumps(body, allow_nan=False).encode()
-    except ValueError:
-        raise Ended("error", ApiError(500, "generation failed: the output is not finite", code="generation_failed")) from None
 
 
 async def _disconnected(request: Request) -> None:

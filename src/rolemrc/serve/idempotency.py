@@ -4,11 +4,15 @@ the first attempt's stored response (`Idempotent-Replayed: true`) instead of gen
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from rolemrc.serve.errors import ApiError
+from rolemrc.serve.protocol import sse
 from rolemrc.serve.store import Store, StoreError
 
 HEADER = "Idempotency-Key"
@@ -48,6 +52,24 @@ async def release(store: Store, experiment: str, key: str) -> None:
         raise ApiError(503, str(exc), code=exc.code) from exc
 
 
-def replayed_status(stored: dict[str, Any]) -> int:
-    """The status a stored error body was answered with (only server-side failures are stored)."""
-    return STATUS_OF_TYPE.get(stored["error"]["type"], 500)
+def replay(stored: dict[str, Any], stream: bool, include_usage: bool, chunk_model: type[BaseModel],
+           deltas: Callable[[dict[str, Any]], list[BaseModel]]) -> Response:
+    """A stored response again: an error with the status it had (only server-side failures are stored), a whole
+    response as is or, for a request that streams, as server-sent events (`deltas` turns a whole choice into its
+    streamed ones)."""
+    headers = {"Idempotent-Replayed": "true"}
+    if "error" in stored:
+        return JSONResponse(stored, status_code=STATUS_OF_TYPE.get(stored["error"]["type"], 500), headers=headers)
+    if not stream:
+        return JSONResponse(stored, headers=headers)
+
+    async def events() -> AsyncIterator[str]:
+        chunk = {k: stored.get(k) for k in ("id", "created", "model", "restraint", "experiment", "arm")}
+        for choice in stored["choices"]:
+            for delta in deltas(choice):
+                yield sse(chunk_model(**chunk, choices=[delta]).model_dump(exclude_none=True))
+        if include_usage:
+            yield sse(chunk_model(**chunk, choices=[], usage=stored["usage"]).model_dump(exclude_none=True))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
