@@ -166,10 +166,10 @@ def test_an_idempotent_retry_logs_once_and_replays(served):
     too_long = httpx.post(url, json=ask("exp", "idem-long"), headers={"Idempotency-Key": "x" * 256})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "Idempotency-Key"
 
-    slow = ask("slow", "idem-busy", max_tokens=60, ignore_eos=True)
+    slow = ask("slow", "idem-busy", max_tokens=30, ignore_eos=True)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(httpx.post, url, json=slow, headers={"Idempotency-Key": "k4"}, timeout=60)
-        time.sleep(1.0)
+        time.sleep(0.5)
         busy = httpx.post(url, json=slow, headers={"Idempotency-Key": "k4"}, timeout=60)
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "idempotency_key_in_use"
         assert running.result().status_code == 200

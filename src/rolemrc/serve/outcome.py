@@ -8,15 +8,12 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.store import Store, StoreError
-
-if TYPE_CHECKING:
-    from rolemrc.serve.completions import Call
 
 log = logging.getLogger("rolemrc.serve")
 
@@ -48,10 +45,11 @@ def render(body: dict[str, Any]) -> bytes:
                                       code="generation_failed")) from None
 
 
-def rows(call: Call, reason: str | None) -> list[dict[str, Any]]:
-    """A row per choice (id `<id>` for a single choice, else `<id>:<index>`) with the text generated so far;
-    `reason`: the finish_reason of every row when the request did not complete, else each choice's own. A request
-    that failed before admission gets a row per choice it asked for, with no text."""
+def rows(call: Any, reason: str | None) -> list[dict[str, Any]]:
+    """The rows of `call` (a `completions.Call`): one per choice (id `<id>` for a single choice, else
+    `<id>:<index>`) with the text generated so far; `reason`: the finish_reason of every row when the request did not
+    complete, else each choice's own. A request that failed before admission gets a row per choice it asked for,
+    with no text."""
     n, latency, finished = call.body.n, time.perf_counter() - call.clock, time.time()
     if call.choices:
         asked = [(c.index, c.prompt, out.text, c.gen) for c, out in zip(call.choices, call.outs)]
