@@ -32,7 +32,7 @@ from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines.base import Engine, Generation, Piece, Prompt, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.experiments import assign
-from rolemrc.serve.outcome import Ended, disconnected, internal_error, render
+from rolemrc.serve.outcome import Ended, disconnected, internal_error, render, shut_down
 from rolemrc.serve.state import State, app_state
 
 log = logging.getLogger("rolemrc.serve")
@@ -191,6 +191,9 @@ class Call(ABC):
                 raise error from None
             await call.commit("shutdown" if error.code == "shutting_down" else "error", error.body())
             raise error from None
+        except asyncio.CancelledError:   # the client left (or the server is stopping) while it was admitted
+            await call.commit_quietly(call.interrupted())
+            raise
         call.outs = [Piece("") for _ in call.choices]
         if body.stream:
             return StreamingResponse(call.events(), media_type="text/event-stream",
@@ -243,12 +246,11 @@ class Call(ABC):
 
     def shut_down(self) -> None:
         """End the request now (the server's shutdown grace has passed): its rows are logged `shutdown`."""
-        self.queue.put_nowait((-1, Ended("shutdown", ApiError(503, "the server shut down before the request "
-                                                                   "finished", code="shutting_down"))))
+        self.queue.put_nowait((-1, shut_down()))
 
-    def interrupted(self) -> str:
+    def interrupted(self) -> Ended:
         """Why a request was torn down from outside (its task cancelled)."""
-        return "shutdown" if self.state.draining else "disconnected"
+        return shut_down() if self.state.draining else Ended("disconnected", disconnected())
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
         """Every choice's pieces as they come (position in `choices`, piece), kept in `outs`; raises Ended on a
@@ -345,7 +347,7 @@ class Call(ABC):
                 raise
             except Exception as exc:
                 error = internal_error(exc)
-                await self.commit_quietly("error", error.body())
+                await self.commit_quietly(Ended("error", error))
                 yield p.sse(error.body())
                 return
         self.observe(usage)
@@ -400,10 +402,10 @@ class Call(ABC):
         key = (self.route.experiment, self.key) if self.key is not None else None
         await outcome.write(self.state.store, outcome.rows(self, reason), key, response if key else None)
 
-    async def commit_quietly(self, reason: str, response: dict[str, Any] | None = None) -> None:
+    async def commit_quietly(self, end: Ended) -> None:
         """`commit` for a request whose client can no longer be told that the store refused."""
         try:
-            await self.commit(reason, response)
+            await self.commit(end.reason, end.error.body())
         except ApiError as exc:
             log.error("A/B rows not written: %s", exc.message, extra={"id": self.id})
 

@@ -26,6 +26,10 @@ class Ended(Exception):
         self.reason, self.error = reason, error
 
 
+def shut_down() -> Ended:
+    return Ended("shutdown", ApiError(503, "the server shut down before the request finished", code="shutting_down"))
+
+
 def internal_error(exc: Exception) -> ApiError:
     log.error("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}")
