@@ -26,7 +26,7 @@ def long_stream(base_url):
 
 def test_queue_full_then_drain_on_sigterm(model_dirs, tmp_path):
     config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_queue": 1, "max_batch": 1,
-              "max_new_tokens": 400, "db": None, "drain_timeout_s": 30}
+              "max_new_tokens": 400, "db": None, "shutdown_grace_s": 30}
     server = start_server(config, workdir=tmp_path)
     try:
         with long_stream(server.base_url) as first:

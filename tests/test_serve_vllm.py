@@ -48,7 +48,7 @@ def server(peaked_model, tmp_path_factory):
                                "vllm_args": ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']},
                          "t": {"path": str(peaked_model)}},
               "restraints": {name: f"{name}.yaml" for name in RESTRAINTS}, "allow_inline_restraints": True,
-              "max_new_tokens": 64, "default_max_tokens": 12, "db": "ab.sqlite", "drain_timeout_s": 60}
+              "max_new_tokens": 64, "default_max_tokens": 12, "db": "ab.sqlite", "shutdown_grace_s": 60}
     srv = start_server(config, workdir=root, env={"ROLEMRC_VLLM_PYTHON": VLLM}, timeout=600)
     yield srv
     stop_server(srv)
@@ -360,6 +360,32 @@ def test_sigterm_while_vllm_starts_stops_everything_promptly(peaked_model, tmp_p
         assert not left, f"left running: {left}"
         assert time.monotonic() - start < 30
         assert "stopping while starting" in server.logs()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_a_second_sigterm_still_stops_vllm(peaked_model, tmp_path):
+    """SIGTERM, then SIGTERM again at once, with a stream in flight: the second signal ends the stream now (unless
+    it is done already), and the server still stops vLLM's whole process group before it exits."""
+    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "max_model_len": 512}}, "db": None,
+              "max_new_tokens": 400}
+    server = start_server(config, workdir=tmp_path, env={"ROLEMRC_VLLM_PYTHON": VLLM}, timeout=600)
+    try:
+        tree = descendants(server.proc.pid)
+        body = {"model": "v", "messages": CHATS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+            server.signal(signal.SIGTERM)
+            server.signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert server.wait(60) == 0, server.logs()[-3000:]
+        assert '"shutting_down"' in rest[-1] or rest[-1] == "data: [DONE]"   # vLLM may finish 400 tokens first
+        deadline = time.monotonic() + 10
+        while any(map(alive, tree)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in tree if alive(pid)], "vLLM outlived the server"
     finally:
         if server.proc.poll() is None:
             server.proc.kill()

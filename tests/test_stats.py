@@ -101,10 +101,10 @@ def clustered(tmp_path):
     plan += [("B", f"b{k}", lat, PASS if k % 2 else FAIL) for k, lat in enumerate(SPREAD)]
     plan += [("B", "heavy", 1.6 + 0.01 * (k % 3), PASS) for k in range(60)]
     for k, (arm, user, latency, response) in enumerate(plan):
-        store.log_request({"id": f"r{k:03d}", "experiment": "exp", "arm": arm, "user": user, "model": "m",
+        store.log_request([{"id": f"r{k:03d}", "experiment": "exp", "arm": arm, "user": user, "model": "m",
                            "endpoint": "chat", "messages": QUESTION, "response": response, "finish_reason": "stop",
                            "latency_s": latency, "prompt_tokens": 5, "completion_tokens": 5,
-                           "metadata": {"task": REFUSED}, "started": float(k), "finished": float(k) + latency})
+                           "metadata": {"task": REFUSED}, "started": float(k), "finished": float(k) + latency}])
     yield store, plan
     store.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from rolemrc.core.stats import TEST_LABELS, cluster_means, mean_ci, welch
 from rolemrc.eval.judges import JudgeConfig, judge_info
 from rolemrc.serve.store import Store
 
+COMPLETED = ("stop", "length")   # other finish reasons (error, timeout, disconnected, shutdown): failed requests
 OPERATIONAL = ("latency_s", "completion_tokens", "response_chars")
 UNIT_NOTE = (": arms are assigned per user, so each quantity is averaged per user first (a request without a user "
              "is its own cluster); CIs resample users, tests are Welch's t on per-user means (judge: Welch on per-user "
@@ -127,9 +129,11 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
     per_user: dict[str, dict[str, np.ndarray]] = {}
     for arm in exp["arms"]:
         mine = [r for r in rows if r["arm"] == arm["name"]]
-        summary, values = score_arm([r for r in mine if r["finish_reason"] != "error"], config, metrics, rounds)
+        done = [r for r in mine if r["finish_reason"] in COMPLETED]
+        summary, values = score_arm(done, config, metrics, rounds)
+        failed = Counter(r["finish_reason"] for r in mine if r["finish_reason"] not in COMPLETED)
         arms[arm["name"]] = {"model": arm["model"], "restraint": arm.get("restraint"), "weight": arm["weight"],
-                             **summary, "failed": sum(r["finish_reason"] == "error" for r in mine)}
+                             **summary, "failed": sum(failed.values()), "failed_by_reason": dict(failed)}
         per_user[arm["name"]] = values
     names = list(arms)
     control = names[0]

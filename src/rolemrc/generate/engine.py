@@ -92,6 +92,7 @@ class Engine:
         self.window, self.per_layer_type = mask_layout(model.config)
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.waiting: deque[Request] = deque()
+        self.joining: list[Request] = []   # taken into slots for the next prefill group, not yet in it
         self.group: PrefillGroup | None = None
         self.decoding: dict[int, Request] = {}
         self.free = list(range(max_batch))
@@ -118,7 +119,9 @@ class Engine:
 
     @property
     def running(self) -> list[Request]:
-        return [*(self.group.requests if self.group else []), *self.decoding.values()]
+        """Requests holding a slot (joining or in the prefill group, or decoding), each once."""
+        return list(dict.fromkeys([*self.joining, *(self.group.requests if self.group else []),
+                                   *self.decoding.values()]))
 
     def step(self) -> None:
         """One round: admit, one prefill chunk, one decode step."""
@@ -131,9 +134,10 @@ class Engine:
             self._decode()
 
     def fail(self) -> list[Request]:
-        """Free every running request's slot after a failed forward; returns them (the caller reports the error)."""
-        failed = self.running
-        self.group = None
+        """Free the slot of every request that holds one after a failed step (those joining or in the prefill
+        group, and the decoding ones); returns them (the caller reports the error at once)."""
+        failed = [r for r in self.running if r.slot >= 0]
+        self.joining, self.group = [], None
         for request in failed:
             self.prefixes.drop(request.slot)
             self._free(request)
@@ -156,8 +160,21 @@ class Engine:
         slot holds (`prefix.PrefixIndex`) starts from a copy of those positions; one whose next block another
         request of this group is about to compute waits for the next group, to copy it then."""
         self.free.sort()
-        requests, starts, computing, deferred = [], [], set(), []
+        self.joining = requests = []
+        starts, computing, deferred = [], set(), []
         scan = len(self.free) * 4 + 64   # how far down the queue a group looks for requests it can take
+        try:
+            self._take(requests, starts, computing, deferred, scan)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+        if requests:
+            self.group = self._group(requests, starts)
+        self.joining = []
+
+    def _take(self, requests: list[Request], starts: list[int], computing: set[int], deferred: list[Request],
+              scan: int) -> None:
+        """Move waiting requests into free slots (appending to `requests`, `starts`), deferring those that wait
+        for a block the group computes."""
         while self.waiting and self.free and scan:
             scan -= 1
             request = self.waiting.popleft()
@@ -180,9 +197,9 @@ class Engine:
             starts.append(blocks * BLOCK)
             self.stats["prompt_tokens"] += len(request.prompt)
             self.stats["prompt_tokens_reused"] += blocks * BLOCK
-        self.waiting.extendleft(reversed(deferred))
-        if not requests:
-            return
+
+    def _group(self, requests: list[Request], starts: list[int]) -> PrefillGroup:
+        """The prefill group of requests just given slots, their prompts from `starts` on left-padded together."""
         if self.cache.reserve(max(len(r.prompt) + r.max_tokens for r in requests)) and self.graphs:
             self.graphs.clear()
         suffixes = [r.prompt[k:] for r, k in zip(requests, starts)]
@@ -200,8 +217,8 @@ class Engine:
         positions = torch.where(column >= pad, first + column - pad, lengths[:, None] + column % room)
         index = torch.tensor([r.slot for r in requests], device=self.device)
         self.next_pos[index] = lengths.to(self.device)   # a prefilling slot's safe write position in decode steps
-        self.group = PrefillGroup(requests, index, ids.to(self.device), positions.to(self.device),
-                                  lengths.to(self.device), int(lengths.max()))
+        return PrefillGroup(requests, index, ids.to(self.device), positions.to(self.device), lengths.to(self.device),
+                            int(lengths.max()))
 
     def _prefill_chunk(self) -> None:
         group = self.group
@@ -216,12 +233,12 @@ class Engine:
         group.done = end
         if end < width:
             return
-        self.group = None
         last = logits[:, -1]
         for request in group.requests:
             self.lengths[request.slot] = len(request.prompt)
             self.prefixes.hold(request.slot, request.hashes)
         self._advance(group.requests, last, group.slots)
+        self.group = None
 
     def _decode(self) -> None:
         slots = sorted(self.decoding)
@@ -262,9 +279,16 @@ class Engine:
                         [r.generator for r in requests])
         logprobs = self._step_logprobs(requests, logits, tokens)
         self.tokens[slots] = tokens.to(self.device)
-        host = tokens.cpu()
+        broken = ~torch.isfinite(logits).all(-1)   # NaN/inf logits (e.g. a huge restraint factor): the row fails
+        host, broken = torch.stack([tokens.to(broken.device), broken.long()]).cpu()   # one transfer
+        broken = broken.tolist()
         staying = []
-        for request, token, eos, logprob in zip(requests, host.tolist(), torch.isin(host, self.eos).tolist(), logprobs):
+        for request, token, eos, logprob, bad in zip(requests, host.tolist(), torch.isin(host, self.eos).tolist(),
+                                                     logprobs, broken):
+            if bad:
+                self.decoding.pop(request.slot, None)
+                self._finish(request, "error")
+                continue
             request.out.append(token)
             if logprob is not None:
                 request.pending.append(logprob)
@@ -299,7 +323,7 @@ class Engine:
         self._free(request)
 
     def _free(self, request: Request) -> None:
-        slot = request.slot
+        slot, request.slot = request.slot, -1
         self.scales.release(slot)
         self.tokens[slot] = self.pad_id
         self.next_pos[slot] = self.cache.length - 1   # past the prefix it still holds

@@ -14,24 +14,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from rolemrc.generate.params import SamplingParams, TokenLogprob
+from rolemrc.serve import idempotency, outcome
 from rolemrc.serve import protocol as p
 from rolemrc.serve.config import ServeConfig
-from rolemrc.serve.engines.base import Engine, Final, Generation, Piece, Prompt, Resolved
+from rolemrc.serve.engines.base import Engine, Generation, Piece, Prompt, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.experiments import assign
+from rolemrc.serve.outcome import Ended, disconnected, internal_error, render, shut_down
 from rolemrc.serve.state import State, app_state
+
+log = logging.getLogger("rolemrc.serve")
 
 
 async def chat_completion(request: Request, body: p.ChatCompletionRequest) -> Response:
@@ -136,7 +140,7 @@ async def submit_all(engine: Engine, prompts: list[Prompt], params: SamplingPara
     return [Choice(i, prompt, gen, k == 0) for i, ((prompt, k, _), gen) in enumerate(zip(asks, gens))]
 
 
-@dataclass
+@dataclass(eq=False)
 class Call(ABC):
     """One admitted request on its way out."""
 
@@ -149,30 +153,48 @@ class Call(ABC):
     request: Request
     body: p.SamplingFields
     prompts: list[Prompt]
-    choices: list[Choice]     # set once admitted
     route: Route
     id: str
     started: float
     clock: float
+    key: str | None = None    # its claimed idempotency key (experiment requests)
+    choices: list[Choice] = field(default_factory=list)    # set once admitted
+    outs: list[Piece] = field(default_factory=list)        # each choice's output so far
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # (choice position, Piece | None: done | Ended)
+    logged: bool = False
 
     @classmethod
     async def serve(cls, request: Request, body: p.SamplingFields, prompts: list[Prompt]) -> Response:
-        """Pick model and restraint (or an experiment's arm), admit, and answer whole or streamed."""
+        """Pick model and restraint (or an experiment's arm), claim its idempotency key, admit, and answer whole or
+        streamed; every experiment request that gets past routing is logged once, however it ends."""
         state = app_state(request)
         started, clock = time.time(), time.perf_counter()
         target = await route(state, body)
         info = request.state.log
         info.update(model=target.model_id, restraint=target.resolved.label, experiment=target.experiment,
                     arm=target.arm)
-        call = cls(state, request, body, prompts, [], target, p.new_id(cls.id_prefix), started, clock)
+        call = cls(state, request, body, prompts, target, p.new_id(cls.id_prefix), started, clock)
         info["id"] = call.id
+        if target.experiment is not None and (key := idempotency.header(request)) is not None:
+            held = await idempotency.claim(state.store, target.experiment, key)
+            if held is not None:
+                return call.replay(held)
+            call.key = key
         try:
             call.choices = await submit_all(target.engine, prompts, sampling_params(state.config, body, target.engine),
                                             body.n, target.resolved)
-        except ApiError as exc:
-            if exc.status >= 500:   # the arm failed it (e.g. its engine crashed), not the client
-                await call.log_failed()
+        except Exception as exc:
+            error = exc if isinstance(exc, ApiError) else internal_error(exc)
+            if error.status < 500:   # refused before reaching the engine: a retry may run
+                if call.key is not None:
+                    await idempotency.release(state.store, target.experiment, call.key)
+                raise error from None
+            await call.commit("shutdown" if error.code == "shutting_down" else "error", error.body())
+            raise error from None
+        except asyncio.CancelledError:   # the client left (or the server is stopping) while it was admitted
+            await call.commit_quietly(call.interrupted())
             raise
+        call.outs = [Piece("") for _ in call.choices]
         if body.stream:
             return StreamingResponse(call.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -192,6 +214,10 @@ class Call(ABC):
         return []
 
     @abstractmethod
+    def replayed_deltas(self, choice: dict[str, Any]) -> list[BaseModel]:
+        """A stored whole choice as streamed choices: its content, then its finish."""
+
+    @abstractmethod
     def logged_messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         """The prompt as the A/B table stores it."""
 
@@ -208,89 +234,146 @@ class Call(ABC):
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
-        """Every generation of the call, closed (cancelled if unfinished) on the way out."""
+        """The call among the server's in-flight calls; every generation of it closed (cancelled if unfinished) on the
+        way out."""
+        self.state.calls.add(self)
         try:
             yield
         finally:
+            self.state.calls.discard(self)
             for choice in self.choices:
                 choice.gen.close()
 
-    def cancel(self) -> None:
-        for choice in self.choices:
-            choice.gen.cancel()
+    def shut_down(self) -> None:
+        """End the request now (the server's shutdown grace has passed): its rows are logged `shutdown`."""
+        self.queue.put_nowait((-1, shut_down()))
 
-    async def whole(self) -> JSONResponse:
-        """Non-streaming: wait for every choice, unless the client leaves or the timeout passes."""
+    def interrupted(self) -> Ended:
+        """Why a request was torn down from outside (its task cancelled)."""
+        return shut_down() if self.state.draining else Ended("disconnected", disconnected())
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """Every choice's pieces as they come (position in `choices`, piece), kept in `outs`; raises Ended on a
+        timeout, an engine's error, a disconnect or shutdown put on the queue."""
+        pumps = [asyncio.create_task(self._pump(i, c.gen)) for i, c in enumerate(self.choices)]
+        try:
+            left = len(self.choices)
+            while left:
+                try:
+                    i, item = await asyncio.wait_for(self.queue.get(), max(0.0, self.deadline - time.perf_counter()))
+                except TimeoutError:
+                    raise Ended("timeout", self.timeout()) from None
+                if isinstance(item, Ended):
+                    raise item
+                if item is None:
+                    left -= 1
+                    continue
+                self.outs[i].text += item.text
+                self.outs[i].logprobs += item.logprobs
+                yield i, item
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    async def _pump(self, i: int, gen: Generation) -> None:
+        try:
+            async for piece in gen:
+                self.queue.put_nowait((i, piece))
+            self.queue.put_nowait((i, None))
+        except ApiError as exc:
+            self.queue.put_nowait((i, Ended("shutdown" if exc.code == "shutting_down" else "error", exc)))
+        except Exception as exc:
+            self.queue.put_nowait((i, Ended("error", internal_error(exc))))
+
+    async def _watch_disconnect(self) -> None:
+        await _disconnected(self.request)
+        self.queue.put_nowait((-1, Ended("disconnected", disconnected())))
+
+    async def whole(self) -> Response:
+        """Non-streaming: wait for every choice, unless the client leaves, the timeout passes or the server shuts
+        down; the body is rendered before its rows are committed."""
+        gone = asyncio.create_task(self._watch_disconnect())
         async with self.held():
-            tasks = [asyncio.create_task(c.gen.collect()) for c in self.choices]
-            outs = asyncio.gather(*tasks)
-            gone = asyncio.create_task(_disconnected(self.request))
             try:
-                done, _ = await asyncio.wait({outs, gone}, timeout=max(0.0, self.deadline - time.perf_counter()),
-                                             return_when=asyncio.FIRST_COMPLETED)
+                async for _ in self.pieces():
+                    pass
+                usage = self.usage()
+                body = self.whole_body(usage)
+                content = render(body)
+                await self.commit(None, body)
+            except Ended as end:
+                await self.commit(end.reason, end.error.body())
+                raise end.error from None
+            except asyncio.CancelledError:
+                await self.commit_quietly(self.interrupted())
+                raise
+            except ApiError:   # the store refused the rows
+                raise
+            except Exception as exc:
+                error = internal_error(exc)
+                await self.commit("error", error.body())
+                raise error from None
             finally:
                 gone.cancel()
-                for task in tasks:
-                    task.cancel()
-            if outs not in done:
-                self.cancel()
-                if gone in done:
-                    return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
-                                                   "param": None, "code": None}}, status_code=499)
-                raise self.timeout()
-            try:
-                pieces = outs.result()
-            except ApiError:
-                await self.log_failed()
-                raise
-            usage = self.usage()
-            await self.record([out.text for out in pieces], usage)
-        choices = [self.whole_choice(c, out, c.gen.final.finish_reason) for c, out in zip(self.choices, pieces)]
-        out = self.response_model(id=self.id, model=self.route.model_id, usage=usage, **self.served(), choices=choices)
-        return JSONResponse(out.model_dump())
+        self.observe(usage)
+        return Response(content, media_type="application/json")
 
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events: deltas as they are produced (each tagged with its choice's index), the finish
-        chunks, usage if asked, [DONE]. A client that disconnects cancels the generation (Starlette cancels this
-        iterator)."""
+        chunks, usage if asked, [DONE] once the rows are committed; an error event instead when the request cannot
+        complete. A client that disconnects cancels the generation (Starlette cancels this iterator)."""
         created = int(self.started)
-        texts = [""] * len(self.choices)
         async with self.held():
-            for choice in self.choices:
-                for opening in self.opening(choice):
-                    yield self.chunk(created, [opening])
-            stream = _merged([c.gen for c in self.choices])
             try:
-                while True:
-                    try:
-                        i, delta = await asyncio.wait_for(stream.__anext__(),
-                                                          max(0.0, self.deadline - time.perf_counter()))
-                    except StopAsyncIteration:
-                        break
-                    except (TimeoutError, asyncio.TimeoutError):
-                        self.cancel()
-                        yield _sse(self.timeout().body())
-                        return
-                    except ApiError as exc:
-                        await self.log_failed()
-                        yield _sse(exc.body())
-                        return
-                    texts[i] += delta.text
-                    yield self.chunk(created, [self.delta_choice(self.choices[i], delta)])
-            finally:
-                await stream.aclose()
-            usage = self.usage()
-            await self.record(texts, usage)
+                for choice in self.choices:
+                    for opening in self.opening(choice):
+                        yield self.chunk(created, [opening])
+                async for i, piece in self.pieces():
+                    yield self.chunk(created, [self.delta_choice(self.choices[i], piece)])
+                usage = self.usage()
+                await self.commit(None, self.whole_body(usage) if self.key is not None else None)
+            except Ended as end:
+                try:
+                    await self.commit(end.reason, end.error.body())
+                except ApiError as store:
+                    end.error = store
+                yield p.sse(end.error.body())
+                return
+            except ApiError as store:   # the store refused the rows
+                yield p.sse(store.body())
+                return
+            except (asyncio.CancelledError, GeneratorExit):
+                await self.commit_quietly(self.interrupted())
+                raise
+            except Exception as exc:
+                error = internal_error(exc)
+                await self.commit_quietly(Ended("error", error))
+                yield p.sse(error.body())
+                return
+        self.observe(usage)
         for choice in self.choices:
             yield self.chunk(created, [self.delta_choice(choice, None, choice.gen.final.finish_reason)])
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
             yield self.chunk(created, [], usage=usage)
         yield "data: [DONE]\n\n"
 
+    def whole_body(self, usage: p.Usage) -> dict[str, Any]:
+        """The whole response (also what a streamed request's idempotency key replays)."""
+        for choice in self.choices:
+            choice.offset = 0
+        choices = [self.whole_choice(c, out, c.gen.final.finish_reason) for c, out in zip(self.choices, self.outs)]
+        return self.response_model(id=self.id, model=self.route.model_id, usage=usage, **self.served(),
+                                   choices=choices).model_dump()
+
+    def replay(self, stored: dict[str, Any]) -> Response:
+        """The response stored under the request's idempotency key, whole or as server-sent events."""
+        usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        return idempotency.replay(stored, self.body.stream, usage, self.chunk_model, self.replayed_deltas)
+
     def chunk(self, created: int, choices: list[BaseModel], *, usage: p.Usage | None = None) -> str:
         out = self.chunk_model(id=self.id, created=created, model=self.route.model_id, choices=choices, usage=usage,
                                **self.served())
-        return _sse(out.model_dump(exclude_none=True))
+        return p.sse(out.model_dump(exclude_none=True))
 
     def timeout(self) -> ApiError:
         return ApiError(504, f"the request took longer than {self.state.config.request_timeout_s} s", code="timeout")
@@ -301,40 +384,30 @@ class Call(ABC):
         completion = sum(c.gen.final.completion_tokens for c in self.choices)
         return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    async def record(self, texts: list[str], usage: p.Usage) -> None:
-        """Metrics, and for experiment requests the A/B rows (one per choice), written before anything is
-        acknowledged."""
-        latency = time.perf_counter() - self.clock
+    def observe(self, usage: p.Usage) -> None:
+        """Metrics and the access log of a request answered in full."""
         reasons = [c.gen.final.finish_reason for c in self.choices]
         self.request.state.log.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                                       finish_reason=reasons[0] if len(set(reasons)) == 1 else reasons)
-        self.state.metrics.observe(self.route.engine.name, self.route.resolved.label, self.endpoint, 200, latency,
-                                   usage.prompt_tokens, usage.completion_tokens)
-        await self.log_ab([(c.index, c.prompt, text, c.gen.final) for c, text in zip(self.choices, texts)], latency)
+        self.state.metrics.observe(self.route.engine.name, self.route.resolved.label, self.endpoint, 200,
+                                   time.perf_counter() - self.clock, usage.prompt_tokens, usage.completion_tokens)
 
-    async def log_failed(self) -> None:
-        """An experiment request that failed on the server's side (e.g. its engine crashed) is logged with
-        finish_reason `error`, a row per choice it asked for, so the A/B log holds every request its arms were given."""
-        n = self.body.n
-        asked = [(i * n + k, prompt, "", None) for i, prompt in enumerate(self.prompts) for k in range(n)]
-        await self.log_ab(asked, time.perf_counter() - self.clock)
-
-    async def log_ab(self, choices: list[tuple[int, Prompt, str, Final | None]], latency: float) -> None:
-        """The A/B rows of an experiment request, one per choice (index, prompt, text, its final or None: failed)."""
-        if self.route.experiment is None:
+    async def commit(self, reason: str | None, response: dict[str, Any] | None) -> None:
+        """For an experiment request, once: its A/B rows (`outcome.rows`; `reason` the finish_reason of all of them
+        when it did not complete) and, with an idempotency key, the response its client got, in one transaction
+        before anything is acknowledged. 503 with the store's code when the database refuses."""
+        if self.route.experiment is None or self.logged:
             return
-        finished = time.time()
-        for index, prompt, text, final in choices:
-            row = {"id": self.id if len(choices) == 1 else f"{self.id}:{index}", "experiment": self.route.experiment,
-                   "arm": self.route.arm, "user": self.body.user, "model": self.route.model_id,
-                   "restraint": self.served()["restraint"], "endpoint": self.endpoint,
-                   "messages": self.logged_messages(prompt), "response": text,
-                   "finish_reason": final.finish_reason if final else "error", "latency_s": latency,
-                   "prompt_tokens": final.prompt_tokens if final else 0,
-                   "completion_tokens": final.completion_tokens if final else 0, "metadata": self.body.metadata,
-                   "started": self.started, "finished": finished}
-            await asyncio.to_thread(self.state.store.log_request, row)
+        self.logged = True
+        key = (self.route.experiment, self.key) if self.key is not None else None
+        await outcome.write(self.state.store, outcome.rows(self, reason), key, response if key else None)
 
+    async def commit_quietly(self, end: Ended) -> None:
+        """`commit` for a request whose client can no longer be told that the store refused."""
+        try:
+            await self.commit(end.reason, end.error.body())
+        except ApiError as exc:
+            log.error("A/B rows not written: %s", exc.message, extra={"id": self.id})
 
 class ChatCall(Call):
     endpoint = "chat"
@@ -360,6 +433,11 @@ class ChatCall(Call):
     def opening(self, choice: Choice) -> list[BaseModel]:
         return [p.ChunkChoice(index=choice.index, delta=p.Delta(role="assistant", content=""))]
 
+    def replayed_deltas(self, choice: dict[str, Any]) -> list[BaseModel]:
+        return [p.ChunkChoice(index=choice["index"], delta=p.Delta(role="assistant", content=choice["message"]["content"]),
+                              logprobs=choice.get("logprobs")),
+                p.ChunkChoice(index=choice["index"], delta=p.Delta(), finish_reason=choice["finish_reason"])]
+
     def logged_messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         return prompt.messages
 
@@ -381,6 +459,10 @@ class TextCall(Call):
         if out is None:
             return p.CompletionChoice(index=choice.index, text="", finish_reason=finish_reason)
         return p.CompletionChoice(index=choice.index, text=out.text, logprobs=self.logprobs(choice, out.logprobs))
+
+    def replayed_deltas(self, choice: dict[str, Any]) -> list[BaseModel]:
+        return [p.CompletionChoice(index=choice["index"], text=choice["text"], logprobs=choice.get("logprobs")),
+                p.CompletionChoice(index=choice["index"], text="", finish_reason=choice["finish_reason"])]
 
     def logprobs(self, choice: Choice, tokens: list[TokenLogprob]) -> p.TextLogprobs | None:
         """The legacy shape: each token's alternatives hold the token itself and the k best (as vLLM and OpenAI);
@@ -404,38 +486,6 @@ class TextCall(Call):
 
 def _top(token: str, logprob: float | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-
-async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
-    """The pieces of several generations as they come, each with its generation's position."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, gen: Generation) -> None:
-        try:
-            async for piece in gen:
-                queue.put_nowait((i, piece))
-            queue.put_nowait((i, None))
-        except Exception as exc:   # an engine's error (ApiError), raised where the pieces are read
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
-    try:
-        left = len(gens)
-        while left:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                left -= 1
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
 
 
 async def _disconnected(request: Request) -> None:

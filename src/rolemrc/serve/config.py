@@ -97,7 +97,7 @@ class ServeConfig:
     default_max_tokens: int = 128
     db: str | None = "ab.sqlite"
     cors_origins: list[str] = field(default_factory=list)   # empty: CORS off
-    drain_timeout_s: float = 30.0
+    shutdown_grace_s: float = 30.0      # SIGTERM to exit, drain and engine stops included
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: LogLevel = "info"
@@ -116,6 +116,8 @@ class ServeConfig:
                 raise ServeConfigError(f"{key} must be >= 1")
         if self.request_timeout_s <= 0:
             raise ServeConfigError("request_timeout_s must be > 0")
+        if not self.shutdown_grace_s > 0:
+            raise ServeConfigError("shutdown_grace_s must be > 0")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: str | os.PathLike = ".",

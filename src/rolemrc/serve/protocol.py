@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,11 @@ SEED_MAX = 2**63 - 1
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(data: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
 
 
 class ErrorBody(BaseModel):

@@ -1,7 +1,10 @@
-"""Running the app under uvicorn with a graceful drain: the first SIGTERM/SIGINT turns API calls
-away with 503 while in-flight requests finish (up to drain_timeout_s), then the server stops. A config that cannot
-serve (missing model, missing vLLM, an engine that does not start) is a ServeConfigError before the port is bound; an
-engine that dies for good with `on_engine_dead: exit` drains the server and exits with EXIT_ENGINE_DEAD."""
+"""Running the app under uvicorn with a bounded graceful shutdown: the first SIGTERM/SIGINT turns API calls away with
+503 while in-flight requests finish; those still running when the grace period is nearly over (`shutdown_grace_s`
+less a reserve for stopping the engines) are ended (503, or an SSE error event) and logged with finish_reason
+`shutdown`; then the engines stop (vLLM: SIGTERM, then SIGKILL of its process group). A second signal ends the
+in-flight requests at once; the engines still stop. A config that cannot serve (missing model, missing vLLM, an
+engine that does not start) is a ServeConfigError before the port is bound; an engine that dies for good with
+`on_engine_dead: exit` shuts the server down and exits with EXIT_ENGINE_DEAD."""
 
 from __future__ import annotations
 
@@ -20,36 +23,51 @@ from rolemrc.serve.logs import log_config
 
 log = logging.getLogger("rolemrc.serve")
 EXIT_ENGINE_DEAD = 1
+ENDED_WAIT_S = 1.0   # after ending the in-flight requests: how long their answers and A/B rows may take
 
 
-class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: Any, drain_timeout_s: float) -> None:
+def engine_reserve_s(grace_s: float) -> float:
+    """The part of the grace period kept for stopping the engines."""
+    return min(5.0, grace_s / 4)
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: Any, grace_s: float) -> None:
         super().__init__(config)
-        self.state, self.drain_timeout_s = state, drain_timeout_s
-        self.drain_deadline: float | None = None
+        self.state, self.grace_s = state, grace_s
+        self.cut_at: float | None = None     # when in-flight requests are ended (monotonic)
+        self.ended_at: float | None = None   # when they were
 
-    def drain(self) -> None:
+    def begin_shutdown(self) -> None:
         self.state.draining = True
-        self.drain_deadline = time.monotonic() + self.drain_timeout_s
+        self.cut_at = time.monotonic() + self.grace_s - engine_reserve_s(self.grace_s)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.started and self.state.stop_requested is not None:   # still starting: nothing to drain
             log.info("stopping while starting", extra={"signal": int(sig)})
             self.should_exit = True
             self.state.loop.call_soon_threadsafe(self.state.stop_requested.set)
-        elif self.drain_deadline is None:
-            self.drain()
+        elif self.cut_at is None:
+            self.begin_shutdown()
             log.info("draining", extra={"signal": int(sig), "inflight": self.state.inflight})
-        else:  # a second signal: stop now
-            self.should_exit = self.force_exit = True
+        else:  # a second signal: end the in-flight requests now (the engines still stop, vLLM included)
+            log.info("stopping now", extra={"signal": int(sig), "inflight": self.state.inflight})
+            self.cut_at = min(self.cut_at, time.monotonic())
 
     async def on_tick(self, counter: int) -> bool:
-        if self.state.fatal and self.drain_deadline is None:
+        if self.state.fatal and self.cut_at is None:
             log.error("exiting", extra={"reason": self.state.fatal, "inflight": self.state.inflight})
-            self.drain()
-        if self.drain_deadline is not None and (self.state.inflight == 0 or time.monotonic() > self.drain_deadline):
-            log.info("drained", extra={"inflight": self.state.inflight})
-            return True
+            self.begin_shutdown()
+        if self.cut_at is not None:
+            now = time.monotonic()
+            if self.state.inflight == 0 or (self.ended_at is not None and now > self.ended_at + ENDED_WAIT_S):
+                log.info("drained", extra={"inflight": self.state.inflight})
+                return True
+            if self.ended_at is None and now >= self.cut_at:
+                log.warning("ending in-flight requests", extra={"requests": len(self.state.calls)})
+                for call in list(self.state.calls):
+                    call.shut_down()
+                self.ended_at = now
         return await super().on_tick(counter)
 
 
@@ -62,12 +80,13 @@ def serve(config: ServeConfig, host: str | None = None, port: int | None = None)
     if not keys:
         log.warning("serving without API keys: every caller is admin", extra={"host": host})
     app = create_app(config, keys)
+    # uvicorn's own wait for connections comes after the drain above: whatever is left by then is cancelled
     uv = uvicorn.Config(app, host=host, port=port if port is not None else config.port,
                         log_config=log_config(config.log_level), access_log=False,
-                        timeout_graceful_shutdown=int(config.drain_timeout_s) + 1)
+                        timeout_graceful_shutdown=ENDED_WAIT_S)
     state = app.state.rolemrc
     try:
-        DrainingServer(uv, state, config.drain_timeout_s).run()
+        GracefulServer(uv, state, config.shutdown_grace_s).run()
     except SystemExit:   # uvicorn's exit when the app did not start
         if state.startup_error:
             raise ServeConfigError(state.startup_error) from None

@@ -1,5 +1,5 @@
-"""What the routes share, kept on `app.state.rolemrc`; `draining` and `inflight` are read by the server's drain
-loop and the lifecycle middleware."""
+"""What the routes share, kept on `app.state.rolemrc`; `draining`, `inflight` and `calls` are read by the server's
+shutdown and the lifecycle middleware."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class State:
     store: Store | None = None
     draining: bool = False
     inflight: int = 0
+    calls: set[Any] = field(default_factory=set)   # completions.Call admitted and not yet answered (shut_down at grace)
     stop_requested: asyncio.Event | None = None   # set by a signal that arrives while the engines start
     loop: asyncio.AbstractEventLoop | None = None
     fatal: str | None = None   # why the server must exit non-zero (an engine dead, with on_engine_dead: exit)

@@ -7,8 +7,12 @@ import json
 import os
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from rolemrc.core.errors import RolemrcError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiments (
@@ -20,10 +24,31 @@ CREATE TABLE IF NOT EXISTS requests (
   metadata TEXT, started REAL NOT NULL, finished REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS requests_by_experiment ON requests(experiment, arm);
 CREATE TABLE IF NOT EXISTS restraints (name TEXT PRIMARY KEY, spec TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS idempotency (
+  experiment TEXT NOT NULL, key TEXT NOT NULL, response TEXT, PRIMARY KEY (experiment, key));
 """
 REQUEST_FIELDS = ("id", "experiment", "arm", "user", "model", "restraint", "endpoint", "messages", "response",
                   "finish_reason", "latency_s", "prompt_tokens", "completion_tokens", "metadata", "started", "finished")
 JSON_FIELDS = ("messages", "metadata")
+
+
+class StoreError(RolemrcError):
+    """The database cannot take a write: `code` db_full | db_locked | db_unavailable (answered with a 503)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextmanager
+def _coded() -> Iterator[None]:
+    """SQLite's operational errors as StoreErrors."""
+    try:
+        yield
+    except sqlite3.OperationalError as exc:
+        text = str(exc)
+        code = "db_full" if "full" in text else "db_locked" if "locked" in text or "busy" in text else "db_unavailable"
+        raise StoreError(code, f"the A/B database cannot take the write: {text}") from exc
 
 
 class Store:
@@ -101,12 +126,40 @@ class Store:
             rows = self._db.execute("SELECT name, spec FROM restraints ORDER BY created, name").fetchall()
         return {row["name"]: json.loads(row["spec"]) for row in rows}
 
-    def log_request(self, row: dict[str, Any]) -> None:
-        """Insert one request row (committed and fsynced before returning)."""
-        values = [json.dumps(row.get(f)) if f in JSON_FIELDS else row.get(f) for f in REQUEST_FIELDS]
-        with self._lock:
-            self._db.execute(f"INSERT INTO requests ({', '.join(REQUEST_FIELDS)}) VALUES "
-                             f"({', '.join('?' * len(REQUEST_FIELDS))})", values)
+    def log_request(self, rows: list[dict[str, Any]], idempotency: tuple[str, str] | None = None,
+                    response: dict | None = None) -> None:
+        """Insert every row of one request, and with `idempotency` (experiment, key) mark the key done with
+        `response`, in one transaction (committed and fsynced before returning)."""
+        values = [[json.dumps(row.get(f)) if f in JSON_FIELDS else row.get(f) for f in REQUEST_FIELDS] for row in rows]
+        with self._lock, _coded():
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.executemany(f"INSERT INTO requests ({', '.join(REQUEST_FIELDS)}) VALUES "
+                                     f"({', '.join('?' * len(REQUEST_FIELDS))})", values)
+                if idempotency is not None:
+                    self._db.execute("INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?)",
+                                     (*idempotency, json.dumps(response)))
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    def claim(self, experiment: str, key: str) -> dict[str, Any] | None:
+        """None when this call claimed `key` now; else its record {"status": running | done, "response"}."""
+        with self._lock, _coded():
+            if self._db.execute("INSERT OR IGNORE INTO idempotency VALUES (?, ?, NULL)", (experiment, key)).rowcount:
+                return None
+            (response,) = self._db.execute("SELECT response FROM idempotency WHERE experiment = ? AND key = ?",
+                                           (experiment, key)).fetchone()
+        return {"status": "running", "response": None} if response is None else {"status": "done",
+                                                                                "response": json.loads(response)}
+
+    def release_claim(self, experiment: str, key: str) -> None:
+        """Drop a claim whose request never reached the engine."""
+        with self._lock, _coded():
+            self._db.execute("DELETE FROM idempotency WHERE experiment = ? AND key = ? AND response IS NULL",
+                             (experiment, key))
 
     def requests(self, exp_id: str) -> list[dict[str, Any]]:
         with self._lock:

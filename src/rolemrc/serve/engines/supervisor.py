@@ -18,8 +18,8 @@ from rolemrc.serve.errors import ApiError
 
 log = logging.getLogger("rolemrc.serve")
 
-EngineState = Literal["ok", "restarting", "dead"]
-STATES: tuple[EngineState, ...] = ("ok", "restarting", "dead")
+EngineState = Literal["ok", "restarting", "stalled", "dead"]
+STATES: tuple[EngineState, ...] = ("ok", "restarting", "stalled", "dead")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,18 +41,22 @@ log = logging.getLogger("rolemrc.serve")
 @dataclass
 class TransformersOptions:
     """`path`: a model (a local HF directory, a pulled model's name or a hub id); `dtype` auto: the checkpoint's own;
-    `device` auto: a GPU when there is one; `device_map`: the layers placed over the GPUs instead."""
+    `device` auto: a GPU when there is one; `device_map`: the layers placed over the GPUs instead; `stall_after_s`:
+    a step running longer than this reads `stalled` in /health."""
 
     path: str = field(metadata=MODEL_DIR)
     dtype: Dtype = "auto"
     device: str = "auto"
     device_map: DeviceMap | None = None
+    stall_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         try:
             check_placement(self.device, self.device_map)
         except InputError as exc:
             raise ServeConfigError(str(exc)) from None
+        if not self.stall_after_s > 0:
+            raise ServeConfigError(f"stall_after_s must be > 0, got {self.stall_after_s}")
 
 
 @dataclass(eq=False)
@@ -64,6 +69,10 @@ class ServeRequest(Request):
 
 def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down", code="shutting_down")
+
+
+def generation_failed(why: str) -> ApiError:
+    return ApiError(500, f"generation failed: {why}", code="generation_failed")
 
 
 class TransformersEngine:
@@ -86,6 +95,8 @@ class TransformersEngine:
         self.context_window = int(context_window(self.model, self.tokenizer, default=2048))
         self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch)
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
+        self.stall_after_s = options.stall_after_s
+        self._step_began: float | None = None   # monotonic start of the step running now (scheduler thread)
         self.admitted = 0
         self.running: Counter[str] = Counter()   # replaced whole by the scheduler thread (`_publish`)
         self._submitted: deque[ServeRequest] = deque()   # not yet handed to the engine
@@ -109,9 +120,13 @@ class TransformersEngine:
             await asyncio.to_thread(self._thread.join, 30)
 
     def health(self) -> tuple[EngineState, str | None]:
-        """Dead once the scheduler thread has ended while serving."""
+        """Dead once the scheduler thread has ended while serving; stalled while a step has run longer than
+        `stall_after_s` (a step runs only while there is work)."""
         if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
             return "dead", "the scheduler thread ended"
+        began = self._step_began
+        if began is not None and (busy := time.monotonic() - began) > self.stall_after_s:
+            return "stalled", f"a generation step has run for {busy:.0f} s (stall_after_s {self.stall_after_s:g})"
         return "ok", None
 
     def queue_depth(self) -> Counter[str]:
@@ -176,6 +191,8 @@ class TransformersEngine:
             if output.finish_reason == "cancelled":
                 log.info("cancelled", extra={"model": self.name, "completion_tokens": output.completion_tokens,
                                              "max_tokens": max_tokens})
+            if output.finish_reason == "error":
+                return gen.push(generation_failed("the model's logits were not finite (NaN or inf)"))
             gen.push(Final(output.finish_reason, prompt_tokens, output.completion_tokens))
         return emit
 
@@ -200,12 +217,15 @@ class TransformersEngine:
                     self._publish()
                     if not self.engine.has_work():
                         return
+                self._step_began = time.monotonic()
                 try:
                     self.engine.step()
                 except Exception as exc:  # a failed forward must not take the server down
                     log.exception("generation failed")
-                    for request in self.engine.fail():
-                        request.gen.push(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}"))
+                    for request in self.engine.fail():   # each at once, those joining its prefill group too
+                        request.gen.push(generation_failed(f"{type(exc).__name__}: {exc}"))
+                finally:
+                    self._step_began = None
                 with self._cv:
                     self._publish()
 

