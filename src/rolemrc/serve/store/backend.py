@@ -1,0 +1,58 @@
+"""What a store backend provides (transactions that run the shared SQL, a health check) and the one error it raises."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from rolemrc.core.errors import RolemrcError
+
+CODES = ("db_full", "db_locked", "db_unavailable")
+HEALTH_TTL_S = 1.0   # a health verdict is reused this long
+
+
+class StoreError(RolemrcError):
+    """The database cannot take a write or answer: `code` is db_full, db_locked or db_unavailable."""
+
+    def __init__(self, code: str, message: str) -> None:
+        assert code in CODES, code
+        super().__init__(message)
+        self.code = code
+
+
+class Transaction:
+    """One open transaction over a DB-API cursor; the shared SQL's `?` placeholders become the driver's."""
+
+    def __init__(self, cursor: Any, placeholder: str = "?") -> None:
+        self.cursor, self.placeholder = cursor, placeholder
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """Run one statement: its rows as dicts (none for a write)."""
+        self.cursor.execute(sql.replace("?", self.placeholder), params)
+        if self.cursor.description is None:
+            return []
+        names = [d[0] for d in self.cursor.description]
+        return [dict(zip(names, row)) for row in self.cursor.fetchall()]
+
+    def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run one write: how many rows it changed."""
+        self.execute(sql, params)
+        return self.cursor.rowcount
+
+
+class Backend(ABC):
+    name: str   # the database as messages name it (no password)
+
+    @abstractmethod
+    def transaction(self, exclusive: bool = False) -> AbstractContextManager[Transaction]:
+        """A transaction committed on exit (rolled back on an error); `exclusive` serialises it with every other
+        exclusive one (migrations). Raises StoreError for a full, locked or unreachable database."""
+
+    @abstractmethod
+    def health(self) -> str | None:
+        """None when a write could commit now, else a StoreError code; cheap, answered within about a second."""
+
+    @abstractmethod
+    def close(self) -> None: ...
