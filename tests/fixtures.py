@@ -198,7 +198,7 @@ def served_report(server, experiment: str, **kw) -> dict:
     from rolemrc.ab.report import build_report
     from rolemrc.serve.store import Store
 
-    store = Store(server.config.parent / "ab.sqlite")
+    store = Store.open(str(server.config.parent / "ab.sqlite"))
     try:
         return build_report(store, experiment, **kw)
     finally:

@@ -93,7 +93,7 @@ SPREAD = [1.0, 1.1, 0.9, 1.2, 0.8, 1.05, 0.95, 1.15, 0.85]
 def clustered(tmp_path):
     """Arm B's difference comes from one heavy user (60 requests, slow, always passing); per user the arms
     are alike. Arm A has two requests without a user (each its own cluster)."""
-    store = Store(tmp_path / "ab.sqlite")
+    store = Store.open(str(tmp_path / "ab.sqlite"))
     store.add_experiment("exp", "heavy user", [{"name": "A", "model": "m", "weight": 1},
                                                {"name": "B", "model": "m", "weight": 1}], 0.0)
     plan = [("A", f"a{k}", lat, PASS if k % 2 else FAIL) for k, lat in enumerate(SPREAD)]
@@ -101,10 +101,10 @@ def clustered(tmp_path):
     plan += [("B", f"b{k}", lat, PASS if k % 2 else FAIL) for k, lat in enumerate(SPREAD)]
     plan += [("B", "heavy", 1.6 + 0.01 * (k % 3), PASS) for k in range(60)]
     for k, (arm, user, latency, response) in enumerate(plan):
-        store.log_request({"id": f"r{k:03d}", "experiment": "exp", "arm": arm, "user": user, "model": "m",
+        store.log_request([{"id": f"r{k:03d}", "experiment": "exp", "arm": arm, "user": user, "model": "m",
                            "endpoint": "chat", "messages": QUESTION, "response": response, "finish_reason": "stop",
                            "latency_s": latency, "prompt_tokens": 5, "completion_tokens": 5,
-                           "metadata": {"task": REFUSED}, "started": float(k), "finished": float(k) + latency})
+                           "metadata": {"task": REFUSED}, "started": float(k), "finished": float(k) + latency}])
     yield store, plan
     store.close()
 

@@ -121,7 +121,7 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
     config = judge if isinstance(judge, JudgeConfig) else JudgeConfig(name=judge)
     exp = store.experiment(exp_id)
     if exp is None:
-        raise UnknownExperimentError(f"no experiment {exp_id!r} in {store.path}")
+        raise UnknownExperimentError(f"no experiment {exp_id!r} in {store.name}")
     rows = store.requests(exp_id)
     arms: dict[str, Any] = {}
     per_user: dict[str, dict[str, np.ndarray]] = {}

@@ -70,6 +70,7 @@ async def route(state: State, body: p.SamplingFields) -> Route:
     """The request's model and restraint: from the model id and `restraint`, or from the arm its user is assigned."""
     catalog = state.catalog
     if body.experiment is None:
+        await state.fetch_restraints(body.model.partition("+")[2], body.restraint)
         engine, named = catalog.lookup(body.model)
         return Route(body.model, engine, catalog.resolve(engine, named, body.restraint))
     if body.restraint is not None:
@@ -77,6 +78,7 @@ async def route(state: State, body: p.SamplingFields) -> Route:
                        param="restraint")
     exp = await state.experiment(body.experiment)
     arm = assign(exp["id"], exp["arms"], body.user)
+    await state.fetch_restraints(arm["model"].partition("+")[2], arm.get("restraint"))
     engine, named = catalog.lookup(arm["model"])
     if named is None and arm.get("restraint"):
         resolved = catalog.resolve(engine, None, arm["restraint"])
@@ -324,16 +326,15 @@ class Call(ABC):
         if self.route.experiment is None:
             return
         finished = time.time()
-        for index, prompt, text, final in choices:
-            row = {"id": self.id if len(choices) == 1 else f"{self.id}:{index}", "experiment": self.route.experiment,
-                   "arm": self.route.arm, "user": self.body.user, "model": self.route.model_id,
-                   "restraint": self.served()["restraint"], "endpoint": self.endpoint,
-                   "messages": self.logged_messages(prompt), "response": text,
-                   "finish_reason": final.finish_reason if final else "error", "latency_s": latency,
-                   "prompt_tokens": final.prompt_tokens if final else 0,
-                   "completion_tokens": final.completion_tokens if final else 0, "metadata": self.body.metadata,
-                   "started": self.started, "finished": finished}
-            await asyncio.to_thread(self.state.store.log_request, row)
+        rows = [{"id": self.id if len(choices) == 1 else f"{self.id}:{index}", "request_id": self.id,
+                 "experiment": self.route.experiment, "arm": self.route.arm, "user": self.body.user,
+                 "model": self.route.model_id, "restraint": self.served()["restraint"], "endpoint": self.endpoint,
+                 "messages": self.logged_messages(prompt), "response": text,
+                 "finish_reason": final.finish_reason if final else "error", "latency_s": latency,
+                 "prompt_tokens": final.prompt_tokens if final else 0,
+                 "completion_tokens": final.completion_tokens if final else 0, "metadata": self.body.metadata,
+                 "started": self.started, "finished": finished} for index, prompt, text, final in choices]
+        await asyncio.to_thread(self.state.store.log_request, rows)
 
 
 class ChatCall(Call):

@@ -76,6 +76,7 @@ async def register_restraint(body: p.RestraintCreate, request: Request) -> Any:
     kept in the database, if any, and registered again when the server restarts."""
     state = app_state(request)
     restraint = state.catalog.parse_spec({**body.spec, "name": body.name}, "spec")
+    await state.fetch_restraints(body.name)   # a name another replica registered holds its restraint here too
     new, _ = await state.catalog.register(body.name, restraint)
     if new and state.store is not None:
         await asyncio.to_thread(state.store.add_restraint, body.name, restraint.to_dict(), time.time())
@@ -102,13 +103,16 @@ async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Exp
 
 @v1.get("/experiments/{exp_id}", response_model=p.Experiment)
 async def get_experiment(exp_id: str, request: Request) -> p.Experiment:
-    return p.Experiment(**await app_state(request).experiment(exp_id))
+    state = app_state(request)
+    exp = await state.experiment(exp_id)
+    return p.Experiment(**exp, requests=await asyncio.to_thread(state.store.arm_counts, exp_id))
 
 
 @ops.get("/health")
 async def health(request: Request) -> JSONResponse:
     """`ok`; `restarting` while an engine comes back; `engine_dead` once one has given up (the worst state wins,
-    with the engines not ok listed). 503 while draining or when no model can answer, else 200."""
+    with the engines not ok listed). 503 while draining, when no model can answer, or `degraded` when the A/B log
+    cannot take a write (`database`: db_full, db_locked or db_unavailable), else 200."""
     state = app_state(request)
     if state.draining:
         return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
@@ -117,7 +121,10 @@ async def health(request: Request) -> JSONResponse:
     down = {name: {"state": s, "reason": why} for name, (s, why) in engines.items() if s != "ok"}
     status = "engine_dead" if any(e["state"] == "dead" for e in down.values()) else "restarting" if down else "ok"
     body = {"status": status, "models": sorted(state.catalog.variants)} | ({"engines": down} if down else {})
-    return JSONResponse(body, status_code=503 if len(down) == len(engines) else 200)
+    database = await asyncio.to_thread(state.store.health) if state.store is not None else None
+    if database is not None:
+        body |= {"status": "degraded" if status == "ok" else status, "database": database}
+    return JSONResponse(body, status_code=503 if len(down) == len(engines) or database else 200)
 
 
 @ops.get("/metrics", response_class=Response)

@@ -13,7 +13,13 @@ from typing import Any
 from rolemrc.serve.store.backend import Backend, StoreError
 from rolemrc.serve.store.schema import COLUMNS, INSERT_REQUEST, JSON_FIELDS, MIGRATIONS, REQUEST_FIELDS
 
-__all__ = ["Store", "StoreError"]
+__all__ = ["Store", "StoreError", "is_url"]
+POSTGRES = ("postgresql://", "postgres://")
+
+
+def is_url(db: str) -> bool:
+    """Whether `db` is a PostgreSQL URL or a SQLite `file:` URI (taken as written), not a path."""
+    return db.startswith((*POSTGRES, "file:"))
 
 
 class Store:
@@ -27,7 +33,7 @@ class Store:
 
     @classmethod
     def open(cls, db: str) -> Store:
-        if db.startswith(("postgresql://", "postgres://")):
+        if db.startswith(POSTGRES):
             from rolemrc.serve.store.postgres import PostgresBackend
 
             return cls(PostgresBackend(db))
