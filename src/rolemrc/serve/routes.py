@@ -91,6 +91,7 @@ async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Exp
     if state.store is None:
         raise ApiError(400, "experiments need a database ('db' in the serve config)", code="no_database")
     for arm in body.arms:   # every arm must be servable now
+        await state.fetch_restraints(arm.model.partition("+")[2], arm.restraint)
         engine, named = state.catalog.lookup(arm.model)
         state.catalog.resolve(engine, named, arm.restraint)
     exp_id = body.id or f"exp-{uuid.uuid4().hex[:12]}"

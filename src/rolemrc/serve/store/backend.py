@@ -10,6 +10,7 @@ from typing import Any
 from rolemrc.core.errors import RolemrcError
 
 CODES = ("db_full", "db_locked", "db_unavailable")
+NUL_STORED = "\ufffd"
 HEALTH_TTL_S = 1.0   # a health verdict is reused this long
 
 
@@ -29,7 +30,9 @@ class Transaction:
         self.cursor, self.placeholder = cursor, placeholder
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        """Run one statement: its rows as dicts (none for a write)."""
+        """Run one statement: its rows as dicts (none for a write). A NUL in a text parameter (a model may generate
+        one) is stored as U+FFFD on both backends, since PostgreSQL text cannot hold it."""
+        params = [p.replace("\x00", NUL_STORED) if isinstance(p, str) else p for p in params]
         self.cursor.execute(sql.replace("?", self.placeholder), params)
         if self.cursor.description is None:
             return []
