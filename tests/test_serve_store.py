@@ -3,6 +3,7 @@ per request, migration of a log written by the first schema, and a full or locke
 over real HTTP (never a 200 without its row)."""
 
 import asyncio
+import json
 import sqlite3
 import subprocess
 import sys
@@ -246,3 +247,20 @@ def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing
         assert store.arm_counts("exp") == counts and sum(counts.values()) == len(acked)
     finally:
         store.close()
+
+
+def test_ab_report_reads_a_postgresql_log(postgres_url):
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    store = Store.open(postgres_url)
+    try:
+        store.add_experiment("e1", "over PostgreSQL", ARMS, 1.0)
+        store.log_request([row(f"r{k}", arm="ab"[k % 2], user=f"u{k % 4}") for k in range(8)])
+    finally:
+        store.close()
+    result = CliRunner().invoke(app, ["ab", "report", "e1", "--db", postgres_url, "--rounds", "50"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["requests"] == 8 and set(report["arms"]) == {"a", "b"}

@@ -142,7 +142,7 @@ def test_ab_report_errors_and_judge_config(clustered, monkeypatch):
         build_report(store, "nope")
     assert isinstance(caught.value, RolemrcError)
     runner = CliRunner()
-    db = str(store.path)
+    db = store.name
     result = runner.invoke(app, ["ab", "report", "nope", "--db", db])
     assert result.exit_code == EXIT_INPUT and "no experiment 'nope'" in result.output
     result = runner.invoke(app, ["ab", "report", "exp", "--db", db, "--judge", "openai"])
