@@ -7,6 +7,7 @@ import asyncio
 import signal
 import statistics
 import time
+from contextlib import closing
 
 import httpx
 
@@ -72,8 +73,7 @@ def test_two_replicas_share_restraints_experiments_and_the_log(model_dirs, tmp_p
         for _, _, arm, user in acked:   # sticky: a user's arm is the same on both replicas
             assert arm_of.setdefault(user, arm) == arm
         assert set(arm_of.values()) == {"plain", "muted"}
-        store = Store.open(postgres_url)
-        try:
+        with closing(Store.open(postgres_url)) as store:
             rows = store.requests("shared")
             ids = [r["id"] for r in rows]
             assert len(ids) == len(set(ids)) == 200 and set(ids) == {r[0] for r in acked}
@@ -98,8 +98,6 @@ def test_two_replicas_share_restraints_experiments_and_the_log(model_dirs, tmp_p
             assert store.arm_counts("shared") == {arm: sum(r["arm"] == arm for r in rows) for arm in ("muted", "plain")}
             print(f"SIGKILL of one replica: {len(results)} requests, {len(acked)} acknowledged, all logged; "
                   f"{len(ids) - 200 - len(acked)} logged but cut off before the answer")
-        finally:
-            store.close()
     finally:
         stop_server(a)
         stop_server(b)

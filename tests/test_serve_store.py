@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 
 import httpx
 import psycopg
@@ -49,8 +50,7 @@ def db(request, tmp_path):
 
 
 def test_every_method_on_both_backends(db):
-    store = Store.open(db)
-    try:
+    with closing(Store.open(db)) as store:
         assert store.add_experiment("e1", "first", ARMS, 1.5) and not store.add_experiment("e1", "again", [], 2.0)
         assert store.experiment("e1") == {"id": "e1", "description": "first", "arms": ARMS, "created": 1.5}
         assert store.experiment("nope") is None and store.arm_counts("e1") == {}
@@ -82,31 +82,23 @@ def test_every_method_on_both_backends(db):
         assert store.delete_restraint("mute") and not store.delete_restraint("mute")
         assert list(store.restraints()) == ["loud"]
         assert store.health() is None
-    finally:
-        store.close()
-    store = Store.open(db)   # reopened: migrations are not run twice, nothing lost
-    try:
+    with closing(Store.open(db)) as store:   # reopened: migrations are not run twice, nothing lost
         assert store.arm_counts("e1") == {"a": 2, "b": 1} and len(store.requests("e1")) == 3
         assert store.delete_experiment("e1") and not store.delete_experiment("e1")
         assert store.experiment("e1") is None and store.requests("e1") == [] and store.arm_counts("e1") == {}
         assert store.claim("e1", "k1") is None   # its keys went too
         with store.backend.transaction() as tx:
             assert tx.execute("SELECT version FROM schema_version") == [{"version": VERSION}]
-    finally:
-        store.close()
 
 
 def test_rows_of_a_request_commit_together_or_not_at_all(db):
-    store = Store.open(db)
-    try:
+    with closing(Store.open(db)) as store:
         store.add_experiment("e1", "", ARMS, 1.0)
         store.log_request([row("r1")])
         with pytest.raises((sqlite3.IntegrityError, psycopg.IntegrityError)):   # a repeated id: all rolled back
             store.log_request([row("r2"), row("r1")], ("e1", "k"), {"id": "r2"})
         assert [r["id"] for r in store.requests("e1")] == ["r1"] and store.arm_counts("e1") == {"a": 1}
         assert store.claim("e1", "k") is None
-    finally:
-        store.close()
 
 
 def test_stores_opened_at_once_migrate_once_and_claim_a_key_once(db):
@@ -140,19 +132,15 @@ def test_a_log_written_by_the_first_schema_migrates(tmp_path):
                          "latency_s, prompt_tokens, completion_tokens, started, finished) "
                          "VALUES (?, 'old', ?, 'u', 'tiny', 'chat', '[]', 'x', 0.1, 1, 1, ?, ?)", (f"r{k}", arm, k, k))
         conn.execute("INSERT INTO restraints VALUES ('mute', '{\"name\": \"mute\"}', 1.0)")
-    store = Store.open(str(path))
-    try:
+    with closing(Store.open(str(path))) as store:
         assert store.arm_counts("old") == {"a": 2, "b": 1} and store.restraint("mute") == {"name": "mute"}
         assert [(r["id"], r["request_id"]) for r in store.requests("old")] == [("r0", "r0"), ("r1", "r1"), ("r2", "r2")]
         store.log_request([row("r3", exp="old")])
         assert store.arm_counts("old") == {"a": 3, "b": 1} and store.claim("old", "k") is None
-    finally:
-        store.close()
 
 
 def test_lost_postgres_connection_is_db_unavailable_then_reconnects(postgres_url):
-    store = Store.open(postgres_url)
-    try:
+    with closing(Store.open(postgres_url)) as store:
         store.add_experiment("e1", "", ARMS, 1.0)
         with psycopg.connect(postgres_url, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
@@ -162,8 +150,6 @@ def test_lost_postgres_connection_is_db_unavailable_then_reconnects(postgres_url
         assert lost.value.code == "db_unavailable"
         store.log_request([row("r1")])   # the next call reconnects
         assert store.arm_counts("e1") == {"a": 1}
-    finally:
-        store.close()
 
 
 def hold_lock(path, seconds):
@@ -204,11 +190,8 @@ def test_full_database_gives_db_full_503s_never_a_200_without_its_row(model_dirs
         time.sleep(1.1)   # past the cached verdict
         health = httpx.get(server.base_url + "/health")
         assert health.status_code == 503 and health.json()["database"] == "db_full"
-    store = Store.open(str(tmp_path / "ab.sqlite"))
-    try:
+    with closing(Store.open(str(tmp_path / "ab.sqlite"))) as store:
         assert sorted(logged_ids(store)) == sorted(acked) and sum(store.arm_counts("exp").values()) == len(acked)
-    finally:
-        store.close()
 
 
 def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing(model_dirs, tmp_path):
@@ -240,12 +223,9 @@ def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing
             assert r.status_code == 200
             acked.append(r.json()["id"])
         counts = httpx.get(server.base_url + "/v1/experiments/exp").json()["requests"]
-    store = Store.open(str(path))
-    try:
+    with closing(Store.open(str(path))) as store:
         assert len(acked) >= 6 and sorted(logged_ids(store)) == sorted(acked)
         assert store.arm_counts("exp") == counts and sum(counts.values()) == len(acked)
-    finally:
-        store.close()
 
 
 def test_ab_report_reads_a_postgresql_log(postgres_url):
@@ -253,12 +233,9 @@ def test_ab_report_reads_a_postgresql_log(postgres_url):
 
     from rolemrc.cli import app
 
-    store = Store.open(postgres_url)
-    try:
+    with closing(Store.open(postgres_url)) as store:
         store.add_experiment("e1", "over PostgreSQL", ARMS, 1.0)
         store.log_request([row(f"r{k}", arm="ab"[k % 2], user=f"u{k % 4}") for k in range(8)])
-    finally:
-        store.close()
     result = CliRunner().invoke(app, ["ab", "report", "e1", "--db", postgres_url, "--rounds", "50"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)

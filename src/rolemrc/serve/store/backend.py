@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -46,16 +48,37 @@ class Transaction:
 
 
 class Backend(ABC):
-    name: str   # the database as messages name it (no password)
+    """One connection, used by one thread at a time (`_lock`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name   # the database as messages name it (no password)
+        self._lock = threading.Lock()
+        self._checked: tuple[float, str | None] = (float("-inf"), None)
 
     @abstractmethod
     def transaction(self, exclusive: bool = False) -> AbstractContextManager[Transaction]:
         """A transaction committed on exit (rolled back on an error); `exclusive` serialises it with every other
         exclusive one (migrations). Raises StoreError for a full, locked or unreachable database."""
 
-    @abstractmethod
     def health(self) -> str | None:
-        """None when a write could commit now, else a StoreError code; cheap, answered within about a second."""
+        """None when a write could commit now, else a StoreError code; answered within about a second (db_locked
+        when the connection stays busy that long) and reused for HEALTH_TTL_S."""
+        checked, verdict = self._checked
+        if time.monotonic() - checked < HEALTH_TTL_S:
+            return verdict
+        if not self._lock.acquire(timeout=1.0):
+            verdict = "db_locked"
+        else:
+            try:
+                verdict = self._probe()
+            finally:
+                self._lock.release()
+        self._checked = (time.monotonic(), verdict)
+        return verdict
+
+    @abstractmethod
+    def _probe(self) -> str | None:
+        """`health`'s check, holding the lock."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -4,15 +4,13 @@ share experiments, restraints, arm counts, idempotency keys and the request log.
 from __future__ import annotations
 
 import re
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
 from psycopg import errors
 
-from rolemrc.serve.store.backend import HEALTH_TTL_S, Backend, StoreError, Transaction
+from rolemrc.serve.store.backend import Backend, StoreError, Transaction
 
 CONNECT_TIMEOUT_S = 3
 LOCK_TIMEOUT = "5s"        # a write waiting this long for a row or table lock is db_locked
@@ -21,11 +19,9 @@ MIGRATION_LOCK = 0x726F6C65   # the advisory lock that serialises replicas' migr
 
 class PostgresBackend(Backend):
     def __init__(self, url: str) -> None:
+        super().__init__(re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url))
         self.url = url
-        self.name = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
-        self._lock = threading.Lock()
         self._conn: psycopg.Connection | None = None
-        self._checked: tuple[float, str | None] = (float("-inf"), None)
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
@@ -60,24 +56,14 @@ class PostgresBackend(Backend):
                     tx.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
                 yield tx
 
-    def health(self) -> str | None:
+    def _probe(self) -> str | None:
         """`SELECT 1` (reconnecting when the connection was lost)."""
-        checked, verdict = self._checked
-        if time.monotonic() - checked < HEALTH_TTL_S:
-            return verdict
-        if not self._lock.acquire(timeout=1.0):
-            verdict = "db_locked"
-        else:
-            try:
-                with self._translated():
-                    self._connection().execute("SELECT 1")
-                verdict = None
-            except StoreError as exc:
-                verdict = exc.code
-            finally:
-                self._lock.release()
-        self._checked = (time.monotonic(), verdict)
-        return verdict
+        try:
+            with self._translated():
+                self._connection().execute("SELECT 1")
+        except StoreError as exc:
+            return exc.code
+        return None
 
     def close(self) -> None:
         with self._lock:

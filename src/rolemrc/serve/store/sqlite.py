@@ -4,14 +4,12 @@ a path or a `file:` URI; the URI may cap the file's size with `max_page_count=N`
 from __future__ import annotations
 
 import sqlite3
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from rolemrc.serve.store.backend import HEALTH_TTL_S, Backend, StoreError, Transaction
+from rolemrc.serve.store.backend import Backend, StoreError, Transaction
 
 BUSY_TIMEOUT_S = 5.0   # how long a write waits for another process's lock before db_locked
 CODES = {sqlite3.SQLITE_FULL: "db_full", sqlite3.SQLITE_BUSY: "db_locked", sqlite3.SQLITE_LOCKED: "db_locked",
@@ -21,13 +19,11 @@ CODES = {sqlite3.SQLITE_FULL: "db_full", sqlite3.SQLITE_BUSY: "db_locked", sqlit
 
 class SqliteBackend(Backend):
     def __init__(self, db: str) -> None:
-        self.name = db
+        super().__init__(db)
         uri = db.startswith("file:")
         query = parse_qs(urlsplit(db).query) if uri else {}
         if not uri:
             Path(db).parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._checked: tuple[float, str | None] = (float("-inf"), None)
         with self._translated():
             self._db = sqlite3.connect(db, uri=uri, check_same_thread=False, isolation_level=None,
                                        timeout=BUSY_TIMEOUT_S)
@@ -65,28 +61,19 @@ class SqliteBackend(Backend):
                     self._db.execute("ROLLBACK")
                 raise
 
-    def health(self) -> str | None:
+    def _probe(self) -> str | None:
         """Takes the write lock for a moment (waiting 0.1 s) and checks the page cap."""
-        checked, verdict = self._checked
-        if time.monotonic() - checked < HEALTH_TTL_S:
-            return verdict
-        if not self._lock.acquire(timeout=1.0):
-            verdict = "db_locked"
-        else:
-            try:
-                self._db.execute("PRAGMA busy_timeout=100")
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute("ROLLBACK")
-                pages, cap, free = (self._db.execute(f"PRAGMA {p}").fetchone()[0]
-                                    for p in ("page_count", "max_page_count", "freelist_count"))
-                verdict = "db_full" if pages >= cap and free == 0 else None
-            except sqlite3.OperationalError as exc:
-                verdict = CODES.get(exc.sqlite_errorcode & 0xFF, "db_unavailable")
-            finally:
-                self._db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
-                self._lock.release()
-        self._checked = (time.monotonic(), verdict)
-        return verdict
+        try:
+            self._db.execute("PRAGMA busy_timeout=100")
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("ROLLBACK")
+            pages, cap, free = (self._db.execute(f"PRAGMA {p}").fetchone()[0]
+                                for p in ("page_count", "max_page_count", "freelist_count"))
+            return "db_full" if pages >= cap and free == 0 else None
+        except sqlite3.OperationalError as exc:
+            return CODES.get(exc.sqlite_errorcode & 0xFF, "db_unavailable")
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
 
     def close(self) -> None:
         with self._lock:
