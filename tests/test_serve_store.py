@@ -18,6 +18,7 @@ import pytest
 
 from rolemrc.serve.launch import running_server
 from rolemrc.serve.store import Store, StoreError
+from rolemrc.serve.store.backend import HEALTH_TTL_S
 from rolemrc.serve.store.schema import VERSION
 from rolemrc.serve.store.sqlite import BUSY_TIMEOUT_S
 
@@ -187,7 +188,7 @@ def test_full_database_gives_db_full_503s_never_a_200_without_its_row(model_dirs
                 assert r.status_code == 503 and r.json()["error"]["code"] == "db_full"
                 assert r.headers["retry-after"] == "1"
         assert 503 in codes and acked
-        time.sleep(1.1)   # past the cached verdict
+        time.sleep(HEALTH_TTL_S + 0.1)   # past the cached verdict
         health = httpx.get(server.base_url + "/health")
         assert health.status_code == 503 and health.json()["database"] == "db_full"
     with closing(Store.open(str(tmp_path / "ab.sqlite"))) as store:
@@ -202,6 +203,7 @@ def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing
         assert httpx.post(server.base_url + "/v1/experiments", json={"id": "exp", "arms": ARMS}).status_code == 201
         acked += [r.json()["id"] for r in (post_chat(server.base_url, k) for k in range(3)) if r.status_code == 200]
         holder = hold_lock(path, BUSY_TIMEOUT_S + 4)
+        time.sleep(HEALTH_TTL_S + 0.1)   # past the verdict cached before the lock
         health = httpx.get(server.base_url + "/health", timeout=30)
         assert health.status_code == 503 and health.json()["database"] == "db_locked"
 
@@ -216,7 +218,7 @@ def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing
             assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["code"] == "db_locked")
         acked += [r.json()["id"] for r in answers if r.status_code == 200]
         assert holder.wait(30) == 0   # the lock is released
-        time.sleep(1.1)
+        time.sleep(HEALTH_TTL_S + 0.1)
         assert httpx.get(server.base_url + "/health").status_code == 200
         for k in range(5, 8):
             r = post_chat(server.base_url, k)
