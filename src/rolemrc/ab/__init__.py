@@ -1,4 +1,4 @@
-"""A/B experiments over `rolemrc serve`: the server assigns arms and logs each request (serve/store.py); this package
+"""A/B experiments over `rolemrc serve`: the server assigns arms and logs each request (serve/store/); this package
 creates experiments and scores them, outside the serving process.
 
     from rolemrc.ab import build_report, experiment_from_sweep
