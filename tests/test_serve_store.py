@@ -16,7 +16,7 @@ import httpx
 import psycopg
 import pytest
 
-from rolemrc.serve.launch import running_server
+from rolemrc.serve.launch import free_port, launch_server, running_server
 from rolemrc.serve.store import Store, StoreError
 from rolemrc.serve.store.backend import HEALTH_TTL_S
 from rolemrc.serve.store.schema import VERSION
@@ -242,3 +242,10 @@ def test_ab_report_reads_a_postgresql_log(postgres_url):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["requests"] == 8 and set(report["arms"]) == {"a", "b"}
+
+
+def test_an_unreachable_postgres_is_an_error_line_at_start(model_dirs, tmp_path):
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": f"postgresql://postgres@127.0.0.1:{free_port()}/x"}
+    server = launch_server(config, workdir=tmp_path)
+    assert server.wait(120) != 0
+    assert "error: the database postgresql://postgres@127.0.0.1" in server.logs() and "is unavailable" in server.logs()

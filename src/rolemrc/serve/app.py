@@ -30,8 +30,8 @@ async def lifespan(app: FastAPI):
     """Load the engines and open the A/B database; stop and close them on shutdown."""
     state: State = app.state.rolemrc
     try:
+        state.store = Store.open(state.config.db) if state.config.db else None   # before any model loads
         state.catalog = ModelCatalog(state.config)
-        state.store = Store.open(state.config.db) if state.config.db else None
         for engine in state.catalog.engines.values():
             if hasattr(engine, "on_dead"):
                 engine.on_dead = state.engine_dead
