@@ -240,7 +240,7 @@ def postgres_server():
 
     import pytest
 
-    from rolemrc.serve.launch import free_port
+    from rolemrc.serve.launch import die_with_parent, free_port
 
     bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
     try:
@@ -264,7 +264,8 @@ def postgres_server():
     with open(root / "server.log", "wb") as log:
         proc = subprocess.Popen([*as_postgres, str(bindir / "postgres"), "-D", str(root / "data"), "-k", str(root),
                                  "-p", str(port), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
-                                 "-c", "max_connections=200"], stdout=log, stderr=subprocess.STDOUT)
+                                 "-c", "max_connections=200"], stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)   # a killed test run leaves no server behind
     url = f"postgresql://postgres@127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
