@@ -4,6 +4,7 @@
 # make test builds it and runs the vLLM tests against it. VLLM_PACKAGE=vllm on a CUDA machine.
 # make clients: lm-evaluation-harness (.venv-lmeval) and guidellm (.venv-guidellm), each in its own environment;
 # make test builds them and drives `rolemrc serve` with them as real clients.
+# make test also starts a throwaway PostgreSQL server (Debian's postgresql, from scripts/system-deps.sh) for the store tests.
 # torch==2.13.0 is installed first because that CPU wheel is on disk on these machines: pyproject's
 # `torch>=2.6` would otherwise resolve to the newest CUDA build (gigabytes). Any torch >= 2.6 works.
 PYTHON ?= python3
@@ -98,7 +99,7 @@ demo-real: $(STAMP) $(VLLM_PLUGIN_STAMP) sysdeps
 	$(VLLM_ENV) $(VENV)/bin/rolemrc demo --base smollm2 --out runs/demo-real
 
 test: $(STAMP) $(VLLM_PLUGIN_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) $(CORE_STAMP) sysdeps
-	$(VLLM_ENV) $(CLIENTS_ENV) $(CORE_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 $(PY) -m pytest -q -p no:cacheprovider \
+	$(VLLM_ENV) $(CLIENTS_ENV) $(CORE_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 ROLEMRC_REQUIRE_POSTGRES=1 $(PY) -m pytest -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile --durations=40
 
 lint: $(STAMP)

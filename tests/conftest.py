@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fixtures import corpus, test_records
+from fixtures import corpus, postgres_database, postgres_server, test_records
 
 from rolemrc.core.tiny import build_model, train_tokenizer
 from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
@@ -17,6 +17,18 @@ ARCHS = ("llama", "qwen2", "gpt2")
 @pytest.fixture(scope="session")
 def tokenizer():
     return train_tokenizer(corpus(), vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """The base URL of one PostgreSQL server for the whole run (per xdist worker)."""
+    yield from postgres_server()
+
+
+@pytest.fixture
+def postgres_url(postgres):
+    """A fresh database of the session's PostgreSQL server, one per test."""
+    return postgres_database(postgres)
 
 
 @pytest.fixture(scope="session")

@@ -198,7 +198,7 @@ def served_report(server, experiment: str, **kw) -> dict:
     from rolemrc.ab.report import build_report
     from rolemrc.serve.store import Store
 
-    store = Store(server.config.parent / "ab.sqlite")
+    store = Store.open(str(server.config.parent / "ab.sqlite"))
     try:
         return build_report(store, experiment, **kw)
     finally:
@@ -225,3 +225,75 @@ def cache_snapshot(hub: Path, repo: str, source: Path, commit: str, ref: str | N
         (root / "refs").mkdir(exist_ok=True)
         (root / "refs" / ref).write_text(commit)
     return snapshot
+
+
+def postgres_server():
+    """Start a throwaway PostgreSQL server (Debian's package: initdb and postgres as the `postgres` user when run as
+    root, its data and unix socket in a fresh /tmp folder, a free TCP port); a generator yielding its base URL and
+    stopping it after. Skips without PostgreSQL or psycopg, except under ROLEMRC_REQUIRE_POSTGRES=1 (`make test`)."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    import pytest
+
+    from rolemrc.serve.launch import die_with_parent, free_port
+
+    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    try:
+        import psycopg
+    except ImportError as exc:
+        bins, why = [], f"psycopg is not installed ({exc})"
+    else:
+        why = "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb; scripts/system-deps.sh installs it)"
+    if not bins:
+        if os.environ.get("ROLEMRC_REQUIRE_POSTGRES") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    bindir = bins[-1].parent
+    root = Path(tempfile.mkdtemp(prefix="rolemrc-pg-"))
+    as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    if as_postgres:
+        shutil.chown(root, "postgres", "postgres")
+    port = free_port()
+    subprocess.run([*as_postgres, str(bindir / "initdb"), "-D", str(root / "data"), "-A", "trust", "-U", "postgres",
+                    "--no-sync"], check=True, capture_output=True)
+    with open(root / "server.log", "wb") as log:
+        proc = subprocess.Popen([*as_postgres, str(bindir / "postgres"), "-D", str(root / "data"), "-k", str(root),
+                                 "-p", str(port), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
+                                 "-c", "max_connections=200"], stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)   # a killed test run leaves no server behind
+    url = f"postgresql://postgres@127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                psycopg.connect(f"{url}/postgres", connect_timeout=2).close()
+                break
+            except psycopg.OperationalError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"PostgreSQL did not start:\n{(root / 'server.log').read_text()}") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)   # fast shutdown
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def postgres_database(server_url: str) -> str:
+    """A new, empty database on the server at `server_url`: its URL."""
+    import uuid
+
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(f"{server_url}/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"{server_url}/{name}"

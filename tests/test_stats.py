@@ -93,7 +93,7 @@ SPREAD = [1.0, 1.1, 0.9, 1.2, 0.8, 1.05, 0.95, 1.15, 0.85]
 def clustered(tmp_path):
     """Arm B's difference comes from one heavy user (60 requests, slow, always passing); per user the arms
     are alike. Arm A has two requests without a user (each its own cluster)."""
-    store = Store(tmp_path / "ab.sqlite")
+    store = Store.open(str(tmp_path / "ab.sqlite"))
     store.add_experiment("exp", "heavy user", [{"name": "A", "model": "m", "weight": 1},
                                                {"name": "B", "model": "m", "weight": 1}], 0.0)
     plan = [("A", f"a{k}", lat, PASS if k % 2 else FAIL) for k, lat in enumerate(SPREAD)]
@@ -142,7 +142,7 @@ def test_ab_report_errors_and_judge_config(clustered, monkeypatch):
         build_report(store, "nope")
     assert isinstance(caught.value, RolemrcError)
     runner = CliRunner()
-    db = str(store.path)
+    db = store.name
     result = runner.invoke(app, ["ab", "report", "nope", "--db", db])
     assert result.exit_code == EXIT_INPUT and "no experiment 'nope'" in result.output
     result = runner.invoke(app, ["ab", "report", "exp", "--db", db, "--judge", "openai"])

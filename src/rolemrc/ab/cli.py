@@ -46,7 +46,8 @@ def create_cmd(
 @needs("eval")
 def report_cmd(
     experiment: str = typer.Argument(..., help="experiment id"),
-    db: Path = typer.Option(..., help="the server's SQLite log (the config's 'db')"),
+    db: str = typer.Option(..., help="the server's request log, as the serve config's 'db' names it: a SQLite path or a "
+                                     "postgresql:// URL"),
     out: Path = typer.Option(None, help="write report.json, chart.html and chart.png here"),
     judge: JudgeName = SCORE["judge"],
     judge_model: str = SCORE["judge_model"],
@@ -56,13 +57,14 @@ def report_cmd(
 ) -> None:
     """Per-arm scores with 95% CIs and unpaired tests of each arm against the first, the user as the unit."""
     from rolemrc.ab.report import build_report
-    from rolemrc.serve.store import Store
+    from rolemrc.serve.store import Store, is_url
 
     groups = parse_metrics(metrics)
     # an unknown or misconfigured judge fails here, before any scoring
     config = JudgeConfig(name=judge, model=judge_model, base_url=judge_base_url)
-    expect(db, "sqlite", "--db wants the server's SQLite log (the serve config's 'db')")
-    store = Store(db)
+    if not is_url(db):
+        expect(Path(db), "sqlite", "--db wants the server's request log (the serve config's 'db')")
+    store = Store.open(db)
     try:
         report = build_report(store, experiment, judge=config, metrics=groups, rounds=rounds, out_dir=out)
     finally:

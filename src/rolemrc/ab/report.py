@@ -1,4 +1,4 @@
-"""An experiment's report over the server's request log (serve/store.py), computed here, never in the serving
+"""An experiment's report over the server's request log (serve/store/), computed here, never in the serving
 process: per-arm scores from the eval module (a judge from eval.judges, reference metrics), operational stats
 (latency, tokens) and unpaired tests of each arm against the first. Arms are assigned per user, so the user is the
 unit: every quantity is first averaged per user (a request without a user is its own cluster), CIs resample users
@@ -123,7 +123,7 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
     config = judge if isinstance(judge, JudgeConfig) else JudgeConfig(name=judge)
     exp = store.experiment(exp_id)
     if exp is None:
-        raise UnknownExperimentError(f"no experiment {exp_id!r} in {store.path}")
+        raise UnknownExperimentError(f"no experiment {exp_id!r} in {store.name}")
     rows = store.requests(exp_id)
     arms: dict[str, Any] = {}
     per_user: dict[str, dict[str, np.ndarray]] = {}

@@ -20,7 +20,7 @@ from rolemrc.serve.errors import ApiError
 from rolemrc.serve.middleware import BodyLimit, Lifecycle
 from rolemrc.serve.routes import ops, v1
 from rolemrc.serve.state import State, app_state
-from rolemrc.serve.store import Store
+from rolemrc.serve.store import Store, StoreError
 
 log = logging.getLogger("rolemrc.serve")
 
@@ -30,8 +30,8 @@ async def lifespan(app: FastAPI):
     """Load the engines and open the A/B database; stop and close them on shutdown."""
     state: State = app.state.rolemrc
     try:
+        state.store = Store.open(state.config.db) if state.config.db else None   # before any model loads
         state.catalog = ModelCatalog(state.config)
-        state.store = Store(state.config.db) if state.config.db else None
         for engine in state.catalog.engines.values():
             if hasattr(engine, "on_dead"):
                 engine.on_dead = state.engine_dead
@@ -107,6 +107,7 @@ def create_app(config: ServeConfig, keys: dict[str, Role] | None = None) -> Fast
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StoreError, store_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, crashed)
@@ -124,6 +125,12 @@ def count(request: Request, status: int) -> None:
 async def api_error(request: Request, exc: ApiError) -> JSONResponse:
     count(request, exc.status)
     return exc.response()
+
+
+async def store_error(request: Request, exc: StoreError) -> JSONResponse:
+    """The database could not take a write or answer: 503 with its code (never a 200 without the row)."""
+    log.error("database error: %s", exc)
+    return await api_error(request, ApiError(503, str(exc), code=exc.code, retry_after=1))
 
 
 async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -74,6 +74,7 @@ async def route(state: State, body: p.SamplingFields) -> Route:
     """The request's model and restraint: from the model id and `restraint`, or from the arm its user is assigned."""
     catalog = state.catalog
     if body.experiment is None:
+        await state.fetch_restraints(body.model.partition("+")[2], body.restraint)
         engine, named = catalog.lookup(body.model)
         return Route(body.model, engine, catalog.resolve(engine, named, body.restraint))
     if body.restraint is not None:
@@ -81,6 +82,7 @@ async def route(state: State, body: p.SamplingFields) -> Route:
                        param="restraint")
     exp = await state.experiment(body.experiment)
     arm = assign(exp["id"], exp["arms"], body.user)
+    await state.fetch_restraints(arm["model"].partition("+")[2], arm.get("restraint"))
     engine, named = catalog.lookup(arm["model"])
     if named is None and arm.get("restraint"):
         resolved = catalog.resolve(engine, None, arm["restraint"])
@@ -400,7 +402,8 @@ class Call(ABC):
             return
         self.logged = True
         key = (self.route.experiment, self.key) if self.key is not None else None
-        await outcome.write(self.state.store, outcome.rows(self, reason), key, response if key else None)
+        error = response["error"]["message"] if reason is not None and response and "error" in response else None
+        await outcome.write(self.state.store, outcome.rows(self, reason, error), key, response if key else None)
 
     async def commit_quietly(self, end: Ended) -> None:
         """`commit` for a request whose client can no longer be told that the store refused."""

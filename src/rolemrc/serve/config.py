@@ -15,6 +15,7 @@ from rolemrc.core.hub import looks_like_path
 from rolemrc.core.io import pulled_models, read_yaml
 from rolemrc.serve.engines import ENGINES, engine_class
 from rolemrc.serve.errors import ServeConfigError
+from rolemrc.serve.store import is_url
 
 T = TypeVar("T")
 
@@ -135,7 +136,7 @@ class ServeConfig:
                   for name, entry in (data.pop("models", None) or {}).items()}
         restraints = {str(k): str(_resolve(base, v)) for k, v in (data.pop("restraints", None) or {}).items()}
         for key in ("api_key_file", "db"):
-            if data.get(key):
+            if data.get(key) and not (key == "db" and is_url(data[key])):
                 data[key] = str(_resolve(base, data[key]))
         return cls(models=models, restraints=restraints, **data)
 

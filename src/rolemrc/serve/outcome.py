@@ -49,11 +49,11 @@ def render(body: dict[str, Any]) -> bytes:
                                       code="generation_failed")) from None
 
 
-def rows(call: Any, reason: str | None) -> list[dict[str, Any]]:
+def rows(call: Any, reason: str | None, error: str | None = None) -> list[dict[str, Any]]:
     """The rows of `call` (a `completions.Call`): one per choice (id `<id>` for a single choice, else
-    `<id>:<index>`) with the text generated so far; `reason`: the finish_reason of every row when the request did not
-    complete, else each choice's own. A request that failed before admission gets a row per choice it asked for,
-    with no text."""
+    `<id>:<index>`, each with `request_id` `<id>`) with the text generated so far; `reason`: the finish_reason of every
+    row when the request did not complete (`error`: the message its client got), else each choice's own. A request
+    that failed before admission gets a row per choice it asked for, with no text."""
     n, latency, finished = call.body.n, time.perf_counter() - call.clock, time.time()
     if call.choices:
         asked = [(c.index, c.prompt, out.text, c.gen) for c, out in zip(call.choices, call.outs)]
@@ -62,7 +62,8 @@ def rows(call: Any, reason: str | None) -> list[dict[str, Any]]:
     out = []
     for index, prompt, text, gen in asked:
         final = gen.final if gen is not None else None
-        out.append({"id": call.id if len(asked) == 1 else f"{call.id}:{index}", "experiment": call.route.experiment,
+        out.append({"id": call.id if len(asked) == 1 else f"{call.id}:{index}", "request_id": call.id,
+                    "idempotency_key": call.key, "error": error, "experiment": call.route.experiment,
                     "arm": call.route.arm, "user": call.body.user, "model": call.route.model_id,
                     "restraint": call.served()["restraint"], "endpoint": call.endpoint,
                     "messages": call.logged_messages(prompt), "response": text,

@@ -94,6 +94,7 @@ async def register_restraint(body: p.RestraintCreate, request: Request) -> Any:
     kept in the database, if any, and registered again when the server restarts."""
     state = app_state(request)
     restraint = state.catalog.parse_spec({**body.spec, "name": body.name}, "spec")
+    await state.fetch_restraints(body.name)   # a name another replica registered holds its restraint here too
     new, _ = await state.catalog.register(body.name, restraint)
     if new and state.store is not None:
         await asyncio.to_thread(state.store.add_restraint, body.name, restraint.to_dict(), time.time())
@@ -108,6 +109,7 @@ async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Exp
     if state.store is None:
         raise ApiError(400, "experiments need a database ('db' in the serve config)", code="no_database")
     for arm in body.arms:   # every arm must be servable now
+        await state.fetch_restraints(arm.model.partition("+")[2], arm.restraint)
         engine, named = state.catalog.lookup(arm.model)
         state.catalog.resolve(engine, named, arm.restraint)
     exp_id = body.id or f"exp-{uuid.uuid4().hex[:12]}"
@@ -120,7 +122,9 @@ async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Exp
 
 @v1.get("/experiments/{exp_id}", response_model=p.Experiment, dependencies=[Depends(admin)])
 async def get_experiment(exp_id: str, request: Request) -> p.Experiment:
-    return p.Experiment(**await app_state(request).experiment(exp_id))
+    state = app_state(request)
+    exp = await state.experiment(exp_id)
+    return p.Experiment(**exp, requests=await asyncio.to_thread(state.store.arm_counts, exp_id))
 
 
 @v1.delete("/restraints/{name}", status_code=204, dependencies=[Depends(admin)],
@@ -154,8 +158,9 @@ async def delete_experiment(exp_id: str, request: Request) -> Response:
 @ops.get("/health")
 async def health(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> JSONResponse:
     """`ok`; `restarting` while an engine comes back; `engine_dead` once one has given up (the worst state wins,
-    with the engines not ok listed). 503 while draining or when no model can answer, else 200. Only the status
-    without an admin key (unless public_health_details)."""
+    with the engines not ok listed; `engine_stalled` when an engine's step has run past its bound). 503 while draining, when
+    no model can answer, or `degraded` when the A/B log cannot take a write (`database`: db_full, db_locked or
+    db_unavailable), else 200. Only the status without an admin key (unless public_health_details)."""
     state = app_state(request)
     if state.draining:
         body, code = {"status": "draining", "inflight": state.inflight}, 503
@@ -163,9 +168,14 @@ async def health(request: Request, creds: HTTPAuthorizationCredentials | None = 
         engines = {name: engine.health() if hasattr(engine, "health") else ("ok", None)
                    for name, engine in state.catalog.engines.items()}
         down = {name: {"state": s, "reason": why} for name, (s, why) in engines.items() if s != "ok"}
-        status = "engine_dead" if any(e["state"] == "dead" for e in down.values()) else "restarting" if down else "ok"
+        states = {e["state"] for e in down.values()}
+        status = ("engine_dead" if "dead" in states else "engine_stalled" if "stalled" in states
+                  else "restarting" if down else "ok")
         body = {"status": status, "models": sorted(state.catalog.variants)} | ({"engines": down} if down else {})
-        code = 503 if len(down) == len(engines) else 200
+        database = await asyncio.to_thread(state.store.health) if state.store is not None else None
+        if database is not None:
+            body |= {"status": "degraded" if status == "ok" else status, "database": database}
+        code = 503 if len(down) == len(engines) or database else 200
     if not (state.config.public_health_details or is_admin(state, creds)):
         body = {"status": body["status"]}
     return JSONResponse(body, status_code=code)

@@ -4,16 +4,20 @@ shutdown and the lifecycle middleware."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
+from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.catalog import ModelCatalog
 from rolemrc.serve.config import Role, ServeConfig
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.metrics import Metrics
 from rolemrc.serve.store import Store
+
+log = logging.getLogger("rolemrc.serve")
 
 
 @dataclass
@@ -36,6 +40,20 @@ class State:
         `serve_others` the other models go on (requests for this one get 503 engine_dead)."""
         if self.config.on_engine_dead == "exit":
             self.fatal = f"the engine of model {model!r} is dead: {reason}"
+
+    async def fetch_restraints(self, *names: Any) -> None:
+        """Register the named restraints that another replica registered (kept in the shared store) and this one
+        has not seen yet; names this server knows, None and inline specs are skipped."""
+        if self.store is None:
+            return
+        for name in {n for n in names if isinstance(n, str) and n and n not in self.catalog.restraints}:
+            spec = await asyncio.to_thread(self.store.restraint, name)
+            if spec is None:
+                continue
+            try:
+                await self.catalog.register(name, Restraint.from_dict(spec))
+            except RestraintError as exc:
+                log.warning("restraint %r in the database is not served: %s", name, exc)
 
     async def experiment(self, exp_id: str) -> dict[str, Any]:
         if self.store is None:

@@ -1,0 +1,162 @@
+"""The A/B log and what replicas share: experiments, restraints registered while serving, the request rows, each
+arm's row count and idempotency keys. `Store.open(db)` picks SQLite (a path, or a `file:` URI) or PostgreSQL (a
+`postgresql://` URL); both run the same SQL (schema.py) and every write is one committed transaction, so an
+acknowledged row survives a crash. The server writes it; `rolemrc.ab.report` reads it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Any
+
+from rolemrc.serve.store.backend import Backend, StoreError
+from rolemrc.serve.store.schema import COLUMNS, INSERT_REQUEST, JSON_FIELDS, MIGRATIONS, REQUEST_FIELDS
+
+__all__ = ["Store", "StoreError", "is_url"]
+POSTGRES = ("postgresql://", "postgres://")
+
+
+def is_url(db: str) -> bool:
+    """Whether `db` is a PostgreSQL URL or a SQLite `file:` URI (taken as written), not a path."""
+    return db.startswith((*POSTGRES, "file:"))
+
+
+class Store:
+    """Experiments, restraints and the request log over one backend. Thread-safe; a `StoreError` (code db_full,
+    db_locked or db_unavailable) when the database cannot take a write or answer."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self._migrate()
+
+    @classmethod
+    def open(cls, db: str) -> Store:
+        if db.startswith(POSTGRES):
+            from rolemrc.serve.store.postgres import PostgresBackend
+
+            return cls(PostgresBackend(db))
+        from rolemrc.serve.store.sqlite import SqliteBackend
+
+        return cls(SqliteBackend(db))
+
+    def _migrate(self) -> None:
+        """Bring the schema to the last version, one migration per transaction (serialised across replicas)."""
+        with self.backend.transaction(exclusive=True) as tx:
+            tx.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        while True:
+            with self.backend.transaction(exclusive=True) as tx:
+                rows = tx.execute("SELECT version FROM schema_version")
+                version = rows[0]["version"] if rows else 0
+                if version >= len(MIGRATIONS):
+                    return
+                for statement in MIGRATIONS[version]:
+                    tx.execute(statement)
+                tx.execute("DELETE FROM schema_version")
+                tx.execute("INSERT INTO schema_version (version) VALUES (?)", (version + 1,))
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def health(self) -> str | None:
+        """None when a write could commit now; else why not (a StoreError code)."""
+        return self.backend.health()
+
+    def add_experiment(self, exp_id: str, description: str, arms: list[dict[str, Any]], created: float) -> bool:
+        """False when the id is taken."""
+        with self.backend.transaction() as tx:
+            return tx.execute_count("INSERT INTO experiments (id, description, arms, created) VALUES (?, ?, ?, ?)"
+                                    " ON CONFLICT DO NOTHING", (exp_id, description, json.dumps(arms), created)) == 1
+
+    def experiment(self, exp_id: str) -> dict[str, Any] | None:
+        with self.backend.transaction() as tx:
+            rows = tx.execute("SELECT id, description, arms, created FROM experiments WHERE id = ?", (exp_id,))
+        return {**rows[0], "arms": json.loads(rows[0]["arms"])} if rows else None
+
+    def arm_counts(self, exp_id: str) -> dict[str, int]:
+        """Logged rows per arm (kept by `log_request`, never counted)."""
+        with self.backend.transaction() as tx:
+            rows = tx.execute("SELECT arm, requests FROM arm_counts WHERE experiment = ? ORDER BY arm", (exp_id,))
+        return {row["arm"]: row["requests"] for row in rows}
+
+    def delete_experiment(self, exp_id: str) -> bool:
+        """Drop an experiment with its rows, counts and idempotency keys; False when there is none."""
+        with self.backend.transaction() as tx:
+            for table in ("requests", "arm_counts", "idempotency"):
+                tx.execute(f"DELETE FROM {table} WHERE experiment = ?", (exp_id,))
+            return tx.execute_count("DELETE FROM experiments WHERE id = ?", (exp_id,)) == 1
+
+    def add_restraint(self, name: str, spec: dict[str, Any], created: float) -> None:
+        """Keep a restraint registered while serving (the first spec under a name stays)."""
+        with self.backend.transaction() as tx:
+            tx.execute("INSERT INTO restraints (name, spec, created) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                       (name, json.dumps(spec), created))
+
+    def restraint(self, name: str) -> dict[str, Any] | None:
+        """The spec registered under `name`, if any."""
+        with self.backend.transaction() as tx:
+            rows = tx.execute("SELECT spec FROM restraints WHERE name = ?", (name,))
+        return json.loads(rows[0]["spec"]) if rows else None
+
+    def restraints(self) -> dict[str, dict[str, Any]]:
+        """name -> spec of the restraints registered while serving, oldest first."""
+        with self.backend.transaction() as tx:
+            rows = tx.execute("SELECT name, spec FROM restraints ORDER BY created, name")
+        return {row["name"]: json.loads(row["spec"]) for row in rows}
+
+    def experiments_using(self, restraint: str) -> list[str]:
+        """The experiments with an arm on `restraint` (by the arm's `restraint` or a `model+restraint` id)."""
+        with self.backend.transaction() as tx:
+            rows = tx.execute("SELECT id, arms FROM experiments ORDER BY id")
+        return [row["id"] for row in rows if any(arm.get("restraint") == restraint
+                                                 or arm["model"].partition("+")[2] == restraint
+                                                 for arm in json.loads(row["arms"]))]
+
+    def delete_restraint(self, name: str) -> bool:
+        with self.backend.transaction() as tx:
+            return tx.execute_count("DELETE FROM restraints WHERE name = ?", (name,)) == 1
+
+    def claim(self, experiment: str, key: str) -> dict[str, Any] | None:
+        """Claim an idempotency key: None when this call claimed it now, else its record {"status": "running" |
+        "done", "response": the JSON body answered, or None}. Atomic across replicas."""
+        with self.backend.transaction() as tx:
+            if tx.execute_count("INSERT INTO idempotency (experiment, key, status, response, created)"
+                                " VALUES (?, ?, 'running', NULL, ?) ON CONFLICT DO NOTHING",
+                                (experiment, key, time.time())) == 1:
+                return None
+            row = tx.execute("SELECT status, response FROM idempotency WHERE experiment = ? AND key = ?",
+                             (experiment, key))[0]
+        return {"status": row["status"], "response": json.loads(row["response"]) if row["response"] else None}
+
+    def release_claim(self, experiment: str, key: str) -> None:
+        """Drop a claim whose request never reached the engine (so a retry runs)."""
+        with self.backend.transaction() as tx:
+            tx.execute("DELETE FROM idempotency WHERE experiment = ? AND key = ? AND status = 'running'",
+                       (experiment, key))
+
+    def log_request(self, rows: list[dict[str, Any]], idempotency: tuple[str, str] | None = None,
+                    response: dict[str, Any] | None = None) -> None:
+        """Insert the rows of one request, add them to their arms' counts and, with `idempotency` (experiment, key),
+        mark that key done with `response`: one transaction, committed (and on SQLite fsynced) before returning."""
+        values = [[json.dumps(row.get(f)) if f in JSON_FIELDS else row.get(f) for f in REQUEST_FIELDS] for row in rows]
+        counts = Counter((row["experiment"], row["arm"]) for row in rows)
+        with self.backend.transaction() as tx:
+            for value in values:
+                tx.execute(INSERT_REQUEST, value)
+            for (experiment, arm), n in counts.items():
+                tx.execute("INSERT INTO arm_counts (experiment, arm, requests) VALUES (?, ?, ?) ON CONFLICT"
+                           " (experiment, arm) DO UPDATE SET requests = arm_counts.requests + excluded.requests",
+                           (experiment, arm, n))
+            if idempotency is not None:
+                tx.execute("INSERT INTO idempotency (experiment, key, status, response, created)"
+                           " VALUES (?, ?, 'done', ?, ?) ON CONFLICT (experiment, key) DO UPDATE"
+                           " SET status = 'done', response = excluded.response",
+                           (*idempotency, json.dumps(response), time.time()))
+
+    def requests(self, exp_id: str) -> list[dict[str, Any]]:
+        """An experiment's rows, oldest first, JSON fields decoded."""
+        with self.backend.transaction() as tx:
+            rows = tx.execute(f"SELECT {COLUMNS} FROM requests"
+                              " WHERE experiment = ? ORDER BY started, id", (exp_id,))
+        return [row | {f: json.loads(row[f]) if row[f] is not None else None for f in JSON_FIELDS} for row in rows]

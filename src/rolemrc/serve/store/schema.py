@@ -1,0 +1,42 @@
+"""The A/B log's schema: one ordered list of migrations shared by SQLite and PostgreSQL (SQL written once, with `?`
+placeholders that the PostgreSQL backend translates), recorded in `schema_version`."""
+
+from __future__ import annotations
+
+# Migration i (1-based) brings the schema from version i-1 to i. Version 1 is the schema the first release wrote
+# (without schema_version), so an old SQLite log migrates from 0: its CREATE ... IF NOT EXISTS statements are no-ops.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        "CREATE TABLE IF NOT EXISTS experiments (id TEXT PRIMARY KEY, description TEXT NOT NULL, arms TEXT NOT NULL,"
+        " created DOUBLE PRECISION NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS requests (id TEXT PRIMARY KEY,"
+        " experiment TEXT NOT NULL REFERENCES experiments(id), arm TEXT NOT NULL, \"user\" TEXT, model TEXT NOT NULL,"
+        " restraint TEXT, endpoint TEXT NOT NULL, messages TEXT NOT NULL, response TEXT NOT NULL, finish_reason TEXT,"
+        " latency_s DOUBLE PRECISION NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,"
+        " metadata TEXT, started DOUBLE PRECISION NOT NULL, finished DOUBLE PRECISION NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS requests_by_experiment ON requests(experiment, arm)",
+        "CREATE TABLE IF NOT EXISTS restraints (name TEXT PRIMARY KEY, spec TEXT NOT NULL,"
+        " created DOUBLE PRECISION NOT NULL)",
+    ),
+    (
+        "ALTER TABLE requests ADD COLUMN request_id TEXT",
+        "ALTER TABLE requests ADD COLUMN idempotency_key TEXT",
+        "ALTER TABLE requests ADD COLUMN error TEXT",
+        "UPDATE requests SET request_id = id",
+        "CREATE INDEX requests_by_request ON requests(request_id)",
+        "CREATE TABLE arm_counts (experiment TEXT NOT NULL, arm TEXT NOT NULL, requests INTEGER NOT NULL,"
+        " PRIMARY KEY (experiment, arm))",
+        "INSERT INTO arm_counts (experiment, arm, requests) SELECT experiment, arm, COUNT(*) FROM requests"
+        " GROUP BY experiment, arm",
+        "CREATE TABLE idempotency (experiment TEXT NOT NULL, key TEXT NOT NULL, status TEXT NOT NULL, response TEXT,"
+        " created DOUBLE PRECISION NOT NULL, PRIMARY KEY (experiment, key))",
+    ),
+)
+VERSION = len(MIGRATIONS)
+
+REQUEST_FIELDS = ("id", "request_id", "experiment", "arm", "user", "model", "restraint", "endpoint", "messages",
+                  "response", "finish_reason", "error", "latency_s", "prompt_tokens", "completion_tokens", "metadata",
+                  "idempotency_key", "started", "finished")
+JSON_FIELDS = ("messages", "metadata")
+COLUMNS = ", ".join(f'"{f}"' for f in REQUEST_FIELDS)   # each quoted: `user` is reserved in PostgreSQL
+INSERT_REQUEST = f"INSERT INTO requests ({COLUMNS}) VALUES ({', '.join('?' * len(REQUEST_FIELDS))})"

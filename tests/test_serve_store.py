@@ -1,0 +1,251 @@
+"""The A/B store on SQLite and on a real PostgreSQL server: every method on both, atomic claims, one transaction
+per request, migration of a log written by the first schema, and a full or locked database answered with coded 503s
+over real HTTP (never a 200 without its row)."""
+
+import asyncio
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+
+import httpx
+import psycopg
+import pytest
+
+from rolemrc.serve.launch import free_port, launch_server, running_server
+from rolemrc.serve.store import Store, StoreError
+from rolemrc.serve.store.backend import HEALTH_TTL_S
+from rolemrc.serve.store.schema import VERSION
+from rolemrc.serve.store.sqlite import BUSY_TIMEOUT_S
+
+ARMS = [{"name": "a", "model": "tiny", "weight": 1}, {"name": "b", "model": "tiny", "weight": 1}]
+# the schema the first release wrote (commit 9a34e99), without schema_version
+OLD_SCHEMA = """
+CREATE TABLE IF NOT EXISTS experiments (
+  id TEXT PRIMARY KEY, description TEXT NOT NULL, arms TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS requests (
+  id TEXT PRIMARY KEY, experiment TEXT NOT NULL REFERENCES experiments(id), arm TEXT NOT NULL, user TEXT,
+  model TEXT NOT NULL, restraint TEXT, endpoint TEXT NOT NULL, messages TEXT NOT NULL, response TEXT NOT NULL,
+  finish_reason TEXT, latency_s REAL NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+  metadata TEXT, started REAL NOT NULL, finished REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS requests_by_experiment ON requests(experiment, arm);
+CREATE TABLE IF NOT EXISTS restraints (name TEXT PRIMARY KEY, spec TEXT NOT NULL, created REAL NOT NULL);
+"""
+
+
+def row(rid, arm="a", exp="e1", **kw):
+    return {"id": rid, "request_id": rid.split(":")[0], "experiment": exp, "arm": arm, "user": "u1", "model": "tiny",
+            "endpoint": "chat", "messages": [{"role": "user", "content": "hi"}], "response": "hello",
+            "finish_reason": "stop", "latency_s": 0.5, "prompt_tokens": 3, "completion_tokens": 2,
+            "metadata": {"reference": "hello"}, "started": time.time(), "finished": time.time()} | kw
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request, tmp_path):
+    """The `db` setting of a fresh database on each backend."""
+    return str(tmp_path / "ab.sqlite") if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+
+
+def test_every_method_on_both_backends(db):
+    with closing(Store.open(db)) as store:
+        assert store.add_experiment("e1", "first", ARMS, 1.5) and not store.add_experiment("e1", "again", [], 2.0)
+        assert store.experiment("e1") == {"id": "e1", "description": "first", "arms": ARMS, "created": 1.5}
+        assert store.experiment("nope") is None and store.arm_counts("e1") == {}
+
+        assert store.claim("e1", "k1") is None
+        assert store.claim("e1", "k1") == {"status": "running", "response": None}
+        store.log_request([row("r1:0"), row("r1:1", error="boom", finish_reason="error")], ("e1", "k1"), {"id": "r1"})
+        assert store.claim("e1", "k1") == {"status": "done", "response": {"id": "r1"}}
+        store.log_request([row("r2", arm="b", user=None, metadata=None, response="a\x00b")])
+        assert store.arm_counts("e1") == {"a": 2, "b": 1}
+        rows = store.requests("e1")
+        assert [r["id"] for r in rows] == ["r1:0", "r1:1", "r2"] and {r["request_id"] for r in rows} == {"r1", "r2"}
+        assert rows[0]["messages"] == [{"role": "user", "content": "hi"}] and rows[0]["metadata"]["reference"] == "hello"
+        assert rows[1]["error"] == "boom" and rows[2]["user"] is None and rows[2]["metadata"] is None
+        assert rows[2]["response"] == "a\ufffdb"   # as PostgreSQL can store it, on both backends
+
+        assert store.claim("e1", "k2") is None
+        store.release_claim("e1", "k2")
+        assert store.claim("e1", "k2") is None   # released: a retry runs
+        store.release_claim("e1", "k1")          # a done key stays
+        assert store.claim("e1", "k1")["status"] == "done"
+
+        spec = {"name": "mute", "hook": "mlp.act", "factor": 0.0, "units": {"0": [1, 2]}}
+        store.add_restraint("mute", spec, 1.0)
+        store.add_restraint("mute", {**spec, "factor": 0.5}, 2.0)   # the first spec under a name stays
+        store.add_restraint("loud", {**spec, "name": "loud"}, 3.0)
+        assert store.restraint("mute") == spec and store.restraint("nope") is None
+        assert list(store.restraints()) == ["mute", "loud"]
+        assert store.delete_restraint("mute") and not store.delete_restraint("mute")
+        assert list(store.restraints()) == ["loud"]
+        assert store.health() is None
+    with closing(Store.open(db)) as store:   # reopened: migrations are not run twice, nothing lost
+        assert store.arm_counts("e1") == {"a": 2, "b": 1} and len(store.requests("e1")) == 3
+        assert store.delete_experiment("e1") and not store.delete_experiment("e1")
+        assert store.experiment("e1") is None and store.requests("e1") == [] and store.arm_counts("e1") == {}
+        assert store.claim("e1", "k1") is None   # its keys went too
+        with store.backend.transaction() as tx:
+            assert tx.execute("SELECT version FROM schema_version") == [{"version": VERSION}]
+
+
+def test_rows_of_a_request_commit_together_or_not_at_all(db):
+    with closing(Store.open(db)) as store:
+        store.add_experiment("e1", "", ARMS, 1.0)
+        store.log_request([row("r1")])
+        with pytest.raises((sqlite3.IntegrityError, psycopg.IntegrityError)):   # a repeated id: all rolled back
+            store.log_request([row("r2"), row("r1")], ("e1", "k"), {"id": "r2"})
+        assert [r["id"] for r in store.requests("e1")] == ["r1"] and store.arm_counts("e1") == {"a": 1}
+        assert store.claim("e1", "k") is None
+
+
+def test_stores_opened_at_once_migrate_once_and_claim_a_key_once(db):
+    with ThreadPoolExecutor(8) as pool:   # each its own connection, as replicas have; all migrate the new database
+        stores = list(pool.map(lambda _: Store.open(db), range(8)))
+    try:
+        stores[0].add_experiment("e1", "", ARMS, 1.0)
+        results, barrier = [], threading.Barrier(len(stores))
+
+        def claim(store):
+            barrier.wait()
+            results.append(store.claim("e1", "same-key"))
+        threads = [threading.Thread(target=claim, args=(s,)) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results.count(None) == 1 and results.count({"status": "running", "response": None}) == 7
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_a_log_written_by_the_first_schema_migrates(tmp_path):
+    path = tmp_path / "ab.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.executescript(OLD_SCHEMA)
+        conn.execute("INSERT INTO experiments VALUES ('old', 'kept', '[]', 1.0)")
+        for k, arm in enumerate("aab"):
+            conn.execute("INSERT INTO requests (id, experiment, arm, user, model, endpoint, messages, response, "
+                         "latency_s, prompt_tokens, completion_tokens, started, finished) "
+                         "VALUES (?, 'old', ?, 'u', 'tiny', 'chat', '[]', 'x', 0.1, 1, 1, ?, ?)", (f"r{k}", arm, k, k))
+        conn.execute("INSERT INTO restraints VALUES ('mute', '{\"name\": \"mute\"}', 1.0)")
+    with closing(Store.open(str(path))) as store:
+        assert store.arm_counts("old") == {"a": 2, "b": 1} and store.restraint("mute") == {"name": "mute"}
+        assert [(r["id"], r["request_id"]) for r in store.requests("old")] == [("r0", "r0"), ("r1", "r1"), ("r2", "r2")]
+        store.log_request([row("r3", exp="old")])
+        assert store.arm_counts("old") == {"a": 3, "b": 1} and store.claim("old", "k") is None
+
+
+def test_lost_postgres_connection_is_db_unavailable_then_reconnects(postgres_url):
+    with closing(Store.open(postgres_url)) as store:
+        store.add_experiment("e1", "", ARMS, 1.0)
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        with pytest.raises(StoreError) as lost:
+            store.log_request([row("r1")])
+        assert lost.value.code == "db_unavailable"
+        store.log_request([row("r1")])   # the next call reconnects
+        assert store.arm_counts("e1") == {"a": 1}
+
+
+def hold_lock(path, seconds):
+    """Another process holding the SQLite database's write lock (BEGIN EXCLUSIVE) for `seconds`; returns once held."""
+    job = (f"import sqlite3, sys, time; c = sqlite3.connect({str(path)!r}, isolation_level=None); "
+           f"c.execute('BEGIN EXCLUSIVE'); print('held', flush=True); time.sleep({seconds}); c.execute('COMMIT')")
+    proc = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def post_chat(base_url, k, **kw):
+    body = {"model": "ab", "messages": [{"role": "user", "content": f"the keeper {k}"}], "max_tokens": 2,
+            "user": f"user{k}", "experiment": "exp"} | kw
+    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def logged_ids(store):
+    return [r["id"] for r in store.requests("exp")]
+
+
+def test_full_database_gives_db_full_503s_never_a_200_without_its_row(model_dirs, tmp_path):
+    db = f"file:{tmp_path / 'ab.sqlite'}?max_page_count=60"   # the A/B log capped at 60 pages of 4 KiB
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": db}
+    acked, codes = [], []
+    with running_server(config, workdir=tmp_path) as server:
+        assert httpx.post(server.base_url + "/v1/experiments", json={"id": "exp", "arms": ARMS}).status_code == 201
+        assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
+        for k in range(80):   # ~2 KiB of metadata a row: the cap is reached within these
+            r = post_chat(server.base_url, k, metadata={"pad": "x" * 2000})
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                acked.append(r.json()["id"])
+            else:
+                assert r.status_code == 503 and r.json()["error"]["code"] == "db_full"
+                assert r.headers["retry-after"] == "1"
+        assert 503 in codes and acked
+        time.sleep(HEALTH_TTL_S + 0.1)   # past the cached verdict
+        health = httpx.get(server.base_url + "/health")
+        assert health.status_code == 503 and health.json()["database"] == "db_full"
+    with closing(Store.open(str(tmp_path / "ab.sqlite"))) as store:
+        assert sorted(logged_ids(store)) == sorted(acked) and sum(store.arm_counts("exp").values()) == len(acked)
+
+
+def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing(model_dirs, tmp_path):
+    path = tmp_path / "ab.sqlite"
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": str(path)}
+    acked = []
+    with running_server(config, workdir=tmp_path) as server:
+        assert httpx.post(server.base_url + "/v1/experiments", json={"id": "exp", "arms": ARMS}).status_code == 201
+        acked += [r.json()["id"] for r in (post_chat(server.base_url, k) for k in range(3)) if r.status_code == 200]
+        holder = hold_lock(path, BUSY_TIMEOUT_S + 4)
+        time.sleep(HEALTH_TTL_S + 0.1)   # past the verdict cached before the lock
+        health = httpx.get(server.base_url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["database"] == "db_locked"
+
+        async def during():
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+                bodies = [{"model": "ab", "messages": [{"role": "user", "content": f"the keeper {k}"}],
+                           "max_tokens": 2, "user": f"user{k}", "experiment": "exp"} for k in range(3, 5)]
+                return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+        answers = asyncio.run(during())   # the first waits out the busy timeout; the second may get the lock after
+        assert any(r.status_code == 503 for r in answers)
+        for r in answers:
+            assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["code"] == "db_locked")
+        acked += [r.json()["id"] for r in answers if r.status_code == 200]
+        assert holder.wait(30) == 0   # the lock is released
+        time.sleep(HEALTH_TTL_S + 0.1)
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        for k in range(5, 8):
+            r = post_chat(server.base_url, k)
+            assert r.status_code == 200
+            acked.append(r.json()["id"])
+        counts = httpx.get(server.base_url + "/v1/experiments/exp").json()["requests"]
+    with closing(Store.open(str(path))) as store:
+        assert len(acked) >= 6 and sorted(logged_ids(store)) == sorted(acked)
+        assert store.arm_counts("exp") == counts and sum(counts.values()) == len(acked)
+
+
+def test_ab_report_reads_a_postgresql_log(postgres_url):
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    with closing(Store.open(postgres_url)) as store:
+        store.add_experiment("e1", "over PostgreSQL", ARMS, 1.0)
+        store.log_request([row(f"r{k}", arm="ab"[k % 2], user=f"u{k % 4}") for k in range(8)])
+    result = CliRunner().invoke(app, ["ab", "report", "e1", "--db", postgres_url, "--rounds", "50"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["requests"] == 8 and set(report["arms"]) == {"a", "b"}
+
+
+def test_an_unreachable_postgres_is_an_error_line_at_start(model_dirs, tmp_path):
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": f"postgresql://postgres@127.0.0.1:{free_port()}/x"}
+    server = launch_server(config, workdir=tmp_path)
+    assert server.wait(120) != 0
+    assert "error: the database postgresql://postgres@127.0.0.1" in server.logs() and "is unavailable" in server.logs()
