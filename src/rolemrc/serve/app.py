@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.catalog import ModelCatalog
 from rolemrc.serve.config import Role, ServeConfig
-from rolemrc.serve.errors import ApiError
+from rolemrc.serve.errors import ApiError, database_refused
 from rolemrc.serve.middleware import BodyLimit, Lifecycle
 from rolemrc.serve.routes import ops, v1
 from rolemrc.serve.state import State, app_state
@@ -130,7 +130,7 @@ async def api_error(request: Request, exc: ApiError) -> JSONResponse:
 async def store_error(request: Request, exc: StoreError) -> JSONResponse:
     """The database could not take a write or answer: 503 with its code (never a 200 without the row)."""
     log.error("database error: %s", exc)
-    return await api_error(request, ApiError(503, str(exc), code=exc.code, retry_after=1))
+    return await api_error(request, database_refused(exc))
 
 
 async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

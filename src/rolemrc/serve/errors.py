@@ -39,3 +39,8 @@ class ApiError(Exception):
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def database_refused(exc: RolemrcError) -> ApiError:
+    """The A/B database could not take a write or answer (a `store.StoreError`): 503 with its code, retry in 1 s."""
+    return ApiError(503, str(exc), code=getattr(exc, "code", None), retry_after=1)

@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from rolemrc.serve.errors import ApiError
+from rolemrc.serve.errors import ApiError, database_refused
 from rolemrc.serve.store import Store, StoreError
 
 log = logging.getLogger("rolemrc.serve")
@@ -82,4 +82,4 @@ async def write(store: Store, logged: list[dict[str, Any]], idempotency: tuple[s
         with anyio.CancelScope(shield=True):
             await asyncio.to_thread(store.log_request, logged, idempotency, response)
     except StoreError as exc:
-        raise ApiError(503, str(exc), code=exc.code) from exc
+        raise database_refused(exc) from exc
