@@ -4,6 +4,7 @@ cross token boundaries and whose characters span tokens; and its cost per token 
 
 import random
 import time
+from typing import ClassVar
 
 import pytest
 
@@ -47,8 +48,8 @@ class NaiveStream:
 class PieceTok:
     """Tokens that are byte strings: whole characters, halves of multi-byte ones, stray continuation bytes."""
 
-    PIECES = [b"a", b"b", b"E", b"N", b"D", b"EN", b"ND", b"aa", b"ab", b" ", b"\xe2\x82", b"\xac", b"\xe2\x82\xac",
-              b"\xc3", b"\xa9", b"\xc3\xa9", b"\x80", b"\xf0\x9f", b"\x98\x80", b"\xf0\x9f\x98\x80", b"\n"]
+    PIECES: ClassVar[list[bytes]] = [b"a", b"b", b"E", b"N", b"D", b"EN", b"ND", b"aa", b"ab", b" ", b"\xe2\x82",
+                                     b"\xac", b"\xe2\x82\xac", b"\xc3", b"\xa9", b"\xc3\xa9", b"\x80", b"\xf0\x9f", b"\x98\x80", b"\xf0\x9f\x98\x80", b"\n"]
 
     def decode(self, ids, **_):
         return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")

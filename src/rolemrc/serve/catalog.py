@@ -35,8 +35,7 @@ class ModelCatalog:
         for name, model in config.models.items():
             try:
                 self.engines[name] = engine_class(model.engine)(
-                    name, model.options, max_batch=config.max_batch, max_queue=config.max_queue,
-                    default_max_tokens=config.default_max_tokens)
+                    name, model.options, max_batch=config.max_batch, max_queue=config.max_queue)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ServeConfigError(f"model {name!r} did not load: {exc}") from exc
         self.variants: dict[str, tuple[str, str | None]] = {name: (name, None) for name in self.engines}

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +35,7 @@ from rolemrc.serve.state import State, app_state
 
 
 async def chat_completion(request: Request, body: p.ChatCompletionRequest) -> Response:
+    check_limits(app_state(request).config, body, 1)
     return await ChatCall.serve(request, body, [Prompt(messages=[m.turn() for m in body.messages])])
 
 
@@ -42,7 +43,27 @@ async def text_completion(request: Request, body: p.CompletionRequest) -> Respon
     prompts = body.prompts()
     if not prompts:
         raise ApiError(400, "the prompt list is empty", param="prompt")
+    check_limits(app_state(request).config, body, len(prompts))
     return await TextCall.serve(request, body, [_text_prompt(item) for item in prompts])
+
+
+def check_limits(config: ServeConfig, body: p.SamplingFields, prompts: int) -> None:
+    """400/413 naming the field for a request over the server's limits on work per request (stop strings, choices,
+    metadata), checked before anything is built, tokenized or queued."""
+    stops = body.stops()
+    if len(stops) > config.max_stop_strings:
+        raise ApiError(400, f"{len(stops)} stop strings; this server takes at most {config.max_stop_strings}",
+                       code="too_many_stops", param="stop")
+    if any(len(s) > config.max_stop_chars for s in stops):
+        raise ApiError(400, f"a stop string is over this server's limit of {config.max_stop_chars} characters",
+                       code="stop_too_long", param="stop")
+    if prompts * body.n > config.max_choices:
+        raise ApiError(400, f"{prompts} prompt(s) x n={body.n} asks for {prompts * body.n} choices; this server "
+                            f"takes at most {config.max_choices} per request", code="too_many_choices",
+                       param="n" if body.n > 1 else "prompt")
+    if body.metadata is not None and len(json.dumps(body.metadata).encode()) > config.max_metadata_bytes:
+        raise ApiError(413, f"metadata is over this server's limit of {config.max_metadata_bytes} bytes of JSON",
+                       code="metadata_too_large", param="metadata")
 
 
 def _text_prompt(item: str | list[int]) -> Prompt:
@@ -87,7 +108,9 @@ async def route(state: State, body: p.SamplingFields) -> Route:
 
 
 def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine) -> SamplingParams:
-    """The request's decoding settings; 400 for what this server or `engine` does not honour."""
+    """The request's decoding settings, `max_tokens` always set (the server's default when the client gave none, which
+    an engine that knows the context window lowers to the room the prompt leaves); 400 for what this server or
+    `engine` does not honour."""
     if (refused := body.refused()) is not None:
         raise ApiError(400, refused[1], code="unsupported_parameter", param=refused[0])
     logprobs = body.top_logprobs_count()
@@ -103,9 +126,11 @@ def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine)
     if max_tokens is not None and max_tokens > config.max_new_tokens:
         raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_new_tokens}",
                        code="max_tokens_too_large", param="max_tokens")
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs, echo=body.echo_prompt(),
-                          prompt_logprobs=logprobs is not None and body.echo_prompt(), response_format=response_format)
+    return SamplingParams(max_tokens=config.default_max_tokens if max_tokens is None else max_tokens,
+                          fit_to_context=max_tokens is None, temperature=body.temperature, top_p=body.top_p,
+                          seed=body.seed, stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs,
+                          echo=body.echo_prompt(), prompt_logprobs=logprobs is not None and body.echo_prompt(),
+                          response_format=response_format)
 
 
 @dataclass
@@ -120,10 +145,31 @@ class Choice:
     offset: int = 0   # completions: text_offset of the next token
 
 
+@contextlib.contextmanager
+def key_share(state: State, request: Request, model: str, choices: int) -> Iterator[None]:
+    """Hold `choices` of the caller's share of `model`'s queue (the caller: its API key's id, else its address) while
+    the call runs: 429 `key_queue_full` past `max_queue_per_key`, so one caller cannot take every slot."""
+    caller = getattr(request.state, "key", None) or (request.client.host if request.client else "unknown")
+    held, limit = state.key_choices, state.config.max_queue_per_key
+    if held[caller, model] + choices > limit:
+        raise ApiError(429, f"this API key has {held[caller, model]} choices admitted on {model!r} and may have at "
+                            f"most {limit}; retry later", code="key_queue_full", retry_after=1)
+    held[caller, model] += choices
+    try:
+        yield
+    finally:
+        held[caller, model] -= choices
+        if not held[caller, model]:
+            del held[caller, model]
+
+
 async def submit_all(engine: Engine, prompts: list[Prompt], params: SamplingParams, n: int,
                      resolved: Resolved) -> list[Choice]:
-    """Admit one request per prompt and sample, concurrently; if one is refused, the others are closed and its
-    error raised."""
+    """Admit one request per prompt and sample, concurrently, all or none: 429 before anything is built when the
+    queue has no room for all; if one is refused, the others are closed and its error raised."""
+    if engine.admitted + len(prompts) * n > engine.max_queue:
+        raise ApiError(429, f"the queue of {engine.name!r} has room for {max(0, engine.max_queue - engine.admitted)} "
+                            f"requests, not {len(prompts) * n}; retry later", code="queue_full")
     asks = [(prompt, k, params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k))
             for prompt in prompts for k in range(n)]
     gens = await asyncio.gather(*(engine.submit(prompt, sp, resolved) for prompt, _, sp in asks), return_exceptions=True)
@@ -154,6 +200,7 @@ class Call(ABC):
     id: str
     started: float
     clock: float
+    share: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)   # its key_share
 
     @classmethod
     async def serve(cls, request: Request, body: p.SamplingFields, prompts: list[Prompt]) -> Response:
@@ -166,12 +213,17 @@ class Call(ABC):
                     arm=target.arm)
         call = cls(state, request, body, prompts, [], target, p.new_id(cls.id_prefix), started, clock)
         info["id"] = call.id
+        params = sampling_params(state.config, body, target.engine)
+        call.share.enter_context(key_share(state, request, target.engine.name, len(prompts) * body.n))
         try:
-            call.choices = await submit_all(target.engine, prompts, sampling_params(state.config, body, target.engine),
-                                            body.n, target.resolved)
+            call.choices = await submit_all(target.engine, prompts, params, body.n, target.resolved)
         except ApiError as exc:
+            call.share.close()
             if exc.status >= 500:   # the arm failed it (e.g. its engine crashed), not the client
                 await call.log_failed()
+            raise
+        except BaseException:
+            call.share.close()
             raise
         if body.stream:
             return StreamingResponse(call.events(), media_type="text/event-stream",
@@ -208,12 +260,14 @@ class Call(ABC):
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
-        """Every generation of the call, closed (cancelled if unfinished) on the way out."""
+        """Every generation of the call, closed (cancelled if unfinished), and its key's share, released on the way
+        out."""
         try:
             yield
         finally:
             for choice in self.choices:
                 choice.gen.close()
+            self.share.close()
 
     def cancel(self) -> None:
         for choice in self.choices:

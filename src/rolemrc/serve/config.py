@@ -114,6 +114,9 @@ class ServeConfig:
                     "max_queue_per_key"):
             if int(getattr(self, key)) < 1:
                 raise ServeConfigError(f"{key} must be >= 1")
+        if self.default_max_tokens > self.max_new_tokens:
+            raise ServeConfigError(f"default_max_tokens {self.default_max_tokens} is over max_new_tokens "
+                                   f"{self.max_new_tokens}")
         if self.request_timeout_s <= 0:
             raise ServeConfigError("request_timeout_s must be > 0")
 
