@@ -152,7 +152,7 @@ def key_share(state: State, request: Request, model: str, choices: int) -> Itera
     caller = getattr(request.state, "key", None) or (request.client.host if request.client else "unknown")
     held, limit = state.key_choices, state.config.max_queue_per_key
     if held[caller, model] + choices > limit:
-        raise ApiError(429, f"this API key has {held[caller, model]} choices admitted on {model!r} and may have at "
+        raise ApiError(429, f"this caller has {held[caller, model]} choices admitted on {model!r} and may have at "
                             f"most {limit}; retry later", code="key_queue_full", retry_after=1)
     held[caller, model] += choices
     try:
