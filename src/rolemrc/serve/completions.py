@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,6 +31,7 @@ from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines.base import Engine, Final, Generation, Piece, Prompt, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.experiments import assign
+from rolemrc.serve.limits import check_limits, key_share
 from rolemrc.serve.state import State, app_state
 
 
@@ -45,25 +46,6 @@ async def text_completion(request: Request, body: p.CompletionRequest) -> Respon
         raise ApiError(400, "the prompt list is empty", param="prompt")
     check_limits(app_state(request).config, body, len(prompts))
     return await TextCall.serve(request, body, [_text_prompt(item) for item in prompts])
-
-
-def check_limits(config: ServeConfig, body: p.SamplingFields, prompts: int) -> None:
-    """400/413 naming the field for a request over the server's limits on work per request (stop strings, choices,
-    metadata), checked before anything is built, tokenized or queued."""
-    stops = body.stops()
-    if len(stops) > config.max_stop_strings:
-        raise ApiError(400, f"{len(stops)} stop strings; this server takes at most {config.max_stop_strings}",
-                       code="too_many_stops", param="stop")
-    if any(len(s) > config.max_stop_chars for s in stops):
-        raise ApiError(400, f"a stop string is over this server's limit of {config.max_stop_chars} characters",
-                       code="stop_too_long", param="stop")
-    if prompts * body.n > config.max_choices:
-        raise ApiError(400, f"{prompts} prompt(s) x n={body.n} asks for {prompts * body.n} choices; this server "
-                            f"takes at most {config.max_choices} per request", code="too_many_choices",
-                       param="n" if body.n > 1 else "prompt")
-    if body.metadata is not None and len(json.dumps(body.metadata).encode()) > config.max_metadata_bytes:
-        raise ApiError(413, f"metadata is over this server's limit of {config.max_metadata_bytes} bytes of JSON",
-                       code="metadata_too_large", param="metadata")
 
 
 def _text_prompt(item: str | list[int]) -> Prompt:
@@ -143,24 +125,6 @@ class Choice:
     gen: Generation
     counted: bool
     offset: int = 0   # completions: text_offset of the next token
-
-
-@contextlib.contextmanager
-def key_share(state: State, request: Request, model: str, choices: int) -> Iterator[None]:
-    """Hold `choices` of the caller's share of `model`'s queue (the caller: its API key's id, else its address) while
-    the call runs: 429 `key_queue_full` past `max_queue_per_key`, so one caller cannot take every slot."""
-    caller = getattr(request.state, "key", None) or (request.client.host if request.client else "unknown")
-    held, limit = state.key_choices, state.config.max_queue_per_key
-    if held[caller, model] + choices > limit:
-        raise ApiError(429, f"this caller has {held[caller, model]} choices admitted on {model!r} and may have at "
-                            f"most {limit}; retry later", code="key_queue_full", retry_after=1)
-    held[caller, model] += choices
-    try:
-        yield
-    finally:
-        held[caller, model] -= choices
-        if not held[caller, model]:
-            del held[caller, model]
 
 
 async def submit_all(engine: Engine, prompts: list[Prompt], params: SamplingParams, n: int,
