@@ -72,7 +72,7 @@ def test_serve_generates_what_it_did_before(name, request):
 
     async def run() -> dict:
         engine = TransformersEngine("greedy", TransformersOptions(path=str(model_dir(name, request)), device="cpu"),
-                                    max_batch=8, max_queue=64, default_max_tokens=before["max_new_tokens"])
+                                    max_batch=8, max_queue=64)
         await engine.start()
         try:
             params = SamplingParams(max_tokens=before["max_new_tokens"], temperature=0)

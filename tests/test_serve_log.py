@@ -6,6 +6,7 @@ reads `stalled` in /health. Faults are injected into the real server by a `sitec
 
 import json
 import signal
+import socket
 import sqlite3
 import threading
 import time
@@ -125,6 +126,22 @@ def test_timeout_disconnects_and_nan_each_leave_one_row(served):
     assert [r["finish_reason"] for r in wait_rows(root, "nan-stream")] == ["error"]
     time.sleep(1)   # nothing more arrives late
     assert all(len(rows(root, case)) == 1 for case in ("timeout", "gone", "gone-stream", "nan", "nan-stream"))
+
+
+def test_a_stream_left_before_its_first_byte_is_closed_and_logged(served):
+    """A client that sends a streamed request and closes its socket at once: the call still ends (its engine slot
+    freed: a leaked slot per such request would fill the queue) and writes its row. (uvicorn pauses reading once the
+    body is in, so the disconnect is seen only after the events have started.)"""
+    server, root = served
+    host, port = server.base_url.removeprefix("http://").split(":")
+    for k in range(4):
+        body = json.dumps(ask("slow", f"left-{k}", max_tokens=400, ignore_eos=True, stream=True)).encode()
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    for k in range(4):
+        [row] = wait_rows(root, f"left-{k}")
+        assert row["finish_reason"] == "disconnected" and row["completion_tokens"] < 400, row
 
 
 def test_n_choices_are_written_together(served):

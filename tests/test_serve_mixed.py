@@ -41,8 +41,7 @@ def test_rows_under_different_restraints_share_forwards_and_join_running_batches
     variants = [None, *rs]
 
     async def go() -> tuple[list[int], list, list, list, list[int]]:
-        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=8, max_queue=16,
-                                    default_max_tokens=8)
+        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=8, max_queue=16)
         rows: list[int] = []
         engine.model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
 
@@ -137,8 +136,7 @@ def test_concurrent_requests_equal_the_offline_api(peaked, tokenizer):
     params = SamplingParams(max_tokens=12, temperature=0)
 
     async def served() -> tuple[list[str], list[list[int]]]:
-        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=4, max_queue=16,
-                                    default_max_tokens=8)
+        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=4, max_queue=16)
         await engine.start()
         try:
             gens = [await engine.submit(Prompt(text=p), params, Resolved()) for p in prompts]
@@ -171,8 +169,7 @@ def test_a_failed_forward_ends_its_requests_with_500_and_the_engine_serves_on(pe
             raise RuntimeError("poisoned forward")
 
     async def go() -> tuple[list[str], str, str, tuple]:
-        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=1, max_queue=16,
-                                    default_max_tokens=8)
+        engine = TransformersEngine("t", TransformersOptions(path=str(peaked)), max_batch=1, max_queue=16)
         await engine.start()
         try:
             alone = await (await engine.submit(Prompt(text="a baker in the old"), params, Resolved())).text()

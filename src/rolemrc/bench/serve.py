@@ -62,7 +62,7 @@ def engine_rate(model_dir: Path, chats: list, concurrency: int, tokens: int, res
                 max_batch: int, device: str = "cpu") -> float:
     async def go() -> float:
         engine = TransformersEngine("bench", TransformersOptions(path=str(model_dir), device=device), max_batch=max_batch,
-                                    max_queue=len(chats) + 1, default_max_tokens=tokens)
+                                    max_queue=len(chats) + 1)
         await engine.start()
         try:
             if restraint:

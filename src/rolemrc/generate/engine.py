@@ -29,6 +29,8 @@ from rolemrc.intervene.spec import Restraint
 log = logging.getLogger("rolemrc.generate")
 
 PREFILL_TOKENS = 4096   # tokens per prefill forward (a chunk covers PREFILL_TOKENS // rows prompt positions)
+SCORED_TOKENS = 512     # ... when the group scores its prompts: every position's logits are kept, one chunk at a time
+SCORE_ROWS = 128        # rows of logits `score` turns into log-probabilities at once
 
 
 @dataclass(eq=False)
@@ -223,8 +225,9 @@ class Engine:
     def _prefill_chunk(self) -> None:
         group = self.group
         rows, width = len(group.requests), group.ids.shape[1]
-        end = min(width, group.done + max(1, self.prefill_tokens // rows))
         scored = [i for i, r in enumerate(group.requests) if r.params.prompt_logprobs]
+        budget = min(self.prefill_tokens, SCORED_TOKENS) if scored else self.prefill_tokens
+        end = min(width, group.done + max(1, budget // rows))
         write = group.positions[:, group.done:end]
         logits = self._forward(group.ids[:, group.done:end], group.slots, write, group.limit, group.span,
                                keep=0 if scored else 1)
@@ -378,11 +381,17 @@ class Engine:
 
 
 def score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[list, list, list]:
-    """Log-probabilities of `targets` [N] under `logits` [N, V] and the top `k` per row, as lists: one log_softmax
-    and one topk on the model's device. The distribution is the model's own (log-softmax of the raw logits,
-    temperature 1, before top-p), which is what OpenAI reports; it is the same for greedy and sampled requests and
-    shows a restraint's effect directly."""
-    logp = logits.float().log_softmax(-1)
-    chosen = logp.gather(1, targets.to(logp.device)[:, None])[:, 0]
-    top = logp.topk(k, dim=-1)
-    return chosen.tolist(), top.values.tolist(), top.indices.tolist()
+    """Log-probabilities of `targets` [N] under `logits` [N, V] and the top `k` per row, as lists: log_softmax and
+    topk on the model's device, `SCORE_ROWS` rows at a time (so no float copy of all N rows is made). The
+    distribution is the model's own (log-softmax of the raw logits, temperature 1, before top-p), which is what OpenAI
+    reports; it is the same for greedy and sampled requests and shows a restraint's effect directly."""
+    chosen: list[float] = []
+    values: list[list[float]] = []
+    indices: list[list[int]] = []
+    for lo in range(0, len(logits), SCORE_ROWS):
+        logp = logits[lo:lo + SCORE_ROWS].float().log_softmax(-1)
+        chosen += logp.gather(1, targets[lo:lo + SCORE_ROWS].to(logp.device)[:, None])[:, 0].tolist()
+        top = logp.topk(k, dim=-1)
+        values += top.values.tolist()
+        indices += top.indices.tolist()
+    return chosen, values, indices

@@ -12,6 +12,7 @@ class SamplingParams:
     """Per-request decoding settings; temperature 0 means greedy."""
 
     max_tokens: int | None = None
+    fit_to_context: bool = False    # max_tokens is a default: lowered to the room the prompt leaves in the context
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,11 +86,12 @@ class Restraint:
                 raise RestraintError(f"layer key {layer!r} is not an integer") from None
             if not isinstance(ids, (list, tuple)) or not ids:
                 raise RestraintError(f"layer {layer_i}: units must be a non-empty list")
-            if any(isinstance(u, bool) or not isinstance(u, int) for u in ids):
-                raise RestraintError(f"layer {layer_i}: units must be integers, got {list(ids)!r}")
+            bad = [u for u in ids if isinstance(u, bool) or not isinstance(u, int)]
+            if bad:
+                raise RestraintError(f"layer {layer_i}: units must be integers, got {bad[0]!r}")
             if len(set(ids)) != len(ids):
-                dupes = sorted({u for u in ids if list(ids).count(u) > 1})
-                raise RestraintError(f"layer {layer_i}: duplicate units {dupes}")
+                dupes = sorted(u for u, n in Counter(ids).items() if n > 1)
+                raise RestraintError(f"layer {layer_i}: duplicate units {dupes[:10]}{' ...' if len(dupes) > 10 else ''}")
             if layer_i < 0 or min(ids) < 0:
                 raise RestraintError(f"layer {layer_i}: negative layer or unit index")
             units[layer_i] = sorted(ids)

@@ -35,8 +35,7 @@ class ModelCatalog:
         for name, model in config.models.items():
             try:
                 self.engines[name] = engine_class(model.engine)(
-                    name, model.options, max_batch=config.max_batch, max_queue=config.max_queue,
-                    default_max_tokens=config.default_max_tokens)
+                    name, model.options, max_batch=config.max_batch, max_queue=config.max_queue)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ServeConfigError(f"model {name!r} did not load: {exc}") from exc
         self.variants: dict[str, tuple[str, str | None]] = {name: (name, None) for name in self.engines}
@@ -136,14 +135,15 @@ class ModelCatalog:
         if not self.config.allow_inline_restraints:
             raise ApiError(400, "restraint specs from clients are disabled on this server (allow_inline_restraints)",
                            code="inline_restraints_disabled", param=param)
+        units = spec.get("units")
+        count = sum(len(ids) for ids in units.values() if isinstance(ids, list | tuple)) if isinstance(units, dict) else 0
+        if count > self.config.max_inline_units:   # counted before any unit is parsed or checked
+            raise ApiError(422, f"the restraint has {count} units; this server's limit is "
+                                f"{self.config.max_inline_units}", code="restraint_too_large", param=param)
         try:
-            restraint = Restraint.from_dict(spec)
+            return Restraint.from_dict(spec)
         except (RestraintError, TypeError, AttributeError, ValueError) as exc:
             raise ApiError(422, f"invalid restraint spec: {exc}", code="invalid_restraint", param=param) from None
-        if restraint.num_units > self.config.max_inline_units:
-            raise ApiError(422, f"the restraint has {restraint.num_units} units; this server's limit is "
-                                f"{self.config.max_inline_units}", code="restraint_too_large", param=param)
-        return restraint
 
     def resolve(self, engine: Engine, named: str | None, requested: ClientRestraint | None) -> Resolved:
         """The restraint for a request: from the model id, or the request's `restraint` (a registered

@@ -1,8 +1,7 @@
-"""Serving /v1/chat/completions and /v1/completions. `route` says where a request goes: its model and restraint (from
-the model id, the `restraint` field, or an experiment's arm), `sampling_params` its decoding settings within the
-server's limits. `Call` is the shared core: route, admit one engine request per prompt and choice, generate with
-timeout and disconnect handling, record, answer whole or as server-sent events. `ChatCall` and `TextCall` only
-shape what differs: the response and chunk objects, and how the prompt is logged.
+"""Serving /v1/chat/completions and /v1/completions. `routing.route` says where a request goes and
+`routing.sampling_params` how it decodes. `Call` is the shared core: route, admit one engine request per prompt and
+choice, generate with timeout and disconnect handling, record, answer whole or as server-sent events. `ChatCall`
+and `TextCall` only shape what differs: the response and chunk objects, and how the prompt is logged.
 
 A request with several prompts or `n` > 1 fans out here, so every engine sees one prompt per `submit`: choice
 `index` is `p * n + k` for prompt p and sample k (vLLM's order), sample k samples with `seed + k`, usage counts
@@ -28,17 +27,18 @@ from pydantic import BaseModel
 from rolemrc.generate.params import SamplingParams, TokenLogprob
 from rolemrc.serve import idempotency, outcome
 from rolemrc.serve import protocol as p
-from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines.base import Engine, Generation, Piece, Prompt, Resolved
 from rolemrc.serve.errors import ApiError
-from rolemrc.serve.experiments import assign
+from rolemrc.serve.limits import check_limits, key_share
 from rolemrc.serve.outcome import Ended, disconnected, internal_error, render, shut_down
+from rolemrc.serve.routing import Route, route, sampling_params
 from rolemrc.serve.state import State, app_state
 
 log = logging.getLogger("rolemrc.serve")
 
 
 async def chat_completion(request: Request, body: p.ChatCompletionRequest) -> Response:
+    check_limits(app_state(request).config, body, 1)
     return await ChatCall.serve(request, body, [Prompt(messages=[m.turn() for m in body.messages])])
 
 
@@ -46,6 +46,7 @@ async def text_completion(request: Request, body: p.CompletionRequest) -> Respon
     prompts = body.prompts()
     if not prompts:
         raise ApiError(400, "the prompt list is empty", param="prompt")
+    check_limits(app_state(request).config, body, len(prompts))
     return await TextCall.serve(request, body, [_text_prompt(item) for item in prompts])
 
 
@@ -57,61 +58,6 @@ def _text_prompt(item: str | list[int]) -> Prompt:
     if min(item) < 0:
         raise ApiError(400, f"token id {min(item)} is negative", param="prompt")
     return Prompt(token_ids=item)
-
-
-@dataclass
-class Route:
-    """Where one request goes."""
-
-    model_id: str
-    engine: Engine
-    resolved: Resolved
-    experiment: str | None = None
-    arm: str | None = None
-
-
-async def route(state: State, body: p.SamplingFields) -> Route:
-    """The request's model and restraint: from the model id and `restraint`, or from the arm its user is assigned."""
-    catalog = state.catalog
-    if body.experiment is None:
-        await state.fetch_restraints(body.model.partition("+")[2], body.restraint)
-        engine, named = catalog.lookup(body.model)
-        return Route(body.model, engine, catalog.resolve(engine, named, body.restraint))
-    if body.restraint is not None:
-        raise ApiError(400, "a request in an experiment gets its restraint from the arm; drop 'restraint'",
-                       param="restraint")
-    exp = await state.experiment(body.experiment)
-    arm = assign(exp["id"], exp["arms"], body.user)
-    await state.fetch_restraints(arm["model"].partition("+")[2], arm.get("restraint"))
-    engine, named = catalog.lookup(arm["model"])
-    if named is None and arm.get("restraint"):
-        resolved = catalog.resolve(engine, None, arm["restraint"])
-    else:
-        resolved = catalog.resolve(engine, named, None)
-    model_id = arm["model"] if named or not arm.get("restraint") else f"{arm['model']}+{arm['restraint']}"
-    return Route(model_id, engine, resolved, exp["id"], arm["name"])
-
-
-def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine) -> SamplingParams:
-    """The request's decoding settings; 400 for what this server or `engine` does not honour."""
-    if (refused := body.refused()) is not None:
-        raise ApiError(400, refused[1], code="unsupported_parameter", param=refused[0])
-    logprobs = body.top_logprobs_count()
-    if logprobs is not None and not engine.capabilities.logprobs:
-        raise ApiError(400, f"the {engine.kind} engine serving this model does not return logprobs",
-                       code="unsupported_parameter", param="logprobs")
-    response_format = body.response_format.constrained() if getattr(body, "response_format", None) else None
-    if response_format is not None and not engine.capabilities.structured_outputs:
-        raise ApiError(400, f"the {engine.kind} engine serving this model cannot constrain replies to "
-                            f"{response_format['type']} (serve it with engine: vllm)",
-                       code="unsupported_parameter", param="response_format")
-    max_tokens = body.requested_max_tokens()
-    if max_tokens is not None and max_tokens > config.max_new_tokens:
-        raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_new_tokens}",
-                       code="max_tokens_too_large", param="max_tokens")
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs, echo=body.echo_prompt(),
-                          prompt_logprobs=logprobs is not None and body.echo_prompt(), response_format=response_format)
 
 
 @dataclass
@@ -128,8 +74,11 @@ class Choice:
 
 async def submit_all(engine: Engine, prompts: list[Prompt], params: SamplingParams, n: int,
                      resolved: Resolved) -> list[Choice]:
-    """Admit one request per prompt and sample, concurrently; if one is refused, the others are closed and its
-    error raised."""
+    """Admit one request per prompt and sample, concurrently, all or none: 429 before anything is built when the
+    queue has no room for all; if one is refused, the others are closed and its error raised."""
+    if engine.admitted + len(prompts) * n > engine.max_queue:
+        raise ApiError(429, f"the queue of {engine.name!r} has room for {max(0, engine.max_queue - engine.admitted)} "
+                            f"requests, not {len(prompts) * n}; retry later", code="queue_full")
     asks = [(prompt, k, params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k))
             for prompt in prompts for k in range(n)]
     gens = await asyncio.gather(*(engine.submit(prompt, sp, resolved) for prompt, _, sp in asks), return_exceptions=True)
@@ -164,6 +113,7 @@ class Call(ABC):
     outs: list[Piece] = field(default_factory=list)        # each choice's output so far
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # (choice position, Piece | None: done | Ended)
     logged: bool = False
+    share: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)   # its key_share
 
     @classmethod
     async def serve(cls, request: Request, body: p.SamplingFields, prompts: list[Prompt]) -> Response:
@@ -183,9 +133,11 @@ class Call(ABC):
                 return call.replay(held)
             call.key = key
         try:
-            call.choices = await submit_all(target.engine, prompts, sampling_params(state.config, body, target.engine),
-                                            body.n, target.resolved)
+            params = sampling_params(state.config, body, target.engine)
+            call.share.enter_context(key_share(state, request, target.engine.name, len(prompts) * body.n))
+            call.choices = await submit_all(target.engine, prompts, params, body.n, target.resolved)
         except Exception as exc:
+            call.share.close()
             error = exc if isinstance(exc, ApiError) else internal_error(exc)
             if error.status < 500:   # refused before reaching the engine: a retry may run
                 if call.key is not None:
@@ -194,6 +146,7 @@ class Call(ABC):
             await call.commit("shutdown" if error.code == "shutting_down" else "error", error.body())
             raise error from None
         except asyncio.CancelledError:   # the client left (or the server is stopping) while it was admitted
+            call.share.close()
             await call.commit_quietly(call.interrupted())
             raise
         call.outs = [Piece("") for _ in call.choices]
@@ -236,8 +189,8 @@ class Call(ABC):
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
-        """The call among the server's in-flight calls; every generation of it closed (cancelled if unfinished) on the
-        way out."""
+        """The call among the server's in-flight calls; every generation of it closed (cancelled if unfinished) and
+        its key's share released on the way out."""
         self.state.calls.add(self)
         try:
             yield
@@ -245,6 +198,7 @@ class Call(ABC):
             self.state.calls.discard(self)
             for choice in self.choices:
                 choice.gen.close()
+            self.share.close()
 
     def shut_down(self) -> None:
         """End the request now (the server's shutdown grace has passed): its rows are logged `shutdown`."""

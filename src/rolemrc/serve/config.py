@@ -96,6 +96,11 @@ class ServeConfig:
     max_batch: int = 16
     max_new_tokens: int = 512           # cap on max_tokens
     default_max_tokens: int = 128
+    max_stop_strings: int = 4
+    max_stop_chars: int = 256           # per stop string
+    max_choices: int = 64               # prompts x n per request
+    max_metadata_bytes: int = 8192      # the JSON of `metadata`
+    max_queue_per_key: int = 64         # choices one API key (or client address) may have admitted per model
     db: str | None = "ab.sqlite"
     cors_origins: list[str] = field(default_factory=list)   # empty: CORS off
     shutdown_grace_s: float = 30.0      # SIGTERM to exit, drain and engine stops included
@@ -112,9 +117,13 @@ class ServeConfig:
                 raise ServeConfigError(f"model name {name!r} must not contain '+' (it separates model and restraint)")
         check_choices(self, "config")
         for key in ("max_inline_units", "max_body_bytes", "max_queue", "max_batch", "max_new_tokens",
-                    "default_max_tokens"):
+                    "default_max_tokens", "max_stop_strings", "max_stop_chars", "max_choices", "max_metadata_bytes",
+                    "max_queue_per_key"):
             if int(getattr(self, key)) < 1:
                 raise ServeConfigError(f"{key} must be >= 1")
+        if self.default_max_tokens > self.max_new_tokens:
+            raise ServeConfigError(f"default_max_tokens {self.default_max_tokens} is over max_new_tokens "
+                                   f"{self.max_new_tokens}")
         if self.request_timeout_s <= 0:
             raise ServeConfigError("request_timeout_s must be > 0")
         if not self.shutdown_grace_s > 0:

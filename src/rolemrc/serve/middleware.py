@@ -17,15 +17,18 @@ class TooLarge(Exception):
     pass
 
 
-async def _send_error(send: Any, error: ApiError) -> None:
+async def _send_error(send: Any, error: ApiError, close: bool = False) -> None:
+    """`close`: and close the connection after it (a body left unread is not read on)."""
     body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [*headers, (b"connection", b"close")] if close else headers})
     await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimit:
-    """413 for bodies over `max_bytes` (by Content-Length, or counted while streaming in)."""
+    """413 for bodies over `max_bytes` (by Content-Length, or counted while streaming in: a chunked body is never read
+    past the limit)."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -36,21 +39,29 @@ class BodyLimit:
         error = ApiError(413, f"request body over {self.max_bytes} bytes", code="body_too_large")
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_error(send, error)
+            return await _send_error(send, error, close=True)
         seen = 0
-        started = False
+        started = over = False
 
         async def limited_receive() -> dict:
-            nonlocal seen
+            nonlocal seen, over
+            if over:
+                raise TooLarge
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    over = True
                     raise TooLarge
             return message
 
         async def tracking_send(message: dict) -> None:
             nonlocal started
+            if over:   # the app's answer to the body it could not read (FastAPI makes it a 400): the 413 instead
+                if not started:
+                    started = True
+                    await _send_error(send, error, close=True)
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
@@ -58,7 +69,7 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except TooLarge:
             if not started:
-                await _send_error(send, error)
+                await _send_error(send, error, close=True)
 
 
 class Lifecycle:

@@ -127,13 +127,6 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="unsupported unless 0")
     logit_bias: dict[str, float] | None = Field(None, description="unsupported unless empty")
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return v
-
     @model_validator(mode="after")
     def _seeds(self) -> SamplingFields:
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ class State:
     loop: asyncio.AbstractEventLoop | None = None
     fatal: str | None = None   # why the server must exit non-zero (an engine dead, with on_engine_dead: exit)
     startup_error: str | None = None   # why the engines did not start
+    key_choices: Counter[tuple[str, str]] = field(default_factory=Counter)   # (caller, model) -> choices admitted
 
     def engine_dead(self, model: str, reason: str) -> None:
         """A supervised engine gave up: with on_engine_dead `exit` the server drains and exits non-zero; with

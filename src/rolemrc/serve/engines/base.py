@@ -152,9 +152,10 @@ class Engine(Protocol):
     capabilities: ClassVar[Capabilities]
     name: str
     running: Mapping[str, int]   # requests generating, per restraint label
+    admitted: int                # requests admitted (waiting or generating), at most max_queue
+    max_queue: int
 
-    def __init__(self, name: str, options: Any, *, max_batch: int, max_queue: int,
-                 default_max_tokens: int) -> None: ...
+    def __init__(self, name: str, options: Any, *, max_batch: int, max_queue: int) -> None: ...
 
     async def start(self) -> None: ...
 

@@ -82,8 +82,7 @@ class TransformersEngine:
     Options = TransformersOptions
     capabilities = Capabilities(runtime_restraints=True, logprobs=True)
 
-    def __init__(self, name: str, options: TransformersOptions, *, max_batch: int, max_queue: int,
-                 default_max_tokens: int) -> None:
+    def __init__(self, name: str, options: TransformersOptions, *, max_batch: int, max_queue: int) -> None:
         from transformers.utils import logging as hf_logging
 
         from rolemrc.core.modeling import context_window, load_model
@@ -94,7 +93,7 @@ class TransformersEngine:
                                                device_map=options.device_map)
         self.context_window = int(context_window(self.model, self.tokenizer, default=2048))
         self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch)
-        self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
+        self.max_queue = max_queue
         self.stall_after_s = options.stall_after_s
         self._step_began: float | None = None   # monotonic start of the step running now (scheduler thread)
         self.admitted = 0
@@ -147,19 +146,8 @@ class TransformersEngine:
         return self.tokenizer(text, add_special_tokens=prompt.messages is None)["input_ids"]
 
     async def submit(self, prompt: Prompt, params: SamplingParams, resolved: Resolved) -> Generation:
-        """Admit a request (400 when it cannot fit the context window, 429 when the queue is full)."""
-        ids = self.encode(prompt)
-        room = self.context_window - len(ids)
-        if room < 1:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context window is "
-                                f"{self.context_window}", code="context_length_exceeded",
-                           param="messages" if prompt.messages is not None else "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else min(self.default_max_tokens, room)
-        if max_tokens > room:
-            raise ApiError(400, f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the context window "
-                                f"of {self.context_window}", code="context_length_exceeded", param="max_tokens")
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
+        """Admit a request: 429 when the queue is full (before the prompt is tokenized, which runs off the event
+        loop), 400 when it cannot fit the context window. `max_tokens` None: to the end of the context."""
         with self._cv:
             if self._stopping:
                 raise shutting_down()
@@ -167,15 +155,50 @@ class TransformersEngine:
                 raise ApiError(429, f"the queue of {self.name!r} is full ({self.max_queue} requests); retry later",
                                code="queue_full")
             self.admitted += 1
-            gen = Generation(len(ids), self._release)
-            if params.echo:   # the prompt as sent; token ids decoded, as vLLM does
-                gen.push(Piece(prompt.text if prompt.text is not None
-                               else self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)))
+        try:
+            ids, max_tokens, echo = await asyncio.to_thread(self._prepare, prompt, params)
+        except BaseException:
+            self._release()
+            raise
+        gen = Generation(len(ids), self._release)
+        if echo is not None:
+            gen.push(Piece(echo))
+        with self._cv:
+            if self._stopping:
+                gen.close()
+                raise shutting_down()
             self._submitted.append(ServeRequest(ids, params, max_tokens, self._emitter(gen, len(ids), max_tokens),
                                                 resolved.restraint, cancelled=lambda: gen.cancelled, gen=gen,
                                                 label=resolved.label))
             self._cv.notify()
         return gen
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], int, str | None]:
+        """The prompt's ids, the tokens it may generate and, with echo, the prompt's text (token ids decoded, as vLLM
+        does): 400 for an empty prompt or one the context window cannot take."""
+        ids = self.encode(prompt)
+        max_tokens = self._max_tokens(prompt, params, len(ids))
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if not params.echo:
+            return ids, max_tokens, None
+        return ids, max_tokens, prompt.text if prompt.text is not None else self.tokenizer.decode(
+            ids, clean_up_tokenization_spaces=False)
+
+    def _max_tokens(self, prompt: Prompt, params: SamplingParams, prompt_tokens: int) -> int:
+        """The tokens a request may generate: 400 when the prompt leaves no room, or `max_tokens` more than it leaves
+        (a default, `fit_to_context`, is lowered to the room)."""
+        room = self.context_window - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context window is "
+                                f"{self.context_window}", code="context_length_exceeded",
+                           param="messages" if prompt.messages is not None else "prompt")
+        if params.max_tokens is None or params.fit_to_context:
+            return min(params.max_tokens or room, room)
+        if params.max_tokens > room:
+            raise ApiError(400, f"max_tokens {params.max_tokens} + prompt {prompt_tokens} tokens exceeds the context "
+                                f"window of {self.context_window}", code="context_length_exceeded", param="max_tokens")
+        return params.max_tokens
 
     def _release(self) -> None:
         with self._cv:

@@ -1,0 +1,74 @@
+"""Where a request goes and how it decodes: `route` picks its model and restraint (from the model id, the `restraint`
+field, or the arm an experiment assigns its user), `sampling_params` its decoding settings within the server's
+limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rolemrc.generate.params import SamplingParams
+from rolemrc.serve import protocol as p
+from rolemrc.serve.config import ServeConfig
+from rolemrc.serve.engines.base import Engine, Resolved
+from rolemrc.serve.errors import ApiError
+from rolemrc.serve.experiments import assign
+from rolemrc.serve.state import State
+
+
+@dataclass
+class Route:
+    """Where one request goes."""
+
+    model_id: str
+    engine: Engine
+    resolved: Resolved
+    experiment: str | None = None
+    arm: str | None = None
+
+
+async def route(state: State, body: p.SamplingFields) -> Route:
+    """The request's model and restraint: from the model id and `restraint`, or from the arm its user is assigned."""
+    catalog = state.catalog
+    if body.experiment is None:
+        await state.fetch_restraints(body.model.partition("+")[2], body.restraint)
+        engine, named = catalog.lookup(body.model)
+        return Route(body.model, engine, catalog.resolve(engine, named, body.restraint))
+    if body.restraint is not None:
+        raise ApiError(400, "a request in an experiment gets its restraint from the arm; drop 'restraint'",
+                       param="restraint")
+    exp = await state.experiment(body.experiment)
+    arm = assign(exp["id"], exp["arms"], body.user)
+    await state.fetch_restraints(arm["model"].partition("+")[2], arm.get("restraint"))
+    engine, named = catalog.lookup(arm["model"])
+    if named is None and arm.get("restraint"):
+        resolved = catalog.resolve(engine, None, arm["restraint"])
+    else:
+        resolved = catalog.resolve(engine, named, None)
+    model_id = arm["model"] if named or not arm.get("restraint") else f"{arm['model']}+{arm['restraint']}"
+    return Route(model_id, engine, resolved, exp["id"], arm["name"])
+
+
+def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine) -> SamplingParams:
+    """The request's decoding settings, `max_tokens` always set (the server's default when the client gave none, which
+    an engine that knows the context window lowers to the room the prompt leaves); 400 for what this server or
+    `engine` does not honour."""
+    if (refused := body.refused()) is not None:
+        raise ApiError(400, refused[1], code="unsupported_parameter", param=refused[0])
+    logprobs = body.top_logprobs_count()
+    if logprobs is not None and not engine.capabilities.logprobs:
+        raise ApiError(400, f"the {engine.kind} engine serving this model does not return logprobs",
+                       code="unsupported_parameter", param="logprobs")
+    response_format = body.response_format.constrained() if getattr(body, "response_format", None) else None
+    if response_format is not None and not engine.capabilities.structured_outputs:
+        raise ApiError(400, f"the {engine.kind} engine serving this model cannot constrain replies to "
+                            f"{response_format['type']} (serve it with engine: vllm)",
+                       code="unsupported_parameter", param="response_format")
+    max_tokens = body.requested_max_tokens()
+    if max_tokens is not None and max_tokens > config.max_new_tokens:
+        raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_new_tokens}",
+                       code="max_tokens_too_large", param="max_tokens")
+    return SamplingParams(max_tokens=config.default_max_tokens if max_tokens is None else max_tokens,
+                          fit_to_context=max_tokens is None, temperature=body.temperature, top_p=body.top_p,
+                          seed=body.seed, stop=body.stops(), ignore_eos=body.ignore_eos, logprobs=logprobs,
+                          echo=body.echo_prompt(), prompt_logprobs=logprobs is not None and body.echo_prompt(),
+                          response_format=response_format)
