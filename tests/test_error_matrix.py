@@ -65,6 +65,7 @@ TEMPLATES: dict[str, list[str]] = {
     "models pull#gguf": ["smollm2-135m-instruct", "--gguf", "{gguf}", "--out", "{out}/m"],
     "bench serve": ["--engine", "transformers", "--model", "{model}", "--concurrency", "1", "--waves", "1", "--tokens", "2",
                     "--json", "{out}/b.json"],
+    "bench attacks": ["--model", "{model}", "--only", "metadata", "--json", "{out}/b.json"],
     "bench clients": ["--model", "{model}", "--engine", "transformers", "--requests", "1", "--json", "{out}/b.json"],
 }
 # what an argument accepts beyond its template's own kind: (command, argument) -> kinds

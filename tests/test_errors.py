@@ -20,7 +20,7 @@ from rolemrc.core.errors import EXIT_INPUT, RolemrcError
 ROOT = Path(rolemrc.__file__).parent
 # HTTP-level, never seen by a CLI: an HTTP status for the server's error body, and the body-size
 # middleware's internal signal (turned into a 413 before anything leaves the server)
-HTTP_ONLY = {"rolemrc.serve.errors.ApiError", "rolemrc.serve.middleware.TooLarge"}
+HTTP_ONLY = {"rolemrc.serve.errors.ApiError", "rolemrc.serve.middleware.TooLarge", "rolemrc.serve.outcome.Ended"}
 
 
 def all_modules() -> list:

@@ -387,10 +387,12 @@ def run(model: Path | None = None, base_url: str | None = None, served_model: st
     keys KEY1 and KEY2) or the one at `base_url` (whose keys must be KEY1 and KEY2, with an experiment `attacks`)."""
     from rolemrc.bench.common import make_model_dir
     from rolemrc.core.errors import InputError
+    from rolemrc.core.modeling import resolve_model
 
     unknown = sorted(set(only) - set(ATTACKS))
     if unknown:
         raise InputError(f"--only: unknown attack(s) {unknown}; choose from {', '.join(ATTACKS)}")
+    model = resolve_model(model).resolve() if model is not None else None
     load = [round(x, 2) for x in os.getloadavg()]   # the machine's other work skews every timing
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -22,6 +22,7 @@ T = TypeVar("T")
 Role = Literal["serve", "admin"]   # serve: completions, models, reading restraints; admin: also changing them, experiments
 ROLES: tuple[Role, ...] = get_args(Role)
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+DEFAULT_MAX_TOKENS = 128
 OnEngineDead = Literal["serve_others", "exit"]
 
 
@@ -95,7 +96,7 @@ class ServeConfig:
     max_queue: int = 256                # requests admitted (waiting + generating) per model
     max_batch: int = 16
     max_new_tokens: int = 512           # cap on max_tokens
-    default_max_tokens: int = 128
+    default_max_tokens: int | None = None   # max_tokens when the client sends none; None: min(128, max_new_tokens)
     max_stop_strings: int = 4
     max_stop_chars: int = 256           # per stop string
     max_choices: int = 64               # prompts x n per request
@@ -116,6 +117,8 @@ class ServeConfig:
             if "+" in name:
                 raise ServeConfigError(f"model name {name!r} must not contain '+' (it separates model and restraint)")
         check_choices(self, "config")
+        if self.default_max_tokens is None:
+            self.default_max_tokens = min(DEFAULT_MAX_TOKENS, int(self.max_new_tokens))
         for key in ("max_inline_units", "max_body_bytes", "max_queue", "max_batch", "max_new_tokens",
                     "default_max_tokens", "max_stop_strings", "max_stop_chars", "max_choices", "max_metadata_bytes",
                     "max_queue_per_key"):

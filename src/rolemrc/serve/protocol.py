@@ -6,9 +6,9 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 SEED_MAX = 2**63 - 1
@@ -174,8 +174,22 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def prompt_shape(value: Any) -> str:
+    """Which form a completion prompt takes, read from its first item, so validation tries that one alone (trying
+    each form of the union in turn costs an error object per item of a large token-id list)."""
+    if isinstance(value, str) or not isinstance(value, list):
+        return "text"
+    first = value[0] if value else ""
+    return "texts" if isinstance(first, str) else "ids" if isinstance(first, int) else "id_lists"
+
+
+CompletionPrompt = Annotated[Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
+                             | Annotated[list[int], Tag("ids")] | Annotated[list[list[int]], Tag("id_lists")],
+                             Discriminator(prompt_shape)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: CompletionPrompt = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists: one choice per "
                     "prompt (times n)")
     logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability and this many "
