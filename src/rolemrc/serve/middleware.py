@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -26,9 +27,23 @@ async def _send_error(send: Any, error: ApiError, close: bool = False) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+async def _drain(receive: Any, max_bytes: int, max_s: float = 1.0) -> None:
+    """Read and drop what is left of a refused body, up to `max_bytes` more and `max_s` seconds (a lingering close, as
+    nginx does): a client still sending then reads the error instead of a reset connection."""
+    deadline, seen = time.monotonic() + max_s, 0
+    while seen <= max_bytes:
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return
+        seen += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+
+
 class BodyLimit:
-    """413 for bodies over `max_bytes` (by Content-Length, or counted while streaming in: a chunked body is never read
-    past the limit)."""
+    """413 for bodies over `max_bytes` (by Content-Length, or counted while streaming in: a chunked body is never kept
+    past the limit; at most as much again is read and dropped before the connection is closed)."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -39,6 +54,7 @@ class BodyLimit:
         error = ApiError(413, f"request body over {self.max_bytes} bytes", code="body_too_large")
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _drain(receive, self.max_bytes)
             return await _send_error(send, error, close=True)
         seen = 0
         started = over = False
@@ -60,6 +76,7 @@ class BodyLimit:
             if over:   # the app's answer to the body it could not read (FastAPI makes it a 400): the 413 instead
                 if not started:
                     started = True
+                    await _drain(receive, self.max_bytes)
                     await _send_error(send, error, close=True)
                 return
             started = started or message["type"] == "http.response.start"
@@ -69,6 +86,7 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except TooLarge:
             if not started:
+                await _drain(receive, self.max_bytes)
                 await _send_error(send, error, close=True)
 
 
