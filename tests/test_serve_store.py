@@ -58,6 +58,8 @@ def test_every_method_on_both_backends(db):
 
         assert store.claim("e1", "k1") is None
         assert store.claim("e1", "k1") == {"status": "running", "response": None}
+        assert store.claim("e1", "k1", stale_after_s=3600) == {"status": "running", "response": None}
+        assert store.claim("e1", "k1", stale_after_s=0) is None   # its replica died: taken over
         store.log_request([row("r1:0"), row("r1:1", error="boom", finish_reason="error")], ("e1", "k1"), {"id": "r1"})
         assert store.claim("e1", "k1") == {"status": "done", "response": {"id": "r1"}}
         store.log_request([row("r2", arm="b", user=None, metadata=None, response="a\x00b")])

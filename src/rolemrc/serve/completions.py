@@ -128,7 +128,8 @@ class Call(ABC):
         call = cls(state, request, body, prompts, target, p.new_id(cls.id_prefix), started, clock)
         info["id"] = call.id
         if target.experiment is not None and (key := idempotency.header(request)) is not None:
-            held = await idempotency.claim(state.store, target.experiment, key)
+            held = await idempotency.claim(state.store, target.experiment, key,
+                                           state.config.request_timeout_s + state.config.shutdown_grace_s)
             if held is not None:
                 return call.replay(held)
             call.key = key

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from rolemrc.serve.errors import ApiError
+from rolemrc.serve.errors import ApiError, database_refused
 from rolemrc.serve.protocol import sse
 from rolemrc.serve.store import Store, StoreError
 
@@ -29,13 +29,13 @@ def header(request: Request) -> str | None:
     return key
 
 
-async def claim(store: Store, experiment: str, key: str) -> dict[str, Any] | None:
+async def claim(store: Store, experiment: str, key: str, stale_after_s: float) -> dict[str, Any] | None:
     """None when this request now holds the key; the stored response when the key is done; 409 while another
-    request with it is running."""
+    request with it is running (a claim older than `stale_after_s` is taken over: no request runs that long)."""
     try:
-        held = await asyncio.to_thread(store.claim, experiment, key)
+        held = await asyncio.to_thread(store.claim, experiment, key, stale_after_s)
     except StoreError as exc:
-        raise ApiError(503, str(exc), code=exc.code) from exc
+        raise database_refused(exc) from exc
     if held is None:
         return None
     if held["status"] == "running":
@@ -49,7 +49,7 @@ async def release(store: Store, experiment: str, key: str) -> None:
     try:
         await asyncio.to_thread(store.release_claim, experiment, key)
     except StoreError as exc:
-        raise ApiError(503, str(exc), code=exc.code) from exc
+        raise database_refused(exc) from exc
 
 
 def replay(stored: dict[str, Any], stream: bool, include_usage: bool, chunk_model: type[BaseModel],

@@ -117,13 +117,17 @@ class Store:
         with self.backend.transaction() as tx:
             return tx.execute_count("DELETE FROM restraints WHERE name = ?", (name,)) == 1
 
-    def claim(self, experiment: str, key: str) -> dict[str, Any] | None:
+    def claim(self, experiment: str, key: str, stale_after_s: float = float("inf")) -> dict[str, Any] | None:
         """Claim an idempotency key: None when this call claimed it now, else its record {"status": "running" |
-        "done", "response": the JSON body answered, or None}. Atomic across replicas."""
+        "done", "response": the JSON body answered, or None}. Atomic across replicas. A claim still `running` after
+        `stale_after_s` (its replica died mid-request) is taken over."""
+        now = time.time()
         with self.backend.transaction() as tx:
             if tx.execute_count("INSERT INTO idempotency (experiment, key, status, response, created)"
-                                " VALUES (?, ?, 'running', NULL, ?) ON CONFLICT DO NOTHING",
-                                (experiment, key, time.time())) == 1:
+                                " VALUES (?, ?, 'running', NULL, ?) ON CONFLICT (experiment, key) DO UPDATE"
+                                " SET created = excluded.created"
+                                " WHERE idempotency.status = 'running' AND idempotency.created < ?",
+                                (experiment, key, now, now - stale_after_s)) == 1:
                 return None
             row = tx.execute("SELECT status, response FROM idempotency WHERE experiment = ? AND key = ?",
                              (experiment, key))[0]
