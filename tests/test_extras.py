@@ -41,7 +41,7 @@ NEEDS = {
     "intervene select": (), "intervene bake": (), "intervene lora": (), "intervene check": (),
     "organism build": ("train", "eval"), "sweep run": ("eval",), "ab create": ("serve",), "ab report": ("eval",),
     "bench probe": (), "bench retrieval": ("datagen", "minilm"),
-    "bench datagen": ("datagen",), "bench intervene": (), "bench generate": (), "bench serve": ("serve", "eval"), "bench clients": ("serve",),
+    "bench datagen": ("datagen",), "bench intervene": (), "bench generate": (), "bench serve": ("serve", "eval"), "bench clients": ("serve",), "bench attacks": ("serve",),
     "organism calibrate": ("train", "eval"), "bench all": ("eval", "datagen", "serve", "minilm"),
     "models pull": (), "models convert": ("gguf",), "models list": (),
     "serve": ("serve",), "demo": ("train", "eval", "datagen", "serve", "minilm"),

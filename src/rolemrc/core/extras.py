@@ -38,7 +38,7 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
           ("faiss", "sentence_transformers", "pandas", "pyarrow", "openai"),
           ("faiss-cpu", "sentence-transformers", "pandas", "pyarrow", "openai")),
     Extra("serve", "serving (the OpenAI-compatible server, A/B experiments on SQLite or PostgreSQL)",
-          ("fastapi", "uvicorn", "httpx", "prometheus_client", "starlette", "psycopg"),
+          ("fastapi", "uvicorn", "httpx", "prometheus_client", "starlette", "anyio", "psycopg"),
           ("fastapi", "uvicorn", "httpx", "prometheus-client", "pydantic", "psycopg")),
     Extra("backends", "the nnsight and TransformerLens probe backends", ("nnsight", "transformer_lens"),
           ("nnsight", "transformer-lens")),
