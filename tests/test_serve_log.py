@@ -219,9 +219,9 @@ def test_a_step_that_does_not_return_reads_stalled(model_dirs, tmp_path):
         seen = set()
         while thread.is_alive():
             health = httpx.get(server.base_url + "/health").json()
-            seen.add(health.get("engines", {}).get("tiny", {}).get("state", "ok"))
+            seen.add((health["status"], health.get("engines", {}).get("tiny", {}).get("state", "ok")))
             time.sleep(0.2)
-        assert "stalled" in seen and httpx.get(server.base_url + "/health").json()["status"] == "ok"
+        assert ("engine_stalled", "stalled") in seen and httpx.get(server.base_url + "/health").json()["status"] == "ok"
     finally:
         stop_server(server)
 
