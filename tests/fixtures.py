@@ -233,7 +233,6 @@ def postgres_server():
     stopping it after. Skips without PostgreSQL or psycopg, except under ROLEMRC_REQUIRE_POSTGRES=1 (`make test`)."""
     import os
     import shutil
-    import signal
     import subprocess
     import tempfile
     import time
@@ -279,9 +278,12 @@ def postgres_server():
                 time.sleep(0.2)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)   # fast shutdown
+        # a fast shutdown through pg_ctl (a signal to runuser reaches PostgreSQL as SIGTERM, a smart shutdown that
+        # waits for every client to leave)
+        subprocess.run([*as_postgres, str(bindir / "pg_ctl"), "stop", "-D", str(root / "data"), "-m", "fast", "-w",
+                        "-t", "20"], capture_output=True)
         try:
-            proc.wait(30)
+            proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
         shutil.rmtree(root, ignore_errors=True)
