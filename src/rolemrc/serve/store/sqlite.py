@@ -12,9 +12,9 @@ from urllib.parse import parse_qs, urlsplit
 from rolemrc.serve.store.backend import Backend, StoreError, Transaction
 
 BUSY_TIMEOUT_S = 5.0   # how long a write waits for another process's lock before db_locked
-CODES = {sqlite3.SQLITE_FULL: "db_full", sqlite3.SQLITE_BUSY: "db_locked", sqlite3.SQLITE_LOCKED: "db_locked",
-         sqlite3.SQLITE_IOERR: "db_unavailable", sqlite3.SQLITE_CANTOPEN: "db_unavailable",
-         sqlite3.SQLITE_READONLY: "db_unavailable"}
+ERROR_CODES = {sqlite3.SQLITE_FULL: "db_full", sqlite3.SQLITE_BUSY: "db_locked", sqlite3.SQLITE_LOCKED: "db_locked",
+               sqlite3.SQLITE_IOERR: "db_unavailable", sqlite3.SQLITE_CANTOPEN: "db_unavailable",
+               sqlite3.SQLITE_READONLY: "db_unavailable"}
 
 
 class SqliteBackend(Backend):
@@ -38,7 +38,7 @@ class SqliteBackend(Backend):
         try:
             yield
         except sqlite3.OperationalError as exc:
-            code = CODES.get(exc.sqlite_errorcode & 0xFF)
+            code = ERROR_CODES.get(exc.sqlite_errorcode & 0xFF)
             if code is None:
                 raise
             raise StoreError(code, f"the database {self.name} cannot take the write ({code}): {exc}") from exc
@@ -71,7 +71,7 @@ class SqliteBackend(Backend):
                                 for p in ("page_count", "max_page_count", "freelist_count"))
             return "db_full" if pages >= cap and free == 0 else None
         except sqlite3.OperationalError as exc:
-            return CODES.get(exc.sqlite_errorcode & 0xFF, "db_unavailable")
+            return ERROR_CODES.get(exc.sqlite_errorcode & 0xFF, "db_unavailable")
         finally:
             self._db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
 
