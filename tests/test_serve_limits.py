@@ -18,8 +18,9 @@ CHAT = [{"role": "user", "content": "the storms quarter the old"}]
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-limits")
-    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "allow_inline_restraints": True, "db": None,
-              **LIMITS}
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])},
+                         "short": {"path": str(model_dirs["llama"]), "max_model_len": 24}},
+              "allow_inline_restraints": True, "db": None, **LIMITS}
     with running_server(config, workdir=root) as srv:
         yield srv
 
@@ -32,6 +33,17 @@ def refused(response, status, code, param):
     error = response.json().get("error", {})
     assert (response.status_code, error.get("code"), error.get("param")) == (status, code, param), response.text
     return error
+
+
+def test_max_model_len_caps_prompt_and_completion(server):
+    """The `short` model serves at most 24 tokens per request (prompt + completion), whatever its context window."""
+    def complete(prompt, **extra):
+        return httpx.post(server.base_url + "/v1/completions", timeout=60,
+                          json={"model": "short", "prompt": prompt, "ignore_eos": True, **extra})
+
+    refused(complete(list(range(5, 35)), max_tokens=1), 400, "context_length_exceeded", "prompt")
+    refused(complete(list(range(5, 15)), max_tokens=15), 400, "context_length_exceeded", "max_tokens")
+    assert complete(list(range(5, 15)), max_tokens=14).json()["usage"]["completion_tokens"] == 14
 
 
 def test_a_chunked_body_over_the_limit_is_413_without_being_read_whole(server):

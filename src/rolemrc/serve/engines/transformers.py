@@ -42,13 +42,15 @@ log = logging.getLogger("rolemrc.serve")
 class TransformersOptions:
     """`path`: a model (a local HF directory, a pulled model's name or a hub id); `dtype` auto: the checkpoint's own;
     `device` auto: a GPU when there is one; `device_map`: the layers placed over the GPUs instead; `stall_after_s`:
-    a step running longer than this reads `stalled` in /health."""
+    a step running longer than this reads `stalled` in /health; `max_model_len`: prompt + completion tokens per
+    request (default: the model's context window), which bounds the KV cache at `max_batch` x `max_model_len`."""
 
     path: str = field(metadata=MODEL_DIR)
     dtype: Dtype = "auto"
     device: str = "auto"
     device_map: DeviceMap | None = None
     stall_after_s: float = 60.0
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -57,6 +59,8 @@ class TransformersOptions:
             raise ServeConfigError(str(exc)) from None
         if not self.stall_after_s > 0:
             raise ServeConfigError(f"stall_after_s must be > 0, got {self.stall_after_s}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ServeConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
 @dataclass(eq=False)
@@ -91,7 +95,8 @@ class TransformersEngine:
         self.name = name
         self.model, self.tokenizer = load_model(options.path, dtype=options.dtype, device=options.device,
                                                device_map=options.device_map)
-        self.context_window = int(context_window(self.model, self.tokenizer, default=2048))
+        self.context_window = min(int(context_window(self.model, self.tokenizer, default=2048)),
+                                  options.max_model_len or float("inf"))
         self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch)
         self.max_queue = max_queue
         self.stall_after_s = options.stall_after_s
