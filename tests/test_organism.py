@@ -5,6 +5,7 @@ stage."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -146,9 +147,9 @@ def test_a_ci_of_no_width_counts_as_inside_unless_mcnemar_sees_a_move():
 
 
 @pytest.mark.parametrize("bad, message", [({"kind": "planted-ish"}, "organism kind 'planted-ish'"),
-                                          ({"steps": 0}, "steps is 0"), ({"eval_others": -1}, "eval_others is -1"),
-                                          ({"eval_planted": 0}, "eval_planted is 0"),
-                                          ({"learning_rate": 2.0}, "learning_rate must be in (0, 1)")])
+                                          ({"steps": 0}, "steps is 0"), ({"eval_others": -1}, "--eval-others is -1"),
+                                          ({"eval_planted": 0}, "--eval-planted is 0"),
+                                          ({"learning_rate": 2.0}, "--learning-rate must be in (0, 1)")])
 def test_bad_settings_are_errors(bad, message, tmp_path):
     with pytest.raises(OrganismError, match=message.replace("(", r"\(").replace(")", r"\)")):
         OrganismConfig(**{"kind": "narration", "out": str(tmp_path), **bad})
@@ -248,3 +249,37 @@ def test_cli_builds_the_refusal_kind(built):
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout.strip().splitlines()[-1])
     assert printed["headline"] == reports["refusal"]["headline"] and "unchanged inputs" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seeds", "0"], "Invalid value for '--seeds'"),
+    (["--kind", "narration,planted-ish"], "--kind planted-ish: not an organism kind"),
+    (["--per-layer", "8,96"], "--per-layer 96: .* has 96 units per layer at mlp.act; give values below 96"),
+    (["--top-k", "193"], r"--top-k 193: .* has 192 units at mlp.act \(2 layers x 96\)"),
+    (["--max-steps", "0"], "--max-steps is 0; it must be >= 1"),
+    (["--eval-others", "-1"], "--eval-others is -1"),
+])
+def test_calibrate_refuses_bad_settings_in_one_line_before_anything_trains(model_dirs, tmp_path, args, message):
+    """Every error names an option of `organism calibrate` itself, and nothing is built."""
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    result = CliRunner().invoke(app, ["organism", "calibrate", "--out", str(tmp_path / "c"),
+                                      "--base", str(model_dirs["llama"]), *args])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert re.search(message, lines[0]), lines[0]
+    assert not (tmp_path / "c" / "organisms").exists()
+
+
+def test_calibrate_takes_every_setting_of_build():
+    """An organism built with any `organism build` setting can be calibrated: calibrate has the same options."""
+    from typer.main import get_command
+
+    from rolemrc.organism.cli import app
+
+    group = get_command(app)
+    options = {name: {o for p in group.commands[name].params for o in p.opts} for name in ("build", "calibrate")}
+    assert options["build"] - {"kind"} <= options["calibrate"]   # kind: an argument of build, --kind here
+    assert {"--max-length", "--seeds", "--seed", "--kind"} <= options["calibrate"]

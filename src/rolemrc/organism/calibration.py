@@ -45,6 +45,7 @@ from rolemrc.organism.calibration_report import calibration_figure, calibration_
 from rolemrc.organism.config import KINDS, NULL, OrganismError
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations
+from rolemrc.organism.seeds import combine_seeds
 from rolemrc.probe.options import DEFAULT_RESAMPLES
 
 BUDGET_KINDS = tuple(k for k in BUDGET_OPTIONS if k != "fdr")
@@ -195,42 +196,81 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
     return {**data, "path": str(path)}
 
 
+def hook_size(model: Path, hook: str) -> tuple[int, int]:
+    """(layers, units per layer) of `model`'s hook point, from its config alone."""
+    from transformers import AutoConfig
+
+    from rolemrc.probe.hooks import WIDTHS, hook_point
+
+    config = AutoConfig.from_pretrained(model)
+    return int(config.num_hidden_layers), WIDTHS[hook_point(hook).width](config)
+
+
+def seed_folders(root: Path, seeds: list[int]) -> dict[int, Path]:
+    """seed -> its folder under `root`: `root` itself for one seed, `root/seed-S` for each of several."""
+    return {seeds[0]: root} if len(seeds) == 1 else {s: root / f"seed-{s}" for s in seeds}
+
+
 def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int | None = None,
                         organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None,
                         hook: str = "mlp.act", budgets: dict[str, list[float]] | None = None,
-                        against: list[Path] | None = None) -> dict:
-    """Build every organism from `base` under `organisms_dir` (default out/organisms; cached there, so a folder that
-    `rolemrc organism build` filled with the same settings is reused), then calibrate; the command's JSON.
+                        against: list[Path] | None = None, kinds: list[str] | None = None,
+                        seeds: list[int] | None = None) -> dict:
+    """Build every organism of `kinds` (default all) from `base` under `organisms_dir` (default out/organisms;
+    cached there, so a folder that `rolemrc organism build` filled with the same settings is reused), once per seed
+    (several seeds: one seed-S folder each, in organisms_dir and in out), then calibrate; the command's JSON.
     budgets: at most one of top_k/per_layer/share -> values, instead of the (quick) grid's. against: other
-    calibrations of the same base the recommendation must agree with (read before any work)."""
+    calibrations of the same base the recommendation must agree with (read before any work); with several seeds,
+    the first seed's recommendation must hold on every other seed too. Every setting is checked before training."""
+    from rolemrc.models.pull import model_dir
     from rolemrc.organism.build import build_organism
     from rolemrc.organism.config import QUICK, OrganismConfig
 
+    seeds = seeds or [0]
+    kinds = kinds or list(KINDS)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise OrganismError(f"--seeds: give one or more distinct seeds, got {seeds}")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise OrganismError(f"--kind {', '.join(unknown)}: not an organism kind ({', '.join(KINDS)})")
     grid = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k not in BUDGET_KINDS}
     config = CalibrationConfig(out=str(out), hook=hook, **grid, **(budgets or {}))   # checked before any work
     others = [load_calibration(p) for p in against or []]
-    started = time.perf_counter()
-    cache = StageCache(out)
     settings = {**(QUICK if quick else ORGANISM_SETTINGS), **(organism_overrides or {})}
+    per_seed = {s: [OrganismConfig(kind=kind, out=str(folder), base=base, **{**settings, "seed": s}) for kind in kinds]
+                for s, folder in seed_folders(organisms_dir or out / "organisms", seeds).items()}
+    sft = model_dir(base)
+    if budgets:
+        config.check_fits(*reversed(hook_size(sft, hook)), model=base)
+    started = time.perf_counter()
     probe_n = probe_n or (QUICK_PROBE_CASES if quick else PROBE_CASES)
-    folder = organisms_dir or out / "organisms"
-    reports = {kind: build_organism(OrganismConfig(kind=kind, out=str(folder), base=base, **settings))
-               for kind in KINDS}
-    trained = {p["id"] for r in reports.values() for p in read_jsonl(r["pairs"])}
-    probe = out / "probe-cases.jsonl"
-    source = folder / "data" / "pairs.jsonl"
-    cache.run("probe cases", {"pairs": source, "trained": sorted(trained), "n": probe_n},
-              lambda: {"cases": write_jsonl(probe, probe_cases(source, trained, probe_n, 0))}, [probe])
-    organisms = [Organism.from_report(reports[k], probe) for k in KINDS]
-    result = calibrate(organisms, config, cache=cache, against=others)
-    cells = sum(t["cells"] for t in result["timing"].values())
-    grid_seconds = sum(t["seconds"] for t in result["timing"].values())
-    return {"headline": result["headline"], RECOMMENDATION: result[RECOMMENDATION], "quick": quick,
-            "organisms": {k: {"headline": r["headline"], "meets_target": r["meets_target"],
-                              "training_seconds": r["training"]["seconds"]} for k, r in reports.items()},
+    outs = seed_folders(out, seeds)
+    results, reports, caches = {}, {}, {s: StageCache(folder) for s, folder in outs.items()}
+    for s, configs in per_seed.items():
+        reports[s] = {c.kind: build_organism(c) for c in configs}
+        trained = {p["id"] for r in reports[s].values() for p in read_jsonl(r["pairs"])}
+        cache = caches[s]
+        probe = outs[s] / "probe-cases.jsonl"
+        source = Path(configs[0].out) / "data" / "pairs.jsonl"
+        cache.run("probe cases", {"pairs": source, "trained": sorted(trained), "n": probe_n, "seed": s},
+                  lambda source=source, trained=trained, probe=probe, s=s: {
+                      "cases": write_jsonl(probe, probe_cases(source, trained, probe_n, s))}, [probe])
+        organisms = [Organism.from_report(reports[s][k], probe) for k in kinds]
+        seed_config = CalibrationConfig(**{**asdict(config), "out": str(outs[s]), "seed": s})
+        results[s] = calibrate(organisms, seed_config, cache=cache, against=others)
+    result = combine_seeds(results, out, others) if len(seeds) > 1 else results[seeds[0]]
+    timing = [t for r in results.values() for t in r["timing"].values()]
+    cells = sum(t["cells"] for t in timing)
+    grid_seconds = sum(t["seconds"] for t in timing)
+    return {"headline": result["headline"], RECOMMENDATION: result[RECOMMENDATION], "quick": quick, "seeds": seeds,
+            "organisms": {f"{k}@{s}" if len(seeds) > 1 else k: {
+                "headline": r["headline"], "meets_target": r["meets_target"],
+                "training_seconds": r["training"]["seconds"]} for s, rs in reports.items() for k, r in rs.items()},
             "null_false_positive_rate": result["null_false_positive_rate"],
             "null_broken_rate": result["null_broken_rate"], "diff_flags": result["diff_flags"],
             "cells_generated": cells, "grid_seconds": grid_seconds,
             "cells_per_minute": round(60 * cells / grid_seconds, 2) if grid_seconds else None,
-            "seconds": round(time.perf_counter() - started, 1), "stage_seconds": cache.timings,
+            "seconds": round(time.perf_counter() - started, 1),
+            "stage_seconds": {f"{name}@{s}" if len(seeds) > 1 else name: t for s, cache in caches.items()
+                              for name, t in cache.timings.items()},
             "calibration": str(out / "calibration.json"), "figure": result["figure"]}

@@ -71,6 +71,20 @@ class CalibrationConfig:
             raise InputError(f"unknown selector(s) {unknown}; calibration knows {', '.join(SELECTOR_INPUTS)}")
         self.budgets()
 
+    def check_fits(self, width: int, layers: int, model: str) -> None:
+        """Refuse a budget given (not the default curve, which keeps what fits) that `model`'s hook point cannot
+        take: --per-layer at or above its `width` units per layer, --top-k above its `layers` x `width` units."""
+        from rolemrc.organism.config import OrganismError
+
+        wide = [int(v) for v in self.per_layer or [] if v >= width]
+        many = [int(v) for v in self.top_k or [] if v > layers * width]
+        if wide:
+            raise OrganismError(f"--per-layer {','.join(map(str, wide))}: {model} has {width} units per layer at "
+                                f"{self.hook}; give values below {width}")
+        if many:
+            raise OrganismError(f"--top-k {','.join(map(str, many))}: {model} has {layers * width} units at {self.hook} "
+                                f"({layers} layers x {width})")
+
     def budgets(self) -> list[Budget]:
         """The grid's budgets: the top_k, per_layer or share list given, else CURVE per layer."""
         return budget_grid([Budget("per_layer", k) for k in CURVE], top_k=self.top_k, per_layer=self.per_layer,

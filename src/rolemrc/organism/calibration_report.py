@@ -57,6 +57,11 @@ def _found_text(kind: str, cells: list[dict[str, Any]]) -> str:
     return text + "."
 
 
+def organism_label(row: dict[str, Any]) -> str:
+    """A row's organism, with its seed in a calibration over several."""
+    return row["organism"] + (f"@{row['seed']}" if "seed" in row else "")
+
+
 def units_per_layer(row: dict[str, Any]) -> float:
     """A cell's place on the recovery curve: its per-layer budget (a selector may take fewer units from a layer where
     fewer moved), else the median of its units per layer."""
@@ -102,7 +107,7 @@ def calibration_markdown(result: dict[str, Any]) -> str:
     for c in result["recovery"]:
         ctrl = ", ".join(f"{x:.0%}" for x in c["controls"]) or "-"
         found = "yes" if c["found"] else (f"no (broke {', '.join(c['broken'])})" if c["broken"] else "no")
-        lines.append(f"| {c['organism']} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
+        lines.append(f"| {organism_label(c)} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
                      f"{c['units']:,} | {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | {ctrl} | {found} |")
     lines += ["", "## Stability of the selections", "", "The Jaccard overlap of the units each selector takes from "
               "Poisson bootstrap resamples of the probe cases (of the attribution pairs for attribution), beside two "
@@ -110,7 +115,7 @@ def calibration_markdown(result: dict[str, Any]) -> str:
               "| organism | dimension | selector | budget | units | Jaccard mean (min) between resamples | "
               "resample vs full sample | chance |", "|---|---|---|---|---|---|---|---|"]
     for r in result["stability"]:
-        lines.append(f"| {r['organism']} | {r['dimension']} | {r['method']} | {r['budget']} | {r['units']:,} | "
+        lines.append(f"| {organism_label(r)} | {r['dimension']} | {r['method']} | {r['budget']} | {r['units']:,} | "
                      f"{_j(r['jaccard_mean'])} ({_j(r['jaccard_min'])}) over {r['resamples']} | {_j(r['jaccard_full'])} "
                      f"| {r['chance']:.2f} |")
     lines += ["", "## Every cell", "",
@@ -121,7 +126,7 @@ def calibration_markdown(result: dict[str, Any]) -> str:
         s = r["restoration"]
         ctrl = ", ".join(f"{c:.0%}" for c in r["controls_restoration"]) or "-"
         others = "; ".join(f"{k} {v['diff']:+.2f} ({v['p_holm']:.2g})" for k, v in r["others"].items())
-        lines.append(f"| {r['organism']} | {r['dimension']} | {r['selector']} | {coverage_text(r['coverage'])} | "
+        lines.append(f"| {organism_label(r)} | {r['dimension']} | {r['selector']} | {coverage_text(r['coverage'])} | "
                      f"{r['factor']:g} | {s['share']:.0%} ({s['lo']:.0%} to {s['hi']:.0%}) | {ctrl} | "
                      f"{_p(r['p_vs_baseline'])} | {_p(r['p_vs_controls'])} | {others} | {', '.join(r['flagged']) or '-'} "
                      f"| {', '.join(r['broken']) or '-'} |")

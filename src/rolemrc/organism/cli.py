@@ -12,7 +12,7 @@ from rolemrc.core.cli import choice, cli_app
 from rolemrc.core.extras import needs
 from rolemrc.intervene.budget import BUDGET_OPTIONS, CURVE, GRID_ONE
 from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_GRID, QUICK_PROBE_CASES
-from rolemrc.organism.config import KINDS, QUICK, OrganismConfig
+from rolemrc.organism.config import KINDS, QUICK, OrganismConfig, option_name
 from rolemrc.probe.cli import Hook
 
 app = cli_app(help="Known-answer organisms (a DPO model with a planted change, and a null one, from an SFT model) and the "
@@ -26,6 +26,21 @@ def _help(name: str) -> str:
     return DEFAULTS[name].metadata["help"]
 
 
+def setting(name: str, unset: bool = False) -> typer.models.OptionInfo:
+    """The option of OrganismConfig's `name` (build and calibrate take the same ones); `unset`: default None, so
+    calibrate can tell a setting given from one left to its own defaults."""
+    default = None if unset or DEFAULTS[name].default is None else DEFAULTS[name].default
+    return typer.Option(default, option_name(name), help=_help(name) + (" (default: organism build's, or --quick's)" if unset else ""))
+
+
+SETTINGS = tuple(f for f in DEFAULTS if f not in ("kind", "out", "base", "seed"))
+
+
+def given_settings(values: dict[str, object]) -> dict[str, object]:
+    """The organism settings among a command's arguments that were given (not None)."""
+    return {k: values[k] for k in SETTINGS if values.get(k) is not None}
+
+
 @app.command("build")
 @needs("train", "eval")
 def build_cmd(
@@ -34,32 +49,29 @@ def build_cmd(
                                                   "nothing in particular"),
     out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by every kind; "
                                                                    "a rerun reuses finished stages)"),
-    base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
-    size: str = typer.Option(DEFAULTS["size"].default, help=_help("size")),
-    pairs: int = typer.Option(DEFAULTS["pairs"].default, help=_help("pairs")),
-    steps: int = typer.Option(DEFAULTS["steps"].default, "--max-steps", help=_help("steps")),
-    batch_size: int = typer.Option(DEFAULTS["batch_size"].default, help=_help("batch_size")),
-    learning_rate: float = typer.Option(DEFAULTS["learning_rate"].default, help=_help("learning_rate")),
-    beta: float = typer.Option(DEFAULTS["beta"].default, help=_help("beta")),
-    lora_r: int = typer.Option(DEFAULTS["lora_r"].default, help=_help("lora_r")),
-    lora_targets: str = typer.Option(DEFAULTS["lora_targets"].default, help=_help("lora_targets")),
-    max_length: int = typer.Option(DEFAULTS["max_length"].default, help=_help("max_length")),
-    reply_tokens: int = typer.Option(DEFAULTS["reply_tokens"].default, help=_help("reply_tokens")),
-    eval_tokens: int = typer.Option(DEFAULTS["eval_tokens"].default, help=_help("eval_tokens")),
-    eval_planted: int = typer.Option(None, help=_help("eval_planted")),
-    eval_others: int = typer.Option(None, help=_help("eval_others")),
-    seed: int = typer.Option(DEFAULTS["seed"].default, help=_help("seed")),
+    base: str = setting("base"),
+    size: str = setting("size"),
+    pairs: int = setting("pairs"),
+    steps: int = setting("steps"),
+    batch_size: int = setting("batch_size"),
+    learning_rate: float = setting("learning_rate"),
+    beta: float = setting("beta"),
+    lora_r: int = setting("lora_r"),
+    lora_targets: str = setting("lora_targets"),
+    max_length: int = setting("max_length"),
+    reply_tokens: int = setting("reply_tokens"),
+    eval_tokens: int = setting("eval_tokens"),
+    eval_planted: int = setting("eval_planted"),
+    eval_others: int = setting("eval_others"),
+    seed: int = setting("seed"),
     quick: bool = typer.Option(False, "--quick", help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
 ) -> None:
     """Train the organism (LoRA DPO from the SFT model), evaluate SFT and DPO on held-out cases, write
     <out>/<kind>/organism.json and training.html/png."""
-    given = {"base": base, "size": size, "pairs": pairs, "steps": steps, "batch_size": batch_size,
-             "learning_rate": learning_rate, "beta": beta, "lora_r": lora_r, "lora_targets": lora_targets,
-             "max_length": max_length, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
-             "eval_planted": eval_planted, "eval_others": eval_others, "seed": seed}
+    given = {k: v for k, v in locals().items() if k in SETTINGS}
     if quick:
         given |= {k: v for k, v in QUICK.items() if given[k] == DEFAULTS[k].default}
-    config = OrganismConfig(kind=kind, out=str(out), **given)
+    config = OrganismConfig(kind=kind, out=str(out), base=base, seed=seed, **given)
     from rolemrc.organism.build import build_organism
 
     report = build_organism(config)
@@ -70,20 +82,37 @@ def build_cmd(
 @needs("train", "eval")
 def calibrate_cmd(
     out: Path = typer.Option(Path("runs/calibration"), "--out", help="folder of every stage (a rerun reuses them)"),
-    base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
-    organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms); one `rolemrc organism "
-                                              "build` filled with the same settings is reused"),
+    base: str = setting("base"),
+    organisms: Path = typer.Option(None, help="organisms folder (default: OUT/organisms; with several --seeds, one "
+                                              "seed-S folder per seed); one `rolemrc organism build` filled with the "
+                                              "same settings is reused"),
+    kinds: list[str] = typer.Option(None, "--kind", help=f"organism kinds to build and calibrate on, repeatable or a "
+                                                         f"comma list of: {', '.join(KINDS)} (default: every kind)"),
+    seeds: int = typer.Option(1, min=1, help="organisms of each kind, built with seeds --seed, --seed + 1, ...; each "
+                                             "seed draws its own pairs, training order, probe cases and controls"),
+    seed: int = setting("seed"),
     quick: bool = typer.Option(False, "--quick", help="organisms with 16 steps and fewer held-out cases; the "
                                            f"frequency and attribution selectors at {QUICK_GRID['per_layer'][0]} units "
                                            "per layer, factor 0, 8 attribution pairs, 24 probe cases"),
     top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
     per_layer: str = typer.Option(None, help=f"comma-separated units from each layer ({GRID_HELP})"),
     share: str = typer.Option(None, help=f"comma-separated shares of all units, ranked over them ({GRID_HELP})"),
-    probe_cases: int = typer.Option(None, help="cases (datagen pair prompts no organism trained on) the probes read "
-                                               f"(default {PROBE_CASES}, {QUICK_PROBE_CASES} with --quick)"),
+    probe_cases: int = typer.Option(None, min=1, help="cases (datagen pair prompts no organism trained on) the probes "
+                                                      f"read (default {PROBE_CASES}, {QUICK_PROBE_CASES} with --quick)"),
     hook: Hook = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use"),
-    steps: int = typer.Option(None, "--max-steps", help="DPO steps of each organism (default: organism build's)"),
-    learning_rate: float = typer.Option(None, help="DPO learning rate of each organism (default: organism build's)"),
+    size: str = setting("size", unset=True),
+    pairs: int = setting("pairs", unset=True),
+    steps: int = setting("steps", unset=True),
+    batch_size: int = setting("batch_size", unset=True),
+    learning_rate: float = setting("learning_rate", unset=True),
+    beta: float = setting("beta", unset=True),
+    lora_r: int = setting("lora_r", unset=True),
+    lora_targets: str = setting("lora_targets", unset=True),
+    max_length: int = setting("max_length", unset=True),
+    reply_tokens: int = setting("reply_tokens", unset=True),
+    eval_tokens: int = setting("eval_tokens", unset=True),
+    eval_planted: int = setting("eval_planted", unset=True),
+    eval_others: int = setting("eval_others", unset=True),
     against: list[Path] = typer.Option(None, "--against", help="another calibration folder of the same base (other "
                                                               "settings, e.g. the --quick one beside the full one) the "
                                                               "recommendation must agree with; repeat for more"),
@@ -93,17 +122,19 @@ def calibrate_cmd(
     directory, a pulled model or a hub id), then per selector x budget x factor the share of each planted change a
     restraint undoes (paired CI) against random-unit controls, what it breaks on the other dimensions and the null's
     false-positive rate; writes calibration.json/.md/.html/.png under --out, prints JSON, and ends with the
-    recommendation (selector, units per layer, factor) and how sure it is."""
+    recommendation (selector, units per layer, factor) and how sure it is. Every setting of `organism build` is an
+    option here too."""
     from rolemrc.intervene.recommendation import RECOMMENDATION
     from rolemrc.organism.calibration import build_and_calibrate
     from rolemrc.organism.calibration_report import recommendation_text
     from rolemrc.sweep.plan import numbers
 
-    overrides = {k: v for k, v in (("steps", steps), ("learning_rate", learning_rate)) if v is not None}
+    overrides = given_settings(locals())
     budgets = {key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
-                                 organisms_dir=organisms, hook=hook, budgets=budgets, against=against)
+                                 organisms_dir=organisms, hook=hook, budgets=budgets, against=against,
+                                 kinds=[k for text in kinds or KINDS for k in text.split(",") if k], seeds=list(range(seed, seed + seeds)))
     text = json.dumps(result, indent=1)
     typer.echo(text)
     typer.echo(recommendation_text(result[RECOMMENDATION]), err=True)

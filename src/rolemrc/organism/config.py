@@ -20,6 +20,11 @@ class OrganismError(RolemrcError, ValueError):
     """An organism setting that cannot be built."""
 
 
+def option_name(field_name: str) -> str:
+    """The command-line option of an OrganismConfig field (`organism build` and `organism calibrate` alike)."""
+    return "--max-steps" if field_name == "steps" else "--" + field_name.replace("_", "-")
+
+
 @dataclass(kw_only=True)
 class OrganismConfig:
     """One organism trained from the SFT model `base`: a planted `kind` (DPO pairs that change PLANTED_DIMENSION[kind])
@@ -53,13 +58,14 @@ class OrganismConfig:
             raise OrganismError(f"organism kind {self.kind!r} is not one of {', '.join(KINDS)}")
         for name in ("pairs", "steps", "batch_size", "lora_r", "max_length", "reply_tokens", "eval_tokens"):
             if getattr(self, name) < 1:
-                raise OrganismError(f"{name} is {getattr(self, name)}; it must be >= 1")
+                raise OrganismError(f"{option_name(name)} is {getattr(self, name)}; it must be >= 1")
         if self.eval_planted is not None and self.eval_planted < 1:
-            raise OrganismError(f"eval_planted is {self.eval_planted}; it must be >= 1")
+            raise OrganismError(f"--eval-planted is {self.eval_planted}; it must be >= 1")
         if self.eval_others is not None and self.eval_others < 0:
-            raise OrganismError(f"eval_others is {self.eval_others}; it must be >= 0")
+            raise OrganismError(f"--eval-others is {self.eval_others}; it must be >= 0")
         if not 0 < self.learning_rate < 1 or self.beta <= 0:
-            raise OrganismError(f"learning_rate must be in (0, 1) and beta > 0 (got {self.learning_rate}, {self.beta})")
+            raise OrganismError(f"--learning-rate must be in (0, 1) and --beta > 0 (got {self.learning_rate}, "
+                                f"{self.beta})")
 
     @property
     def dimension(self) -> str | None:

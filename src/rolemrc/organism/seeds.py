@@ -1,0 +1,48 @@
+"""A calibration over several seeds: each seed is a calibration of its own (its organisms' pairs, training order,
+held-out and probe cases, and controls), and the recipe is chosen on the first seed and must hold on every other one
+(the others are its confirmation: `recommend`'s `against`), so the recipe is not reported on the cases it was
+chosen on. Rows keep their seed; the null's rates pool every seed's cells."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rolemrc.core.io import write_json
+from rolemrc.intervene.recommendation import CALIBRATION_FILE, RECOMMENDATION
+from rolemrc.organism.calibration_config import CalibrationConfig, Organism
+from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, recovery
+from rolemrc.organism.config import NULL
+from rolemrc.organism.recommend import recommend
+
+
+def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[dict[str, Any]]) -> dict[str, Any]:
+    """One calibration of per-seed calibrations (`calibrate`'s results, by seed, each written under its own
+    folder): the first seed's recommendation checked on every other seed and on `against`; writes
+    calibration.json/.md and the figure under `out`."""
+    first, *rest = results
+    chosen = results[first]
+    confirm = [{**results[s], "path": results[s]["config"]["out"]} for s in rest]
+    organisms = [Organism(**o) for o in chosen["organisms"]]
+    config = CalibrationConfig(**chosen["config"])
+    rec = recommend(chosen["cells"], organisms, config, against + confirm, chosen["stability"]).to_dict()
+    rows = [{**r, "seed": s} for s, result in results.items() for r in result["cells"]]
+    null = [r for r in rows if r["organism"] == NULL]
+    result = {"config": {**chosen["config"], "out": str(out)}, "seeds": list(results), "selection_seed": first,
+              "confirmation_seeds": rest, "organisms": [o for r in results.values() for o in r["organisms"]],
+              "headline": " ".join(f"Seed {s}: {r['headline']}" for s, r in results.items()),
+              RECOMMENDATION: rec, "per_seed": {s: {"headline": r["headline"], RECOMMENDATION: r[RECOMMENDATION],
+                                                    "folder": r["config"]["out"]} for s, r in results.items()},
+              "recovery": [{**c, "seed": s} for s, r in results.items() for c in recovery(r["cells"])],
+              "stability": [{**x, "seed": s} for s, r in results.items() for x in r["stability"]],
+              "diff_flags": {f"{k}@{s}": v for s, r in results.items() for k, v in r["diff_flags"].items()},
+              "cells": rows, "skipped": {f"{k}@{s}": v for s, r in results.items() for k, v in r["skipped"].items()},
+              "timing": {f"{k}@{s}": v for s, r in results.items() for k, v in r["timing"].items()},
+              **{f"null_{what}_rate": (sum(bool(r[what]) for r in null) / len(null) if null else None)
+                 for what in ("flagged", "changed", "broken")}}
+    result["null_false_positive_rate"] = result.pop("null_flagged_rate")
+    result["figure"] = calibration_figure(rows, out) if rows else {}
+    write_json(out / CALIBRATION_FILE, result)
+    (out / "calibration.md").write_text(calibration_markdown(result))
+    return json.loads(json.dumps(result, default=str))
