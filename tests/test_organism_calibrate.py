@@ -318,3 +318,28 @@ def test_stability_of_every_selection_is_reported_and_quoted_for_the_recipe(cali
     assert steady["jaccard_mean"] == 1 and steady["chance"] < 0.1
     assert "its units in planted overlap 1.00 across 5 resamples (Jaccard; chance 0.03)" in result["recommendation"]["why"]
     assert "## Stability of the selections" in (root / "out" / "calibration.md").read_text()
+
+
+def test_over_seeds_the_recipe_chosen_on_the_first_must_hold_on_every_other(calibrated, tmp_path):
+    """combine_seeds: the first seed chooses, the others confirm. A second seed that agrees keeps the first seed's
+    verdict; one whose cells no longer undo the change makes the recommendation `unstable`, naming that seed's folder."""
+    import copy
+
+    from rolemrc.organism.seeds import combine_seeds
+
+    result, _ = calibrated
+    first = result["recommendation"]
+    agree = {0: result, 1: {**copy.deepcopy(result), "config": {**result["config"], "out": str(tmp_path / "seed-1")}}}
+    both = combine_seeds(agree, tmp_path / "agree", [])
+    assert both["recommendation"]["status"] == first["status"] and both["selection_seed"] == 0
+    assert both["confirmation_seeds"] == [1] and {r["seed"] for r in both["cells"]} == {0, 1}
+    assert len(both["cells"]) == 2 * len(result["cells"]) and (tmp_path / "agree" / "calibration.md").is_file()
+    assert "| planted@1 " in (tmp_path / "agree" / "calibration.md").read_text()
+    if first["status"] != "found":
+        return
+    lost = copy.deepcopy(agree[1])
+    for row in lost["cells"]:
+        row["restoration"]["lo"] = -1.0
+    split = combine_seeds({0: result, 1: lost}, tmp_path / "split", [])
+    assert split["recommendation"]["status"] == "unstable"
+    assert f"in {tmp_path / 'seed-1'} it did not undo" in split["recommendation"]["why"]

@@ -42,6 +42,7 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
               **{f"null_{what}_rate": (sum(bool(r[what]) for r in null) / len(null) if null else None)
                  for what in ("flagged", "changed", "broken")}}
     result["null_false_positive_rate"] = result.pop("null_flagged_rate")
+    out.mkdir(parents=True, exist_ok=True)
     result["figure"] = calibration_figure(rows, out) if rows else {}
     write_json(out / CALIBRATION_FILE, result)
     (out / "calibration.md").write_text(calibration_markdown(result))
