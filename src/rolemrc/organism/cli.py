@@ -116,6 +116,9 @@ def calibrate_cmd(
     against: list[Path] = typer.Option(None, "--against", help="another calibration folder of the same base (other "
                                                               "settings, e.g. the --quick one beside the full one) the "
                                                               "recommendation must agree with; repeat for more"),
+    ray: str = typer.Option(None, "--ray", help="host:port of a running Ray cluster (`ray start --head` prints it) to "
+                                                "run each seed as a task on (the `ray` extra; the folders must be on a "
+                                                "filesystem its nodes share); default: in this process"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Planted organisms (each a known change on one dimension) and a null one from the SFT model --base (a
@@ -134,7 +137,7 @@ def calibrate_cmd(
                (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
                                  organisms_dir=organisms, hook=hook, budgets=budgets, against=against,
-                                 kinds=[k for text in kinds or KINDS for k in text.split(",") if k], seeds=list(range(seed, seed + seeds)))
+                                 kinds=[k for text in kinds or KINDS for k in text.split(",") if k], seeds=list(range(seed, seed + seeds)), ray=ray)
     text = json.dumps(result, indent=1)
     typer.echo(text)
     typer.echo(recommendation_text(result[RECOMMENDATION]), err=True)
