@@ -22,10 +22,22 @@ childhood" are not understood (unjudgeable), never read as the rule they contain
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from rolemrc.eval import rule_counts, rule_layout  # noqa: F401  (they register their rule kinds)
+from rolemrc.eval.rule_registry import (
+    CHECKS,
+    END,
+    NOT,
+    NOT_MORE,
+    PHRASINGS,
+    QUOTED,
+    REQUEST,
+    Rule,
+    outside,
+    rule_kind,
+    shown,
+)
 from rolemrc.eval.text_facts import (
     LANGUAGES,
     NUMBER,
@@ -36,40 +48,10 @@ from rolemrc.eval.text_facts import (
     language_problem,
     parse_number,
     starts_with_emoji,
+    word_tokens,
 )
 
-
-@dataclass(frozen=True)
-class Rule:
-    """One recognised rule: its kind, its parameters and the words it was read from."""
-
-    kind: str
-    params: dict[str, Any] = field(default_factory=dict)
-    source_text: str = ""
-
-
-Params = Callable[[dict[str, str | None]], "dict[str, Any] | None"]
-Checker = Callable[[dict[str, Any], str], "str | None"]
-PHRASINGS: list[tuple[str, re.Pattern[str], Params]] = []
-CHECKS: dict[str, Checker] = {}
-
-
-def rule_kind(name: str, *patterns: str, params: Params = lambda g: {}) -> Callable[[Checker], Checker]:
-    """Register a rule kind: its phrasings (regexes), how a match's named groups become its parameters
-    (None: not a rule after all), and the decorated checker: (params, stripped reply) -> None if obeyed,
-    else why not."""
-    def register(check: Checker) -> Checker:
-        PHRASINGS.extend((name, re.compile(p, re.I | re.M), params) for p in patterns)
-        CHECKS[name] = check
-        return check
-    return register
-
-
-NOT = (r"\b(?:(?:do|does|must|should|may|will)\s+not|don't|doesn't|mustn't|shouldn't|cannot|can't|never|avoid|"
-       r"without|refrain\s+from)")
-QUOTED = r"['\"‘“](?P<quoted>.+?)['\"’”](?=[\s.,;:!?)]*(?:$|\s))"
-NOT_MORE = rf"(?:{NOT}\s+(?:(?:us|includ|add|writ|put)\w*\s+)?|\b(?:no|not)\s+)more\s+than"
-END = r"\b(?:(?:end|finish|conclude|close|sign\s+off)(?:s|ing)?|wrap(?:s|ping)?\s+up)\b"
+__all__ = ["Rule", "check_rule", "find_rule", "find_rules", "language", "nested_verdict", "parse_system"]
 
 
 def _count(text: str | None) -> int | None:
@@ -131,6 +113,24 @@ def emoji(params: dict[str, Any], text: str) -> str | None:
 
 WORD = rf"(?:{QUOTED}|(?P<bare>[\w'-]+))"
 NAMED = r"(?:the\s+)?(?:exact\s+)?(?:word|phrase|term|keyword|expression)"
+ITEM = r"(?:['\"‘“][^'\"’”\n]+['\"’”]|[\w'-]+)"
+# a list: ['a', 'b'] as IFEval prints it, or "a", "b" and "c" (bare words only after a plural noun)
+ITEMS = (rf"(?P<list>\[\s*{ITEM}(?:\s*,\s*{ITEM})*\s*\]|{ITEM}(?:\s*,\s*(?:and\s+|or\s+|nor\s+)?{ITEM}|"
+         rf"\s+(?:and|or|nor)\s+{ITEM})*)")
+NAMED_ALL = r"(?:the\s+)?(?:following\s+)?(?:exact\s+)?(?:words|phrases|terms|keywords|expressions)\s*:?"
+
+
+def _keyword_params(g: dict[str, str | None]) -> dict[str, Any] | None:
+    """The words of a one-word match or of a list; "or" between them only where they are forbidden."""
+    forbidden = g.get("forbidden") is not None
+    if g.get("list") is None:
+        return {"words": [g["quoted"] or g["bare"]], "forbidden": forbidden}
+    text = g["list"].strip("[] ")
+    if re.search(r"\b(?:or|nor)\s", text) and not forbidden:
+        return None
+    quoted = re.findall(r"['\"‘“]([^'\"’”\n]+)['\"’”]", text)
+    items = quoted or [w for w in re.split(r"\s*,\s*|\s+", text) if w.lower() not in ("and", "or", "nor", "")]
+    return {"words": items, "forbidden": forbidden}
 
 
 @rule_kind(
@@ -140,12 +140,17 @@ NAMED = r"(?:the\s+)?(?:exact\s+)?(?:word|phrase|term|keyword|expression)"
     rf"{NOT}\s+(?:(?:us|includ|mention|say|writ|contain)\w*\s+)?{NAMED}\s+{WORD}(?P<forbidden>)",
     rf"\bthe\s+(?:word|phrase|term)\s+{WORD}\s+(?:(?:must|should)\s+not\s+appear|is\s+(?:forbidden|not\s+allowed))"
     r"(?P<forbidden>)",
-    params=lambda g: {"word": g["quoted"] or g["bare"], "forbidden": g.get("forbidden") is not None})
+    rf"\b(?:use|include|mention|contain|incorporate|feature)\w*\s+(?:all\s+(?:of\s+)?)?{NAMED_ALL}\s*{ITEMS}",
+    rf"{NOT}\s+(?:(?:us|includ|mention|say|writ|contain)\w*\s+)?(?:any\s+(?:of\s+)?)?{NAMED_ALL}\s*{ITEMS}"
+    r"(?P<forbidden>)",
+    params=_keyword_params)
 def keyword(params: dict[str, Any], text: str) -> str | None:
-    word = params["word"]
+    """Each word appears (any case, inside longer words too), or none appears as a word of its own."""
     if params["forbidden"]:
-        return f"uses {word!r}" if re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text, re.I) else None
-    return None if word.lower() in text.lower() else f"no {word!r}"
+        used = [w for w in params["words"] if re.search(rf"(?<!\w){re.escape(w)}(?!\w)", text, re.I)]
+        return f"uses {', '.join(map(repr, used))}" if used else None
+    missing = [w for w in params["words"] if w.lower() not in text.lower()]
+    return f"no {', '.join(map(repr, missing))}" if missing else None
 
 
 MARKS = {"question": "?", "exclamation": "!", "period": ".", "full": "."}
@@ -216,14 +221,20 @@ UPPER = rf"(?:{CAPITALS}|upper[\s-]?case)"
            rf"{NOT}\s+(?:(?:us|includ|writ)\w*\s+)?(?:any\s+)?lower[\s-]?case(?:\s+letters)?\b",
            r"\bcapitali[sz]e\s+(?:all|every)\s+letters?\b")
 def upper(params: dict[str, Any], text: str) -> str | None:
-    return "has lower-case letters" if any(c.islower() for c in text) else None
+    return cased(text) or ("has lower-case letters" if any(c.islower() for c in text) else None)
 
 
 @rule_kind("lower", r"\blower[\s-]?case(?:\s+letters)?\b", rf"\bno\s+{CAPITALS}\s+(?:are\s+)?(?:allowed|permitted)\b",
            rf"{NOT}\s+(?:(?:us|includ|writ)\w*\s+)?(?:any\s+)?{CAPITALS}\b",
            rf"\bno\s+{CAPITALS}\b", r"\bno\s+capitali[sz]ation\b", rf"{NOT}\s+capitali[sz]e\b")
 def lower(params: dict[str, Any], text: str) -> str | None:
-    return "has capital letters" if any(c.isupper() for c in text) else None
+    return cased(text) or ("has capital letters" if any(c.isupper() for c in text) else None)
+
+
+def cased(text: str) -> None:
+    """Nothing; CannotTell where the text has no letter with a case (is a reply of digits in capitals?)."""
+    if not any(c.isupper() or c.islower() for c in text):
+        raise CannotTell("no letters with a case")
 
 
 @rule_kind("title", r"\bcapitali[sz]e\s+(?:the\s+first\s+letter\s+of\s+)?(?:every|each|all(?:\s+the)?)\s+words?\b",
@@ -264,9 +275,12 @@ WORDS = r"\s+words?\b"
     rf"\bbetween\s+(?P<ge>{NUMBER})\s+and\s+(?P<le>{NUMBER}){WORDS}",
     params=_word_params)
 def words(params: dict[str, Any], text: str) -> str | None:
-    n = count_words(text)
-    low, high = params.get("min", 0), params.get("max", n)
-    return None if low <= n <= high else f"{n} words, allowed {low}..{params.get('max', 'any')}"
+    """Words as whitespace separates them and as IFEval counts them (runs of letters and digits) must agree."""
+    counts = {count_words(text), word_tokens(text)}
+    broken = {outside(n, params) for n in counts}
+    if len(broken) > 1:
+        raise CannotTell(f"{' or '.join(map(str, sorted(counts)))} words (how to count them decides), {shown(params)}")
+    return f"{count_words(text)} words, {shown(params)}" if broken.pop() else None
 
 
 LANG = (rf"(?:(?:simplified|traditional|standard|modern|plain)\s+)?(?P<lang>{'|'.join((*LANGUAGES, 'Mandarin'))})\b"
@@ -357,13 +371,15 @@ def find_rule(system: str) -> Rule | None:
     return next(iter(find_rules(system)), None)
 
 
-def check_rule(rule: Rule, reply: str) -> str | None:
-    """None if the (stripped) reply obeys the rule, else why not; CannotTell if that cannot be decided."""
-    return CHECKS[rule.kind](rule.params, reply)
+def check_rule(rule: Rule, reply: str, request: str = "") -> str | None:
+    """None if the (stripped) reply to the user's `request` obeys the rule, else why not; CannotTell if that cannot
+    be decided."""
+    return CHECKS[rule.kind]({**rule.params, REQUEST: request}, reply)
 
 
-def nested_verdict(system: str, reply: str) -> tuple[int | None, str]:
-    """(1 / 0, why) for a reply under the system prompt's rules, or (None, why) when they cannot be judged.
+def nested_verdict(system: str, reply: str, request: str = "") -> tuple[int | None, str]:
+    """(1 / 0, why) for a reply to the user's `request` under the system prompt's rules, or (None, why) when they
+    cannot be judged.
 
     A broken understood rule scores 0 even when another clause is not understood or another rule cannot be
     told on this reply; otherwise every rule clause must be understood (parse_rules), and every rule decided
@@ -374,7 +390,7 @@ def nested_verdict(system: str, reply: str) -> tuple[int | None, str]:
     broken, untold = [], []
     for rule in rules:
         try:
-            if why := check_rule(rule, reply):
+            if why := check_rule(rule, reply, request):
                 broken.append(f"breaks rule {rule.kind} ({why})")
         except CannotTell as e:
             untold.append(f"cannot tell rule {rule.kind} ({e})")

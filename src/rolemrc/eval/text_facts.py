@@ -10,6 +10,7 @@ A reply too short to tell (too few function words, kanji without kana) raises Ca
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 
 from rolemrc.core.errors import RolemrcError
 
@@ -48,6 +49,58 @@ def ends_with_emoji(text: str) -> bool:
 def count_words(text: str) -> int:
     """Whitespace-separated tokens, each Chinese or Japanese character counted as a word of its own."""
     return len(_WORD.findall(text))
+
+
+def word_tokens(text: str) -> int:
+    """Runs of letters, digits and underscores: how IFEval counts words ("don't" is two, a dash none)."""
+    return len(re.findall(r"\w+", text))
+
+
+# The words Punkt's English model (NLTK's punkt_tab) reads as abbreviations, those without inner periods
+_ABBREVIATIONS = frozenset((
+    "adm", "ala", "ariz", "aug", "ave", "bros", "calif", "chg", "cie", "co", "col", "colo", "conn", "corp", "cos",
+    "ct", "dec", "dr", "feb", "fla", "fri", "ft", "ga", "gen", "ill", "inc", "jan", "jr", "kan", "ky", "lt", "ltd",
+    "maj", "messrs", "mg", "mich", "minn", "mr", "mrs", "ms", "nev", "nov", "oct", "ok", "okla", "ore", "pa", "prof",
+    "rep", "reps", "sen", "sep", "sept", "sr", "st", "sw", "tenn", "tues", "va", "vs", "vt", "wash", "wed", "wis",
+    "yr",
+))
+_CLOSERS = "\"'”’)]}*"
+
+
+def sentence_range(text: str) -> tuple[int, int]:
+    """The fewest and most sentences a Punkt-style splitter can find: a break follows [.!?] and whitespace; one
+    after an ellipsis, a number, an initial, an abbreviation or before a lower-case word is a maybe.
+    Line breaks alone split nothing."""
+    tokens = text.split()
+    sure = maybe = 0
+    for token, following in pairwise(tokens):
+        core = token.rstrip(_CLOSERS)
+        if core.endswith(("?", "!")):
+            sure += 1
+        elif core.endswith("."):
+            word = core.rstrip(".").rsplit("-", 1)[-1].lstrip(_CLOSERS + "\"'“‘([{")
+            doubtful = (core.endswith("..") or "." in word or len(word) == 1 or not word.isalpha()
+                        or word.lower() in _ABBREVIATIONS or following.lstrip(_CLOSERS + "“‘([{")[:1].islower())
+            maybe += doubtful
+            sure += not doubtful
+    start = 1 if tokens else 0
+    return start + sure, start + sure + maybe
+
+
+def capital_word_range(text: str) -> tuple[int, int]:
+    """The fewest and most words in capitals (str.isupper, as IFEval checks: "I" and "A1" count) a Treebank-style
+    tokenizer can find: a word holding an apostrophe, a period or other marks may split in two."""
+    low = high = 0
+    for token in text.split():
+        core = re.sub(r"^\W+|\W+$", "", token)
+        if not any(c.isupper() for c in core):
+            continue
+        if all(c.isalnum() or c == "-" for c in core) and "--" not in core:
+            low += core.isupper()
+            high += core.isupper()
+        else:
+            high += 2
+    return low, high
 
 
 def parse_number(text: str) -> int | None:
