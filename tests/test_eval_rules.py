@@ -55,7 +55,7 @@ CASES = [
     ("End your response with a question mark.", "ends_with", "Equal height, right?", "Equal height? Yes."),
     ("Your reply must end with an exclamation point.", "ends_with", "Equal height (really!)", "Equal height."),
     ("Finish your answer with a period.", "ends_with", "Equal height.", "Equal height!"),
-    ("Conclude your answer with 'Over and out'.", "ends_with", "Equal height. Over and out.", "Over and out. Equal."),
+    ("Conclude your answer with 'Over and out'.", "ends_with", "Equal height. Over and out", "Over and out. Equal."),
     ("Your response must end with the phrase \"Is there anything else?\"", "ends_with",
      "Equal height. Is there anything else?", "Equal height. Is there anything else"),
     ("Sign off with the words: Yours, Rosa", "ends_with", "Equal height. Yours, Rosa", "Yours, Rosa. Equal height."),

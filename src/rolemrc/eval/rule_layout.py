@@ -149,7 +149,7 @@ def highlights(params: dict[str, Any], text: str) -> str | None:
 
 @rule_kind(
     "sections",
-    rf"\b(?P<n>{NUMBER})\s+sections\.\s*mark\s+the\s+beginning\s+of\s+each\s+section\s+with\s+(?P<marker>[A-Za-z]+)\s+X\b"
+    rf"\b(?:ha(?:ve|s)\s+)?(?P<n>{NUMBER})\s+sections\.\s*mark\s+the\s+beginning\s+of\s+each\s+section\s+with\s+(?P<marker>[A-Za-z]+)\s+X\b"
     r"(?:,?\s*such\s+as:?(?:\s*\n\s*(?:(?P=marker)\s+\d+|\[[^\]\n]*\]))*)?",
     rf"\b(?:divide|split|organi[sz]e)\w*\s+(?:your\s+{REPLY}\s+)?into\s+(?P<n>{NUMBER})\s+sections,?\s+(?:each\s+)?"
     r"(?:starting|beginning|marked)\s+with\s+['\"‘“]?(?P<marker>[A-Za-z]+)\s+X['\"’”]?",

@@ -168,7 +168,8 @@ def _ending_params(g: dict[str, str | None]) -> dict[str, Any] | None:
 
 
 PHRASE = r"with\s+(?:the\s+|this\s+)?(?:(?:exact|following|same)\s+)*"
-NOTHING_AFTER = r"(?:[\s.]*no\s+other\s+words\s+should\s+follow\s+(?:this|the|that)\s+phrase\b)?"
+NO_MORE = r"no\s+other\s+words\s+should\s+follow\s+(?:this|the|that)\s+phrase\b"
+NOTHING_AFTER = rf"(?:[\s.]*{NO_MORE})?"
 
 
 @rule_kind(
@@ -179,14 +180,19 @@ NOTHING_AFTER = r"(?:[\s.]*no\s+other\s+words\s+should\s+follow\s+(?:this|the|th
     rf"sign-?off)\b\s*:?\s*)?{QUOTED}{NOTHING_AFTER}",
     rf"^(?P<gap_lead>[^\S\n]*(?:[\w']+[^\S\n]+)*?)(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}"
     r"(?:sentence|phrase|words?|line|sign-?off)\b\s*:?\s*(?P<rest>[^'\"‘“\s].*?)\s*$",
+    rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}(?:sentence|phrase|words?|line|sign-?off)\b"
+    rf"\s*:?\s*(?P<rest>[^'\"‘“\s][^\n]*?)\.?\s+{NO_MORE}\.?",
     params=_ending_params)
 def ends_with(params: dict[str, Any], text: str) -> str | None:
-    """A mark may be followed by closing quotes or brackets; a phrase ending in a letter by a full stop."""
+    """A mark may be followed by closing quotes or brackets; a phrase ending in a letter by a full stop. Where
+    that reading and IFEval's (any case, the reply's double quotes stripped, nothing after) differ, CannotTell."""
     end, tail = params["text"], text.rstrip()
     if params["mark"]:
         tail = tail.rstrip("\"'”’»)]")
     elif end[-1:].isalnum():
         tail = tail.rstrip(".!?")
+    if not params["mark"] and tail.endswith(end) != text.strip().strip('"').lower().endswith(end.lower()):
+        raise CannotTell(f"ends with {end!r} only if case, quotes or a final mark do not count")
     if tail.endswith(end) == params["negated"]:
         return f"ends with {end!r}" if params["negated"] else f"does not end with {end!r}"
     return None
