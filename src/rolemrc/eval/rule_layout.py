@@ -9,7 +9,7 @@
 - highlights: N sections highlighted with markdown, *like this* or **like this**
 - sections: N sections, each starting with its marker and a number ("Section 1"); more than N is CannotTell
 - json: the whole reply is JSON (markdown ticks around it allowed)
-- title: a title in double angular brackets, <<like this>>
+- angle_title: a title in double angular brackets, <<like this>>
 - two_responses: two different responses separated by ******
 - repeat_request: the reply begins by repeating the user's request word for word (any case)
 - quotation: the whole reply is wrapped in double quotation marks (curly ones: CannotTell)
@@ -128,7 +128,7 @@ OPTION = r"['\"‘“][^'\"’”\n]+['\"’”]"
 
 @rule_kind(
     "options",
-    rf"\b(?:answer|respond|reply)\w*\s+with\s+one\s+of\s+(?:the\s+)?(?:following\s+)?(?:options\s*)?:?\s*"
+    rf"\b(?:answer|respond|reply)\w*\s+with\s+one\s+of(?:\s+the)?(?:\s+following)?(?:\s+options)?\s*:?\s*"
     rf"(?P<options>\(\s*{OPTION}(?:\s*,\s*{OPTION})*\s*\)|\[\s*{OPTION}(?:\s*,\s*{OPTION})*\s*\]|"
     rf"{OPTION}(?:\s*,\s*(?:or\s+)?{OPTION}|\s+or\s+{OPTION})*)",
     params=lambda g: {"options": re.findall(r"['\"‘“]([^'\"’”\n]+)['\"’”]", g["options"])})
@@ -180,10 +180,10 @@ def json(params: dict[str, Any], text: str) -> str | None:
 
 
 @rule_kind(
-    "title",
+    "angle_title",
     r"\b(?:contain|include|have|give|add)\w*\s+(?:your\s+\w+\s+)?a\s+title,?\s+(?:wrapped|enclosed|written|put)?\s*in\s+"
     rf"double\s+angul?ar\s+brackets(?:{EXAMPLE}<<[^>\n]*>>)?")
-def title(params: dict[str, Any], text: str) -> str | None:
+def angle_title(params: dict[str, Any], text: str) -> str | None:
     titles = re.findall(r"<<[^\n]+>>", text)
     return None if any(t.lstrip("<").rstrip(">").strip() for t in titles) else "no <<title>>"
 

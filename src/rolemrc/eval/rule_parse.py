@@ -308,7 +308,7 @@ RULE_LINE = re.compile(r"^(?:formatting rule|rule|requirement|instruction)s?\s*:
 # "every sentence", "mention your childhood") means the clause says more than was understood.
 FILLER = frozenset((
     "a", "all", "also", "always", "an", "and", "answer", "answers", "any", "at", "be", "contain",
-    "contains", "do", "entire", "entirely", "every", "for", "in", "is", "it", "keep", "kindly", "least", "long",
+    "contains", "do", "entire", "entirely", "every", "for", "in", "include", "is", "it", "keep", "kindly", "least", "long",
     "make", "must", "of", "once", "only", "please", "replies", "reply", "respond", "response", "responses", "should",
     "somewhere", "stay", "strictly", "sure", "the", "through", "throughout", "to", "use", "user", "whatsoever",
     "whole", "with", "write", "written", "you", "your",

@@ -33,6 +33,8 @@ def rule_kind(name: str, *patterns: str, params: Params = lambda g: {}) -> Calla
     """Register a rule kind: its phrasings (regexes), how a match's named groups become its parameters
     (None: not a rule after all), and the decorated checker: (params, stripped reply) -> None if obeyed,
     else why not."""
+    assert name not in CHECKS, f"rule kind {name!r} registered twice"
+
     def register(check: Checker) -> Checker:
         PHRASINGS.extend((name, re.compile(p, re.I | re.M), params) for p in patterns)
         CHECKS[name] = check
