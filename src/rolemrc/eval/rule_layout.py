@@ -44,7 +44,7 @@ def _counted(n: int, params: dict[str, Any], what: str) -> str | None:
 
 @rule_kind(
     "divided_paragraphs",
-    rf"\b{THERE}(?:exactly\s+)?(?P<n>{NUMBER})\s+paragraphs(?:\.\s*paragraphs\s+(?:are|should\s+be|must\s+be)|,?\s*)\s*"
+    rf"\b{THERE}(?:(?:split|divide)\w*\s+your\s+{REPLY}\s+into\s+)?(?:exactly\s+)?(?P<n>{NUMBER})\s+paragraphs(?:\.\s*paragraphs\s+(?:are|should\s+be|must\s+be)|,?\s*)\s*"
     r"(?:separated|divided|split)\s+(?:from\s+each\s+other\s+)?(?:with|by|using)\s+(?:the\s+)?(?:markdown\s+)?"
     r"(?:divider|separator)?\s*:?\s*\*\*\*",
     params=_numbers("n"))
@@ -88,7 +88,7 @@ def paragraph_start(params: dict[str, Any], text: str) -> str | None:
 
 @rule_kind(
     "placeholders",
-    rf"\b(?:{RELATION}\s+placeholders|(?P<one>an?|one)\s+placeholder)\s+(?:(?:represented|written|marked|shown|given)\s+"
+    rf"\b(?:{RELATION}\s+placeholders|(?P<one>an?|one)\s+placeholder),?\s+(?:(?:represented|written|marked|shown|given)\s+"
     rf"(?:by|with|in|as)\s+|in\s+|using\s+)(?:square\s+)?brackets{EXAMPLE}?(?:\[[^\]\n]*\])?",
     params=lambda g: {"min": 1} if g.get("one") else bounds(g))
 def placeholders(params: dict[str, Any], text: str) -> str | None:
@@ -104,8 +104,8 @@ MARKER = r"(?P<marker>P\.\s?P\.\s?S\.?|P\.\s?S\.)"
 
 @rule_kind(
     "postscript",
-    rf"(?:\bat\s+the\s+end\s+of\s+your\s+{REPLY},?\s+)?\b(?:please\s+)?(?:explicitly\s+)?(?:add|include|append|write|end)"
-    rf"\w*\s+(?:with\s+)?(?:a\s+)?post-?script\s+(?:starting|beginning)\s+with\s+{MARKER}",
+    rf"(?:\bat\s+the\s+end\s+of\s+your\s+{REPLY},?\s+)?\b(?:please\s+)?(?:explicitly\s+)?(?:add|include|append|write|end|finish)"
+    rf"\w*\s+(?:your\s+{REPLY}\s+)?(?:with\s+)?(?:a\s+)?post-?script\s+(?:starting|beginning)\s+with\s+{MARKER}",
     rf"\b(?:add|include|append|end\s+with)\w*\s+a\s+{MARKER}(?:\s+at\s+the\s+end)?",
     params=_postscript_params)
 def postscript(params: dict[str, Any], text: str) -> str | None:

@@ -51,8 +51,6 @@ from rolemrc.eval.text_facts import (
     word_tokens,
 )
 
-__all__ = ["Rule", "check_rule", "find_rule", "find_rules", "language", "nested_verdict", "parse_system"]
-
 
 def _count(text: str | None) -> int | None:
     """An emoji count as stated; "an", "some", "one or more" or none stated mean at least one."""
@@ -307,11 +305,11 @@ RULE_LINE = re.compile(r"^(?:formatting rule|rule|requirement|instruction)s?\s*:
 # Words a rule's wording may carry besides what its phrasing matched: anything else (a negation, a number,
 # "every sentence", "mention your childhood") means the clause says more than was understood.
 FILLER = frozenset((
-    "a", "all", "also", "always", "an", "and", "answer", "answers", "any", "at", "be", "contain",
-    "contains", "do", "entire", "entirely", "every", "for", "in", "include", "is", "it", "keep", "kindly", "least", "long",
-    "make", "must", "of", "once", "only", "please", "replies", "reply", "respond", "response", "responses", "should",
-    "somewhere", "stay", "strictly", "sure", "the", "through", "throughout", "to", "use", "user", "whatsoever",
-    "whole", "with", "write", "written", "you", "your",
+    "a", "all", "also", "always", "an", "and", "answer", "answers", "any", "at", "be", "contain", "contains", "do",
+    "entire", "entirely", "every", "for", "give", "have", "in", "include", "is", "it", "keep", "kindly", "least",
+    "long", "make", "must", "of", "once", "only", "please", "provide", "replies", "reply", "respond", "response",
+    "responses", "should", "somewhere", "stay", "strictly", "sure", "the", "through", "throughout", "to", "use",
+    "user", "using", "whatsoever", "whole", "with", "write", "written", "you", "your",
 ))
 CLAUSE_END = re.compile(r"[.!?;]+(?=\s|$)|\n")
 WORD_TOKEN = re.compile(r"[^\W_]+")
