@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from rolemrc.eval.rule_registry import QUOTED, RELATION, bounds, outside, rule_kind, shown
+from rolemrc.eval.rule_registry import QUOTED, RELATION, bounds, counted, outside, rule_kind, shown
 from rolemrc.eval.text_facts import CannotTell, capital_word_range, sentence_range
 
 WORD = rf"(?:{QUOTED}|(?P<bare>[\w'-]+))"
@@ -46,8 +46,7 @@ def decided(low: int, high: int, params: dict[str, Any], what: str) -> str | Non
     rf"\b{USE}\s+{QUOTED}\s+{RELATION}\s+times\b",
     params=_with("word"))
 def frequency(params: dict[str, Any], text: str) -> str | None:
-    n = len(re.findall(re.escape(params["word"]), text, re.I))
-    return f"{params['word']!r} {n} times, {shown(params)}" if outside(n, params) else None
+    return counted(len(re.findall(re.escape(params["word"]), text, re.I)), params, f"times {params['word']!r}")
 
 
 LETTER = r"(?:['\"‘“](?P<quoted>[a-z])['\"’”]|(?P<bare>[a-z])\b)"
@@ -59,8 +58,7 @@ LETTER = r"(?:['\"‘“](?P<quoted>[a-z])['\"’”]|(?P<bare>[a-z])\b)"
     rf"\b(?:use|include|write)\w*\s+the\s+letter\s+{LETTER}\s+{RELATION}\s+times\b",
     params=_with("letter"))
 def letters(params: dict[str, Any], text: str) -> str | None:
-    n = text.lower().count(params["letter"].lower())
-    return f"{params['letter']!r} {n} times, {shown(params)}" if outside(n, params) else None
+    return counted(text.lower().count(params["letter"].lower()), params, f"times {params['letter']!r}")
 
 
 @rule_kind("sentences", rf"\b{RELATION}\s+sentences\b", params=bounds)

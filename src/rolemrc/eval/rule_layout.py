@@ -21,7 +21,7 @@ import json as jsonlib
 import re
 from typing import Any
 
-from rolemrc.eval.rule_registry import RELATION, REQUEST, bounds, outside, rule_kind, shown
+from rolemrc.eval.rule_registry import RELATION, REQUEST, bounds, counted, rule_kind
 from rolemrc.eval.text_facts import NUMBER, CannotTell, parse_number
 
 REPLY = r"(?:response|reply|answer|output)"
@@ -30,24 +30,12 @@ ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "
 THERE = r"(?:there\s+(?:should|must)\s+be\s+)?"
 
 
-def _numbers(*names: str):
-    """Params: each named group's number (None: not a rule)."""
-    def params(g: dict[str, str | None]) -> dict[str, Any] | None:
-        out = {name: parse_number(g[name] or "") for name in names}
-        return None if None in out.values() else out
-    return params
-
-
-def _counted(n: int, params: dict[str, Any], what: str) -> str | None:
-    return f"{n} {what}, {shown(params)}" if outside(n, params) else None
-
-
 @rule_kind(
     "divided_paragraphs",
-    rf"\b{THERE}(?:(?:split|divide)\w*\s+your\s+{REPLY}\s+into\s+)?(?:exactly\s+)?(?P<n>{NUMBER})\s+paragraphs(?:\.\s*paragraphs\s+(?:are|should\s+be|must\s+be)|,?\s*)\s*"
-    r"(?:separated|divided|split)\s+(?:from\s+each\s+other\s+)?(?:with|by|using)\s+(?:the\s+)?(?:markdown\s+)?"
-    r"(?:divider|separator)?\s*:?\s*\*\*\*",
-    params=_numbers("n"))
+    rf"\b{THERE}(?:(?:split|divide)\w*\s+your\s+{REPLY}\s+into\s+)?(?:exactly\s+)?(?P<n>{NUMBER})\s+paragraphs"
+    r"(?:\.\s*paragraphs\s+(?:are|should\s+be|must\s+be)|,?\s*)\s*(?:separated|divided|split)\s+(?:from\s+each\s+other\s+)?"
+    r"(?:with|by|using)\s+(?:the\s+)?(?:markdown\s+)?(?:divider|separator)?\s*:?\s*\*\*\*",
+    params=lambda g: None if (n := parse_number(g["n"])) is None else {"n": n})
 def divided_paragraphs(params: dict[str, Any], text: str) -> str | None:
     parts = re.split(r"\s?\*\*\*\s?", text)
     if any(not p.strip() for p in parts[1:-1]):
@@ -92,7 +80,7 @@ def paragraph_start(params: dict[str, Any], text: str) -> str | None:
     rf"(?:by|with|in|as)\s+|in\s+|using\s+)(?:square\s+)?brackets{EXAMPLE}?(?:\[[^\]\n]*\])?",
     params=lambda g: {"min": 1} if g.get("one") else bounds(g))
 def placeholders(params: dict[str, Any], text: str) -> str | None:
-    return _counted(len(re.findall(r"\[.*?\]", text)), params, "placeholders")
+    return counted(len(re.findall(r"\[.*?\]", text)), params, "placeholders")
 
 
 def _postscript_params(g: dict[str, str | None]) -> dict[str, Any]:
@@ -120,7 +108,7 @@ def postscript(params: dict[str, Any], text: str) -> str | None:
     params=bounds)
 def bullets(params: dict[str, Any], text: str) -> str | None:
     n = len(re.findall(r"^\s*\*[^\*].*$", text, re.M)) + len(re.findall(r"^\s*-.*$", text, re.M))
-    return _counted(n, params, "bullet points")
+    return counted(n, params, "bullet points")
 
 
 OPTION = r"['\"‘“][^'\"’”\n]+['\"’”]"
@@ -144,12 +132,13 @@ def options(params: dict[str, Any], text: str) -> str | None:
 def highlights(params: dict[str, Any], text: str) -> str | None:
     single = [h for h in re.findall(r"\*[^\n\*]*\*", text) if h.strip("*").strip()]
     double = [h for h in re.findall(r"\*\*[^\n\*]*\*\*", text) if h[2:-2].strip()]
-    return _counted(len(single) + len(double), params, "highlighted sections")
+    return counted(len(single) + len(double), params, "highlighted sections")
 
 
 @rule_kind(
     "sections",
-    rf"\b(?:ha(?:ve|s)\s+)?(?P<n>{NUMBER})\s+sections\.\s*mark\s+the\s+beginning\s+of\s+each\s+section\s+with\s+(?P<marker>[A-Za-z]+)\s+X\b"
+    rf"\b(?:ha(?:ve|s)\s+)?(?P<n>{NUMBER})\s+sections\.\s*mark\s+the\s+beginning\s+of\s+each\s+section\s+with\s+"
+    r"(?P<marker>[A-Za-z]+)\s+X\b"
     r"(?:,?\s*such\s+as:?(?:\s*\n\s*(?:(?P=marker)\s+\d+|\[[^\]\n]*\]))*)?",
     rf"\b(?:divide|split|organi[sz]e)\w*\s+(?:your\s+{REPLY}\s+)?into\s+(?P<n>{NUMBER})\s+sections,?\s+(?:each\s+)?"
     r"(?:starting|beginning|marked)\s+with\s+['\"‘“]?(?P<marker>[A-Za-z]+)\s+X['\"’”]?",

@@ -70,3 +70,8 @@ def outside(n: int, params: dict[str, Any]) -> bool:
 def shown(params: dict[str, Any]) -> str:
     """The params' bounds in words."""
     return f"allowed {params.get('min', 0)}..{params.get('max', 'any')}"
+
+
+def counted(n: int, params: dict[str, Any], what: str) -> str | None:
+    """None if a count of `what` keeps the params' bounds, else why not."""
+    return f"{n} {what}, {shown(params)}" if outside(n, params) else None

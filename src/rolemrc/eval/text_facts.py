@@ -135,7 +135,8 @@ _SCRIPTS = {
 }
 # Letters of another language written in the same script, and letters without which the script's languages
 # cannot be told apart (Russian from Ukrainian or Bulgarian): CannotTell
-_SCRIPT_DOUBTS = {"Russian": ("[іїєґІЇЄҐ]", "[ыэёЫЭЁ]"), "Arabic": ("[پچژگکیٹڈڑںےھ]", ""), "Hindi": ("ळ", "")}
+_SCRIPT_DOUBTS = {"Russian": ("[іїєґІЇЄҐ]", "[ыэёЫЭЁ]"), "Arabic": ("[پچژگکیٹڈڑںےھ]", ""),
+                  "Hindi": ("ळ", "")}
 _FUNCTION_WORDS = {name: frozenset(words.split()) for name, words in {
     "English": "the and is are was were of to in that it with for you this have not be but what my your i they yes "
                "we she his her our their them us did can would could should just now out up from by if here there how "
