@@ -3,18 +3,22 @@
 This is eval's own verifier: it never imports the datagen package, so a bug in the generator's rules shows
 up here instead of being graded by itself, and rules phrased in other ways (the RoleMRC release's, IFEval's)
 are judged too. Each rule kind registers its phrasings (regexes whose named groups carry the parameters)
-and one checker. Where phrasings overlap, the longest match wins, so "Do not use any capital letters"
-is `lower`, not `upper`. A clause is judged only if its phrasings and FILLER words explain every word of it:
+and one checker (rule_registry); this module holds the kinds below and the parsing, rule_counts and
+rule_layout hold IFEval's other instruction types. Where phrasings overlap, the longest match wins, so "Do not
+use any capital letters" is `lower`, not `upper`. A clause is judged only if its phrasings and FILLER words explain every word of it:
 "Do not answer in English", "End every sentence with a period" or "Use two emojis and mention your
 childhood" are not understood (unjudgeable), never read as the rule they contain. The kinds and what they check:
 
 - emoji: begins / ends (or not) with an emoji; at least N, exactly N, at most N, fewer / more than N or no
   emojis ("emojis" with no number: at least one, and one alone cannot be told)
-- keyword: the word appears (any case, inflections count) / must not appear as a word
-- ends_with: ends (or not) with the given phrase (case-sensitive) or punctuation mark
+- keyword: the words (one, or a list) appear (any case, inflections count) / none appears as a word
+- ends_with: ends (or not) with the given phrase or punctuation mark (a phrase found only in another case, inside
+  the reply's quotes or before a final full stop: CannotTell)
 - forbidden_mark: none of the named commas / exclamation marks / question marks / semicolons / colons / periods
-- upper / lower / title: no lower-case letters / no capitals / every word starts with a capital
-- words: at most, fewer than, at least, more than, exactly or between N words (digits or words)
+- upper / lower / title: no lower-case letters / no capitals / every word starts with a capital (no letters with
+  a case: CannotTell)
+- words: at most, fewer than, at least, more than, exactly or between N words (digits or words), counted both as
+  whitespace separates them and as IFEval does (runs of letters and digits); where the two disagree, CannotTell
 - language: written in the language (text_facts.language_problem says how that is told; too short to tell
   is CannotTell)
 """
