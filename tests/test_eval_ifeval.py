@@ -20,6 +20,7 @@ import pytest
 from rolemrc.core.io import read_jsonl
 from rolemrc.core.taxonomy import Aspect
 from rolemrc.eval.rules import judge_item
+from rolemrc.eval.text_facts import capital_word_range, sentence_range
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = Path(__file__).parent / "data" / "ifeval_cases.jsonl"
@@ -90,3 +91,26 @@ def test_every_ifeval_type_is_judged_and_agrees(compared):
     assert [t for t in types if {r["oracle"] for r in results if r["type"] == t} != {0, 1}] == []
     assert [r for r in results if r["rolemrc"] is not None and r["rolemrc"] != r["oracle"]] == []
     assert total["agree"] >= 0.95 * total["cases"]
+
+
+@pytest.mark.parametrize(("rule", "reply"), [
+    ("Your response should contain less than 3 sentences.", "Mr. Lee said so. We did."),      # an abbreviation
+    ("Answer with at least 6 words.", "Don't wait: the tide's out."),                        # 5 or 7 words
+    ("Use fewer than 3 words in all capital letters.", "I saw the U.S.S. ENTERPRISE."),      # "U.S.S." may split
+    ("End your reply with the exact phrase \"Any other questions?\"", "Out. ANY OTHER QUESTIONS?"),
+    ("Wrap your entire response with double quotation marks.", "“The tide is out.”"),
+    ("Respond in all capital letters.", "1569"),
+    ("Respond in Russian.", "Привіт, як справи?"),                                            # Ukrainian letters
+    ("Begin by repeating the request word for word, then answer.", "When is the tide out? At noon."),
+])
+def test_where_ifeval_and_a_reader_may_differ_there_is_no_verdict(rule, reply):
+    request = "Passage: The tide turns at noon.\nQuestion: When is the tide out?"
+    assert nested(PLACEMENTS["rule line"].format(rule), request, reply) is None
+
+
+def test_counts_at_the_edges():
+    assert sentence_range("The tide is out. Come back at noon! Bye?") == (3, 3)
+    assert sentence_range("Dr. Smith came at 6 p.m. today. Good.") == (2, 4)
+    assert sentence_range("Low water\nhigh water") == (1, 1)
+    assert capital_word_range("I DON'T know, NASA's HIGH-TIDE chart.") == (5, 5)   # I, DO, N'T, NASA, HIGH-TIDE
+    assert capital_word_range("The U.S. NAVY") == (1, 3)

@@ -196,16 +196,23 @@ def two_responses(params: dict[str, Any], text: str) -> str | None:
 
 @rule_kind(
     "repeat_request",
-    r"\bfirst\s+repeat\s+the\s+(?:request|question|prompt)\s+word\s+for\s+word(?:\s+without\s+change)?,?\s+then\s+"
+    r"\bfirst\s+repeat\s+the\s+(?:request|prompt)\s+word\s+for\s+word(?:\s+without\s+change)?,?\s+then\s+"
     r"(?:give|write|provide)\s+your\s+answer(?:\s*\(1\.\s*do\s+not\s+say\s+any\s+words\s+or\s+characters\s+before\s+"
     r"repeating\s+the\s+request;\s*2\.\s*the\s+request\s+you\s+need\s+to\s+repeat\s+does\s+not\s+include\s+this\s+"
     r"sentence\))?",
-    r"\b(?:begin|start)\w*\s+by\s+repeating\s+the\s+(?:request|question)\s+(?:word\s+for\s+word|verbatim)(?:,?\s+then\s+"
+    r"\b(?:begin|start)\w*\s+by\s+repeating\s+the\s+(?:request|prompt)\s+(?:word\s+for\s+word|verbatim)(?:,?\s+then\s+"
     r"answer(?:\s+it)?)?")
 def repeat_request(params: dict[str, Any], text: str) -> str | None:
-    if not params[REQUEST].strip():
+    """A request of several lines (passages, then a question) may be meant in part: a reply that does not begin
+    with all of it is CannotTell."""
+    request = params[REQUEST].strip()
+    if not request:
         raise CannotTell("no request to repeat")
-    return None if text.lower().startswith(params[REQUEST].strip().lower()) else "does not begin with the request"
+    if text.lower().startswith(request.lower()):
+        return None
+    if "\n" in request:
+        raise CannotTell("does not begin with the whole request, which has several lines")
+    return "does not begin with the request"
 
 
 @rule_kind(

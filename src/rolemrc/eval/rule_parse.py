@@ -5,9 +5,10 @@ up here instead of being graded by itself, and rules phrased in other ways (the 
 are judged too. Each rule kind registers its phrasings (regexes whose named groups carry the parameters)
 and one checker (rule_registry); this module holds the kinds below and the parsing, rule_counts and
 rule_layout hold IFEval's other instruction types. Where phrasings overlap, the longest match wins, so "Do not
-use any capital letters" is `lower`, not `upper`. A clause is judged only if its phrasings and FILLER words explain every word of it:
-"Do not answer in English", "End every sentence with a period" or "Use two emojis and mention your
-childhood" are not understood (unjudgeable), never read as the rule they contain. The kinds and what they check:
+use any capital letters" is `lower`, not `upper`. A clause is judged only if its phrasings and FILLER words
+explain every word of it: "Do not answer in English", "End every sentence with a period" or "Use two emojis and
+mention your childhood" are not understood (unjudgeable), never read as the rule they contain. The kinds and what
+they check:
 
 - emoji: begins / ends (or not) with an emoji; at least N, exactly N, at most N, fewer / more than N or no
   emojis ("emojis" with no number: at least one, and one alone cannot be told)
