@@ -69,7 +69,8 @@ _CLOSERS = "\"'”’)]}*"
 
 def sentence_range(text: str) -> tuple[int, int]:
     """The fewest and most sentences a Punkt-style splitter can find: a break follows [.!?] and whitespace; one
-    after an ellipsis, a number, an initial, an abbreviation or before a lower-case word is a maybe.
+    after an ellipsis, a number, an initial, an abbreviation or before a lower-case word is a maybe, and so is a mark
+    right after the end (a sentence of its own unless it is a closing quote or bracket).
     Line breaks alone split nothing."""
     tokens = text.split()
     sure = maybe = 0
@@ -83,6 +84,8 @@ def sentence_range(text: str) -> tuple[int, int]:
                         or word.lower() in _ABBREVIATIONS or following.lstrip(_CLOSERS + "“‘([{")[:1].islower())
             maybe += doubtful
             sure += not doubtful
+    # a mark Punkt also splits at, right after the end of a sentence ("out.*", 'said.".'): maybe one more
+    maybe += sum(bool(re.search(r"[.?!](?=[?!)\";}\]*:@'({\[])", t.rstrip("\"')]}’”"))) for t in tokens)
     start = 1 if tokens else 0
     return start + sure, start + sure + maybe
 
