@@ -15,10 +15,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from rolemrc.eval.rule_registry import QUOTED, RELATION, bounds, counted, outside, rule_kind, shown
+from rolemrc.eval.rule_registry import QUOTED, RELATION, WORD, bounds, counted, outside, rule_kind, shown
 from rolemrc.eval.text_facts import CannotTell, capital_word_range, sentence_range
 
-WORD = rf"(?:{QUOTED}|(?P<bare>[\w'-]+))"
 USE = r"(?:use|mention|include|say|repeat|write)\w*"
 APPEAR = r"(?:should|must|has\s+to|needs?\s+to|is\s+to)\s+(?:appear|occur|be\s+used)"
 

@@ -38,6 +38,7 @@ from rolemrc.eval.rule_registry import (
     PHRASINGS,
     QUOTED,
     REQUEST,
+    WORD,
     Rule,
     outside,
     rule_kind,
@@ -114,7 +115,6 @@ def emoji(params: dict[str, Any], text: str) -> str | None:
     return None
 
 
-WORD = rf"(?:{QUOTED}|(?P<bare>[\w'-]+))"
 NAMED = r"(?:the\s+)?(?:exact\s+)?(?:word|phrase|term|keyword|expression)"
 ITEM = r"(?:['\"‘“][^'\"’”\n]+['\"’”]|[\w'-]+)"
 # a list: ['a', 'b'] as IFEval prints it, or "a", "b" and "c" (bare words only after a plural noun)

@@ -45,6 +45,7 @@ def rule_kind(name: str, *patterns: str, params: Params = lambda g: {}) -> Calla
 NOT = (r"\b(?:(?:do|does|must|should|may|will)\s+not|don't|doesn't|mustn't|shouldn't|cannot|can't|never|avoid|"
        r"without|refrain\s+from)")
 QUOTED = r"['\"‘“](?P<quoted>.+?)['\"’”](?=[\s.,;:!?)]*(?:$|\s))"
+WORD = rf"(?:{QUOTED}|(?P<bare>[\w'-]+))"   # a quoted phrase or a bare word
 NOT_MORE = rf"(?:{NOT}\s+(?:(?:us|includ|add|writ|put)\w*\s+)?|\b(?:no|not)\s+)more\s+than"
 END = r"\b(?:(?:end|finish|conclude|close|sign\s+off)(?:s|ing)?|wrap(?:s|ping)?\s+up)\b"
 # "less than 3", "at least three", "no more than 5", "exactly 2": a relation and its number (groups rel_*, n)
