@@ -100,7 +100,7 @@ def test_every_ifeval_type_is_judged_and_agrees(compared):
     ("End your reply with the exact phrase \"Any other questions?\"", "Out. ANY OTHER QUESTIONS?"),
     ("Wrap your entire response with double quotation marks.", "“The tide is out.”"),
     ("Respond in all capital letters.", "1569"),
-    ("Respond in Russian.", "Привіт, як справи?"),                                            # Ukrainian letters
+    ("Respond in Russian.", "Привіт, мы ждём."),                                       # Ukrainian and Russian letters
     ("Begin by repeating the request word for word, then answer.", "When is the tide out? At noon."),
 ])
 def test_where_ifeval_and_a_reader_may_differ_there_is_no_verdict(rule, reply):

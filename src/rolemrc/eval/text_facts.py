@@ -134,12 +134,12 @@ _SCRIPTS = {
     "Korean": "\uAC00-\uD7AF\u1100-\u11FF", "Russian": "\u0400-\u04FF", "Arabic": "\u0600-\u06FF\u0750-\u077F",
     "Hindi": "\u0900-\u097F", "Greek": "\u0370-\u03FF", "Hebrew": "\u0590-\u05FF", "Bengali": "\u0980-\u09FF",
     "Thai": "\u0E00-\u0E7F", "Tamil": "\u0B80-\u0BFF", "Telugu": "\u0C00-\u0C7F", "Kannada": "\u0C80-\u0CFF",
-    "Gujarati": "\u0A80-\u0AFF", "Punjabi": "\u0A00-\u0A7F", "Malayalam": "\u0D00-\u0D7F",
+    "Gujarati": "\u0A80-\u0AFF", "Punjabi": "\u0A00-\u0A7F", "Malayalam": "\u0D00-\u0D7F", "Ukrainian": "\u0400-\u04FF",
 }
 # Letters of another language written in the same script, and letters without which the script's languages
-# cannot be told apart (Russian from Ukrainian or Bulgarian): CannotTell
-_SCRIPT_DOUBTS = {"Russian": ("[іїєґІЇЄҐ]", "[ыэёЫЭЁ]"), "Arabic": ("[پچژگکیٹڈڑںےھ]", ""),
-                  "Hindi": ("ळ", "")}
+# cannot be told apart (Russian from Ukrainian or Bulgarian): either is CannotTell, the first without the second fails
+_SCRIPT_DOUBTS = {"Russian": ("[іїєґІЇЄҐ]", "[ыэёЫЭЁ]"), "Ukrainian": ("[ыэёЫЭЁ]", "[іїєґІЇЄҐ]"),
+                  "Arabic": ("[پچژگکیٹڈڑںےھ]", ""), "Hindi": ("ळ", "")}
 _FUNCTION_WORDS = {name: frozenset(words.split()) for name, words in {
     "English": "the and is are was were of to in that it with for you this have not be but what my your i they yes "
                "we she his her our their them us did can would could should just now out up from by if here there how "
@@ -153,6 +153,10 @@ _FUNCTION_WORDS = {name: frozenset(words.split()) for name, words in {
     "German": "der die das und ist sind ein eine nicht ich sie mit zu auf für es den dem auch wie aber ja nein danke "
               "bitte",
     "Dutch": "de het een en is zijn niet ik van met op voor dat ook maar wat er je nee ja bedankt alstublieft",
+    "Polish": "jest się że jak ale czy są przez dla już oraz jestem bardzo tylko",
+    "Finnish": "ei että mutta kun niin hän minä sinä olen oli ovat tämä myös",
+    "Vietnamese": "là và của không có những một được cho người này với các tôi",
+    "Swahili": "wa kwa za katika hii yeye mimi wewe sana kuwa hapa",
 }.items()}
 LANGUAGES = (*_FUNCTION_WORDS, *_SCRIPTS)
 _KANA = re.compile("[\u3040-\u30FF]")
@@ -165,7 +169,8 @@ def language_problem(text: str, language: str) -> str | None:
     language's, or none of another's and half its words are the language's (of two letters or more: "Yes, sir.");
     it does not when another language leads by 2+, or has some while the language has none in 4+ words. Text in
     another script reads as a language of that script (Russian needs ы, э or ё; Ukrainian letters, Persian or Urdu
-    letters under Arabic and ळ under Hindi are CannotTell).
+    letters under Arabic and ळ under Hindi are CannotTell; Ukrainian needs і, ї, є or ґ; the other's letters without
+    the language's own fail).
     """
     letters = [c for c in text if c.isalpha()]
     if not letters:
@@ -181,7 +186,10 @@ def language_problem(text: str, language: str) -> str | None:
                 raise CannotTell(f"{len(letters)} characters without kana: Chinese or Japanese")
             return "no kana (reads as Chinese)"
         other, own = _SCRIPT_DOUBTS.get(language, ("", ""))
-        if (other and re.search(other, text)) or (own and not re.search(own, text)):
+        foreign, lacking = bool(other and re.search(other, text)), bool(own and not re.search(own, text))
+        if foreign and lacking:
+            return f"letters of another language written in {language}'s script, none of its own"
+        if foreign or lacking:
             raise CannotTell(f"{language} script, but maybe another language written in it")
         return None
     if sum(ord(c) < 0x250 for c in letters) < len(letters) / 2:
