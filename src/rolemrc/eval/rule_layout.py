@@ -78,6 +78,7 @@ def paragraph_start(params: dict[str, Any], text: str) -> str | None:
     "placeholders",
     rf"\b(?:{RELATION}\s+placeholders|(?P<one>an?|one)\s+placeholder),?\s+(?:(?:represented|written|marked|shown|given)\s+"
     rf"(?:by|with|in|as)\s+|in\s+|using\s+)(?:square\s+)?brackets{EXAMPLE}?(?:\[[^\]\n]*\])?",
+    rf"\b(?:{RELATION}\s+placeholders|(?P<one>an?|one)\s+placeholder){EXAMPLE}\[[^\]\n]*\]",
     params=lambda g: {"min": 1} if g.get("one") else bounds(g))
 def placeholders(params: dict[str, Any], text: str) -> str | None:
     return counted(len(re.findall(r"\[.*?\]", text)), params, "placeholders")
@@ -124,10 +125,13 @@ def options(params: dict[str, Any], text: str) -> str | None:
     return None if any(option in text for option in params["options"]) else "none of the options"
 
 
+HIGHLIGHT = rf"highlight\s+{RELATION}\s+(?:sections|parts|phrases)\b(?:\s+(?:in|of)\s+your\s+{REPLY})?"
+
+
 @rule_kind(
     "highlights",
-    rf"\bhighlight\s+{RELATION}\s+(?:sections|parts|phrases)\b(?:\s+(?:in|of)\s+your\s+{REPLY})?"
-    rf"(?:\s+(?:with|using|in)\s+(?:markdown|asterisks)(?:{EXAMPLE}\*[^*\n]+\*)?|{EXAMPLE}\*[^*\n]+\*)",
+    rf"\b{HIGHLIGHT}(?:\s+(?:with|using|in)\s+(?:markdown|asterisks)(?:{EXAMPLE}\*[^*\n]+\*)?|{EXAMPLE}\*[^*\n]+\*)",
+    rf"\buse\s+markdown\s+to\s+{HIGHLIGHT}(?:{EXAMPLE}\*[^*\n]+\*)?",
     params=bounds)
 def highlights(params: dict[str, Any], text: str) -> str | None:
     single = [h for h in re.findall(r"\*[^\n\*]*\*", text) if h.strip("*").strip()]
@@ -201,7 +205,9 @@ def two_responses(params: dict[str, Any], text: str) -> str | None:
     r"repeating\s+the\s+request;\s*2\.\s*the\s+request\s+you\s+need\s+to\s+repeat\s+does\s+not\s+include\s+this\s+"
     r"sentence\))?",
     r"\b(?:begin|start)\w*\s+by\s+repeating\s+the\s+(?:request|prompt)\s+(?:word\s+for\s+word|verbatim)(?:,?\s+then\s+"
-    r"answer(?:\s+it)?)?")
+    r"answer(?:\s+it)?)?",
+    r"\brepeat\s+the\s+(?:request|prompt)\s+(?:word\s+for\s+word|verbatim)\s+(?:before\s+(?:answering|you\s+answer)"
+    r"(?:\s+it)?|first)")
 def repeat_request(params: dict[str, Any], text: str) -> str | None:
     """A request of several lines (passages, then a question) may be meant in part: a reply that does not begin
     with all of it is CannotTell."""
