@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import random
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from rolemrc.core.taxonomy import Aspect
 from rolemrc.core.text import NARRATED_SPAN
 from rolemrc.eval.rule_parse import check_rule, find_rules
 from rolemrc.eval.rules import judge_item, style
-from rolemrc.eval.text_facts import count_words, parse_number
+from rolemrc.eval.text_facts import CannotTell, count_words, parse_number
 
 EVAL = Path(__file__).resolve().parents[1] / "src" / "rolemrc" / "eval"
 
@@ -55,7 +56,7 @@ CASES = [
     ("End your response with a question mark.", "ends_with", "Equal height, right?", "Equal height? Yes."),
     ("Your reply must end with an exclamation point.", "ends_with", "Equal height (really!)", "Equal height."),
     ("Finish your answer with a period.", "ends_with", "Equal height.", "Equal height!"),
-    ("Conclude your answer with 'Over and out'.", "ends_with", "Equal height. Over and out.", "Over and out. Equal."),
+    ("Conclude your answer with 'Over and out'.", "ends_with", "Equal height. Over and out", "Over and out. Equal."),
     ("Your response must end with the phrase \"Is there anything else?\"", "ends_with",
      "Equal height. Is there anything else?", "Equal height. Is there anything else"),
     ("Sign off with the words: Yours, Rosa", "ends_with", "Equal height. Yours, Rosa", "Yours, Rosa. Equal height."),
@@ -202,17 +203,22 @@ def test_verdicts_equal_the_generators_check_rule(generated):
 
     ruled, texts, every_rule = generated
     assert len(ruled) >= 20 and len(texts) >= 1000
-    compared = {True: 0, False: 0}
-    # every rule of the run, checked the judge's way (rule parsed from the system prompt) on every text
+    compared = {True: 0, False: 0, None: 0}
+    # every rule of the run, checked the judge's way (rule parsed from the system prompt) on every text: the same
+    # verdict, or none where IFEval's reading differs from the generator's (a reply of digits "in capitals", a word
+    # count that depends on how "don't" or a dash is counted, a sign-off in another case)
     for rule, system in {r.instruction: (r, s) for r, s in ruled}.values():
         for text in texts:
             expected = generator_check(rule, text.strip()) is None
-            assert nested(system, text).score == int(expected), (rule, text)
-            compared[expected] += 1
+            score = nested(system, text).score
+            assert score in (int(expected), None), (rule, text)
+            compared[None if score is None else expected] += 1
     # every phrasing the generator can write (every keyword, sign-off, and word limits up to 250)
     for rule in every_rule:
         (parsed,) = find_rules(f"Formatting rule: {rule.instruction}")
         for text in texts[::7]:
-            ours, theirs = check_rule(parsed, text.strip()), generator_check(rule, text.strip())
-            assert (ours is None) == (theirs is None), (rule, text)
-    assert min(compared.values()) >= 1000, compared                  # both verdicts are well represented
+            with contextlib.suppress(CannotTell):
+                ours, theirs = check_rule(parsed, text.strip()), generator_check(rule, text.strip())
+                assert (ours is None) == (theirs is None), (rule, text)
+    assert min(compared[True], compared[False]) >= 1000, compared    # both verdicts are well represented
+    assert compared[None] <= 0.02 * sum(compared.values()), compared

@@ -3,18 +3,23 @@
 This is eval's own verifier: it never imports the datagen package, so a bug in the generator's rules shows
 up here instead of being graded by itself, and rules phrased in other ways (the RoleMRC release's, IFEval's)
 are judged too. Each rule kind registers its phrasings (regexes whose named groups carry the parameters)
-and one checker. Where phrasings overlap, the longest match wins, so "Do not use any capital letters"
-is `lower`, not `upper`. A clause is judged only if its phrasings and FILLER words explain every word of it:
-"Do not answer in English", "End every sentence with a period" or "Use two emojis and mention your
-childhood" are not understood (unjudgeable), never read as the rule they contain. The kinds and what they check:
+and one checker (rule_registry); this module holds the kinds below and the parsing, rule_counts and
+rule_layout hold IFEval's other instruction types. Where phrasings overlap, the longest match wins, so "Do not
+use any capital letters" is `lower`, not `upper`. A clause is judged only if its phrasings and FILLER words
+explain every word of it: "Do not answer in English", "End every sentence with a period" or "Use two emojis and
+mention your childhood" are not understood (unjudgeable), never read as the rule they contain. The kinds and what
+they check:
 
 - emoji: begins / ends (or not) with an emoji; at least N, exactly N, at most N, fewer / more than N or no
   emojis ("emojis" with no number: at least one, and one alone cannot be told)
-- keyword: the word appears (any case, inflections count) / must not appear as a word
-- ends_with: ends (or not) with the given phrase (case-sensitive) or punctuation mark
+- keyword: the words (one, or a list) appear (any case, inflections count) / none appears as a word
+- ends_with: ends (or not) with the given phrase or punctuation mark (a phrase found only in another case, inside
+  the reply's quotes or before a final full stop: CannotTell)
 - forbidden_mark: none of the named commas / exclamation marks / question marks / semicolons / colons / periods
-- upper / lower / title: no lower-case letters / no capitals / every word starts with a capital
-- words: at most, fewer than, at least, more than, exactly or between N words (digits or words)
+- upper / lower / title: no lower-case letters / no capitals / every word starts with a capital (no letters with
+  a case: CannotTell)
+- words: at most, fewer than, at least, more than, exactly or between N words (digits or words), counted both as
+  whitespace separates them and as IFEval does (runs of letters and digits); where the two disagree, CannotTell
 - language: written in the language (text_facts.language_problem says how that is told; too short to tell
   is CannotTell)
 """
@@ -22,10 +27,23 @@ childhood" are not understood (unjudgeable), never read as the rule they contain
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from rolemrc.eval import rule_counts, rule_layout  # noqa: F401  (they register their rule kinds)
+from rolemrc.eval.rule_registry import (
+    CHECKS,
+    END,
+    NOT,
+    NOT_MORE,
+    PHRASINGS,
+    QUOTED,
+    REQUEST,
+    WORD,
+    Rule,
+    outside,
+    rule_kind,
+    shown,
+)
 from rolemrc.eval.text_facts import (
     LANGUAGES,
     NUMBER,
@@ -36,40 +54,8 @@ from rolemrc.eval.text_facts import (
     language_problem,
     parse_number,
     starts_with_emoji,
+    word_tokens,
 )
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One recognised rule: its kind, its parameters and the words it was read from."""
-
-    kind: str
-    params: dict[str, Any] = field(default_factory=dict)
-    source_text: str = ""
-
-
-Params = Callable[[dict[str, str | None]], "dict[str, Any] | None"]
-Checker = Callable[[dict[str, Any], str], "str | None"]
-PHRASINGS: list[tuple[str, re.Pattern[str], Params]] = []
-CHECKS: dict[str, Checker] = {}
-
-
-def rule_kind(name: str, *patterns: str, params: Params = lambda g: {}) -> Callable[[Checker], Checker]:
-    """Register a rule kind: its phrasings (regexes), how a match's named groups become its parameters
-    (None: not a rule after all), and the decorated checker: (params, stripped reply) -> None if obeyed,
-    else why not."""
-    def register(check: Checker) -> Checker:
-        PHRASINGS.extend((name, re.compile(p, re.I | re.M), params) for p in patterns)
-        CHECKS[name] = check
-        return check
-    return register
-
-
-NOT = (r"\b(?:(?:do|does|must|should|may|will)\s+not|don't|doesn't|mustn't|shouldn't|cannot|can't|never|avoid|"
-       r"without|refrain\s+from)")
-QUOTED = r"['\"‘“](?P<quoted>.+?)['\"’”](?=[\s.,;:!?)]*(?:$|\s))"
-NOT_MORE = rf"(?:{NOT}\s+(?:(?:us|includ|add|writ|put)\w*\s+)?|\b(?:no|not)\s+)more\s+than"
-END = r"\b(?:(?:end|finish|conclude|close|sign\s+off)(?:s|ing)?|wrap(?:s|ping)?\s+up)\b"
 
 
 def _count(text: str | None) -> int | None:
@@ -129,8 +115,25 @@ def emoji(params: dict[str, Any], text: str) -> str | None:
     return None
 
 
-WORD = rf"(?:{QUOTED}|(?P<bare>[\w'-]+))"
 NAMED = r"(?:the\s+)?(?:exact\s+)?(?:word|phrase|term|keyword|expression)"
+ITEM = r"(?:['\"‘“][^'\"’”\n]+['\"’”]|[\w'-]+)"
+# a list: ['a', 'b'] as IFEval prints it, or "a", "b" and "c" (bare words only after a plural noun)
+ITEMS = (rf"(?P<list>\[\s*{ITEM}(?:\s*,\s*{ITEM})*\s*\]|{ITEM}(?:\s*,\s*(?:and\s+|or\s+|nor\s+)?{ITEM}|"
+         rf"\s+(?:and|or|nor)\s+{ITEM})*)")
+NAMED_ALL = r"(?:the\s+)?(?:following\s+)?(?:exact\s+)?(?:words|phrases|terms|keywords|expressions)\s*:?"
+
+
+def _keyword_params(g: dict[str, str | None]) -> dict[str, Any] | None:
+    """The words of a one-word match or of a list; "or" between them only where they are forbidden."""
+    forbidden = g.get("forbidden") is not None
+    if g.get("list") is None:
+        return {"words": [g["quoted"] or g["bare"]], "forbidden": forbidden}
+    text = g["list"].strip("[] ")
+    if re.search(r"\b(?:or|nor)\s", text) and not forbidden:
+        return None
+    quoted = re.findall(r"['\"‘“]([^'\"’”\n]+)['\"’”]", text)
+    items = quoted or [w for w in re.split(r"\s*,\s*|\s+", text) if w.lower() not in ("and", "or", "nor", "")]
+    return {"words": items, "forbidden": forbidden}
 
 
 @rule_kind(
@@ -140,12 +143,17 @@ NAMED = r"(?:the\s+)?(?:exact\s+)?(?:word|phrase|term|keyword|expression)"
     rf"{NOT}\s+(?:(?:us|includ|mention|say|writ|contain)\w*\s+)?{NAMED}\s+{WORD}(?P<forbidden>)",
     rf"\bthe\s+(?:word|phrase|term)\s+{WORD}\s+(?:(?:must|should)\s+not\s+appear|is\s+(?:forbidden|not\s+allowed))"
     r"(?P<forbidden>)",
-    params=lambda g: {"word": g["quoted"] or g["bare"], "forbidden": g.get("forbidden") is not None})
+    rf"\b(?:use|include|mention|contain|incorporate|feature)\w*\s+(?:all\s+(?:of\s+)?)?{NAMED_ALL}\s*{ITEMS}",
+    rf"{NOT}\s+(?:(?:us|includ|mention|say|writ|contain)\w*\s+)?(?:any\s+(?:of\s+)?)?{NAMED_ALL}\s*{ITEMS}"
+    r"(?P<forbidden>)",
+    params=_keyword_params)
 def keyword(params: dict[str, Any], text: str) -> str | None:
-    word = params["word"]
+    """Each word appears (any case, inside longer words too), or none appears as a word of its own."""
     if params["forbidden"]:
-        return f"uses {word!r}" if re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text, re.I) else None
-    return None if word.lower() in text.lower() else f"no {word!r}"
+        used = [w for w in params["words"] if re.search(rf"(?<!\w){re.escape(w)}(?!\w)", text, re.I)]
+        return f"uses {', '.join(map(repr, used))}" if used else None
+    missing = [w for w in params["words"] if w.lower() not in text.lower()]
+    return f"no {', '.join(map(repr, missing))}" if missing else None
 
 
 MARKS = {"question": "?", "exclamation": "!", "period": ".", "full": "."}
@@ -163,7 +171,8 @@ def _ending_params(g: dict[str, str | None]) -> dict[str, Any] | None:
 
 
 PHRASE = r"with\s+(?:the\s+|this\s+)?(?:(?:exact|following|same)\s+)*"
-NOTHING_AFTER = r"(?:[\s.]*no\s+other\s+words\s+should\s+follow\s+(?:this|the|that)\s+phrase\b)?"
+NO_MORE = r"no\s+other\s+words\s+should\s+follow\s+(?:this|the|that)\s+phrase\b"
+NOTHING_AFTER = rf"(?:[\s.]*{NO_MORE})?"
 
 
 @rule_kind(
@@ -174,14 +183,19 @@ NOTHING_AFTER = r"(?:[\s.]*no\s+other\s+words\s+should\s+follow\s+(?:this|the|th
     rf"sign-?off)\b\s*:?\s*)?{QUOTED}{NOTHING_AFTER}",
     rf"^(?P<gap_lead>[^\S\n]*(?:[\w']+[^\S\n]+)*?)(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}"
     r"(?:sentence|phrase|words?|line|sign-?off)\b\s*:?\s*(?P<rest>[^'\"‘“\s].*?)\s*$",
+    rf"(?:(?P<negated>{NOT})\s+)?{END}(?P<gap>[^.\n:'\"‘“]{{0,40}}?)\b{PHRASE}(?:sentence|phrase|words?|line|sign-?off)\b"
+    rf"\s*:?\s*(?P<rest>[^'\"‘“\s][^\n]*?)\.?\s+{NO_MORE}\.?",
     params=_ending_params)
 def ends_with(params: dict[str, Any], text: str) -> str | None:
-    """A mark may be followed by closing quotes or brackets; a phrase ending in a letter by a full stop."""
+    """A mark may be followed by closing quotes or brackets; a phrase ending in a letter by a full stop. Where
+    that reading and IFEval's (any case, the reply's double quotes stripped, nothing after) differ, CannotTell."""
     end, tail = params["text"], text.rstrip()
     if params["mark"]:
         tail = tail.rstrip("\"'”’»)]")
     elif end[-1:].isalnum():
         tail = tail.rstrip(".!?")
+    if not params["mark"] and tail.endswith(end) != text.strip().strip('"').lower().endswith(end.lower()):
+        raise CannotTell(f"ends with {end!r} only if case, quotes or a final mark do not count")
     if tail.endswith(end) == params["negated"]:
         return f"ends with {end!r}" if params["negated"] else f"does not end with {end!r}"
     return None
@@ -216,14 +230,20 @@ UPPER = rf"(?:{CAPITALS}|upper[\s-]?case)"
            rf"{NOT}\s+(?:(?:us|includ|writ)\w*\s+)?(?:any\s+)?lower[\s-]?case(?:\s+letters)?\b",
            r"\bcapitali[sz]e\s+(?:all|every)\s+letters?\b")
 def upper(params: dict[str, Any], text: str) -> str | None:
-    return "has lower-case letters" if any(c.islower() for c in text) else None
+    return cased(text) or ("has lower-case letters" if any(c.islower() for c in text) else None)
 
 
 @rule_kind("lower", r"\blower[\s-]?case(?:\s+letters)?\b", rf"\bno\s+{CAPITALS}\s+(?:are\s+)?(?:allowed|permitted)\b",
            rf"{NOT}\s+(?:(?:us|includ|writ)\w*\s+)?(?:any\s+)?{CAPITALS}\b",
            rf"\bno\s+{CAPITALS}\b", r"\bno\s+capitali[sz]ation\b", rf"{NOT}\s+capitali[sz]e\b")
 def lower(params: dict[str, Any], text: str) -> str | None:
-    return "has capital letters" if any(c.isupper() for c in text) else None
+    return cased(text) or ("has capital letters" if any(c.isupper() for c in text) else None)
+
+
+def cased(text: str) -> None:
+    """Nothing; CannotTell where the text has no letter with a case (is a reply of digits in capitals?)."""
+    if not any(c.isupper() or c.islower() for c in text):
+        raise CannotTell("no letters with a case")
 
 
 @rule_kind("title", r"\bcapitali[sz]e\s+(?:the\s+first\s+letter\s+of\s+)?(?:every|each|all(?:\s+the)?)\s+words?\b",
@@ -264,9 +284,12 @@ WORDS = r"\s+words?\b"
     rf"\bbetween\s+(?P<ge>{NUMBER})\s+and\s+(?P<le>{NUMBER}){WORDS}",
     params=_word_params)
 def words(params: dict[str, Any], text: str) -> str | None:
-    n = count_words(text)
-    low, high = params.get("min", 0), params.get("max", n)
-    return None if low <= n <= high else f"{n} words, allowed {low}..{params.get('max', 'any')}"
+    """Words as whitespace separates them and as IFEval counts them (runs of letters and digits) must agree."""
+    counts = {count_words(text), word_tokens(text)}
+    broken = {outside(n, params) for n in counts}
+    if len(broken) > 1:
+        raise CannotTell(f"{' or '.join(map(str, sorted(counts)))} words (how to count them decides), {shown(params)}")
+    return f"{count_words(text)} words, {shown(params)}" if broken.pop() else None
 
 
 LANG = (rf"(?:(?:simplified|traditional|standard|modern|plain)\s+)?(?P<lang>{'|'.join((*LANGUAGES, 'Mandarin'))})\b"
@@ -287,11 +310,11 @@ RULE_LINE = re.compile(r"^(?:formatting rule|rule|requirement|instruction)s?\s*:
 # Words a rule's wording may carry besides what its phrasing matched: anything else (a negation, a number,
 # "every sentence", "mention your childhood") means the clause says more than was understood.
 FILLER = frozenset((
-    "a", "all", "also", "always", "an", "and", "answer", "answers", "any", "at", "be", "contain",
-    "contains", "do", "entire", "entirely", "every", "for", "in", "is", "it", "keep", "kindly", "least", "long",
-    "make", "must", "of", "once", "only", "please", "replies", "reply", "respond", "response", "responses", "should",
-    "somewhere", "stay", "strictly", "sure", "the", "through", "throughout", "to", "use", "user", "whatsoever",
-    "whole", "with", "write", "written", "you", "your",
+    "a", "all", "also", "always", "an", "and", "answer", "answers", "any", "at", "be", "contain", "contains", "do",
+    "entire", "entirely", "every", "for", "give", "have", "in", "include", "is", "it", "keep", "kindly", "least",
+    "long", "make", "must", "of", "once", "only", "please", "provide", "replies", "reply", "respond", "response",
+    "responses", "should", "somewhere", "stay", "strictly", "sure", "the", "through", "throughout", "to", "use",
+    "user", "using", "whatsoever", "whole", "with", "write", "written", "you", "your",
 ))
 CLAUSE_END = re.compile(r"[.!?;]+(?=\s|$)|\n")
 WORD_TOKEN = re.compile(r"[^\W_]+")
@@ -357,13 +380,15 @@ def find_rule(system: str) -> Rule | None:
     return next(iter(find_rules(system)), None)
 
 
-def check_rule(rule: Rule, reply: str) -> str | None:
-    """None if the (stripped) reply obeys the rule, else why not; CannotTell if that cannot be decided."""
-    return CHECKS[rule.kind](rule.params, reply)
+def check_rule(rule: Rule, reply: str, request: str = "") -> str | None:
+    """None if the (stripped) reply to the user's `request` obeys the rule, else why not; CannotTell if that cannot
+    be decided."""
+    return CHECKS[rule.kind]({**rule.params, REQUEST: request}, reply)
 
 
-def nested_verdict(system: str, reply: str) -> tuple[int | None, str]:
-    """(1 / 0, why) for a reply under the system prompt's rules, or (None, why) when they cannot be judged.
+def nested_verdict(system: str, reply: str, request: str = "") -> tuple[int | None, str]:
+    """(1 / 0, why) for a reply to the user's `request` under the system prompt's rules, or (None, why) when they
+    cannot be judged.
 
     A broken understood rule scores 0 even when another clause is not understood or another rule cannot be
     told on this reply; otherwise every rule clause must be understood (parse_rules), and every rule decided
@@ -374,7 +399,7 @@ def nested_verdict(system: str, reply: str) -> tuple[int | None, str]:
     broken, untold = [], []
     for rule in rules:
         try:
-            if why := check_rule(rule, reply):
+            if why := check_rule(rule, reply, request):
                 broken.append(f"breaks rule {rule.kind} ({why})")
         except CannotTell as e:
             untold.append(f"cannot tell rule {rule.kind} ({e})")

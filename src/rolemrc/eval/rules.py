@@ -67,6 +67,7 @@ class ItemView:
         turns = prompt_turns(item, where=f"item {item.get('id')!r}")
         self.system = "\n".join(t["content"] for t in turns if t["role"] == "system")
         self.user = "\n".join(t["content"] for t in turns if t["role"] == "user")
+        self.request = next((t["content"] for t in reversed(turns) if t["role"] == "user"), "")
         self.reference = str(item.get("reference") or "")
         questions = QUESTION_LINE.findall(self.user)
         excluded = set(content_words(" ".join(questions))) | set(content_words(self.system))
@@ -117,7 +118,7 @@ def judge_item(item: dict[str, Any], aspect: Aspect) -> Verdict:
     if aspect.dimension == "role_style":
         ok, why = style(task, reply)
     elif aspect.dimension == "nested":
-        score, why = nested_verdict(view.system, reply.strip())
+        score, why = nested_verdict(view.system, reply.strip(), view.request)
         if score is None:
             return Verdict.make(item["id"], task, aspect, None, UNJUDGEABLE, why)
         ok = bool(score)
