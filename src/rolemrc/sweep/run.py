@@ -13,6 +13,7 @@ from typing import Any
 from rolemrc.core.artifacts import stamp
 from rolemrc.core.io import file_fingerprint, read_jsonl, write_json, write_jsonl
 from rolemrc.intervene.spec import Restraint
+from rolemrc.sweep.controls import controls_record
 from rolemrc.sweep.plan import Cell, SweepConfig, plan
 
 
@@ -70,7 +71,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     store = CellStore(config.cells_dir or Path(config.out) / "cells")
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,
-                                                "cells": [c.to_dict() for c in cells]})
+                                                "controls": controls_record(cells), "cells": [c.to_dict() for c in cells]})
     path = Path(config.out) / "footprints.json"
     known = json.loads(path.read_text()) if path.is_file() else {}
     write_json(path, {c.id: known.get(c.id) or footprint(model, tok, c.restraint) for c in cells if c.restraint})
