@@ -10,8 +10,17 @@ from typer.testing import CliRunner
 
 from rolemrc.ab.report import UnknownExperimentError, build_report, report_html
 from rolemrc.core.errors import EXIT_INPUT, RolemrcError
-from rolemrc.core.stats import (cluster_means, control_placement, hierarchical_bootstrap, mean_ci, paired_test,
-                                 resample_counts, seed_verdict, sign_flip_test, welch)
+from rolemrc.core.stats import (
+    cluster_means,
+    control_placement,
+    hierarchical_bootstrap,
+    mean_ci,
+    paired_test,
+    resample_counts,
+    seed_verdict,
+    sign_flip_test,
+    welch,
+)
 from rolemrc.eval.aggregate import aggregate
 from rolemrc.eval.judges import JudgeConfig
 from rolemrc.serve.store import Store

@@ -13,7 +13,6 @@ from typing import Any
 from rolemrc.core.artifacts import stamp
 from rolemrc.core.io import file_fingerprint, read_jsonl, write_json, write_jsonl
 from rolemrc.intervene.spec import Restraint
-from rolemrc.sweep.controls import controls_record
 from rolemrc.sweep.plan import Cell, SweepConfig, plan
 
 
@@ -56,6 +55,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     from rolemrc.intervene.fit import check_origin
     from rolemrc.intervene.select import input_hook
     from rolemrc.probe.hooks import width
+    from rolemrc.sweep.controls import controls_record
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
     directory = resolve_model(config.model)
