@@ -43,6 +43,7 @@ def test_plan_has_a_baseline_then_each_cell_with_its_controls(setup, tmp_path):
     selected, control = cells[1], cells[2]
     assert all(not set(control.restraint.units.get(layer, ())) & set(units)
                for layer, units in selected.restraint.units.items())
+    assert control.restraint.source["bins"] == 10 and "mean_b" in control.restraint.source["matched_on"]   # the diff's
     assert plan(config(setup, tmp_path, top_k=[4, 8]), width=96, settings={"model": "other"})[1].id != selected.id
 
 
@@ -54,6 +55,8 @@ def test_generation_is_resumable_and_a_killed_sweep_ends_identical(setup, tmp_pa
     baseline = responses[whole_cells[0].id]
     ablated = next(c for c in whole_cells if c.kind == "selected" and c.grid["factor"] == 0.0)
     assert responses[ablated.id] != baseline   # zeroing 8 of 192 units moves this peaked model's greedy text
+    matching = json.loads((tmp_path / "whole" / "plan.json").read_text())["controls"]
+    assert matching["per_cell"] == 2 and set(matching["matched_on"]) == {"multi_turn"}
     prints = json.loads((tmp_path / "whole" / "footprints.json").read_text())
     assert set(prints) == {c.id for c in whole_cells[1:]}
     assert prints[ablated.id]["units"] == 8 and prints[ablated.id]["weight_elements_changed"] == 8 * 64
@@ -102,8 +105,10 @@ def test_effects_against_baseline_and_controls_are_paired_and_corrected():
     assert judge["mean"] == 1 and judge["vs_baseline"]["diff"] == 1 and judge["vs_baseline"]["p"] < 0.001
     assert judge["vs_controls"]["diff"] == pytest.approx(1 - 1 / (2 * n)) and judge["vs_controls"]["p"] < 0.001
     assert planted["bleu"]["vs_baseline"]["diff"] == 0 and planted["bleu"]["vs_baseline"]["p"] == 1
+    assert judge["placement"]["percentile"] == 100 and judge["placement"]["lo"] > 0 and judge["placement"]["k"] == 2
     like_controls = cell_effects(baseline, run([1] + [0] * (n - 1), [1.0] * n), controls)["judge:multi_turn"]
     assert like_controls["vs_controls"]["diff"] == pytest.approx(1 / (2 * n)) and like_controls["vs_controls"]["p"] == 1
+    assert like_controls["placement"]["percentile"] == 75   # above one control, tied with the other
     effects = {"planted": planted, "like-controls": {"judge:multi_turn": like_controls}}
     correct_grid(effects)
     family = [planted["judge:multi_turn"], planted["bleu"], like_controls]
@@ -120,6 +125,7 @@ def test_a_factor_one_grid_finds_nothing_and_says_so(setup, tmp_path):
     assert summary["headline"].startswith("No cell beats both") and "0 of 1 cells differ" in summary["headline"]
     markdown = (tmp_path / "sweep.md").read_text()
     assert summary["headline"] in markdown and "| multi_turn top-8 x1 | 8 units (4.17% of 192): 4 per layer | 0 | 0 |" in markdown
+    assert "## Place among the controls" in markdown and "p50 of 2, +0.000 [+0.000, +0.000]" in markdown   # x1: all alike
     assert json.loads((tmp_path / "sweep.json").read_text())["cells"][0]["id"] == cell["id"]
 
 

@@ -10,7 +10,17 @@ from typer.testing import CliRunner
 
 from rolemrc.ab.report import UnknownExperimentError, build_report, report_html
 from rolemrc.core.errors import EXIT_INPUT, RolemrcError
-from rolemrc.core.stats import cluster_means, paired_test, resample_counts, sign_flip_test, welch
+from rolemrc.core.stats import (
+    cluster_means,
+    control_placement,
+    hierarchical_bootstrap,
+    mean_ci,
+    paired_test,
+    resample_counts,
+    seed_verdict,
+    sign_flip_test,
+    welch,
+)
 from rolemrc.eval.aggregate import aggregate
 from rolemrc.eval.judges import JudgeConfig
 from rolemrc.serve.store import Store
@@ -153,3 +163,58 @@ def test_ab_report_errors_and_judge_config(clustered, monkeypatch):
                                  "--judge-base-url", "http://127.0.0.1:9/v1"])
     assert result.exit_code == 0, result.output
     assert (seen["judge"].name, seen["judge"].model, seen["judge"].base_url) == ("openai", "gpt-x", "http://127.0.0.1:9/v1")
+
+
+def test_hierarchical_bootstrap_covers_the_mean_when_seeds_vary_more_than_cases():
+    """200 datasets of 20 seeds x 20 cases, seed effects (sd 1) dominating case noise (sd 0.3): the hierarchical CI
+    is wider than the CI of the pooled cases and holds the true mean (0) in about 95% of the datasets."""
+    rng = np.random.default_rng(0)
+    data = rng.normal(rng.normal(0.0, 1.0, size=(200, 20, 1)), 0.3, size=(200, 20, 20))
+    cis = [hierarchical_bootstrap(list(seeds), rounds=400, seed=i) for i, seeds in enumerate(data)]
+    covered = np.mean([c["lo"] <= 0 <= c["hi"] for c in cis])
+    assert covered >= 0.9, covered
+    pooled = mean_ci(data[0].ravel(), rounds=400)
+    assert cis[0]["hi"] - cis[0]["lo"] > 3 * (pooled["hi"] - pooled["lo"])
+    assert cis[0]["estimate"] == pytest.approx(pooled["mean"]) and (cis[0]["seeds"], cis[0]["cases"]) == (20, 400)
+
+
+def test_hierarchical_bootstrap_of_one_seed_is_the_cases_bootstrap():
+    x = np.random.default_rng(1).normal(size=37)
+    one, cases = hierarchical_bootstrap([x], rounds=500, seed=4), mean_ci(x, rounds=500, seed=4)
+    assert (one["estimate"], one["lo"], one["hi"]) == pytest.approx((cases["mean"], cases["lo"], cases["hi"]), abs=1e-12)
+
+
+def test_hierarchical_ratio_estimator():
+    """Ragged seeds; numerator twice the denominator in every case: the ratio is 2 in every resample, and
+    restoration 1 - num/den is -1. Otherwise the ratio of the seed-averaged means."""
+    den = [np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])]
+    ratio = hierarchical_bootstrap([2 * d for d in den], den, rounds=300)
+    assert (ratio["estimate"], ratio["lo"], ratio["hi"]) == pytest.approx((2.0, 2.0, 2.0))
+    restored = hierarchical_bootstrap([2 * d for d in den], den, stat=lambda n, d: 1 - n / d, rounds=300)
+    assert (restored["estimate"], restored["lo"], restored["hi"]) == pytest.approx((-1.0, -1.0, -1.0))
+    mixed = hierarchical_bootstrap([[1.0, 1.0], [3.0]], [[2.0, 2.0], [2.0]], rounds=300)
+    assert mixed["estimate"] == pytest.approx(1.0) and mixed["lo"] <= 1.0 <= mixed["hi"] and mixed["lo"] < mixed["hi"]
+    with pytest.raises(ValueError):
+        hierarchical_bootstrap([[1.0, 2.0]], [[1.0]])
+
+
+def test_seed_verdict_over_per_seed_estimates():
+    seeds = [np.full(10, 1.0) + 0.01 * np.arange(10), np.full(10, 2.0), np.full(12, 3.0)]
+    verdict = seed_verdict(seeds, rounds=300)
+    assert [e["estimate"] for e in verdict["per_seed"]] == pytest.approx([1.045, 2.0, 3.0])
+    assert verdict["mean"] == pytest.approx(6.045 / 3) and verdict["lo"] < 1.045 and verdict["hi"] > 3.0
+    assert (verdict["seeds"], verdict["above"], verdict["below"]) == (3, 3, 0)
+    assert np.isnan(seed_verdict(seeds[:1], rounds=100)["lo"])
+
+
+def test_control_placement():
+    """A cell at the controls' median: percentile 50, gap 0 inside its CI; a cell beyond every control: 100 (or 0)."""
+    rng = np.random.default_rng(2)
+    controls = rng.normal(rng.normal(0, 0.1, size=(11, 1)), 1.0, size=(11, 60))
+    middle = controls[np.argsort(controls.mean(1))[5]]
+    placed = control_placement(middle, controls, rounds=500)
+    assert placed["percentile"] == 50 and placed["gap"] == 0 and placed["lo"] < 0 < placed["hi"] and placed["k"] == 11
+    assert control_placement(middle + 5, controls, rounds=500)["percentile"] == 100
+    below = control_placement(middle - 5, controls, rounds=500)
+    assert below["percentile"] == 0 and below["hi"] < 0
+    assert np.isnan(control_placement(middle, np.empty((0, 60)))["percentile"])

@@ -1,7 +1,9 @@
 """Every statistical test rolemrc prints a p-value or CI from, in one place (numpy/scipy, vectorised; the per-unit
 tests of `probe diff` run on torch tensors over all units at once):
 
-- bootstrap CIs (plain or stratified) and per-item means;
+- bootstrap CIs (plain or stratified) and per-item means; the hierarchical bootstrap over seeds then cases, and the
+  verdict over seeds of per-seed estimates;
+- a cell's placement among its random-unit controls (percentile, gap to their median with a CI);
 - paired tests: exact McNemar on paired binary outcomes (eval's verdicts, probe's per-unit activity), the paired
   sign-flip permutation test with a paired bootstrap CI (eval, sweep), the paired t-test from streamed sums (probe);
 - unpaired tests: Welch's t on cluster (user) means with a bootstrap CI (A/B), the pooled two-proportion z-test and
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -87,6 +89,81 @@ def mean_ci(values, *, rounds: int = 2000, seed: int = 0, level: float = 0.95) -
     lo, hi = bootstrap(lambda w: w @ x / x.size, x.size, rounds=rounds, seed=seed, level=level)
     return {"mean": float(x.mean()), "std": float(x.std(ddof=1)) if x.size > 1 else 0.0, "lo": lo, "hi": hi,
             "n": int(x.size)}
+
+
+Ratio = Callable[[np.ndarray, np.ndarray], np.ndarray]   # (numerator means, denominator means) -> statistic
+
+
+def hierarchical_bootstrap(data: Sequence, denominator: Sequence | None = None, *, stat: Ratio = np.divide,
+                           rounds: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """CI of a statistic of clustered data: data[s] holds seed s's per-case values (seeds may have different case
+    counts). Each round draws the seeds with replacement, then, each time a seed is drawn, its cases with replacement;
+    the seed's case mean counts once per draw. The estimate is stat(mean over seeds of the case means of `data`, the
+    same of `denominator`): paired per case with `data`, default 1 per case, and stat defaults to their ratio, so
+    without a denominator it is the mean and with one a ratio estimator (restoration 1 - KL_cell / KL_dpo:
+    stat=lambda n, d: 1 - n / d). One seed: exactly the cases bootstrap (`mean_ci`, same seed). Rounds where stat is
+    undefined are left out. Returns {estimate, lo, hi, seeds, cases}."""
+    nums = [np.asarray(x, dtype=np.float64).ravel() for x in data]
+    dens = [np.ones_like(x) for x in nums] if denominator is None else \
+        [np.asarray(x, dtype=np.float64).ravel() for x in denominator]
+    if len(dens) != len(nums) or any(d.shape != x.shape for d, x in zip(dens, nums)):
+        raise ValueError("the denominator needs a value per case of every seed, paired with the data")
+    nums, dens = [x for x in nums if x.size], [d for d in dens if d.size]   # a seed without cases has no mean
+    seeds = len(nums)
+    out = {"seeds": seeds, "cases": sum(x.size for x in nums)}
+    if not seeds:
+        return out | {"estimate": math.nan, "lo": math.nan, "hi": math.nan}
+    drawn = np.random.default_rng([seed, 1]).multinomial(seeds, np.full(seeds, 1.0 / seeds), size=rounds)
+    cases = np.random.default_rng(seed)            # the cases' stream: `resample_counts`'s with one seed
+    num, den = np.zeros(rounds), np.zeros(rounds)
+    for s, (x, d) in enumerate(zip(nums, dens)):   # the sum over a seed's draws of their case means
+        w = cases.multinomial(drawn[:, s] * x.size, np.full(x.size, 1.0 / x.size))
+        num += w @ x / x.size
+        den += w @ d / x.size
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lo, hi = percentile_ci(stat(num / seeds, den / seeds), level)
+        estimate = stat(np.mean([x.mean() for x in nums]), np.mean([d.mean() for d in dens]))
+    return out | {"estimate": float(estimate), "lo": lo, "hi": hi}
+
+
+def seed_verdict(data: Sequence, denominator: Sequence | None = None, *, stat: Ratio = np.divide, null: float = 0.0,
+                 rounds: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """The verdict over seeds: each seed's estimate with its cases-bootstrap CI (`hierarchical_bootstrap` of that
+    seed alone), the mean of the per-seed estimates with its Student-t CI over seeds (NaN below two seeds), and how
+    many seeds' CIs lie wholly above and below `null`."""
+    from scipy.stats import t as student
+
+    dens = [None] * len(data) if denominator is None else list(denominator)
+    per_seed = [hierarchical_bootstrap([x], None if d is None else [d], stat=stat, rounds=rounds, seed=seed,
+                                       level=level) for x, d in zip(data, dens)]
+    estimates = np.array([e["estimate"] for e in per_seed if e["seeds"]])
+    mean, n = (float(estimates.mean()) if estimates.size else math.nan), estimates.size
+    half = float(student.ppf((1 + level) / 2, n - 1) * estimates.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    return {"per_seed": per_seed, "seeds": int(n), "mean": mean, "lo": mean - half, "hi": mean + half,
+            "ci": "Student t over seeds", "above": sum(e["lo"] > null for e in per_seed),
+            "below": sum(e["hi"] < null for e in per_seed)}
+
+
+def control_placement(cell, controls, *, rounds: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """Where a cell falls among its K random-unit controls, from per-case scores on the same cases (cell [cases],
+    controls [K, cases]): the cell mean's percentile among the controls' means (the share below it, ties half,
+    x 100), and its gap to the controls' median with a bootstrap CI that resamples the cases (the same for cell and
+    controls) and the controls (with replacement)."""
+    x = np.asarray(cell, dtype=np.float64)
+    c = np.asarray(controls, dtype=np.float64).reshape(-1, x.size)
+    k, n = c.shape
+    if not k or not n:
+        return {"k": k, "n": n, "percentile": math.nan, "gap": math.nan, "lo": math.nan, "hi": math.nan}
+    means, mean = c.mean(1), float(x.mean())
+    median = float(np.median(means))
+    w = resample_counts(n, rounds, seed)                                       # [rounds, cases]
+    pick = np.random.default_rng([seed, 1]).integers(0, k, size=(rounds, k))   # controls, with replacement
+    gaps = w @ x / n - np.median(np.take_along_axis((c @ w.T / n).T, pick, axis=1), axis=1)
+    lo, hi = percentile_ci(gaps, level)
+    return {"k": k, "n": n, "cell_mean": mean, "controls_median": median, "controls_min": float(means.min()),
+            "controls_max": float(means.max()),
+            "percentile": float(100 * ((means < mean).sum() + 0.5 * (means == mean).sum()) / k),
+            "gap": mean - median, "lo": lo, "hi": hi, "ci": "bootstrap over cases and controls"}
 
 
 def mcnemar(b01, b10) -> tuple[np.ndarray, np.ndarray]:

@@ -105,14 +105,16 @@ def diff_flags(result: DiffResult, dimension: str, fdr: float = ALPHA) -> dict[s
 
 
 def sweep_stage(organism: Organism, dimensions: list[str], selector: str, source: str, config: CalibrationConfig,
-                out: Path, budgets: list[Budget], factors: list[float]) -> dict:
+                out: Path, budgets: list[Budget], factors: list[float], magnitudes: str) -> dict:
     """One sweep (the sweep resumes by itself: finished cells are kept) of `selector` over dimensions x budgets x
-    factors, its cells in the organism's shared store."""
+    factors, its cells in the organism's shared store; controls matched on the activation moments of the diff
+    `magnitudes` (one for every selector, so selectors that choose the same units share their controls too)."""
     from rolemrc.sweep import SweepConfig, run_sweep
 
     sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(out),
                         cells_dir=str(out.parent / "cells"), dimensions=list(dimensions), factors=list(factors),
                         **{budgets[0].kind: [b.value for b in budgets]}, method=selector, controls=config.controls,
+                        magnitudes=magnitudes,
                         seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
     return run_sweep(sweep, metrics=[])
 
@@ -152,7 +154,8 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                 key, sweep_dir = f"{organism.kind}/{selector}{suffix}", folder / f"sweep-{selector}{suffix}"
                 started = time.perf_counter()
                 try:
-                    summary = sweep_stage(organism, dimensions, selector, source, config, sweep_dir, budgets, factors)
+                    summary = sweep_stage(organism, dimensions, selector, source, config, sweep_dir, budgets, factors,
+                                          str(inputs["all"]))
                 except RestraintError as exc:   # e.g. no unit moved in the selector's view: it restrains nothing
                     skipped[key] = str(exc)
                     continue

@@ -8,6 +8,7 @@ from typing import Any
 
 from rolemrc.intervene.budget import CURVE, Budget, budget_grid
 from rolemrc.intervene.spec import PAPER_FACTOR
+from rolemrc.sweep.plan import CONTROLS
 
 SELECTOR_INPUTS = {"frequency": "last", "frequency-all": "all", "standardized": "all", "attribution": "attribution"}
 ALPHA = 0.05   # the significance level of every test and flag
@@ -53,7 +54,7 @@ class CalibrationConfig:
     # the paper's near-identity factor 1 - 1e-6 as its own sweep, at the largest budget only: its effect can only grow
     # with the units it scales, so the largest budget is where it would show
     paper_factor: bool = True
-    controls: int = 1
+    controls: int = CONTROLS          # random-unit controls per cell, as a sweep's
     attribution_pairs: int = 16       # organism pairs (of the planted dimension first) attribution runs over
     max_new_tokens: int = 32          # as the organisms' held-out eval, so the SFT run is comparable
     batch_size: int = 32              # rows per generation batch (the sweep's cells share batches)

@@ -16,7 +16,7 @@ from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
 from rolemrc.intervene.select import SelectorName
 from rolemrc.probe.options import Direction
 from rolemrc.serve.engines import EngineName
-from rolemrc.sweep.plan import FACTORS, SHARES
+from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES
 
 GRID_HELP = f"{GRID_ONE}; default: --share {','.join(map(str, SHARES))}"
 
@@ -41,7 +41,9 @@ def run_cmd(
                                          f"({GRID_HELP})"),
     direction: Direction = typer.Option("both", help="up | down | both"),
     layers: str = typer.Option(None, help="e.g. 12-31 (default: all)"),
-    controls: int = typer.Option(3, help="random-unit control sets per cell"),
+    controls: int = typer.Option(CONTROLS, help="random-unit control sets per cell, matched on activation magnitude"),
+    magnitudes: Path = typer.Option(None, help="a diff whose activation moments the controls are matched on (default: "
+                                               "--diff when it is one; else the controls are uniform per layer)"),
     seed: int = typer.Option(0, help="seed of the control draws"),
     metrics: str = typer.Option("all", help="reference metric groups (all, or e.g. rouge,bleu)"),
     judge: JudgeName = SCORE["judge"],
@@ -72,7 +74,8 @@ def run_cmd(
                          factors=numbers(factors, "--factors"), method=method.value,
                          **{key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                             (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None},
-                         direction=direction, layers=layers, controls=controls, seed=seed,
+                         direction=direction, layers=layers, controls=controls,
+                         magnitudes=str(magnitudes) if magnitudes else None, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
                          engine=engine.value, base_url=base_url, served_model=served_model, concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,

@@ -24,6 +24,8 @@ FACTORS = (PAPER_FACTOR, 0.99, 0.9, 0.5, 0.0)   # the default grid's scales
 # the default grid's budgets, as shares of the MLP units: on SmolLM2 the calibration saw nothing move at 1% and 4%,
 # and attribution x 0 undo a planted change at 17% (and break role style on a smaller organism): docs/calibration.md
 SHARES = (0.01, 0.05, 0.17)
+# random-unit controls per cell: one control cannot place a cell (two of one size undid 44% and 64% of a planted change)
+CONTROLS = 10
 
 
 @dataclass
@@ -44,7 +46,8 @@ class SweepConfig:
     share: list[float] | None = None
     direction: Direction = "both"
     layers: str | None = None
-    controls: int = 3
+    controls: int = CONTROLS
+    magnitudes: str | None = None  # a diff whose activation moments match the controls (default: `diff`, if a diff)
     seed: int = 0
     max_new_tokens: int = 96
     batch_size: int = 32
@@ -126,12 +129,14 @@ def cell_id(kind: str, restraint: Restraint | None, settings: dict[str, Any]) ->
 
 
 def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell]:
-    """The baseline, then per grid cell its selected units and `config.controls` controls. `width`: units at the
-    diff's hook point; `settings`: what else responses depend on (model, data, generation)."""
+    """The baseline, then per grid cell its selected units and `config.controls` controls matched on activation
+    magnitude (`sweep.controls`). `width`: units at the diff's hook point; `settings`: what else responses depend on
+    (model, data, generation)."""
     from rolemrc.intervene.select import select, warnings_once
-    from rolemrc.sweep.controls import draw_controls
+    from rolemrc.sweep.controls import draw_controls, unit_magnitudes
 
     cells = [Cell(cell_id(BASELINE, None, settings), BASELINE, {}, None)]
+    magnitudes: dict[str, tuple[Any, str]] = {}   # dimension -> unit magnitudes and what they are
     with warnings_once():   # one paper-factor or frequency note for the whole grid
         for dimension, budget, factor in itertools.product(config.dimensions, config.budgets(), config.factors):
             grid = {"dimension": dimension, "factor": factor, "budget": budget.to_dict()}
@@ -139,6 +144,10 @@ def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell
             chosen = select(config.diff, dimension, method=config.method, layers=config.layers,
                             direction=config.direction, factor=factor, name=name, **budget.to_dict())
             cells.append(Cell(cell_id("selected", chosen, settings), "selected", grid, chosen))
-            cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k)
-                      for k, c in enumerate(draw_controls(chosen, width, config.controls, seed=config.seed))]
+            if dimension not in magnitudes:   # read after the selection, which checks the input first
+                magnitudes[dimension] = unit_magnitudes(config.magnitudes or config.diff, dimension)
+            magnitude, how = magnitudes[dimension]
+            cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k) for k, c in
+                      enumerate(draw_controls(chosen, width, config.controls, seed=config.seed, magnitude=magnitude,
+                                              how=how))]
     return cells

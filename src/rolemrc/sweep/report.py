@@ -1,9 +1,10 @@
 """sweep.json and sweep.md: one row per grid cell (its footprint and, per score, the effect against the baseline
-and against its controls with 95% CIs and Holm-corrected p), under one sentence saying which cells, if any,
-beat both and at what cost in metrics."""
+and against its controls with 95% CIs and Holm-corrected p, and its place among the controls), under one sentence
+saying which cells, if any, beat both and at what cost in metrics."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -72,18 +73,34 @@ def effect_text(entry: dict | None, family: str) -> str:
     return f"{t['diff']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}] p={t['p_holm']:.2g}{mark}"
 
 
+def placement_text(entry: dict | None) -> str:
+    """'p100 of 10, +0.250 [+0.180, +0.320]': the cell's percentile among its controls, the gap to their median."""
+    if not entry or "placement" not in entry:
+        return "–"
+    t = entry["placement"]
+    return f"p{t['percentile']:.0f} of {t['k']}, {t['gap']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}]"
+
+
+def score_table(cells: list[dict], names: list[str], text: Callable[[dict | None], str]) -> list[str]:
+    """A markdown table: a row per cell, a column per score, each entry `text(cell's entry for that score)`."""
+    return (["| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+            + [f"| {cell_label(c)} | " + " | ".join(text(c["scores"].get(n)) for n in names) + " |" for c in cells])
+
+
 def sweep_markdown(summary: dict) -> str:
     cells = summary["cells"]
     names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not n.startswith(JUDGE_PREFIX), n))
     lines = ["# Restraint sweep", "", summary["headline"], "",
              "Effects are paired per item: the cell minus the baseline, and the cell minus the mean of its random-unit "
-             "controls (same units per layer, same factor). Mean [95% bootstrap CI], Holm-corrected p over the grid; "
-             f"* marks p < {summary['alpha']}.", "",
+             "controls (same units per layer, same factor, matched on activation magnitude). Mean [95% bootstrap CI], "
+             f"Holm-corrected p over the grid; * marks p < {summary['alpha']}.", "",
              "| cell | units (share of all; per layer) | weight elements | max Δlogit |", "|---|---|---|---|"]
     lines += [f"| {cell_label(c)} | {coverage_text(c['coverage'])} | {c['weight_elements_changed']} | "
               f"{c['max_logit_shift']:.3g} |" for c in cells]
     for family, title in COMPARISONS.items():
-        lines += ["", f"## Effect {title}", "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        lines += [f"| {cell_label(c)} | " + " | ".join(effect_text(c["scores"].get(n), family) for n in names) + " |"
-                  for c in cells]
+        lines += ["", f"## Effect {title}", "", *score_table(cells, names, lambda e, f=family: effect_text(e, f))]
+    lines += ["", "## Place among the controls", "",
+              "The cell's percentile among its controls' means (50: like a typical control; 0 or 100: beyond every "
+              "one), and its gap to their median [95% bootstrap CI over cases and controls].", "",
+              *score_table(cells, names, placement_text)]
     return "\n".join(lines) + "\n"

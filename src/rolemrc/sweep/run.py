@@ -55,6 +55,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     from rolemrc.intervene.fit import check_origin
     from rolemrc.intervene.select import input_hook
     from rolemrc.probe.hooks import width
+    from rolemrc.sweep.controls import controls_record
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
     directory = resolve_model(config.model)
@@ -70,7 +71,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     store = CellStore(config.cells_dir or Path(config.out) / "cells")
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,
-                                                "cells": [c.to_dict() for c in cells]})
+                                                "controls": controls_record(cells), "cells": [c.to_dict() for c in cells]})
     path = Path(config.out) / "footprints.json"
     known = json.loads(path.read_text()) if path.is_file() else {}
     write_json(path, {c.id: known.get(c.id) or footprint(model, tok, c.restraint) for c in cells if c.restraint})

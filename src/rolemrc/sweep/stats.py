@@ -1,5 +1,6 @@
 """The sweep's statistics: per item scores of a scored cell, each grid cell's paired effect against the baseline
-and against its random-unit controls (difference in differences), and Holm's correction over the grid."""
+and against its random-unit controls (difference in differences), its placement among the controls, and Holm's
+correction over the grid."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from rolemrc.core.stats import holm, paired_test
+from rolemrc.core.stats import control_placement, holm, paired_test
 from rolemrc.eval.runs import EvalRun
 
 JUDGE_PREFIX = "judge:"   # score names: "judge:<dimension>" (the item's pass share on it) or a metric name
@@ -33,8 +34,9 @@ def item_scores(run: EvalRun) -> dict[str, dict[str, float]]:
 
 def cell_effects(baseline: EvalRun, cell: EvalRun, controls: list[EvalRun], *, rounds: int = 10_000,
                  seed: int = 0) -> dict[str, dict[str, Any]]:
-    """score -> {"mean", "vs_baseline", "vs_controls"}: paired tests (core.stats.paired_test) of the cell against
-    the baseline, and against the per-item mean of its controls, on the items all of them scored."""
+    """score -> {"mean", "vs_baseline", "vs_controls", "placement"}: paired tests (core.stats.paired_test) of the cell
+    against the baseline, and against the per-item mean of its controls, and where it falls among the controls
+    (core.stats.control_placement), on the items all of them scored."""
     base, mine = item_scores(baseline), item_scores(cell)
     ctrl = [item_scores(c) for c in controls]
     out = {}
@@ -46,9 +48,10 @@ def cell_effects(baseline: EvalRun, cell: EvalRun, controls: list[EvalRun], *, r
         m = [mine[name][i] for i in ids]
         entry = {"n": len(ids), "mean": float(np.mean(m)), "vs_baseline": paired_test(b, m, rounds=rounds, seed=seed)}
         if ctrl:
-            c = np.mean([[scores[name][i] for i in ids] for scores in ctrl], axis=0)
-            entry["controls_mean"] = float(c.mean())
-            entry["vs_controls"] = paired_test(c, m, rounds=rounds, seed=seed)
+            each = np.array([[scores[name][i] for i in ids] for scores in ctrl])
+            entry["controls_mean"] = float(each.mean())
+            entry["vs_controls"] = paired_test(each.mean(0), m, rounds=rounds, seed=seed)
+            entry["placement"] = control_placement(m, each, rounds=rounds, seed=seed)
         out[name] = entry
     return out
 
