@@ -140,3 +140,45 @@ def test_continuations_are_references_or_a_models_greedy_replies(model_dirs, tok
         continuations(cases, "dpo", sft=sft, tokenizer=tok)
     with pytest.raises(InputError, match="one of sft, dpo, reference"):
         continuations(cases, "judge")
+
+
+def test_sweep_measure_kl_restores_the_planted_units_and_not_their_controls(tokenizer, tmp_path):
+    import json
+
+    from fixtures import PLANTED_WIDTH, write_diff_file
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+    from rolemrc.core.io import write_jsonl
+    from rolemrc.core.taxonomy import dimensions_for_task
+
+    save_planted_llama(tmp_path / "dpo", tokenizer)
+    save_planted_llama(tmp_path / "sft", tokenizer, units_on=False)
+    delta = torch.zeros(2, PLANTED_WIDTH)
+    delta[1, ANSWERABLE_UNITS] = 1.0   # the diff ranks the planted units first
+    write_diff_file(tmp_path / "diff", delta, torch.full_like(delta, 0.5))
+    records = make_records(54)   # every multi_turn case of them (12: enough for Holm p < 0.05) and 4 others
+    write_jsonl(tmp_path / "test.jsonl", [r for r in records if "multi_turn" in dimensions_for_task(r["task"])]
+                + [r for r in records if "multi_turn" not in dimensions_for_task(r["task"])][:4])
+    (tmp_path / "neutral.txt").write_text("\n".join(NEUTRAL) + "\n")
+    args = ["sweep", "run", "--measure", "kl", "--model", str(tmp_path / "dpo"), "--base", str(tmp_path / "sft"),
+            "--diff", str(tmp_path / "diff"), "--data", str(tmp_path / "test.jsonl"), "--neutral",
+            str(tmp_path / "neutral.txt"), "--dimension", "multi_turn", "--method", "frequency", "--top-k", "4",
+            "--factors", "0,1", "--controls", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "sweep")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    sweep = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    undo, identity = sorted(sweep["cells"], key=lambda c: c["factor"])
+    own = undo["scores"]["restoration:multi_turn"]
+    assert own["mean"] == pytest.approx(1.0, abs=1e-6) and own["controls_mean"] == 0   # other units write nothing
+    assert own["vs_controls"]["p_holm"] < 0.05 and own["vs_baseline"]["p_holm"] < 0.05
+    assert all(e["vs_baseline"]["diff"] == 0 for e in identity["scores"].values())   # x1: exactly the DPO model
+    assert sweep["baseline"]["restoration:multi_turn"] == 0 and sweep["kl_to_base"]["multi_turn"] > 0.1
+    assert undo["scores"]["neutral_ppl"]["n"] == len(NEUTRAL)
+    assert sweep["headline"].startswith("1 of 2 cells beat both") and "multi_turn top-4 x0" in sweep["headline"]
+    markdown = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "KL(DPO ‖ base)" in markdown and "restoration:multi_turn" in markdown
+    again = CliRunner().invoke(app, args)   # a rerun measures nothing again: every cell is in the store
+    assert again.exit_code == 0 and json.loads((tmp_path / "sweep" / "sweep.json").read_text()) == sweep
+    bad = CliRunner().invoke(app, [*args[:6], *args[8:]])   # no --base
+    assert bad.exit_code == 2 and "error: --measure kl needs --base" in bad.output

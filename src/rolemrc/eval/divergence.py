@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +26,11 @@ from rolemrc.core.chat import tokenize_replies
 from rolemrc.core.errors import InputError
 from rolemrc.core.records import normalize_record
 from rolemrc.core.taxonomy import dimensions_for_task
+from rolemrc.eval.generate import CONTINUATIONS, Continuation, GenerateConfig, generate_rows
 from rolemrc.intervene.fit import validate
 from rolemrc.intervene.runtime import applied
 from rolemrc.intervene.spec import Restraint
 from rolemrc.probe.cases import pad_right
-
-Continuation = Literal["sft", "dpo", "reference"]   # whose text is scored: a model's greedy reply or the reference
-CONTINUATIONS: tuple[str, ...] = get_args(Continuation)
 
 
 @dataclass
@@ -101,7 +99,6 @@ def continuations(records: Sequence[dict[str, Any]], source: Continuation, *, sf
             raise InputError(f"continuation reference: records without a reference, e.g. {missing[0]!r}")
         return [r["reference"] for r in records]
     from rolemrc.core.modeling import model_name
-    from rolemrc.eval.generate import GenerateConfig, generate_rows
 
     model = {"sft": sft, "dpo": dpo}[source]
     if model is None or tokenizer is None:
@@ -179,6 +176,9 @@ def kl_grid(sft: Any, dpo: Any, tokenizer: Any, cases: Sequence[dict[str, Any]],
     per batch per model and cell; nothing but per-case means is kept across batches."""
     if len(continuations) != len(cases):
         raise InputError(f"{len(continuations)} continuations for {len(cases)} cases")
+    vocab = [m.get_output_embeddings().weight.shape[0] for m in (sft, dpo)]
+    if vocab[0] != vocab[1]:
+        raise InputError(f"the SFT and DPO models' vocabularies differ ({vocab[0]} and {vocab[1]} tokens)")
     for r in {id(r): r for r in restraints if r is not None}.values():
         validate(r, dpo)
     cases = canonical_cases(cases)
