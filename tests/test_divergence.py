@@ -182,3 +182,26 @@ def test_sweep_measure_kl_restores_the_planted_units_and_not_their_controls(toke
     assert again.exit_code == 0 and json.loads((tmp_path / "sweep" / "sweep.json").read_text()) == sweep
     bad = CliRunner().invoke(app, [*args[:6], *args[8:]])   # no --base
     assert bad.exit_code == 2 and "error: --measure kl needs --base" in bad.output
+
+
+def test_sweep_kl_inputs_are_refused_before_any_model_loads(model_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)))
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "records.jsonl").write_text('{"id": "a", "question": "hi"}\n{"id": "b", "question": "ho"}\n')
+    model = str(model_dirs["llama"])
+    common = ["sweep", "run", "--model", model, "--diff", str(tmp_path / "diff"), "--data", str(tmp_path / "t.jsonl"),
+              "--out", str(tmp_path / "out"), "--dimension", "role_style", "--method", "frequency"]
+    for extra, says in ((["--measure", "kl", "--base", model, "--neutral", str(tmp_path / "binary.txt")], "binary"),
+                        (["--measure", "kl", "--base", model, "--neutral", str(tmp_path / "blank.txt")], "no text in it"),
+                        (["--measure", "kl", "--base", model, "--neutral", str(tmp_path / "records.jsonl")], "records"),
+                        (["--measure", "kl", "--base", str(tmp_path / "nowhere")], "no such directory"),
+                        (["--measure", "kl", "--base", model, "--base-url", "http://127.0.0.1:9/v1"], "in this process"),
+                        (["--base", model], "--base and --neutral are --measure kl's")):
+        result = CliRunner().invoke(app, [*common, *extra])
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and says in errors[0], (extra, result.output)
+        assert not (tmp_path / "out").exists()
