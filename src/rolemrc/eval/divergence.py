@@ -2,8 +2,14 @@
 under the SFT model, the DPO model and each cell (the DPO model with a restraint applied as runtime hooks), and the
 exact full-vocabulary KL divergence of each to the SFT model at every continuation token.
 
-    cont = continuations(records, "sft", sft=sft, tokenizer=tok)          # the SFT model's own greedy replies
-    result = kl_grid(sft, dpo, tok, records, cont, [restraint, control, None])
+    from rolemrc.core.modeling import load_model
+    from rolemrc.core.records import read_records
+    from rolemrc.eval.divergence import collateral, continuations, kl_grid, restoration
+    from rolemrc.intervene import Restraint
+    (sft, tok), (dpo, _) = load_model("runs/sft"), load_model("runs/dpo")
+    records, _ = read_records("runs/data/test.jsonl")
+    texts = continuations(records, "sft", sft=sft, tokenizer=tok)         # the SFT model's own greedy replies
+    result = kl_grid(sft, dpo, tok, records, texts, [Restraint.load("runs/restraint.yaml"), None])
     restoration(result, result.mask("role_style")).value                  # [cells]: 1 - KL(cell||SFT)/KL(DPO||SFT)
     collateral(result, "role_style")                                      # the same on every other dimension
 
