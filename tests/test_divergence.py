@@ -205,3 +205,19 @@ def test_sweep_kl_inputs_are_refused_before_any_model_loads(model_dirs, tmp_path
         errors = [line for line in result.output.splitlines() if line.startswith("error:")]
         assert result.exit_code == 2 and len(errors) == 1 and says in errors[0], (extra, result.output)
         assert not (tmp_path / "out").exists()
+
+
+def test_a_case_longer_than_the_context_keeps_its_last_tokens(tokenizer, caplog):
+    sft = build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=96, max_positions=32)
+    dpo = build_model("llama", tokenizer, seed=1, hidden=64, layers=2, intermediate=96, max_positions=32)
+    case = make_records(1)[0]
+    (ids,), start = tokenize_replies(tokenizer, prompt_turns(case), ["the keeper"])
+    assert len(ids) > 32 and len(ids) - start < 16
+    result = kl_grid(sft, dpo, tokenizer, [case], ["the keeper"], [None], progress=False)
+    assert "1 of 1 cases are longer than the model's 32 positions" in caplog.text
+    kept = torch.tensor([ids[-32:]])
+    first = start - (len(ids) - 32)
+    with torch.no_grad():
+        q, p = (m(input_ids=kept).logits[0, first - 1:-1].double().log_softmax(-1) for m in (sft, dpo))
+    assert result.tokens.tolist() == [len(ids) - start]
+    assert float(result.dpo[0]) == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-5)

@@ -19,6 +19,7 @@ model and every cell; KL is computed on the model's device and only per-case mea
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 
 from rolemrc.core.chat import tokenize_replies
 from rolemrc.core.errors import InputError
+from rolemrc.core.modeling import context_window, model_name
 from rolemrc.core.records import normalize_record
 from rolemrc.core.taxonomy import dimensions_for_task
 from rolemrc.eval.generate import CONTINUATIONS, Continuation, GenerateConfig, generate_rows
@@ -37,6 +39,8 @@ from rolemrc.intervene.fit import validate
 from rolemrc.intervene.runtime import applied
 from rolemrc.intervene.spec import Restraint
 from rolemrc.probe.cases import pad_right
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,8 +108,6 @@ def continuations(records: Sequence[dict[str, Any]], source: Continuation, *, sf
         if missing:
             raise InputError(f"continuation reference: records without a reference, e.g. {missing[0]!r}")
         return [r["reference"] for r in records]
-    from rolemrc.core.modeling import model_name
-
     model = {"sft": sft, "dpo": dpo}[source]
     if model is None or tokenizer is None:
         raise InputError(f"continuation {source}: pass the loaded {source} model and the tokenizer")
@@ -173,6 +175,23 @@ def per_row_mean(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     return (total / count).cpu()
 
 
+def case_sequences(tokenizer: Any, cases: list[dict[str, Any]], continuations: Sequence[str],
+                   limit: int | None) -> tuple[list[list[int]], list[int]]:
+    """(token ids of each case's prompt and continuation, where the continuation starts). A case longer than `limit`
+    positions keeps its last ones (the prompt's start goes first; logged once)."""
+    seqs, starts, cut = [], [], 0
+    for case, text in zip(cases, continuations):
+        (ids,), start = tokenize_replies(tokenizer, case["question"], [text])
+        if limit and len(ids) > limit:
+            ids, start, cut = ids[-limit:], max(1, start - (len(ids) - limit)), cut + 1
+        seqs.append(ids)
+        starts.append(start)
+    if cut:
+        log.warning("%d of %d cases are longer than the model's %d positions: they keep their last tokens",
+                    cut, len(cases), limit)
+    return seqs, starts
+
+
 def kl_grid(sft: Any, dpo: Any, tokenizer: Any, cases: Sequence[dict[str, Any]], continuations: Sequence[str],
             restraints: Sequence[Restraint | None], *, batch_size: int = 8, neutral: Sequence[str] = (),
             progress: bool = True) -> KLResult:
@@ -189,12 +208,9 @@ def kl_grid(sft: Any, dpo: Any, tokenizer: Any, cases: Sequence[dict[str, Any]],
         validate(r, dpo)
     cases = canonical_cases(cases)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    seqs, starts = [], []
-    for case, text in zip(cases, continuations):
-        (ids,), start = tokenize_replies(tokenizer, case["question"], [text])
-        seqs.append(ids)
-        starts.append(start)
-    texts = [tokenizer(t)["input_ids"] for t in neutral]
+    limit = context_window(dpo, tokenizer)
+    seqs, starts = case_sequences(tokenizer, cases, continuations, limit)
+    texts = [ids[:limit] for ids in tokenizer(list(neutral))["input_ids"]] if neutral else []
     if any(len(t) < 2 for t in texts):
         raise InputError("neutral texts need at least two tokens each")
     cells, device, sft_device = len(restraints), next(dpo.parameters()).device, next(sft.parameters()).device

@@ -97,7 +97,8 @@ class SweepConfig:
             self.check_kl()
         elif self.base or self.neutral:
             raise RestraintError("--base and --neutral are --measure kl's; the judge measure scores generated replies")
-        self.judge_config()
+        else:
+            self.judge_config()
 
     def check_kl(self) -> None:
         """--measure kl's inputs: the base model and the neutral texts readable, the cells run in this process."""
