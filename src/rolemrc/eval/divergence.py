@@ -96,7 +96,7 @@ def canonical_cases(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def continuations(records: Sequence[dict[str, Any]], source: Continuation, *, sft: Any = None, dpo: Any = None,
-                  tokenizer: Any = None, config: Any = None) -> list[str]:
+                  tokenizer: Any = None, config: GenerateConfig | None = None) -> list[str]:
     """The text scored after each record's prompt: the `reference`, or the greedy reply of the `sft` or `dpo` model
     (loaded; `config` an `eval.generate.GenerateConfig` for its length and batch, by default one naming the model's
     directory)."""
