@@ -150,7 +150,7 @@ class Cell:
     """One generation pass: the baseline (no restraint), a grid cell's selected units, or one of its controls."""
 
     id: str
-    kind: str                      # baseline | selected | control
+    kind: str                      # baseline | selected | control (| continuation: --measure kl's texts, stored)
     grid: dict[str, Any]           # dimension, factor, budget ({kind: value}) of the grid cell ({} for the baseline)
     restraint: Restraint | None
     draw: int | None = None        # control index
