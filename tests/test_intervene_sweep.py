@@ -13,7 +13,7 @@ from rolemrc.core.stats import holm
 from rolemrc.eval.runs import EvalRun
 from rolemrc.sweep.plan import SweepConfig, plan
 from rolemrc.sweep.run import generate_cells, run_sweep
-from rolemrc.sweep.stats import cell_effects, correct_grid
+from rolemrc.sweep.stats import cell_effects, correct_grid, item_scores
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +91,11 @@ def test_holm_matches_the_step_down_by_hand():
     assert adjusted[0] == pytest.approx(0.02) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.02)
 
 
-def run(passes: list[int], bleu: list[float]) -> EvalRun:
+def run(passes: list[int], bleu: list[float]) -> dict[str, dict[str, float]]:
+    """The item scores of a run with these verdicts and BLEU values."""
     ids = [f"i{k}" for k in range(len(passes))]
-    return EvalRun(items=[{"id": i} for i in ids], metrics=[{"id": i, "bleu": b} for i, b in zip(ids, bleu)],
-                   verdicts=[{"id": i, "dimension": "multi_turn", "score": s} for i, s in zip(ids, passes)])
+    return item_scores(EvalRun(items=[{"id": i} for i in ids], metrics=[{"id": i, "bleu": b} for i, b in zip(ids, bleu)],
+                               verdicts=[{"id": i, "dimension": "multi_turn", "score": s} for i, s in zip(ids, passes)]))
 
 
 def test_effects_against_baseline_and_controls_are_paired_and_corrected():

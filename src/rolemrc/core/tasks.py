@@ -39,5 +39,10 @@ def run_tasks(fn: Callable[[T], R], items: Sequence[T], ray: str | None = None) 
     import ray as ray_lib
 
     ray_lib.init(address=ray, ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
-    remote: Any = ray_lib.remote(num_cpus=1)(fn)
-    return ray_lib.get([remote.remote(item) for item in items])
+    remote: Any = ray_lib.remote(num_cpus=1)(_call)
+    return ray_lib.get([remote.remote(fn, item) for item in items])
+
+
+def _call(fn: Callable[[T], R], item: T) -> R:
+    """A Ray task: fn (any callable, pickled with the task) of one item."""
+    return fn(item)

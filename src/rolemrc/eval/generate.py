@@ -9,7 +9,7 @@ import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from tqdm.auto import tqdm
 
@@ -17,6 +17,10 @@ from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.placement import DeviceMap, Dtype, check_dtype, check_placement
 from rolemrc.core.records import normalize_record, read_records
+
+# the text a teacher-forced measure (eval.divergence) scores after each prompt: a model's greedy reply or the reference
+Continuation = Literal["sft", "dpo", "reference"]
+CONTINUATIONS: tuple[str, ...] = get_args(Continuation)
 
 
 class GenerationError(RolemrcError, RuntimeError):

@@ -12,11 +12,12 @@ from rolemrc.core.cli import LIMIT, cli_app
 from rolemrc.core.extras import needs
 from rolemrc.core.placement import MODEL_HELP, Dtype, device_option, dtype_option
 from rolemrc.eval.cli import SCORE, JudgeName
+from rolemrc.eval.generate import Continuation
 from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
 from rolemrc.intervene.select import SelectorName
 from rolemrc.probe.options import Direction
 from rolemrc.serve.engines import EngineName
-from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES
+from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES, Measure
 
 GRID_HELP = f"{GRID_ONE}; default: --share {','.join(map(str, SHARES))}"
 
@@ -45,6 +46,15 @@ def run_cmd(
     magnitudes: Path = typer.Option(None, help="a diff whose activation moments the controls are matched on (default: "
                                                "--diff when it is one; else the controls are uniform per layer)"),
     seed: int = typer.Option(0, help="seed of the control draws"),
+    measure: Measure = typer.Option("judge", help="judge: generate each cell's replies and score them (judge, "
+                                            "metrics); kl: one teacher-forced forward pass per case, scored by the "
+                                            "share of the DPO model's KL to --base undone, per dimension"),
+    base: Path = typer.Option(None, "--base", help=f"--measure kl: the SFT model --model was trained from: {MODEL_HELP}"),
+    continuation: Continuation = typer.Option("sft", help="--measure kl: the text scored after each prompt: "
+                                                       "the --base model's greedy reply (sft), --model's (dpo), or the "
+                                                       "record's reference"),
+    neutral: Path = typer.Option(None, "--neutral", help="--measure kl: plain text, a passage per line; each cell's "
+                                                         "perplexity on it against the DPO model's"),
     metrics: str = typer.Option("all", help="reference metric groups (all, or e.g. rouge,bleu)"),
     judge: JudgeName = SCORE["judge"],
     judge_model: str = SCORE["judge_model"],
@@ -66,7 +76,8 @@ def run_cmd(
     device: str = device_option(),
 ) -> None:
     """Dose-response sweep: every dimension x budget x factor cell, each against the baseline and against random-unit
-    controls (paired per item, Holm over the grid); writes sweep.json, sweep.md."""
+    controls (paired per item, Holm over the grid), by the judge or (--measure kl) by KL to the --base model; writes
+    sweep.json, sweep.md."""
     from rolemrc.sweep.plan import SweepConfig, numbers
     from rolemrc.sweep.run import run_sweep
 
@@ -79,7 +90,9 @@ def run_cmd(
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
                          engine=engine.value, base_url=base_url, served_model=served_model, concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,
-                         cells_dir=str(cells_dir) if cells_dir else None, strict=strict, limit=limit, dtype=dtype,
+                         cells_dir=str(cells_dir) if cells_dir else None, measure=measure,
+                         base=str(base) if base else None, continuation=continuation,
+                         neutral=str(neutral) if neutral else None, strict=strict, limit=limit, dtype=dtype,
                          device=device)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))

@@ -8,8 +8,10 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal, get_args
 
+from rolemrc.core.artifacts import expect
 from rolemrc.core.extras import require
 from rolemrc.core.openai_client import ROLEMRC_KEY_ENV
 from rolemrc.core.placement import Dtype, check_dtype
@@ -26,6 +28,10 @@ FACTORS = (PAPER_FACTOR, 0.99, 0.9, 0.5, 0.0)   # the default grid's scales
 SHARES = (0.01, 0.05, 0.17)
 # random-unit controls per cell: one control cannot place a cell (two of one size undid 44% and 64% of a planted change)
 CONTROLS = 10
+# how a cell is scored: judge: its generated replies by the judge and metrics; kl: one teacher-forced forward pass per
+# case, its KL to the base (SFT) model as a share of the DPO model's undone (`sweep.kl`)
+Measure = Literal["judge", "kl"]
+MEASURES: tuple[str, ...] = get_args(Measure)
 
 
 @dataclass
@@ -61,6 +67,10 @@ class SweepConfig:
     judge: str = "rules"           # a judge of eval's registry (eval.judges.JUDGES)
     judge_model: str | None = None     # endpoint judges: the judge model and its OpenAI-compatible base URL
     judge_base_url: str | None = None
+    measure: Measure = "judge"
+    base: str | None = None        # kl: the SFT model `model` was trained from by DPO, the one KL is taken to
+    continuation: str = "sft"      # kl: the text scored after each prompt (eval.generate.Continuation)
+    neutral: str | None = None     # kl: plain text, a passage per line: each cell's perplexity on it
     strict: bool = False           # refuse restraints selected on another model than `model` (default: a warning)
     limit: int | None = None       # use only the first `limit` cases of `data` (part of each cell's identity)
     dtype: Dtype = "auto"          # the in-process model's dtype (auto: the checkpoint's own)
@@ -84,7 +94,30 @@ class SweepConfig:
         if self.engine != IN_PROCESS and not self.base_url:
             require("serve", what=f"a sweep on the {self.engine} engine (a rolemrc server)")
         SELECTORS.check([self.method])
-        self.judge_config()
+        if self.measure not in MEASURES:
+            raise RestraintError(f"--measure: one of {', '.join(MEASURES)}, not {self.measure!r}")
+        if self.measure == "kl":
+            self.check_kl()
+        elif self.base or self.neutral:
+            raise RestraintError("--base and --neutral are --measure kl's; the judge measure scores generated replies")
+        else:
+            self.judge_config()
+
+    def check_kl(self) -> None:
+        """--measure kl's inputs: the base model and the neutral texts readable, the cells run in this process."""
+        from rolemrc.core.modeling import resolve_model
+        from rolemrc.eval.generate import CONTINUATIONS
+
+        if self.base is None:
+            raise RestraintError("--measure kl needs --base, the SFT model the DPO --model was trained from")
+        if self.base_url or self.engine != IN_PROCESS:
+            raise RestraintError(f"--measure kl runs its forward passes in this process (--engine {IN_PROCESS}, no "
+                                 "--base-url)")
+        if self.continuation not in CONTINUATIONS:
+            raise RestraintError(f"--continuation: one of {', '.join(CONTINUATIONS)}, not {self.continuation!r}")
+        resolve_model(self.base)
+        if self.neutral:
+            neutral_texts(self.neutral)
 
     def budgets(self) -> list[Budget]:
         """The grid's budgets: the top_k, per_layer or share list given, else SHARES."""
@@ -96,6 +129,15 @@ class SweepConfig:
         from rolemrc.eval.judges import JudgeConfig
 
         return JudgeConfig(name=self.judge, model=self.judge_model, base_url=self.judge_base_url)
+
+
+def neutral_texts(path: str) -> list[str]:
+    """The passages of a --neutral file: its non-empty lines."""
+    expect(path, "text", "--neutral wants plain text, a passage per line")
+    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise RestraintError(f"{path}: no text in it (--neutral wants plain text, a passage per line)")
+    return lines
 
 
 def numbers(text: str, what: str) -> list[float]:
@@ -111,7 +153,7 @@ class Cell:
     """One generation pass: the baseline (no restraint), a grid cell's selected units, or one of its controls."""
 
     id: str
-    kind: str                      # baseline | selected | control
+    kind: str                      # baseline | selected | control (| continuation: --measure kl's texts, stored)
     grid: dict[str, Any]           # dimension, factor, budget ({kind: value}) of the grid cell ({} for the baseline)
     restraint: Restraint | None
     draw: int | None = None        # control index

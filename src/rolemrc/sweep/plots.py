@@ -7,18 +7,20 @@ from pathlib import Path
 from rolemrc.core.figures import write_figures
 from rolemrc.intervene.budget import Budget
 from rolemrc.sweep.report import ALPHA, cell_label
-from rolemrc.sweep.stats import COMPARISONS, JUDGE_PREFIX
+from rolemrc.sweep.stats import COMPARISONS, MEASURE_SCORES, is_primary
 
 
 def dose_response(summary: dict, dimension: str):
-    """For the cells selected on `dimension`: the judge pass share on it (or, when the test set has no verdict on
-    it, on the first judged dimension) against the factor, one line per budget with its 95% CI band (paired
-    against the baseline), the mean of its random-unit controls dashed, the baseline flat."""
+    """For the cells selected on `dimension`: the measure's primary score on it (the judge pass share or the
+    restoration; when the test set has none on it, on the first dimension that has one) against the factor, one line
+    per budget with its 95% CI band (paired against the baseline), the mean of its random-unit controls dashed, the
+    baseline flat."""
     import plotly.graph_objects as go
 
+    prefix, what = MEASURE_SCORES[summary["config"]["measure"]]
     cells = [c for c in summary["cells"] if c["dimension"] == dimension]
-    judged = sorted({n for c in cells for n in c["scores"] if n.startswith(JUDGE_PREFIX)})
-    score = JUDGE_PREFIX + dimension if JUDGE_PREFIX + dimension in judged else (judged or [JUDGE_PREFIX + dimension])[0]
+    judged = sorted({n for c in cells for n in c["scores"] if n.startswith(prefix)})
+    score = prefix + dimension if prefix + dimension in judged else (judged or [prefix + dimension])[0]
     cells = [c for c in cells if score in c["scores"]]
     fig = go.Figure()
     budgets = sorted({Budget.of(c["budget"]) for c in cells}, key=lambda b: min(c["units"] for c in cells
@@ -39,9 +41,9 @@ def dose_response(summary: dict, dimension: str):
                                      name=f"{budget.label} random controls", line={"color": color, "dash": "dash"}))
     if score in summary["baseline"]:
         fig.add_hline(y=summary["baseline"][score], line_dash="dot", annotation_text="baseline")
-    fig.update_layout(title=f"units of {dimension}: {score.removeprefix(JUDGE_PREFIX)} pass share vs factor "
+    fig.update_layout(title=f"units of {dimension}: {score.removeprefix(prefix)} {what} vs factor "
                             "(95% CI bands; dashed: random units)",
-                      xaxis_title="factor (1 = unrestrained, 0 = ablated)", yaxis_title="pass share", template="plotly_white")
+                      xaxis_title="factor (1 = unrestrained, 0 = ablated)", yaxis_title=what, template="plotly_white")
     return fig
 
 
@@ -50,7 +52,7 @@ def effects_heatmap(summary: dict, family: str):
     import plotly.graph_objects as go
 
     cells = summary["cells"]
-    names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not n.startswith(JUDGE_PREFIX), n))
+    names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not is_primary(n), n))
     labels = [cell_label(c) for c in cells]
     tests = [[c["scores"].get(n, {}).get(family) for n in names] for c in cells]
     z = [[t["diff"] if t else None for t in row] for row in tests]

@@ -9,16 +9,20 @@ from dataclasses import asdict
 from typing import Any
 
 from rolemrc.intervene.budget import Budget, coverage_text
-from rolemrc.sweep.stats import COMPARISONS, JUDGE_PREFIX, item_scores
+from rolemrc.sweep.stats import COMPARISONS, LOWER_IS_BETTER, MEASURE_SCORES, Scores, is_primary
 
 ALPHA = 0.05
+# what a cell beats the baseline and its controls on, per measure
+PRIMARY_WORDS = {"judge": "a judge dimension", "kl": "a dimension's restoration (KL to the base model)"}
 
 
-def sweep_summary(config: Any, selected: list, effects: dict[str, dict], prints: dict[str, dict], baseline: Any) -> dict:
-    base = {name: sum(v.values()) / len(v) for name, v in item_scores(baseline).items() if v}
+def sweep_summary(config: Any, selected: list, effects: dict[str, dict], prints: dict[str, dict],
+                  baseline: Scores) -> dict:
+    base = {name: sum(v.values()) / len(v) for name, v in baseline.items() if v}
     cells = [{"id": c.id, **c.grid, **prints[c.id], "coverage": c.restraint.source["coverage"], "scores": effects[c.id]}
              for c in selected]
-    return {"config": asdict(config), "alpha": ALPHA, "baseline": base, "cells": cells, "headline": headline(cells)}
+    return {"config": asdict(config), "alpha": ALPHA, "baseline": base, "cells": cells,
+            "headline": headline(cells, config.measure)}
 
 
 def _wins(cell: dict, family: str, sign: int) -> list[str]:
@@ -33,36 +37,44 @@ def cell_label(cell: dict) -> str:
 
 
 def beats_both(cell: dict) -> list[str]:
-    """The judge scores on which the cell is significantly better than both its baseline and its controls."""
-    return [n for n in _wins(cell, "vs_baseline", 1) if n.startswith(JUDGE_PREFIX) and n in _wins(cell, "vs_controls", 1)]
+    """The primary scores (judge pass shares or restorations) on which the cell is significantly better than both its
+    baseline and its controls."""
+    return [n for n in _wins(cell, "vs_baseline", 1) if is_primary(n) and n in _wins(cell, "vs_controls", 1)]
+
+
+def costs(cell: dict) -> list[str]:
+    """The other scores (metrics, neutral perplexity) on which the cell is significantly worse than the baseline."""
+    return [n for n in cell["scores"] if not is_primary(n)
+            and n in _wins(cell, "vs_baseline", 1 if n in LOWER_IS_BETTER else -1)]
 
 
 def rank_cells(cells: list[dict]) -> list[dict]:
-    """Best first: more judge dimensions beating both, then the larger mean lower 95% bound of the judge effects
+    """Best first: more primary scores beating both, then the larger mean lower 95% bound of the primary effects
     against the controls (a cell whose effect the controls match ranks low)."""
     def bound(cell: dict) -> float:
-        lows = [e["vs_controls"]["lo"] for n, e in cell["scores"].items() if n.startswith(JUDGE_PREFIX) and "vs_controls" in e]
+        lows = [e["vs_controls"]["lo"] for n, e in cell["scores"].items() if is_primary(n) and "vs_controls" in e]
         return sum(lows) / len(lows) if lows else float("-inf")
 
     return sorted(cells, key=lambda c: (-len(beats_both(c)), -bound(c)))
 
 
-def headline(cells: list[dict]) -> str:
-    """Which cells beat both the baseline and their controls on a judge dimension, and what that costs."""
+def headline(cells: list[dict], measure: str = "judge") -> str:
+    """Which cells beat both the baseline and their controls on a primary score of `measure`, and what that costs."""
     tests = sum(len(c["scores"]) for c in cells)
+    prefix, what = MEASURE_SCORES[measure][0], PRIMARY_WORDS[measure]
     winners = []
     for cell in cells:
         better = beats_both(cell)
         if better:
-            costs = [n for n in _wins(cell, "vs_baseline", -1) if not n.startswith(JUDGE_PREFIX)]
-            winners.append(f"{cell_label(cell)} ({', '.join(n.removeprefix(JUDGE_PREFIX) for n in better)}; "
-                           f"cost: {', '.join(costs) or 'no metric significantly lower'})")
+            winners.append(f"{cell_label(cell)} ({', '.join(n.removeprefix(prefix) for n in better)}; "
+                           f"cost: {', '.join(costs(cell)) or 'no metric significantly worse'})")
     moved = [c for c in cells if _wins(c, "vs_baseline", 1) or _wins(c, "vs_baseline", -1)]
     if winners:
-        return (f"{len(winners)} of {len(cells)} cells beat both the baseline and their random-unit controls on a judge "
-                f"dimension (Holm over {tests} tests per family, p < {ALPHA}): {'; '.join(winners)}.")
-    return (f"No cell beats both the baseline and its random-unit controls on any judge dimension (Holm over {tests} "
-            f"tests per family, p < {ALPHA}); {len(moved)} of {len(cells)} cells differ from the baseline on some score.")
+        return (f"{len(winners)} of {len(cells)} cells beat both the baseline and their random-unit controls on {what} "
+                f"(Holm over {tests} tests per family, p < {ALPHA}): {'; '.join(winners)}.")
+    return (f"No cell beats both the baseline and its random-unit controls on {what.replace('a ', 'any ', 1)} (Holm "
+            f"over {tests} tests per family, p < {ALPHA}); {len(moved)} of {len(cells)} cells differ from the baseline "
+            "on some score.")
 
 
 def effect_text(entry: dict | None, family: str) -> str:
@@ -87,10 +99,19 @@ def score_table(cells: list[dict], names: list[str], text: Callable[[dict | None
             + [f"| {cell_label(c)} | " + " | ".join(text(c["scores"].get(n)) for n in names) + " |" for c in cells])
 
 
+def divergence_text(summary: dict) -> list[str]:
+    """--measure kl: what a restoration is a share of, the DPO model's KL to the base model per dimension."""
+    if summary["config"]["measure"] != "kl":
+        return []
+    per = ", ".join(f"{d} {v:.4g}" for d, v in summary["kl_to_base"].items())
+    return [f"Restoration: 1 − KL(cell ‖ base) / KL(DPO ‖ base) on a dimension's cases, each case teacher-forced on "
+            f"the {summary['config']['continuation']} continuation; the DPO model's mean KL per token: {per}.", ""]
+
+
 def sweep_markdown(summary: dict) -> str:
     cells = summary["cells"]
-    names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not n.startswith(JUDGE_PREFIX), n))
-    lines = ["# Restraint sweep", "", summary["headline"], "",
+    names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not is_primary(n), n))
+    lines = ["# Restraint sweep", "", summary["headline"], "", *divergence_text(summary),
              "Effects are paired per item: the cell minus the baseline, and the cell minus the mean of its random-unit "
              "controls (same units per layer, same factor, matched on activation magnitude). Mean [95% bootstrap CI], "
              f"Holm-corrected p over the grid; * marks p < {summary['alpha']}.", "",

@@ -1,5 +1,6 @@
 """The sweep's run: generate every planned cell with the model loaded once (different cells sharing batches) or on a
-server, score each, then each grid cell's effects. Every finished pass is kept in OUT/cells/<id>.jsonl (or a store
+server and score each (or, with `--measure kl`, take every cell's teacher-forced KL to the base model: `sweep.kl`),
+then each grid cell's effects. Every finished pass is kept in OUT/cells/<id>.jsonl (or a store
 shared with other sweeps) and every scored cell in OUT/scores/<id>, so a killed sweep continues where it stopped."""
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class CellStore:
 
 
 def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[Cell], CellStore]:
-    """Generate every cell not yet in the store (model loaded once; cells share batches, or a server's); returns
-    the plan."""
+    """Generate (`--measure kl`: measure) every cell not yet in the store (model loaded once; cells share batches, or
+    a server's); returns the plan."""
     from rolemrc.core.modeling import dir_fingerprint, load_model, resolve_model
     from rolemrc.core.records import first_cases, read_records
     from rolemrc.intervene.fit import check_origin
@@ -62,6 +63,10 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     records = first_cases(read_records(config.data, "test")[0], config.limit)
     settings = {"model": dir_fingerprint(directory), "data": file_fingerprint(config.data), "limit": config.limit,
                 "max_new_tokens": config.max_new_tokens, "engine": engine_label(config)}
+    if config.measure == "kl":   # what else a cell's KL depends on
+        settings |= {"measure": "kl", "base": dir_fingerprint(resolve_model(config.base)),
+                     "continuation": config.continuation,
+                     "neutral": file_fingerprint(config.neutral) if config.neutral else None}
     model, tok = load_model(directory, dtype=config.dtype, device=config.device)
     hook = input_hook(config.diff)
     cells = plan(config, width(model, hook), settings)
@@ -77,6 +82,11 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     write_json(path, {c.id: known.get(c.id) or footprint(model, tok, c.restraint) for c in cells if c.restraint})
     pending = [c for c in cells if not store.done(c)]
     if not pending:
+        return cells, store
+    if config.measure == "kl":
+        from rolemrc.sweep.kl import measure_cells
+
+        measure_cells(config, pending, store, settings, model, tok, records, progress)
         return cells, store
     if config.base_url or config.engine != IN_PROCESS:
         model = None   # generation happens in a server; the local copy only measured the footprints
@@ -112,18 +122,25 @@ def run_sweep(config: SweepConfig, *, metrics: Any = "all", progress: bool = Tru
     and against its controls, Holm-corrected over the grid; writes OUT/sweep.json, OUT/sweep.md and the figures."""
     from rolemrc.sweep.plots import write_sweep_figures
     from rolemrc.sweep.report import sweep_markdown, sweep_summary
-    from rolemrc.sweep.stats import cell_effects, correct_grid
+    from rolemrc.sweep.stats import cell_effects, correct_grid, item_scores
 
     cells, store = generate_cells(config, progress=progress)
-    runs = score_cells(cells, store, config, metrics, progress)
+    if config.measure == "kl":
+        from rolemrc.sweep.kl import kl_scores, kl_to_base
+
+        scores = kl_scores(cells, store)
+    else:
+        scores = {k: item_scores(run) for k, run in score_cells(cells, store, config, metrics, progress).items()}
     prints = json.loads((Path(config.out) / "footprints.json").read_text())
     baseline = cells[0]
     selected = [c for c in cells if c.kind == "selected"]
     controls = {c.id: [k for k in cells if k.kind == "control" and k.grid == c.grid] for c in selected}
-    effects = {c.id: cell_effects(runs[baseline.id], runs[c.id], [runs[k.id] for k in controls[c.id]])
+    effects = {c.id: cell_effects(scores[baseline.id], scores[c.id], [scores[k.id] for k in controls[c.id]])
                for c in selected}
     correct_grid(effects)
-    summary = sweep_summary(config, selected, effects, prints, runs[baseline.id])
+    summary = sweep_summary(config, selected, effects, prints, scores[baseline.id])
+    if config.measure == "kl":
+        summary["kl_to_base"] = kl_to_base(cells, store)
     summary["figures"] = write_sweep_figures(summary, config.out)
     write_json(Path(config.out) / "sweep.json", {**stamp("sweep"), **summary})   # the file says what it is
     (Path(config.out) / "sweep.md").write_text(sweep_markdown(summary))

@@ -1,6 +1,6 @@
-"""The sweep's statistics: per item scores of a scored cell, each grid cell's paired effect against the baseline
-and against its random-unit controls (difference in differences), its placement among the controls, and Holm's
-correction over the grid."""
+"""The sweep's statistics: per item scores of a cell (a judged cell's, or a teacher-forced one's: `sweep.kl`), each
+grid cell's paired effect against the baseline and against its random-unit controls (difference in differences), its
+placement among the controls, and Holm's correction over the grid."""
 
 from __future__ import annotations
 
@@ -13,11 +13,17 @@ from rolemrc.core.stats import control_placement, holm, paired_test
 from rolemrc.eval.runs import EvalRun
 
 JUDGE_PREFIX = "judge:"   # score names: "judge:<dimension>" (the item's pass share on it) or a metric name
+RESTORATION_PREFIX = "restoration:"   # --measure kl: "restoration:<dimension>" (the case's share of it undone)
+NEUTRAL_PPL = "neutral_ppl"   # --measure kl: a neutral text's perplexity
+LOWER_IS_BETTER = (NEUTRAL_PPL,)
+# per measure: the prefix of its primary scores (one per dimension) and what they are, in words
+MEASURE_SCORES = {"judge": (JUDGE_PREFIX, "pass share"), "kl": (RESTORATION_PREFIX, "restoration")}
+Scores = dict[str, dict[str, float]]   # score name -> {item id -> value}
 # What each grid cell is compared with (paired per item), one Holm family each over the whole grid: key -> in words.
 COMPARISONS = {"vs_baseline": "against the baseline", "vs_controls": "against the controls"}
 
 
-def item_scores(run: EvalRun) -> dict[str, dict[str, float]]:
+def item_scores(run: EvalRun) -> Scores:
     """score name -> {item id -> value}: per judge dimension the share of the item's verdicts that pass, per
     reference metric its value."""
     passes: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -32,13 +38,16 @@ def item_scores(run: EvalRun) -> dict[str, dict[str, float]]:
     return scores
 
 
-def cell_effects(baseline: EvalRun, cell: EvalRun, controls: list[EvalRun], *, rounds: int = 10_000,
+def is_primary(name: str) -> bool:
+    """Whether a score is a dimension's primary score (a judge pass share or a restoration), not a metric."""
+    return name.startswith(tuple(prefix for prefix, _ in MEASURE_SCORES.values()))
+
+
+def cell_effects(base: Scores, mine: Scores, ctrl: list[Scores], *, rounds: int = 10_000,
                  seed: int = 0) -> dict[str, dict[str, Any]]:
-    """score -> {"mean", "vs_baseline", "vs_controls", "placement"}: paired tests (core.stats.paired_test) of the cell
-    against the baseline, and against the per-item mean of its controls, and where it falls among the controls
-    (core.stats.control_placement), on the items all of them scored."""
-    base, mine = item_scores(baseline), item_scores(cell)
-    ctrl = [item_scores(c) for c in controls]
+    """score -> {"mean", "vs_baseline", "vs_controls", "placement"}: paired tests (core.stats.paired_test) of the cell's
+    item scores against the baseline's, and against the per-item mean of its controls', and where it falls among the
+    controls (core.stats.control_placement), on the items all of them scored."""
     out = {}
     for name in sorted(set(base) & set(mine)):
         ids = sorted(set(base[name]) & set(mine[name]).intersection(*(c.get(name, {}) for c in ctrl)))
