@@ -36,7 +36,6 @@ from rolemrc.eval.verdicts import Verdict
 
 KINDS = ("empty", "degenerate", "wrong_language")
 WORD = re.compile(r"[^\W_]+(?:['’.,][^\W_]+)*")
-LOOP_TRIGRAMS = 3            # a loop brings a word trigram back this often
 MIN_VISIBLE = 20             # visible characters before the share of punctuation and symbols counts
 MAX_SYMBOL_SHARE = 0.5
 MIN_LANGUAGE_WORDS = 10      # a shorter reply is never in the wrong language
@@ -54,16 +53,15 @@ class Damage:
 
 
 def loop(words: list[str]) -> tuple[int, int] | None:
-    """(start, period) of the first loop in `words` (p + 3 words in a row each equal to the word p later, so the
-    trigram at start comes back at start + p and start + 2p), or None."""
-    trigrams = Counter(zip(words, words[1:], words[2:]))
-    if max(trigrams.values(), default=0) < LOOP_TRIGRAMS:
-        return None   # no trigram said three times: no loop, and the quadratic scan below is skipped
+    """(start, period) of the first loop in `words`: period + 3 words in a row, each equal to the word `period`
+    later, so the trigram at start comes back at start + period and start + 2 * period; None without one."""
+    if max(Counter(zip(words, words[1:], words[2:])).values(), default=0) < 3:
+        return None   # a loop says a trigram three times; without one the quadratic scan below is skipped
     for period in range(1, (len(words) - 1) // 2):
         run = 0
         for j in range(len(words) - period):
             run = run + 1 if words[j] == words[j + period] else 0
-            if run == period + LOOP_TRIGRAMS:
+            if run == period + 3:
                 return j + 1 - run, period
     return None
 
