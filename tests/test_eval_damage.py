@@ -27,7 +27,7 @@ def item(task: str, response: str, system: str = SYSTEM, **kw) -> dict:
 
 @pytest.mark.parametrize("reply, kind", [
     ("", "empty"), ("   \n", "empty"), ("... ?!", "empty"), ("\U0001F30A\U0001F30A", "empty"),
-    (BROKEN, "degenerate"), ("the tide turns the tide turns the tide turns", "degenerate"),
+    (BROKEN, "degenerate"), (". is is is is is", "degenerate"), ("the tide turns the tide turns the tide turns", "degenerate"),
     ("Well, ha ha ha ha ha, no.", "degenerate"), ("ha ho ha ho ha ho ha", "degenerate"),
     ("!!! ??? ... ;;; ,,, ::: --- a", "degenerate"),
     (FRENCH, "wrong_language"), ("Я не знаю ответа на этот вопрос, мой друг, спросите кого-нибудь другого.", "wrong_language"),
