@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import ANSWER_CHAIN, answerable_records, save_planted_llama, write_diff_file, write_sweep_inputs
 from fixtures import ANSWERABLE_UNITS as UNITS
 from fixtures import PLANTED_WIDTH as WIDTH
-from fixtures import ANSWER_CHAIN, answerable_records, save_planted_llama, write_diff_file, write_sweep_inputs
 
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.sweep import SweepConfig, run_sweep
