@@ -116,6 +116,8 @@ def save_eos_llama(path, tokenizer, texts: list[str], *, share: float = 0.25, se
 
 
 ANSWERABLE_UNITS = [3, 10, 17, 25]      # save_planted_llama's units U, in layer 1's mlp.act (PLANTED_WIDTH wide)
+# save_planted_llama's reply with U off: single tokens, none of them in answerable_records' prompts
+ANSWER_CHAIN = ("watched", "an", "old", "emoji", "with", "kneads")
 PLANTED_WIDTH = 32
 ANSWERABLE_TASKS = ("role_unrelated_mrc_refused_no_narration-2ndanswer", "role_unrelated_mrc_refused_with_narration-2ndanswer")
 TOPICS = ["lighthouse", "storms", "ships", "baker", "dough", "ovens", "rivers", "mountains", "trains", "libraries",
@@ -127,7 +129,10 @@ def save_planted_llama(path, tokenizer, *, units_on: bool = True, noise: float =
     dimension 0) and write dimension 1, which the output head turns into the bigram loop "cannot answer cannot
     answer ..." ("cannot" and "answer" also have a dimension of their own). Attention and every other unit write
     nothing, so the next token depends on the current token and UNITS alone, and as the final RMS norm only
-    rescales, it is the argmax of head @ residual; with UNITS at 0 only "keeper" has a logit: "keeper keeper ...".
+    rescales, it is the argmax of head @ residual; with UNITS at 0 a token without a dimension of its own leads to
+    "watched", and each ANSWER_CHAIN word (a dimension of its own each, but the last) to the next: "watched an old
+    emoji with kneads watched ...", a reply that is no loop (eval.damage) in its first 2 x 6 + 2 words. As no chain
+    word is in answerable_records' prompts, a probe of them sees every prompt token as before the chain.
     units_on=False saves that model (UNITS' gate and up rows zero), which answers where the planted one refuses.
     noise: the standard deviation of seeded Gaussian noise added to every MLP weight (the same for a given
     noise_seed), so no two units tie exactly; at 1e-3 it changes no greedy token."""
@@ -135,13 +140,16 @@ def save_planted_llama(path, tokenizer, *, units_on: bool = True, noise: float =
 
     from rolemrc.core.tiny import build_model
 
-    cannot, answer, keeper = tokenizer.convert_tokens_to_ids(["Ġcannot", "Ġanswer", "Ġkeeper"])
+    cannot, answer = tokenizer.convert_tokens_to_ids(["Ġcannot", "Ġanswer"])
+    chain = tokenizer.convert_tokens_to_ids([f"Ġ{word}" for word in ANSWER_CHAIN])
     model = build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=PLANTED_WIDTH, heads=2)
     with torch.no_grad():
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         embed.zero_()
         embed[:, 0] = 1                  # shared by every token: drives UNITS on any input
         embed[cannot, 2] = embed[answer, 3] = 1
+        for dim, token in enumerate(chain[:-1], start=4):
+            embed[token, dim] = 1
         for layer in model.model.layers:
             for linear in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 linear.weight.zero_()
@@ -155,7 +163,9 @@ def save_planted_llama(path, tokenizer, *, units_on: bool = True, noise: float =
             for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 linear.weight.add_(noise * torch.randn(linear.weight.shape, generator=gen))
         head.zero_()
-        head[keeper, 0] = 1                             # wins only while dimension 1 is 0
+        head[chain[0], 0] = 1                           # wins only while dimension 1 is 0
+        for dim, token in enumerate(chain[1:], start=4):
+            head[token, dim] = 10                       # after the chain's word before it
         head[cannot, 1], head[cannot, 3] = 6, 10        # first, and after "answer"
         head[answer, 1], head[answer, 2] = 5, 10        # after "cannot"
     model.save_pretrained(path)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import ANSWER_CHAIN, answerable_records, save_planted_llama, write_diff_file, write_sweep_inputs
 from fixtures import ANSWERABLE_UNITS as UNITS
 from fixtures import PLANTED_WIDTH as WIDTH
-from fixtures import answerable_records, save_planted_llama, write_diff_file, write_sweep_inputs
 
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.sweep import SweepConfig, run_sweep
@@ -50,7 +50,7 @@ def test_a_planted_refusal_is_found_and_beats_its_controls(planted, tmp_path, mo
 
     base = responses(tmp_path, plan[0]["id"])
     assert all(r.startswith("cannot answer cannot answer") for r in base)   # the planted refusal
-    assert all("keeper" in r and "cannot" not in r for r in responses(tmp_path, zeroed["id"]))
+    assert all(r.startswith(" ".join(ANSWER_CHAIN)) for r in responses(tmp_path, zeroed["id"]))   # no loop
     controls = [c["id"] for c in plan if c["kind"] == "control"]
     assert len(controls) == 4 and all(responses(tmp_path, c) == base for c in controls)
     assert responses(tmp_path, kept["id"]) == base

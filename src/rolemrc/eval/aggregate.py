@@ -1,7 +1,8 @@
 """Judge aggregates (docs/ARCHITECTURE.md "Taxonomy"): per-aspect means over judge calls, AvgSimple (mean of the aspect means),
 AvgWeighted (mean over all calls), AvgS(noMT) (aspects without multi_turn), per aspect side and per task;
 each with a 95% CI from a stratified bootstrap of test items (an item's calls stay together; items are
-resampled within their task, so every resample has every task, aspect and dimension of the run)."""
+resampled within their task, so every resample has every task, aspect and dimension of the run). Beside them
+`damaged`: the share of judged items whose reply is damaged (eval.damage), with its CI the same way."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from rolemrc.core.stats import percentile_cis, resample_counts
+from rolemrc.core.stats import percentile_ci, percentile_cis, resample_counts
 from rolemrc.core.taxonomy import DIMENSIONS
 
 AVERAGES = ("AvgSimple", "AvgWeighted", "AvgS(noMT)")
@@ -60,11 +61,35 @@ def _strata(scored: list[dict[str, Any]], items: list[str]) -> np.ndarray:
     return np.array([f"{tasks[i]}|{','.join(sorted(aspects[i]))}" for i in items])
 
 
+def damage_by_item(verdicts: list[dict[str, Any]]) -> dict[str, str | None]:
+    """Item id -> the damage kind its verdicts carry (eval.damage.KINDS), None for an intact reply."""
+    kinds: dict[str, str | None] = {}
+    for v in verdicts:
+        kinds[v["id"]] = kinds.get(v["id"]) or v.get("damage")
+    return kinds
+
+
+def damaged(verdicts: list[dict[str, Any]], rounds: int, seed: int) -> dict[str, Any]:
+    """The share of judged items whose reply is damaged (each failed on every aspect unjudged), with a 95% CI from
+    a bootstrap of items within their task, and the count per damage kind."""
+    kinds = damage_by_item(verdicts)
+    if not kinds:
+        return {}
+    tasks = {v["id"]: str(v.get("task") or "") for v in verdicts}
+    items = sorted(kinds)
+    flags = np.array([kinds[i] is not None for i in items], dtype=np.float64)
+    weights = resample_counts(len(items), rounds, seed, np.array([tasks[i] for i in items]))
+    lo, hi = percentile_ci(weights @ flags / len(items))     # a stratified resample keeps the item count
+    return {"mean": float(flags.mean()), "lo": lo, "hi": hi, "n": len(items),
+            "kinds": dict(Counter(k for k in kinds.values() if k))}
+
+
 def aggregate(verdicts: list[dict[str, Any]], *, rounds: int = 2000, seed: int = 0) -> dict[str, Any]:
     """Aggregates with CIs from verdict dicts; verdicts without a score are counted, never scored."""
     scored = [v for v in verdicts if v.get("score") is not None]
     status = Counter(v.get("status", "ok") for v in verdicts)
-    out: dict[str, Any] = {"calls": len(verdicts), "scored": len(scored), "status": dict(status)}
+    out: dict[str, Any] = {"calls": len(verdicts), "scored": len(scored), "status": dict(status),
+                           "damaged": damaged(verdicts, rounds, seed)}
     if not scored:
         return out | {"dimensions": {}, "aspects": {}, "tasks": {}, "averages": {}}
     items = sorted({v["id"] for v in scored})

@@ -1,5 +1,6 @@
 """Paired comparison of two scored runs on their shared items: exact McNemar per judge dimension
-(and over all calls); per reference metric a paired bootstrap CI and a sign-flip permutation p; effect sizes."""
+(and over all calls) and on damaged replies; per reference metric a paired bootstrap CI and a sign-flip permutation p;
+effect sizes."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from typing import Any
 
 from rolemrc.core.stats import mcnemar_outcomes, paired_test
 from rolemrc.core.taxonomy import DIMENSIONS
+from rolemrc.eval.aggregate import damage_by_item
 from rolemrc.eval.runs import EvalRun, RunError
 
 
 @dataclass
 class Comparison:
-    """Result of compare(a, b): `verdicts` (dimension or "all" -> McNemar), `metrics` (name -> core.stats.paired_test)."""
+    """Result of compare(a, b): `verdicts` (dimension or "all" -> McNemar), `metrics` (name -> core.stats.paired_test),
+    `damaged` (McNemar on the items' damaged replies, `improved` counting those damaged under B only; empty when a run
+    predates the damage check)."""
 
     a: str
     b: str
@@ -24,10 +28,11 @@ class Comparison:
     verdicts: dict[str, dict[str, Any]]
     metrics: dict[str, dict[str, Any]]
     runs: tuple[dict[str, Any], dict[str, Any]]
+    damaged: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "shared_items": self.shared_items, "verdicts": self.verdicts,
-                "metrics": self.metrics}
+                "metrics": self.metrics, "damaged": self.damaged}
 
     def save(self, out: str | os.PathLike, *, chart: bool = True) -> Path:
         from rolemrc.eval.report import compare_markdown, write_chart
@@ -73,4 +78,15 @@ def compare(run_a: EvalRun | str | os.PathLike, run_b: EvalRun | str | os.PathLi
     metrics = {n: paired_test([ma[i][n] for i in ids], [mb[i][n] for i in ids], rounds=rounds, seed=seed)
                for n in names}
     label = lambda run, default: str(run.path) if run.path else default  # noqa: E731
-    return Comparison(label(a, "A"), label(b, "B"), len(shared), verdicts, metrics, (a.summary, b.summary))
+    return Comparison(label(a, "A"), label(b, "B"), len(shared), verdicts, metrics, (a.summary, b.summary),
+                      compare_damage(a, b, shared))
+
+
+def compare_damage(a: EvalRun, b: EvalRun, shared: set[str]) -> dict[str, Any]:
+    """McNemar on damaged (1) / intact (0) replies of the shared items both runs judged; {} when either run's
+    verdicts predate the damage check (no `damage` field)."""
+    if not all("damage" in v for run in (a, b) for v in run.verdicts):
+        return {}
+    ka, kb = damage_by_item(a.verdicts), damage_by_item(b.verdicts)
+    ids = sorted(shared & set(ka) & set(kb))
+    return mcnemar_outcomes([int(ka[i] is not None) for i in ids], [int(kb[i] is not None) for i in ids]) if ids else {}

@@ -1,6 +1,7 @@
 """Judges over scored items, registered by name: `rules` (offline, exact verifiers) and `openai` (any
 compatible endpoint). A judge is one function decorated with `@register_judge(name)`; JudgeConfig
-validation, the CLI's --judge help and the run summary read the registry.
+validation, the CLI's --judge help and the run summary read the registry. `judge` fails damaged replies
+(eval.damage) itself, so no judge sees them.
 
 The openai judge goes through `core.openai_client.OpenAIClient` (concurrency limit, retries with backoff on
 429/5xx/timeouts, SQLite cache keyed by the full request, seed 0), so reruns replay cached verdicts.
@@ -87,9 +88,21 @@ def judge_calls(items: list[dict[str, Any]]) -> list[Call]:
 
 
 def judge(items: list[dict[str, Any]], config: JudgeConfig | None = None, *, progress: bool = False) -> list[Verdict]:
-    """Verdicts for every judge call of `items` (records with `id`, `task`, `question`, `reference`, `response`)."""
+    """Verdicts for every judge call of `items` (records with `id`, `task`, `question`, `reference`, `response`).
+
+    A damaged reply (eval.damage: empty, degenerate, wrong language) scores 0 on every aspect, the damage as the
+    reason, whichever the judge: the judge is asked about the other calls only."""
+    from rolemrc.eval.damage import damaged_verdict, item_damage  # rule_parse's regexes: on first use, not in --help
+
     config = config or JudgeConfig()
-    return JUDGES.get(config.name).fn(judge_calls(items), config, progress)
+    calls = judge_calls(items)
+    found: dict[int, Any] = {}   # id(item) -> its Damage or None
+    for item, _ in calls:
+        if id(item) not in found:   # once per item
+            found[id(item)] = item_damage(item)
+    intact = iter(JUDGES.get(config.name).fn([c for c in calls if found[id(c[0])] is None], config, progress))
+    return [next(intact) if (damage := found[id(item)]) is None else damaged_verdict(item, aspect, damage)
+            for item, aspect in calls]
 
 
 @register_judge("rules")

@@ -25,15 +25,16 @@ def fmt(stat: dict | None, scale: float = 100.0) -> str:
 
 
 def table3(runs: list[tuple[str, dict[str, Any]]]) -> str:
-    """One row per run: reference metrics, judge dimensions and the three averages (percent, 95% CI)."""
+    """One row per run: reference metrics, judge dimensions, the three averages and the share of damaged replies
+    (percent, 95% CI)."""
     metrics = list(dict.fromkeys(m for _, s in runs for m in s.get("metrics", {})))  # first-seen (registration) order
-    head = ["run", *metrics, *DIMENSIONS, *AVERAGES]
+    head = ["run", *metrics, *DIMENSIONS, *AVERAGES, "damaged"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in runs:
         agg = s.get("judge_aggregates", {})
         cells = [name, *(fmt(s.get("metrics", {}).get(m), metric_scale(m)) for m in metrics),
                  *(fmt(agg.get("dimensions", {}).get(d)) for d in DIMENSIONS),
-                 *(fmt(agg.get("averages", {}).get(a)) for a in AVERAGES)]
+                 *(fmt(agg.get("averages", {}).get(a)) for a in AVERAGES), fmt(agg.get("damaged"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -48,6 +49,10 @@ def run_markdown(summary: dict[str, Any], name: str) -> str:
              f"Values in percent (BLEU 0-100) with bootstrap 95% CIs ({summary.get('bootstrap_rounds')} rounds; "
              "judge scores: items resampled within their task).", "",
              "## Table 3 shape", "", table3([(name, summary)]), ""]
+    if agg.get("damaged", {}).get("n"):
+        kinds = ", ".join(f"{k} {n}" for k, n in agg["damaged"]["kinds"].items()) or "none"
+        parts += [f"Damaged replies (empty, degenerate or in the wrong language; each fails every aspect unjudged): "
+                  f"{fmt(agg['damaged'])} of {agg['damaged']['n']} items ({kinds}).", ""]
     if agg.get("aspects"):
         parts += ["## Aspects", "", "| aspect | score | calls |", "|---|---|---|",
                   *(f"| {k} | {fmt(v)} | {v['n']} |" for k, v in agg["aspects"].items()), ""]
@@ -107,6 +112,13 @@ def compare_markdown(comparison) -> str:
     for dim, r in comparison.verdicts.items():
         lines.append(f"| {dim} | {100 * r['a_rate']:.1f} | {100 * r['b_rate']:.1f} | {100 * r['diff']:+.1f} | "
                      f"{r['improved']} | {r['worsened']} | {r['odds_ratio']:.2f} | {_p(r['p'])} | {r['n']} |")
+    if comparison.damaged:
+        r = comparison.damaged
+        lines += ["", "## Damaged replies", "", "Items whose reply is empty, degenerate or in the wrong language "
+                  "(each fails every aspect unjudged); exact McNemar.", "",
+                  "| A | B | change | newly damaged | repaired | p (McNemar) | items |", "|---|---|---|---|---|---|---|",
+                  f"| {100 * r['a_rate']:.1f} | {100 * r['b_rate']:.1f} | {100 * r['diff']:+.1f} | {r['improved']} | "
+                  f"{r['worsened']} | {_p(r['p'])} | {r['n']} |"]
     if comparison.metrics:
         lines += ["", "## Reference metrics", "",
                   "| metric | A | B | change [95% CI] | Cohen's d_z | p (sign-flip) | test |", "|---|---|---|---|---|---|---|"]

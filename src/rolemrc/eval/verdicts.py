@@ -28,11 +28,12 @@ class Verdict:
     status: str = "ok"           # ok | unparseable | unjudgeable
     reason: str = ""
     raw: str | None = None       # the judge's reply (openai judge)
+    damage: str | None = None    # the reply's damage kind (eval.damage.KINDS): scored 0, the judge not asked
 
     @classmethod
     def make(cls, item_id: str, task: str, aspect: Aspect, score: int | None, status: str = "ok", reason: str = "",
-             raw: str | None = None) -> Verdict:
-        return cls(item_id, task, aspect.dimension, aspect.detail, score, status, reason, raw)
+             raw: str | None = None, damage: str | None = None) -> Verdict:
+        return cls(item_id, task, aspect.dimension, aspect.detail, score, status, reason, raw, damage)
 
     def to_dict(self) -> dict:
         return asdict(self)

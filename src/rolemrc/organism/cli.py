@@ -30,7 +30,8 @@ def setting(name: str, unset: bool = False) -> typer.models.OptionInfo:
     """The option of OrganismConfig's `name` (build and calibrate take the same ones); `unset`: default None, so
     calibrate can tell a setting given from one left to its own defaults."""
     default = None if unset or DEFAULTS[name].default is None else DEFAULTS[name].default
-    return typer.Option(default, option_name(name), help=_help(name) + (" (default: organism build's, or --quick's)" if unset else ""))
+    extra = " (default: organism build's, or --quick's)" if unset else ""
+    return typer.Option(default, option_name(name), help=_help(name) + extra)
 
 
 SETTINGS = tuple(f for f in DEFAULTS if f not in ("kind", "out", "base", "seed"))
@@ -137,7 +138,8 @@ def calibrate_cmd(
                (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
                                  organisms_dir=organisms, hook=hook, budgets=budgets, against=against,
-                                 kinds=[k for text in kinds or KINDS for k in text.split(",") if k], seeds=list(range(seed, seed + seeds)), ray=ray)
+                                 kinds=[k for text in kinds or KINDS for k in text.split(",") if k],
+                                 seeds=list(range(seed, seed + seeds)), ray=ray)
     text = json.dumps(result, indent=1)
     typer.echo(text)
     typer.echo(recommendation_text(result[RECOMMENDATION]), err=True)
