@@ -283,3 +283,28 @@ def test_calibrate_takes_every_setting_of_build():
     options = {name: {o for p in group.commands[name].params for o in p.opts} for name in ("build", "calibrate")}
     assert options["build"] - {"kind"} <= options["calibrate"]   # kind: an argument of build, --kind here
     assert {"--max-length", "--seeds", "--seed", "--kind"} <= options["calibrate"]
+
+
+def test_calibrate_reuses_organisms_built_with_the_same_settings(built, tmp_path):
+    """A base whose tokenizer spends ~1000 tokens on a prompt: organisms built with --max-length 1600 are calibrated
+    by passing calibrate the same settings; every organism stage is reused, none retrained."""
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    root, settings, *_ = built
+    options = [f"--{k.replace('_', '-')}" if k != "steps" else "--max-steps" for k in settings]
+    args = [x for option, key in zip(options, settings) if key != "out" for x in (option, str(settings[key]))]
+    before = {p: p.stat().st_mtime for p in root.glob("*/dpo/config.json")}
+    few = CliRunner().invoke(app, ["organism", "calibrate", "--out", str(tmp_path / "few"), "--organisms", str(root),
+                                   "--kind", "narration", "--per-layer", "4", "--probe-cases", "1", *args])
+    assert few.exit_code == 2 and few.output.strip().splitlines()[-1].endswith("raise --probe-cases"), few.output
+    result = CliRunner().invoke(app, ["organism", "calibrate", "--out", str(tmp_path / "cal"), "--organisms", str(root),
+                                      "--kind", "narration,null", "--quick", "--controls", "1", "--per-layer", "4",
+                                      "--probe-cases", "12", *args])
+    assert result.exit_code == 0, result.output
+    assert {p: p.stat().st_mtime for p in root.glob("*/dpo/config.json")} == before
+    summary = json.loads(result.output[result.output.index("{"):result.output.rindex("}") + 1])
+    assert set(summary["organisms"]) == {"narration", "null"} and summary["seeds"] == [0]
+    assert summary["recommendation"]["status"] in ("found", "unstable", "none")
+    assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["recommendation"] == summary["recommendation"]

@@ -14,6 +14,7 @@ from rolemrc.intervene.budget import BUDGET_OPTIONS, CURVE, GRID_ONE
 from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_GRID, QUICK_PROBE_CASES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig, option_name
 from rolemrc.probe.cli import Hook
+from rolemrc.sweep.plan import CONTROLS
 
 app = cli_app(help="Known-answer organisms (a DPO model with a planted change, and a null one, from an SFT model) and the "
                    "calibration of the method on them.")
@@ -98,6 +99,8 @@ def calibrate_cmd(
     top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
     per_layer: str = typer.Option(None, help=f"comma-separated units from each layer ({GRID_HELP})"),
     share: str = typer.Option(None, help=f"comma-separated shares of all units, ranked over them ({GRID_HELP})"),
+    controls: int = typer.Option(None, min=1, help=f"random-unit controls per cell, matched on activation magnitude "
+                                                   f"(default {CONTROLS})"),
     probe_cases: int = typer.Option(None, min=1, help="cases (datagen pair prompts no organism trained on) the probes "
                                                       f"read (default {PROBE_CASES}, {QUICK_PROBE_CASES} with --quick)"),
     hook: Hook = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use"),
@@ -136,10 +139,11 @@ def calibrate_cmd(
     overrides = given_settings(locals())
     budgets = {key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
+    grid = {"controls": controls} if controls else {}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
                                  organisms_dir=organisms, hook=hook, budgets=budgets, against=against,
                                  kinds=[k for text in kinds or KINDS for k in text.split(",") if k],
-                                 seeds=list(range(seed, seed + seeds)), ray=ray)
+                                 seeds=list(range(seed, seed + seeds)), ray=ray, grid=grid)
     text = json.dumps(result, indent=1)
     typer.echo(text)
     typer.echo(recommendation_text(result[RECOMMENDATION]), err=True)
