@@ -1,4 +1,4 @@
-"""`rolemrc organism build narration|refusal|null` and `rolemrc organism calibrate`."""
+"""`rolemrc organism build narration|refusal|null|units` and `rolemrc organism calibrate`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def _help(name: str) -> str:
 def build_cmd(
     kind: OrganismKind = typer.Argument(..., help="narration (role style) or refusal (knowledge boundary): DPO plants "
                                                   "a known change on that dimension; null: DPO on pairs that prefer "
-                                                  "nothing in particular"),
+                                                  "nothing in particular; units: narration's change, trained into "
+                                                  "known MLP units only (known_units.json)"),
     out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by every kind; "
                                                                    "a rerun reuses finished stages)"),
     base: str = typer.Option(DEFAULTS["base"].default, help=_help("base")),
@@ -48,6 +49,8 @@ def build_cmd(
     eval_tokens: int = typer.Option(DEFAULTS["eval_tokens"].default, help=_help("eval_tokens")),
     eval_planted: int = typer.Option(None, help=_help("eval_planted")),
     eval_others: int = typer.Option(None, help=_help("eval_others")),
+    known_layers: int = typer.Option(DEFAULTS["known_layers"].default, help=_help("known_layers")),
+    known_units: int = typer.Option(DEFAULTS["known_units"].default, help=_help("known_units")),
     seed: int = typer.Option(DEFAULTS["seed"].default, help=_help("seed")),
     quick: bool = typer.Option(False, "--quick", help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
 ) -> None:
@@ -56,7 +59,8 @@ def build_cmd(
     given = {"base": base, "size": size, "pairs": pairs, "steps": steps, "batch_size": batch_size,
              "learning_rate": learning_rate, "beta": beta, "lora_r": lora_r, "lora_targets": lora_targets,
              "max_length": max_length, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
-             "eval_planted": eval_planted, "eval_others": eval_others, "seed": seed}
+             "eval_planted": eval_planted, "eval_others": eval_others, "known_layers": known_layers,
+             "known_units": known_units, "seed": seed}
     if quick:
         given |= {k: v for k, v in QUICK.items() if given[k] == DEFAULTS[k].default}
     config = OrganismConfig(kind=kind, out=str(out), **given)
