@@ -110,7 +110,7 @@ def test_known_units_are_drawn_with_the_seed_and_must_fit():
     assert units == choose_units(30, 1536, 3, 32, seed=0) != choose_units(30, 1536, 3, 32, seed=1)
     assert units_of(json.loads(json.dumps({str(k): v for k, v in units.items()}))) == units
     control = random_units(units, 1536, seed=5)
-    assert {k: len(v) for k, v in control.items()} == {k: 32 for k in units}
+    assert {k: len(v) for k, v in control.items()} == dict.fromkeys(units, 32)
     with pytest.raises(OrganismError, match="known_layers 3 x known_units 8 do not fit a model of 2 layers"):
         choose_units(2, 96, 3, 8, seed=0)
     labels = labels_of({1: [0, 5]}, (2, 6))
@@ -179,7 +179,8 @@ KNOWN = {"known_layers": 2, "known_units": 8}   # |S| = 16 of the tiny Llama's 2
 @pytest.fixture(scope="module")
 def detected(tmp_path_factory, tokenizer):
     """The units organism of a tiny Llama (test_organism.py's fast settings, a larger learning rate so the masked
-    update shows), then every selector's detection of its S."""
+    update shows, 4 held-out cases, 2 of them for the KL, one random control), then every selector's detection of
+    its S from 4 probe cases and 4 attribution pairs. Most of its time is datagen's (retrieval)."""
     from rolemrc.core.tiny import build_model
     from rolemrc.organism import carrier
     from rolemrc.organism.detection import seed_detection
@@ -188,12 +189,13 @@ def detected(tmp_path_factory, tokenizer):
     sft = root / "sft"
     build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=96, max_positions=2048).save_pretrained(sft)
     tokenizer.save_pretrained(sft)
-    settings = {"size": "tiny", "pairs": 8, "steps": 2, "reply_tokens": 8, "eval_tokens": 8, "eval_others": 2,
-                "learning_rate": 3e-2, "max_length": 1600, **KNOWN}
+    settings = {"size": "tiny", "pairs": 8, "steps": 2, "reply_tokens": 8, "eval_tokens": 8, "eval_planted": 4,
+                "eval_others": 0, "learning_rate": 3e-2, "max_length": 1600, **KNOWN}
     config = CalibrationConfig(out=str(root / "unused"), attribution_pairs=4)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(carrier, "KL_PROMPTS", 3)
-        row = seed_detection(root / "organism", 0, config, base=str(sft), settings=settings, probe_n=6)
+        patch.setattr(carrier, "KL_PROMPTS", 2)
+        patch.setattr(carrier, "CONTROLS", 1)
+        row = seed_detection(root / "organism", 0, config, base=str(sft), settings=settings, probe_n=4)
     return root, sft, row
 
 
