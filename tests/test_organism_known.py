@@ -242,3 +242,20 @@ def test_every_selector_is_scored_against_s(detected):
     assert row["selectors"]["attribution"]["auroc"] > 0.5
     summary = aggregate([row["selectors"]])
     assert all(s["verdict"].startswith("not tested against chance") for s in summary.values())
+
+
+def test_known_detection_runs_a_units_organism_per_seed_and_aggregates_them(tmp_path, monkeypatch):
+    """The loop over seeds (each organism under out/seed-<s>) and detection.json, with each seed's detection given."""
+    from rolemrc.organism import detection
+
+    def fake(root, seed, config, **options):
+        assert root == tmp_path / f"seed-{seed}" and options == {"base": "b", "probe_n": 4}
+        return {"seed": seed, "selectors": {"attribution": {"auroc": 0.9 + seed / 100, "precision_at_s": 0.5,
+                                                            "recall_at_4s": 1.0, "chance": {"auroc": 0.5}}}}
+
+    monkeypatch.setattr(detection, "seed_detection", fake)
+    result = detection.known_detection(tmp_path, [0, 1, 2], CalibrationConfig(out=str(tmp_path)), base="b", probe_n=4)
+    assert [r["seed"] for r in result["seeds"]] == [0, 1, 2]
+    assert result["aggregate"]["attribution"]["auroc"]["mean"] == pytest.approx(0.91)
+    assert result["headline"].startswith("attribution beats chance (AUROC 0.91")
+    assert json.loads((tmp_path / "detection.json").read_text())["headline"] == result["headline"]
