@@ -257,9 +257,9 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     cached there, so a folder that `rolemrc organism build` filled with the same settings is reused), once per seed
     (several seeds: one seed-S folder each, in organisms_dir and in out; each seed a task, on the Ray cluster at
     `ray` if given), then calibrate; the command's JSON. budgets: at most one of top_k/per_layer/share -> values,
-    instead of the (quick) grid's; grid: other CalibrationConfig settings (controls). against: other calibrations of the same base the recommendation must agree with
-    (read before any work); with several seeds, the first seed's recommendation must hold on every other seed too.
-    Every setting is checked before anything trains."""
+    instead of the (quick) grid's; grid: other CalibrationConfig settings (controls). against: other calibrations of
+    the same base the recommendation must agree with (read before any work); with several seeds, the first seed's
+    recommendation must hold on every other seed too. Every setting is checked before anything trains."""
     from rolemrc.core.tasks import check_ray, run_tasks
     from rolemrc.models.pull import model_dir
     from rolemrc.organism.config import QUICK
@@ -272,7 +272,7 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     if unknown:
         raise OrganismError(f"--kind {', '.join(unknown)}: not an organism kind ({', '.join(KINDS)})")
     chosen = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k not in BUDGET_KINDS}
-    config = CalibrationConfig(out=str(out), hook=hook, **{**chosen, **(grid or {})}, **(budgets or {}))   # checked now
+    config = CalibrationConfig(out=str(out), hook=hook, **{**chosen, **(grid or {})}, **(budgets or {}))   # checked
     others = [load_calibration(p) for p in against or []]
     settings = {**(QUICK if quick else ORGANISM_SETTINGS), **(organism_overrides or {})}
     folders = seed_folders(organisms_dir or out / "organisms", seeds)

@@ -1,4 +1,4 @@
-"""`rolemrc organism build narration|refusal|null` and `rolemrc organism calibrate`."""
+"""`rolemrc organism build narration|refusal|null|units` and `rolemrc organism calibrate`."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def given_settings(values: dict[str, object]) -> dict[str, object]:
 def build_cmd(
     kind: OrganismKind = typer.Argument(..., help="narration (role style) or refusal (knowledge boundary): DPO plants "
                                                   "a known change on that dimension; null: DPO on pairs that prefer "
-                                                  "nothing in particular"),
+                                                  "nothing in particular; units: narration's change, trained into "
+                                                  "known MLP units only (known_units.json)"),
     out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by every kind; "
                                                                    "a rerun reuses finished stages)"),
     base: str = setting("base"),
@@ -65,6 +66,8 @@ def build_cmd(
     eval_tokens: int = setting("eval_tokens"),
     eval_planted: int = setting("eval_planted"),
     eval_others: int = setting("eval_others"),
+    known_layers: int = setting("known_layers"),
+    known_units: int = setting("known_units"),
     seed: int = setting("seed"),
     quick: bool = typer.Option(False, "--quick", help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
 ) -> None:
@@ -117,6 +120,8 @@ def calibrate_cmd(
     eval_tokens: int = setting("eval_tokens", unset=True),
     eval_planted: int = setting("eval_planted", unset=True),
     eval_others: int = setting("eval_others", unset=True),
+    known_layers: int = setting("known_layers", unset=True),
+    known_units: int = setting("known_units", unset=True),
     against: list[Path] = typer.Option(None, "--against", help="another calibration folder of the same base (other "
                                                               "settings, e.g. the --quick one beside the full one) the "
                                                               "recommendation must agree with; repeat for more"),
