@@ -55,6 +55,7 @@ def calibrated(tmp_path_factory, tokenizer):
     write_jsonl(root / "probe.jsonl", answerable_records(10, "q"))
     organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl", DIMENSION),
                  organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl", None)]
+    organisms[0].known_units = {"1": ANSWERABLE_UNITS}   # where the planted change lives: a unit-level answer
     config = CalibrationConfig(out=str(root / "out"), top_k=[4, 16], factors=[0.0, PAPER_FACTOR],
                                paper_factor=False, controls=1, attribution_pairs=6, max_new_tokens=6)
     with pytest.MonkeyPatch.context() as patch:
@@ -392,3 +393,18 @@ def test_tasks_run_on_a_ray_cluster_as_in_process(calibrated, tmp_path):
     assert os.getpid() not in remote["pids"]
     with pytest.raises(RayAddressError, match="cannot be reached"):
         check_ray("127.0.0.1:1")
+
+
+def test_every_selector_is_scored_against_the_units_the_change_lives_in(calibrated):
+    """The planted change lives in 4 known units of layer 1: detection per selector (one seed, so no interval), in
+    calibration.json and calibration.md."""
+    result, root = calibrated
+    planted = result["detection"]["planted"]
+    assert set(planted["summary"]) == set(CalibrationConfig(out="x").selectors) and len(planted["per_seed"]) == 1
+    one = planted["per_seed"][0]
+    assert all(0 <= one[s]["auroc"] <= 1 and one[s]["units_in_s"] == 4 for s in one)
+    assert one["standardized"]["auroc"] > 0.9 and one["attribution"]["precision_at_s"] >= 0.5
+    assert all(s["verdict"].startswith("not tested against chance (one seed") for s in planted["summary"].values())
+    assert "null" not in result["detection"]
+    text = (root / "out" / "calibration.md").read_text()
+    assert "## Where the planted change lives: detection of its known units" in text and "| standardized |" in text

@@ -127,12 +127,14 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     figures."""
     from rolemrc.intervene.spec import RestraintError
     from rolemrc.intervene.stability import selection_stability
+    from rolemrc.organism.detection import detect, detection_summary
+    from rolemrc.organism.known import units_of
     from rolemrc.probe import load_diff
 
     root = Path(config.out)
     cache = cache or StageCache(root)
     planted = sorted({o.dimension for o in organisms if o.dimension})
-    rows, stability, flags, sweep_dirs, timing, skipped = [], [], {}, {}, {}, {}
+    rows, stability, flags, sweep_dirs, timing, skipped, detection = [], [], {}, {}, {}, {}, {}
     for organism in organisms:
         folder = root / organism.kind
         inputs = probe_stages(cache, organism, config, folder)
@@ -143,6 +145,9 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
             raise OrganismError(f"none of the {organism.probe} probe cases counts in {', '.join(unseen)}, so no "
                                 "selector can rank units for it; raise --probe-cases")
         flags[organism.kind] = {d: {tokens: diff_flags(diffs[tokens], d) for tokens in diffs} for d in dimensions}
+        if organism.known_units:
+            detection[organism.kind] = detect(inputs, organism.dimension, units_of(organism.known_units),
+                                              config.selectors)
         width = int(diffs["last"].meta["width"])   # units per layer at the hook point
         grids = sweeps(config, width)
         if not grids:
@@ -172,7 +177,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows),
               RECOMMENDATION: recommend(rows, organisms, config, against or [], stability).to_dict(),
               "recovery": recovery(rows), "stability": stability, "diff_flags": flags, "cells": rows,
-              "sweeps": sweep_dirs, "skipped": skipped,
+              "sweeps": sweep_dirs, "skipped": skipped, "detection": detection_summary([detection]),
               "timing": timing, "null_false_positive_rate": _rate(null, "flagged"),
               "null_changed_rate": _rate(null, "changed"), "null_broken_rate": _rate(null, "broken")}
     result["figure"] = calibration_figure(rows, root) if rows else {}

@@ -109,6 +109,7 @@ def calibration_markdown(result: dict[str, Any]) -> str:
         found = "yes" if c["found"] else (f"no (broke {', '.join(c['broken'])})" if c["broken"] else "no")
         lines.append(f"| {organism_label(c)} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
                      f"{c['units']:,} | {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | {ctrl} | {found} |")
+    lines += detection_markdown(result.get("detection", {}))
     lines += ["", "## Stability of the selections", "", "The Jaccard overlap of the units each selector takes from "
               "Poisson bootstrap resamples of the probe cases (of the attribution pairs for attribution), beside two "
               "random selections of the same size.", "",
@@ -134,6 +135,23 @@ def calibration_markdown(result: dict[str, Any]) -> str:
               + "; ".join(f"{k} {d} {t}: frequency {v['frequency']}, effect {v['effect']}"
                           for k, dims in result["diff_flags"].items() for d, ts in dims.items() for t, v in ts.items())]
     return "\n".join(lines) + "\n"
+
+
+def detection_markdown(detection: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the change lives: per units organism, how well each selector's ranking finds its known units S."""
+    lines = []
+    for kind, d in detection.items():
+        lines += ["", f"## Where the {kind} change lives: detection of its known units", "",
+                  "Each selector's ranking of every unit against the units the DPO update could reach (S), over "
+                  f"{len(d['per_seed'])} seed(s): mean (95% t-interval over seeds).", "",
+                  "| selector | AUROC | precision at \\|S\\| | recall at 4\\|S\\| | chance (AUROC, precision, recall) "
+                  "| verdict |", "|---|---|---|---|---|---|"]
+        for name, s in d["summary"].items():
+            cells = [f"{s[m]['mean']:.2f}" + (f" ({s[m]['lo']:.2f} to {s[m]['hi']:.2f})" if s[m]["lo"] is not None
+                                             else "") for m in ("auroc", "precision_at_s", "recall_at_4s")]
+            chance = ", ".join(f"{v:.3g}" for v in s["chance"].values())
+            lines.append(f"| {name} | {' | '.join(cells)} | {chance} | {s['verdict']} |")
+    return lines
 
 
 def _j(x: float | None) -> str:

@@ -138,6 +138,13 @@ def aggregate(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, 
     return out
 
 
+def detection_summary(per_seed: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    """A calibration's detection: per units organism kind, each seed's detection (`detect`) and their `aggregate`."""
+    kinds = dict.fromkeys(k for seed in per_seed for k in seed)
+    return {k: {"per_seed": [seed[k] for seed in per_seed if k in seed],
+                "summary": aggregate([seed[k] for seed in per_seed if k in seed])} for k in kinds}
+
+
 def headline(summary: dict[str, dict[str, Any]]) -> str:
     return "; ".join(f"{name} {s['verdict']}" for name, s in summary.items())
 

@@ -14,6 +14,7 @@ from rolemrc.intervene.recommendation import CALIBRATION_FILE, RECOMMENDATION
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, recovery
 from rolemrc.organism.config import NULL
+from rolemrc.organism.detection import detection_summary
 from rolemrc.organism.recommend import recommend
 
 
@@ -37,6 +38,8 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
               "recovery": [{**c, "seed": s} for s, r in results.items() for c in recovery(r["cells"])],
               "stability": [{**x, "seed": s} for s, r in results.items() for x in r["stability"]],
               "diff_flags": {f"{k}@{s}": v for s, r in results.items() for k, v in r["diff_flags"].items()},
+              "detection": detection_summary([seed for r in results.values()
+                                              for seed in _detections(r.get("detection", {}))]),
               "cells": rows, "skipped": {f"{k}@{s}": v for s, r in results.items() for k, v in r["skipped"].items()},
               "timing": {f"{k}@{s}": v for s, r in results.items() for k, v in r["timing"].items()},
               **{f"null_{what}_rate": (sum(bool(r[what]) for r in null) / len(null) if null else None)
@@ -47,3 +50,9 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
     write_json(out / CALIBRATION_FILE, result)
     (out / "calibration.md").write_text(calibration_markdown(result))
     return json.loads(json.dumps(result, default=str))
+
+
+def _detections(detection: dict[str, dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
+    """One seed's calibration detection (`detection_summary` of that seed) as its per-seed `detect` mappings."""
+    seeds = max((len(d["per_seed"]) for d in detection.values()), default=0)
+    return [{k: d["per_seed"][i] for k, d in detection.items() if i < len(d["per_seed"])} for i in range(seeds)]
