@@ -44,7 +44,7 @@ from rolemrc.organism.calibration_config import (
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
 from rolemrc.organism.config import KINDS, NULL, OrganismConfig, OrganismError
 from rolemrc.organism.recommend import recommend
-from rolemrc.organism.scoring import cell_rows, flag_restorations
+from rolemrc.organism.scoring import cell_rows, flag_restorations, null_bound
 from rolemrc.organism.seeds import combine_seeds
 from rolemrc.probe.options import DEFAULT_RESAMPLES
 
@@ -178,7 +178,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
               RECOMMENDATION: recommend(rows, organisms, config, against or [], stability).to_dict(),
               "recovery": recovery(rows), "stability": stability, "diff_flags": flags, "cells": rows,
               "sweeps": sweep_dirs, "skipped": skipped, "detection": detection_summary([detection]),
-              "timing": timing, "null_false_positive_rate": _rate(null, "flagged"),
+              "timing": timing, "null_false_positive_rate": _rate(null, "flagged"), "null_bound": null_bound(rows),
               "null_changed_rate": _rate(null, "changed"), "null_broken_rate": _rate(null, "broken")}
     result["figure"] = calibration_figure(rows, root) if rows else {}
     write_json(root / CALIBRATION_FILE, result)
@@ -303,7 +303,7 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
             "ray": ray, "organisms": {label(k, s): {"headline": r["headline"], "meets_target": r["meets_target"],
                                                     "training_seconds": r["training"]["seconds"]}
                                       for s, d in done.items() for k, r in d["reports"].items()},
-            "null_false_positive_rate": result["null_false_positive_rate"],
+            "null_false_positive_rate": result["null_false_positive_rate"], "null_bound": result["null_bound"],
             "null_broken_rate": result["null_broken_rate"], "diff_flags": result["diff_flags"],
             "cells_generated": cells, "grid_seconds": grid_seconds,
             "cells_per_minute": round(60 * cells / grid_seconds, 2) if grid_seconds else None,

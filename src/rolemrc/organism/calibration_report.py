@@ -99,6 +99,7 @@ def _settings(rests_on: dict[str, Any]) -> str:
 
 def calibration_markdown(result: dict[str, Any]) -> str:
     lines = [f"**{result['headline']}**", "", recommendation_text(result[RECOMMENDATION]), "",
+             *null_bound_text(result.get("null_bound")),
              "## Recovery curve", "", "The share of each planted change undone against units per layer (Yang et al., "
              f"arXiv 2411.06424: ablating the units DPO changed explains {YANG_RANGE[0]:.1%} to {YANG_RANGE[1]:.0%} of "
              "its effect).", "",
@@ -135,6 +136,16 @@ def calibration_markdown(result: dict[str, Any]) -> str:
               + "; ".join(f"{k} {d} {t}: frequency {v['frequency']}, effect {v['effect']}"
                           for k, dims in result["diff_flags"].items() for d, ts in dims.items() for t, v in ts.items())]
     return "\n".join(lines) + "\n"
+
+
+def null_bound_text(bound: dict[str, Any] | None) -> list[str]:
+    """What the null's cells bound the false-positive rate at, and what a 5% bound needs."""
+    if not bound or not bound["cells"]:
+        return ["No null organism ran: nothing bounds the false-positive rate.", ""]
+    enough = ("at or below 5%" if bound["upper_bound"] <= 0.05 else
+              f"above the 5% target, which needs 0 flagged of at least {bound['cells_for_5pct']} null cells")
+    return [f"Null organism: {bound['flagged']} of {bound['cells']} cells flagged, so the false-positive rate is at "
+            f"most {bound['upper_bound']:.0%} (exact one-sided 95% bound), {enough}.", ""]
 
 
 def detection_markdown(detection: dict[str, dict[str, Any]]) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from rolemrc.organism.calibration_config import ALPHA, Organism
+from rolemrc.organism.config import NULL
 
 BOOTSTRAP = 2000
 
@@ -163,3 +164,14 @@ def finds_change(row: dict[str, Any]) -> bool:
     """The cell undoes the planted change: restoration's CI above 0, the planted dimension's cases closer to the
     SFT model's than under the baseline and under the controls (`flag_restorations`), and no other dimension broken."""
     return bool(row["restoration"]["lo"] > 0 and row["dimension"] in row["flagged"] and not row["broken"])
+
+
+def null_bound(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the null organism's cells bound the pipeline's false-positive rate at: flagged cells of all null cells,
+    the exact one-sided 95% upper bound on the rate, and how many clean null cells a bound of 5% needs."""
+    from rolemrc.core.stats import rate_upper_bound, trials_for_bound
+
+    null = [r for r in rows if r["organism"] == NULL]
+    flagged = sum(bool(r["flagged"]) for r in null)
+    return {"flagged": flagged, "cells": len(null), "upper_bound": rate_upper_bound(flagged, len(null)),
+            "cells_for_5pct": trials_for_bound(0.05)}

@@ -16,6 +16,7 @@ from rolemrc.organism.calibration_report import calibration_figure, calibration_
 from rolemrc.organism.config import NULL
 from rolemrc.organism.detection import detection_summary
 from rolemrc.organism.recommend import recommend
+from rolemrc.organism.scoring import null_bound
 
 
 def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[dict[str, Any]]) -> dict[str, Any]:
@@ -45,6 +46,7 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
               **{f"null_{what}_rate": (sum(bool(r[what]) for r in null) / len(null) if null else None)
                  for what in ("flagged", "changed", "broken")}}
     result["null_false_positive_rate"] = result.pop("null_flagged_rate")
+    result["null_bound"] = null_bound(rows)
     out.mkdir(parents=True, exist_ok=True)
     result["figure"] = calibration_figure(rows, out) if rows else {}
     write_json(out / CALIBRATION_FILE, result)
