@@ -292,24 +292,35 @@ def test_calibrate_takes_every_setting_of_build():
 
 def test_calibrate_reuses_organisms_built_with_the_same_settings(built, tmp_path):
     """A base whose tokenizer spends ~1000 tokens on a prompt: organisms built with --max-length 1600 are calibrated
-    by passing calibrate the same settings; every organism stage is reused, none retrained."""
+    by passing calibrate the same settings; every organism stage is reused, none retrained. An organism that misses
+    its target (with --retries 0: not rebuilt) is reported and left out, never used."""
     from typer.testing import CliRunner
 
     from rolemrc.cli import app
 
-    root, settings, *_ = built
+    root, settings, reports, _ = built
     options = [f"--{k.replace('_', '-')}" if k != "steps" else "--max-steps" for k in settings]
     args = [x for option, key in zip(options, settings) if key != "out" for x in (option, str(settings[key]))]
     before = {p: p.stat().st_mtime for p in root.glob("*/dpo/config.json")}
     few = CliRunner().invoke(app, ["organism", "calibrate", "--out", str(tmp_path / "few"), "--organisms", str(root),
-                                   "--kind", "narration", "--per-layer", "4", "--probe-cases", "1", *args])
-    assert few.exit_code == 2 and few.output.strip().splitlines()[-1].endswith("raise --probe-cases"), few.output
+                                   "--kind", "null", "--per-layer", "4", "--probe-cases", "1", "--retries", "0", *args])
+    met = {k for k in ("narration", "null") if reports[k]["meets_target"]}
+    if "null" in met:
+        assert few.exit_code == 2 and few.output.strip().splitlines()[-1].endswith("raise --probe-cases"), few.output
     result = CliRunner().invoke(app, ["organism", "calibrate", "--out", str(tmp_path / "cal"), "--organisms", str(root),
                                       "--kind", "narration,null", "--quick", "--controls", "1", "--per-layer", "4",
-                                      "--probe-cases", "12", *args])
-    assert result.exit_code == 0, result.output
+                                      "--probe-cases", "12", "--retries", "0", *args])
     assert {p: p.stat().st_mtime for p in root.glob("*/dpo/config.json")} == before
+    if not met:
+        assert result.exit_code == 2 and "no organism met its target" in result.output
+        return
+    assert result.exit_code == 0, result.output
     summary = json.loads(result.output[result.output.index("{"):result.output.rindex("}") + 1])
-    assert set(summary["organisms"]) == {"narration", "null"} and summary["seeds"] == [0]
+    assert set(summary["organisms"]) == met and summary["seeds"] == [0]
+    assert {m["kind"] for m in summary["missed_targets"]} == {"narration", "null"} - met
     assert summary["recommendation"]["status"] in ("found", "unstable", "none")
-    assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["recommendation"] == summary["recommendation"]
+    written = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert written["recommendation"] == summary["recommendation"]
+    assert [m["kind"] for m in written["missed_targets"]] == [m["kind"] for m in summary["missed_targets"]]
+    text = (tmp_path / "cal" / "calibration.md").read_text()
+    assert ("missed their target, left out" in text) == bool(summary["missed_targets"])

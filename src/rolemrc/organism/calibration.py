@@ -17,6 +17,7 @@ of the grid alone only generates the cells that are new.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -42,7 +43,7 @@ from rolemrc.organism.calibration_config import (
     sweeps,
 )
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
-from rolemrc.organism.config import KINDS, NULL, OrganismConfig, OrganismError
+from rolemrc.organism.config import KINDS, NULL, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations, null_bound
 from rolemrc.organism.seeds import combine_seeds
@@ -133,7 +134,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
 
     root = Path(config.out)
     cache = cache or StageCache(root)
-    planted = sorted({o.dimension for o in organisms if o.dimension})
+    planted = sorted({o.dimension for o in organisms if o.dimension}) or list(PLANTED_DIMENSIONS)   # a null alone: every one
     rows, stability, flags, sweep_dirs, timing, skipped, detection = [], [], {}, {}, {}, {}, {}
     for organism in organisms:
         folder = root / organism.kind
@@ -232,13 +233,41 @@ class SeedTask:
     config: CalibrationConfig
     probe_n: int
     against: list[dict[str, Any]]
+    retries: int = 1
+
+
+RETRY_STRIDE = 1000   # the k-th retry of seed s trains with seed s + k * RETRY_STRIDE, apart from any --seeds range
+
+
+def build_meeting_target(config: OrganismConfig, retries: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The organism `config` builds if it meets its target, else the first of up to `retries` rebuilds with the
+    next seeds (each in a folder of its own beside `config.out`, as its held-out cases and data differ) that does;
+    and every build that missed (kind, seed, folder, headline). None when none met it: it is never used."""
+    from rolemrc.organism.build import build_organism
+
+    missed = []
+    for attempt in range(retries + 1):
+        tried = config if not attempt else dataclasses.replace(
+            config, seed=config.seed + attempt * RETRY_STRIDE, out=f"{config.out}-retry{attempt}-{config.kind}")
+        report = build_organism(tried)
+        if report["meets_target"]:
+            return report, missed
+        missed.append({"kind": config.kind, "seed": tried.seed, "folder": tried.out, "headline": report["headline"]})
+        then = (f"retrying with seed {tried.seed + RETRY_STRIDE}" if attempt < retries
+                else "it is left out of the calibration")
+        log.warning("%s; %s", report["headline"], then)
+    return None, missed
 
 
 def calibrate_seed(task: SeedTask) -> dict[str, Any]:
-    """The organisms' reports (kind -> organism.json), the calibration and its stage timings of one seed."""
-    from rolemrc.organism.build import build_organism
-
-    reports = {c.kind: build_organism(c) for c in task.organisms}
+    """The organisms' reports (kind -> organism.json of those that met their target), those that missed it, the
+    calibration of the first and its stage timings, for one seed."""
+    built = {c.kind: build_meeting_target(c, task.retries) for c in task.organisms}
+    reports = {kind: report for kind, (report, _) in built.items() if report}
+    missed = [m for _, misses in built.values() for m in misses]
+    if not reports:
+        raise OrganismError(f"seed {task.seed}: no organism met its target ({'; '.join(m['headline'] for m in missed)})"
+                            "; try more --max-steps or another --learning-rate")
     trained = sorted({p["id"] for r in reports.values() for p in read_jsonl(r["pairs"])})
     out = Path(task.config.out)
     cache = StageCache(out)
@@ -247,9 +276,12 @@ def calibrate_seed(task: SeedTask) -> dict[str, Any]:
     cache.run("probe cases", {"pairs": source, "trained": trained, "n": task.probe_n, "seed": task.seed},
               lambda: {"cases": write_jsonl(probe, probe_cases(source, set(trained), task.probe_n, task.seed))},
               [probe])
-    organisms = [Organism.from_report(reports[c.kind], probe) for c in task.organisms]
+    organisms = [Organism.from_report(reports[c.kind], probe) for c in task.organisms if c.kind in reports]
     result = calibrate(organisms, task.config, cache=cache, against=task.against)
-    return {"reports": reports, "result": result, "stage_seconds": cache.timings}
+    result["missed_targets"] = missed
+    write_json(out / CALIBRATION_FILE, result)
+    (out / "calibration.md").write_text(calibration_markdown(result))
+    return {"reports": reports, "missed": missed, "result": result, "stage_seconds": cache.timings}
 
 
 def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False, probe_n: int | None = None,
@@ -257,14 +289,16 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
                         hook: str = "mlp.act", budgets: dict[str, list[float]] | None = None,
                         against: list[Path] | None = None, kinds: list[str] | None = None,
                         seeds: list[int] | None = None, ray: str | None = None,
-                        grid: dict[str, Any] | None = None) -> dict:
+                        grid: dict[str, Any] | None = None, retries: int = 1) -> dict:
     """Build every organism of `kinds` (default all) from `base` under `organisms_dir` (default out/organisms;
     cached there, so a folder that `rolemrc organism build` filled with the same settings is reused), once per seed
     (several seeds: one seed-S folder each, in organisms_dir and in out; each seed a task, on the Ray cluster at
     `ray` if given), then calibrate; the command's JSON. budgets: at most one of top_k/per_layer/share -> values,
     instead of the (quick) grid's; grid: other CalibrationConfig settings (controls). against: other calibrations of
     the same base the recommendation must agree with (read before any work); with several seeds, the first seed's
-    recommendation must hold on every other seed too. Every setting is checked before anything trains."""
+    recommendation must hold on every other seed too. retries: rebuilds, with the next seeds, of an organism that
+    misses its target (one that still misses is reported and left out). Every setting is checked before anything
+    trains."""
     from rolemrc.core.tasks import check_ray, run_tasks
     from rolemrc.models.pull import model_dir
     from rolemrc.organism.config import QUICK
@@ -284,7 +318,7 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     probe_n = probe_n or (QUICK_PROBE_CASES if quick else PROBE_CASES)
     tasks = [SeedTask(s, [OrganismConfig(kind=kind, out=str(folder), base=base, **{**settings, "seed": s})
                           for kind in kinds],
-                      CalibrationConfig(**{**asdict(config), "out": str(outs), "seed": s}), probe_n, others)
+                      CalibrationConfig(**{**asdict(config), "out": str(outs), "seed": s}), probe_n, others, retries)
              for (s, folder), outs in zip(folders.items(), seed_folders(out, seeds).values())]
     if ray:
         check_ray(ray)
@@ -303,6 +337,7 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
             "ray": ray, "organisms": {label(k, s): {"headline": r["headline"], "meets_target": r["meets_target"],
                                                     "training_seconds": r["training"]["seconds"]}
                                       for s, d in done.items() for k, r in d["reports"].items()},
+            "missed_targets": [{**m, "calibration_seed": s} for s, d in done.items() for m in d["missed"]],
             "null_false_positive_rate": result["null_false_positive_rate"], "null_bound": result["null_bound"],
             "null_broken_rate": result["null_broken_rate"], "diff_flags": result["diff_flags"],
             "cells_generated": cells, "grid_seconds": grid_seconds,

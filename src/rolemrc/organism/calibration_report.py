@@ -99,7 +99,7 @@ def _settings(rests_on: dict[str, Any]) -> str:
 
 def calibration_markdown(result: dict[str, Any]) -> str:
     lines = [f"**{result['headline']}**", "", recommendation_text(result[RECOMMENDATION]), "",
-             *null_bound_text(result.get("null_bound")),
+             *null_bound_text(result.get("null_bound")), *missed_text(result.get("missed_targets", [])),
              "## Recovery curve", "", "The share of each planted change undone against units per layer (Yang et al., "
              f"arXiv 2411.06424: ablating the units DPO changed explains {YANG_RANGE[0]:.1%} to {YANG_RANGE[1]:.0%} of "
              "its effect).", "",
@@ -136,6 +136,14 @@ def calibration_markdown(result: dict[str, Any]) -> str:
               + "; ".join(f"{k} {d} {t}: frequency {v['frequency']}, effect {v['effect']}"
                           for k, dims in result["diff_flags"].items() for d, ts in dims.items() for t, v in ts.items())]
     return "\n".join(lines) + "\n"
+
+
+def missed_text(missed: list[dict[str, Any]]) -> list[str]:
+    """The organisms that missed their target: never used, each with its seed and what moved."""
+    if not missed:
+        return []
+    return ["Organisms that missed their target, left out (each retried with the next seed, up to --retries):", "",
+            *(f"- seed {m['seed']} ({m['folder']}): {m['headline']}" for m in missed), ""]
 
 
 def null_bound_text(bound: dict[str, Any] | None) -> list[str]:

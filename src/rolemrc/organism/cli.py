@@ -96,6 +96,8 @@ def calibrate_cmd(
     seeds: int = typer.Option(1, min=1, help="organisms of each kind, built with seeds --seed, --seed + 1, ...; each "
                                              "seed draws its own pairs, training order, probe cases and controls"),
     seed: int = setting("seed"),
+    retries: int = typer.Option(1, min=0, help="rebuilds, with the next seeds, of an organism that misses its target "
+                                               "(one that still misses is reported and left out)"),
     quick: bool = typer.Option(False, "--quick", help="organisms with 16 steps and fewer held-out cases; the "
                                            f"frequency and attribution selectors at {QUICK_GRID['per_layer'][0]} units "
                                            "per layer, factor 0, 8 attribution pairs, 24 probe cases"),
@@ -148,7 +150,8 @@ def calibrate_cmd(
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
                                  organisms_dir=organisms, hook=hook, budgets=budgets, against=against,
                                  kinds=[k for text in kinds or KINDS for k in text.split(",") if k],
-                                 seeds=list(range(seed, seed + seeds)), ray=ray, grid=grid)
+                                 seeds=list(range(seed, seed + seeds)), ray=ray, grid=grid,
+                                 retries=retries)
     text = json.dumps(result, indent=1)
     typer.echo(text)
     typer.echo(recommendation_text(result[RECOMMENDATION]), err=True)

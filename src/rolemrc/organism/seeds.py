@@ -41,6 +41,7 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
               "diff_flags": {f"{k}@{s}": v for s, r in results.items() for k, v in r["diff_flags"].items()},
               "detection": detection_summary([seed for r in results.values()
                                               for seed in _detections(r.get("detection", {}))]),
+              "missed_targets": [m for r in results.values() for m in r.get("missed_targets", [])],
               "cells": rows, "skipped": {f"{k}@{s}": v for s, r in results.items() for k, v in r["skipped"].items()},
               "timing": {f"{k}@{s}": v for s, r in results.items() for k, v in r["timing"].items()},
               **{f"null_{what}_rate": (sum(bool(r[what]) for r in null) / len(null) if null else None)
