@@ -115,12 +115,13 @@ def _verdict_in(other: dict[str, Any], recipe: Recipe) -> str | None:
 
 
 def settings(organisms: list[Organism], config: CalibrationConfig) -> dict[str, Any]:
-    """What the evidence rests on: probe cases, attribution pairs, held-out cases, DPO steps, seeds, controls."""
+    """What the evidence rests on: the measure, probe cases, attribution pairs, held-out cases, DPO steps, seeds,
+    controls."""
     planted = next((o for o in organisms if o.dimension), organisms[0] if organisms else None)
     if planted is None:
         return {}
     lines = lambda path: sum(1 for line in Path(path).read_text().splitlines() if line.strip())  # noqa: E731
-    return {"base": planted.settings.get("base"), "organisms": [o.kind for o in organisms],
+    return {"base": planted.settings.get("base"), "measure": config.measure, "organisms": [o.kind for o in organisms],
             "probe_cases": lines(planted.probe), "attribution_pairs": config.attribution_pairs,
             "heldout_cases": lines(planted.heldout), "dpo_steps": planted.settings.get("steps"),
             "organism_seed": planted.settings.get("seed"), "control_seed": config.seed, "controls": config.controls,
