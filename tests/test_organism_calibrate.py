@@ -28,6 +28,7 @@ from rolemrc.organism.config import OrganismError
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import broken, finds_change, flag_restorations, restoration, toward_sft
 from rolemrc.sweep import plots as sweep_plots
+from rolemrc.sweep.plan import CONTROLS
 
 DIMENSION = "multi_turn"
 NOISE = 1e-3   # every MLP weight: no exact ties between units, no greedy token changed
@@ -44,22 +45,38 @@ def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: 
     return Organism(kind, str(sft), str(dpo), str(pairs), str(heldout), str(sft_eval), str(probe), dimension)
 
 
-@pytest.fixture(scope="module")
-def calibrated(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("calibration")
+def build_organisms(root: Path, tokenizer) -> list[Organism]:
+    """The planted organism and the null one, their models and cases under `root`."""
     sft = save_planted_llama(root / "sft", tokenizer, units_on=False, noise=NOISE)
     dpo = save_planted_llama(root / "dpo", tokenizer, noise=NOISE)
     # the null's DPO model: the SFT model with other noise, so every unit moves a little and nothing behaves otherwise
     null = save_planted_llama(root / "null-dpo", tokenizer, units_on=False, noise=NOISE, noise_seed=1)
     write_jsonl(root / "heldout.jsonl", answerable_records(12, "h"))
     write_jsonl(root / "probe.jsonl", answerable_records(10, "q"))
-    organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl", DIMENSION),
-                 organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl", None)]
-    config = CalibrationConfig(out=str(root / "out"), top_k=[4, 16], factors=[0.0, PAPER_FACTOR],
-                               paper_factor=False, controls=1, attribution_pairs=6, max_new_tokens=6)
+    return [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl", DIMENSION),
+            organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl", None)]
+
+
+def run_calibration(root: Path, tokenizer, **settings) -> dict:
+    config = CalibrationConfig(out=str(root / "out"), top_k=[4, 16], paper_factor=False, attribution_pairs=6,
+                               max_new_tokens=6, **settings)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})   # PNGs: ~10 s, tested elsewhere
-        return calibrate(organisms, config), root
+        return calibrate(build_organisms(root, tokenizer), config)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, tokenizer):
+    """Cells scored by the rules judge on generated replies, one control each."""
+    root = tmp_path_factory.mktemp("calibration")
+    return run_calibration(root, tokenizer, measure="judge", factors=[0.0, PAPER_FACTOR], controls=1), root
+
+
+@pytest.fixture(scope="module")
+def calibrated_kl(tmp_path_factory, tokenizer):
+    """The same organisms, each cell scored by its KL to the SFT model on the SFT model's replies (forward passes)."""
+    root = tmp_path_factory.mktemp("calibration-kl")
+    return run_calibration(root, tokenizer, measure="kl", factors=[0.0], controls=CONTROLS), root
 
 
 def cells(result, organism_kind=None, selector=None, factor=None, top_k=None):
@@ -392,3 +409,14 @@ def test_tasks_run_on_a_ray_cluster_as_in_process(calibrated, tmp_path):
     assert os.getpid() not in remote["pids"]
     with pytest.raises(RayAddressError, match="cannot be reached"):
         check_ray("127.0.0.1:1")
+
+
+def test_zz_explore(calibrated_kl):
+    result, root = calibrated_kl
+    for r in result["cells"]:
+        print(r["organism"], r["selector"], r["budget"], r["units"], {k: round(v, 4) for k, v in r["restoration"].items()},
+              [round(c, 4) for c in r["controls_restoration"]], r["p_vs_baseline"], r["p_vs_controls"], r["flagged"],
+              r["broken"], r["changed"], r["others"], {k: r["placement"][k] for k in ("percentile", "gap", "lo", "hi")})
+    print(result["headline"])
+    print(result["recommendation"])
+    print(result["timing"])

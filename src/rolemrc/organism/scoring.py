@@ -12,6 +12,7 @@ when it moves a dimension out of the SFT model's 95% CI."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,10 @@ import numpy as np
 from rolemrc.organism.calibration_config import ALPHA, Organism
 
 BOOTSTRAP = 2000
+# nats per token: a DPO model whose mean KL to the SFT model on a dimension's cases is at most this has not moved from
+# it there beyond float32 rounding (the test null organism's: -1.5e-8 per token, its weights differing by 1e-3 noise),
+# so it has no change to undo, as under the judge where the SFT and DPO models pass alike
+KL_FLOOR = 1e-6
 
 
 def per_item(run_dir: Path | str) -> dict[str, dict[str, float]]:
@@ -172,11 +177,15 @@ def judge_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path
 def kl_restoration(cell: np.ndarray, dpo: np.ndarray) -> dict[str, Any]:
     """1 - mean KL(cell||SFT) / mean KL(DPO||SFT) over cases (the mean of the per-case shares the sweep tests), with
     the cases bootstrap's 95% CI, numerator and denominator resampled together (`core.stats.hierarchical_bootstrap`,
-    one seed); `kl_dpo`: the DPO model's mean KL per token to the SFT model on these cases."""
+    one seed); `kl_dpo`: the DPO model's mean KL per token to the SFT model on these cases. NaN where that is at or
+    below KL_FLOOR: nothing to undo."""
     from rolemrc.core.stats import hierarchical_bootstrap
 
+    kl_dpo = float(np.mean(dpo)) if len(dpo) else math.nan
+    if not kl_dpo > KL_FLOOR:
+        return {"share": math.nan, "lo": math.nan, "hi": math.nan, "n": len(dpo), "kl_dpo": kl_dpo}
     b = hierarchical_bootstrap([cell], [dpo], stat=lambda n, d: 1 - n / d, rounds=BOOTSTRAP)
-    return {"share": b["estimate"], "lo": b["lo"], "hi": b["hi"], "n": b["cases"], "kl_dpo": float(np.mean(dpo))}
+    return {"share": b["estimate"], "lo": b["lo"], "hi": b["hi"], "n": b["cases"], "kl_dpo": kl_dpo}
 
 
 def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
@@ -186,36 +195,40 @@ def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -
     DPO model) and the neutral texts' perplexity change against the baseline; `changed`: dimensions whose
     restoration differs from the baseline's; `flagged`: those restored beyond the baseline and the controls;
     `broken`: other dimensions restored less than by the controls (moved away from the SFT model), and neutral
-    perplexity raised beyond the controls' (all at Holm p < ALPHA)."""
+    perplexity raised beyond the controls' (all at Holm p < ALPHA). A dimension where the DPO model's KL is at or
+    below KL_FLOOR (`unmoved`) has no change to undo: its shares are ratios of rounding errors, so it is neither
+    flagged, changed nor broken."""
     from rolemrc.eval.divergence import restoration as kl_shares
     from rolemrc.sweep.kl import stored_result
     from rolemrc.sweep.plan import Cell
     from rolemrc.sweep.report import beats_both, wins
     from rolemrc.sweep.run import CellStore
-    from rolemrc.sweep.stats import NEUTRAL_PPL, RESTORATION_PREFIX, is_primary
+    from rolemrc.sweep.stats import NEUTRAL_PPL, RESTORATION_PREFIX
 
     plan = _plan(sweep_dir)
     store = CellStore(summary["config"]["cells_dir"] or sweep_dir / "cells")
     result = stored_result([store.load(Cell(c["id"], c["kind"], c["grid"], None)) for c in plan])   # baseline first
     index = {c["id"]: k for k, c in enumerate(plan)}
+    dimensions = sorted({d for dims in result.dimensions for d in dims})
+    unmoved = [d for d in dimensions if not float(result.dpo[result.mask(d)].mean()) > KL_FLOOR]
     name = lambda n: n.removeprefix(RESTORATION_PREFIX)  # noqa: E731
+    measured = lambda names: [name(n) for n in names if n.startswith(RESTORATION_PREFIX) and name(n) not in unmoved]  # noqa: E731
     rows = []
     for cell in summary["cells"]:
         key, mask = RESTORATION_PREFIX + cell["dimension"], result.mask(cell["dimension"])
         scores = cell["scores"]
-        shares = kl_shares(result, mask).value
+        shares = kl_shares(result, mask).value.tolist() if cell["dimension"] not in unmoved else [math.nan] * len(plan)
         others = {name(n): {
             "diff": e["vs_baseline"]["diff"], "p_holm": e["vs_baseline"]["p_holm"],
             **({"vs_controls": e["vs_controls"]["diff"], "p_controls": e["vs_controls"]["p_holm"]}
                if "vs_controls" in e else {})} for n, e in scores.items() if n != key}
-        away = [name(n) for n in wins(cell, "vs_controls", -1) if is_primary(n) and name(n) != organism.dimension]
+        away = [d for d in measured(wins(cell, "vs_controls", -1)) if d != organism.dimension]
         rows.append({**_cell_fields(organism, selector, cell, scores.get(key, {})),
                      "restoration": kl_restoration(result.kl[index[cell["id"]], mask].numpy(), result.dpo[mask].numpy()),
-                     "controls_restoration": [float(shares[index[c["id"]]]) for c in _controls(plan, cell)],
-                     "placement": scores.get(key, {}).get("placement"), "others": others,
-                     "changed": sorted({name(n) for sign in (1, -1) for n in wins(cell, "vs_baseline", sign)
-                                        if is_primary(n)}),
-                     "flagged": [name(n) for n in beats_both(cell)],
+                     "controls_restoration": [shares[index[c["id"]]] for c in _controls(plan, cell)],
+                     "placement": scores.get(key, {}).get("placement"), "others": others, "unmoved": unmoved,
+                     "changed": sorted(set(measured(wins(cell, "vs_baseline", 1) + wins(cell, "vs_baseline", -1)))),
+                     "flagged": measured(beats_both(cell)),
                      "broken": away + [n for n in wins(cell, "vs_controls", 1) if n == NEUTRAL_PPL]})
     return rows
 
