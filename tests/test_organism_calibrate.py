@@ -26,7 +26,7 @@ from rolemrc.organism.calibration_config import CalibrationConfig, Organism, swe
 from rolemrc.organism.calibration_report import headline
 from rolemrc.organism.config import OrganismError
 from rolemrc.organism.recommend import recommend
-from rolemrc.organism.scoring import broken, finds_change, flag_restorations, restoration, toward_sft
+from rolemrc.organism.scoring import KL_FLOOR, broken, finds_change, flag_restorations, restoration, toward_sft
 from rolemrc.sweep import plots as sweep_plots
 from rolemrc.sweep.plan import CONTROLS
 
@@ -179,6 +179,49 @@ def test_a_rerun_reuses_every_stage(calibrated, monkeypatch):
     cache = StageCache(root / "out")
     again = calibrate([Organism(**o) for o in result["organisms"]], CalibrationConfig(**result["config"]), cache=cache)
     assert cache.ran == [] and json.dumps(again["cells"]) == json.dumps(result["cells"])   # NaN != NaN
+
+
+def test_by_kl_the_planted_units_undo_the_change_and_random_units_do_not(calibrated_kl):
+    """Scored by KL to the SFT model on its own replies: zeroing the 4 planted units takes the DPO model back to the
+    SFT model (up to the noise both carry), its CI above 0 and above each of its 10 matched random-unit controls,
+    which undo next to nothing; no cell breaks anything (the held-out references' perplexity included)."""
+    result, root = calibrated_kl
+    planted = cells(result, "planted")
+    for selector in ("standardized", "attribution"):
+        (row,) = cells(result, "planted", selector, 0.0, 4)
+        undone, controls = row["restoration"], row["controls_restoration"]
+        assert row["measure"] == "kl" and row["units"] == 4 and undone["kl_dpo"] > 1 and undone["n"] == 12, row
+        assert undone["share"] == pytest.approx(1, abs=0.01) and undone["lo"] > 0.9, row
+        assert len(controls) == CONTROLS and undone["lo"] > max(controls), row
+        assert row["placement"]["percentile"] == 100 and row["placement"]["lo"] > 0.9, row
+        assert row["p_vs_baseline"] < 0.05 and row["p_vs_controls"] < 0.05, row
+        assert row["flagged"] == [DIMENSION] and finds_change(row), row
+        assert "neutral_ppl" in row["others"], row   # the held-out references (out/planted/neutral.txt)
+    assert all(abs(c) < 0.05 for r in planted for c in r["controls_restoration"])
+    assert not any(r["broken"] for r in planted)
+    assert (root / "out" / "planted" / "neutral.txt").read_text() == "a reference answer\n"
+
+
+def test_by_kl_the_recommendation_is_a_selector_that_sees_the_change(calibrated_kl):
+    result, root = calibrated_kl
+    rec = result["recommendation"]
+    assert rec["status"] == "found" and rec["selector"] in ("standardized", "attribution"), rec
+    assert rec["budget"] == {"top_k": 4} and rec["factor"] == 0.0 and rec["rests_on"]["measure"] == "kl"
+    assert "planted 100% undone (95% CI 100% to 100%)" in rec["why"]
+    assert "Measure: teacher-forced KL to the SFT model" in result["headline"]
+    assert "measure kl" in (root / "out" / "calibration.md").read_text()
+    assert (root / "out" / "calibration.html").stat().st_size > 1000
+
+
+def test_by_kl_the_null_organism_flags_nothing(calibrated_kl):
+    """The null's DPO model is the SFT model with other noise: its KL to it is a float32 rounding (below KL_FLOOR),
+    so there is no change to undo and no cell is flagged, changed or broken."""
+    result, _ = calibrated_kl
+    null = cells(result, "null")
+    assert len(null) == 4 * 2 and result["null_false_positive_rate"] == 0
+    assert not any(r["flagged"] or r["changed"] or r["broken"] for r in null)
+    assert all(abs(r["restoration"]["kl_dpo"]) < KL_FLOOR and r["unmoved"] == [DIMENSION] for r in null)
+    assert "Null organism: 0 of 8 cells flagged (0%" in result["headline"]
 
 
 def test_restoration_share_and_interval():
@@ -410,13 +453,3 @@ def test_tasks_run_on_a_ray_cluster_as_in_process(calibrated, tmp_path):
     with pytest.raises(RayAddressError, match="cannot be reached"):
         check_ray("127.0.0.1:1")
 
-
-def test_zz_explore(calibrated_kl):
-    result, root = calibrated_kl
-    for r in result["cells"]:
-        print(r["organism"], r["selector"], r["budget"], r["units"], {k: round(v, 4) for k, v in r["restoration"].items()},
-              [round(c, 4) for c in r["controls_restoration"]], r["p_vs_baseline"], r["p_vs_controls"], r["flagged"],
-              r["broken"], r["changed"], r["others"], {k: r["placement"][k] for k in ("percentile", "gap", "lo", "hi")})
-    print(result["headline"])
-    print(result["recommendation"])
-    print(result["timing"])
