@@ -28,10 +28,10 @@ from rolemrc.organism.config import OrganismError
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import KL_FLOOR, broken, finds_change, flag_restorations, restoration, toward_sft
 from rolemrc.sweep import plots as sweep_plots
-from rolemrc.sweep.plan import CONTROLS
 
 DIMENSION = "multi_turn"
 NOISE = 1e-3   # every MLP weight: no exact ties between units, no greedy token changed
+KL_CONTROLS = 5   # random-unit controls per KL cell (the default 10 doubles the fixture's time, mostly footprints)
 
 
 def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: Path, dimension: str | None) -> Organism:
@@ -76,7 +76,7 @@ def calibrated(tmp_path_factory, tokenizer):
 def calibrated_kl(tmp_path_factory, tokenizer):
     """The same organisms, each cell scored by its KL to the SFT model on the SFT model's replies (forward passes)."""
     root = tmp_path_factory.mktemp("calibration-kl")
-    return run_calibration(root, tokenizer, measure="kl", factors=[0.0], controls=CONTROLS), root
+    return run_calibration(root, tokenizer, measure="kl", factors=[0.0], controls=KL_CONTROLS), root
 
 
 def cells(result, organism_kind=None, selector=None, factor=None, top_k=None):
@@ -183,7 +183,7 @@ def test_a_rerun_reuses_every_stage(calibrated, monkeypatch):
 
 def test_by_kl_the_planted_units_undo_the_change_and_random_units_do_not(calibrated_kl):
     """Scored by KL to the SFT model on its own replies: zeroing the 4 planted units takes the DPO model back to the
-    SFT model (up to the noise both carry), its CI above 0 and above each of its 10 matched random-unit controls,
+    SFT model (up to the noise both carry), its CI above 0 and above each of its matched random-unit controls,
     which undo next to nothing; no cell breaks anything (the held-out references' perplexity included)."""
     result, root = calibrated_kl
     planted = cells(result, "planted")
@@ -192,7 +192,7 @@ def test_by_kl_the_planted_units_undo_the_change_and_random_units_do_not(calibra
         undone, controls = row["restoration"], row["controls_restoration"]
         assert row["measure"] == "kl" and row["units"] == 4 and undone["kl_dpo"] > 1 and undone["n"] == 12, row
         assert undone["share"] == pytest.approx(1, abs=0.01) and undone["lo"] > 0.9, row
-        assert len(controls) == CONTROLS and undone["lo"] > max(controls), row
+        assert len(controls) == KL_CONTROLS and undone["lo"] > max(controls), row
         assert row["placement"]["percentile"] == 100 and row["placement"]["lo"] > 0.9, row
         assert row["p_vs_baseline"] < 0.05 and row["p_vs_controls"] < 0.05, row
         assert row["flagged"] == [DIMENSION] and finds_change(row), row
