@@ -212,7 +212,11 @@ def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -
     dimensions = sorted({d for dims in result.dimensions for d in dims})
     unmoved = [d for d in dimensions if not float(result.dpo[result.mask(d)].mean()) > KL_FLOOR]
     name = lambda n: n.removeprefix(RESTORATION_PREFIX)  # noqa: E731
-    measured = lambda names: [name(n) for n in names if n.startswith(RESTORATION_PREFIX) and name(n) not in unmoved]  # noqa: E731
+
+    def measured(names: list[str]) -> list[str]:
+        """The dimensions among score names that have a change to undo."""
+        return [name(n) for n in names if n.startswith(RESTORATION_PREFIX) and name(n) not in unmoved]
+
     rows = []
     for cell in summary["cells"]:
         key, mask = RESTORATION_PREFIX + cell["dimension"], result.mask(cell["dimension"])
@@ -221,7 +225,7 @@ def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -
         others = {name(n): {
             "diff": e["vs_baseline"]["diff"], "p_holm": e["vs_baseline"]["p_holm"],
             **({"vs_controls": e["vs_controls"]["diff"], "p_controls": e["vs_controls"]["p_holm"]}
-               if "vs_controls" in e else {})} for n, e in scores.items() if n != key}
+               if "vs_controls" in e else {})} for n, e in scores.items() if n != key and name(n) not in unmoved}
         away = [d for d in measured(wins(cell, "vs_controls", -1)) if d != organism.dimension]
         rows.append({**_cell_fields(organism, selector, cell, scores.get(key, {})),
                      "restoration": kl_restoration(result.kl[index[cell["id"]], mask].numpy(), result.dpo[mask].numpy()),
@@ -235,10 +239,9 @@ def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -
 
 def flag_restorations(rows: list[dict[str, Any]]) -> None:
     """Judge rows (kl rows are flagged by the sweep's own tests, `kl_rows`): Holm over one organism's cells x
-    dimensions per comparison, then each row's `flagged`: the dimensions whose
-    cases the cell brings closer to the SFT model's than both the baseline and its controls do (Holm p < ALPHA), its
-    pass rate closer to SFT's too. On the planted organism that is the claim "these units hold the change"; on the
-    null, any flag is a false positive."""
+    dimensions per comparison, then each row's `flagged`: the dimensions whose cases the cell brings closer to the SFT
+    model's than both the baseline and its controls do (Holm p < ALPHA), its pass rate closer to SFT's too. On the
+    planted organism that is the claim "these units hold the change"; on the null, any flag is a false positive."""
     from rolemrc.core.stats import holm
 
     for kind in {r["organism"] for r in rows}:
