@@ -26,7 +26,7 @@ from rolemrc.organism.calibration_config import CalibrationConfig, Organism, swe
 from rolemrc.organism.calibration_report import headline
 from rolemrc.organism.config import OrganismError
 from rolemrc.organism.recommend import recommend
-from rolemrc.organism.scoring import KL_FLOOR, broken, finds_change, flag_restorations, restoration, toward_sft
+from rolemrc.organism.scoring import KL_FLOOR, broken, finds_change, flag_restorations, kl_verdicts, restoration, toward_sft
 from rolemrc.sweep import plots as sweep_plots
 
 DIMENSION = "multi_turn"
@@ -222,6 +222,27 @@ def test_by_kl_the_null_organism_flags_nothing(calibrated_kl):
     assert not any(r["flagged"] or r["changed"] or r["broken"] for r in null)
     assert all(abs(r["restoration"]["kl_dpo"]) < KL_FLOOR and r["unmoved"] == [DIMENSION] for r in null)
     assert "Null organism: 0 of 8 cells flagged (0%" in result["headline"]
+
+
+def test_by_kl_a_cell_breaks_what_it_pushes_away_from_the_sft_model_beyond_its_controls():
+    """kl_verdicts on a sweep cell's Holm-corrected tests: role style restored beyond baseline and controls is
+    flagged; knowledge boundary pushed away from the SFT model beyond the controls, and the neutral perplexity raised
+    beyond theirs, are broken, so the cell does not find the change; a dimension with no change to undo counts in
+    nothing."""
+    def test(diff, p):
+        return {"diff": diff, "p_holm": p}
+
+    cell = {"scores": {
+        "restoration:role_style": {"vs_baseline": test(0.9, 0.001), "vs_controls": test(0.8, 0.001)},
+        "restoration:knowledge_boundary": {"vs_baseline": test(-0.4, 0.001), "vs_controls": test(-0.3, 0.002)},
+        "restoration:nested": {"vs_baseline": test(0.2, 0.3), "vs_controls": test(-0.2, 0.4)},
+        "neutral_ppl": {"vs_baseline": test(3.0, 0.01), "vs_controls": test(2.5, 0.01)}}}
+    verdict = kl_verdicts(cell, "role_style", [])
+    assert verdict == {"changed": ["knowledge_boundary", "role_style"], "flagged": ["role_style"],
+                       "broken": ["knowledge_boundary", "neutral_ppl"]}
+    assert not finds_change({"restoration": {"lo": 0.8}, "dimension": "role_style", **verdict})
+    assert kl_verdicts(cell, "role_style", ["knowledge_boundary"])["broken"] == ["neutral_ppl"]
+    assert kl_verdicts(cell, None, [])["broken"] == ["knowledge_boundary", "neutral_ppl"]   # the null: nothing planted
 
 
 def test_restoration_share_and_interval():

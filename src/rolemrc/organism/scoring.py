@@ -188,22 +188,36 @@ def kl_restoration(cell: np.ndarray, dpo: np.ndarray) -> dict[str, Any]:
     return {"share": b["estimate"], "lo": b["lo"], "hi": b["hi"], "n": b["cases"], "kl_dpo": kl_dpo}
 
 
+def kl_verdicts(cell: dict[str, Any], planted: str | None, unmoved: list[str]) -> dict[str, list[str]]:
+    """What a `--measure kl` sweep's cell (its `scores`, Holm-corrected over the sweep's grid) does at Holm p < ALPHA:
+    `changed`, the dimensions whose restoration differs from the baseline's; `flagged`, those restored beyond the
+    baseline and the controls; `broken`, the dimensions but `planted` restored less than by the controls (moved away
+    from the SFT model), and `neutral_ppl` if the neutral perplexity is above the controls'. Dimensions in `unmoved`
+    (no change to undo: their shares are ratios of rounding errors) count in none."""
+    from rolemrc.sweep.report import beats_both, wins
+    from rolemrc.sweep.stats import NEUTRAL_PPL, RESTORATION_PREFIX
+
+    def measured(names: list[str]) -> list[str]:
+        dims = [n.removeprefix(RESTORATION_PREFIX) for n in names if n.startswith(RESTORATION_PREFIX)]
+        return [d for d in dims if d not in unmoved]
+
+    return {"changed": sorted(set(measured(wins(cell, "vs_baseline", 1) + wins(cell, "vs_baseline", -1)))),
+            "flagged": measured(beats_both(cell)),
+            "broken": [d for d in measured(wins(cell, "vs_controls", -1)) if d != planted]
+            + [n for n in wins(cell, "vs_controls", 1) if n == NEUTRAL_PPL]}
+
+
 def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per grid cell of a `--measure kl` sweep: restoration of the selected dimension (`kl_restoration`) and
     each control's share, the cell's place among its controls, p against baseline and controls (Holm over the
     sweep's grid); `others`: every other dimension's restoration (below 0: moved away from the SFT model beyond the
-    DPO model) and the neutral texts' perplexity change against the baseline; `changed`: dimensions whose
-    restoration differs from the baseline's; `flagged`: those restored beyond the baseline and the controls;
-    `broken`: other dimensions restored less than by the controls (moved away from the SFT model), and neutral
-    perplexity raised beyond the controls' (all at Holm p < ALPHA). A dimension where the DPO model's KL is at or
-    below KL_FLOOR (`unmoved`) has no change to undo: its shares are ratios of rounding errors, so it is neither
-    flagged, changed nor broken."""
+    DPO model) and the neutral texts' perplexity change against the baseline; changed, flagged and broken
+    (`kl_verdicts`). A dimension where the DPO model's KL is at most KL_FLOOR is `unmoved`: no change to undo."""
     from rolemrc.eval.divergence import restoration as kl_shares
     from rolemrc.sweep.kl import stored_result
     from rolemrc.sweep.plan import Cell
-    from rolemrc.sweep.report import beats_both, wins
     from rolemrc.sweep.run import CellStore
-    from rolemrc.sweep.stats import NEUTRAL_PPL, RESTORATION_PREFIX
+    from rolemrc.sweep.stats import RESTORATION_PREFIX
 
     plan = _plan(sweep_dir)
     store = CellStore(summary["config"]["cells_dir"] or sweep_dir / "cells")
@@ -212,11 +226,6 @@ def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -
     dimensions = sorted({d for dims in result.dimensions for d in dims})
     unmoved = [d for d in dimensions if not float(result.dpo[result.mask(d)].mean()) > KL_FLOOR]
     name = lambda n: n.removeprefix(RESTORATION_PREFIX)  # noqa: E731
-
-    def measured(names: list[str]) -> list[str]:
-        """The dimensions among score names that have a change to undo."""
-        return [name(n) for n in names if n.startswith(RESTORATION_PREFIX) and name(n) not in unmoved]
-
     rows = []
     for cell in summary["cells"]:
         key, mask = RESTORATION_PREFIX + cell["dimension"], result.mask(cell["dimension"])
@@ -226,14 +235,11 @@ def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -
             "diff": e["vs_baseline"]["diff"], "p_holm": e["vs_baseline"]["p_holm"],
             **({"vs_controls": e["vs_controls"]["diff"], "p_controls": e["vs_controls"]["p_holm"]}
                if "vs_controls" in e else {})} for n, e in scores.items() if n != key and name(n) not in unmoved}
-        away = [d for d in measured(wins(cell, "vs_controls", -1)) if d != organism.dimension]
         rows.append({**_cell_fields(organism, selector, cell, scores.get(key, {})),
                      "restoration": kl_restoration(result.kl[index[cell["id"]], mask].numpy(), result.dpo[mask].numpy()),
                      "controls_restoration": [shares[index[c["id"]]] for c in _controls(plan, cell)],
                      "placement": scores.get(key, {}).get("placement"), "others": others, "unmoved": unmoved,
-                     "changed": sorted(set(measured(wins(cell, "vs_baseline", 1) + wins(cell, "vs_baseline", -1)))),
-                     "flagged": measured(beats_both(cell)),
-                     "broken": away + [n for n in wins(cell, "vs_controls", 1) if n == NEUTRAL_PPL]})
+                     **kl_verdicts(cell, organism.dimension, unmoved)})
     return rows
 
 
