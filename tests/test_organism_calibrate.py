@@ -221,6 +221,7 @@ def test_by_kl_the_null_organism_flags_nothing(calibrated_kl):
     assert len(null) == 4 * 2 and result["null_false_positive_rate"] == 0
     assert not any(r["flagged"] or r["changed"] or r["broken"] for r in null)
     assert all(abs(r["restoration"]["kl_dpo"]) < KL_FLOOR and r["unmoved"] == [DIMENSION] for r in null)
+    assert all(r["p_vs_baseline"] is None and r["placement"] is None for r in null)   # no tests of rounding errors
     assert "Null organism: 0 of 8 cells flagged (0%" in result["headline"]
 
 

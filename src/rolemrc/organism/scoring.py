@@ -229,16 +229,17 @@ def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -
     rows = []
     for cell in summary["cells"]:
         key, mask = RESTORATION_PREFIX + cell["dimension"], result.mask(cell["dimension"])
-        scores = cell["scores"]
-        shares = kl_shares(result, mask).value.tolist() if cell["dimension"] not in unmoved else [math.nan] * len(plan)
+        scores, moved = cell["scores"], cell["dimension"] not in unmoved
+        shares = kl_shares(result, mask).value.tolist() if moved else [math.nan] * len(plan)
+        entry = scores.get(key, {}) if moved else {}   # unmoved: the sweep's tests are of rounding errors
         others = {name(n): {
             "diff": e["vs_baseline"]["diff"], "p_holm": e["vs_baseline"]["p_holm"],
             **({"vs_controls": e["vs_controls"]["diff"], "p_controls": e["vs_controls"]["p_holm"]}
                if "vs_controls" in e else {})} for n, e in scores.items() if n != key and name(n) not in unmoved}
-        rows.append({**_cell_fields(organism, selector, cell, scores.get(key, {})),
+        rows.append({**_cell_fields(organism, selector, cell, entry),
                      "restoration": kl_restoration(result.kl[index[cell["id"]], mask].numpy(), result.dpo[mask].numpy()),
                      "controls_restoration": [shares[index[c["id"]]] for c in _controls(plan, cell)],
-                     "placement": scores.get(key, {}).get("placement"), "others": others, "unmoved": unmoved,
+                     "placement": entry.get("placement"), "others": others, "unmoved": unmoved,
                      **kl_verdicts(cell, organism.dimension, unmoved)})
     return rows
 
