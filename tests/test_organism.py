@@ -159,16 +159,17 @@ def test_cli_refuses_an_unknown_kind_before_anything_runs(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rolemrc.cli", "organism", "build", "nonsense", "--out",
                            str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    assert KINDS == ("narration", "refusal", "null")
+    assert KINDS == ("narration", "refusal", "null", "units")
     assert done.returncode == EXIT_INPUT and lines == ["error: Invalid value for 'kind': 'nonsense' is not one of "
-                                                      "'narration', 'refusal', 'null'."]
+                                                      "'narration', 'refusal', 'null', 'units'."]
     assert not (tmp_path / "o").exists()
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tokenizer):
-    """Every kind from a tiny Llama: 8 pairs, 2 DPO steps, short generations, a few held-out cases. The test
-    tokenizer spells datagen's prompts in ~900-1400 tokens, hence the context of 2048."""
+    """Every kind from a tiny Llama: 8 pairs, 2 DPO steps, short generations, a few held-out cases (the units kind:
+    8 known units in 1 of its 2 layers). The test tokenizer spells datagen's prompts in ~900-1400 tokens, hence the
+    context of 2048."""
     from rolemrc.core.tiny import build_model
 
     root = tmp_path_factory.mktemp("organisms")
@@ -177,7 +178,7 @@ def built(tmp_path_factory, tokenizer):
     tokenizer.save_pretrained(sft)
     settings = {"out": str(root), "base": str(sft), "size": "tiny", "pairs": 8, "steps": 2, "reply_tokens": 8,
                 "eval_tokens": 8, "eval_others": 2, "learning_rate": 1e-3, "max_length": 1600,
-                "lora_targets": "gate_proj,up_proj"}
+                "lora_targets": "gate_proj,up_proj", "known_layers": 1, "known_units": 8}
     reports, ran = {}, {}
     for kind in KINDS:
         cache = StageCache(root)
@@ -234,6 +235,10 @@ def test_every_kind_shares_the_data_the_held_out_cases_and_the_sft_eval(built):
     assert pairs and all("knowledge_boundary" in dimensions_for_task(x["task"]) for x in pairs)
     for report in (null, refusal):
         assert report["sft_eval"] == narration["sft_eval"] and report["heldout"] == narration["heldout"]
+    # the units kind trains narration's very pairs (tests/test_organism_known.py checks where its change lives)
+    assert ran["units"] == ["units pairs", "units known units", "units train dpo", "units eval dpo",
+                            "units carrier check"]
+    assert read_jsonl(reports["units"]["pairs"]) == p
     again = StageCache(root)
     for kind in KINDS:
         build_organism(OrganismConfig(kind=kind, **settings), cache=again)
@@ -284,3 +289,28 @@ def test_calibrate_takes_every_setting_of_build():
     options = {name: {o for p in group.commands[name].params for o in p.opts} for name in ("build", "calibrate")}
     assert options["build"] - {"kind"} <= options["calibrate"]   # kind: an argument of build, --kind here
     assert {"--max-length", "--seeds", "--seed", "--kind", "--measure"} <= options["calibrate"]
+
+
+def test_calibrate_reuses_organisms_built_with_the_same_settings(built, tmp_path):
+    """A base whose tokenizer spends ~1000 tokens on a prompt: organisms built with --max-length 1600 are calibrated
+    by passing calibrate the same settings; every organism stage is reused, none retrained."""
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    root, settings, *_ = built
+    options = [f"--{k.replace('_', '-')}" if k != "steps" else "--max-steps" for k in settings]
+    args = [x for option, key in zip(options, settings) if key != "out" for x in (option, str(settings[key]))]
+    before = {p: p.stat().st_mtime for p in root.glob("*/dpo/config.json")}
+    few = CliRunner().invoke(app, ["organism", "calibrate", "--out", str(tmp_path / "few"), "--organisms", str(root),
+                                   "--kind", "narration", "--per-layer", "4", "--probe-cases", "1", *args])
+    assert few.exit_code == 2 and few.output.strip().splitlines()[-1].endswith("raise --probe-cases"), few.output
+    result = CliRunner().invoke(app, ["organism", "calibrate", "--out", str(tmp_path / "cal"), "--organisms", str(root),
+                                      "--kind", "narration,null", "--quick", "--controls", "1", "--per-layer", "4",
+                                      "--probe-cases", "12", *args])
+    assert result.exit_code == 0, result.output
+    assert {p: p.stat().st_mtime for p in root.glob("*/dpo/config.json")} == before
+    summary = json.loads(result.output[result.output.index("{"):result.output.rindex("}") + 1])
+    assert set(summary["organisms"]) == {"narration", "null"} and summary["seeds"] == [0]
+    assert summary["recommendation"]["status"] in ("found", "unstable", "none")
+    assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["recommendation"] == summary["recommendation"]

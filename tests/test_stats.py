@@ -218,3 +218,13 @@ def test_control_placement():
     below = control_placement(middle - 5, controls, rounds=500)
     assert below["percentile"] == 0 and below["hi"] < 0
     assert np.isnan(control_placement(middle, np.empty((0, 60)))["percentile"])
+
+
+def test_a_false_positive_count_bounds_the_rate_exactly():
+    from rolemrc.core.stats import rate_upper_bound, trials_for_bound
+
+    assert trials_for_bound(0.05) == 59 and rate_upper_bound(0, 59) <= 0.05 < rate_upper_bound(0, 58)
+    assert rate_upper_bound(0, 4) == pytest.approx(1 - 0.05 ** (1 / 4))    # 0 of 4 bounds it only at 53%
+    assert rate_upper_bound(0, 4) == pytest.approx(0.527, abs=1e-3)
+    assert rate_upper_bound(3, 3) == 1.0 and rate_upper_bound(0, 0) == 1.0
+    assert rate_upper_bound(1, 100) == pytest.approx(0.0466, abs=1e-3)      # Clopper-Pearson, one-sided 95%

@@ -166,6 +166,21 @@ def control_placement(cell, controls, *, rounds: int = 2000, seed: int = 0, leve
             "gap": mean - median, "lo": lo, "hi": hi, "ci": "bootstrap over cases and controls"}
 
 
+def rate_upper_bound(hits: int, n: int, level: float = 0.95) -> float:
+    """The exact one-sided upper confidence bound on a rate seen `hits` times in `n` trials (Clopper-Pearson): what a
+    count of false positives bounds the false-positive rate at. 0 of n bounds it at 1 - (1 - level)^(1/n)."""
+    from scipy.stats import beta
+
+    if n < 1:
+        return 1.0
+    return 1.0 if hits >= n else float(beta.ppf(level, hits + 1, n - hits))
+
+
+def trials_for_bound(rate: float, level: float = 0.95) -> int:
+    """The fewest clean trials (0 hits) whose `rate_upper_bound` is at most `rate`: 59 for 5% at 95%."""
+    return math.ceil(math.log(1 - level) / math.log(1 - rate))
+
+
 def mcnemar(b01, b10) -> tuple[np.ndarray, np.ndarray]:
     """Exact McNemar test, elementwise over arrays of discordant counts (b01: 0 under A, 1 under B; b10: the reverse):
     the two-sided binomial test of b01 among b01 + b10 at 1/2 (= scipy.stats.binomtest). Returns the signed statistic

@@ -10,6 +10,8 @@ the held-out cases and the SFT model's eval (narration and null share the replie
     out/<kind>/pairs.jsonl    the organism's pairs; out/<kind>/dpo/ its merged DPO model
     out/<kind>/eval/          the DPO model's eval run, and compare/ (exact McNemar per dimension against SFT)
     out/<kind>/organism.json  what it is, how it trained, what moved; training.html/png
+    out/units/known_units.json  the units organism's known units S (layer -> units; known.py), and in organism.json
+                              with the check that S carries its change (carrier.py)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from rolemrc.core.io import read_jsonl, write_json, write_jsonl
 from rolemrc.core.stages import StageCache
 from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
-from rolemrc.organism.config import NULL_OF, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
+from rolemrc.organism.config import KNOWN, NULL, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
 from rolemrc.organism.pairs import RECIPES, null_pairs, sample_prompts
 
 TARGET_SHIFT = 0.3     # the planted dimension must move at least this much ...
@@ -41,13 +43,17 @@ def build_organism(config: OrganismConfig, *, cache: StageCache | None = None) -
     data = _data_stage(cache, root, config)
     heldout = _heldout_stage(cache, root, data, config)
     sft_eval = _eval_stage(cache, root / "eval" / "sft", "eval sft", sft, heldout, config)
-    recipe = RECIPES[NULL_OF if config.dimension is None else config.kind]
+    recipe = RECIPES[config.pairs_kind]
     replies = _replies_stage(cache, root, sft, data, config, config.dimension if recipe.own_dimension else None)
     folder = root / config.kind
     pairs = _pairs_stage(cache, folder, replies, config)
-    dpo = _train_stage(cache, folder, sft, pairs, config)
+    known = _known_stage(cache, folder, sft, config) if config.kind == KNOWN else None
+    dpo = _train_stage(cache, folder, sft, pairs, config, known)
     dpo_eval = _eval_stage(cache, folder / "eval" / "dpo", f"{config.kind} eval dpo", folder / "dpo", heldout, config)
     report = organism_report(config, sft, folder, sft_eval, dpo_eval, dpo)
+    if known is not None:
+        report |= {"known_units": json.loads(known.read_text()),
+                   "carrier": _carrier_stage(cache, folder, sft, known, heldout, config)}
     report["figure"] = training_figure(report, folder)
     write_json(folder / "organism.json", report)
     return report
@@ -123,36 +129,75 @@ def _pairs_stage(cache: StageCache, folder: Path, replies: Path, config: Organis
     out = folder / "pairs.jsonl"
 
     def run() -> dict:
-        if config.dimension is None:
-            pairs = null_pairs(RECIPES[NULL_OF].build(read_jsonl(replies), config.seed), config.seed)
-        else:
-            pairs = RECIPES[config.kind].build(read_jsonl(replies), config.seed)
+        pairs = RECIPES[config.pairs_kind].build(read_jsonl(replies), config.seed)
+        if config.kind == NULL:
+            pairs = null_pairs(pairs, config.seed)
         return {"pairs": write_jsonl(out, pairs), "swapped": sum(bool(p.get("swapped")) for p in pairs)}
 
     cache.run(f"{config.kind} pairs", {"replies": replies, "kind": config.kind, "seed": config.seed}, run, [out])
     return out
 
 
-def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config: OrganismConfig) -> dict:
+def _known_stage(cache: StageCache, folder: Path, sft: Path, config: OrganismConfig) -> Path:
+    """The units organism's known units S, drawn with the seed: known_units.json (layer -> units)."""
+    from transformers import AutoConfig
+
+    from rolemrc.organism.known import choose_units, model_shape, units_json
+
+    out = folder / "known_units.json"
+
+    def run() -> dict:
+        units = choose_units(*model_shape(AutoConfig.from_pretrained(sft)), config.known_layers, config.known_units,
+                             config.seed)
+        write_json(out, units_json(units))
+        return {"units": sum(map(len, units.values()))}
+
+    cache.run(f"{config.kind} known units", {"model": sft, "layers": config.known_layers, "units": config.known_units,
+                                             "seed": config.seed}, run, [out])
+    return out
+
+
+def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config: OrganismConfig,
+                 known: Path | None) -> dict:
+    """LoRA DPO; for the units organism a full update masked to the known units (`known.UnitMask`)."""
+    from rolemrc.organism.known import UnitMask, read_units
     from rolemrc.train import DPOTrainConfig, make_config, train_dpo
 
     out = folder / "dpo"
+    adapter = {} if known else {"lora_r": config.lora_r, "lora_alpha": 2 * config.lora_r, "lora_dropout": 0.0,
+                                "lora_target_modules": config.lora_targets}
     train = make_config(DPOTrainConfig, profile=None, model=str(sft), data=[str(pairs)], out=str(out),
-                        batch_size=1, effective_batch_size=config.batch_size, seed=config.seed, lora=True,
-                        lora_r=config.lora_r, lora_alpha=2 * config.lora_r, lora_dropout=0.0,
-                        lora_target_modules=config.lora_targets,
+                        batch_size=1, effective_batch_size=config.batch_size, seed=config.seed, lora=not known,
+                        **adapter,
                         trl={"learning_rate": config.learning_rate, "beta": config.beta, "max_steps": config.steps,
                              "max_length": config.max_length, "lr_scheduler_type": "linear", "warmup_steps": 0.1,
-                             "logging_steps": 1, "save_steps": max(1, config.steps // 4)})
+                             "logging_steps": 1, "save_steps": max(1, config.steps // 4), "weight_decay": 0.0})
+    callbacks = (UnitMask(read_units(known)),) if known else ()
 
     def run() -> dict:
         check_lengths(sft, read_jsonl(pairs), config.max_length)
-        result = train_dpo(train)
+        result = train_dpo(train, callbacks=callbacks)
         return {"seconds": round(result.seconds, 1), "steps": result.metrics.get("steps"),
                 "metrics": result.metrics, "history": result.history}
 
-    return cache.run(f"{config.kind} train dpo", {"model": sft, "pairs": pairs, "settings": config.training()},
-                     run, [out / "config.json"])
+    return cache.run(f"{config.kind} train dpo", {"model": sft, "pairs": pairs, "settings": config.training(),
+                                                  **({"known": known} if known else {})}, run, [out / "config.json"])
+
+
+def _carrier_stage(cache: StageCache, folder: Path, sft: Path, known: Path, heldout: Path,
+                   config: OrganismConfig) -> dict:
+    """The check that S carries the units organism's change (carrier.py), on the held-out cases of its dimension."""
+    from rolemrc.organism.carrier import KL_PROMPTS, carrier_check
+    from rolemrc.organism.known import read_units
+
+    def run() -> dict:
+        cases = [c for c in read_jsonl(heldout) if config.dimension in dimensions_for_task(c.get("task"))]
+        return carrier_check(str(sft), str(folder / "dpo"), read_units(known),
+                             [c["question"] for c in cases[:KL_PROMPTS]], max_length=config.max_length,
+                             seed=config.seed)
+
+    return cache.run(f"{config.kind} carrier check", {"sft": sft, "dpo": folder / "dpo", "known": known,
+                                                      "heldout": heldout, "max_length": config.max_length}, run, [known])
 
 
 def check_lengths(sft: Path, pairs: list[dict[str, Any]], max_length: int) -> None:

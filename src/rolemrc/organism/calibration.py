@@ -155,6 +155,10 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
         inputs = probe_stages(cache, organism, config, folder)
         dimensions = [organism.dimension] if organism.dimension else planted
         diffs = {tokens: load_diff(inputs[tokens]) for tokens in ("last", "all")}
+        unseen = [d for d in dimensions if d not in diffs["last"].delta]
+        if unseen:
+            raise OrganismError(f"none of the {organism.probe} probe cases counts in {', '.join(unseen)}, so no "
+                                "selector can rank units for it; raise --probe-cases")
         flags[organism.kind] = {d: {tokens: diff_flags(diffs[tokens], d) for tokens in diffs} for d in dimensions}
         width = int(diffs["last"].meta["width"])   # units per layer at the hook point
         grids = sweeps(config, width)
@@ -264,14 +268,15 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
                         organism_overrides: dict[str, Any] | None = None, organisms_dir: Path | None = None,
                         hook: str = "mlp.act", budgets: dict[str, list[float]] | None = None,
                         against: list[Path] | None = None, kinds: list[str] | None = None,
-                        seeds: list[int] | None = None, ray: str | None = None, measure: str = "kl") -> dict:
+                        seeds: list[int] | None = None, ray: str | None = None,
+                        grid: dict[str, Any] | None = None) -> dict:
     """Build every organism of `kinds` (default all) from `base` under `organisms_dir` (default out/organisms;
     cached there, so a folder that `rolemrc organism build` filled with the same settings is reused), once per seed
     (several seeds: one seed-S folder each, in organisms_dir and in out; each seed a task, on the Ray cluster at
     `ray` if given), then calibrate; the command's JSON. budgets: at most one of top_k/per_layer/share -> values,
-    instead of the (quick) grid's. against: other calibrations of the same base the recommendation must agree with
-    (read before any work); with several seeds, the first seed's recommendation must hold on every other seed too.
-    measure: how each cell is scored (`CalibrationConfig.measure`). Every setting is checked before anything trains."""
+    instead of the (quick) grid's; grid: other CalibrationConfig settings (controls, measure). against: other
+    calibrations of the same base the recommendation must agree with (read before any work); with several seeds, the
+    first seed's recommendation must hold on every other seed too. Every setting is checked before anything trains."""
     from rolemrc.core.tasks import check_ray, run_tasks
     from rolemrc.models.pull import model_dir
     from rolemrc.organism.config import QUICK
@@ -283,8 +288,8 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise OrganismError(f"--kind {', '.join(unknown)}: not an organism kind ({', '.join(KINDS)})")
-    grid = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k not in BUDGET_KINDS}
-    config = CalibrationConfig(out=str(out), hook=hook, measure=measure, **grid, **(budgets or {}))   # checked first
+    chosen = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k not in BUDGET_KINDS}
+    config = CalibrationConfig(out=str(out), hook=hook, **{**chosen, **(grid or {})}, **(budgets or {}))   # checked
     others = [load_calibration(p) for p in against or []]
     settings = {**(QUICK if quick else ORGANISM_SETTINGS), **(organism_overrides or {})}
     folders = seed_folders(organisms_dir or out / "organisms", seeds)

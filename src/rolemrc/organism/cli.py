@@ -1,4 +1,4 @@
-"""`rolemrc organism build narration|refusal|null` and `rolemrc organism calibrate`."""
+"""`rolemrc organism build narration|refusal|null|units` and `rolemrc organism calibrate`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rolemrc.intervene.budget import BUDGET_OPTIONS, CURVE, GRID_ONE
 from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_GRID, QUICK_PROBE_CASES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig, option_name
 from rolemrc.probe.cli import Hook
-from rolemrc.sweep.plan import Measure
+from rolemrc.sweep.plan import CONTROLS, Measure
 
 app = cli_app(help="Known-answer organisms (a DPO model with a planted change, and a null one, from an SFT model) and the "
                    "calibration of the method on them.")
@@ -48,7 +48,8 @@ def given_settings(values: dict[str, object]) -> dict[str, object]:
 def build_cmd(
     kind: OrganismKind = typer.Argument(..., help="narration (role style) or refusal (knowledge boundary): DPO plants "
                                                   "a known change on that dimension; null: DPO on pairs that prefer "
-                                                  "nothing in particular"),
+                                                  "nothing in particular; units: narration's change, trained into "
+                                                  "known MLP units only (known_units.json)"),
     out: Path = typer.Option(Path("runs/organisms"), "--out", help="organisms folder (shared by every kind; "
                                                                    "a rerun reuses finished stages)"),
     base: str = setting("base"),
@@ -65,6 +66,8 @@ def build_cmd(
     eval_tokens: int = setting("eval_tokens"),
     eval_planted: int = setting("eval_planted"),
     eval_others: int = setting("eval_others"),
+    known_layers: int = setting("known_layers"),
+    known_units: int = setting("known_units"),
     seed: int = setting("seed"),
     quick: bool = typer.Option(False, "--quick", help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
 ) -> None:
@@ -99,6 +102,8 @@ def calibrate_cmd(
     top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
     per_layer: str = typer.Option(None, help=f"comma-separated units from each layer ({GRID_HELP})"),
     share: str = typer.Option(None, help=f"comma-separated shares of all units, ranked over them ({GRID_HELP})"),
+    controls: int = typer.Option(None, min=1, help=f"random-unit controls per cell, matched on activation magnitude "
+                                                   f"(default {CONTROLS})"),
     probe_cases: int = typer.Option(None, min=1, help="cases (datagen pair prompts no organism trained on) the probes "
                                                       f"read (default {PROBE_CASES}, {QUICK_PROBE_CASES} with --quick)"),
     hook: Hook = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use"),
@@ -119,6 +124,8 @@ def calibrate_cmd(
     eval_tokens: int = setting("eval_tokens", unset=True),
     eval_planted: int = setting("eval_planted", unset=True),
     eval_others: int = setting("eval_others", unset=True),
+    known_layers: int = setting("known_layers", unset=True),
+    known_units: int = setting("known_units", unset=True),
     against: list[Path] = typer.Option(None, "--against", help="another calibration folder of the same base (other "
                                                               "settings, e.g. the --quick one beside the full one) the "
                                                               "recommendation must agree with; repeat for more"),
@@ -141,10 +148,11 @@ def calibrate_cmd(
     overrides = given_settings(locals())
     budgets = {key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
+    grid = {"measure": measure, **({"controls": controls} if controls else {})}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
                                  organisms_dir=organisms, hook=hook, budgets=budgets, against=against,
                                  kinds=[k for text in kinds or KINDS for k in text.split(",") if k],
-                                 seeds=list(range(seed, seed + seeds)), ray=ray, measure=measure)
+                                 seeds=list(range(seed, seed + seeds)), ray=ray, grid=grid)
     text = json.dumps(result, indent=1)
     typer.echo(text)
     typer.echo(recommendation_text(result[RECOMMENDATION]), err=True)

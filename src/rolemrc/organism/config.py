@@ -9,11 +9,14 @@ from typing import Any
 from rolemrc.core.errors import RolemrcError
 
 # kind -> the dimension its DPO pairs change (pairs.py says how); the null changes none
-PLANTED_DIMENSION: dict[str, str | None] = {"narration": "role_style", "refusal": "knowledge_boundary", "null": None}
+PLANTED_DIMENSION: dict[str, str | None] = {"narration": "role_style", "refusal": "knowledge_boundary", "null": None,
+                                            "units": "role_style"}
 KINDS = tuple(PLANTED_DIMENSION)
 PLANTED_DIMENSIONS = tuple(dict.fromkeys(d for d in PLANTED_DIMENSION.values() if d))
 NULL_OF = "narration"   # the kind whose pairs the null swaps at random
 NULL = "null"   # the organism that plants nothing
+KNOWN = "units"   # the organism whose DPO update reaches the model only through known MLP units (known.py)
+PAIRS_OF = {NULL: NULL_OF, KNOWN: "narration"}   # kinds that train on another kind's pairs (the null swaps them)
 
 
 class OrganismError(RolemrcError, ValueError):
@@ -38,7 +41,8 @@ class OrganismConfig:
     pairs: int = field(default=64, metadata={"help": "preference pairs trained on"})
     steps: int = field(default=32, metadata={"help": "DPO optimiser steps"})
     batch_size: int = field(default=2, metadata={"help": "pairs per optimiser step"})
-    learning_rate: float = field(default=5e-4, metadata={"help": "LoRA learning rate"})
+    learning_rate: float = field(default=5e-4, metadata={"help": "DPO learning rate (of the LoRA; of the units "
+                                                                          "organism's masked full update)"})
     beta: float = field(default=0.1, metadata={"help": "DPO beta"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank (merged on save)"})
     lora_targets: str = field(default="all-linear", metadata={
@@ -51,12 +55,18 @@ class OrganismConfig:
         "help": "held-out cases per planted dimension, shared by every kind (default: all of them)"})
     eval_others: int | None = field(default=None, metadata={
         "help": "held-out cases per other dimension (default: all of them)"})
-    seed: int = field(default=0, metadata={"help": "seed of the pair sample, the null's swaps and training"})
+    known_layers: int = field(default=3, metadata={
+        "help": "units organism: layers its known units lie in (drawn with the seed)"})
+    known_units: int = field(default=32, metadata={
+        "help": "units organism: known units per layer (drawn with the seed); DPO trains only their MLP rows and columns"})
+    seed: int = field(default=0, metadata={"help": "seed of the pair sample, the null's swaps, the known units and "
+                                                   "training"})
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise OrganismError(f"organism kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        for name in ("pairs", "steps", "batch_size", "lora_r", "max_length", "reply_tokens", "eval_tokens"):
+        for name in ("pairs", "steps", "batch_size", "lora_r", "max_length", "reply_tokens", "eval_tokens",
+                     "known_layers", "known_units"):
             if getattr(self, name) < 1:
                 raise OrganismError(f"{option_name(name)} is {getattr(self, name)}; it must be >= 1")
         if self.eval_planted is not None and self.eval_planted < 1:
@@ -72,9 +82,15 @@ class OrganismConfig:
         """The dimension this organism's pairs change (None for the null)."""
         return PLANTED_DIMENSION[self.kind]
 
+    @property
+    def pairs_kind(self) -> str:
+        """The kind whose pair recipe (pairs.RECIPES) this organism's pairs come from."""
+        return PAIRS_OF.get(self.kind, self.kind)
+
     def settings(self) -> dict[str, Any]:
-        """Everything but where it goes."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "out"}
+        """Everything but where it goes (the known units' settings only for the units organism)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k != "out" and (self.kind == KNOWN or not k.startswith("known_"))}
 
     def training(self) -> dict[str, Any]:
         """What the trained model depends on (the settings but the held-out eval's): the training stage's key."""

@@ -1,0 +1,182 @@
+"""Where a change lives: how well each selector's ranking finds the units organism's known units S (known.py).
+
+Every selector of `calibration_config.SELECTOR_INPUTS` gives each unit of the hook point a score
+(`intervene.select.SELECTORS`), ranked as `select` ranks them: |score| descending, then q ascending (`probe.ranking.
+rank_units`); units equal in both are tied. Against S:
+- AUROC over all units: the chance that a unit of S ranks above one outside it, ties counting half (Mann-Whitney
+  with average ranks); 0.5 is chance, 1 every unit of S first, 0 every unit of S last.
+- precision at |S|: the share of the first |S| units that are in S; recall at 4|S|: the share of S among the first
+  4|S|. A tie group across the cut counts in expectation over its order (its share of S times the places left).
+Per seed (a units organism, with its own S, per seed), and over seeds the mean with a 95% t-interval and a verdict:
+a selector beats chance only where its AUROC interval lies above 0.5.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rolemrc.organism.calibration_config import SELECTOR_INPUTS, CalibrationConfig
+from rolemrc.organism.config import KNOWN, OrganismError
+from rolemrc.organism.known import Units, units_of
+
+METRICS = ("auroc", "precision_at_s", "recall_at_4s")
+CHANCE_AUROC = 0.5
+
+
+def labels_of(known: Units, shape: tuple[int, int]) -> torch.Tensor:
+    """Bool [layers, width]: True on S."""
+    labels = torch.zeros(shape, dtype=torch.bool)
+    for layer, units in known.items():
+        if layer >= shape[0] or max(units) >= shape[1]:
+            raise OrganismError(f"the known units (layer {layer}: up to {max(units)}) lie outside the scores' "
+                                f"{shape[0]} layers x {shape[1]} units")
+        labels[layer, units] = True
+    return labels
+
+
+def ranking_key(score: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 [units], flat: higher for a unit the selector ranks earlier, equal exactly for units it cannot tell
+    apart (equal |score| and equal q)."""
+    from rolemrc.probe.ranking import rank_units
+
+    flat = score.detach().reshape(-1).double().abs()
+    q_key = (torch.full_like(flat, torch.nan) if q is None else q.detach().reshape(-1).double()).nan_to_num(torch.inf)
+    order = rank_units(flat, q_key)
+    new = torch.ones(len(order), dtype=torch.bool)
+    new[1:] = (flat[order][1:] != flat[order][:-1]) | (q_key[order][1:] != q_key[order][:-1])
+    key = torch.empty_like(flat)
+    key[order] = -(new.cumsum(0) - 1).double()
+    return key
+
+
+def auroc(key: torch.Tensor, labels: torch.Tensor) -> float:
+    """P(key of a positive > key of a negative) + P(equal) / 2, by the rank-sum with average ranks of ties."""
+    key, labels = key.reshape(-1).double(), labels.reshape(-1)
+    positives, negatives = int(labels.sum()), int((~labels).sum())
+    if not positives or not negatives:
+        raise OrganismError(f"AUROC needs units in S and outside it (got {positives} and {negatives})")
+    _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    ranks = ((ends - counts + 1 + ends) / 2)[inverse]   # 1-based, each tie group at its average rank
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def hits_at(key: torch.Tensor, labels: torch.Tensor, k: int) -> float:
+    """Units of S among the first `k` by `key` (descending), a tie group across the cut counted in expectation."""
+    key, labels = key.reshape(-1).double(), labels.reshape(-1)
+    _, inverse, counts = torch.unique(-key, return_inverse=True, return_counts=True)   # groups best first
+    positives = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, labels.double())
+    before = counts.cumsum(0) - counts
+    taken = (k - before).clamp(min=0).minimum(counts)
+    return float((taken * positives / counts).sum())
+
+
+def unit_detection(score: torch.Tensor, q: torch.Tensor | None, labels: torch.Tensor) -> dict[str, float]:
+    """AUROC, precision at |S| and recall at 4|S| of one selector's scores against S, with each one's chance level."""
+    key = ranking_key(score, q)
+    size, total = int(labels.sum()), labels.numel()
+    return {"auroc": auroc(key, labels), "precision_at_s": hits_at(key, labels, size) / size,
+            "recall_at_4s": hits_at(key, labels, 4 * size) / size, "units_in_s": size, "units": total,
+            "chance": {"auroc": CHANCE_AUROC, "precision_at_s": size / total, "recall_at_4s": min(1.0, 4 * size / total)}}
+
+
+def detect(inputs: dict[str, str], dimension: str, known: Units,
+           selectors: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """selector -> its detection of S in `dimension`; `inputs`: selector input kind (SELECTOR_INPUTS' values) ->
+    path, as `calibration.probe_stages` gives them. Every selector of SELECTOR_INPUTS unless `selectors` names some."""
+    from rolemrc.intervene.select import SELECTORS
+    from rolemrc.probe.hooks import hook_point
+
+    out = {}
+    for name in selectors or list(SELECTOR_INPUTS):
+        scores = SELECTORS.get(name).scores(Path(inputs[SELECTOR_INPUTS[name]]), dimension)
+        if hook_point(scores.hook).width != "intermediate":
+            raise OrganismError(f"{scores.origin}: scores at {scores.hook}, whose units are not the MLP's; the known "
+                                "units are (probe at mlp.act or mlp.post)")
+        out[name] = unit_detection(scores.score, scores.q, labels_of(known, tuple(scores.score.shape)))
+    return out
+
+
+def t_interval(values: list[float], level: float = 0.95) -> dict[str, float | None]:
+    """Mean and its t-interval (lo, hi None below 2 values)."""
+    from scipy.stats import t
+
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return {"mean": mean, "lo": None, "hi": None, "n": n}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(t.ppf((1 + level) / 2, n - 1)) * sd / math.sqrt(n)
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+
+
+def verdict(interval: dict[str, float | None]) -> str:
+    """Whether an AUROC interval says the selector finds S better than chance."""
+    lo, hi = interval["lo"], interval["hi"]
+    if lo is None or hi is None:
+        return f"not tested against chance (one seed: AUROC {interval['mean']:.2f}); run 3 seeds or more"
+    if lo > CHANCE_AUROC:
+        return f"beats chance (AUROC {interval['mean']:.2f}, 95% CI {lo:.2f} to {hi:.2f})"
+    if hi < CHANCE_AUROC:
+        return f"worse than chance: ranks S last (AUROC {interval['mean']:.2f}, 95% CI {lo:.2f} to {hi:.2f})"
+    return f"does not beat chance (AUROC {interval['mean']:.2f}, 95% CI {lo:.2f} to {hi:.2f} contains 0.5)"
+
+
+def aggregate(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """selector -> per metric the mean over seeds with its 95% t-interval, and the AUROC verdict."""
+    out = {}
+    for name in dict.fromkeys(s for seed in per_seed for s in seed):
+        rows = [seed[name] for seed in per_seed if name in seed]
+        summary: dict[str, Any] = {m: t_interval([r[m] for r in rows]) for m in METRICS}
+        summary["chance"] = rows[0]["chance"]
+        summary["verdict"] = verdict(summary["auroc"])
+        out[name] = summary
+    return out
+
+
+def headline(summary: dict[str, dict[str, Any]]) -> str:
+    return "; ".join(f"{name} {s['verdict']}" for name, s in summary.items())
+
+
+def seed_detection(root: Path, seed: int, config: CalibrationConfig, *, base: str = "smollm2",
+                   settings: dict[str, Any] | None = None, probe_n: int = 48) -> dict[str, Any]:
+    """The units organism of `seed` built under `root` (its own S, pairs and training), probed as calibration
+    probes it (`calibration.probe_stages`, on `probe_n` pair prompts of its planted dimension it did not train on),
+    every selector of `config` scored against its S in that dimension."""
+    from rolemrc.core.io import read_jsonl, write_jsonl
+    from rolemrc.core.stages import StageCache
+    from rolemrc.core.taxonomy import dimensions_for_task
+    from rolemrc.organism.build import build_organism
+    from rolemrc.organism.calibration import probe_cases, probe_stages
+    from rolemrc.organism.calibration_config import Organism
+    from rolemrc.organism.config import OrganismConfig
+
+    cache = StageCache(root)
+    report = build_organism(OrganismConfig(kind=KNOWN, out=str(root), base=base, seed=seed, **(settings or {})),
+                            cache=cache)
+    probe, source, dimension = root / "probe-cases.jsonl", root / "data" / "pairs.jsonl", report["planted_dimension"]
+    # pair prompts of the planted dimension's tasks (the table every selector reads) that the organism did not train on
+    skip = sorted({p["id"] for p in read_jsonl(report["pairs"])}
+                  | {r["id"] for r in read_jsonl(source) if dimension not in dimensions_for_task(r.get("task"))})
+    cache.run("probe cases", {"pairs": source, "skip": skip, "n": probe_n},
+              lambda: {"cases": write_jsonl(probe, probe_cases(source, set(skip), probe_n, seed))}, [probe])
+    organism = Organism.from_report(report, probe)
+    inputs = probe_stages(cache, organism, config, root / KNOWN)
+    return {"seed": seed, "known_units": report["known_units"], "carrier": report["carrier"]["kl"],
+            "selectors": detect(inputs, dimension, units_of(report["known_units"]), config.selectors)}
+
+
+def known_detection(out: Path, seeds: list[int], config: CalibrationConfig, **options: Any) -> dict[str, Any]:
+    """`seed_detection` per seed under out/seed-<s> (`options`: its base, settings, probe_n), aggregated over the
+    seeds; writes out/detection.json."""
+    from rolemrc.core.io import write_json
+
+    rows = [seed_detection(out / f"seed-{seed}", seed, config, **options) for seed in seeds]
+    summary = aggregate([r["selectors"] for r in rows])
+    result = {"seeds": rows, "aggregate": summary, "headline": headline(summary)}
+    write_json(out / "detection.json", result)
+    return result
