@@ -263,6 +263,7 @@ def test_cli_builds_the_refusal_kind(built):
     (["--top-k", "193"], r"--top-k 193: .* has 192 units at mlp.act \(2 layers x 96\)"),
     (["--max-steps", "0"], "--max-steps is 0; it must be >= 1"),
     (["--eval-others", "-1"], "--eval-others is -1"),
+    (["--measure", "bleu"], "Invalid value for '--measure'"),
 ])
 def test_calibrate_refuses_bad_settings_in_one_line_before_anything_trains(model_dirs, tmp_path, args, message):
     """Every error names an option of `organism calibrate` itself, and nothing is built."""
@@ -287,7 +288,7 @@ def test_calibrate_takes_every_setting_of_build():
     group = get_command(app)
     options = {name: {o for p in group.commands[name].params for o in p.opts} for name in ("build", "calibrate")}
     assert options["build"] - {"kind"} <= options["calibrate"]   # kind: an argument of build, --kind here
-    assert {"--max-length", "--seeds", "--seed", "--kind"} <= options["calibrate"]
+    assert {"--max-length", "--seeds", "--seed", "--kind", "--measure"} <= options["calibrate"]
 
 
 def test_calibrate_reuses_organisms_built_with_the_same_settings(built, tmp_path):

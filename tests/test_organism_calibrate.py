@@ -26,11 +26,12 @@ from rolemrc.organism.calibration_config import CalibrationConfig, Organism, swe
 from rolemrc.organism.calibration_report import headline
 from rolemrc.organism.config import OrganismError
 from rolemrc.organism.recommend import recommend
-from rolemrc.organism.scoring import broken, finds_change, flag_restorations, restoration, toward_sft
+from rolemrc.organism.scoring import KL_FLOOR, broken, finds_change, flag_restorations, kl_verdicts, restoration, toward_sft
 from rolemrc.sweep import plots as sweep_plots
 
 DIMENSION = "multi_turn"
 NOISE = 1e-3   # every MLP weight: no exact ties between units, no greedy token changed
+KL_CONTROLS = 5   # random-unit controls per KL cell (the default 10 doubles the fixture's time, mostly footprints)
 
 
 def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: Path, dimension: str | None) -> Organism:
@@ -44,9 +45,8 @@ def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: 
     return Organism(kind, str(sft), str(dpo), str(pairs), str(heldout), str(sft_eval), str(probe), dimension)
 
 
-@pytest.fixture(scope="module")
-def calibrated(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("calibration")
+def build_organisms(root: Path, tokenizer) -> list[Organism]:
+    """The planted organism and the null one, their models and cases under `root`."""
     sft = save_planted_llama(root / "sft", tokenizer, units_on=False, noise=NOISE)
     dpo = save_planted_llama(root / "dpo", tokenizer, noise=NOISE)
     # the null's DPO model: the SFT model with other noise, so every unit moves a little and nothing behaves otherwise
@@ -56,11 +56,29 @@ def calibrated(tmp_path_factory, tokenizer):
     organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl", DIMENSION),
                  organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl", None)]
     organisms[0].known_units = {"1": ANSWERABLE_UNITS}   # where the planted change lives: a unit-level answer
-    config = CalibrationConfig(out=str(root / "out"), top_k=[4, 16], factors=[0.0, PAPER_FACTOR],
-                               paper_factor=False, controls=1, attribution_pairs=6, max_new_tokens=6)
+    return organisms
+
+
+def run_calibration(root: Path, tokenizer, **settings) -> dict:
+    config = CalibrationConfig(out=str(root / "out"), top_k=[4, 16], paper_factor=False, attribution_pairs=6,
+                               max_new_tokens=6, **settings)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})   # PNGs: ~10 s, tested elsewhere
-        return calibrate(organisms, config), root
+        return calibrate(build_organisms(root, tokenizer), config)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, tokenizer):
+    """Cells scored by the rules judge on generated replies, one control each."""
+    root = tmp_path_factory.mktemp("calibration")
+    return run_calibration(root, tokenizer, measure="judge", factors=[0.0, PAPER_FACTOR], controls=1), root
+
+
+@pytest.fixture(scope="module")
+def calibrated_kl(tmp_path_factory, tokenizer):
+    """The same organisms, each cell scored by its KL to the SFT model on the SFT model's replies (forward passes)."""
+    root = tmp_path_factory.mktemp("calibration-kl")
+    return run_calibration(root, tokenizer, measure="kl", factors=[0.0], controls=KL_CONTROLS), root
 
 
 def cells(result, organism_kind=None, selector=None, factor=None, top_k=None):
@@ -163,6 +181,71 @@ def test_a_rerun_reuses_every_stage(calibrated, monkeypatch):
     cache = StageCache(root / "out")
     again = calibrate([Organism(**o) for o in result["organisms"]], CalibrationConfig(**result["config"]), cache=cache)
     assert cache.ran == [] and json.dumps(again["cells"]) == json.dumps(result["cells"])   # NaN != NaN
+
+
+def test_by_kl_the_planted_units_undo_the_change_and_random_units_do_not(calibrated_kl):
+    """Scored by KL to the SFT model on its own replies: zeroing the 4 planted units takes the DPO model back to the
+    SFT model (up to the noise both carry), its CI above 0 and above each of its matched random-unit controls,
+    which undo next to nothing; no cell breaks anything (the held-out references' perplexity included)."""
+    result, root = calibrated_kl
+    planted = cells(result, "planted")
+    for selector in ("standardized", "attribution"):
+        (row,) = cells(result, "planted", selector, 0.0, 4)
+        undone, controls = row["restoration"], row["controls_restoration"]
+        assert row["measure"] == "kl" and row["units"] == 4 and undone["kl_dpo"] > 1 and undone["n"] == 12, row
+        assert undone["share"] == pytest.approx(1, abs=0.01) and undone["lo"] > 0.9, row
+        assert len(controls) == KL_CONTROLS and undone["lo"] > max(controls), row
+        assert row["placement"]["percentile"] == 100 and row["placement"]["lo"] > 0.9, row
+        assert row["p_vs_baseline"] < 0.05 and row["p_vs_controls"] < 0.05, row
+        assert row["flagged"] == [DIMENSION] and finds_change(row), row
+        assert "neutral_ppl" in row["others"], row   # the held-out references (out/planted/neutral.txt)
+    assert all(abs(c) < 0.05 for r in planted for c in r["controls_restoration"])
+    assert not any(r["broken"] for r in planted)
+    assert (root / "out" / "planted" / "neutral.txt").read_text() == "a reference answer\n"
+
+
+def test_by_kl_the_recommendation_is_a_selector_that_sees_the_change(calibrated_kl):
+    result, root = calibrated_kl
+    rec = result["recommendation"]
+    assert rec["status"] == "found" and rec["selector"] in ("standardized", "attribution"), rec
+    assert rec["budget"] == {"top_k": 4} and rec["factor"] == 0.0 and rec["rests_on"]["measure"] == "kl"
+    assert "planted 100% undone (95% CI 100% to 100%)" in rec["why"]
+    assert "Measure: teacher-forced KL to the SFT model" in result["headline"]
+    assert "measure kl" in (root / "out" / "calibration.md").read_text()
+    assert (root / "out" / "calibration.html").stat().st_size > 1000
+
+
+def test_by_kl_the_null_organism_flags_nothing(calibrated_kl):
+    """The null's DPO model is the SFT model with other noise: its KL to it is a float32 rounding (below KL_FLOOR),
+    so there is no change to undo and no cell is flagged, changed or broken."""
+    result, _ = calibrated_kl
+    null = cells(result, "null")
+    assert len(null) == 4 * 2 and result["null_false_positive_rate"] == 0
+    assert not any(r["flagged"] or r["changed"] or r["broken"] for r in null)
+    assert all(abs(r["restoration"]["kl_dpo"]) < KL_FLOOR and r["unmoved"] == [DIMENSION] for r in null)
+    assert all(r["p_vs_baseline"] is None and r["placement"] is None for r in null)   # no tests of rounding errors
+    assert "Null organism: 0 of 8 cells flagged (0%" in result["headline"]
+
+
+def test_by_kl_a_cell_breaks_what_it_pushes_away_from_the_sft_model_beyond_its_controls():
+    """kl_verdicts on a sweep cell's Holm-corrected tests: role style restored beyond baseline and controls is
+    flagged; knowledge boundary pushed away from the SFT model beyond the controls, and the neutral perplexity raised
+    beyond theirs, are broken, so the cell does not find the change; a dimension with no change to undo counts in
+    nothing."""
+    def test(diff, p):
+        return {"diff": diff, "p_holm": p}
+
+    cell = {"scores": {
+        "restoration:role_style": {"vs_baseline": test(0.9, 0.001), "vs_controls": test(0.8, 0.001)},
+        "restoration:knowledge_boundary": {"vs_baseline": test(-0.4, 0.001), "vs_controls": test(-0.3, 0.002)},
+        "restoration:nested": {"vs_baseline": test(0.2, 0.3), "vs_controls": test(-0.2, 0.4)},
+        "neutral_ppl": {"vs_baseline": test(3.0, 0.01), "vs_controls": test(2.5, 0.01)}}}
+    verdict = kl_verdicts(cell, "role_style", [])
+    assert verdict == {"changed": ["knowledge_boundary", "role_style"], "flagged": ["role_style"],
+                       "broken": ["knowledge_boundary", "neutral_ppl"]}
+    assert not finds_change({"restoration": {"lo": 0.8}, "dimension": "role_style", **verdict})
+    assert kl_verdicts(cell, "role_style", ["knowledge_boundary"])["broken"] == ["neutral_ppl"]
+    assert kl_verdicts(cell, None, [])["broken"] == ["knowledge_boundary", "neutral_ppl"]   # the null: nothing planted
 
 
 def test_restoration_share_and_interval():

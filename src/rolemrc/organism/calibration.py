@@ -2,10 +2,11 @@
 
 For each organism (planted, null): probe SFT and DPO together on cases never trained on (last prompt token and every
 prompt token), diff them, attribute the DPO margin over the organism's pairs, then per selector x unit budget x
-factor restrain the DPO model through the sweep (random-unit controls, Holm) on the held-out cases, and score each
-cell against the known answer (scoring.py: restoration and its CI, the cost on every other dimension, the dimensions
-flagged as brought back to the SFT model; on the null organism the share of cells flagged is the pipeline's
-false-positive rate). Beside it, how many units each diff flags by itself (BH q < 0.05).
+factor restrain the DPO model through the sweep (random-unit controls, Holm) on the held-out cases, measured by KL
+to the SFT model (the default) or by the judge (`CalibrationConfig.measure`), and score each cell against the known
+answer (scoring.py: restoration and its CI, the cost on every other dimension, the dimensions flagged as brought
+back to the SFT model; on the null organism the share of cells flagged is the pipeline's false-positive rate).
+Beside it, how many units each diff flags by itself (BH q < 0.05).
 
 The paper's factor 1 - 1e-6 runs as a sweep of its own at the largest budget only (`paper_factor`). From the cells,
 one recommendation (organism/recommend.py): the selector, budget and factor `intervene select --calibration` uses, or
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rolemrc.core.io import read_jsonl, write_json, write_jsonl
+from rolemrc.core.io import read_jsonl, write_json, write_jsonl, write_text
 from rolemrc.core.stages import StageCache
 from rolemrc.core.taxonomy import dimensions_for_task
 from rolemrc.intervene.budget import BUDGET_OPTIONS, Budget
@@ -105,17 +106,33 @@ def diff_flags(result: DiffResult, dimension: str, fdr: float = ALPHA) -> dict[s
             "effect": count(result.effect_q) if result.effect_tested else None}
 
 
+def neutral_file(organism: Organism, folder: Path) -> Path:
+    """--measure kl's neutral texts: the held-out cases' distinct references, one per line, in folder/neutral.txt
+    (rewritten only when they change, so the sweep's cells keep their ids)."""
+    lines = dict.fromkeys(" ".join(str(r["reference"]).split()) for r in read_jsonl(organism.heldout)
+                          if r.get("reference"))
+    out, text = folder / "neutral.txt", "\n".join(lines) + "\n"
+    if not out.is_file() or out.read_text(encoding="utf-8") != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_text(out, text)
+    return out
+
+
 def sweep_stage(organism: Organism, dimensions: list[str], selector: str, source: str, config: CalibrationConfig,
                 out: Path, budgets: list[Budget], factors: list[float], magnitudes: str) -> dict:
     """One sweep (the sweep resumes by itself: finished cells are kept) of `selector` over dimensions x budgets x
     factors, its cells in the organism's shared store; controls matched on the activation moments of the diff
-    `magnitudes` (one for every selector, so selectors that choose the same units share their controls too)."""
+    `magnitudes` (one for every selector, so selectors that choose the same units share their controls too). With
+    `config.measure` kl, each cell is scored by its KL to the organism's SFT model on that model's own greedy replies,
+    and its perplexity on the held-out references (`neutral_file`)."""
     from rolemrc.sweep import SweepConfig, run_sweep
 
+    kl = ({"base": organism.sft, "neutral": str(neutral_file(organism, out.parent))} if config.measure == "kl"
+          else {})
     sweep = SweepConfig(model=organism.dpo, diff=source, data=organism.heldout, out=str(out),
                         cells_dir=str(out.parent / "cells"), dimensions=list(dimensions), factors=list(factors),
                         **{budgets[0].kind: [b.value for b in budgets]}, method=selector, controls=config.controls,
-                        magnitudes=magnitudes,
+                        magnitudes=magnitudes, measure=config.measure, **kl,
                         seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
     return run_sweep(sweep, metrics=[])
 
@@ -294,11 +311,11 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     cached there, so a folder that `rolemrc organism build` filled with the same settings is reused), once per seed
     (several seeds: one seed-S folder each, in organisms_dir and in out; each seed a task, on the Ray cluster at
     `ray` if given), then calibrate; the command's JSON. budgets: at most one of top_k/per_layer/share -> values,
-    instead of the (quick) grid's; grid: other CalibrationConfig settings (controls). against: other calibrations of
-    the same base the recommendation must agree with (read before any work); with several seeds, the first seed's
-    recommendation must hold on every other seed too. retries: rebuilds, with the next seeds, of an organism that
-    misses its target (one that still misses is reported and left out). Every setting is checked before anything
-    trains."""
+    instead of the (quick) grid's; grid: other CalibrationConfig settings (controls, measure). against: other
+    calibrations of the same base the recommendation must agree with (read before any work); with several seeds, the
+    first seed's recommendation must hold on every other seed too. retries: rebuilds, with the next seeds, of an
+    organism that misses its target (one that still misses is reported and left out). Every setting is checked before
+    anything trains."""
     from rolemrc.core.tasks import check_ray, run_tasks
     from rolemrc.models.pull import model_dir
     from rolemrc.organism.config import QUICK

@@ -8,7 +8,7 @@ from typing import Any
 
 from rolemrc.intervene.budget import CURVE, Budget, budget_grid
 from rolemrc.intervene.spec import PAPER_FACTOR
-from rolemrc.sweep.plan import CONTROLS
+from rolemrc.sweep.plan import CONTROLS, MEASURES, Measure
 
 SELECTOR_INPUTS = {"frequency": "last", "frequency-all": "all", "standardized": "all", "attribution": "attribution"}
 ALPHA = 0.05   # the significance level of every test and flag
@@ -62,16 +62,20 @@ class CalibrationConfig:
     batch_size: int = 32              # rows per generation batch (the sweep's cells share batches)
     hook: str = "mlp.act"
     seed: int = 0
+    # how a cell is scored (the sweep's --measure): kl, the share of the DPO model's KL to the SFT model it undoes on
+    # the SFT model's own replies (forward passes); judge, the rules judge's verdicts on its generated replies
+    measure: Measure = "kl"
 
     def __post_init__(self) -> None:
+        from rolemrc.core.errors import InputError
         from rolemrc.probe.hooks import check_point
 
         check_point(self.hook)
         unknown = sorted(set(self.selectors) - set(SELECTOR_INPUTS))
         if unknown:
-            from rolemrc.core.errors import InputError
-
             raise InputError(f"unknown selector(s) {unknown}; calibration knows {', '.join(SELECTOR_INPUTS)}")
+        if self.measure not in MEASURES:
+            raise InputError(f"--measure: one of {', '.join(MEASURES)}, not {self.measure!r}")
         self.budgets()
 
     def check_fits(self, width: int, layers: int, model: str) -> None:

@@ -10,7 +10,23 @@ from rolemrc.intervene.recommendation import RECOMMENDATION
 from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.organism.calibration_config import YANG_RANGE
 from rolemrc.organism.config import NULL
-from rolemrc.organism.scoring import finds_change
+from rolemrc.organism.scoring import finds_change, measure_of
+
+# per measure, in words: what it is and what "undone" means, what a flag and a break are, what the paper factor moves
+MEASURE_TEXT = {
+    "judge": {"what": "Measure: the rules judge's verdicts on each cell's generated replies; undone: the share of the "
+                      "DPO step's pass-rate change a cell takes back, (cell - DPO) / (SFT - DPO).",
+              "flagged": "a dimension's cases and pass rate brought closer to the SFT model's than by the baseline and "
+                         "the controls",
+              "broken": "out of the SFT model's 95% CI", "paper": "the selected dimension's pass rate",
+              "null_panel": "change in pass rate"},
+    "kl": {"what": "Measure: teacher-forced KL to the SFT model on its own greedy replies; undone: the share of the DPO "
+                   "model's KL to the SFT model a cell undoes, 1 - KL(cell||SFT) / KL(DPO||SFT).",
+           "flagged": "a dimension's KL to the SFT model undone beyond the baseline and the controls",
+           "broken": "another dimension moved away from the SFT model, or the held-out references' perplexity raised, "
+                     "beyond the controls",
+           "paper": "a dimension's restoration against the baseline (Holm p < 0.05)",
+           "null_panel": "share of its KL undone"}}
 
 
 def headline(rows: list[dict[str, Any]]) -> str:
@@ -19,18 +35,19 @@ def headline(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ("No cell ran: every budget was at or above the hook point's width, or no selector could restrain "
                 "anything (calibration.json's `skipped` says which).")
+    words = MEASURE_TEXT[measure_of(rows[0])]
     null = [r for r in rows if r["organism"] == NULL]
     parts = [_found_text(kind, [r for r in rows if r["organism"] == kind])
              for kind in dict.fromkeys(r["organism"] for r in rows if r["organism"] != NULL)]
     paper = [r for r in rows if r["factor"] == PAPER_FACTOR]
-    moved = [r for r in paper if r["changed"] or abs(r["restoration"]["cell_minus_dpo"]) > 0]
+    # under the judge any change of a pass rate counts; a KL moves by a rounding under any restraint, so a tested change
+    moved = [r for r in paper if r["changed"] or (measure_of(r) == "judge" and abs(r["restoration"]["cell_minus_dpo"]))]
     fp, broke = sum(bool(r["flagged"]) for r in null), sum(bool(r["broken"]) for r in null)
-    second = (f" Null organism: {fp} of {len(null)} cells flagged ({fp / len(null):.0%}, target <= 5%; flagged: a "
-              f"dimension's cases and pass rate brought closer to the SFT model's than by the baseline and the "
-              f"controls); {broke} broke a dimension (out of the SFT model's 95% CI)." if null else "")
-    third = (f" The paper's factor 1 - 1e-6 changed the selected dimension's pass rate in {len(moved)} of {len(paper)} "
-             "cells." if paper else "")
-    return " ".join(parts) + second + third
+    second = (f" Null organism: {fp} of {len(null)} cells flagged ({fp / len(null):.0%}, target <= 5%; flagged: "
+              f"{words['flagged']}); {broke} broke a dimension ({words['broken']})." if null else "")
+    third = (f" The paper's factor 1 - 1e-6 changed {words['paper']} in {len(moved)} of {len(paper)} cells."
+             if paper else "")
+    return " ".join(parts) + second + third + " " + words["what"]
 
 
 def _found_text(kind: str, cells: list[dict[str, Any]]) -> str:
@@ -45,9 +62,9 @@ def _found_text(kind: str, cells: list[dict[str, Any]]) -> str:
         missed = sorted({r["selector"] for r in cells} - set(best))
         return (f"The {kind} change ({dimension}) is found by " + "; ".join(parts)
                 + (f"; not by {', '.join(missed)}." if missed else "."))
-    text = (f"No selector finds the {kind} change ({dimension}): none of {len(cells)} cells brings its cases and pass "
-            "rate closer to the SFT model's than its baseline and its random-unit controls (Holm p < 0.05) with "
-            "restoration's CI above 0 and no other dimension broken")
+    text = (f"No selector finds the {kind} change ({dimension}): none of {len(cells)} cells has {dimension} flagged "
+            f"({MEASURE_TEXT[measure_of(cells[0])]['flagged']}, Holm p < 0.05) with restoration's CI above 0 and no "
+            "other dimension broken")
     scored = [r for r in cells if r["restoration"]["lo"] == r["restoration"]["lo"]]
     if scored:
         r = max(scored, key=lambda r: r["restoration"]["lo"])
@@ -89,7 +106,7 @@ def recommendation_text(rec: dict[str, Any]) -> str:
             f"({rec['why']}); `intervene select --calibration` takes it. It holds over: {over}.")
 
 
-SETTING_NAMES = ("probe_cases", "attribution_pairs", "heldout_cases", "dpo_steps", "organism_seed", "control_seed")
+SETTING_NAMES = ("measure", "probe_cases", "attribution_pairs", "heldout_cases", "dpo_steps", "organism_seed", "control_seed")
 
 
 def _settings(rests_on: dict[str, Any]) -> str:
@@ -100,7 +117,8 @@ def _settings(rests_on: dict[str, Any]) -> str:
 def calibration_markdown(result: dict[str, Any]) -> str:
     lines = [f"**{result['headline']}**", "", recommendation_text(result[RECOMMENDATION]), "",
              *null_bound_text(result.get("null_bound")), *missed_text(result.get("missed_targets", [])),
-             "## Recovery curve", "", "The share of each planted change undone against units per layer (Yang et al., "
+             "## Recovery curve", "", "The share of each planted change undone (by the calibration's measure) against "
+             "units per layer (Yang et al., "
              f"arXiv 2411.06424: ablating the units DPO changed explains {YANG_RANGE[0]:.1%} to {YANG_RANGE[1]:.0%} of "
              "its effect).", "",
              "| organism | selector | factor | units per layer | units | undone (95% CI) | random-unit controls | found |",
@@ -126,7 +144,7 @@ def calibration_markdown(result: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cells"]:
         s = r["restoration"]
-        ctrl = ", ".join(f"{c:.0%}" for c in r["controls_restoration"]) or "-"
+        ctrl = (", ".join(f"{c:.0%}" for c in r["controls_restoration"]) or "-") + _placement(r.get("placement"))
         others = "; ".join(f"{k} {v['diff']:+.2f} ({v['p_holm']:.2g})" for k, v in r["others"].items())
         lines.append(f"| {organism_label(r)} | {r['dimension']} | {r['selector']} | {coverage_text(r['coverage'])} | "
                      f"{r['factor']:g} | {s['share']:.0%} ({s['lo']:.0%} to {s['hi']:.0%}) | {ctrl} | "
@@ -173,6 +191,14 @@ def detection_markdown(detection: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _placement(p: dict[str, Any] | None) -> str:
+    """' (percentile P among K; gap to their median G, 95% CI)', or nothing without a placement."""
+    if not p or not p.get("k"):
+        return ""
+    return (f" (percentile {p['percentile']:.0f} among {p['k']}; gap to their median {p['gap']:+.0%}, 95% CI "
+            f"{p['lo']:+.0%} to {p['hi']:+.0%})")
+
+
 def _j(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -186,7 +212,8 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
     one line per selector and factor (a colour per selector; factor 0 solid, others dashed), found cells as stars and
     cells that broke another dimension as crosses, the random-unit controls as a grey band (lowest to highest of
     every selector's controls at each size) and Yang et al.'s 2.5-24% as a shaded band; for the null, which has no
-    change to undo, the change in each selected dimension's pass rate."""
+    planted change: under the judge the change in each selected dimension's pass rate, under KL the share of its
+    DPO model's KL to the SFT model undone (its DPO step moved every unit a little)."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
@@ -195,13 +222,14 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
 
     panels = sorted({(r["organism"], r["dimension"]) for r in rows}, key=lambda p: (p[0] == NULL, p))
     color = {s: qualitative.Plotly[k % len(qualitative.Plotly)] for k, s in enumerate(sorted({r["selector"] for r in rows}))}
-    titles = [f"null, selected for<br>{d}:<br>change in pass rate" if k == NULL else f"{k}<br>({d}):<br>share undone"
-              for k, d in panels]
+    measure = measure_of(rows[0])
+    titles = [f"null, selected for<br>{d}:<br>{MEASURE_TEXT[measure]['null_panel']}" if k == NULL else
+              f"{k}<br>({d}):<br>share undone" for k, d in panels]
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=titles, horizontal_spacing=0.06)
     per_layer = units_per_layer
     for col, (kind, dimension) in enumerate(panels, 1):
         mine = [r for r in rows if (r["organism"], r["dimension"]) == (kind, dimension)]
-        share = kind != NULL
+        share = kind != NULL or measure == "kl"
         value = (lambda r: r["restoration"]["share"]) if share else (lambda r: r["restoration"]["cell_minus_dpo"])
         controls = "controls_restoration" if share else "controls_change"
         xs = sorted({per_layer(r) for r in mine})
@@ -209,7 +237,7 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
         fig.add_trace(go.Scatter(x=xs + xs[::-1], y=[max(c) for c in band] + [min(c) for c in band][::-1],
                                  fill="toself", fillcolor="rgba(120,120,120,0.3)", line={"width": 1, "color": "grey"},
                                  name="random-unit controls", showlegend=col == 1, hoverinfo="skip"), 1, col)
-        if share:
+        if kind != NULL:
             fig.add_hrect(y0=YANG_RANGE[0], y1=YANG_RANGE[1], fillcolor="rgba(255,165,0,0.18)", line_width=0,
                           annotation_text="Yang et al.", annotation_position="top left", row=1, col=col)
         for selector in sorted({r["selector"] for r in mine}):
@@ -219,7 +247,7 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
                 error = ({"type": "data", "symmetric": False,
                           "array": [r["restoration"]["hi"] - y for r, y in zip(line, ys)],
                           "arrayminus": [y - r["restoration"]["lo"] for r, y in zip(line, ys)]} if share else None)
-                symbol = ["star" if finds_change(r) or (not share and r["flagged"]) else
+                symbol = ["star" if finds_change(r) or (kind == NULL and r["flagged"]) else
                           "x" if r["broken"] else "circle" for r in line]
                 fig.add_trace(go.Scatter(
                     x=[per_layer(r) for r in line], y=ys, mode="lines+markers", name=f"{selector} x{factor:g}",
@@ -232,7 +260,8 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
                     error_y=error), 1, col)
         fig.update_xaxes(type="log", title_text="units per layer", row=1, col=col)
     fig.update_layout(template="plotly_white", margin={"t": 175}, width=300 * len(panels) + 260, height=560,
-                      title="Recovery curves: does restraining a selector's units undo a known change?<br><sup>stars: "
+                      title=f"Recovery curves: does restraining a selector's units undo a known change? (by "
+                            f"{'KL to the SFT model' if measure == 'kl' else 'the judge'})<br><sup>stars: "
                             "found (undone beyond the baseline and the controls, nothing else broken; on the null: "
                             "flagged, a false positive); crosses: broke another dimension; shaded: Yang et al.'s 2.5-24%</sup>")
     return write_figure(fig, out, "calibration", plotlyjs=True)

@@ -14,7 +14,7 @@ from rolemrc.intervene.budget import BUDGET_OPTIONS, CURVE, GRID_ONE
 from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_GRID, QUICK_PROBE_CASES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig, option_name
 from rolemrc.probe.cli import Hook
-from rolemrc.sweep.plan import CONTROLS
+from rolemrc.sweep.plan import CONTROLS, Measure
 
 app = cli_app(help="Known-answer organisms (a DPO model with a planted change, and a null one, from an SFT model) and the "
                    "calibration of the method on them.")
@@ -109,6 +109,10 @@ def calibrate_cmd(
     probe_cases: int = typer.Option(None, min=1, help="cases (datagen pair prompts no organism trained on) the probes "
                                                       f"read (default {PROBE_CASES}, {QUICK_PROBE_CASES} with --quick)"),
     hook: Hook = typer.Option("mlp.act", help="hook point the probes, attribution and restraints use"),
+    measure: Measure = typer.Option("kl", help="how each cell is scored, as `sweep run --measure`: kl, one "
+                                          "teacher-forced forward pass per case, the share of the DPO model's KL to "
+                                          "the SFT model undone on the SFT model's own replies; judge, the rules "
+                                          "judge on generated replies"),
     size: str = setting("size", unset=True),
     pairs: int = setting("pairs", unset=True),
     steps: int = setting("steps", unset=True),
@@ -146,7 +150,7 @@ def calibrate_cmd(
     overrides = given_settings(locals())
     budgets = {key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
-    grid = {"controls": controls} if controls else {}
+    grid = {"measure": measure, **({"controls": controls} if controls else {})}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
                                  organisms_dir=organisms, hook=hook, budgets=budgets, against=against,
                                  kinds=[k for text in kinds or KINDS for k in text.split(",") if k],

@@ -6,8 +6,9 @@ restoration's CI above 0, the planted dimension's cases brought back toward the 
 the random-unit controls, no other dimension broken), and on the null organism it neither flags, changes nor breaks
 any dimension, and every other calibration it is checked against (`against`: the same base under other settings,
 e.g. `--quick` beside the full grid) found it too. The best such recipe (highest lower CI bound over the planted
-organisms, then fewer units) is `found`; the best recipe that undoes at least one planted change but fails one of
-those checks is `unstable`, with every reason; `none` when no cell undoes any planted change."""
+organisms, to the percent, then fewer units) is `found`; the best recipe that undoes at least one planted change
+but fails one of those checks is `unstable`, with every reason; `none` when no cell undoes any planted change. The
+same for either measure (`CalibrationConfig.measure`): the rows say what restoration, flagged and broken are."""
 
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: Cal
                                       "--method and --factor yourself", rests_on=rests_on)
 
     def strength(recipe: Recipe) -> tuple[int, float, int]:
-        """Planted changes undone, the lowest lower CI bound among them, fewer units."""
+        """Planted changes undone, the lowest lower CI bound among them to the percent (closer is rounding: under KL
+        a cell that is the SFT model undoes 100% give or take 1e-9), fewer units."""
         undone = [r["restoration"]["lo"] for r in found[recipe].values() if finds_change(r)]
-        return len(undone), min(undone), -next(iter(found[recipe].values()))["units"]
+        return len(undone), round(min(undone), 2), -next(iter(found[recipe].values()))["units"]
 
     recipe = max(found, key=strength)
     cells = found[recipe]
@@ -115,12 +117,13 @@ def _verdict_in(other: dict[str, Any], recipe: Recipe) -> str | None:
 
 
 def settings(organisms: list[Organism], config: CalibrationConfig) -> dict[str, Any]:
-    """What the evidence rests on: probe cases, attribution pairs, held-out cases, DPO steps, seeds, controls."""
+    """What the evidence rests on: the measure, probe cases, attribution pairs, held-out cases, DPO steps, seeds,
+    controls."""
     planted = next((o for o in organisms if o.dimension), organisms[0] if organisms else None)
     if planted is None:
         return {}
     lines = lambda path: sum(1 for line in Path(path).read_text().splitlines() if line.strip())  # noqa: E731
-    return {"base": planted.settings.get("base"), "organisms": [o.kind for o in organisms],
+    return {"base": planted.settings.get("base"), "measure": config.measure, "organisms": [o.kind for o in organisms],
             "probe_cases": lines(planted.probe), "attribution_pairs": config.attribution_pairs,
             "heldout_cases": lines(planted.heldout), "dpo_steps": planted.settings.get("steps"),
             "organism_seed": planted.settings.get("seed"), "control_seed": config.seed, "controls": config.controls,

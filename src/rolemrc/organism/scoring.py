@@ -1,12 +1,18 @@
 """Scoring a calibration cell against the known answer: how much of the planted change it undoes (restoration, with a
-paired bootstrap CI), its cost on every other dimension, whether it brings a dimension back to the SFT model's cases
-and pass rate beyond its baseline and random-unit controls (flagged, Holm over an organism's cells), and which
-dimensions it breaks (moves out of the SFT model's 95% CI). A cell finds the change only if it undoes it without
-breaking anything else: a restraint that breaks a model is not one that undoes a change."""
+95% CI), its cost on every other dimension, whether it brings a dimension back toward the SFT model beyond its baseline
+and random-unit controls (flagged), and which dimensions it breaks. A cell finds the change only if it undoes it
+without breaking anything else: a restraint that breaks a model is not one that undoes a change.
+
+Two measures, as the sweep's (`CalibrationConfig.measure`): kl (`kl_rows`), where restoration is the share of the DPO
+model's KL to the SFT model a cell undoes on the SFT model's own replies and flags and breaks come from the sweep's
+tests against baseline and controls; judge (`judge_rows`), where it is the share of the pass-rate change undone, a
+cell flagged when its cases and pass rate come closer to the SFT model's (Holm over an organism's cells) and broken
+when it moves a dimension out of the SFT model's 95% CI."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +22,10 @@ from rolemrc.organism.calibration_config import ALPHA, Organism
 from rolemrc.organism.config import NULL
 
 BOOTSTRAP = 2000
+# nats per token: a DPO model whose mean KL to the SFT model on a dimension's cases is at most this has not moved from
+# it there beyond float32 rounding (the test null organism's: -1.5e-8 per token, its weights differing by 1e-3 noise),
+# so it has no change to undo, as under the judge where the SFT and DPO models pass alike
+KL_FLOOR = 1e-6
 
 
 def per_item(run_dir: Path | str) -> dict[str, dict[str, float]]:
@@ -99,56 +109,151 @@ def broken(rates: dict[str, float], baseline: dict[str, float], intervals: dict[
 
 
 def cell_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per grid cell of a sweep, scored by its measure (`kl_rows` or `judge_rows`), the measure named."""
+    measure = summary["config"]["measure"]
+    rows = (kl_rows if measure == "kl" else judge_rows)(organism, selector, summary, sweep_dir)
+    return [{**r, "measure": measure} for r in rows]
+
+
+def measure_of(row: dict[str, Any]) -> str:
+    """The measure a row was scored by (rows written before the KL measure: the judge)."""
+    return row.get("measure", "judge")
+
+
+def _cell_fields(organism: Organism, selector: str, cell: dict[str, Any], planted: dict[str, Any]) -> dict[str, Any]:
+    """A row's grid cell, its footprint, and the sweep's tests of the selected dimension's score `planted` against the
+    baseline and the controls (Holm over the sweep's grid)."""
+    return {"organism": organism.kind, "dimension": cell["dimension"], "selector": selector, "factor": cell["factor"],
+            "units": cell["units"], "budget": cell["budget"], "coverage": cell["coverage"],
+            "p_vs_baseline": planted.get("vs_baseline", {}).get("p_holm"),
+            "p_vs_controls": planted.get("vs_controls", {}).get("p_holm"),
+            "diff_vs_baseline": planted.get("vs_baseline", {}).get("diff"),
+            "max_logit_shift": cell.get("max_logit_shift")}
+
+
+def _plan(sweep_dir: Path) -> list[dict[str, Any]]:
+    return json.loads((sweep_dir / "plan.json").read_text())["cells"]
+
+
+def _controls(plan: list[dict[str, Any]], cell: dict[str, Any]) -> list[dict[str, Any]]:
+    """The planned controls of a summary's grid cell."""
+    grid = {k: cell[k] for k in ("dimension", "factor", "budget")}
+    return [c for c in plan if c["kind"] == "control" and c["grid"] == grid]
+
+
+def judge_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per grid cell: restoration with CI of the dimension the cell selected for, its controls'
     restoration, p against baseline and controls on that dimension (Holm over the sweep's grid), the cost on the
     other dimensions, the dimensions it changes against the baseline and those it breaks, and its distance to the SFT
     model per dimension (`toward_sft`, Holm-corrected later)."""
-    plan = json.loads((sweep_dir / "plan.json").read_text())["cells"]
+    plan = _plan(sweep_dir)
     sft_all = {k: v for k, v in per_item(organism.sft_eval).items() if k.startswith("judge:")}
     intervals = sft_intervals(organism.sft_eval)
     base_id = next(c["id"] for c in plan if c["kind"] == "baseline")
     base_all = per_item(sweep_dir / "scores" / base_id)
     rows = []
     for cell in summary["cells"]:
-        grid = {k: cell[k] for k in ("dimension", "factor", "budget")}
         key = f"judge:{cell['dimension']}"
         sft, dpo = sft_all.get(key, {}), base_all.get(key, {})
-        controls = [per_item(sweep_dir / "scores" / c["id"]) for c in plan
-                    if c["kind"] == "control" and c["grid"] == grid]
+        controls = [per_item(sweep_dir / "scores" / c["id"]) for c in _controls(plan, cell)]
         mine_all = per_item(sweep_dir / "scores" / cell["id"])
         mine = mine_all.get(key, {})
         ctrl = [restoration(sft, dpo, c.get(key, {})) for c in controls]
-        planted = cell["scores"].get(key, {})
         others = {n.removeprefix("judge:"): {"diff": e["vs_baseline"]["diff"], "p_holm": e["vs_baseline"]["p_holm"]}
                   for n, e in cell["scores"].items() if n.startswith("judge:") and n != key}
         changed = [n.removeprefix("judge:") for n, e in cell["scores"].items()
                    if n.startswith("judge:") and e["vs_baseline"]["p_holm"] < ALPHA]
         rates, base_rates = ({n.removeprefix("judge:"): float(np.mean(list(v.values()))) for n, v in scores.items()
                               if n.startswith("judge:") and v} for scores in (mine_all, base_all))
-        rows.append({"organism": organism.kind, "dimension": cell["dimension"], "selector": selector,
-                     "factor": cell["factor"],
-                     "units": cell["units"], "budget": cell["budget"], "coverage": cell["coverage"],
+        rows.append({**_cell_fields(organism, selector, cell, cell["scores"].get(key, {})),
                      "restoration": restoration(sft, dpo, mine),
                      "controls_restoration": [c["share"] for c in ctrl],
                      "controls_change": [c["cell_minus_dpo"] for c in ctrl],
-                     "p_vs_baseline": planted.get("vs_baseline", {}).get("p_holm"),
-                     "p_vs_controls": planted.get("vs_controls", {}).get("p_holm"),
-                     "diff_vs_baseline": planted.get("vs_baseline", {}).get("diff"),
-                     "max_logit_shift": cell.get("max_logit_shift"), "others": others, "changed": changed,
+                     "others": others, "changed": changed,
                      "rates": rates, "broken": broken(rates, base_rates, intervals, changed, organism.dimension),
                      "toward_sft": toward_sft(sft_all, base_all, mine_all, controls)})
     return rows
 
 
+def kl_restoration(cell: np.ndarray, dpo: np.ndarray) -> dict[str, Any]:
+    """1 - mean KL(cell||SFT) / mean KL(DPO||SFT) over cases (the mean of the per-case shares the sweep tests), with
+    the cases bootstrap's 95% CI, numerator and denominator resampled together (`core.stats.hierarchical_bootstrap`,
+    one seed); `kl_dpo`: the DPO model's mean KL per token to the SFT model on these cases. NaN where that is at or
+    below KL_FLOOR: nothing to undo."""
+    from rolemrc.core.stats import hierarchical_bootstrap
+
+    kl_dpo = float(np.mean(dpo)) if len(dpo) else math.nan
+    if not kl_dpo > KL_FLOOR:
+        return {"share": math.nan, "lo": math.nan, "hi": math.nan, "n": len(dpo), "kl_dpo": kl_dpo}
+    b = hierarchical_bootstrap([cell], [dpo], stat=lambda n, d: 1 - n / d, rounds=BOOTSTRAP)
+    return {"share": b["estimate"], "lo": b["lo"], "hi": b["hi"], "n": b["cases"], "kl_dpo": kl_dpo}
+
+
+def kl_verdicts(cell: dict[str, Any], planted: str | None, unmoved: list[str]) -> dict[str, list[str]]:
+    """What a `--measure kl` sweep's cell (its `scores`, Holm-corrected over the sweep's grid) does at Holm p < ALPHA:
+    `changed`, the dimensions whose restoration differs from the baseline's; `flagged`, those restored beyond the
+    baseline and the controls; `broken`, the dimensions but `planted` restored less than by the controls (moved away
+    from the SFT model), and `neutral_ppl` if the neutral perplexity is above the controls'. Dimensions in `unmoved`
+    (no change to undo: their shares are ratios of rounding errors) count in none."""
+    from rolemrc.sweep.report import beats_both, wins
+    from rolemrc.sweep.stats import NEUTRAL_PPL, RESTORATION_PREFIX
+
+    def measured(names: list[str]) -> list[str]:
+        dims = [n.removeprefix(RESTORATION_PREFIX) for n in names if n.startswith(RESTORATION_PREFIX)]
+        return [d for d in dims if d not in unmoved]
+
+    return {"changed": sorted(set(measured(wins(cell, "vs_baseline", 1) + wins(cell, "vs_baseline", -1)))),
+            "flagged": measured(beats_both(cell)),
+            "broken": [d for d in measured(wins(cell, "vs_controls", -1)) if d != planted]
+            + [n for n in wins(cell, "vs_controls", 1) if n == NEUTRAL_PPL]}
+
+
+def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per grid cell of a `--measure kl` sweep: restoration of the selected dimension (`kl_restoration`) and
+    each control's share, the cell's place among its controls, p against baseline and controls (Holm over the
+    sweep's grid); `others`: every other dimension's restoration (below 0: moved away from the SFT model beyond the
+    DPO model) and the neutral texts' perplexity change against the baseline; changed, flagged and broken
+    (`kl_verdicts`). A dimension where the DPO model's KL is at most KL_FLOOR is `unmoved`: no change to undo."""
+    from rolemrc.eval.divergence import restoration as kl_shares
+    from rolemrc.sweep.kl import stored_result
+    from rolemrc.sweep.plan import Cell
+    from rolemrc.sweep.run import CellStore
+    from rolemrc.sweep.stats import RESTORATION_PREFIX
+
+    plan = _plan(sweep_dir)
+    store = CellStore(summary["config"]["cells_dir"] or sweep_dir / "cells")
+    result = stored_result([store.load(Cell(c["id"], c["kind"], c["grid"], None)) for c in plan])   # baseline first
+    index = {c["id"]: k for k, c in enumerate(plan)}
+    dimensions = sorted({d for dims in result.dimensions for d in dims})
+    unmoved = [d for d in dimensions if not float(result.dpo[result.mask(d)].mean()) > KL_FLOOR]
+    name = lambda n: n.removeprefix(RESTORATION_PREFIX)  # noqa: E731
+    rows = []
+    for cell in summary["cells"]:
+        key, mask = RESTORATION_PREFIX + cell["dimension"], result.mask(cell["dimension"])
+        scores, moved = cell["scores"], cell["dimension"] not in unmoved
+        shares = kl_shares(result, mask).value.tolist() if moved else [math.nan] * len(plan)
+        entry = scores.get(key, {}) if moved else {}   # unmoved: the sweep's tests are of rounding errors
+        others = {name(n): {
+            "diff": e["vs_baseline"]["diff"], "p_holm": e["vs_baseline"]["p_holm"],
+            **({"vs_controls": e["vs_controls"]["diff"], "p_controls": e["vs_controls"]["p_holm"]}
+               if "vs_controls" in e else {})} for n, e in scores.items() if n != key and name(n) not in unmoved}
+        rows.append({**_cell_fields(organism, selector, cell, entry),
+                     "restoration": kl_restoration(result.kl[index[cell["id"]], mask].numpy(), result.dpo[mask].numpy()),
+                     "controls_restoration": [shares[index[c["id"]]] for c in _controls(plan, cell)],
+                     "placement": entry.get("placement"), "others": others, "unmoved": unmoved,
+                     **kl_verdicts(cell, organism.dimension, unmoved)})
+    return rows
+
+
 def flag_restorations(rows: list[dict[str, Any]]) -> None:
-    """Holm over one organism's cells x dimensions per comparison, then each row's `flagged`: the dimensions whose
-    cases the cell brings closer to the SFT model's than both the baseline and its controls do (Holm p < ALPHA), its
-    pass rate closer to SFT's too. On the planted organism that is the claim "these units hold the change"; on the
-    null, any flag is a false positive."""
+    """Judge rows (kl rows are flagged by the sweep's own tests, `kl_rows`): Holm over one organism's cells x
+    dimensions per comparison, then each row's `flagged`: the dimensions whose cases the cell brings closer to the SFT
+    model's than both the baseline and its controls do (Holm p < ALPHA), its pass rate closer to SFT's too. On the
+    planted organism that is the claim "these units hold the change"; on the null, any flag is a false positive."""
     from rolemrc.core.stats import holm
 
     for kind in {r["organism"] for r in rows}:
-        mine = [r for r in rows if r["organism"] == kind]
+        mine = [r for r in rows if r["organism"] == kind and measure_of(r) == "judge"]   # kl rows: the sweep's flags
         for family in ("vs_baseline", "vs_controls"):
             tests = [t[family] for r in mine for t in r["toward_sft"].values() if family in t]
             for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
@@ -161,8 +266,8 @@ def flag_restorations(rows: list[dict[str, Any]]) -> None:
 
 
 def finds_change(row: dict[str, Any]) -> bool:
-    """The cell undoes the planted change: restoration's CI above 0, the planted dimension's cases closer to the
-    SFT model's than under the baseline and under the controls (`flag_restorations`), and no other dimension broken."""
+    """The cell undoes the planted change, by either measure: restoration's CI above 0, the planted dimension flagged
+    (brought toward the SFT model beyond the baseline and the controls), and no other dimension broken."""
     return bool(row["restoration"]["lo"] > 0 and row["dimension"] in row["flagged"] and not row["broken"])
 
 

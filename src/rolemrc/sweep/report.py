@@ -25,7 +25,7 @@ def sweep_summary(config: Any, selected: list, effects: dict[str, dict], prints:
             "headline": headline(cells, config.measure)}
 
 
-def _wins(cell: dict, family: str, sign: int) -> list[str]:
+def wins(cell: dict, family: str, sign: int) -> list[str]:
     """Scores where the cell differs in direction `sign` under `family` at Holm-corrected p < ALPHA."""
     return [name for name, e in cell["scores"].items()
             if family in e and e[family]["p_holm"] < ALPHA and sign * e[family]["diff"] > 0]
@@ -39,13 +39,13 @@ def cell_label(cell: dict) -> str:
 def beats_both(cell: dict) -> list[str]:
     """The primary scores (judge pass shares or restorations) on which the cell is significantly better than both its
     baseline and its controls."""
-    return [n for n in _wins(cell, "vs_baseline", 1) if is_primary(n) and n in _wins(cell, "vs_controls", 1)]
+    return [n for n in wins(cell, "vs_baseline", 1) if is_primary(n) and n in wins(cell, "vs_controls", 1)]
 
 
 def costs(cell: dict) -> list[str]:
     """The other scores (metrics, neutral perplexity) on which the cell is significantly worse than the baseline."""
     return [n for n in cell["scores"] if not is_primary(n)
-            and n in _wins(cell, "vs_baseline", 1 if n in LOWER_IS_BETTER else -1)]
+            and n in wins(cell, "vs_baseline", 1 if n in LOWER_IS_BETTER else -1)]
 
 
 def rank_cells(cells: list[dict]) -> list[dict]:
@@ -68,7 +68,7 @@ def headline(cells: list[dict], measure: str = "judge") -> str:
         if better:
             winners.append(f"{cell_label(cell)} ({', '.join(n.removeprefix(prefix) for n in better)}; "
                            f"cost: {', '.join(costs(cell)) or 'no metric significantly worse'})")
-    moved = [c for c in cells if _wins(c, "vs_baseline", 1) or _wins(c, "vs_baseline", -1)]
+    moved = [c for c in cells if wins(c, "vs_baseline", 1) or wins(c, "vs_baseline", -1)]
     if winners:
         return (f"{len(winners)} of {len(cells)} cells beat both the baseline and their random-unit controls on {what} "
                 f"(Holm over {tests} tests per family, p < {ALPHA}): {'; '.join(winners)}.")
