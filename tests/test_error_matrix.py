@@ -85,6 +85,8 @@ ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
 OUTSIDE = {
     ("sweep run", "--cells-dir"): "a store the sweep creates (any folder, or none yet)",
     ("sweep run", "--neutral"): "plain text, a passage per line (tests/test_divergence.py: what it refuses)",
+    ("sweep run", "--magnitudes"): "read when the plan is made, through the same `expect` as --diff (diff, diff-file, "
+                                   "attribution: sweep/controls.py unit_magnitudes)",
     ("models list", "--dir"): "a cache folder, listed (any folder, or none yet)",
     ("organism calibrate", "--organisms"): "an organisms folder it builds when missing",
     ("bench datagen", "--mrc"): "as datagen run --mrc (one reader)",

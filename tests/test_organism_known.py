@@ -169,7 +169,7 @@ def test_the_units_kind_is_a_kind_and_its_settings_stay_its_own(tmp_path):
     narration = OrganismConfig(kind="narration", out=str(tmp_path), known_layers=2)
     assert units.pairs_kind == "narration" and units.settings()["known_layers"] == 2
     assert not any(k.startswith("known_") for k in narration.settings())   # other kinds' training keys as before
-    with pytest.raises(OrganismError, match="known_units is 0"):
+    with pytest.raises(OrganismError, match="--known-units is 0"):
         OrganismConfig(kind="units", out=str(tmp_path), known_units=0)
 
 
@@ -183,7 +183,7 @@ def detected(tmp_path_factory, tokenizer):
     its S from 4 probe cases and 4 attribution pairs. Most of its time is datagen's (retrieval)."""
     from rolemrc.core.tiny import build_model
     from rolemrc.organism import carrier
-    from rolemrc.organism.detection import seed_detection
+    from rolemrc.organism.localize import seed_detection
 
     root = tmp_path_factory.mktemp("known")
     sft = root / "sft"
@@ -246,15 +246,15 @@ def test_every_selector_is_scored_against_s(detected):
 
 def test_known_detection_runs_a_units_organism_per_seed_and_aggregates_them(tmp_path, monkeypatch):
     """The loop over seeds (each organism under out/seed-<s>) and detection.json, with each seed's detection given."""
-    from rolemrc.organism import detection
+    from rolemrc.organism import localize
 
     def fake(root, seed, config, **options):
         assert root == tmp_path / f"seed-{seed}" and options == {"base": "b", "probe_n": 4}
         return {"seed": seed, "selectors": {"attribution": {"auroc": 0.9 + seed / 100, "precision_at_s": 0.5,
                                                             "recall_at_4s": 1.0, "chance": {"auroc": 0.5}}}}
 
-    monkeypatch.setattr(detection, "seed_detection", fake)
-    result = detection.known_detection(tmp_path, [0, 1, 2], CalibrationConfig(out=str(tmp_path)), base="b", probe_n=4)
+    monkeypatch.setattr(localize, "seed_detection", fake)
+    result = localize.known_detection(tmp_path, [0, 1, 2], CalibrationConfig(out=str(tmp_path)), base="b", probe_n=4)
     assert [r["seed"] for r in result["seeds"]] == [0, 1, 2]
     assert result["aggregate"]["attribution"]["auroc"]["mean"] == pytest.approx(0.91)
     assert result["headline"].startswith("attribution beats chance (AUROC 0.91")

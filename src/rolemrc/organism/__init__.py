@@ -26,7 +26,7 @@ lazy_package(__name__, {
     "rolemrc.organism.build": ["build_organism"],
     "rolemrc.organism.calibration": ["build_and_calibrate", "calibrate"],
     "rolemrc.organism.calibration_config": ["CalibrationConfig", "Organism"],
-    "rolemrc.organism.detection": ["known_detection"],
+    "rolemrc.organism.localize": ["known_detection"],
 })
 
 __all__ = ["KINDS", "PLANTED_DIMENSION", "CalibrationConfig", "Organism", "OrganismConfig", "OrganismError",
