@@ -419,7 +419,13 @@ def test_over_seeds_the_recipe_chosen_on_the_first_must_hold_on_every_other(cali
     assert both["recommendation"]["status"] == first["status"] and both["selection_seed"] == 0
     assert both["confirmation_seeds"] == [1] and {r["seed"] for r in both["cells"]} == {0, 1}
     assert len(both["cells"]) == 2 * len(result["cells"]) and (tmp_path / "agree" / "calibration.md").is_file()
-    assert "| planted@1 " in (tmp_path / "agree" / "calibration.md").read_text()
+    text = (tmp_path / "agree" / "calibration.md").read_text()
+    assert "| planted@1 " in text and "## Over seeds" in text
+    over = {(tuple(map(json.dumps, o["recipe"])), o["organism"]): o for o in both["over_seeds"]}
+    assert len(over) == len({(r["selector"], json.dumps(r["budget"]), r["factor"]) for r in result["cells"]
+                             if r["organism"] == "planted"})
+    for o in over.values():   # two identical seeds: no spread, each seed's share is the mean
+        assert o["shares"][0] == o["shares"][1] == o["mean"] and o["n"] == 2 and o["lo"] == o["hi"] == o["mean"]
     if first["status"] != "found":
         return
     lost = copy.deepcopy(agree[1])

@@ -126,20 +126,30 @@ def hierarchical_bootstrap(data: Sequence, denominator: Sequence | None = None, 
     return out | {"estimate": float(estimate), "lo": lo, "hi": hi}
 
 
+def t_interval(values: Sequence[float], level: float = 0.95) -> dict:
+    """The mean of per-seed estimates (NaNs left out) with its Student-t CI over them; lo and hi are None below two."""
+    from scipy.stats import t as student
+
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)]
+    mean, n = (float(x.mean()) if x.size else math.nan), int(x.size)
+    if n < 2:
+        return {"mean": mean, "lo": None, "hi": None, "n": n}
+    half = float(student.ppf((1 + level) / 2, n - 1) * x.std(ddof=1) / math.sqrt(n))
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+
+
 def seed_verdict(data: Sequence, denominator: Sequence | None = None, *, stat: Ratio = np.divide, null: float = 0.0,
                  rounds: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
     """The verdict over seeds: each seed's estimate with its cases-bootstrap CI (`hierarchical_bootstrap` of that
     seed alone), the mean of the per-seed estimates with its Student-t CI over seeds (NaN below two seeds), and how
     many seeds' CIs lie wholly above and below `null`."""
-    from scipy.stats import t as student
-
     dens = [None] * len(data) if denominator is None else list(denominator)
     per_seed = [hierarchical_bootstrap([x], None if d is None else [d], stat=stat, rounds=rounds, seed=seed,
                                        level=level) for x, d in zip(data, dens)]
-    estimates = np.array([e["estimate"] for e in per_seed if e["seeds"]])
-    mean, n = (float(estimates.mean()) if estimates.size else math.nan), estimates.size
-    half = float(student.ppf((1 + level) / 2, n - 1) * estimates.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    return {"per_seed": per_seed, "seeds": int(n), "mean": mean, "lo": mean - half, "hi": mean + half,
+    over = t_interval([e["estimate"] for e in per_seed if e["seeds"]], level)
+    lo, hi = (math.nan if over[k] is None else over[k] for k in ("lo", "hi"))
+    return {"per_seed": per_seed, "seeds": over["n"], "mean": over["mean"], "lo": lo, "hi": hi,
             "ci": "Student t over seeds", "above": sum(e["lo"] > null for e in per_seed),
             "below": sum(e["hi"] < null for e in per_seed)}
 

@@ -128,6 +128,7 @@ def calibration_markdown(result: dict[str, Any]) -> str:
         found = "yes" if c["found"] else (f"no (broke {', '.join(c['broken'])})" if c["broken"] else "no")
         lines.append(f"| {organism_label(c)} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
                      f"{c['units']:,} | {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | {ctrl} | {found} |")
+    lines += over_seeds_markdown(result.get("over_seeds", []))
     lines += detection_markdown(result.get("detection", {}))
     lines += ["", "## Stability of the selections", "", "The Jaccard overlap of the units each selector takes from "
               "Poisson bootstrap resamples of the probe cases (of the attribution pairs for attribution), beside two "
@@ -172,6 +173,22 @@ def null_bound_text(bound: dict[str, Any] | None) -> list[str]:
               f"above the 5% target, which needs 0 flagged of at least {bound['cells_for_5pct']} null cells")
     return [f"Null organism: {bound['flagged']} of {bound['cells']} cells flagged, so the false-positive rate is at "
             f"most {bound['upper_bound']:.0%} (exact one-sided 95% bound), {enough}.", ""]
+
+
+def over_seeds_markdown(over: list[dict[str, Any]]) -> list[str]:
+    """The verdicts read at seed level: per recipe and planted organism, each seed's share undone and their t-CI."""
+    if not over:
+        return []
+    lines = ["", "## Over seeds", "", "Each recipe's share of each planted change undone, per seed, and their mean with a "
+             "Student-t 95% interval over the seeds (the variance of training, probe cases and controls).", "",
+             "| organism | selector | budget | factor | per seed | mean (95% CI over seeds) | found in |",
+             "|---|---|---|---|---|---|---|"]
+    for o in over:
+        selector, budget, factor = o["recipe"]
+        ci = f" ({o['lo']:.0%} to {o['hi']:.0%})" if o["lo"] is not None else ""
+        lines.append(f"| {o['organism']} | {selector} | {Budget.of(budget).label} | {factor:g} | "
+                     f"{', '.join(f'{x:.0%}' for x in o['shares'])} | {o['mean']:.0%}{ci} | {o['found_in']} |")
+    return lines
 
 
 def detection_markdown(detection: dict[str, dict[str, Any]]) -> list[str]:

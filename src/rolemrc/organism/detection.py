@@ -13,12 +13,12 @@ a selector beats chance only where its AUROC interval lies above 0.5.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rolemrc.core.stats import t_interval
 from rolemrc.organism.calibration_config import SELECTOR_INPUTS
 from rolemrc.organism.config import OrganismError
 from rolemrc.organism.known import Units
@@ -99,19 +99,6 @@ def detect(inputs: dict[str, str], dimension: str, known: Units,
                                 "units are (probe at mlp.act or mlp.post)")
         out[name] = unit_detection(scores.score, scores.q, labels_of(known, tuple(scores.score.shape)))
     return out
-
-
-def t_interval(values: list[float], level: float = 0.95) -> dict[str, float | None]:
-    """Mean and its t-interval (lo, hi None below 2 values)."""
-    from scipy.stats import t
-
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return {"mean": mean, "lo": None, "hi": None, "n": n}
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = float(t.ppf((1 + level) / 2, n - 1)) * sd / math.sqrt(n)
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
 
 
 def verdict(interval: dict[str, float | None]) -> str:

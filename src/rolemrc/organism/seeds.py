@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.core.io import write_json
+from rolemrc.core.stats import t_interval
 from rolemrc.intervene.recommendation import CALIBRATION_FILE, RECOMMENDATION
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, recovery
 from rolemrc.organism.config import NULL
 from rolemrc.organism.detection import detection_summary
-from rolemrc.organism.recommend import recommend
-from rolemrc.organism.scoring import null_bound
+from rolemrc.organism.recommend import recipe_of, recommend
+from rolemrc.organism.scoring import finds_change, null_bound
 
 
 def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[dict[str, Any]]) -> dict[str, Any]:
@@ -30,12 +31,18 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
     config = CalibrationConfig(**chosen["config"])
     rec = recommend(chosen["cells"], organisms, config, against + confirm, chosen["stability"]).to_dict()
     rows = [{**r, "seed": s} for s, result in results.items() for r in result["cells"]]
+    over = over_seeds(rows, list(results))
+    mine = [o for o in over if o["recipe"] == [rec.get("selector"), rec.get("budget"), rec.get("factor")]]
+    if mine:
+        rec["why"] += "".join(f"; over {o['seeds']} seeds {o['organism']} {_share(o)}, found in {o['found_in']}"
+                              for o in mine)
     null = [r for r in rows if r["organism"] == NULL]
     result = {"config": {**chosen["config"], "out": str(out)}, "seeds": list(results), "selection_seed": first,
               "confirmation_seeds": rest, "organisms": [o for r in results.values() for o in r["organisms"]],
               "headline": " ".join(f"Seed {s}: {r['headline']}" for s, r in results.items()),
-              RECOMMENDATION: rec, "per_seed": {s: {"headline": r["headline"], RECOMMENDATION: r[RECOMMENDATION],
-                                                    "folder": r["config"]["out"]} for s, r in results.items()},
+              RECOMMENDATION: rec, "over_seeds": over,
+              "per_seed": {s: {"headline": r["headline"], RECOMMENDATION: r[RECOMMENDATION], "folder": r["config"]["out"]}
+                           for s, r in results.items()},
               "recovery": [{**c, "seed": s} for s, r in results.items() for c in recovery(r["cells"])],
               "stability": [{**x, "seed": s} for s, r in results.items() for x in r["stability"]],
               "diff_flags": {f"{k}@{s}": v for s, r in results.items() for k, v in r["diff_flags"].items()},
@@ -59,3 +66,25 @@ def _detections(detection: dict[str, dict[str, Any]]) -> list[dict[str, dict[str
     """One seed's calibration detection (`detection_summary` of that seed) as its per-seed `detect` mappings."""
     seeds = max((len(d["per_seed"]) for d in detection.values()), default=0)
     return [{k: d["per_seed"][i] for k, d in detection.items() if i < len(d["per_seed"])} for i in range(seeds)]
+
+
+def over_seeds(rows: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
+    """Per recipe (selector, budget, factor) and planted organism, the verdict read at seed level: each seed's share
+    undone, their mean with a Student-t 95% CI over seeds, and in how many seeds the cell found the change."""
+    groups: dict[tuple, dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        if r["organism"] != NULL:
+            groups.setdefault((*recipe_of(r), r["organism"]), {})[r["seed"]] = r
+    out = []
+    for (selector, budget, factor, organism), by_seed in groups.items():
+        shares = [by_seed[s]["restoration"]["share"] if s in by_seed else float("nan") for s in seeds]
+        out.append({"recipe": [selector, json.loads(budget), factor], "organism": organism, "shares": shares,
+                    **t_interval(shares), "seeds": len(seeds),
+                    "found_in": f"{sum(finds_change(r) for r in by_seed.values())} of {len(seeds)}"})
+    return out
+
+
+def _share(o: dict[str, Any]) -> str:
+    if o["lo"] is None:
+        return f"{o['mean']:.0%} undone"
+    return f"{o['mean']:.0%} undone (95% t-interval over seeds {o['lo']:.0%} to {o['hi']:.0%})"
