@@ -509,3 +509,27 @@ def test_the_null_bounds_the_false_positive_rate_and_says_what_5_percent_needs(c
     text = (root / "out" / "calibration.md").read_text()
     assert f"Null organism: {bound['flagged']} of {len(null)} cells flagged" in text
     assert "needs 0 flagged of at least 59 null cells" in text   # the fixture's few null cells cannot reach 5%
+
+
+def test_by_kl_one_holm_family_spans_every_sweep_of_an_organism(calibrated_kl):
+    """The planted organism's p-values are Holm-corrected over all its sweeps' cells x scores (every selector's
+    grid), not per sweep (sweep.json keeps the sweep's own): the family does not shrink with how the grid is split."""
+    from rolemrc.core.stats import holm
+
+    result, _ = calibrated_kl
+    swept = {key.split("/")[1]: json.loads((Path(folder) / "sweep.json").read_text())
+             for key, folder in result["sweeps"].items() if key.startswith("planted/")}
+    assert len(swept) == len(CalibrationConfig(out="x").selectors) > 1
+    tests = [(selector, json.dumps(c["budget"]), c["factor"], name, e["vs_controls"])
+             for selector, summary in swept.items() for c in summary["cells"] for name, e in c["scores"].items()
+             if "vs_controls" in e]
+    adjusted = holm([t[-1]["p"] for t in tests])
+    by_cell = {(r["selector"], json.dumps(r["budget"]), r["factor"]): r for r in cells(result, "planted")}
+    checked = wider = 0
+    for (selector, budget, factor, name, test), p_holm in zip(tests, adjusted):
+        if name == "restoration:" + DIMENSION:
+            row = by_cell[(selector, budget, factor)]
+            assert row["p_vs_controls"] == pytest.approx(p_holm), (selector, budget, factor)
+            checked += 1
+            wider += p_holm > test["p_holm"]   # the sweep's own family is smaller
+    assert checked == len(by_cell) and wider > 0
