@@ -44,9 +44,9 @@ from rolemrc.organism.calibration_config import (
     sweeps,
 )
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
-from rolemrc.organism.config import KINDS, NULL, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
+from rolemrc.organism.config import KINDS, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
 from rolemrc.organism.recommend import recommend
-from rolemrc.organism.scoring import cell_rows, flag_restorations, null_bound
+from rolemrc.organism.scoring import cell_rows, flag_restorations, null_rates
 from rolemrc.organism.seeds import combine_seeds
 from rolemrc.probe.options import DEFAULT_RESAMPLES
 
@@ -198,21 +198,15 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
         for selector, summary, sweep_dir in ran:
             rows += cell_rows(organism, selector, summary, sweep_dir)
     flag_restorations(rows)
-    null = [r for r in rows if r["organism"] == NULL]
     result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows),
               RECOMMENDATION: recommend(rows, organisms, config, against or [], stability).to_dict(),
               "recovery": recovery(rows), "stability": stability, "diff_flags": flags, "cells": rows,
               "sweeps": sweep_dirs, "skipped": skipped, "detection": detection_summary([detection]),
-              "timing": timing, "null_false_positive_rate": _rate(null, "flagged"), "null_bound": null_bound(rows),
-              "null_changed_rate": _rate(null, "changed"), "null_broken_rate": _rate(null, "broken")}
+              "timing": timing, **null_rates(rows)}
     result["figure"] = calibration_figure(rows, root) if rows else {}
     write_json(root / CALIBRATION_FILE, result)
     (root / "calibration.md").write_text(calibration_markdown(result))
     return result
-
-
-def _rate(rows: list[dict[str, Any]], key: str) -> float | None:
-    return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
 
 
 def load_calibration(path: str | Path) -> dict[str, Any]:

@@ -271,6 +271,14 @@ def finds_change(row: dict[str, Any]) -> bool:
     return bool(row["restoration"]["lo"] > 0 and row["dimension"] in row["flagged"] and not row["broken"])
 
 
+def null_rates(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The null organism's share of cells flagged (the false-positive rate), changed and broken, and `null_bound`."""
+    null = [r for r in rows if r["organism"] == NULL]
+    rate = lambda key: sum(bool(r[key]) for r in null) / len(null) if null else None  # noqa: E731
+    return {"null_false_positive_rate": rate("flagged"), "null_changed_rate": rate("changed"),
+            "null_broken_rate": rate("broken"), "null_bound": null_bound(rows)}
+
+
 def null_bound(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """What the null organism's cells bound the pipeline's false-positive rate at: flagged cells of all null cells,
     the exact one-sided 95% upper bound on the rate, and how many clean null cells a bound of 5% needs."""

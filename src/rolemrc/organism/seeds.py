@@ -17,7 +17,7 @@ from rolemrc.organism.calibration_report import calibration_figure, calibration_
 from rolemrc.organism.config import NULL
 from rolemrc.organism.detection import detection_summary
 from rolemrc.organism.recommend import recipe_of, recommend
-from rolemrc.organism.scoring import finds_change, null_bound
+from rolemrc.organism.scoring import finds_change, null_rates
 
 
 def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[dict[str, Any]]) -> dict[str, Any]:
@@ -36,7 +36,6 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
     if mine:
         rec["why"] += "".join(f"; over {o['seeds']} seeds {o['organism']} {_share(o)}, found in {o['found_in']}"
                               for o in mine)
-    null = [r for r in rows if r["organism"] == NULL]
     result = {"config": {**chosen["config"], "out": str(out)}, "seeds": list(results), "selection_seed": first,
               "confirmation_seeds": rest, "organisms": [o for r in results.values() for o in r["organisms"]],
               "headline": " ".join(f"Seed {s}: {r['headline']}" for s, r in results.items()),
@@ -51,10 +50,7 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
               "missed_targets": [m for r in results.values() for m in r.get("missed_targets", [])],
               "cells": rows, "skipped": {f"{k}@{s}": v for s, r in results.items() for k, v in r["skipped"].items()},
               "timing": {f"{k}@{s}": v for s, r in results.items() for k, v in r["timing"].items()},
-              **{f"null_{what}_rate": (sum(bool(r[what]) for r in null) / len(null) if null else None)
-                 for what in ("flagged", "changed", "broken")}}
-    result["null_false_positive_rate"] = result.pop("null_flagged_rate")
-    result["null_bound"] = null_bound(rows)
+              **null_rates(rows)}
     out.mkdir(parents=True, exist_ok=True)
     result["figure"] = calibration_figure(rows, out) if rows else {}
     write_json(out / CALIBRATION_FILE, result)
