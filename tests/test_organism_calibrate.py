@@ -45,13 +45,13 @@ def organism(root: Path, kind: str, sft: Path, dpo: Path, heldout: Path, probe: 
     return Organism(kind, str(sft), str(dpo), str(pairs), str(heldout), str(sft_eval), str(probe), dimension)
 
 
-def build_organisms(root: Path, tokenizer) -> list[Organism]:
-    """The planted organism and the null one, their models and cases under `root`."""
+def build_organisms(root: Path, tokenizer, heldout: int = 12) -> list[Organism]:
+    """The planted organism and the null one, their models and `heldout` held-out cases under `root`."""
     sft = save_planted_llama(root / "sft", tokenizer, units_on=False, noise=NOISE)
     dpo = save_planted_llama(root / "dpo", tokenizer, noise=NOISE)
     # the null's DPO model: the SFT model with other noise, so every unit moves a little and nothing behaves otherwise
     null = save_planted_llama(root / "null-dpo", tokenizer, units_on=False, noise=NOISE, noise_seed=1)
-    write_jsonl(root / "heldout.jsonl", answerable_records(12, "h"))
+    write_jsonl(root / "heldout.jsonl", answerable_records(heldout, "h"))
     write_jsonl(root / "probe.jsonl", answerable_records(10, "q"))
     organisms = [organism(root, "planted", sft, dpo, root / "heldout.jsonl", root / "probe.jsonl", DIMENSION),
                  organism(root, "null", sft, null, root / "heldout.jsonl", root / "probe.jsonl", None)]
@@ -59,12 +59,12 @@ def build_organisms(root: Path, tokenizer) -> list[Organism]:
     return organisms
 
 
-def run_calibration(root: Path, tokenizer, **settings) -> dict:
+def run_calibration(root: Path, tokenizer, heldout: int = 12, **settings) -> dict:
     config = CalibrationConfig(out=str(root / "out"), top_k=[4, 16], paper_factor=False, attribution_pairs=6,
                                max_new_tokens=6, **settings)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sweep_plots, "write_sweep_figures", lambda summary, out: {})   # PNGs: ~10 s, tested elsewhere
-        return calibrate(build_organisms(root, tokenizer), config)
+        return calibrate(build_organisms(root, tokenizer, heldout), config)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,10 @@ def calibrated(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def calibrated_kl(tmp_path_factory, tokenizer):
-    """The same organisms, each cell scored by its KL to the SFT model on the SFT model's replies (forward passes)."""
+    """The same organisms, each cell scored by its KL to the SFT model on the SFT model's replies (forward passes), on
+    twice the held-out cases: each half (selection, confirmation) has 12."""
     root = tmp_path_factory.mktemp("calibration-kl")
-    return run_calibration(root, tokenizer, measure="kl", factors=[0.0], controls=KL_CONTROLS), root
+    return run_calibration(root, tokenizer, heldout=24, measure="kl", factors=[0.0], controls=KL_CONTROLS), root
 
 
 def cells(result, organism_kind=None, selector=None, factor=None, top_k=None):
@@ -511,25 +512,55 @@ def test_the_null_bounds_the_false_positive_rate_and_says_what_5_percent_needs(c
     assert "needs 0 flagged of at least 59 null cells" in text   # the fixture's few null cells cannot reach 5%
 
 
-def test_by_kl_one_holm_family_spans_every_sweep_of_an_organism(calibrated_kl):
-    """The planted organism's p-values are Holm-corrected over all its sweeps' cells x scores (every selector's
-    grid), not per sweep (sweep.json keeps the sweep's own): the family does not shrink with how the grid is split."""
-    from rolemrc.core.stats import holm
+def test_by_kl_the_recipe_is_chosen_on_one_half_and_reported_on_the_other(calibrated_kl):
+    """The held-out cases are split (per dimension, with the seed) into a selection half, where the recommendation
+    chooses, and a confirmation half, whose rows are the cells reported; the halves share no case, and each cell is
+    measured on its half's cases alone."""
+    from rolemrc.organism.halves import case_halves
 
-    result, _ = calibrated_kl
-    swept = {key.split("/")[1]: json.loads((Path(folder) / "sweep.json").read_text())
+    result, root = calibrated_kl
+    organism = next(o for o in result["organisms"] if o["kind"] == "planted")
+    halves = case_halves(organism["heldout"], root / "out" / "planted" / "neutral.txt", 0)
+    assert not halves["selection"] & halves["confirmation"]
+    assert sum(i.startswith("h") for i in halves["selection"]) == sum(i.startswith("h") for i in halves["confirmation"]) == 12
+    chosen, reported = result["selection_cells"], result["cells"]
+    assert {r["half"] for r in chosen} == {"selection"} and {r["half"] for r in reported} == {"confirmation"}
+    key = lambda r: (r["organism"], r["selector"], json.dumps(r["budget"]), r["factor"], r["dimension"])  # noqa: E731
+    assert sorted(map(key, chosen)) == sorted(map(key, reported))
+    pairs = {key(r): r for r in chosen}
+    moved = [(pairs[key(r)]["restoration"], r["restoration"]) for r in reported if r["organism"] == "null"]
+    assert moved and all(a["n"] == b["n"] == 12 for a, b in moved)   # each on its half's cases, not all 24
+    assert all(r["restoration"]["n"] == 12 for r in reported + chosen)
+
+
+def test_by_kl_one_holm_family_per_organism_and_half_as_declared(calibrated_kl):
+    """The planted organism's p-values of a half are Holm-corrected over every sweep's cells x scores on that half,
+    in a family of the grid's declared cells (selectors x budgets x factors x dimensions) x scores: it does not change
+    with how the grid is split into sweeps, nor with how many of them ran."""
+    from rolemrc.core.stats import holm
+    from rolemrc.organism.calibration_config import Organism
+    from rolemrc.organism.halves import case_halves
+    from rolemrc.organism.scoring import half_summary
+
+    result, root = calibrated_kl
+    organism = Organism(**next(o for o in result["organisms"] if o["kind"] == "planted"))
+    items = case_halves(organism.heldout, root / "out" / "planted" / "neutral.txt", 0)["confirmation"]
+    swept = {key.split("/")[1]: half_summary(json.loads((Path(folder) / "sweep.json").read_text()), Path(folder), items)
              for key, folder in result["sweeps"].items() if key.startswith("planted/")}
-    assert len(swept) == len(CalibrationConfig(out="x").selectors) > 1
+    selectors = CalibrationConfig(out="x").selectors
+    assert len(swept) == len(selectors) > 1
     tests = [(selector, json.dumps(c["budget"]), c["factor"], name, e["vs_controls"])
              for selector, summary in swept.items() for c in summary["cells"] for name, e in c["scores"].items()
              if "vs_controls" in e]
-    adjusted = holm([t[-1]["p"] for t in tests])
+    scores = len(next(iter(swept.values()))["cells"][0]["scores"])
+    declared = len(selectors) * 2 * 1 * 1   # selectors x budgets (top-4, top-16) x factors (0) x dimensions
+    assert len(tests) == declared * scores
+    adjusted = holm([t[-1]["p"] for t in tests], declared * scores)
     by_cell = {(r["selector"], json.dumps(r["budget"]), r["factor"]): r for r in cells(result, "planted")}
-    checked = wider = 0
-    for (selector, budget, factor, name, test), p_holm in zip(tests, adjusted):
+    checked = 0
+    for (selector, budget, factor, name, _), p_holm in zip(tests, adjusted):
         if name == "restoration:" + DIMENSION:
-            row = by_cell[(selector, budget, factor)]
-            assert row["p_vs_controls"] == pytest.approx(p_holm), (selector, budget, factor)
+            assert by_cell[(selector, budget, factor)]["p_vs_controls"] == pytest.approx(p_holm), (selector, budget)
             checked += 1
-            wider += p_holm > test["p_holm"]   # the sweep's own family is smaller
-    assert checked == len(by_cell) and wider > 0
+    assert checked == len(by_cell)
+    assert holm([0.01, 0.04], 4) == pytest.approx([0.04, 0.12])   # undeclared tests that did not run count as p = 1

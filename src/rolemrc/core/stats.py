@@ -353,13 +353,18 @@ def benjamini_hochberg(p: torch.Tensor) -> torch.Tensor:
     return q.reshape(p.shape)
 
 
-def holm(pvalues: list[float]) -> list[float]:
-    """Holm-Bonferroni adjusted p-values (step-down, monotone, capped at 1), in the input order; NaN stays NaN."""
+def holm(pvalues: list[float], family: int | None = None) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (step-down, monotone, capped at 1), in the input order; NaN stays NaN.
+    `family`: the number of tests declared, when some of them did not run (each counts as p = 1, so the correction of
+    those that ran does not depend on how many others ran); default the finite p-values given."""
     p = np.asarray(pvalues, dtype=np.float64)
     finite = np.flatnonzero(~np.isnan(p))
     order = finite[np.argsort(p[finite], kind="stable")]
     m = len(order)
-    adjusted = np.maximum.accumulate(np.minimum(1.0, (m - np.arange(m)) * p[order])) if m else np.array([])
+    if family is not None and family < m:
+        raise ValueError(f"a Holm family of {family} tests cannot hold the {m} given")
+    size = m if family is None else family
+    adjusted = np.maximum.accumulate(np.minimum(1.0, (size - np.arange(m)) * p[order])) if m else np.array([])
     out = p.copy()
     out[order] = adjusted
     return out.tolist()

@@ -46,7 +46,8 @@ from rolemrc.organism.calibration_config import (
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
 from rolemrc.organism.config import KINDS, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
 from rolemrc.organism.recommend import recommend
-from rolemrc.organism.scoring import cell_rows, flag_restorations, null_rates
+from rolemrc.organism.halves import case_halves
+from rolemrc.organism.scoring import cell_rows, flag_restorations, half_summary, kl_rows, null_rates
 from rolemrc.organism.seeds import combine_seeds
 from rolemrc.probe.options import DEFAULT_RESAMPLES
 
@@ -137,6 +138,18 @@ def sweep_stage(organism: Organism, dimensions: list[str], selector: str, source
     return run_sweep(sweep, metrics=[])
 
 
+def correct_organism(ran: list[tuple[str, dict, Path]], cells: int) -> None:
+    """One Holm family per comparison over an organism's sweeps: the `cells` grid cells it declared x their scores,
+    whether or not every sweep ran (a sweep refused as restraining nothing counts as p = 1), so a cell's verdict does
+    not depend on what else ran."""
+    from rolemrc.sweep.stats import correct_grid
+
+    effects = {f"{selector}/{c['id']}": c["scores"] for selector, summary, _ in ran for c in summary["cells"]}
+    scores = max((len(e) for e in effects.values()), default=0)
+    if effects:
+        correct_grid(effects, cells * scores)
+
+
 def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: StageCache | None = None,
               against: list[dict[str, Any]] | None = None) -> dict:
     """Probe, select, restrain and score every organism over the grid: a planted organism for the dimension it
@@ -148,12 +161,11 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     from rolemrc.organism.detection import detect, detection_summary
     from rolemrc.organism.known import units_of
     from rolemrc.probe import load_diff
-    from rolemrc.sweep.stats import correct_grid
-
     root = Path(config.out)
     cache = cache or StageCache(root)
     planted = sorted({o.dimension for o in organisms if o.dimension}) or list(PLANTED_DIMENSIONS)   # a null alone: every one
-    rows, stability, flags, sweep_dirs, timing, skipped, detection = [], [], {}, {}, {}, {}, {}
+    rows, selection, stability, flags, sweep_dirs, timing, skipped, detection = [], [], [], {}, {}, {}, {}, {}
+    declared: dict[str, int] = {}   # organism kind -> the grid cells it declared (its Holm families' cells)
     for organism in organisms:
         folder = root / organism.kind
         inputs = probe_stages(cache, organism, config, folder)
@@ -177,6 +189,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                       for row in selection_stability(inputs[SELECTOR_INPUTS[selector]], d, selector,
                                                      fitting(config.budgets(), width))]
         ran = []   # (selector, summary, sweep folder) of the organism's sweeps
+        declared[organism.kind] = len(dimensions) * sum(len(b) * len(f) for b, f in grids.values()) * len(config.selectors)
         for selector in config.selectors:
             source = inputs[SELECTOR_INPUTS[selector]]
             for suffix, (budgets, factors) in grids.items():
@@ -192,17 +205,25 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                 timing[key] = {"seconds": round(time.perf_counter() - started, 1), "cells": cells}
                 sweep_dirs[key] = str(sweep_dir)
                 ran.append((selector, summary, sweep_dir))
-        if config.measure == "kl":   # one Holm family: the organism's cells x scores over every sweep, as declared
-            correct_grid({f"{selector}/{c['id']}": c["scores"] for selector, summary, _ in ran
-                          for c in summary["cells"]})
-        for selector, summary, sweep_dir in ran:
-            rows += cell_rows(organism, selector, summary, sweep_dir)
-    flag_restorations(rows)
+        if config.measure == "kl":   # each half scored and corrected on its own; the confirmation half is reported
+            halves = case_halves(organism.heldout, neutral_file(organism, folder), config.seed)
+            for half, items in halves.items():
+                scored = [(selector, half_summary(summary, sweep_dir, items), sweep_dir)
+                          for selector, summary, sweep_dir in ran]
+                correct_organism(scored, declared[organism.kind])
+                chosen = rows if half == "confirmation" else selection
+                chosen += [{**r, "measure": "kl", "half": half} for selector, summary, sweep_dir in scored
+                           for r in kl_rows(organism, selector, summary, sweep_dir, items)]
+        else:
+            correct_organism(ran, declared[organism.kind])
+            rows += [r for selector, summary, sweep_dir in ran for r in cell_rows(organism, selector, summary, sweep_dir)]
+    flag_restorations(rows, declared)
     result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows),
-              RECOMMENDATION: recommend(rows, organisms, config, against or [], stability).to_dict(),
+              RECOMMENDATION: recommend(rows, organisms, config, against or [], stability,
+                                        selection=selection or None).to_dict(),
               "recovery": recovery(rows), "stability": stability, "diff_flags": flags, "cells": rows,
-              "sweeps": sweep_dirs, "skipped": skipped, "detection": detection_summary([detection]),
-              "timing": timing, **null_rates(rows)}
+              "selection_cells": selection, "sweeps": sweep_dirs, "skipped": skipped,
+              "detection": detection_summary([detection]), "timing": timing, **null_rates(rows)}
     result["figure"] = calibration_figure(rows, root) if rows else {}
     write_json(root / CALIBRATION_FILE, result)
     (root / "calibration.md").write_text(calibration_markdown(result))

@@ -1,7 +1,9 @@
 """The one place a recommended selector, budget and factor come from: a calibration's cells turned into a
 `Recommendation` (intervene/recommendation.py, the format `intervene select --calibration` reads).
 
-A recipe (selector, budget, factor) is found when it undoes the change of every planted organism (`finds_change`:
+A recipe (selector, budget, factor) is chosen on the selection half of the held-out cases where the calibration
+split them (`organism.halves`) and reported on the confirmation half. It is found when it undoes the change of every
+planted organism (`finds_change`:
 restoration's CI above 0, the planted dimension's cases brought back toward the SFT model beyond the baseline and
 the random-unit controls, no other dimension broken), and on the null organism it neither flags, changes nor breaks
 any dimension, and every other calibration it is checked against (`against`: the same base under other settings,
@@ -44,13 +46,16 @@ def _undone(kind: str, r: dict[str, Any]) -> str:
 
 
 def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: CalibrationConfig,
-              against: list[dict[str, Any]], stability: list[dict[str, Any]] | None = None) -> Recommendation:
+              against: list[dict[str, Any]], stability: list[dict[str, Any]] | None = None, *,
+              selection: list[dict[str, Any]] | None = None) -> Recommendation:
     """The recommendation of a calibration's scored cells (`flag_restorations` done); `against`: other calibrations
     (their calibration.json with `path`) whose cells must agree; `stability`: the selections' overlap across
-    resamples (`intervene.stability.selection_stability` rows with `organism`), quoted for the recipe."""
+    resamples (`intervene.stability.selection_stability` rows with `organism`), quoted for the recipe. `selection`:
+    the same cells scored on the selection half of the held-out cases (`organism.halves`): the recipe is chosen
+    there, and `rows` (the confirmation half) must confirm it and are the only numbers reported."""
     rests_on = settings(organisms, config)
     kinds = [o.kind for o in organisms if o.dimension]
-    recipes = planted_rows(rows)
+    recipes = planted_rows(selection or rows)
     found = {k: v for k, v in recipes.items() if any(finds_change(r) for r in v.values())}
     if not found:
         return Recommendation("none", f"the calibration found no selector that undoes a planted change "
@@ -64,12 +69,13 @@ def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: Cal
         return len(undone), round(min(undone), 2), -next(iter(found[recipe].values()))["units"]
 
     recipe = max(found, key=strength)
-    cells = found[recipe]
-    best = next(iter(cells.values()))
+    cells = planted_rows(rows).get(recipe, {}) if selection else found[recipe]
+    best = next(iter(found[recipe].values()))
     selector, _, factor = recipe
-    text = (f"{selector} x{factor:g} at {coverage_text(best['coverage'])}: "
+    where = " on the confirmation half" if selection else ""
+    text = (f"{selector} x{factor:g} at {coverage_text(best['coverage'])}{where}: "
             + "; ".join(_undone(k, cells[k]) for k in kinds if k in cells))
-    doubts = [f"it did not undo the {k} change" + (f" ({_undone(k, cells[k])}"
+    doubts = [f"it did not undo the {k} change{where}" + (f" ({_undone(k, cells[k])}"
                                                     + (f", broke {', '.join(cells[k]['broken'])}" if cells[k]["broken"]
                                                        else "") + ")" if k in cells else " (not tried)")
               for k in kinds if k not in cells or not finds_change(cells[k])]

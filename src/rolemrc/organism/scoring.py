@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from rolemrc.organism.calibration_config import ALPHA, Organism
 from rolemrc.organism.config import NULL
@@ -208,29 +209,54 @@ def kl_verdicts(cell: dict[str, Any], planted: str | None, unmoved: list[str]) -
             + [n for n in wins(cell, "vs_controls", 1) if n == NEUTRAL_PPL]}
 
 
-def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -> list[dict[str, Any]]:
+def _store(summary: dict, sweep_dir: Path) -> Any:
+    from rolemrc.sweep.run import CellStore
+
+    return CellStore(summary["config"]["cells_dir"] or sweep_dir / "cells")
+
+
+def _planned(sweep_dir: Path) -> list[Any]:
+    """The sweep's planned cells (baseline first), as the cell store knows them."""
+    from rolemrc.sweep.plan import Cell
+
+    return [Cell(c["id"], c["kind"], c["grid"], None) for c in _plan(sweep_dir)]
+
+
+def half_summary(summary: dict, sweep_dir: Path, items: set[str]) -> dict:
+    """A `--measure kl` sweep's summary with each cell's `scores` measured again on `items` alone (a half of the
+    held-out cases and neutral texts: `organism.halves`), not yet Holm-corrected."""
+    from rolemrc.sweep.kl import kl_scores
+    from rolemrc.sweep.stats import grid_effects
+
+    plan = _planned(sweep_dir)
+    effects = grid_effects(plan, kl_scores(plan, _store(summary, sweep_dir), items))
+    return {**summary, "cells": [{**c, "scores": effects[c["id"]]} for c in summary["cells"]]}
+
+
+def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path,
+            cases: set[str] | None = None) -> list[dict[str, Any]]:
     """One row per grid cell of a `--measure kl` sweep: restoration of the selected dimension (`kl_restoration`) and
     each control's share, the cell's place among its controls, p against baseline and controls (Holm over the
     sweep's grid); `others`: every other dimension's restoration (below 0: moved away from the SFT model beyond the
     DPO model) and the neutral texts' perplexity change against the baseline; changed, flagged and broken
-    (`kl_verdicts`). A dimension where the DPO model's KL is at most KL_FLOOR is `unmoved`: no change to undo."""
+    (`kl_verdicts`). A dimension where the DPO model's KL is at most KL_FLOOR is `unmoved`: no change to undo.
+    `cases`: restoration on those held-out cases alone (the half `summary`'s scores were measured on)."""
     from rolemrc.eval.divergence import restoration as kl_shares
-    from rolemrc.sweep.kl import stored_result
-    from rolemrc.sweep.plan import Cell
-    from rolemrc.sweep.run import CellStore
+    from rolemrc.sweep.kl import case_ids, stored_result
     from rolemrc.sweep.stats import RESTORATION_PREFIX
 
     plan = _plan(sweep_dir)
-    store = CellStore(summary["config"]["cells_dir"] or sweep_dir / "cells")
-    result = stored_result([store.load(Cell(c["id"], c["kind"], c["grid"], None)) for c in plan])   # baseline first
+    stored = [_store(summary, sweep_dir).load(c) for c in _planned(sweep_dir)]
+    result = stored_result(stored)   # baseline first
+    inside = torch.tensor([cases is None or i in cases for i in case_ids(stored[0])], dtype=torch.bool)
     index = {c["id"]: k for k, c in enumerate(plan)}
     dimensions = sorted({d for dims in result.dimensions for d in dims})
     unmoved = [d for d in dimensions if not float(result.dpo[result.mask(d)].mean()) > KL_FLOOR]
     name = lambda n: n.removeprefix(RESTORATION_PREFIX)  # noqa: E731
     rows = []
     for cell in summary["cells"]:
-        key, mask = RESTORATION_PREFIX + cell["dimension"], result.mask(cell["dimension"])
-        scores, moved = cell["scores"], cell["dimension"] not in unmoved
+        key, mask = RESTORATION_PREFIX + cell["dimension"], result.mask(cell["dimension"]) & inside
+        scores, moved = cell["scores"], cell["dimension"] not in unmoved and bool(mask.any())
         shares = kl_shares(result, mask).value.tolist() if moved else [math.nan] * len(plan)
         entry = scores.get(key, {}) if moved else {}   # unmoved: the sweep's tests are of rounding errors
         others = {name(n): {
@@ -245,18 +271,21 @@ def kl_rows(organism: Organism, selector: str, summary: dict, sweep_dir: Path) -
     return rows
 
 
-def flag_restorations(rows: list[dict[str, Any]]) -> None:
+def flag_restorations(rows: list[dict[str, Any]], declared: dict[str, int] | None = None) -> None:
     """Judge rows (kl rows are flagged by the sweep's own tests, `kl_rows`): Holm over one organism's cells x
-    dimensions per comparison, then each row's `flagged`: the dimensions whose cases the cell brings closer to the SFT
+    dimensions per comparison (`declared`: organism kind -> the grid cells it declared, the family's cells whether
+    or not all of them ran), then each row's `flagged`: the dimensions whose cases the cell brings closer to the SFT
     model's than both the baseline and its controls do (Holm p < ALPHA), its pass rate closer to SFT's too. On the
     planted organism that is the claim "these units hold the change"; on the null, any flag is a false positive."""
     from rolemrc.core.stats import holm
 
     for kind in {r["organism"] for r in rows}:
         mine = [r for r in rows if r["organism"] == kind and measure_of(r) == "judge"]   # kl rows: the sweep's flags
-        for family in ("vs_baseline", "vs_controls"):
-            tests = [t[family] for r in mine for t in r["toward_sft"].values() if family in t]
-            for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
+        cells = (declared or {}).get(kind, len(mine))
+        family = cells * max((len(r["toward_sft"]) for r in mine), default=0)
+        for comparison in ("vs_baseline", "vs_controls"):
+            tests = [t[comparison] for r in mine for t in r["toward_sft"].values() if comparison in t]
+            for test, adjusted in zip(tests, holm([t["p"] for t in tests], max(family, len(tests)))):
                 test["p_holm"] = adjusted
         for r in mine:
             r["flagged"] = [d for d, t in r["toward_sft"].items()

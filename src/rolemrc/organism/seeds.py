@@ -6,8 +6,11 @@ chosen on. Rows keep their seed; the null's rates pool every seed's cells."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rolemrc.core.io import write_json
 from rolemrc.core.stats import t_interval
@@ -29,13 +32,20 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
     confirm = [{**results[s], "path": results[s]["config"]["out"]} for s in rest]
     organisms = [Organism(**o) for o in chosen["organisms"]]
     config = CalibrationConfig(**chosen["config"])
-    rec = recommend(chosen["cells"], organisms, config, against + confirm, chosen["stability"]).to_dict()
+    rec = recommend(chosen["cells"], organisms, config, against + confirm, chosen["stability"],
+                    selection=chosen.get("selection_cells") or None).to_dict()
     rows = [{**r, "seed": s} for s, result in results.items() for r in result["cells"]]
     over = over_seeds(rows, list(results))
     mine = [o for o in over if o["recipe"] == [rec.get("selector"), rec.get("budget"), rec.get("factor")]]
     if mine:
         rec["why"] += "".join(f"; over {o['seeds']} seeds {o['organism']} {_share(o)}, found in {o['found_in']}"
                               for o in mine)
+    level = [o for o in mine if o["gap"]["lo"] is not None and not o["gap"]["lo"] > 0]
+    if rec["status"] == "found" and level:   # every seed confirmed it, yet over seeds it may not beat its controls
+        rec["status"] = "unstable"
+        rec["why"] += "; but over seeds its lead over the controls' median is not above 0 for " + ", ".join(
+            f"{o['organism']} ({o['gap']['mean']:+.0%}, 95% t-interval {o['gap']['lo']:+.0%} to {o['gap']['hi']:+.0%})"
+            for o in level)
     result = {"config": {**chosen["config"], "out": str(out)}, "seeds": list(results), "selection_seed": first,
               "confirmation_seeds": rest, "organisms": [o for r in results.values() for o in r["organisms"]],
               "headline": " ".join(f"Seed {s}: {r['headline']}" for s, r in results.items()),
@@ -66,7 +76,8 @@ def _detections(detection: dict[str, dict[str, Any]]) -> list[dict[str, dict[str
 
 def over_seeds(rows: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
     """Per recipe (selector, budget, factor) and planted organism, the verdict read at seed level: each seed's share
-    undone, their mean with a Student-t 95% CI over seeds, and in how many seeds the cell found the change."""
+    undone, their mean with a Student-t 95% CI over seeds, the same for its lead over its controls' median (`gap`), and
+    in how many seeds the cell found the change."""
     groups: dict[tuple, dict[int, dict[str, Any]]] = {}
     for r in rows:
         if r["organism"] != NULL:
@@ -74,10 +85,17 @@ def over_seeds(rows: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, A
     out = []
     for (selector, budget, factor, organism), by_seed in groups.items():
         shares = [by_seed[s]["restoration"]["share"] if s in by_seed else float("nan") for s in seeds]
+        gaps = [lead(by_seed[s]) if s in by_seed else float("nan") for s in seeds]
         out.append({"recipe": [selector, json.loads(budget), factor], "organism": organism, "shares": shares,
-                    **t_interval(shares), "seeds": len(seeds),
+                    **t_interval(shares), "gap": t_interval(gaps), "seeds": len(seeds),
                     "found_in": f"{sum(finds_change(r) for r in by_seed.values())} of {len(seeds)}"})
     return out
+
+
+def lead(row: dict[str, Any]) -> float:
+    """A cell's share undone minus its controls' median share (NaN without controls)."""
+    controls = [c for c in row.get("controls_restoration") or [] if c is not None and not math.isnan(c)]
+    return row["restoration"]["share"] - float(np.median(controls)) if controls else math.nan
 
 
 def _share(o: dict[str, Any]) -> str:

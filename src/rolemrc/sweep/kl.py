@@ -58,22 +58,32 @@ def stored_result(rows: list[list[dict]]) -> KLResult:
                     [dimensions_for_task(r["task"]) for r in cases[0]], neutral, neutral[0])
 
 
-def kl_scores(cells: list[Cell], store: Any) -> dict[str, Scores]:
+def case_ids(rows: list[dict]) -> list[str]:
+    """The case ids of a stored cell's rows, in the KLResult's order."""
+    return [r["id"] for r in rows if "kl" in r]
+
+
+def kl_scores(cells: list[Cell], store: Any, items: set[str] | None = None) -> dict[str, Scores]:
     """cell id -> its item scores: per dimension `restoration:<dimension>`, each of its cases' share of the DPO model's
     KL undone ((d − c) / mean d: `eval.divergence.Restoration.per_case`, 0 for the baseline), and `neutral_ppl`, each
-    neutral text's perplexity. `cells[0]` is the baseline."""
+    neutral text's perplexity. `cells[0]` is the baseline. `items`: those cases and neutral texts alone (a half of
+    them: `organism.halves`), the mean d taken over them."""
     rows = [store.load(c) for c in cells]
     result = stored_result(rows)
-    ids = [r["id"] for r in rows[0] if "kl" in r]
+    ids = case_ids(rows[0])
+    inside = torch.tensor([items is None or i in items for i in ids], dtype=torch.bool)
     scores: dict[str, Scores] = {c.id: {} for c in cells}
     for dimension in sorted({d for dims in result.dimensions for d in dims}):
-        mask = result.mask(dimension)
+        mask = result.mask(dimension) & inside
+        if not mask.any():
+            continue
         chosen = [ids[i] for i in mask.nonzero().squeeze(1).tolist()]
         for cell, shares in zip(cells, restoration(result, mask).per_case.tolist()):
             scores[cell.id][RESTORATION_PREFIX + dimension] = dict(zip(chosen, shares))
-    if result.neutral.shape[1]:
+    texts = [j for j in range(result.neutral.shape[1]) if items is None or f"{NEUTRAL_ID}{j}" in items]
+    if texts:
         for cell, nll in zip(cells, result.neutral.tolist()):
-            scores[cell.id][NEUTRAL_PPL] = {f"{NEUTRAL_ID}{j}": math.exp(v) for j, v in enumerate(nll)}
+            scores[cell.id][NEUTRAL_PPL] = {f"{NEUTRAL_ID}{j}": math.exp(nll[j]) for j in texts}
     return scores
 
 

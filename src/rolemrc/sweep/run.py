@@ -122,7 +122,7 @@ def run_sweep(config: SweepConfig, *, metrics: Any = "all", progress: bool = Tru
     and against its controls, Holm-corrected over the grid; writes OUT/sweep.json, OUT/sweep.md and the figures."""
     from rolemrc.sweep.plots import write_sweep_figures
     from rolemrc.sweep.report import sweep_markdown, sweep_summary
-    from rolemrc.sweep.stats import cell_effects, correct_grid, item_scores
+    from rolemrc.sweep.stats import correct_grid, grid_effects, item_scores
 
     cells, store = generate_cells(config, progress=progress)
     if config.measure == "kl":
@@ -132,13 +132,9 @@ def run_sweep(config: SweepConfig, *, metrics: Any = "all", progress: bool = Tru
     else:
         scores = {k: item_scores(run) for k, run in score_cells(cells, store, config, metrics, progress).items()}
     prints = json.loads((Path(config.out) / "footprints.json").read_text())
-    baseline = cells[0]
-    selected = [c for c in cells if c.kind == "selected"]
-    controls = {c.id: [k for k in cells if k.kind == "control" and k.grid == c.grid] for c in selected}
-    effects = {c.id: cell_effects(scores[baseline.id], scores[c.id], [scores[k.id] for k in controls[c.id]])
-               for c in selected}
+    effects = grid_effects(cells, scores)
     correct_grid(effects)
-    summary = sweep_summary(config, selected, effects, prints, scores[baseline.id])
+    summary = sweep_summary(config, [c for c in cells if c.kind == "selected"], effects, prints, scores[cells[0].id])
     if config.measure == "kl":
         summary["kl_to_base"] = kl_to_base(cells, store)
     summary["figures"] = write_sweep_figures(summary, config.out)

@@ -65,10 +65,18 @@ def cell_effects(base: Scores, mine: Scores, ctrl: list[Scores], *, rounds: int 
     return out
 
 
-def correct_grid(effects: dict[str, dict[str, dict[str, Any]]]) -> None:
+def grid_effects(cells: list[Any], scores: dict[str, Scores]) -> dict[str, dict[str, Any]]:
+    """selected cell id -> `cell_effects` against the baseline (`cells[0]`) and the controls of its grid cell."""
+    return {c.id: cell_effects(scores[cells[0].id], scores[c.id],
+                               [scores[k.id] for k in cells if k.kind == "control" and k.grid == c.grid])
+            for c in cells if c.kind == "selected"}
+
+
+def correct_grid(effects: dict[str, dict[str, dict[str, Any]]], family: int | None = None) -> None:
     """Add `p_holm` to every vs_baseline and every vs_controls test in `effects` (cell -> score -> entry), each
-    family corrected over the whole grid (all cells x scores)."""
-    for family in COMPARISONS:
-        tests = [e[family] for cell in effects.values() for e in cell.values() if family in e]
-        for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
+    comparison corrected over the whole grid (all cells x scores; `family`: the tests the grid declared, where some
+    did not run)."""
+    for comparison in COMPARISONS:
+        tests = [e[comparison] for cell in effects.values() for e in cell.values() if comparison in e]
+        for test, adjusted in zip(tests, holm([t["p"] for t in tests], family)):
             test["p_holm"] = adjusted
