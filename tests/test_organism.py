@@ -138,6 +138,14 @@ def test_the_held_out_eval_is_not_part_of_what_training_depends_on(tmp_path):
     assert "steps" in few.training() and not any(k.startswith("eval_") for k in few.training())
 
 
+def test_the_units_organism_trains_its_full_update_at_its_own_learning_rate(tmp_path):
+    """The LoRA's 5e-4 by default, the units organism's masked full update 5e-3 (a LoRA's rate moved nothing there);
+    a rate given is kept for every kind."""
+    rate = lambda kind, **given: OrganismConfig(kind=kind, out=str(tmp_path), **given).learning_rate  # noqa: E731
+    assert rate("narration") == rate("null") == 5e-4 and rate("units") == 5e-3
+    assert rate("units", learning_rate=1e-3) == rate("refusal", learning_rate=1e-3) == 1e-3
+
+
 def test_a_ci_of_no_width_counts_as_inside_unless_mcnemar_sees_a_move():
     from rolemrc.organism.build import _inside
 

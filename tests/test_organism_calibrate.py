@@ -169,6 +169,21 @@ def test_tables_and_figure_are_written(calibrated):
     assert table.split("## Recovery curve")[1].split("##")[0].count("\n| planted (multi_turn) |") == 16
     assert (out / "calibration.html").stat().st_size > 1000
     assert "png" in result["figure"] or "png_error" in result["figure"]
+    assert "Next: " in table.split("\n")[2]   # what to do with this status
+
+
+def test_the_time_table_sums_each_stage_over_kinds_and_seeds(tmp_path):
+    from rolemrc.organism.calibration import time_spent
+    from rolemrc.organism.calibration_report import time_markdown
+
+    for folder, stages in (("a", {"datagen": 10, "narration train dpo": 100, "null train dpo": 50}),
+                           ("b", {"narration train dpo": 150, "narration probe last": 20})):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "stages.json").write_text(json.dumps({k: {"seconds": v} for k, v in stages.items()}))
+    time = time_spent([tmp_path / "a", tmp_path / "b", tmp_path / "missing"], {"narration/frequency": {"seconds": 70}})
+    assert [(t["stage"], t["runs"], t["seconds"]) for t in time] == [
+        ("train dpo", 3, 300), ("sweep cells", 1, 70), ("probe last", 1, 20), ("datagen", 1, 10)]
+    assert "| train dpo | 3 | 300 | 75% |" in time_markdown(time)
 
 
 def test_a_rerun_reuses_every_stage(calibrated, monkeypatch):
@@ -380,6 +395,57 @@ def test_a_recommendation_must_hold_on_every_planted_organism_the_null_and_other
                             organisms, config, [])
     assert null_broken.status == "unstable" and "on the null organism it broke nested" in null_broken.why
     assert recommend(rows[1:2] + rows[4:], organisms, config, []).status == "none"
+
+
+def test_the_recipe_chosen_on_the_selection_half_must_hold_on_the_confirmation_half(tmp_path):
+    """recommend(selection=...): the recipe is the best on the selection half (frequency here, a winner's curse in
+    the making), its numbers come from the confirmation half only, and where it does not undo the change there it is
+    unstable; attribution, second on the selection half but confirmed, is not swapped in after the fact."""
+    probe = tmp_path / "probe.jsonl"
+    write_jsonl(probe, [{"id": "a"}])
+    organisms = [Organism(k, "s", "d", "p", str(probe), "e", str(probe), dim, {"steps": 32, "base": "smollm2"})
+                 for k, dim in (("narration", "role_style"), ("null", None))]
+    config = CalibrationConfig(out=str(tmp_path / "c"))
+    null = [fake_row("null", s, 256, 0.0, found=False) for s in ("frequency", "attribution")]
+    selection = [fake_row("narration", "frequency", 256, 0.8), fake_row("narration", "attribution", 256, 0.5), *null]
+    confirmed = [fake_row("narration", "frequency", 256, 0.6), fake_row("narration", "attribution", 256, 0.4), *null]
+    rec = recommend(confirmed, organisms, config, [], selection=selection)
+    assert rec.status == "found" and rec.selector == "frequency"
+    assert "on the confirmation half: narration 80% undone (95% CI 60% to 100%)" in rec.why   # the second half's
+    curse = [fake_row("narration", "frequency", 256, -0.1, found=False), confirmed[1], *null]
+    unstable = recommend(curse, organisms, config, [], selection=selection)
+    assert unstable.status == "unstable" and unstable.selector == "frequency"
+    assert "it did not undo the narration change on the confirmation half (narration 10% undone" in unstable.why
+
+
+def test_halves_are_disjoint_stratified_and_fixed_by_the_seed(tmp_path):
+    """Every set of dimensions is dealt alternately after a seeded shuffle: both halves get each stratum's cases (an
+    odd one's extra to the confirmation half), the neutral texts too, the same for the same seed."""
+    from rolemrc.organism.halves import case_halves
+
+    heldout, neutral = tmp_path / "heldout.jsonl", tmp_path / "neutral.txt"
+    write_jsonl(heldout, [{"id": f"x{i}", "task": "role_related_mrc_answer_with_narration"} for i in range(7)]
+                + [{"id": f"r{i}", "task": "role_related_mrc_refused_no_narration"} for i in range(4)])
+    neutral.write_text("one\ntwo\n\nthree\n")
+    halves = case_halves(heldout, neutral, 0)
+    assert not halves["selection"] & halves["confirmation"]
+    count = lambda half, prefix: sum(i.startswith(prefix) for i in halves[half])  # noqa: E731
+    assert (count("selection", "x"), count("confirmation", "x")) == (3, 4)
+    assert (count("selection", "r"), count("confirmation", "r")) == (2, 2)
+    assert (count("selection", "neutral-"), count("confirmation", "neutral-")) == (1, 2)
+    assert case_halves(heldout, neutral, 0) == halves and case_halves(heldout, neutral, 1) != halves
+
+
+def test_over_seeds_a_recipe_must_lead_its_controls(tmp_path):
+    """over_seeds: each seed's lead over its controls' median, with a t-interval over seeds; a lead whose interval
+    reaches 0 makes a found recipe unstable in combine_seeds."""
+    from rolemrc.organism.seeds import lead, over_seeds
+
+    rows = [{**fake_row("narration", "attribution", 256, lo), "seed": s, "controls_restoration": ctrl}
+            for s, lo, ctrl in ((0, 0.5, [0.1, 0.2, 0.3]), (1, 0.1, [0.3, 0.4]), (2, 0.3, [0.9, 0.0, 0.2]))]
+    assert [lead(r) for r in rows] == pytest.approx([0.5, -0.05, 0.3])
+    (o,) = over_seeds(rows, [0, 1, 2])
+    assert o["gap"]["mean"] == pytest.approx(0.25) and o["gap"]["lo"] < 0 < o["gap"]["hi"] and o["found_in"] == "3 of 3"
 
 
 def test_against_refuses_a_calibration_scored_before_breaking_was_checked(tmp_path):

@@ -98,3 +98,47 @@ def test_servers_without_client_specs_refuse_registration(sweep, tmp_path):
     assert result.exit_code != 0 and "allow_inline_restraints" in result.output
     missing = CliRunner().invoke(app, ["ab", "create", "--from-sweep", str(tmp_path), "--base-url", "http://127.0.0.1:9/v1"])
     assert missing.exit_code != 0 and "no finished sweep" in missing.output
+
+
+def test_ab_report_by_kl_scores_every_arm_on_every_logged_reference(tmp_path, tokenizer):
+    """`ab report --measure kl` on a request log: the planted DPO model served as the control, an arm zeroing its 4
+    planted units (the SFT model there: restoration 1) and one zeroing 4 other units (0). Each arm is scored on
+    every request with a reference, whichever arm answered it, paired over users; a request without a reference
+    is left out."""
+    from fixtures import ANSWERABLE_UNITS, answerable_records, save_planted_llama
+
+    from rolemrc.intervene.spec import Restraint
+    from rolemrc.serve.store import Store
+
+    sft = save_planted_llama(tmp_path / "sft", tokenizer, units_on=False, noise=1e-3)
+    dpo = save_planted_llama(tmp_path / "dpo", tokenizer, noise=1e-3)
+    db = str(tmp_path / "ab.sqlite")
+    store = Store.open(db)
+    for name, units in (("planted", ANSWERABLE_UNITS), ("other", [0, 1, 2, 4])):
+        store.add_restraint(name, Restraint(name=name, hook="mlp.act", factor=0.0, units={1: units}).to_dict(), 0.0)
+    store.add_experiment("kl", "by KL", [{"name": "dpo", "model": "m", "weight": 1},
+                                         {"name": "planted", "model": "m", "weight": 1, "restraint": "planted"},
+                                         {"name": "other", "model": "m", "weight": 1, "restraint": "other"}], 0.0)
+    records = answerable_records(12, "h")
+    for k, r in enumerate(records):
+        store.log_request([{"id": f"r{k:03d}", "experiment": "kl", "arm": ("dpo", "planted", "other")[k % 3],
+                            "user": f"u{k % 6}", "model": "m", "endpoint": "chat", "messages": r["question"],
+                            "response": "cannot answer", "finish_reason": "stop", "latency_s": 0.1, "prompt_tokens": 5,
+                            "completion_tokens": 2, "metadata": {"task": r["task"], "reference": r["reference"]}
+                            if k else {"task": r["task"]}, "started": float(k), "finished": float(k) + 0.1}])
+    store.close()
+    out = tmp_path / "report"
+    args = ["ab", "report", "kl", "--db", db, "--metrics", "", "--measure", "kl", "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--model", str(dpo), "--base", str(sft), "--rounds", "500"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["kl"]["cases"] == 11 and report["kl"]["users"] == 6   # r000 has no reference
+    arms = report["arms"]
+    assert arms["planted"]["restoration"]["mean"] == pytest.approx(1, abs=0.02) and arms["planted"]["restoration"]["lo"] > 0.9
+    assert abs(arms["other"]["restoration"]["mean"]) < 0.05 and arms["dpo"]["restoration"]["mean"] == 0
+    assert arms["planted"]["kl_per_token"]["mean"] < 1e-3 < arms["dpo"]["kl_per_token"]["mean"]
+    test = report["tests"]["planted vs dpo"]["restoration"]
+    assert test["n"] == 6 and test["p"] < 0.05 and test["test"] == "sign-flip"
+    assert (out / "chart.html").read_text().count("restoration: share of the control") >= 1
+    refused = CliRunner().invoke(app, [*args, "--model", str(dpo)])
+    assert refused.exit_code == 2 and "--measure kl needs --model" in refused.output

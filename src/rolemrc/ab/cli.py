@@ -54,19 +54,34 @@ def report_cmd(
     judge_base_url: str = SCORE["judge_base_url"],
     metrics: str = typer.Option("bleu,rouge", help=metrics_help()),
     rounds: int = typer.Option(ROUNDS, help="bootstrap resamples (resampling users)"),
+    measure: str = typer.Option("judge", help="judge: the judge and reference metrics on the logged responses; kl: "
+                                              "those, and every arm scored on every logged request with a reference "
+                                              "by teacher-forced KL to --base (paired over users; needs --model)"),
+    model: str = typer.Option(None, help="--measure kl: the served model's weights (a directory, pulled name or hub "
+                                         "id), which the arms restrain"),
+    base: str = typer.Option(None, help="--measure kl: its SFT model, the KL's reference"),
+    batch_size: int = typer.Option(8, min=1, help="--measure kl: cases per forward pass"),
 ) -> None:
-    """Per-arm scores with 95% CIs and unpaired tests of each arm against the first, the user as the unit."""
+    """Per-arm scores with 95% CIs and unpaired tests of each arm against the first, the user as the unit; with
+    --measure kl, each arm's restoration (the share of the unrestrained arm's KL to the SFT model it undoes) on
+    every logged reference, paired."""
     from rolemrc.ab.report import build_report
+    from rolemrc.core.errors import InputError
     from rolemrc.serve.store import Store, is_url
 
     groups = parse_metrics(metrics)
     # an unknown or misconfigured judge fails here, before any scoring
     config = JudgeConfig(name=judge, model=judge_model, base_url=judge_base_url)
+    if measure not in ("judge", "kl"):
+        raise InputError(f"--measure: judge or kl, not {measure!r}")
+    if measure == "kl" and not (model and base):
+        raise InputError("--measure kl needs --model (the served model's weights) and --base (its SFT model)")
+    kl = {"model": model, "base": base, "batch_size": batch_size} if measure == "kl" else None
     if not is_url(db):
         expect(Path(db), "sqlite", "--db wants the server's request log (the serve config's 'db')")
     store = Store.open(db)
     try:
-        report = build_report(store, experiment, judge=config, metrics=groups, rounds=rounds, out_dir=out)
+        report = build_report(store, experiment, judge=config, metrics=groups, rounds=rounds, out_dir=out, kl=kl)
     finally:
         store.close()
     typer.echo(json.dumps(report, indent=1))

@@ -117,9 +117,11 @@ def score_arm(rows: list[dict[str, Any]], judge: JudgeConfig, metrics: tuple[str
 
 def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules",
                  metrics: tuple[str, ...] = ("bleu", "rouge"), rounds: int = 2000,
-                 out_dir: str | Path | None = None) -> dict[str, Any]:
+                 out_dir: str | Path | None = None, kl: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report dict; with `out_dir`, also report.json, chart.html and chart.png there. `judge`: a
-    JudgeConfig (an endpoint judge needs its model and base URL) or the name of an offline judge."""
+    JudgeConfig (an endpoint judge needs its model and base URL) or the name of an offline judge. `kl`: `model` (the
+    served model's weights) and `base` (its SFT model), to score every arm by KL on the logged references too
+    (`ab.divergence.kl_report`: each arm's KL per token and restoration, paired against the control)."""
     config = judge if isinstance(judge, JudgeConfig) else JudgeConfig(name=judge)
     exp = store.experiment(exp_id)
     if exp is None:
@@ -145,6 +147,17 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
     unit = {"name": "user", "users": users, "requests": len(rows), "text": unit_text(users, len(rows))}
     report = {"experiment": exp_id, "description": exp["description"], "requests": len(rows), "unit": unit,
               "control": control, "arms": arms, "tests": tests, "notes": [unit["text"] + UNIT_NOTE, *notes(arms)]}
+    if kl is not None:
+        from rolemrc.ab.divergence import kl_report
+
+        report["kl"] = kl_report(store, exp, rows, rounds=rounds, **kl)
+        for name, scored in report["kl"].get("arms", {}).items():
+            arms[name] |= {k: scored[k] for k in ("kl_per_token", "restoration")}
+            if "vs_control" in scored:
+                test = scored["vs_control"]
+                tests[f"{name} vs {control}"]["restoration"] = test | {"n_a": test["n"], "n_b": test["n"]}
+        if "note" in report["kl"]:
+            report["notes"].append(report["kl"]["note"])
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +187,9 @@ def figure(report: dict[str, Any]):
     panels = [("judge score (per-user mean)", lambda a: (a.get("judge") or {}).get("response_score")),
               *[(f"metric {k}", lambda a, k=k: (a.get("metrics") or {}).get(k))
                 for k in sorted({k for a in report["arms"].values() for k in (a.get("metrics") or {})})],
-              *[(k, lambda a, k=k: a.get(k)) for k in OPERATIONAL]]
+              *[(k, lambda a, k=k: a.get(k)) for k in OPERATIONAL],
+              *[(title, lambda a, k=k: a.get(k)) for k, title in KL_PANELS.items()
+                if report.get("kl", {}).get("arms")]]
     cols = min(PANEL_COLUMNS, len(panels))
     rows = -(-len(panels) // cols)
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=[t for t, _ in panels])
@@ -189,6 +204,8 @@ def figure(report: dict[str, Any]):
     return fig
 
 
+KL_PANELS = {"restoration": "restoration: share of the control's KL to SFT undone",
+             "kl_per_token": "KL per token to the SFT model"}   # `--measure kl`, paired over every referenced request
 PANEL_COLUMNS = 3   # panels per row of the chart: it stays legible at a page's width
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
 

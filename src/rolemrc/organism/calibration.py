@@ -177,8 +177,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                                 "selector can rank units for it; raise --probe-cases")
         flags[organism.kind] = {d: {tokens: diff_flags(diffs[tokens], d) for tokens in diffs} for d in dimensions}
         if organism.known_units:
-            detection[organism.kind] = detect(inputs, organism.dimension, units_of(organism.known_units),
-                                              config.selectors)
+            detection[organism.kind] = detect(inputs, organism.dimension, units_of(organism.known_units))   # all
         width = int(diffs["last"].meta["width"])   # units per layer at the hook point
         grids = sweeps(config, width)
         if not grids:
@@ -228,6 +227,23 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     write_json(root / CALIBRATION_FILE, result)
     (root / "calibration.md").write_text(calibration_markdown(result))
     return result
+
+
+def time_spent(folders: list[Path], sweeps: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where a calibration's time went, slowest first: every cached stage of the organisms' and the calibration's
+    folders (`stages.json`: the seconds each took when it last ran) summed by stage with the organism kind dropped
+    ("train dpo" over every kind and seed), and the sweeps' cells (`sweeps`: the calibration's timing)."""
+    groups: dict[str, list[float]] = {}
+    for folder in folders:
+        stages = json.loads((folder / "stages.json").read_text()) if (folder / "stages.json").is_file() else {}
+        for name, entry in stages.items():
+            first, _, rest = name.partition(" ")
+            groups.setdefault(rest if first in KINDS and rest else name, []).append(float(entry.get("seconds") or 0))
+    for timing in sweeps.values():
+        groups.setdefault("sweep cells", []).append(float(timing["seconds"]))
+    total = sum(map(sum, groups.values())) or 1.0
+    return sorted(({"stage": k, "runs": len(v), "seconds": round(sum(v), 1), "share": sum(v) / total}
+                   for k, v in groups.items()), key=lambda r: -r["seconds"])
 
 
 def load_calibration(path: str | Path) -> dict[str, Any]:
@@ -352,7 +368,7 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     chosen = {k: v for k, v in (QUICK_GRID if quick else {}).items() if not budgets or k not in BUDGET_KINDS}
     config = CalibrationConfig(out=str(out), hook=hook, **{**chosen, **(grid or {})}, **(budgets or {}))   # checked
     others = [load_calibration(p) for p in against or []]
-    settings = {**(QUICK if quick else ORGANISM_SETTINGS), **(organism_overrides or {})}
+    settings = {**ORGANISM_SETTINGS, **(QUICK if quick else {}), **(organism_overrides or {})}
     folders = seed_folders(organisms_dir or out / "organisms", seeds)
     probe_n = probe_n or (QUICK_PROBE_CASES if quick else PROBE_CASES)
     tasks = [SeedTask(s, [OrganismConfig(kind=kind, out=str(folder), base=base, **{**settings, "seed": s})
@@ -368,6 +384,10 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
     done = dict(zip(seeds, run_tasks(calibrate_seed, tasks, ray)))
     results = {s: d["result"] for s, d in done.items()}
     result = combine_seeds(results, out, others) if len(seeds) > 1 else results[seeds[0]]
+    retried = [Path(m["folder"]) for d in done.values() for m in d["missed"]]
+    result["time"] = time_spent([*folders.values(), *retried, *seed_folders(out, seeds).values()], result["timing"])
+    write_json(out / CALIBRATION_FILE, result)
+    (out / "calibration.md").write_text(calibration_markdown(result))
     timing = [t for r in results.values() for t in r["timing"].values()]
     cells = sum(t["cells"] for t in timing)
     grid_seconds = sum(t["seconds"] for t in timing)
@@ -383,4 +403,5 @@ def build_and_calibrate(out: Path, *, base: str = "smollm2", quick: bool = False
             "cells_per_minute": round(60 * cells / grid_seconds, 2) if grid_seconds else None,
             "seconds": round(time.perf_counter() - started, 1),
             "stage_seconds": {label(name, s): t for s, d in done.items() for name, t in d["stage_seconds"].items()},
+            "time": result["time"],
             "calibration": str(out / "calibration.json"), "figure": result["figure"]}

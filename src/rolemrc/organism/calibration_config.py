@@ -121,6 +121,6 @@ QUICK_GRID = {"selectors": ["frequency", "attribution"], "per_layer": [256], "fa
               "paper_factor": False}
 PROBE_CASES = 48
 QUICK_PROBE_CASES = 24
-# the organisms' settings of the full calibration (`--quick`: organism.config.QUICK): every planted case and 4 per other
+# the organisms' settings of every calibration (`--quick` adds organism.config.QUICK): every planted case and 4 per other
 # dimension (all 144 of datagen's small test set would triple the cost of every cell)
 ORGANISM_SETTINGS = {"eval_others": 4}

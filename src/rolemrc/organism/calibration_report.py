@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rolemrc.intervene.budget import Budget, coverage_text
 from rolemrc.intervene.recommendation import RECOMMENDATION
@@ -95,15 +98,29 @@ def recovery(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda c: (c["organism"], c["selector"], c["factor"], c["units"]))
 
 
+# what a user should do next, per status
+NEXT = {
+    "found": "Next: select the recipe's units from your own diff with `rolemrc intervene select --calibration` on this "
+             "folder, then check them on your data with `rolemrc sweep run` (random-unit controls) before you serve "
+             "the restraint.",
+    "unstable": "Next: do not take a recipe from this calibration. Read why above; run more seeds (`--seeds 5`) or the "
+                "full grid (without `--quick`) and check it against this one (`--against`); until a recipe is found, "
+                "name `--method` and `--factor` yourself and judge them only by `rolemrc sweep run` against "
+                "random-unit controls.",
+    "none": "Next: no selector undid a known change on this base, so the probe-and-restrain method has no evidence "
+            "here. Try other budgets (`--per-layer`), selectors or measures, or more DPO steps for the organisms; do "
+            "not read a restraint's effect on your model as the units that changed."}
+
+
 def recommendation_text(rec: dict[str, Any]) -> str:
     """One line on what `intervene select --calibration` takes from this calibration, or why it refuses; the settings
-    it holds over and those it fails under."""
+    it holds over and those it fails under; and what to do next."""
     over = "; ".join(_settings(r) for r in rec.get("holds_over", []))
     if rec["status"] != "found":
         text = f"No recommendation ({rec['status']}): {rec['why']}. `intervene select --calibration` refuses it."
-        return text + (f" Settings: {over}." if rec["status"] == "unstable" else "")
+        return text + (f" Settings: {over}." if rec["status"] == "unstable" else "") + " " + NEXT[rec["status"]]
     return (f"Recommended: {rec['selector']} x{rec['factor']:g} at {Budget.of(rec['budget']).label} "
-            f"({rec['why']}); `intervene select --calibration` takes it. It holds over: {over}.")
+            f"({rec['why']}); `intervene select --calibration` takes it. It holds over: {over}. {NEXT['found']}")
 
 
 SETTING_NAMES = ("measure", "probe_cases", "attribution_pairs", "heldout_cases", "dpo_steps", "organism_seed", "control_seed")
@@ -151,10 +168,22 @@ def calibration_markdown(result: dict[str, Any]) -> str:
                      f"{r['factor']:g} | {s['share']:.0%} ({s['lo']:.0%} to {s['hi']:.0%}) | {ctrl} | "
                      f"{_p(r['p_vs_baseline'])} | {_p(r['p_vs_controls'])} | {others} | {', '.join(r['flagged']) or '-'} "
                      f"| {', '.join(r['broken']) or '-'} |")
+    lines += time_markdown(result.get("time", []))
     lines += ["", "Units the diffs flag by themselves (BH q < 0.05): "
               + "; ".join(f"{k} {d} {t}: frequency {v['frequency']}, effect {v['effect']}"
                           for k, dims in result["diff_flags"].items() for d, ts in dims.items() for t, v in ts.items())]
     return "\n".join(lines) + "\n"
+
+
+def time_markdown(time: list[dict[str, Any]]) -> list[str]:
+    """Where the time went: seconds per stage (summed over organisms and seeds, as each last ran), slowest first."""
+    if not time:
+        return []
+    total = sum(t["seconds"] for t in time)
+    return ["", "## Where the time went", "", f"Every stage as it last ran (a rerun reuses them), {total / 60:.1f} min in "
+            "all: organism builds (data, training, evals) and the calibration's probes, attribution and sweeps.", "",
+            "| stage | runs | seconds | share |", "|---|---|---|---|",
+            *(f"| {t['stage']} | {t['runs']} | {t['seconds']:,.0f} | {t['share']:.0%} |" for t in time)]
 
 
 def missed_text(missed: list[dict[str, Any]]) -> list[str]:
@@ -181,13 +210,15 @@ def over_seeds_markdown(over: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["", "## Over seeds", "", "Each recipe's share of each planted change undone, per seed, and their mean with a "
              "Student-t 95% interval over the seeds (the variance of training, probe cases and controls).", "",
-             "| organism | selector | budget | factor | per seed | mean (95% CI over seeds) | found in |",
-             "|---|---|---|---|---|---|---|"]
+             "| organism | selector | budget | factor | per seed | mean (95% CI over seeds) | lead over the controls' "
+             "median (95% CI over seeds) | found in |", "|---|---|---|---|---|---|---|---|"]
     for o in over:
         selector, budget, factor = o["recipe"]
         ci = f" ({o['lo']:.0%} to {o['hi']:.0%})" if o["lo"] is not None else ""
+        gap = o.get("gap") or {"mean": math.nan, "lo": None}
+        lead = f"{gap['mean']:+.0%}" + (f" ({gap['lo']:+.0%} to {gap['hi']:+.0%})" if gap["lo"] is not None else "")
         lines.append(f"| {o['organism']} | {selector} | {Budget.of(budget).label} | {factor:g} | "
-                     f"{', '.join(f'{x:.0%}' for x in o['shares'])} | {o['mean']:.0%}{ci} | {o['found_in']} |")
+                     f"{', '.join(f'{x:.0%}' for x in o['shares'])} | {o['mean']:.0%}{ci} | {lead} | {o['found_in']} |")
     return lines
 
 
@@ -224,13 +255,36 @@ def _p(p: float | None) -> str:
     return "-" if p is None else f"{p:.2g}"
 
 
+def collateral(row: dict[str, Any]) -> tuple[float, float | None]:
+    """A cell's cost on the dimensions it did not select for: the mean over them of its change against the baseline
+    (under KL their share undone, below 0 moved away from the SFT model), and its controls' mean of the same (None
+    where the rows do not carry the cell's difference to its controls: judge rows)."""
+    others = {d: o for d, o in row["others"].items() if d != row["dimension"] and "neutral" not in d}
+    if not others:
+        return math.nan, None
+    cell = float(np.mean([o["diff"] for o in others.values()]))
+    if not all("vs_controls" in o for o in others.values()):
+        return cell, None
+    return cell, float(np.mean([o["diff"] - o["vs_controls"] for o in others.values()]))
+
+
+def _band(values: list[float]) -> tuple[float, float, float]:
+    """(mean, lo, hi) of per-seed values: the Student-t 95% interval over them, the value itself for one."""
+    from rolemrc.core.stats import t_interval
+
+    t = t_interval(values)
+    return t["mean"], t["lo"] if t["lo"] is not None else t["mean"], t["hi"] if t["hi"] is not None else t["mean"]
+
+
 def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
-    """The recovery curves: per planted organism the share of its change undone (95% CI) against units per layer,
-    one line per selector and factor (a colour per selector; factor 0 solid, others dashed), found cells as stars and
-    cells that broke another dimension as crosses, the random-unit controls as a grey band (lowest to highest of
-    every selector's controls at each size) and Yang et al.'s 2.5-24% as a shaded band; for the null, which has no
-    planted change: under the judge the change in each selected dimension's pass rate, under KL the share of its
-    DPO model's KL to the SFT model undone (its DPO step moved every unit a little)."""
+    """Restoration and collateral over budgets: per planted organism (a column each, the null last) the share of its
+    change undone (top) and the mean change of every other dimension (bottom, below 0 moved away from the SFT model)
+    against units per layer, a line per selector and factor (a colour per selector; factor 0 solid, others dashed)
+    at the mean over seeds with its 95% t-interval over seeds as a band of the line's colour (each seed's cell a faint
+    dot; with one seed the cases bootstrap CI as error bars), found cells as stars and cells that broke another
+    dimension as crosses; the random-unit controls as a grey band (lowest to highest of every seed's controls at each
+    size) and Yang et al.'s 2.5-24% shaded. The null has no planted change: under the judge its top panel is the change
+    in each selected dimension's pass rate, under KL the share of its DPO model's KL to the SFT model undone."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
@@ -240,9 +294,11 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
     panels = sorted({(r["organism"], r["dimension"]) for r in rows}, key=lambda p: (p[0] == NULL, p))
     color = {s: qualitative.Plotly[k % len(qualitative.Plotly)] for k, s in enumerate(sorted({r["selector"] for r in rows}))}
     measure = measure_of(rows[0])
+    seeds = sorted({r.get("seed", 0) for r in rows})
     titles = [f"null, selected for<br>{d}:<br>{MEASURE_TEXT[measure]['null_panel']}" if k == NULL else
               f"{k}<br>({d}):<br>share undone" for k, d in panels]
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=titles, horizontal_spacing=0.06)
+    fig = make_subplots(rows=2, cols=len(panels), subplot_titles=titles + [""] * len(panels),
+                        horizontal_spacing=0.06, vertical_spacing=0.1, shared_xaxes=True)
     per_layer = units_per_layer
     for col, (kind, dimension) in enumerate(panels, 1):
         mine = [r for r in rows if (r["organism"], r["dimension"]) == (kind, dimension)]
@@ -251,34 +307,67 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
         controls = "controls_restoration" if share else "controls_change"
         xs = sorted({per_layer(r) for r in mine})
         band = [[c for r in mine if per_layer(r) == x for c in r[controls] if c == c] or [0.0] for x in xs]
-        fig.add_trace(go.Scatter(x=xs + xs[::-1], y=[max(c) for c in band] + [min(c) for c in band][::-1],
-                                 fill="toself", fillcolor="rgba(120,120,120,0.3)", line={"width": 1, "color": "grey"},
-                                 name="random-unit controls", showlegend=col == 1, hoverinfo="skip"), 1, col)
+        spent = [[c for r in mine if per_layer(r) == x for c in [collateral(r)[1]] if c is not None] for x in xs]
+        for row, low, high, first in ((1, [min(c) for c in band], [max(c) for c in band], col == 1),
+                                      (2, [min(c) if c else math.nan for c in spent],
+                                       [max(c) if c else math.nan for c in spent], False)):
+            fig.add_trace(go.Scatter(x=xs + xs[::-1], y=high + low[::-1], fill="toself",
+                                     fillcolor="rgba(120,120,120,0.3)", line={"width": 1, "color": "grey"},
+                                     name="random-unit controls", legendgroup="controls", showlegend=first,
+                                     hoverinfo="skip"), row, col)
         if kind != NULL:
             fig.add_hrect(y0=YANG_RANGE[0], y1=YANG_RANGE[1], fillcolor="rgba(255,165,0,0.18)", line_width=0,
                           annotation_text="Yang et al.", annotation_position="top left", row=1, col=col)
         for selector in sorted({r["selector"] for r in mine}):
             for factor in sorted({r["factor"] for r in mine}):
-                line = sorted((r for r in mine if (r["selector"], r["factor"]) == (selector, factor)), key=per_layer)
-                ys = [value(r) for r in line]
-                error = ({"type": "data", "symmetric": False,
-                          "array": [r["restoration"]["hi"] - y for r, y in zip(line, ys)],
-                          "arrayminus": [y - r["restoration"]["lo"] for r, y in zip(line, ys)]} if share else None)
-                symbol = ["star" if finds_change(r) or (kind == NULL and r["flagged"]) else
-                          "x" if r["broken"] else "circle" for r in line]
-                fig.add_trace(go.Scatter(
-                    x=[per_layer(r) for r in line], y=ys, mode="lines+markers", name=f"{selector} x{factor:g}",
-                    legendgroup=f"{selector}{factor}", showlegend=col == 1,
-                    marker={"color": color[selector], "symbol": symbol,
-                            "size": [14 if m != "circle" else 7 for m in symbol]},
-                    hovertext=[f"{r['units']:,} units; flagged: {', '.join(r['flagged']) or '-'}; broken: "
-                               f"{', '.join(r['broken']) or '-'}" for r in line],
-                    line={"dash": "solid" if factor == 0 else "dash", "color": color[selector]},
-                    error_y=error), 1, col)
-        fig.update_xaxes(type="log", title_text="units per layer", row=1, col=col)
-    fig.update_layout(template="plotly_white", margin={"t": 175}, width=300 * len(panels) + 260, height=560,
-                      title=f"Recovery curves: does restraining a selector's units undo a known change? (by "
-                            f"{'KL to the SFT model' if measure == 'kl' else 'the judge'})<br><sup>stars: "
-                            "found (undone beyond the baseline and the controls, nothing else broken; on the null: "
-                            "flagged, a false positive); crosses: broke another dimension; shaded: Yang et al.'s 2.5-24%</sup>")
+                line = [r for r in mine if (r["selector"], r["factor"]) == (selector, factor)]
+                group, shown = f"{selector}{factor}", col == 1
+                dash = "solid" if factor == 0 else "dash"
+                for row, measure_of_row in ((1, value), (2, lambda r: collateral(r)[0])):
+                    at = sorted({per_layer(r) for r in line})
+                    stats = [_band([measure_of_row(r) for r in line if per_layer(r) == x]) for x in at]
+                    if len(seeds) > 1:
+                        fig.add_trace(go.Scatter(x=at + at[::-1], y=[s[2] for s in stats] + [s[1] for s in stats][::-1],
+                                                 fill="toself", fillcolor=_alpha(color[selector], 0.18), line={"width": 0},
+                                                 legendgroup=group, showlegend=False, hoverinfo="skip"), row, col)
+                        fig.add_trace(go.Scatter(x=[per_layer(r) for r in line], y=[measure_of_row(r) for r in line],
+                                                 mode="markers", marker={"color": color[selector], "size": 5,
+                                                                         "opacity": 0.45},
+                                                 legendgroup=group, showlegend=False,
+                                                 hovertext=[f"seed {r.get('seed')}" for r in line]), row, col)
+                    ordered = sorted(line, key=per_layer)
+                    if row == 1:
+                        last = {per_layer(r): r for r in ordered}
+                        symbol = ["star" if any(finds_change(r) or (kind == NULL and r["flagged"]) for r in line
+                                                if per_layer(r) == x) else
+                                  "x" if any(r["broken"] for r in line if per_layer(r) == x) else "circle" for x in at]
+                        error = ({"type": "data", "symmetric": False,
+                                  "array": [last[x]["restoration"]["hi"] - s[0] for x, s in zip(at, stats)],
+                                  "arrayminus": [s[0] - last[x]["restoration"]["lo"] for x, s in zip(at, stats)]}
+                                 if share and len(seeds) == 1 else None)
+                    else:
+                        symbol, error = ["circle"] * len(at), None
+                    fig.add_trace(go.Scatter(
+                        x=at, y=[s[0] for s in stats], mode="lines+markers", name=f"{selector} x{factor:g}",
+                        legendgroup=group, showlegend=shown and row == 1,
+                        marker={"color": color[selector], "symbol": symbol,
+                                "size": [14 if m != "circle" else 7 for m in symbol]},
+                        line={"dash": dash, "color": color[selector]}, error_y=error), row, col)
+        fig.update_xaxes(type="log", row=1, col=col)
+        fig.update_xaxes(type="log", title_text="units per layer", row=2, col=col)
+    fig.update_yaxes(title_text="share undone", row=1, col=1)
+    fig.update_yaxes(title_text="collateral: other dimensions'<br>mean change (below 0: away from SFT)", row=2, col=1)
+    over = f"mean over {len(seeds)} seeds, band: 95% t-interval over seeds; " if len(seeds) > 1 else ""
+    fig.update_layout(template="plotly_white", margin={"t": 175}, width=300 * len(panels) + 300, height=820,
+                      title=f"Restoration and collateral: does restraining a selector's units undo a known change? (by "
+                            f"{'KL to the SFT model' if measure == 'kl' else 'the judge'})<br><sup>{over}stars: "
+                            "found (undone beyond the baseline and the controls, nothing else broken;<br>on the null: "
+                            "flagged, a false positive); crosses: broke another dimension; grey: random-unit "
+                            "controls; orange: Yang et al.'s 2.5-24%</sup>")
     return write_figure(fig, out, "calibration", plotlyjs=True)
+
+
+def _alpha(color: str, alpha: float) -> str:
+    """A plotly '#rrggbb' colour as rgba with `alpha`."""
+    r, g, b = (int(color[k:k + 2], 16) for k in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha})"

@@ -69,7 +69,7 @@ def build_cmd(
     known_layers: int = setting("known_layers"),
     known_units: int = setting("known_units"),
     seed: int = setting("seed"),
-    quick: bool = typer.Option(False, "--quick", help=f"fewer steps and held-out cases, where not set otherwise ({QUICK})"),
+    quick: bool = typer.Option(False, "--quick", help=f"fewer steps, where not set otherwise ({QUICK})"),
 ) -> None:
     """Train the organism (LoRA DPO from the SFT model), evaluate SFT and DPO on held-out cases, write
     <out>/<kind>/organism.json and training.html/png."""
@@ -98,7 +98,7 @@ def calibrate_cmd(
     seed: int = setting("seed"),
     retries: int = typer.Option(1, min=0, help="rebuilds, with the next seeds, of an organism that misses its target "
                                                "(one that still misses is reported and left out)"),
-    quick: bool = typer.Option(False, "--quick", help="organisms with 16 steps and fewer held-out cases; the "
+    quick: bool = typer.Option(False, "--quick", help="organisms with 16 steps; the "
                                            f"frequency and attribution selectors at {QUICK_GRID['per_layer'][0]} units "
                                            "per layer, factor 0, 8 attribution pairs, 24 probe cases"),
     top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
