@@ -204,8 +204,7 @@ def figure(report: dict[str, Any]):
     return fig
 
 
-KL_PANELS = {"restoration": "restoration: share of the control's KL to SFT undone",
-             "kl_per_token": "KL per token to the SFT model"}   # `--measure kl`, paired over every referenced request
+KL_PANELS = {"restoration": "restoration (of KL to SFT)", "kl_per_token": "KL per token to SFT"}   # `--measure kl`, paired over every referenced request
 PANEL_COLUMNS = 3   # panels per row of the chart: it stays legible at a page's width
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
 
