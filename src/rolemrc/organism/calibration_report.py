@@ -200,7 +200,8 @@ def null_bound_text(bound: dict[str, Any] | None) -> list[str]:
         return ["No null organism ran: nothing bounds the false-positive rate.", ""]
     enough = ("at or below 5%" if bound["upper_bound"] <= 0.05 else
               f"above the 5% target, which needs 0 flagged of at least {bound['cells_for_5pct']} null cells")
-    return [f"Null organism: {bound['flagged']} of {bound['cells']} cells flagged, so the false-positive rate is at "
+    return [f"Null organism: {bound['flagged']} of {bound['cells']} cells moved a dimension beyond their controls "
+            "(flagged or broken), so the false-positive rate is at "
             f"most {bound['upper_bound']:.0%} (exact one-sided 95% bound), {enough}.", ""]
 
 

@@ -309,11 +309,13 @@ def null_rates(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def null_bound(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the null organism's cells bound the pipeline's false-positive rate at: flagged cells of all null cells,
-    the exact one-sided 95% upper bound on the rate, and how many clean null cells a bound of 5% needs."""
+    """What the null organism's cells bound the pipeline's false-positive rate at: a null cell is a false positive
+    when it moves any dimension beyond its controls after correction, toward the SFT model (flagged) or away from it
+    (broken); those cells of all null cells, the exact one-sided 95% upper bound on the rate, and how many clean null
+    cells a bound of 5% needs."""
     from rolemrc.core.stats import rate_upper_bound, trials_for_bound
 
     null = [r for r in rows if r["organism"] == NULL]
-    flagged = sum(bool(r["flagged"]) for r in null)
-    return {"flagged": flagged, "cells": len(null), "upper_bound": rate_upper_bound(flagged, len(null)),
+    moved = sum(bool(r["flagged"] or r["broken"]) for r in null)
+    return {"flagged": moved, "cells": len(null), "upper_bound": rate_upper_bound(moved, len(null)),
             "cells_for_5pct": trials_for_bound(0.05)}
