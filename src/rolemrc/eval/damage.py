@@ -11,7 +11,10 @@ The rules, none of which fires on datagen's template replies and references or o
   apart ("one of the" in a long answer), is no loop. Words are runs of letters and digits, lower-cased ("don't" and
   "0.5" are one word; so is a run of Chinese or Japanese characters, so a loop inside unspaced text is not seen).
   Also degenerate: a reply of MIN_VISIBLE or more visible characters, more than half of them punctuation or symbols
-  (emojis aside).
+  (emojis aside); and a reply of MIN_ACTIONS or more stage directions (`core.text.ACTION_SPAN`: "(laughs)",
+  "*nods*") with not one word outside them, which says nothing ("(laughs) (smiles) (chuckles)": a DPO step on
+  narration pairs collapsed SmolLM2 into it; one cut off at the end by the token limit counts as one). One or two
+  actions alone ("*nods*") are a terse reply, not damage.
 - wrong_language: a reply of MIN_LANGUAGE_WORDS or more words (`text_facts.count_words`) that reads as neither the
   language its prompt is written in nor a language a rule of its system prompt asks for (`rule_parse`), each told
   by `text_facts.language_problem`. A reply that might still be one of them (too little to tell) and a prompt whose
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolemrc.core.records import prompt_turns
+from rolemrc.core.text import ACTION_SPAN
 from rolemrc.core.taxonomy import Aspect
 from rolemrc.eval.rule_parse import find_rules
 from rolemrc.eval.text_facts import EMOJI, LANGUAGES, CannotTell, count_words, language_problem
@@ -39,6 +43,8 @@ WORD = re.compile(r"[^\W_]+(?:['’.,][^\W_]+)*")
 MIN_VISIBLE = 20             # visible characters before the share of punctuation and symbols counts
 MAX_SYMBOL_SHARE = 0.5
 MIN_LANGUAGE_WORDS = 10      # a shorter reply is never in the wrong language
+MIN_ACTIONS = 3              # stage directions and nothing else: at least this many is a reply that says nothing
+UNCLOSED_ACTION = re.compile(r"[(\[*][^()\[\]*]*$")   # a stage direction cut off by the token limit
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,9 @@ def damage(reply: str, prompt: str = "", system: str = "") -> Damage | None:
     visible, share = symbol_share(reply)
     if visible >= MIN_VISIBLE and share > MAX_SYMBOL_SHARE:
         return Damage("degenerate", f"{share:.0%} of {visible} visible characters are punctuation or symbols")
+    actions = len(ACTION_SPAN.findall(reply))
+    if actions >= MIN_ACTIONS and not WORD.search(UNCLOSED_ACTION.sub(" ", ACTION_SPAN.sub(" ", reply))):
+        return Damage("degenerate", f"{actions} stage directions and not a word besides")
     if count_words(reply) < MIN_LANGUAGE_WORDS:
         return None   # too short to be in the wrong language
     why = wrong_language(reply, prompt, system)
