@@ -224,6 +224,12 @@ def test_a_build_writes_the_organism_and_its_training(built, kind):
         assert dim["b_rate"] - dim["a_rate"] == pytest.approx(dim["diff"])
     assert report["headline"].startswith(f"{kind} organism ") and isinstance(report["meets_target"], bool)
     assert dimension in report["target"] and (root / kind / "training.html").stat().st_size > 1000
+    # a collapsed DPO model (loops, bare stage directions) is no planted change: its damaged replies are checked too
+    damaged = report["damaged"]
+    assert 0 <= damaged["sft"] <= damaged["sft_ci"][1] <= 1 and 0 <= damaged["dpo"] <= 1
+    assert "damaged replies" in report["target"] and "damaged replies" in report["headline"]
+    if damaged["dpo"] > damaged["sft_ci"][1]:
+        assert not report["meets_target"]
     # the pairs never come from a held-out persona
     held_personas = {c["id"].split("/")[0] for c in heldout}
     assert not {p["id"].split("/")[0] for p in read_jsonl(report["pairs"])} & held_personas
