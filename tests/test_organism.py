@@ -139,11 +139,18 @@ def test_the_held_out_eval_is_not_part_of_what_training_depends_on(tmp_path):
 
 
 def test_the_units_organism_trains_its_full_update_at_its_own_learning_rate(tmp_path):
-    """The LoRA's 5e-4 by default, the units organism's masked full update 5e-3 (a LoRA's rate moved nothing there);
+    """The LoRA's 2e-4 by default, the units organism's masked full update 5e-3 (a LoRA's rate moved nothing there);
     a rate given is kept for every kind."""
     rate = lambda kind, **given: OrganismConfig(kind=kind, out=str(tmp_path), **given).learning_rate  # noqa: E731
-    assert rate("narration") == rate("null") == 5e-4 and rate("units") == 5e-3
+    assert rate("narration") == rate("null") == 2e-4 and rate("units") == 5e-3
     assert rate("units", learning_rate=1e-3) == rate("refusal", learning_rate=1e-3) == 1e-3
+
+
+def test_an_sft_term_beside_dpo_is_part_of_training_only_when_used(tmp_path):
+    """--sft-weight w (default 1) trains DPO + w x NLL on the chosen replies (trl's sigmoid + sft losses); at 0 (plain
+    DPO) it is left out of the stage keys, so organisms built as plain DPO before the option existed are reused."""
+    plain, mixed = (OrganismConfig(kind="refusal", out=str(tmp_path), sft_weight=w) for w in (0.0, 1.0))
+    assert "sft_weight" not in plain.training() and mixed.training()["sft_weight"] == 1.0
 
 
 def test_a_ci_of_no_width_counts_as_inside_unless_mcnemar_sees_a_move():
@@ -157,7 +164,8 @@ def test_a_ci_of_no_width_counts_as_inside_unless_mcnemar_sees_a_move():
 @pytest.mark.parametrize("bad, message", [({"kind": "planted-ish"}, "organism kind 'planted-ish'"),
                                           ({"steps": 0}, "steps is 0"), ({"eval_others": -1}, "--eval-others is -1"),
                                           ({"eval_planted": 0}, "--eval-planted is 0"),
-                                          ({"learning_rate": 2.0}, "--learning-rate must be in (0, 1)")])
+                                          ({"learning_rate": 2.0}, "--learning-rate must be in (0, 1)"),
+                                          ({"sft_weight": -1.0}, "--sft-weight is -1.0")])
 def test_bad_settings_are_errors(bad, message, tmp_path):
     with pytest.raises(OrganismError, match=message.replace("(", r"\(").replace(")", r"\)")):
         OrganismConfig(**{"kind": "narration", "out": str(tmp_path), **bad})

@@ -159,17 +159,19 @@ def _known_stage(cache: StageCache, folder: Path, sft: Path, config: OrganismCon
 
 def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config: OrganismConfig,
                  known: Path | None) -> dict:
-    """LoRA DPO; for the units organism a full update masked to the known units (`known.UnitMask`)."""
+    """LoRA DPO (with an SFT term on the chosen replies: `sft_weight`); for the units organism a full update masked to
+    the known units (`known.UnitMask`)."""
     from rolemrc.organism.known import UnitMask, read_units
     from rolemrc.train import DPOTrainConfig, make_config, train_dpo
 
     out = folder / "dpo"
+    mixed = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, config.sft_weight]} if config.sft_weight else {}
     adapter = {} if known else {"lora_r": config.lora_r, "lora_alpha": 2 * config.lora_r, "lora_dropout": 0.0,
                                 "lora_target_modules": config.lora_targets}
     train = make_config(DPOTrainConfig, profile=None, model=str(sft), data=[str(pairs)], out=str(out),
                         batch_size=1, effective_batch_size=config.batch_size, seed=config.seed, lora=not known,
                         **adapter,
-                        trl={"learning_rate": config.learning_rate, "beta": config.beta, "max_steps": config.steps,
+                        trl={"learning_rate": config.learning_rate, "beta": config.beta, **mixed, "max_steps": config.steps,
                              "max_length": config.max_length, "lr_scheduler_type": "linear", "warmup_steps": 0.1,
                              "logging_steps": 1, "save_steps": max(1, config.steps // 4), "weight_decay": 0.0})
     callbacks = (UnitMask(read_units(known)),) if known else ()

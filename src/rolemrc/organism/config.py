@@ -19,9 +19,11 @@ KNOWN = "units"   # the organism whose DPO update reaches the model only through
 PAIRS_OF = {NULL: NULL_OF, KNOWN: "narration"}   # kinds that train on another kind's pairs (the null swaps them)
 
 
-# DPO learning rates by default: the LoRA's, and the units organism's full update of 96 units' weights (on SmolLM2
-# at 16 steps, 5e-4 moved no dimension at all and 1e-2 moved role style 0.74 -> 0.26 but knowledge boundary too)
-LORA_LEARNING_RATE = 5e-4
+# DPO learning rates by default (docs/calibration.md, "The quick organisms above had collapsed"): on SmolLM2 at 16
+# steps plain DPO at 5e-4 collapsed every kind into loops or bare stage directions; the LoRA at 2e-4 with the SFT term
+# (sft_weight 1) planted narration without damage. The units organism's full update of 96 units' weights: 1e-3
+# moved nothing, 1e-2 collapsed, 5e-3 moved role style 0.74 -> 0.55.
+LORA_LEARNING_RATE = 2e-4
 LEARNING_RATE = {KNOWN: 5e-3}
 
 
@@ -48,8 +50,12 @@ class OrganismConfig:
     steps: int = field(default=32, metadata={"help": "DPO optimiser steps"})
     batch_size: int = field(default=2, metadata={"help": "pairs per optimiser step"})
     learning_rate: float | None = field(default=None, metadata={
-        "help": "DPO learning rate (default: 5e-4 for the LoRA, 5e-3 for the units organism's masked full update)"})
+        "help": "DPO learning rate (default: 2e-4 for the LoRA, 5e-3 for the units organism's masked full update)"})
     beta: float = field(default=0.1, metadata={"help": "DPO beta"})
+    sft_weight: float = field(default=1.0, metadata={
+        "help": "weight of an SFT (NLL) loss on the chosen replies beside DPO's, as in RPO (trl's loss_type "
+                "sigmoid + sft): it keeps a short chosen reply ending where it ends, against the loops plain DPO "
+                "collapsed into; 0: plain DPO"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank (merged on save)"})
     lora_targets: str = field(default="all-linear", metadata={
         "help": "modules LoRA adapts: all-linear, or names separated by commas (gate_proj,up_proj: the change can "
@@ -81,6 +87,8 @@ class OrganismConfig:
             raise OrganismError(f"--eval-planted is {self.eval_planted}; it must be >= 1")
         if self.eval_others is not None and self.eval_others < 0:
             raise OrganismError(f"--eval-others is {self.eval_others}; it must be >= 0")
+        if self.sft_weight < 0:
+            raise OrganismError(f"--sft-weight is {self.sft_weight}; it must be >= 0")
         if not 0 < self.learning_rate < 1 or self.beta <= 0:
             raise OrganismError(f"--learning-rate must be in (0, 1) and --beta > 0 (got {self.learning_rate}, "
                                 f"{self.beta})")
@@ -96,9 +104,11 @@ class OrganismConfig:
         return PAIRS_OF.get(self.kind, self.kind)
 
     def settings(self) -> dict[str, Any]:
-        """Everything but where it goes (the known units' settings only for the units organism)."""
+        """Everything but where it goes (the known units' settings only for the units organism; sft_weight only when
+        used, so organisms built before it existed keep their stage keys)."""
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k != "out" and (self.kind == KNOWN or not k.startswith("known_"))}
+                if k != "out" and (self.kind == KNOWN or not k.startswith("known_"))
+                and not (k == "sft_weight" and not v)}
 
     def training(self) -> dict[str, Any]:
         """What the trained model depends on (the settings but the held-out eval's): the training stage's key."""
