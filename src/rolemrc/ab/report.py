@@ -204,7 +204,8 @@ def figure(report: dict[str, Any]):
     return fig
 
 
-KL_PANELS = {"restoration": "restoration (of KL to SFT)", "kl_per_token": "KL per token to SFT"}   # `--measure kl`, paired over every referenced request
+# `--measure kl`: each arm scored on every referenced request, paired
+KL_PANELS = {"restoration": "restoration (of KL to SFT)", "kl_per_token": "KL per token to SFT"}
 PANEL_COLUMNS = 3   # panels per row of the chart: it stays legible at a page's width
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolemrc.core.records import prompt_turns
-from rolemrc.core.text import ACTION_SPAN
 from rolemrc.core.taxonomy import Aspect
+from rolemrc.core.text import ACTION_SPAN
 from rolemrc.eval.rule_parse import find_rules
 from rolemrc.eval.text_facts import EMOJI, LANGUAGES, CannotTell, count_words, language_problem
 from rolemrc.eval.verdicts import Verdict

@@ -45,8 +45,8 @@ from rolemrc.organism.calibration_config import (
 )
 from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
 from rolemrc.organism.config import KINDS, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
-from rolemrc.organism.recommend import recommend
 from rolemrc.organism.halves import case_halves
+from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations, half_summary, kl_rows, null_rates
 from rolemrc.organism.seeds import combine_seeds
 from rolemrc.probe.options import DEFAULT_RESAMPLES
