@@ -16,20 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rolemrc.ab.report import COMPLETED, cluster
 from rolemrc.core.errors import InputError
 from rolemrc.core.stats import cluster_means, mean_ci, paired_test
-
-
-def referenced_cases(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The completed chat requests of any arm whose metadata carries a reference, as eval cases with their user."""
-    cases = []
-    for row in rows:
-        meta = row.get("metadata") or {}
-        if row["endpoint"] == "chat" and row["finish_reason"] in COMPLETED and meta.get("reference"):
-            cases.append({"id": row["id"], "question": row["messages"], "reference": str(meta["reference"]),
-                          "task": meta.get("task"), "cluster": cluster(row)})
-    return cases
 
 
 def arm_restraints(store: Any, exp: dict[str, Any]) -> list[Any]:
@@ -55,15 +43,15 @@ def arm_restraints(store: Any, exp: dict[str, Any]) -> list[Any]:
     return out
 
 
-def kl_report(store: Any, exp: dict[str, Any], rows: list[dict[str, Any]], *, model: str | Path, base: str | Path,
+def kl_report(store: Any, exp: dict[str, Any], cases: list[dict[str, Any]], *, model: str | Path, base: str | Path,
               batch_size: int = 8, rounds: int = 2000, progress: bool = True) -> dict[str, Any]:
     """Per arm: KL per token to the SFT model `base` and restoration, each per user with a 95% CI over users, and
-    each arm's restoration against the control (paired over users). Nothing when no request carries a reference."""
+    each arm's restoration against the control (paired over users), on `cases` (`ab.report.referenced_cases`: the
+    logged requests with a reference, each with its `cluster`). Nothing when there are none."""
     from rolemrc.core.modeling import load_model
     from rolemrc.eval.divergence import kl_grid, restoration
 
     restraints = arm_restraints(store, exp)
-    cases = referenced_cases(rows)
     names = [a["name"] for a in exp["arms"]]
     if not cases:
         return {"cases": 0, "note": "no completed request carried metadata.reference, so nothing to score by KL"}

@@ -56,6 +56,18 @@ def _items(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return items
 
 
+def referenced_cases(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The completed chat requests of any arm whose metadata carries a reference, as eval cases with their user
+    (`cluster`): what `--measure kl` scores every arm on (`ab.divergence.kl_report`)."""
+    cases = []
+    for row in rows:
+        meta = row.get("metadata") or {}
+        if row["endpoint"] == "chat" and row["finish_reason"] in COMPLETED and meta.get("reference"):
+            cases.append({"id": row["id"], "question": row["messages"], "reference": str(meta["reference"]),
+                          "task": meta.get("task"), "cluster": cluster(row)})
+    return cases
+
+
 def by_user(values: list[float], clusters: list[str], rounds: int) -> tuple[np.ndarray, dict[str, Any]]:
     """(per-user means, their mean with a bootstrap CI over users, plus the request count)."""
     means = cluster_means(values, clusters)
@@ -150,7 +162,7 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
     if kl is not None:
         from rolemrc.ab.divergence import kl_report
 
-        report["kl"] = kl_report(store, exp, rows, rounds=rounds, **kl)
+        report["kl"] = kl_report(store, exp, referenced_cases(rows), rounds=rounds, **kl)
         for name, scored in report["kl"].get("arms", {}).items():
             arms[name] |= {k: scored[k] for k in ("kl_per_token", "restoration")}
             if "vs_control" in scored:
