@@ -57,15 +57,9 @@ def _items(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def referenced_cases(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The completed chat requests of any arm whose metadata carries a reference, as eval cases with their user
-    (`cluster`): what `--measure kl` scores every arm on (`ab.divergence.kl_report`)."""
-    cases = []
-    for row in rows:
-        meta = row.get("metadata") or {}
-        if row["endpoint"] == "chat" and row["finish_reason"] in COMPLETED and meta.get("reference"):
-            cases.append({"id": row["id"], "question": row["messages"], "reference": str(meta["reference"]),
-                          "task": meta.get("task"), "cluster": cluster(row)})
-    return cases
+    """The eval items (`_items`) of every completed request whose metadata carries a reference: what `--measure kl`
+    scores every arm on (`ab.divergence.kl_report`)."""
+    return [i for i in _items([r for r in rows if r["finish_reason"] in COMPLETED]) if i["reference"]]
 
 
 def by_user(values: list[float], clusters: list[str], rounds: int) -> tuple[np.ndarray, dict[str, Any]]:

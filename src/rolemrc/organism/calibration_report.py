@@ -336,9 +336,8 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
                                                                          "opacity": 0.45},
                                                  legendgroup=group, showlegend=False,
                                                  hovertext=[f"seed {r.get('seed')}" for r in line]), row, col)
-                    ordered = sorted(line, key=per_layer)
                     if row == 1:
-                        last = {per_layer(r): r for r in ordered}
+                        last = {per_layer(r): r for r in line}
                         symbol = ["star" if any(finds_change(r) or (kind == NULL and r["flagged"]) for r in line
                                                 if per_layer(r) == x) else
                                   "x" if any(r["broken"] for r in line if per_layer(r) == x) else "circle" for x in at]
