@@ -142,3 +142,19 @@ def test_ab_report_by_kl_scores_every_arm_on_every_logged_reference(tmp_path, to
     assert "restoration (of KL to SFT)" in (out / "chart.html").read_text()
     refused = CliRunner().invoke(app, [*args, "--model", str(dpo)])
     assert refused.exit_code == 2 and "--measure kl needs --model" in refused.output
+
+
+def test_ab_report_by_kl_refuses_arms_it_cannot_compare(tmp_path):
+    """--measure kl needs an unrestrained first arm, one served model and every restraint in the log: each is one
+    InputError naming the arm, before any model loads."""
+    from rolemrc.ab.divergence import arm_restraints
+    from rolemrc.serve.store import Store
+
+    store = Store.open(str(tmp_path / "ab.sqlite"))
+    arms = lambda *a: {"arms": [dict(zip(("name", "model", "restraint"), x)) for x in a]}  # noqa: E731
+    for exp, match in ((arms(("a", "m", "r")), "first, which must be the unrestrained model; 'a' serves restraint 'r'"),
+                       (arms(("a", "m", None), ("b", "m2", None)), "the arms serve \\['m', 'm2'\\]"),
+                       (arms(("a", "m", None), ("b", "m+gone", None)), "arm 'b' serves restraint 'gone', which the request")):
+        with pytest.raises(InputError, match=match):
+            arm_restraints(store, exp)
+    store.close()
