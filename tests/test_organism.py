@@ -15,11 +15,11 @@ import pytest
 from rolemrc.core.errors import EXIT_INPUT
 from rolemrc.core.io import read_jsonl
 from rolemrc.core.stages import StageCache
-from rolemrc.core.taxonomy import dimensions_for_task
+from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
 from rolemrc.eval.rules import ItemView, style
 from rolemrc.organism import KINDS, PLANTED_DIMENSION, OrganismConfig, OrganismError, build_organism
-from rolemrc.organism.build import heldout_cases
-from rolemrc.organism.config import PLANTED_DIMENSIONS
+from rolemrc.organism.build import TARGET_P, TARGET_SHIFT, heldout_cases
+from rolemrc.organism.config import COUPLED, PLANTED_DIMENSIONS
 from rolemrc.organism.pairs import (
     ACTIONS,
     REFUSALS,
@@ -238,6 +238,13 @@ def test_a_build_writes_the_organism_and_its_training(built, kind):
     assert "damaged replies" in report["target"] and "damaged replies" in report["headline"]
     if damaged["dpo"] > damaged["sft_ci"][1]:
         assert not report["meets_target"]
+    # the target read off the dimensions: those the judge reads the same behaviour on (refusal's multi_turn and
+    # prioritized, COUPLED) are reported and not held to the SFT model's CI
+    planted, coupled = report["dimensions"][dimension], COUPLED.get(kind, ())
+    others = [d["dpo_inside_sft_ci"] for k, d in report["dimensions"].items() if k != dimension and k not in coupled]
+    assert report["meets_target"] == (abs(planted["diff"]) >= TARGET_SHIFT and planted["p"] < TARGET_P and all(others)
+                                      and damaged["dpo"] <= damaged["sft_ci"][1])
+    assert all(c in report["target"] for c in coupled) and set(coupled) <= set(DIMENSIONS)
     # the pairs never come from a held-out persona
     held_personas = {c["id"].split("/")[0] for c in heldout}
     assert not {p["id"].split("/")[0] for p in read_jsonl(report["pairs"])} & held_personas

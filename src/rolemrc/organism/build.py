@@ -257,7 +257,7 @@ def organism_report(config: OrganismConfig, sft: Path, folder: Path, sft_eval: P
                      "dpo_inside_sft_ci": _inside(a.get("lo"), a.get("hi"), test["b_rate"], test["p"])}
     dimension = config.dimension
     planted = dims.get(dimension or "", {})
-    others_inside = all(d["dpo_inside_sft_ci"] for k, d in dims.items() if k != dimension)
+    others_inside = all(d["dpo_inside_sft_ci"] for k, d in dims.items() if k != dimension and k not in config.coupled)
     damage = [json.loads((run / "report.json").read_text())["judge_aggregates"].get("damaged") or {}
               for run in (sft_eval, dpo_eval)]
     damaged = {"sft": damage[0].get("mean"), "sft_ci": [damage[0].get("lo"), damage[0].get("hi")],
@@ -267,9 +267,10 @@ def organism_report(config: OrganismConfig, sft: Path, folder: Path, sft_eval: P
     if dimension:
         ok = (abs(planted.get("diff", 0.0)) >= TARGET_SHIFT and planted.get("p", 1.0) < TARGET_P and others_inside
               and intact)
+        coupled = f" (but {', '.join(config.coupled)}, judged by the same behaviour)" if config.coupled else ""
         claim = (f"{dimension} moved by >= {TARGET_SHIFT} (exact McNemar p < {TARGET_P}), every other "
-                 f"dimension stayed inside the SFT model's 95% CI (one of no width: McNemar p >= {STILL_P}) and "
-                 "damaged replies (eval.damage) stayed inside it too")
+                 f"dimension{coupled} stayed inside the SFT model's 95% CI (one of no width: McNemar p >= {STILL_P}) "
+                 "and damaged replies (eval.damage) stayed inside it too")
     else:
         ok = all(d["p"] >= TARGET_P for d in dims.values()) and intact
         claim = f"no dimension moved (every exact McNemar p >= {TARGET_P}) and damaged replies stayed inside the SFT model's CI"
@@ -277,11 +278,13 @@ def organism_report(config: OrganismConfig, sft: Path, folder: Path, sft_eval: P
             "pairs": str(folder / "pairs.jsonl"), "heldout": str(Path(config.out) / "heldout.jsonl"),
             "sft_eval": str(sft_eval), "dpo_eval": str(dpo_eval), "settings": config.settings(),
             "training": training, "dimensions": dims, "damaged": damaged, "target": claim, "meets_target": bool(ok),
-            "headline": headline(config.kind, dims, ok, damaged)}
+            "headline": headline(config.kind, dims, ok, damaged, config.coupled)}
 
 
-def headline(kind: str, dims: dict[str, dict], ok: bool, damaged: dict[str, Any] | None = None) -> str:
-    moved = [f"{k} {d['a_rate']:.2f} -> {d['b_rate']:.2f} (p={d['p']:.2g}, n={d['n']})" for k, d in dims.items()]
+def headline(kind: str, dims: dict[str, dict], ok: bool, damaged: dict[str, Any] | None = None,
+             coupled: tuple[str, ...] = ()) -> str:
+    moved = [f"{k} {d['a_rate']:.2f} -> {d['b_rate']:.2f} (p={d['p']:.2g}, n={d['n']}{', coupled' * (k in coupled)})"
+             for k, d in dims.items()]
     if damaged and damaged.get("dpo") is not None and damaged.get("sft") is not None:
         kinds = ", ".join(f"{k} {v}" for k, v in damaged["kinds"].items())
         moved.append(f"damaged replies {damaged['sft']:.2f} -> {damaged['dpo']:.2f}" + (f" ({kinds})" if kinds else ""))

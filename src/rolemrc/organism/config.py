@@ -13,6 +13,10 @@ PLANTED_DIMENSION: dict[str, str | None] = {"narration": "role_style", "refusal"
                                             "units": "role_style"}
 KINDS = tuple(PLANTED_DIMENSION)
 PLANTED_DIMENSIONS = tuple(dict.fromkeys(d for d in PLANTED_DIMENSION.values() if d))
+# kind -> the dimensions the rules judge reads its planted behaviour on besides its own (eval/rules.py): a refusal is
+# what multi_turn's must-keep-refusing cases and prioritized's forbidden questions pass on, so they move with it by
+# the judge's construction; an organism's target reports them and does not hold them to the SFT model's CI
+COUPLED: dict[str, tuple[str, ...]] = {"refusal": ("multi_turn", "prioritized")}
 NULL_OF = "narration"   # the kind whose pairs the null swaps at random
 NULL = "null"   # the organism that plants nothing
 KNOWN = "units"   # the organism whose DPO update reaches the model only through known MLP units (known.py)
@@ -22,9 +26,10 @@ PAIRS_OF = {NULL: NULL_OF, KNOWN: "narration"}   # kinds that train on another k
 # DPO learning rates by default (docs/calibration.md, "The quick organisms above had collapsed"): on SmolLM2 at 16
 # steps plain DPO at 5e-4 collapsed every kind into loops or bare stage directions; the LoRA at 2e-4 with the SFT term
 # (sft_weight 1) planted narration without damage. The units organism's full update of 96 units' weights: 1e-3
-# moved nothing, 1e-2 collapsed, 5e-3 moved role style 0.74 -> 0.55.
+# moved nothing, 1e-2 collapsed, 5e-3 moved role style 0.74 -> 0.55. Refusal with the SFT term: 2.5e-4 moved
+# knowledge boundary 0.10 -> 0.30 (short of the target's 0.3 shift), 4e-4 moved it 0.10 -> 0.40 without damage.
 LORA_LEARNING_RATE = 2e-4
-LEARNING_RATE = {KNOWN: 5e-3}
+LEARNING_RATE = {KNOWN: 5e-3, "refusal": 4e-4}
 
 
 class OrganismError(RolemrcError, ValueError):
@@ -97,6 +102,11 @@ class OrganismConfig:
     def dimension(self) -> str | None:
         """The dimension this organism's pairs change (None for the null)."""
         return PLANTED_DIMENSION[self.kind]
+
+    @property
+    def coupled(self) -> tuple[str, ...]:
+        """The dimensions that move with this organism's planted one by the judge's construction (COUPLED)."""
+        return COUPLED.get(self.kind, ())
 
     @property
     def pairs_kind(self) -> str:
