@@ -8,9 +8,14 @@ diffs, attribution, sweeps with random-unit controls and the rules judge; only t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -506,7 +511,7 @@ def test_over_seeds_the_recipe_chosen_on_the_first_must_hold_on_every_other(cali
 RAY_DRIVER = """
 import functools, json, os, subprocess, sys, tempfile
 from pathlib import Path
-from rolemrc.core.tasks import run_tasks
+from rolemrc.core.tasks import check_ray, run_tasks
 from rolemrc.organism.calibration import probe_cases
 
 ray, pairs, out = Path(sys.executable).parent / "ray", sys.argv[1], Path(sys.argv[2])
@@ -514,6 +519,7 @@ temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")   # short: Ray's unix sockets
 subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", "--port=6390", "--num-cpus=2",
                 "--include-dashboard=false", f"--temp-dir={temp}"], check=True, capture_output=True)
 try:
+    check_ray("127.0.0.1:6390")   # the real GCS passes the handshake
     seeds = run_tasks(functools.partial(probe_cases, Path(pairs), set(), 4), [0, 1, 2], ray="127.0.0.1:6390")
     pids = run_tasks(lambda _: os.getpid(), [0, 1], ray="127.0.0.1:6390")
     out.write_text(json.dumps({"seeds": seeds, "pids": pids}))
@@ -522,10 +528,34 @@ finally:
 """
 
 
+@contextlib.contextmanager
+def not_ray(answer: bytes | None) -> Iterator[int]:
+    """A port on the loopback whose listener reads what each connection sends, writes `answer` (None: nothing) and
+    closes it."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:   # the listener closed: the test is done
+                return
+            with conn:
+                conn.recv(64)
+                if answer is None:
+                    time.sleep(1)
+                else:
+                    conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    with server:
+        yield server.getsockname()[1]
+
+
 def test_tasks_run_on_a_ray_cluster_as_in_process(calibrated, tmp_path):
     """run_tasks on a real Ray cluster (`ray start --head`, in a network namespace of its own so that it sees the
     loopback only): a seed's probe cases drawn as Ray tasks in worker processes equal those drawn here; an address
-    nothing answers on is refused before any work."""
+    nothing answers on, or something that is no Ray cluster answers on, is refused before any work."""
     import os
     import shutil
     import subprocess
@@ -549,6 +579,13 @@ def test_tasks_run_on_a_ray_cluster_as_in_process(calibrated, tmp_path):
     assert os.getpid() not in remote["pids"]
     with pytest.raises(RayAddressError, match="cannot be reached"):
         check_ray("127.0.0.1:1")
+    for answer in (b"", b"HTTP/1.1 400 Bad Request\r\n\r\n", None):   # closes, speaks HTTP/1, says nothing
+        with not_ray(answer) as port, pytest.raises(RayAddressError, match="not a Ray cluster"):
+            check_ray(f"127.0.0.1:{port}", timeout=0.5)
+    # an HTTP/2 peer that is no Ray cluster (as a proxy that answers every address): passes the handshake, then
+    # Ray's own client, asked for the cluster's id, is refused
+    with not_ray(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])) as port, pytest.raises(RayAddressError, match="no Ray cluster"):
+        check_ray(f"127.0.0.1:{port}", answer_timeout=3)
 
 
 def test_every_selector_is_scored_against_the_units_the_change_lives_in(calibrated):

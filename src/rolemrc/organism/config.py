@@ -29,7 +29,7 @@ PAIRS_OF = {NULL: NULL_OF, KNOWN: "narration"}   # kinds that train on another k
 # moved nothing, 1e-2 collapsed, 5e-3 moved role style 0.74 -> 0.55. Refusal with the SFT term: 2.5e-4 moved
 # knowledge boundary 0.10 -> 0.30 (short of the target's 0.3 shift), 4e-4 moved it 0.10 -> 0.40 without damage.
 LORA_LEARNING_RATE = 2e-4
-LEARNING_RATE = {KNOWN: 5e-3, "refusal": 4e-4}
+LEARNING_RATE = {KNOWN: 7e-3, "refusal": 4e-4}
 
 
 class OrganismError(RolemrcError, ValueError):
@@ -55,7 +55,8 @@ class OrganismConfig:
     steps: int = field(default=32, metadata={"help": "DPO optimiser steps"})
     batch_size: int = field(default=2, metadata={"help": "pairs per optimiser step"})
     learning_rate: float | None = field(default=None, metadata={
-        "help": "DPO learning rate (default: 2e-4 for the LoRA, 5e-3 for the units organism's masked full update)"})
+        "help": f"DPO learning rate (default: {LORA_LEARNING_RATE:g} for the LoRA, {LEARNING_RATE['refusal']:g} for "
+                f"refusal's, {LEARNING_RATE[KNOWN]:g} for the units organism's masked full update)"})
     beta: float = field(default=0.1, metadata={"help": "DPO beta"})
     sft_weight: float = field(default=1.0, metadata={
         "help": "weight of an SFT (NLL) loss on the chosen replies beside DPO's, as in RPO (trl's loss_type "
