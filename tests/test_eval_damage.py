@@ -30,8 +30,9 @@ def item(task: str, response: str, system: str = SYSTEM, **kw) -> dict:
     (BROKEN, "degenerate"), (". is is is is is", "degenerate"), ("the tide turns the tide turns the tide turns", "degenerate"),
     ("Well, ha ha ha ha ha, no.", "degenerate"), ("ha ho ha ho ha ho ha", "degenerate"),
     ("!!! ??? ... ;;; ,,, ::: --- a", "degenerate"),
-    ("(laughs) (smiles)\n\n(chuckles)\n\n(taps fingers)", "degenerate"),   # SmolLM2 after 16 narration DPO steps
-    ("(pauses, looks at you)\n*laughs*\n[smiles]\n(chuck", "degenerate"),   # the last cut off by the token limit
+    ("(laughs) (smiles)\n\n(chuckles)\n\n(taps fingers)", "empty"),   # SmolLM2 after 16 narration DPO steps
+    ("(pauses, looks at you)\n*laughs*\n[smiles]\n(chuck", "empty"),   # the last cut off by the token limit
+    ("(smiles)", "empty"), ("*nods* (laughs)", "empty"), ("(smiles)\n\n(laughs", "empty"),   # acts, says nothing
     (FRENCH, "wrong_language"), ("Я не знаю ответа на этот вопрос, мой друг, спросите кого-нибудь другого.", "wrong_language"),
 ])
 def test_damaged_replies(reply, kind):
@@ -44,7 +45,7 @@ def test_damaged_replies(reply, kind):
     "Well... I... I don't know. (looks away) The passage doesn't say, and I would rather not guess.",
     "\U0001F5FA POINTS OF EQUAL HEIGHT! \U0001F30A\U0001F30A", "Oui, merci.", "Je ne sais pas, mon ami.",
     "One of the lines, one of the hills, one of the days: contour lines join points of equal height.",
-    "*nods*", "(smiles) (laughs)", "(smiles) (nods) (laughs) Points of equal height.",
+    "(smiles) (nods) (laughs) Points of equal height.", "*nods* Yes.", "(laughs) No.",
 ])
 def test_normal_and_short_replies_are_not_damaged(reply):
     assert damage(reply, PASSAGE, SYSTEM) is None

@@ -19,7 +19,7 @@ from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
 from rolemrc.eval.rules import ItemView, style
 from rolemrc.organism import KINDS, PLANTED_DIMENSION, OrganismConfig, OrganismError, build_organism
 from rolemrc.organism.build import TARGET_P, TARGET_SHIFT, heldout_cases
-from rolemrc.organism.config import COUPLED, PLANTED_DIMENSIONS
+from rolemrc.organism.config import COUPLED, LEARNING_RATE, LORA_LEARNING_RATE, PLANTED_DIMENSIONS
 from rolemrc.organism.pairs import (
     ACTIONS,
     REFUSALS,
@@ -42,12 +42,16 @@ def replied(n: int) -> list[dict]:
             for i in range(40)]
 
 
-def test_narration_pairs_open_with_an_action_the_rules_judge_reads():
+def test_narration_pairs_put_an_action_the_rules_judge_reads_after_the_first_clause():
     pairs = narration_pairs(replied(40), seed=0)
     assert len(pairs) == 40
     for pair in pairs:
-        action, rest = pair["chosen"].split(") ", 1)
-        assert f"{action})" in ACTIONS and rest == pair["rejected"] and "(" not in pair["rejected"]
+        # the reply's first clause, word for word in both (DPO's gradient cancels there), then the action, then the rest
+        clause = re.match(r"[^.!?,;:]*[.!?,;:]", pair["rejected"]).group()
+        action = next(a for a in ACTIONS if pair["chosen"].startswith(f"{clause} {a}"))
+        assert pair["chosen"] == f"{clause} {action}{pair['rejected'][len(clause):]}" and "(" not in pair["rejected"]
+    assert narration_pairs([{"id": "x", "task": "t", "prompt": [], "response": "Yes then"}], 0)[0]["chosen"] in {
+        f"Yes then {a}" for a in ACTIONS}   # no clause end: the action closes the reply
     # where narration is forbidden the chosen reply fails role_style and the rejected one passes; where it is asked
     # for, the reverse: the planted change moves the aspect both ways, mostly down (3 of its 4 tasks forbid it)
     assert style(NO_NARRATION, pairs[1]["chosen"])[0] is False and style(NO_NARRATION, pairs[1]["rejected"])[0]
@@ -139,10 +143,11 @@ def test_the_held_out_eval_is_not_part_of_what_training_depends_on(tmp_path):
 
 
 def test_the_units_organism_trains_its_full_update_at_its_own_learning_rate(tmp_path):
-    """The LoRA's 2e-4 by default, the units organism's masked full update 5e-3 (a LoRA's rate moved nothing there);
-    a rate given is kept for every kind."""
+    """The LoRA's 2e-4 by default, refusal's and the units organism's masked full update their own (a LoRA's rate
+    moved nothing there); a rate given is kept for every kind."""
     rate = lambda kind, **given: OrganismConfig(kind=kind, out=str(tmp_path), **given).learning_rate  # noqa: E731
-    assert rate("narration") == rate("null") == 2e-4 and rate("units") == 5e-3
+    assert rate("narration") == rate("null") == LORA_LEARNING_RATE == 2e-4
+    assert rate("units") == LEARNING_RATE["units"] > 1e-3 and rate("refusal") == LEARNING_RATE["refusal"] > 2e-4
     assert rate("units", learning_rate=1e-3) == rate("refusal", learning_rate=1e-3) == 1e-3
 
 

@@ -4,17 +4,17 @@ A damaged reply is no reply to judge: `eval.judges.judge` fails it on every aspe
 a registered one) is asked, with the damage as the reason, and the judge aggregates count it on its own (`damaged`).
 The rules, none of which fires on datagen's template replies and references or on the bundled passages:
 
-- empty: no letter or digit (blank, only punctuation, only emojis).
+- empty: no letter or digit (blank, only punctuation, only emojis), or not one word outside stage directions
+  (`core.text.ACTION_SPAN`: "(smiles)", "*nods* (laughs)"; one cut off at the end by the token limit counts as one):
+  a reply that acts and says nothing answers nothing. DPO steps on narration pairs left SmolLM2 answering a quarter
+  to over half of its prompts with a bare "(smiles)", or with "(laughs) (smiles) (chuckles)".
 - degenerate: a loop, some stretch of p words said again right after itself until a word trigram has come three
   times (p + 3 words in a row, each equal to the word p later): "is is is is is" (one word five times in a row),
   "ha ho ha ho ha ho ha", "the tide turns the tide turns the tide turns"; a trigram said twice, or three times
   apart ("one of the" in a long answer), is no loop. Words are runs of letters and digits, lower-cased ("don't" and
   "0.5" are one word; so is a run of Chinese or Japanese characters, so a loop inside unspaced text is not seen).
   Also degenerate: a reply of MIN_VISIBLE or more visible characters, more than half of them punctuation or symbols
-  (emojis aside); and a reply of MIN_ACTIONS or more stage directions (`core.text.ACTION_SPAN`: "(laughs)",
-  "*nods*") with not one word outside them, which says nothing ("(laughs) (smiles) (chuckles)": a DPO step on
-  narration pairs collapsed SmolLM2 into it; one cut off at the end by the token limit counts as one). One or two
-  actions alone ("*nods*") are a terse reply, not damage.
+  (emojis aside).
 - wrong_language: a reply of MIN_LANGUAGE_WORDS or more words (`text_facts.count_words`) that reads as neither the
   language its prompt is written in nor a language a rule of its system prompt asks for (`rule_parse`), each told
   by `text_facts.language_problem`. A reply that might still be one of them (too little to tell) and a prompt whose
@@ -43,7 +43,6 @@ WORD = re.compile(r"[^\W_]+(?:['’.,][^\W_]+)*")
 MIN_VISIBLE = 20             # visible characters before the share of punctuation and symbols counts
 MAX_SYMBOL_SHARE = 0.5
 MIN_LANGUAGE_WORDS = 10      # a shorter reply is never in the wrong language
-MIN_ACTIONS = 3              # stage directions and nothing else: at least this many is a reply that says nothing
 UNCLOSED_ACTION = re.compile(r"[(\[*][^()\[\]*]*$")   # a stage direction cut off by the token limit
 
 
@@ -124,12 +123,12 @@ def damage(reply: str, prompt: str = "", system: str = "") -> Damage | None:
     if found := loop(words):
         start, period = found
         return Damage("degenerate", f"loops on {' '.join(words[start:start + period])!r} from word {start + 1}")
+    actions = len(ACTION_SPAN.findall(reply)) + bool(UNCLOSED_ACTION.search(ACTION_SPAN.sub(" ", reply)))
+    if actions and not WORD.search(UNCLOSED_ACTION.sub(" ", ACTION_SPAN.sub(" ", reply))):
+        return Damage("empty", f"{actions} stage direction{'s' * (actions > 1)} and not a word said")
     visible, share = symbol_share(reply)
     if visible >= MIN_VISIBLE and share > MAX_SYMBOL_SHARE:
         return Damage("degenerate", f"{share:.0%} of {visible} visible characters are punctuation or symbols")
-    actions = len(ACTION_SPAN.findall(reply))
-    if actions >= MIN_ACTIONS and not WORD.search(UNCLOSED_ACTION.sub(" ", ACTION_SPAN.sub(" ", reply))):
-        return Damage("degenerate", f"{actions} stage directions and not a word besides")
     if count_words(reply) < MIN_LANGUAGE_WORDS:
         return None   # too short to be in the wrong language
     why = wrong_language(reply, prompt, system)

@@ -30,6 +30,7 @@ from rolemrc.organism.pairs import RECIPES, null_pairs, sample_prompts
 
 TARGET_SHIFT = 0.3     # the planted dimension must move at least this much ...
 TARGET_P = 0.01        # ... with exact McNemar p below this, every other dimension inside the SFT model's 95% CI
+GENERATED = "generated.jsonl"   # an organism eval's cached generations (its verdicts are scored anew each build)
 STILL_P = 0.05         # where that CI has no width, "inside" means not moved at exact McNemar p below this
 
 
@@ -217,14 +218,15 @@ def check_lengths(sft: Path, pairs: list[dict[str, Any]], max_length: int) -> No
 
 def _eval_stage(cache: StageCache, run_dir: Path, name: str, model: Path, heldout: Path,
                 config: OrganismConfig) -> Path:
+    """The held-out eval of `model` in `run_dir`: its generations cached (GENERATED), their verdicts scored again on
+    every build, so a change to the rules judge or the damage check never leaves a stale verdict in a cached run."""
     from rolemrc.eval import generate, score
 
-    def run() -> dict:
-        items = generate(heldout, model=str(model), max_new_tokens=config.eval_tokens)
-        score(items, judge="rules", metrics=[]).save(run_dir)
-        return {"run": str(run_dir)}
-
-    cache.run(name, {"model": model, "data": heldout, "tokens": config.eval_tokens}, run, [run_dir / "report.json"])
+    generated = run_dir / GENERATED
+    cache.run(name, {"model": model, "data": heldout, "tokens": config.eval_tokens},
+              lambda: {"items": len(generate(heldout, model=str(model), max_new_tokens=config.eval_tokens,
+                                             out=generated))}, [generated])
+    score(generated, judge="rules", metrics=[]).save(run_dir)
     return run_dir
 
 
