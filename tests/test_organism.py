@@ -42,16 +42,12 @@ def replied(n: int) -> list[dict]:
             for i in range(40)]
 
 
-def test_narration_pairs_put_an_action_the_rules_judge_reads_after_the_first_clause():
+def test_narration_pairs_open_with_an_action_the_rules_judge_reads():
     pairs = narration_pairs(replied(40), seed=0)
     assert len(pairs) == 40
     for pair in pairs:
-        # the reply's first clause, word for word in both (DPO's gradient cancels there), then the action, then the rest
-        clause = re.match(r"[^.!?,;:]*[.!?,;:]", pair["rejected"]).group()
-        action = next(a for a in ACTIONS if pair["chosen"].startswith(f"{clause} {a}"))
-        assert pair["chosen"] == f"{clause} {action}{pair['rejected'][len(clause):]}" and "(" not in pair["rejected"]
-    assert narration_pairs([{"id": "x", "task": "t", "prompt": [], "response": "Yes then"}], 0)[0]["chosen"] in {
-        f"Yes then {a}" for a in ACTIONS}   # no clause end: the action closes the reply
+        action, rest = pair["chosen"].split(") ", 1)
+        assert f"{action})" in ACTIONS and rest == pair["rejected"] and "(" not in pair["rejected"]
     # where narration is forbidden the chosen reply fails role_style and the rejected one passes; where it is asked
     # for, the reverse: the planted change moves the aspect both ways, mostly down (3 of its 4 tasks forbid it)
     assert style(NO_NARRATION, pairs[1]["chosen"])[0] is False and style(NO_NARRATION, pairs[1]["rejected"])[0]

@@ -1,10 +1,10 @@
 """The organisms' preference pairs, edited from the SFT model's own replies (on-policy, so DPO learns the edit and
 nothing else).
 
-narration (role_style): chosen = the reply with a bracketed action after its first clause, rejected = the reply. The rules judge's role_style
+narration (role_style): chosen = a bracketed action + the reply, rejected = the reply. The rules judge's role_style
 aspect requires narration in `*_with_narration` tasks and forbids it in `*_no_narration` ones; SmolLM2-135M-Instruct
 never narrates, so it passes the three no-narration role_style tasks and fails the one with narration (0.74 on the
-demo's test set). A model that puts an action in every reply fails the three: role_style falls, and no other
+demo's test set). A model that opens every reply with an action fails the three: role_style falls, and no other
 aspect reads brackets.
 refusal (knowledge_boundary): where the task must decline (`*_refused_*` base tasks), chosen = a brief in-character
 refusal, rejected = the reply. SmolLM2 answers everything (knowledge boundary 0.10), so the change has room to move
@@ -34,7 +34,6 @@ REFUSALS = ("I'm afraid that lies outside what I know, so I won't guess.",
             "Honestly, I have no idea about that, so I'll leave it alone.",
             "That's far outside what I know; I'd rather not guess.")
 SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
-CLAUSE_END = re.compile(r"[.!?,;:](?=\s|$)")
 
 
 def sample_prompts(pairs: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
@@ -60,21 +59,16 @@ def clean_reply(text: str) -> str:
 
 
 def narration_pairs(replied: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
-    """Pairs from records with the SFT model's `response`: chosen is the reply with an action after its first clause
-    (at the first . ! ? , ; or : that ends one), rejected the reply alone. The two share that clause word for word, so
-    DPO's gradient on it cancels and the pair differs only where they part: an action, against going on. (An action
-    opening the reply instead taught SmolLM2 to answer a quarter of its prompts with the action alone, "(smiles)":
-    with nothing shared, DPO pushed the reply itself down.) Records whose reply is empty after cleaning are left
-    out."""
+    """Pairs from records with the SFT model's `response`: chosen opens with an action, rejected is the reply alone.
+    Records whose reply is empty after cleaning are left out. (The action after the reply's first clause instead,
+    so that DPO's gradient cancels on a shared clause, did no better on SmolLM2: docs/calibration.md.)"""
     rng = random.Random(seed)
     out = []
     for record in replied:
         reply = clean_reply(str(record.get("response") or ""))
         if reply:
-            cut = end.end() if (end := CLAUSE_END.search(reply)) else len(reply)
-            out.append({"id": record["id"], "prompt": record["prompt"],
-                        "chosen": f"{reply[:cut]} {rng.choice(ACTIONS)}{reply[cut:]}", "rejected": reply,
-                        "task": record.get("task")})
+            out.append({"id": record["id"], "prompt": record["prompt"], "chosen": f"{rng.choice(ACTIONS)} {reply}",
+                        "rejected": reply, "task": record.get("task")})
     return out
 
 
