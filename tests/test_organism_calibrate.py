@@ -400,6 +400,12 @@ def test_a_recommendation_must_hold_on_every_planted_organism_the_null_and_other
                             organisms, config, [])
     assert null_broken.status == "unstable" and "on the null organism it broke nested" in null_broken.why
     assert recommend(rows[1:2] + rows[4:], organisms, config, []).status == "none"
+    # a planted kind asked for whose organism missed its target: the recipe was never tried on it, so never found
+    alone = [o for o in organisms if o.kind != "narration"]
+    refusal_only = recommend([r for r in rows if r["organism"] != "narration"], alone, config, [], missed=["narration"])
+    assert refusal_only.status == "unstable" and refusal_only.selector == "frequency"
+    assert "the narration organism missed its target and was left out" in refusal_only.why
+    assert recommend([r for r in rows if r["organism"] != "narration"], alone, config, [], missed=["null"]).status == "found"
 
 
 def test_the_recipe_chosen_on_the_selection_half_must_hold_on_the_confirmation_half(tmp_path):

@@ -151,11 +151,11 @@ def correct_organism(ran: list[tuple[str, dict, Path]], cells: int) -> None:
 
 
 def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: StageCache | None = None,
-              against: list[dict[str, Any]] | None = None) -> dict:
+              against: list[dict[str, Any]] | None = None, missed: list[str] | None = None) -> dict:
     """Probe, select, restrain and score every organism over the grid: a planted organism for the dimension it
     changes, the null for every planted dimension. `against`: other calibrations of the same base (their
-    calibration.json, `load_calibration`) the recommendation must agree with. Writes calibration.json/.md and the
-    figures."""
+    calibration.json, `load_calibration`) the recommendation must agree with; `missed`: kinds asked for whose organisms
+    missed their targets (never `found` untried). Writes calibration.json/.md and the figures."""
     from rolemrc.intervene.spec import RestraintError
     from rolemrc.intervene.stability import selection_stability
     from rolemrc.organism.detection import detect, detection_summary
@@ -219,7 +219,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     flag_restorations(rows, declared)
     result = {"config": asdict(config), "organisms": [asdict(o) for o in organisms], "headline": headline(rows),
               RECOMMENDATION: recommend(rows, organisms, config, against or [], stability,
-                                        selection=selection or None).to_dict(),
+                                        selection=selection or None, missed=missed or []).to_dict(),
               "recovery": recovery(rows), "stability": stability, "diff_flags": flags, "cells": rows,
               "selection_cells": selection, "sweeps": sweep_dirs, "skipped": skipped,
               "detection": detection_summary([detection]), "timing": timing, **null_rates(rows)}
@@ -332,7 +332,7 @@ def calibrate_seed(task: SeedTask) -> dict[str, Any]:
               lambda: {"cases": write_jsonl(probe, probe_cases(source, set(trained), task.probe_n, task.seed))},
               [probe])
     organisms = [Organism.from_report(reports[c.kind], probe) for c in task.organisms if c.kind in reports]
-    result = calibrate(organisms, task.config, cache=cache, against=task.against)
+    result = calibrate(organisms, task.config, cache=cache, against=task.against, missed=[m["kind"] for m in missed])
     result["missed_targets"] = missed
     write_json(out / CALIBRATION_FILE, result)
     (out / "calibration.md").write_text(calibration_markdown(result))

@@ -15,6 +15,7 @@ same for either measure (`CalibrationConfig.measure`): the rows say what restora
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,13 @@ def _undone(kind: str, r: dict[str, Any]) -> str:
 
 def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: CalibrationConfig,
               against: list[dict[str, Any]], stability: list[dict[str, Any]] | None = None, *,
-              selection: list[dict[str, Any]] | None = None) -> Recommendation:
+              selection: list[dict[str, Any]] | None = None, missed: Sequence[str] = ()) -> Recommendation:
     """The recommendation of a calibration's scored cells (`flag_restorations` done); `against`: other calibrations
     (their calibration.json with `path`) whose cells must agree; `stability`: the selections' overlap across
     resamples (`intervene.stability.selection_stability` rows with `organism`), quoted for the recipe. `selection`:
     the same cells scored on the selection half of the held-out cases (`organism.halves`): the recipe is chosen
-    there, and `rows` (the confirmation half) must confirm it and are the only numbers reported."""
+    there, and `rows` (the confirmation half) must confirm it and are the only numbers reported. `missed`: the planted
+    kinds asked for whose organisms missed their targets and were left out: no recipe is `found` untried on them."""
     rests_on = settings(organisms, config)
     kinds = [o.kind for o in organisms if o.dimension]
     recipes = planted_rows(selection or rows)
@@ -88,6 +90,8 @@ def recommend(rows: list[dict[str, Any]], organisms: list[Organism], config: Cal
         doubts.append("there was no null organism to check it on")
     others = [f"{o[0]} x{o[2]:g} at {Budget.of(json.loads(o[1])).label} undid "
               + ", ".join(k for k, r in found[o].items() if finds_change(r)) for o in found if o != recipe]
+    doubts += [f"the {k} organism missed its target and was left out, so the recipe was never tried on its change"
+               for k in dict.fromkeys(missed) if k != NULL and k not in kinds]
     if others and strength(recipe)[0] < len(kinds):
         doubts.append("no recipe undid every planted change (" + "; ".join(others) + ")")
     holds_over, fails_over = [rests_on], []

@@ -33,7 +33,8 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
     organisms = [Organism(**o) for o in chosen["organisms"]]
     config = CalibrationConfig(**chosen["config"])
     rec = recommend(chosen["cells"], organisms, config, against + confirm, chosen["stability"],
-                    selection=chosen.get("selection_cells") or None).to_dict()
+                    selection=chosen.get("selection_cells") or None,
+                    missed=[m["kind"] for m in chosen.get("missed_targets", [])]).to_dict()
     rows = [{**r, "seed": s} for s, result in results.items() for r in result["cells"]]
     over = over_seeds(rows, list(results))
     mine = [o for o in over if o["recipe"] == [rec.get("selector"), rec.get("budget"), rec.get("factor")]]
