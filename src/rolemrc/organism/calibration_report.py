@@ -358,7 +358,8 @@ def calibration_figure(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
     fig.update_yaxes(title_text="share undone", row=1, col=1)
     fig.update_yaxes(title_text="collateral: other dimensions'<br>mean change (below 0: away from SFT)", row=2, col=1)
     over = f"mean over {len(seeds)} seeds, band: 95% t-interval over seeds; " if len(seeds) > 1 else ""
-    fig.update_layout(template="plotly_white", margin={"t": 175}, width=300 * len(panels) + 300, height=820,
+    fig.update_layout(template="plotly_white", margin={"t": 230}, width=300 * len(panels) + 300, height=880,
+                      title_y=0.985, title_yanchor="top",
                       title=f"Restoration and collateral: does restraining a selector's units undo a known change? (by "
                             f"{'KL to the SFT model' if measure == 'kl' else 'the judge'})<br><sup>{over}stars: "
                             "found (undone beyond the baseline and the controls, nothing else broken;<br>on the null: "
