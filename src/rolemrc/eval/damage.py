@@ -123,8 +123,9 @@ def damage(reply: str, prompt: str = "", system: str = "") -> Damage | None:
     if found := loop(words):
         start, period = found
         return Damage("degenerate", f"loops on {' '.join(words[start:start + period])!r} from word {start + 1}")
-    actions = len(ACTION_SPAN.findall(reply)) + bool(UNCLOSED_ACTION.search(ACTION_SPAN.sub(" ", reply)))
-    if actions and not WORD.search(UNCLOSED_ACTION.sub(" ", ACTION_SPAN.sub(" ", reply))):
+    closed_out = ACTION_SPAN.sub(" ", reply)
+    actions = len(ACTION_SPAN.findall(reply)) + bool(UNCLOSED_ACTION.search(closed_out))
+    if actions and not WORD.search(UNCLOSED_ACTION.sub(" ", closed_out)):
         return Damage("empty", f"{actions} stage direction{'s' * (actions > 1)} and not a word said")
     visible, share = symbol_share(reply)
     if visible >= MIN_VISIBLE and share > MAX_SYMBOL_SHARE:

@@ -23,11 +23,11 @@ KNOWN = "units"   # the organism whose DPO update reaches the model only through
 PAIRS_OF = {NULL: NULL_OF, KNOWN: "narration"}   # kinds that train on another kind's pairs (the null swaps them)
 
 
-# DPO learning rates by default (docs/calibration.md, "The quick organisms above had collapsed"): on SmolLM2 at 16
-# steps plain DPO at 5e-4 collapsed every kind into loops or bare stage directions; the LoRA at 2e-4 with the SFT term
-# (sft_weight 1) planted narration without damage. The units organism's full update of 96 units' weights: 1e-3
-# moved nothing, 1e-2 collapsed, 5e-3 moved role style 0.74 -> 0.55. Refusal with the SFT term: 2.5e-4 moved
-# knowledge boundary 0.10 -> 0.30 (short of the target's 0.3 shift), 4e-4 moved it 0.10 -> 0.40 without damage.
+# DPO learning rates by default (docs/calibration.md, "The quick organisms above had collapsed" and the trials after
+# it): on SmolLM2 at 16 steps plain DPO at 5e-4 collapsed every kind into loops or bare stage directions. With the SFT
+# term (sft_weight 1), refusal at 4e-4 moved knowledge boundary 0.10 -> 0.40 without damage (2.5e-4: 0.10 -> 0.30,
+# short of the target); narration at 2e-4 and the units organism's full update of 96 units at 7e-3 move role style
+# but leave a quarter or more of the replies a bare "(smiles)" (5e-3: +0.19 only), so both still miss their targets.
 LORA_LEARNING_RATE = 2e-4
 LEARNING_RATE = {KNOWN: 7e-3, "refusal": 4e-4}
 
