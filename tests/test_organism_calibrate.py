@@ -25,6 +25,7 @@ from rolemrc.core.io import write_jsonl
 from rolemrc.eval import generate, score
 from rolemrc.intervene import select
 from rolemrc.intervene.budget import Budget
+from rolemrc.intervene.recommendation import RECOMMENDATION
 from rolemrc.intervene.spec import PAPER_FACTOR
 from rolemrc.organism.calibration import calibrate, load_calibration, probe_cases
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism, sweeps
@@ -600,13 +601,29 @@ def test_every_selector_is_scored_against_the_units_the_change_lives_in(calibrat
     result, root = calibrated
     planted = result["detection"]["planted"]
     assert set(planted["summary"]) == set(CalibrationConfig(out="x").selectors) and len(planted["per_seed"]) == 1
-    one = planted["per_seed"][0]
+    assert planted["per_seed"][0]["meets_target"]
+    one = planted["per_seed"][0]["selectors"]
     assert all(0 <= one[s]["auroc"] <= 1 and one[s]["units_in_s"] == 4 for s in one)
     assert one["standardized"]["auroc"] > 0.9 and one["attribution"]["precision_at_s"] >= 0.5
     assert all(s["verdict"].startswith("not tested against chance (one seed") for s in planted["summary"].values())
     assert "null" not in result["detection"]
     text = (root / "out" / "calibration.md").read_text()
     assert "## Where the planted change lives: detection of its known units" in text and "| standardized |" in text
+
+
+def test_a_units_organism_that_missed_its_target_is_read_for_detection_alone(calibrated, tmp_path):
+    """Its S still carries its whole update: probed and scored against S, flagged as missed, no cell run on it."""
+    result, _ = calibrated
+    planted = next(Organism(**o) for o in result["organisms"] if o["kind"] == "planted")
+    planted.meets_target, planted.headline = False, "planted organism MISSES its target: replies broken"
+    config = CalibrationConfig(out=str(tmp_path), top_k=[4], paper_factor=False, attribution_pairs=6, max_new_tokens=6)
+    alone = calibrate([], config, detect_only=[planted])
+    assert alone["cells"] == [] and alone[RECOMMENDATION]["status"] == "none"
+    row = alone["detection"]["planted"]["per_seed"][0]
+    assert not row["meets_target"] and row["organism"] == planted.headline
+    assert row["selectors"] == result["detection"]["planted"]["per_seed"][0]["selectors"]   # same probes, same S
+    text = (tmp_path / "calibration.md").read_text()
+    assert "missed its behavioural target in 1 of 1 seed(s) (planted organism MISSES its target: replies broken)" in text
 
 
 def test_the_null_bounds_the_false_positive_rate_and_says_what_5_percent_needs(calibrated):

@@ -249,13 +249,27 @@ def test_known_detection_runs_a_units_organism_per_seed_and_aggregates_them(tmp_
     from rolemrc.organism import localize
 
     def fake(root, seed, config, **options):
-        assert root == tmp_path / f"seed-{seed}" and options == {"base": "b", "probe_n": 4}
-        return {"seed": seed, "selectors": {"attribution": {"auroc": 0.9 + seed / 100, "precision_at_s": 0.5,
-                                                            "recall_at_4s": 1.0, "chance": {"auroc": 0.5}}}}
+        assert root == tmp_path / f"seed-{seed}" and options == {"settings": {"steps": 16}, "base": "b", "probe_n": 4}
+        metrics = {"auroc": 0.9 + seed / 100, "precision_at_s": 0.5, "recall_at_4s": 1.0,
+                   "chance": {"auroc": 0.5, "precision_at_s": 0.1, "recall_at_4s": 0.4}}
+        kl = {"dpo": {"last": 2.0}, "s_reverted": {"last": 0.0}, "random_reverted": {"last": 1.9}}
+        return {"seed": seed, "selectors": {"attribution": metrics}, "meets_target": seed != 1,
+                "organism": f"units organism {'MISSES' if seed == 1 else 'meets'} its target", "carrier": kl,
+                "known_units": {"3": [1, 2], "7": [5, 6]}}
 
     monkeypatch.setattr(localize, "seed_detection", fake)
-    result = localize.known_detection(tmp_path, [0, 1, 2], CalibrationConfig(out=str(tmp_path)), base="b", probe_n=4)
+    config = CalibrationConfig(out=str(tmp_path))
+    result = localize.known_detection(tmp_path, [0, 1, 2], config, settings={"steps": 16}, base="b", probe_n=4)
     assert [r["seed"] for r in result["seeds"]] == [0, 1, 2]
-    assert result["aggregate"]["attribution"]["auroc"]["mean"] == pytest.approx(0.91)
+    assert result["detection"]["units"]["summary"]["attribution"]["auroc"]["mean"] == pytest.approx(0.91)
     assert result["headline"].startswith("attribution beats chance (AUROC 0.91")
     assert json.loads((tmp_path / "detection.json").read_text())["headline"] == result["headline"]
+    text = (tmp_path / "detection.md").read_text()
+    assert "missed its behavioural target in 1 of 3 seed(s) (units organism MISSES its target)" in text
+    assert "| 1 | units organism MISSES its target | 4 | 2 | 0 | 1.9 |" in text
+    assert (tmp_path / "detection.html").is_file()
+    # refused before any organism trains
+    for bad, match in (({"hook": "resid.post"}, "--hook resid.post"), ({"seeds": [0, 0]}, "--seeds")):
+        with pytest.raises(OrganismError, match=match):
+            localize.known_detection(tmp_path, bad.get("seeds", [0]), CalibrationConfig(out=str(tmp_path),
+                                                                                         hook=bad.get("hook", "mlp.act")))

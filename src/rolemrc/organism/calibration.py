@@ -43,8 +43,14 @@ from rolemrc.organism.calibration_config import (
     fitting,
     sweeps,
 )
-from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, headline, recovery
-from rolemrc.organism.config import KINDS, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
+from rolemrc.organism.calibration_report import (
+    calibration_figure,
+    calibration_markdown,
+    detection_figure,
+    headline,
+    recovery,
+)
+from rolemrc.organism.config import KINDS, KNOWN, PLANTED_DIMENSIONS, OrganismConfig, OrganismError
 from rolemrc.organism.halves import case_halves
 from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations, half_summary, kl_rows, null_rates
@@ -151,14 +157,17 @@ def correct_organism(ran: list[tuple[str, dict, Path]], cells: int) -> None:
 
 
 def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: StageCache | None = None,
-              against: list[dict[str, Any]] | None = None, missed: list[str] | None = None) -> dict:
+              against: list[dict[str, Any]] | None = None, missed: list[str] | None = None,
+              detect_only: list[Organism] | None = None) -> dict:
     """Probe, select, restrain and score every organism over the grid: a planted organism for the dimension it
     changes, the null for every planted dimension. `against`: other calibrations of the same base (their
     calibration.json, `load_calibration`) the recommendation must agree with; `missed`: kinds asked for whose organisms
-    missed their targets (never `found` untried). Writes calibration.json/.md and the figures."""
+    missed their targets (never `found` untried); `detect_only`: units organisms that missed theirs, probed for the
+    detection of their S alone (their S still carries their whole update), no cell run on them. Writes
+    calibration.json/.md and the figures."""
     from rolemrc.intervene.spec import RestraintError
     from rolemrc.intervene.stability import selection_stability
-    from rolemrc.organism.detection import detect, detection_summary
+    from rolemrc.organism.detection import detect, detection_summary, seed_row
     from rolemrc.organism.known import units_of
     from rolemrc.probe import load_diff
     root = Path(config.out)
@@ -166,6 +175,10 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     planted = sorted({o.dimension for o in organisms if o.dimension}) or list(PLANTED_DIMENSIONS)   # a null alone: every one
     rows, selection, stability, flags, sweep_dirs, timing, skipped, detection = [], [], [], {}, {}, {}, {}, {}
     declared: dict[str, int] = {}   # organism kind -> the grid cells it declared (its Holm families' cells)
+    for organism in detect_only or []:
+        inputs = probe_stages(cache, organism, config, root / organism.kind)
+        detection[organism.kind] = seed_row(detect(inputs, organism.dimension, units_of(organism.known_units)),
+                                            organism.meets_target, organism.headline)
     for organism in organisms:
         folder = root / organism.kind
         inputs = probe_stages(cache, organism, config, folder)
@@ -177,7 +190,8 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                                 "selector can rank units for it; raise --probe-cases")
         flags[organism.kind] = {d: {tokens: diff_flags(diffs[tokens], d) for tokens in diffs} for d in dimensions}
         if organism.known_units:
-            detection[organism.kind] = detect(inputs, organism.dimension, units_of(organism.known_units))   # all
+            detection[organism.kind] = seed_row(detect(inputs, organism.dimension, units_of(organism.known_units)),
+                                                organism.meets_target, organism.headline)   # every selector
         width = int(diffs["last"].meta["width"])   # units per layer at the hook point
         grids = sweeps(config, width)
         if not grids:
@@ -224,6 +238,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
               "selection_cells": selection, "sweeps": sweep_dirs, "skipped": skipped,
               "detection": detection_summary([detection]), "timing": timing, **null_rates(rows)}
     result["figure"] = calibration_figure(rows, root) if rows else {}
+    result["detection_figure"] = detection_figure(result["detection"], root) if detection else {}
     write_json(root / CALIBRATION_FILE, result)
     (root / "calibration.md").write_text(calibration_markdown(result))
     return result
@@ -307,7 +322,8 @@ def build_meeting_target(config: OrganismConfig, retries: int) -> tuple[dict[str
         report = build_organism(tried)
         if report["meets_target"]:
             return report, missed
-        missed.append({"kind": config.kind, "seed": tried.seed, "folder": tried.out, "headline": report["headline"]})
+        missed.append({"kind": config.kind, "seed": tried.seed, "folder": tried.out, "headline": report["headline"],
+                       "report": report})
         then = (f"retrying with seed {tried.seed + RETRY_STRIDE}" if attempt < retries
                 else "it is left out of the calibration")
         log.warning("%s; %s", report["headline"], then)
@@ -319,11 +335,13 @@ def calibrate_seed(task: SeedTask) -> dict[str, Any]:
     calibration of the first and its stage timings, for one seed."""
     built = {c.kind: build_meeting_target(c, task.retries) for c in task.organisms}
     reports = {kind: report for kind, (report, _) in built.items() if report}
-    missed = [m for _, misses in built.values() for m in misses]
-    if not reports:
+    missed = [{k: v for k, v in m.items() if k != "report"} for _, misses in built.values() for m in misses]
+    # a units organism that missed its target still has a known answer for detection: its last build
+    unmet = {kind: misses[-1]["report"] for kind, (report, misses) in built.items() if kind == KNOWN and not report}
+    if not reports and not unmet:
         raise OrganismError(f"seed {task.seed}: no organism met its target ({'; '.join(m['headline'] for m in missed)})"
                             "; try more --max-steps or another --learning-rate")
-    trained = sorted({p["id"] for r in reports.values() for p in read_jsonl(r["pairs"])})
+    trained = sorted({p["id"] for r in [*reports.values(), *unmet.values()] for p in read_jsonl(r["pairs"])})
     out = Path(task.config.out)
     cache = StageCache(out)
     probe = out / "probe-cases.jsonl"
@@ -332,7 +350,8 @@ def calibrate_seed(task: SeedTask) -> dict[str, Any]:
               lambda: {"cases": write_jsonl(probe, probe_cases(source, set(trained), task.probe_n, task.seed))},
               [probe])
     organisms = [Organism.from_report(reports[c.kind], probe) for c in task.organisms if c.kind in reports]
-    result = calibrate(organisms, task.config, cache=cache, against=task.against, missed=[m["kind"] for m in missed])
+    result = calibrate(organisms, task.config, cache=cache, against=task.against, missed=[m["kind"] for m in missed],
+                       detect_only=[Organism.from_report(r, probe) for r in unmet.values()])
     result["missed_targets"] = missed
     write_json(out / CALIBRATION_FILE, result)
     (out / "calibration.md").write_text(calibration_markdown(result))

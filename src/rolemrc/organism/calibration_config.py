@@ -33,12 +33,14 @@ class Organism:
     dimension: str | None
     settings: dict[str, Any] = field(default_factory=dict)   # how it was built (`OrganismConfig.settings`)
     known_units: dict[str, list[int]] | None = None   # the units organism's S (layer -> units), where the change lives
+    headline: str = ""   # its build's verdict on its target (organism.json)
+    meets_target: bool = True
 
     @classmethod
     def from_report(cls, report: dict[str, Any], probe: str | Path) -> Organism:
         return cls(report["kind"], report["sft"], report["dpo"], report["pairs"], report["heldout"],
                    report["sft_eval"], str(probe), report["planted_dimension"], report.get("settings", {}),
-                   report.get("known_units"))
+                   report.get("known_units"), report.get("headline", ""), report.get("meets_target", True))
 
 
 @dataclass

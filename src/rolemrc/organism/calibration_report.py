@@ -237,7 +237,59 @@ def detection_markdown(detection: dict[str, dict[str, Any]]) -> list[str]:
                                              else "") for m in ("auroc", "precision_at_s", "recall_at_4s")]
             chance = ", ".join(f"{v:.3g}" for v in s["chance"].values())
             lines.append(f"| {name} | {' | '.join(cells)} | {chance} | {s['verdict']} |")
+        unmet = [k for k, row in enumerate(d["per_seed"]) if not row["meets_target"]]
+        if unmet:
+            lines += ["", f"The units organism missed its behavioural target in {len(unmet)} of {len(d['per_seed'])} "
+                      "seed(s) (" + "; ".join(d["per_seed"][k]["organism"] for k in unmet) + "). Its S still carries "
+                      "its whole update (the carrier check), so detection is read on it; no restraint cell ran on it. "
+                      "An organism whose change is gross (replies broken) may be easier to localize than a subtle one."]
     return lines
+
+
+def detection_figure(detection: dict[str, dict[str, Any]], out: Path) -> dict[str, str]:
+    """Per units organism kind (a row each) and metric (a column each: AUROC, precision at |S|, recall at 4|S|),
+    every selector's value on each seed (dots; hollow where the organism missed its behavioural target) and their mean
+    with its 95% t-interval over seeds, against the chance level (dotted). Written as out/detection.html/png."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from rolemrc.core.figures import write_figure
+    from rolemrc.organism.detection import METRICS
+
+    names = {"auroc": "AUROC over all units", "precision_at_s": "precision at |S|", "recall_at_4s": "recall at 4|S|"}
+    kinds = list(detection)
+    fig = make_subplots(rows=len(kinds), cols=len(METRICS), horizontal_spacing=0.07,
+                        subplot_titles=[f"{kind}: {names[m]}" for kind in kinds for m in METRICS])
+    for row, kind in enumerate(kinds, 1):
+        d = detection[kind]
+        selectors = list(d["summary"])
+        for col, metric in enumerate(METRICS, 1):
+            first = row == col == 1
+            for k, seed in enumerate(d["per_seed"]):
+                fig.add_trace(go.Scatter(
+                    x=selectors, y=[seed["selectors"][s][metric] for s in selectors], mode="markers",
+                    marker={"size": 9, "color": "#636EFA", "opacity": 0.6,
+                            "symbol": "circle" if seed["meets_target"] else "circle-open"},
+                    name="a seed (hollow: organism missed its target)", legendgroup="seed",
+                    showlegend=first and k == 0, hovertext=[f"seed {k}: {seed['organism']}"] * len(selectors)),
+                    row, col)
+            summary = [d["summary"][s][metric] for s in selectors]
+            fig.add_trace(go.Scatter(
+                x=selectors, y=[m["mean"] for m in summary], mode="markers", name="mean, 95% t-interval over seeds",
+                marker={"size": 14, "symbol": "line-ew-open", "color": "black", "line": {"width": 3}},
+                error_y={"type": "data", "symmetric": False,
+                         "array": [(m["hi"] - m["mean"]) if m["hi"] is not None else 0 for m in summary],
+                         "arrayminus": [(m["mean"] - m["lo"]) if m["lo"] is not None else 0 for m in summary]},
+                legendgroup="mean", showlegend=first), row, col)
+            chance = d["summary"][selectors[0]]["chance"][metric]
+            fig.add_hline(y=chance, line={"dash": "dot", "color": "grey"}, annotation_text=f"chance {chance:.3g}",
+                          annotation_position="bottom right", row=row, col=col)
+            fig.update_yaxes(range=[-0.03, 1.03], row=row, col=col)
+    seeds = max(len(d["per_seed"]) for d in detection.values())
+    fig.update_layout(title=f"Where the change lives: each selector's ranking against the known units S "
+                            f"({seeds} seed(s))", height=420 * len(kinds) + 80, width=1200,
+                      legend={"orientation": "h", "y": -0.12})
+    return write_figure(fig, out, "detection", width=None, height=None)
 
 
 def _placement(p: dict[str, Any] | None) -> str:

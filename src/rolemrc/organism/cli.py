@@ -1,4 +1,4 @@
-"""`rolemrc organism build narration|refusal|null|units` and `rolemrc organism calibrate`."""
+"""`rolemrc organism build narration|refusal|null|units`, `rolemrc organism calibrate` and `rolemrc organism localize`."""
 
 from __future__ import annotations
 
@@ -161,6 +161,54 @@ def calibrate_cmd(
     text = json.dumps(result, indent=1)
     typer.echo(text)
     typer.echo(recommendation_text(result[RECOMMENDATION]), err=True)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)
+
+
+@app.command("localize")
+@needs("train", "eval")
+def localize_cmd(
+    out: Path = typer.Option(Path("runs/localize"), "--out", help="folder of every stage, one seed-S folder per seed "
+                                                                  "(a rerun reuses them)"),
+    base: str = setting("base"),
+    seeds: int = typer.Option(3, min=1, help="units organisms, built with seeds --seed, --seed + 1, ...; each draws "
+                                             "its own S, pairs, training order and probe cases"),
+    seed: int = setting("seed"),
+    quick: bool = typer.Option(False, "--quick", help=f"organisms with {QUICK['steps']} steps, as calibrate --quick's"),
+    probe_cases: int = typer.Option(PROBE_CASES, min=1, help="cases of the planted dimension (datagen pair prompts the "
+                                                             "organism did not train on) the probes read"),
+    hook: Hook = typer.Option("mlp.act", help="hook point the probes and attribution read (an MLP one: S is MLP units)"),
+    attribution_pairs: int = typer.Option(16, min=1, help="organism pairs the attribution selector runs over"),
+    size: str = setting("size", unset=True),
+    pairs: int = setting("pairs", unset=True),
+    steps: int = setting("steps", unset=True),
+    batch_size: int = setting("batch_size", unset=True),
+    learning_rate: float = setting("learning_rate", unset=True),
+    beta: float = setting("beta", unset=True),
+    sft_weight: float = setting("sft_weight", unset=True),
+    max_length: int = setting("max_length", unset=True),
+    reply_tokens: int = setting("reply_tokens", unset=True),
+    eval_tokens: int = setting("eval_tokens", unset=True),
+    eval_planted: int = setting("eval_planted", unset=True),
+    eval_others: int = setting("eval_others", unset=True),
+    known_layers: int = setting("known_layers", unset=True),
+    known_units: int = setting("known_units", unset=True),
+    json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
+) -> None:
+    """Where a DPO change lives, checked on a known answer: per seed a units organism (DPO trained into known MLP
+    units S only, from the SFT model --base), probed as `organism calibrate` probes, and every selector's ranking of
+    all units scored against S (AUROC, precision at |S|, recall at 4|S|), with intervals over seeds. Cheaper than
+    the calibration: no restraint grid. Writes detection.json/.md/.html/.png under --out and prints the JSON."""
+    from rolemrc.organism.calibration_config import ORGANISM_SETTINGS, CalibrationConfig
+    from rolemrc.organism.localize import known_detection
+
+    settings = {**ORGANISM_SETTINGS, **(QUICK if quick else {}), **given_settings(locals())}
+    config = CalibrationConfig(out=str(out), hook=hook, attribution_pairs=attribution_pairs)
+    result = known_detection(out, list(range(seed, seed + seeds)), config, settings=settings, base=base,
+                             probe_n=probe_cases)
+    text = json.dumps({k: result[k] for k in ("headline", "detection", "figure")}, indent=1)
+    typer.echo(text)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(text)

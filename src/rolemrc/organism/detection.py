@@ -125,11 +125,17 @@ def aggregate(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, 
     return out
 
 
-def detection_summary(per_seed: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
-    """A calibration's detection: per units organism kind, each seed's detection (`detect`) and their `aggregate`."""
+def seed_row(selectors: dict[str, dict[str, Any]], meets_target: bool, organism: str) -> dict[str, Any]:
+    """One seed's detection: every selector's (`detect`), and whether its units organism met its behavioural target
+    (`organism`: its headline). One that missed is read all the same: S still carries its whole update (carrier.py)."""
+    return {"selectors": selectors, "meets_target": meets_target, "organism": organism}
+
+
+def detection_summary(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """A calibration's detection: per units organism kind, each seed's row (`seed_row`) and their `aggregate`."""
     kinds = dict.fromkeys(k for seed in per_seed for k in seed)
     return {k: {"per_seed": [seed[k] for seed in per_seed if k in seed],
-                "summary": aggregate([seed[k] for seed in per_seed if k in seed])} for k in kinds}
+                "summary": aggregate([seed[k]["selectors"] for seed in per_seed if k in seed])} for k in kinds}
 
 
 def headline(summary: dict[str, dict[str, Any]]) -> str:

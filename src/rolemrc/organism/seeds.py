@@ -16,7 +16,7 @@ from rolemrc.core.io import write_json
 from rolemrc.core.stats import t_interval
 from rolemrc.intervene.recommendation import CALIBRATION_FILE, RECOMMENDATION
 from rolemrc.organism.calibration_config import CalibrationConfig, Organism
-from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, recovery
+from rolemrc.organism.calibration_report import calibration_figure, calibration_markdown, detection_figure, recovery
 from rolemrc.organism.config import NULL
 from rolemrc.organism.detection import detection_summary
 from rolemrc.organism.recommend import recipe_of, recommend
@@ -64,6 +64,7 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
               **null_rates(rows)}
     out.mkdir(parents=True, exist_ok=True)
     result["figure"] = calibration_figure(rows, out) if rows else {}
+    result["detection_figure"] = detection_figure(result["detection"], out) if result["detection"] else {}
     write_json(out / CALIBRATION_FILE, result)
     (out / "calibration.md").write_text(calibration_markdown(result))
     return json.loads(json.dumps(result, default=str))
