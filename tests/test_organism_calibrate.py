@@ -623,7 +623,8 @@ def test_a_units_organism_that_missed_its_target_is_read_for_detection_alone(cal
     assert not row["meets_target"] and row["organism"] == planted.headline
     assert row["selectors"] == result["detection"]["planted"]["per_seed"][0]["selectors"]   # same probes, same S
     text = (tmp_path / "calibration.md").read_text()
-    assert "missed its behavioural target in 1 of 1 seed(s) (planted organism MISSES its target: replies broken)" in text
+    assert "missed its behavioural target in 1 of 1 seed(s)" in text
+    assert "- seed 0: planted organism MISSES its target: replies broken" in text
 
 
 def test_the_null_bounds_the_false_positive_rate_and_says_what_5_percent_needs(calibrated):

@@ -265,7 +265,7 @@ def test_known_detection_runs_a_units_organism_per_seed_and_aggregates_them(tmp_
     assert result["headline"].startswith("attribution beats chance (AUROC 0.91")
     assert json.loads((tmp_path / "detection.json").read_text())["headline"] == result["headline"]
     text = (tmp_path / "detection.md").read_text()
-    assert "missed its behavioural target in 1 of 3 seed(s) (units organism MISSES its target)" in text
+    assert "missed its behavioural target in 1 of 3 seed(s)" in text and "- seed 1: units organism MISSES" in text
     assert "| 1 | units organism MISSES its target | 4 | 2 | 0 | 1.9 |" in text
     assert (tmp_path / "detection.html").is_file()
     # refused before any organism trains

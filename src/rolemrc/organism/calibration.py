@@ -177,7 +177,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     declared: dict[str, int] = {}   # organism kind -> the grid cells it declared (its Holm families' cells)
     for organism in detect_only or []:
         inputs = probe_stages(cache, organism, config, root / organism.kind)
-        detection[organism.kind] = seed_row(detect(inputs, organism.dimension, units_of(organism.known_units)),
+        detection[organism.kind] = seed_row(config.seed, detect(inputs, organism.dimension, units_of(organism.known_units)),
                                             organism.meets_target, organism.headline)
     for organism in organisms:
         folder = root / organism.kind
@@ -190,7 +190,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                                 "selector can rank units for it; raise --probe-cases")
         flags[organism.kind] = {d: {tokens: diff_flags(diffs[tokens], d) for tokens in diffs} for d in dimensions}
         if organism.known_units:
-            detection[organism.kind] = seed_row(detect(inputs, organism.dimension, units_of(organism.known_units)),
+            detection[organism.kind] = seed_row(config.seed, detect(inputs, organism.dimension, units_of(organism.known_units)),
                                                 organism.meets_target, organism.headline)   # every selector
         width = int(diffs["last"].meta["width"])   # units per layer at the hook point
         grids = sweeps(config, width)

@@ -240,9 +240,10 @@ def detection_markdown(detection: dict[str, dict[str, Any]]) -> list[str]:
         unmet = [k for k, row in enumerate(d["per_seed"]) if not row["meets_target"]]
         if unmet:
             lines += ["", f"The units organism missed its behavioural target in {len(unmet)} of {len(d['per_seed'])} "
-                      "seed(s) (" + "; ".join(d["per_seed"][k]["organism"] for k in unmet) + "). Its S still carries "
-                      "its whole update (the carrier check), so detection is read on it; no restraint cell ran on it. "
-                      "An organism whose change is gross (replies broken) may be easier to localize than a subtle one."]
+                      "seed(s). Its S still carries its whole update (the carrier check), so detection is read on it; "
+                      "no restraint cell ran on it. An organism whose change is gross (replies broken) may be easier to "
+                      "localize than a subtle one.", "",
+                      *(f"- seed {d['per_seed'][k]['seed']}: {d['per_seed'][k]['organism']}" for k in unmet)]
     return lines
 
 
@@ -263,19 +264,21 @@ def detection_figure(detection: dict[str, dict[str, Any]], out: Path) -> dict[st
     for row, kind in enumerate(kinds, 1):
         d = detection[kind]
         selectors = list(d["summary"])
+        at, spread = list(range(len(selectors))), 0.1   # each seed's dot beside its selector's mean, not under it
         for col, metric in enumerate(METRICS, 1):
             first = row == col == 1
             for k, seed in enumerate(d["per_seed"]):
+                shift = spread * (k - (len(d["per_seed"]) - 1) / 2) + 0.2
                 fig.add_trace(go.Scatter(
-                    x=selectors, y=[seed["selectors"][s][metric] for s in selectors], mode="markers",
+                    x=[x + shift for x in at], y=[seed["selectors"][s][metric] for s in selectors], mode="markers",
                     marker={"size": 9, "color": "#636EFA", "opacity": 0.6,
                             "symbol": "circle" if seed["meets_target"] else "circle-open"},
                     name="a seed (hollow: organism missed its target)", legendgroup="seed",
-                    showlegend=first and k == 0, hovertext=[f"seed {k}: {seed['organism']}"] * len(selectors)),
+                    showlegend=first and k == 0, hovertext=[f"seed {seed['seed']}: {seed['organism']}"] * len(selectors)),
                     row, col)
             summary = [d["summary"][s][metric] for s in selectors]
             fig.add_trace(go.Scatter(
-                x=selectors, y=[m["mean"] for m in summary], mode="markers", name="mean, 95% t-interval over seeds",
+                x=at, y=[m["mean"] for m in summary], mode="markers", name="mean, 95% t-interval over seeds",
                 marker={"size": 14, "symbol": "line-ew-open", "color": "black", "line": {"width": 3}},
                 error_y={"type": "data", "symmetric": False,
                          "array": [(m["hi"] - m["mean"]) if m["hi"] is not None else 0 for m in summary],
@@ -283,8 +286,10 @@ def detection_figure(detection: dict[str, dict[str, Any]], out: Path) -> dict[st
                 legendgroup="mean", showlegend=first), row, col)
             chance = d["summary"][selectors[0]]["chance"][metric]
             fig.add_hline(y=chance, line={"dash": "dot", "color": "grey"}, annotation_text=f"chance {chance:.3g}",
-                          annotation_position="bottom right", row=row, col=col)
+                          annotation_position="top right", row=row, col=col)
             fig.update_yaxes(range=[-0.03, 1.03], row=row, col=col)
+            fig.update_xaxes(tickvals=at, ticktext=selectors, range=[-0.5, len(at) - 0.2], tickangle=0,
+                             tickfont={"size": 10}, row=row, col=col)
     seeds = max(len(d["per_seed"]) for d in detection.values())
     fig.update_layout(title=f"Where the change lives: each selector's ranking against the known units S "
                             f"({seeds} seed(s))", height=420 * len(kinds) + 80, width=1200,

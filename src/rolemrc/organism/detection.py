@@ -125,10 +125,10 @@ def aggregate(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, 
     return out
 
 
-def seed_row(selectors: dict[str, dict[str, Any]], meets_target: bool, organism: str) -> dict[str, Any]:
+def seed_row(seed: int, selectors: dict[str, dict[str, Any]], meets_target: bool, organism: str) -> dict[str, Any]:
     """One seed's detection: every selector's (`detect`), and whether its units organism met its behavioural target
     (`organism`: its headline). One that missed is read all the same: S still carries its whole update (carrier.py)."""
-    return {"selectors": selectors, "meets_target": meets_target, "organism": organism}
+    return {"seed": seed, "selectors": selectors, "meets_target": meets_target, "organism": organism}
 
 
 def detection_summary(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -37,9 +37,9 @@ def seed_detection(root: Path, seed: int, config: CalibrationConfig, *, base: st
               lambda: {"cases": write_jsonl(probe, probe_cases(source, set(skip), probe_n, seed))}, [probe])
     organism = Organism.from_report(report, probe)
     inputs = probe_stages(cache, organism, config, root / KNOWN)
-    return {**seed_row(detect(inputs, dimension, units_of(report["known_units"]), config.selectors),
+    return {**seed_row(seed, detect(inputs, dimension, units_of(report["known_units"]), config.selectors),
                        report["meets_target"], report["headline"]),
-            "seed": seed, "known_units": report["known_units"], "carrier": report["carrier"]["kl"]}
+            "known_units": report["known_units"], "carrier": report["carrier"]["kl"]}
 
 
 def check_settings(config: CalibrationConfig, seeds: list[int], settings: dict[str, Any]) -> None:
