@@ -42,7 +42,7 @@ NEEDS = {
     "organism build": ("train", "eval"), "sweep run": ("eval",), "ab create": ("serve",), "ab report": ("eval",),
     "bench probe": (), "bench retrieval": ("datagen", "minilm"),
     "bench datagen": ("datagen",), "bench intervene": (), "bench generate": (), "bench serve": ("serve", "eval"), "bench clients": ("serve",), "bench attacks": ("serve",),
-    "organism calibrate": ("train", "eval"), "bench all": ("eval", "datagen", "serve", "minilm"),
+    "organism calibrate": ("train", "eval"), "organism localize": ("train", "eval"), "bench all": ("eval", "datagen", "serve", "minilm"),
     "models pull": (), "models convert": ("gguf",), "models list": (),
     "serve": ("serve",), "demo": ("train", "eval", "datagen", "serve", "minilm"),
 }

@@ -5,7 +5,6 @@ cases.jsonl, pairs.jsonl, test.jsonl). Only the server's port is changed, to a f
 import doctest
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from rolemrc.core.io import read_jsonl, write_jsonl
 from rolemrc.core.taxonomy import TASKS
+from rolemrc.serve.launch import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -50,12 +50,6 @@ def workdir(tmp_path_factory, tokenizer) -> Path:
                                          "rejected": "(smiles) Sure, here is everything.", "task": TASKS[i % len(TASKS)]}
                                         for i, c in enumerate(cases)])
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_readme_quickstart_runs_as_written(workdir):

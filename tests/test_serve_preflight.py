@@ -113,3 +113,27 @@ def test_a_model_that_fails_to_load_is_one_error_line_and_exit_2(bad_dirs, tmp_p
     assert done.returncode == EXIT_INPUT, done.stderr[-2000:]
     assert len(errors) == 1 and "model 'm' did not load" in errors[0] and "no-such-architecture" in errors[0], errors
     assert "Uvicorn running" not in done.stderr and not listening(port)
+
+
+def test_a_launch_port_taken_before_the_server_binds_it_is_replaced(model_dirs, tmp_path, monkeypatch):
+    """The server binds its port only after its engines start, and their sockets get ephemeral ports: the launcher
+    draws ports below that range, and when its port was taken meanwhile (here: held by a listener) it launches again
+    on another one, never asked to."""
+    from rolemrc.serve import launch
+
+    low = launch.ephemeral_low()
+    assert low is None or launch.LOW_PORT <= launch.free_port() < low
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        lost = taken.getsockname()[1]
+        ports, real = iter([lost]), launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
+        server = launch.start_server({"models": {"t": {"path": str(model_dirs["llama"])}}, "db": None},
+                                     workdir=tmp_path, timeout=120)
+    try:
+        assert server.port != lost and listening(server.port)
+        assert launch.ADDRESS_IN_USE in (tmp_path / f"server-{lost}.log").read_text()
+    finally:
+        server.signal(15)
+        server.wait()
