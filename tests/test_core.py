@@ -93,24 +93,51 @@ def test_context_window_fallback_order():
     assert context_window(NS(), default=2048) == 2048
 
 
-def test_figures_share_one_png_session_and_report_a_missing_browser(tmp_path, monkeypatch, caplog):
-    """Several figures' PNGs come from one Chromium session; without a browser every figure keeps its HTML and says
-    why it has no PNG, in one logged warning, and nothing raises."""
+MISSING_BROWSER = """
+import json, logging, sys
+from pathlib import Path
+import plotly.graph_objects as go
+from rolemrc.core.figures import write_figures
+logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s")
+figures = {f"f{k}": go.Figure(go.Heatmap(z=[[k, 1], [2, 3]])) for k in range(3)}
+print(json.dumps(write_figures(figures, Path(sys.argv[1]), width=200, height=150)))
+"""
+
+
+def test_figures_keep_one_chromium_and_report_a_missing_browser(tmp_path):
+    """After a first PNG, every later one of the process comes from one kept Chromium (kaleido's server; a forked
+    child starts its own). On a machine without a browser (a fresh process) every figure keeps its HTML and says why
+    it has no PNG, in one logged warning, and nothing raises."""
+    import os
+    import subprocess
+    import sys
+
     import plotly.graph_objects as go
+    from kaleido._sync_server import GlobalKaleidoServer
 
     from rolemrc.core.figures import write_figures
 
     figures = {f"f{k}": go.Figure(go.Heatmap(z=[[k, 1], [2, 3]])) for k in range(3)}
-    written = write_figures(figures, tmp_path, width=200, height=150)
-    for stem, paths in written.items():
-        assert (tmp_path / f"{stem}.html").is_file()
-        assert "png_error" in paths or (tmp_path / f"{stem}.png").read_bytes().startswith(b"\x89PNG"), paths
-    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-browser"))
-    (tmp_path / "again").mkdir()
-    missing = write_figures(figures, tmp_path / "again", width=200, height=150)
+    for round_ in ("first", "kept"):
+        (tmp_path / round_).mkdir()
+        written = write_figures(figures, tmp_path / round_, width=200, height=150)
+        for stem, paths in written.items():
+            assert (tmp_path / round_ / f"{stem}.html").is_file()
+            assert (tmp_path / round_ / f"{stem}.png").read_bytes().startswith(b"\x89PNG"), paths
+        assert GlobalKaleidoServer().is_running()
+    child = os.fork()
+    if not child:   # the parent's server thread is not here: the child must not queue work for it
+        os._exit(0 if not GlobalKaleidoServer().is_running() else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+    (tmp_path / "none").mkdir()
+    done = subprocess.run([sys.executable, "-c", MISSING_BROWSER, str(tmp_path / "none")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "BROWSER_PATH": str(tmp_path / "no-browser")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    missing = json.loads(done.stdout)
     assert all(paths["png_error"].endswith("(PNG export needs Chromium: apt-get install -y chromium)")
                for paths in missing.values()), missing
-    assert [r.levelname for r in caplog.records if r.name == "rolemrc.core.figures"] == ["WARNING"]
+    assert [line for line in done.stderr.splitlines() if line.startswith("rolemrc.core.figures")] == [
+        "rolemrc.core.figures WARNING"]
 
 
 def test_figure_pngs_take_the_layout_size_unless_given_one(tmp_path):

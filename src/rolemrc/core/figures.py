@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,8 +19,8 @@ PNG_HINT = " (PNG export needs Chromium: apt-get install -y chromium)"
 
 def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str = "directory",
                   width: int | None = 1100, height: int | None = 650) -> dict[str, dict[str, str]]:
-    """Write each figure (stem -> Plotly figure) as `out/stem.html` and `out/stem.png`, every PNG in one Chromium
-    session (a session's start costs ~1.7 s, each further image ~0.15 s); returns stem -> {"html": path, "png": path}.
+    """Write each figure (stem -> Plotly figure) as `out/stem.html` and `out/stem.png`, every PNG of the process after
+    the first in one kept Chromium (`keep_chromium`); returns stem -> {"html": path, "png": path}.
 
     `plotlyjs`: "directory" shares one plotly.min.js beside the pages of a folder, True embeds it in each page.
     `width`/`height`: the PNGs' size in pixels; None takes each figure's layout size (else Plotly's 700 x 500).
@@ -32,16 +35,43 @@ def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str
     try:
         import plotly.io as pio
 
-        pio.write_images(list(figures.values()), [str(p) for p in pngs.values()],   # per figure: kaleido's batch
-                         width=[width or fig.layout.width for fig in figures.values()],   # ignores the layout's size
-                         height=[height or fig.layout.height for fig in figures.values()])
+        with _EXPORTING, warnings.catch_warnings():   # the kept server answers one caller at a time; it took
+            warnings.filterwarnings("ignore", "The kopts argument is ignored", UserWarning)   # the headers at start
+            pio.write_images(list(figures.values()), [str(p) for p in pngs.values()],   # per figure: kaleido's batch
+                             width=[width or fig.layout.width for fig in figures.values()],   # ignores the layout's size
+                             height=[height or fig.layout.height for fig in figures.values()])
     except Exception as exc:
         hint = " (PNG export needs kaleido: pip install 'rolemrc[png]')" if missing("png") else PNG_HINT
         log.warning("PNG export of %s failed (%s)%s", ", ".join(figures), exc, hint)
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
         error = f"{type(exc).__name__}: {first}{hint}"
         return {stem: paths | {"png_error": error} for stem, paths in written.items()}
+    try:
+        keep_chromium()
+    except Exception as exc:   # the next export starts its own Chromium again, as this one did
+        log.debug("kaleido's server did not start (%s)", exc)
     return {stem: paths | {"png": str(pngs[stem])} for stem, paths in written.items()}
+
+
+_CHROMIUM_KEPT_BY: int | None = None   # the process that started kaleido's server
+_EXPORTING = threading.Lock()
+
+
+def keep_chromium() -> None:
+    """After a first PNG exported in this process (so Chromium is known to start), keep kaleido's server and its one
+    Chromium for every later one: a start costs ~2 s, each image on a kept one ~0.15 s. A forked child forgets the
+    parent's server (its thread is not in the child) and exports as the parent first did."""
+    global _CHROMIUM_KEPT_BY
+    if os.getpid() == _CHROMIUM_KEPT_BY:
+        return
+    import kaleido
+    import plotly.io as pio
+    from kaleido._sync_server import GlobalKaleidoServer
+
+    if _CHROMIUM_KEPT_BY is None:
+        os.register_at_fork(after_in_child=lambda: setattr(GlobalKaleidoServer(), "_initialized", False))
+    kaleido.start_sync_server(headers=pio.defaults.headers, silence_warnings=True)
+    _CHROMIUM_KEPT_BY = os.getpid()
 
 
 def write_figure(fig: Any, out: Path, stem: str, **options: Any) -> dict[str, str]:
