@@ -10,6 +10,7 @@ import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import yaml
 
@@ -115,25 +116,26 @@ def test_a_model_that_fails_to_load_is_one_error_line_and_exit_2(bad_dirs, tmp_p
     assert "Uvicorn running" not in done.stderr and not listening(port)
 
 
-def test_a_launch_port_taken_before_the_server_binds_it_is_replaced(model_dirs, tmp_path, monkeypatch):
-    """The server binds its port only after its engines start, and their sockets get ephemeral ports: the launcher
-    draws ports below that range, and when its port was taken meanwhile (here: held by a listener) it launches again
-    on another one, never asked to."""
+def test_a_launched_server_holds_its_port_from_the_start_and_listens_once_up(model_dirs, tmp_path):
+    """The launcher binds the port and hands the socket to the server, which listens on it only once its engines
+    are up: meanwhile nothing else can be given the port (another launch, an engine's own sockets; vLLM opens many),
+    and nothing answers on it."""
+    import errno
+    import time
+
     from rolemrc.serve import launch
 
-    low = launch.ephemeral_low()
-    assert low is None or launch.LOW_PORT <= launch.free_port() < low
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        lost = taken.getsockname()[1]
-        ports, real = iter([lost]), launch.free_port
-        monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
-        server = launch.start_server({"models": {"t": {"path": str(model_dirs["llama"])}}, "db": None},
-                                     workdir=tmp_path, timeout=120)
+    server = launch.launch_server({"models": {"t": {"path": str(model_dirs["llama"])}}, "db": None}, workdir=tmp_path)
     try:
-        assert server.port != lost and listening(server.port)
-        assert launch.ADDRESS_IN_USE in (tmp_path / f"server-{lost}.log").read_text()
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", server.port))
+        assert taken.value.errno == errno.EADDRINUSE
+        assert not listening(server.port)   # bound, not yet listening: a client is refused, never answered by another
+        deadline = time.monotonic() + 120
+        while not listening(server.port) and server.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert listening(server.port), server.logs()[-2000:]
+        assert httpx.get(f"{server.base_url}/health", timeout=10).json()["status"] == "ok"
     finally:
         server.signal(15)
         server.wait()

@@ -18,9 +18,12 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option(None, help="bind address (default: the config's, 127.0.0.1)"),
         port: int = typer.Option(None, help="port (default: the config's, 8000)"),
         engine: EngineName = typer.Option(None, help="override every model's engine"),
+        socket_fd: int = typer.Option(None, hidden=True, help="an inherited socket already bound to --host/--port (a "
+                                                             "launcher's, `serve.launch`), listened on once the "
+                                                             "engines are up"),
     ) -> None:
         """Serve models over an OpenAI-compatible API with restraints and A/B experiments."""
         from rolemrc.serve.config import ServeConfig
         from rolemrc.serve.server import serve
 
-        serve(ServeConfig.load(config, engine.value if engine else None), host, port)
+        serve(ServeConfig.load(config, engine.value if engine else None), host, port, socket_fd)

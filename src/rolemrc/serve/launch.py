@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -32,30 +31,7 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
-LOW_PORT = 20000   # free_port draws from here up to the kernel's ephemeral range
-ADDRESS_IN_USE = "address already in use"
-
-
-def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int | None:
-    """The first port the kernel hands out to sockets bound to port 0 (Linux), or None where it cannot be read."""
-    try:
-        return int(Path(path).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def free_port() -> int:
-    """A loopback port free now, drawn below the kernel's ephemeral range where there is one: the server binds its
-    port only once its engines are up, and meanwhile the sockets they open (vLLM opens many) are given ephemeral ports,
-    so a port from that range could be taken before the server binds it."""
-    low = ephemeral_low()
-    for port in random.sample(range(LOW_PORT, low), min(64, low - LOW_PORT)) if low and low > LOW_PORT else []:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -94,28 +70,29 @@ def launch_server(config: dict[str, Any] | str | os.PathLike, *, env: dict[str, 
         path.write_text(yaml.safe_dump(config))
     else:
         path = Path(config)
-    port = port or free_port()
-    log = workdir / f"server-{port}.log"
-    with open(log, "ab") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "rolemrc.serve", "--config", str(path), "--port", str(port)],
-                                stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                preexec_fn=die_with_parent)
+    # the port is bound here and handed over: the server listens on it once its engines are up, and until then
+    # nothing else (another launch, an engine's own sockets) can be given it
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port or 0))
+        port = sock.getsockname()[1]
+        log = workdir / f"server-{port}.log"
+        with open(log, "ab") as sink:
+            proc = subprocess.Popen([sys.executable, "-m", "rolemrc.serve", "--config", str(path), "--port", str(port),
+                                     "--socket-fd", str(sock.fileno())], pass_fds=[sock.fileno()],
+                                    stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                    preexec_fn=die_with_parent)
     return Server(proc, port, path, log)
 
 
 def start_server(config: dict[str, Any] | str | os.PathLike, *, env: dict[str, str] | None = None,
                  workdir: str | os.PathLike | None = None, port: int | None = None, timeout: float = 120) -> Server:
-    """`launch_server`, then wait for /health; raises with the server's log if it does not come up. A port it chose
-    itself (`port` None) that something else took before the server bound it is replaced, up to 3 times."""
+    """`launch_server`, then wait for /health; raises with the server's log if it does not come up."""
     server = launch_server(config, env=env, workdir=workdir, port=port)
-    proc, tries = server.proc, 1
+    proc = server.proc
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            if port is None and tries < 3 and ADDRESS_IN_USE in server.logs():
-                server = launch_server(config, env=env, workdir=workdir)
-                proc, tries = server.proc, tries + 1
-                continue
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.logs()[-4000:]}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import logging.config
+import socket
 import sys
 import time
 from typing import Any
@@ -71,8 +72,9 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(config: ServeConfig, host: str | None = None, port: int | None = None) -> None:
-    """Blocking: serve until signalled."""
+def serve(config: ServeConfig, host: str | None = None, port: int | None = None, socket_fd: int | None = None) -> None:
+    """Blocking: serve until signalled; on the inherited, already bound socket `socket_fd` if given (listened on,
+    like a port bound here, only once the engines are up)."""
     host = host or config.host
     keys = config.check_auth(host)
     config.preflight()
@@ -86,7 +88,8 @@ def serve(config: ServeConfig, host: str | None = None, port: int | None = None)
                         timeout_graceful_shutdown=ENDED_WAIT_S)
     state = app.state.rolemrc
     try:
-        GracefulServer(uv, state, config.shutdown_grace_s).run()
+        GracefulServer(uv, state, config.shutdown_grace_s).run(
+            sockets=None if socket_fd is None else [socket.socket(fileno=socket_fd)])
     except SystemExit:   # uvicorn's exit when the app did not start
         if state.startup_error:
             raise ServeConfigError(state.startup_error) from None
