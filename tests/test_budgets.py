@@ -16,7 +16,7 @@ from rolemrc.core.errors import RolemrcError
 from rolemrc.intervene import Restraint, select
 from rolemrc.intervene.budget import Budget, coverage, coverage_text
 from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation, load_recommendation
-from rolemrc.intervene.select import paper_factor_note, rank_in_layer
+from rolemrc.intervene.select import paper_factor_note
 from rolemrc.intervene.spec import PAPER_FACTOR
 
 
@@ -49,9 +49,13 @@ def test_share_is_a_global_count_of_the_chosen_layers(tmp_path):
         select(diff, "multi_turn", method="standardized", factor=0, share=0.01)
 
 
-def test_rank_in_layer_and_coverage_are_tensor_counts():
-    layer = torch.tensor([2, 0, 2, 1, 0, 2])
-    assert rank_in_layer(layer, 3).tolist() == [0, 0, 1, 0, 1, 2]
+def test_per_layer_takes_each_layers_best_and_coverage_is_a_tensor_count():
+    from rolemrc.intervene.select import Scores, selected_units
+
+    score = torch.tensor([[0.1, 0.9, 0.0, 0.5], [0.8, 0.2, 0.7, 0.0], [0.0, 0.0, 0.3, 0.0]])   # 3 layers x 4 units
+    flat, allowed = selected_units(Scores(score, None, "mlp.act", "test"), "standardized", Budget("per_layer", 2),
+                                   None, "both")
+    assert flat.tolist() == [1, 4, 6, 3, 10] and allowed.all()   # best first: 0.9, 0.8, 0.7, 0.5, then layer 2's one
     c = coverage([256] * 30, 1536, 30)
     assert c["units"] == 7680 and c["share"] == 1 / 6 and "list" not in c["per_layer"]
     assert coverage_text(c) == "7,680 units (16.7% of 46,080): 256 per layer"

@@ -154,7 +154,7 @@ def selected_units(scores: Scores, method: str, budget: Budget, layers: str | No
     by the budget. Possibly none."""
     import torch
 
-    from rolemrc.probe.ranking import moved, rank_units
+    from rolemrc.probe.ranking import first_per_group, moved, rank_units
 
     if budget.kind == "fdr" and scores.q is None:
         raise RestraintError(f"{scores.origin}: --method {method} has no q-values here ({scores.no_q}); choose "
@@ -171,22 +171,11 @@ def selected_units(scores: Scores, method: str, budget: Budget, layers: str | No
     order = rank_units(score, q)
     flat = order[eligible.reshape(-1)[order]]   # every eligible unit, best first
     if budget.kind == "per_layer":
-        flat = flat[rank_in_layer(flat // n_units, n_layers) < budget.value]
+        layer_of = torch.arange(n_layers).repeat_interleave(n_units)   # flat id -> its layer
+        flat = flat[first_per_group(flat, layer_of, int(budget.value))]
     elif budget.kind in ("top_k", "share"):
         flat = flat[:budget.value if budget.kind == "top_k" else round(budget.value * int(allowed.sum()) * n_units)]
     return flat, allowed
-
-
-def rank_in_layer(layer: torch.Tensor, n_layers: int) -> torch.Tensor:
-    """For units listed best first with their `layer`: each one's rank within its layer (0 = its layer's best)."""
-    import torch
-
-    by_layer, where = torch.sort(layer, stable=True)   # grouped by layer, rank order kept inside each group
-    counts = torch.bincount(by_layer, minlength=n_layers)
-    starts = counts.cumsum(0) - counts
-    rank = torch.empty_like(layer)
-    rank[where] = torch.arange(len(layer)) - starts[by_layer]
-    return rank
 
 
 def recipe(method: str | None, factor: float | None, calibration: str | os.PathLike | None,
