@@ -11,6 +11,17 @@ from fixtures import corpus, postgres_database, postgres_server, test_records
 from rolemrc.core.tiny import build_model, train_tokenizer
 from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
 
+# the files that take longest (`make test`'s --durations, summed per file), started first: `--dist loadfile` hands
+# the workers whole files in collection order, so the long ones no longer wait at the end for a free worker
+LONGEST_FIRST = ("test_demo.py", "test_field_clients.py", "test_serve_supervise.py", "test_organism_calibrate.py",
+                 "test_serve_vllm.py", "test_organism.py", "test_quickstart.py", "test_sweep_engines.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: every file keeps its own order
+
+
 ARCHS = ("llama", "qwen2", "gpt2")
 
 
