@@ -167,8 +167,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     calibration.json/.md and the figures."""
     from rolemrc.intervene.spec import RestraintError
     from rolemrc.intervene.stability import selection_stability
-    from rolemrc.organism.detection import detect, detection_summary, seed_row
-    from rolemrc.organism.known import units_of
+    from rolemrc.organism.detection import detection_summary, organism_detection
     from rolemrc.probe import load_diff
     root = Path(config.out)
     cache = cache or StageCache(root)
@@ -176,9 +175,8 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     rows, selection, stability, flags, sweep_dirs, timing, skipped, detection = [], [], [], {}, {}, {}, {}, {}
     declared: dict[str, int] = {}   # organism kind -> the grid cells it declared (its Holm families' cells)
     for organism in detect_only or []:
-        inputs = probe_stages(cache, organism, config, root / organism.kind)
-        detection[organism.kind] = seed_row(config.seed, detect(inputs, organism.dimension, units_of(organism.known_units)),
-                                            organism.meets_target, organism.headline)
+        detection[organism.kind] = organism_detection(organism, probe_stages(cache, organism, config,
+                                                                          root / organism.kind), config.seed)
     for organism in organisms:
         folder = root / organism.kind
         inputs = probe_stages(cache, organism, config, folder)
@@ -190,8 +188,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                                 "selector can rank units for it; raise --probe-cases")
         flags[organism.kind] = {d: {tokens: diff_flags(diffs[tokens], d) for tokens in diffs} for d in dimensions}
         if organism.known_units:
-            detection[organism.kind] = seed_row(config.seed, detect(inputs, organism.dimension, units_of(organism.known_units)),
-                                                organism.meets_target, organism.headline)   # every selector
+            detection[organism.kind] = organism_detection(organism, inputs, config.seed)   # every selector
         width = int(diffs["last"].meta["width"])   # units per layer at the hook point
         grids = sweeps(config, width)
         if not grids:

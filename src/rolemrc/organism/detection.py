@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rolemrc.core.stats import t_interval
-from rolemrc.organism.calibration_config import SELECTOR_INPUTS
+from rolemrc.organism.calibration_config import SELECTOR_INPUTS, Organism
 from rolemrc.organism.config import OrganismError
 from rolemrc.organism.known import Units
 
@@ -129,6 +129,15 @@ def seed_row(seed: int, selectors: dict[str, dict[str, Any]], meets_target: bool
     """One seed's detection: every selector's (`detect`), and whether its units organism met its behavioural target
     (`organism`: its headline). One that missed is read all the same: S still carries its whole update (carrier.py)."""
     return {"seed": seed, "selectors": selectors, "meets_target": meets_target, "organism": organism}
+
+
+def organism_detection(organism: Organism, inputs: dict[str, str], seed: int,
+                       selectors: list[str] | None = None) -> dict[str, Any]:
+    """The `seed_row` of a units organism whose selector inputs (`calibration.probe_stages`) are `inputs`."""
+    from rolemrc.organism.known import units_of
+
+    return seed_row(seed, detect(inputs, organism.dimension, units_of(organism.known_units), selectors),
+                    organism.meets_target, organism.headline)
 
 
 def detection_summary(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -9,8 +9,7 @@ from typing import Any
 
 from rolemrc.organism.calibration_config import CalibrationConfig
 from rolemrc.organism.config import KNOWN, OrganismConfig, OrganismError
-from rolemrc.organism.detection import detect, detection_summary, headline, seed_row
-from rolemrc.organism.known import units_of
+from rolemrc.organism.detection import detection_summary, headline, organism_detection
 
 
 def seed_detection(root: Path, seed: int, config: CalibrationConfig, *, base: str = "smollm2",
@@ -37,8 +36,7 @@ def seed_detection(root: Path, seed: int, config: CalibrationConfig, *, base: st
               lambda: {"cases": write_jsonl(probe, probe_cases(source, set(skip), probe_n, seed))}, [probe])
     organism = Organism.from_report(report, probe)
     inputs = probe_stages(cache, organism, config, root / KNOWN)
-    return {**seed_row(seed, detect(inputs, dimension, units_of(report["known_units"]), config.selectors),
-                       report["meets_target"], report["headline"]),
+    return {**organism_detection(organism, inputs, seed, config.selectors),
             "known_units": report["known_units"], "carrier": report["carrier"]["kl"]}
 
 
