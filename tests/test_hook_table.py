@@ -12,14 +12,15 @@ from typer.testing import CliRunner
 
 import rolemrc
 from rolemrc.cli import app
+from rolemrc.core import hooks
+from rolemrc.core.hooks import HOOK_POINTS, HookPoint, UnsupportedModelError, hook_table_markdown, site, width
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.modeling import load_model
 from rolemrc.intervene import Restraint, RestraintError, applied, bake
 from rolemrc.intervene.bake import fold_target, lora_exportable
-from rolemrc.probe import collect, hooks
+from rolemrc.probe import collect
 from rolemrc.probe.backends import make_backend
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.hooks import HOOK_POINTS, HookPoint, UnsupportedModelError, hook_table_markdown, site, width
 
 GATE = HookPoint("mlp.gate", "gate projection output, before the activation", "gate", False, "intermediate",
                  bridge=None, no_fold="hypothetical row of the hook table test")

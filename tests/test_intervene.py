@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 from rolemrc.cli import app
 from rolemrc.core.chat import render_chat
 from rolemrc.core.errors import InputError
+from rolemrc.core.hooks import site
 from rolemrc.core.modeling import load_model
 from rolemrc.intervene import Restraint, RestraintError, applied, bake, check, select
 from rolemrc.intervene.fit import validate
 from rolemrc.intervene.spec import as_restraint
-from rolemrc.probe.hooks import site
 
 PROMPTS = [[{"role": "user", "content": "the keeper of the lighthouse watched storms"}],
            [{"role": "system", "content": "You are a baker"}, {"role": "user", "content": "sing to the ovens"}]]

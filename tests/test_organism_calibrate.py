@@ -322,7 +322,7 @@ def test_bad_grid_settings_are_errors_before_any_work(tmp_path):
 
     with pytest.raises(RolemrcError, match="unknown hook point 'mlp.nothing'"):
         CalibrationConfig(out=str(tmp_path), hook="mlp.nothing")
-    with pytest.raises(RolemrcError, match=r"unknown selector\(s\) \['best-guess'\]"):
+    with pytest.raises(RolemrcError, match=r"unknown selector 'best-guess'; choose from frequency"):
         CalibrationConfig(out=str(tmp_path), selectors=["standardized", "best-guess"])
     with pytest.raises(RolemrcError, match="choose at most one of --top-k/--per-layer/--share .given: --per-layer, --share"):
         CalibrationConfig(out=str(tmp_path), per_layer=[16], share=[0.1])

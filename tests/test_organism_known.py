@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from rolemrc.organism import KINDS, PLANTED_DIMENSION, OrganismConfig, OrganismError
-from rolemrc.organism.calibration_config import SELECTOR_INPUTS, CalibrationConfig
+from rolemrc.organism.calibration_config import CalibrationConfig
 from rolemrc.organism.detection import (
     aggregate,
     auroc,
@@ -32,6 +32,7 @@ from rolemrc.organism.known import (
     unit_slices,
     units_of,
 )
+from rolemrc.probe.selectors import SELECTORS
 
 
 def brute_auroc(key: list[float], labels: list[bool]) -> float:
@@ -233,7 +234,7 @@ def _model(path):
 
 def test_every_selector_is_scored_against_s(detected):
     _, _, row = detected
-    assert set(row["selectors"]) == set(SELECTOR_INPUTS)
+    assert set(row["selectors"]) == set(SELECTORS.names())
     for name, result in row["selectors"].items():
         assert 0 <= result["auroc"] <= 1 and 0 <= result["precision_at_s"] <= 1 and 0 <= result["recall_at_4s"] <= 1
         assert result["units_in_s"] == 16 and result["units"] == 2 * 96, name

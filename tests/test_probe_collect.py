@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from rolemrc.core.chat import render_chat
+from rolemrc.core.hooks import HOOK_POINTS, UnsupportedModelError, layout_of, site
 from rolemrc.core.modeling import load_model
 from rolemrc.core.records import prompt_turns
 from rolemrc.core.taxonomy import DIMENSIONS, dimensions_for_task
 from rolemrc.probe import ProbeCounts, collect
-from rolemrc.probe.hooks import HOOK_POINTS, UnsupportedModelError, layout_of, site
 
 
 def reference_counts(model, tok, records, point, top_fraction, tokens, rank):

@@ -11,6 +11,7 @@ from scipy import stats
 from test_probe_paired import members
 
 from rolemrc.core.chat import render_chat
+from rolemrc.core.hooks import site
 from rolemrc.core.modeling import load_model
 from rolemrc.core.records import prompt_turns
 from rolemrc.core.stats import welch_t_test
@@ -18,7 +19,6 @@ from rolemrc.core.tiny import build_model
 from rolemrc.probe import collect, collect_paired, diff, load_probe, write_diff
 from rolemrc.probe.counts import MOMENT_UNIT, TopKCounter, fixed_point, fixed_value
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.hooks import site
 
 U = MOMENT_UNIT
 FLOAT_NOISE = 1e-6  # relative: a batched, padded forward's activations vs one unpadded prompt's (float32)

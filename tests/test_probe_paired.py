@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from rolemrc.cli import app
 from rolemrc.core.chat import render_chat
+from rolemrc.core.hooks import site
 from rolemrc.core.io import write_jsonl
 from rolemrc.core.modeling import load_model
 from rolemrc.core.records import prompt_turns
@@ -23,7 +24,6 @@ from rolemrc.core.tiny import build_model, train_tokenizer
 from rolemrc.probe import ProbeMismatchError, collect, collect_paired, diff, load_probe
 from rolemrc.probe.cases import build_cases
 from rolemrc.probe.collect import CollectConfig, count_paired
-from rolemrc.probe.hooks import site
 
 SIZES = {"hidden": 64, "layers": 2, "intermediate": 96}
 

@@ -215,3 +215,47 @@ def test_sweep_plans_cells_with_its_method(tmp_path):
         selected = [c for c in cells if c.kind == "selected"]
         assert len(selected) == 1 and selected[0].restraint.units == units
         assert selected[0].restraint.source["method"] == method
+
+
+@pytest.fixture
+def mean_shift():
+    """A selector added the documented way, one `@selector` entry, removed afterwards: the change in mean activation."""
+    from rolemrc.probe.selectors import View, selector
+
+    @selector("mean-shift", reads="diff", calibrated_on="all", label="Δ mean activation (B − A)", plots="mean activation",
+              description="mean activation change, unscaled", ranks="|mean_b - mean_a|, no q")
+    def view(result, dimension):
+        return View(result.mean_b[dimension] - result.mean_a[dimension], None, "no test")
+
+    yield "mean-shift"
+    SELECTORS.unregister("mean-shift")
+
+
+def test_one_selector_entry_reaches_every_consumer(tmp_path, mean_shift):
+    """select (library and CLI), the sweep's plan, the explorer's data, the diff's stability and the calibration's
+    defaults and inputs all read the one table: a new entry is in each without touching them."""
+    from rolemrc.organism.calibration_config import CalibrationConfig
+    from rolemrc.organism.detection import detect
+    from rolemrc.probe.diff import load_diff
+    from rolemrc.probe.explorer import explorer_data
+    from rolemrc.sweep.plan import SweepConfig, plan
+
+    diff = write_diff(tmp_path / "d")
+    # EFFECT is mean_b - mean_a here: its three largest |values| are 4.0 (2, 1), 3.0 (0, 2), -2.5 (1, 0)
+    assert select(diff, "multi_turn", method=mean_shift, factor=0.0, top_k=3).units == {0: [2], 1: [0], 2: [1]}
+    code, out = run_cli("--diff", diff, "--dimension", "multi_turn", "--method", mean_shift, "--top-k", "3",
+                        "--factor", "0", "--out", tmp_path / "s.yaml")
+    assert code == 0, out
+    assert Restraint.load(tmp_path / "s.yaml").source["method"] == mean_shift
+    with pytest.raises(RolemrcError, match="has no q-values here .no test."):
+        select(diff, "multi_turn", method=mean_shift, factor=0.0, fdr=0.05)
+    cells = plan(SweepConfig(model="m", diff=str(diff), data="t.jsonl", out=str(tmp_path / "s"), dimensions=["multi_turn"],
+                             factors=[0.5], top_k=[1], controls=1, method=mean_shift), 4, {})
+    assert [c.restraint.units for c in cells if c.kind == "selected"] == [{2: [1]}]
+    data = explorer_data(load_diff(diff))
+    assert data["scores"][mean_shift] == "Δ mean activation (B − A)" and data["scatter"][mean_shift] == "mean activation"
+    page = data["dimensions"]["multi_turn"]["selectors"][mean_shift]
+    assert page["tested"] is False and page["ranked"]["score"][:3] == [4.0, 3.0, -2.5]
+    assert mean_shift in CalibrationConfig(out=str(tmp_path / "c")).selectors
+    found = detect({"all": str(diff)}, "multi_turn", {2: [1]}, [mean_shift])[mean_shift]
+    assert found["auroc"] == 1.0

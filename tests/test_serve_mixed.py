@@ -87,10 +87,10 @@ def test_rows_under_different_restraints_share_forwards_and_join_running_batches
 def test_slot_scales_restrain_each_row_alone_and_release_slots(model_dirs):
     """Rows under different restraints (and none) in one forward equal separate runs under `applied`; a released
     slot goes back to ones, and a site's hook is removed once no slot restrains it."""
+    from rolemrc.core.hooks import site
     from rolemrc.core.modeling import load_model
     from rolemrc.generate.scales import SlotScales
     from rolemrc.intervene.runtime import applied
-    from rolemrc.probe.hooks import site
 
     model, tok = load_model(model_dirs["llama"], device="cpu")
     a, b = Restraint(name="a", hook="mlp.act", factor=0.0, units={0: [1, 5]}), restraints()[2]   # b: layers 0 and 1

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from rolemrc.bench.common import SIZES, interleaved, make_model_dir, random_cases, sync
+from rolemrc.core.hooks import HOOK_POINTS
 from rolemrc.probe.cases import Cases, batches
 from rolemrc.probe.collect import CollectConfig, count_cases
-from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.presets import PRESETS
 
 # The RoleMRC code's settings (the `rolemrc-code` preset): its hook point, the MLP output (TransformerLens

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Literal
 
 import typer
@@ -71,6 +72,20 @@ class PlainFlags:
 
 class Command(PlainFlags, TyperCommand):
     """Every `rolemrc` command's class (`cli_app`'s apps give it to their commands)."""
+
+
+def live_choices(**registries: Registry[Any]) -> type[Command]:
+    """A command class whose options named here (by parameter name) choose from their registry's names as they are
+    when the CLI is built: an entry registered after the command's module was imported counts."""
+
+    class LiveChoices(Command):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for param in self.params:
+                if param.name in registries:
+                    param.type_descriptor = replace(param.type_descriptor, annotation=choice(registries[param.name]))
+
+    return LiveChoices
 
 
 class ReportingGroup(PlainFlags, TyperGroup):

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from rolemrc.core.hooks import site, width
 from rolemrc.intervene.runtime import scale_vector
 from rolemrc.intervene.spec import Restraint
-from rolemrc.probe.hooks import site, width
 
 Site = tuple[str, int]   # (hook point, layer)
 KNOWN = 256   # restraints whose rows are kept ready

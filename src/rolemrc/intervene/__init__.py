@@ -24,7 +24,8 @@ lazy_package(__name__, {
     "rolemrc.intervene.check": ["CheckReport", "check"],
     "rolemrc.intervene.lora": ["LoraReport", "export_lora"],
     "rolemrc.intervene.runtime": ["applied"],
-    "rolemrc.intervene.select": ["SELECTORS", "select"],
+    "rolemrc.intervene.select": ["select"],
+    "rolemrc.probe.selectors": ["SELECTORS"],
 })
 
 __all__ = ["SELECTORS", "BakeReport", "CheckReport", "LoraReport", "Restraint", "RestraintError", "applied", "bake", "check",

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rolemrc.core.hooks import hook_point, module_at
 from rolemrc.core.modeling import (
     checkpoint_dtype,
     dir_fingerprint,
@@ -30,7 +31,6 @@ from rolemrc.core.modeling import (
 from rolemrc.core.version import __version__
 from rolemrc.intervene.fit import check_origin, validate
 from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
-from rolemrc.probe.hooks import hook_point, module_at
 
 
 @dataclass(frozen=True)

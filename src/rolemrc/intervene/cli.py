@@ -7,15 +7,15 @@ from pathlib import Path
 
 import typer
 
-from rolemrc.core.cli import cli_app
+from rolemrc.core.cli import choice, cli_app, live_choices
+from rolemrc.core.hooks import HOOK_POINTS
 from rolemrc.core.placement import MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.intervene.budget import BUDGET_HELP, BUDGET_OPTIONS, Budget
 from rolemrc.intervene.fit import STRICT_HELP
-from rolemrc.intervene.select import SelectorName, selectors_help
 from rolemrc.intervene.spec import PAPER_FACTOR
-from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import Direction
+from rolemrc.probe.selectors import SELECTORS, selectors_help
 
 
 def brief(report: dict) -> dict:
@@ -26,15 +26,16 @@ def brief(report: dict) -> dict:
     return {**report, "restraint": Restraint.from_dict(report["restraint"]).summary()}
 
 
+Method = choice(SELECTORS)   # --method: the selectors registered when the CLI is built (`live_choices`)
 app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them, sweep a grid of them.")
 
 
-@app.command("select")
+@app.command("select", cls=live_choices(method=SELECTORS))
 def select_cmd(
     diff: Path = typer.Option(..., "--diff", help="the selector's input: a diff directory (or its "
                               "diff.safetensors); for --method attribution, an attribution file"),
     dimension: str = typer.Option(..., help=f"a dimension of the diff: {' | '.join(DIMENSIONS)}, or your own"),
-    method: SelectorName = typer.Option(None, "--method", help=f"unit selector, named (no default; or --calibration). "
+    method: Method = typer.Option(None, "--method", help=f"unit selector, named (no default; or --calibration). "
                                     f"{selectors_help()}"),
     factor: float = typer.Option(None, help="scale of the selected units, named (no default; or --calibration): 0 "
                                             f"ablates; {PAPER_FACTOR:.10g} is the paper's (a no-op in bf16/fp16)"),
@@ -57,7 +58,7 @@ def select_cmd(
     from rolemrc.intervene.stability import selection_stability
     from rolemrc.probe.resample import stability_lines
 
-    r = select(diff, dimension, method=method.value if method else None, factor=factor, calibration=calibration,
+    r = select(diff, dimension, method=method, factor=factor, calibration=calibration,
                top_k=top_k, per_layer=per_layer, share=share, fdr=fdr, layers=layers, direction=direction, name=name)
     r.save(out)
     budget = next(Budget(kind, r.source[kind]) for kind in BUDGET_OPTIONS if kind in r.source)

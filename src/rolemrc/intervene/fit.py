@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rolemrc.core.hooks import num_layers, width
 from rolemrc.intervene.spec import Restraint, RestraintError
-from rolemrc.probe.hooks import num_layers, width
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rolemrc.core.hooks import HOOK_POINTS, hook_point, layout_of, module_at
 from rolemrc.core.modeling import dir_fingerprint, is_path, loaded_model, model_fingerprint, model_name, resolve_model
 from rolemrc.core.version import __version__
 from rolemrc.intervene.bake import Fold, fold_target, lora_exportable, provenance_metadata
 from rolemrc.intervene.fit import check_origin, validate
 from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
-from rolemrc.probe.hooks import HOOK_POINTS, hook_point, layout_of, module_at
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 STALE_S = 3600.0   # a hidden folder in an adapter cache this old is an export or eviction that died midway

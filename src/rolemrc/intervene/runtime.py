@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from rolemrc.core.hooks import site, width
 from rolemrc.intervene.fit import validate
 from rolemrc.intervene.spec import Restraint
-from rolemrc.probe.hooks import site, width
 
 
 def scale_vector(r: Restraint, layer: int, n_units: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

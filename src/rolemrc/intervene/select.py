@@ -1,32 +1,31 @@
-"""Selecting a restraint: the unit selectors `intervene select` ranks a dimension's units with, as a registry
-(`SELECTORS`, like eval's metrics), and `select`, which turns a selector's scores into a `Restraint`.
+"""Selecting a restraint: `scores_of`, a selector's scores read from its input, and `select`, which turns them into a
+`Restraint`. The selectors themselves are one table, `probe.selectors.SELECTORS`.
 
 A selector reads its input (a probe diff, or an attribution file; or the loaded `DiffResult` / `Attribution`) and gives
 each unit of a dimension a signed score (> 0: the unit moved up from A to B, or its change raised B's preference) and,
 where its input carries a per-unit test, BH q-values. `select` applies layers, direction and a budget (`intervene.budget`)
 to any selector's scores in one order (|score| descending, q ascending, layer, unit: `probe.ranking.rank_units`) and
-writes the same spec; its method and factor are named, or come from a calibration's recommendation. Adding a
-selector is one `@selector(...)` function. Imports no torch until `select` runs (the CLI's help lists the registry).
+writes the same spec; its method and factor are named, or come from a calibration's recommendation. Imports no
+torch until `select` runs.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 from rolemrc.core.artifacts import expect
-from rolemrc.core.registry import Registry
 from rolemrc.intervene.budget import BUDGET_OPTIONS, EXACTLY_ONE, Budget, coverage, one_budget
 from rolemrc.intervene.recommendation import load_recommendation
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError, parse_layers
-from rolemrc.probe.options import DIRECTIONS, TOKEN_METHODS, Direction
+from rolemrc.probe.options import DIRECTIONS, Direction
+from rolemrc.probe.selectors import SELECTORS, for_tokens, readers
 
 if TYPE_CHECKING:
     import torch
@@ -70,36 +69,6 @@ def model_of(meta: dict[str, str], prefix: str = "") -> dict[str, str]:
             **({"dtype": meta[f"{prefix}dtype"]} if meta.get(f"{prefix}dtype") else {})}
 
 
-ScoreFn = Callable[[Source, str], Scores]   # (input, dimension) -> Scores
-
-
-@dataclass(frozen=True)
-class Selector:
-    """A registered selector: `scores(source, dimension)` and what it is, for help texts and the spec."""
-
-    scores: ScoreFn
-    description: str
-    reads: str    # the input it reads: "diff" or "attribution" (also the restraint source's key for that file)
-    ranks: str    # how it ranks
-
-
-SELECTORS: Registry[Selector] = Registry("selector")
-
-
-def selector(name: str, *, description: str, reads: str, ranks: str) -> Callable[[ScoreFn], ScoreFn]:
-    """Decorator registering `fn(source, dimension) -> Scores` as selector `name`."""
-    def add(fn: ScoreFn) -> ScoreFn:
-        SELECTORS.register(name)(Selector(fn, description, reads, ranks))
-        return fn
-    return add
-
-
-def selectors_help() -> str:
-    """One line per selector: name, what it reads, how it ranks (for `intervene select --help`)."""
-    return "; ".join(f"{name}: {s.description} (input: {s.reads}; rank: {s.ranks})"
-                     for name, s in ((n, SELECTORS.get(n)) for n in SELECTORS.names()))
-
-
 def select(source: Source, dimension: str, *, method: str | None = None, factor: float | None = None,
            top_k: int | None = None, per_layer: int | None = None, share: float | None = None, fdr: float | None = None,
            calibration: str | os.PathLike | None = None, layers: str | None = None, direction: Direction = "both",
@@ -122,7 +91,7 @@ def select(source: Source, dimension: str, *, method: str | None = None, factor:
     entry = SELECTORS.get(method)
     if direction not in DIRECTIONS:
         raise RestraintError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    scores = entry.scores(Path(source) if isinstance(source, str | os.PathLike) else source, dimension)
+    scores = scores_of(method, Path(source) if isinstance(source, str | os.PathLike) else source, dimension)
     flat, allowed = selected_units(scores, method, budget, layers, direction)
     n_layers, n_units = scores.score.shape
     if len(flat) == 0:
@@ -160,14 +129,14 @@ def selected_units(scores: Scores, method: str, budget: Budget, layers: str | No
         raise RestraintError(f"{scores.origin}: --method {method} has no q-values here ({scores.no_q}); choose "
                              f"{EXACTLY_ONE} but --fdr")
     score = scores.score.double()
-    q = scores.q.double() if scores.q is not None else torch.full_like(score, torch.nan)
+    q = scores.q.double() if scores.q is not None else None
     n_layers, n_units = score.shape
     chosen = parse_layers(layers, n_layers)
     allowed = torch.zeros(n_layers, dtype=torch.bool)
     allowed[chosen if chosen is not None else slice(None)] = True
     eligible = allowed[:, None] & moved(score, direction)
     if budget.kind == "fdr":
-        eligible &= q < budget.value
+        eligible &= q < budget.value   # q is not None: refused above
     order = rank_units(score, q)
     flat = order[eligible.reshape(-1)[order]]   # every eligible unit, best first
     if budget.kind == "per_layer":
@@ -255,71 +224,44 @@ def input_hook(path: str | os.PathLike) -> str:
     return read_tensors(input_file(path), "diff or attribution file", missing="no such diff or attribution file")[0]["hook"]
 
 
-@selector("frequency", reads="diff", ranks="|freq_b - freq_a|, then the diff's q",
-          description="the paper's: change in top-fraction frequency at the last prompt token")
-def frequency(source: Source, dimension: str) -> Scores:
-    return _frequency(source, dimension, "last")
-
-
-@selector("frequency-all", reads="diff", ranks="|freq_b - freq_a|, then the diff's q",
-          description="the same over every prompt token (tokens=all probe files)")
-def frequency_all(source: Source, dimension: str) -> Scores:
-    return _frequency(source, dimension, "all")
-
-
-@selector("standardized", reads="diff", ranks="|effect|, then the effect test's q",
-          description="mean activation change over the pooled per-unit SD (the diff's effect)")
-def standardized(source: Source, dimension: str) -> Scores:
-    result, file = _diff(source, dimension)
-    q = result.effect_q[dimension] if result.effect_tested else None
-    return Scores(result.effect[dimension], q, result.hook, file, no_q=f"effect test: {result.effect_test}",
-                  model=model_of(result.meta, "b_"))
-
-
-@selector("attribution", reads="attribution", ranks="mean score per pair, no q",
-          description="DPO preference-margin gradient times the SFT -> DPO activation change, over preference pairs")
-def attribution(source: Source, dimension: str) -> Scores:
+def scores_of(method: str, source: Source, dimension: str) -> Scores:
+    """Selector `method`'s scores of `dimension` in its input (a path, or the loaded `DiffResult` / `Attribution`);
+    refuses an input of the wrong kind, a dimension it lacks, or a diff of another token policy than the selector's."""
     from rolemrc.probe.attribution import Attribution, load_attribution
-    from rolemrc.probe.diff import DiffResult
-
-    if isinstance(source, DiffResult):
-        raise RestraintError("--method attribution reads an attribution (a file from `rolemrc probe attribute`, or "
-                             "an Attribution), not a DiffResult")
-    loaded, origin = (source, IN_MEMORY) if isinstance(source, Attribution) else (load_attribution(source), str(source))
-    scores, meta = loaded.scores, loaded.meta
-    if dimension not in scores:
-        where = "the Attribution" if origin == IN_MEMORY else f"the attribution file {origin}"
-        raise RestraintError(f"dimension {dimension!r} is not in {where} (or has no pairs); it has: {sorted(scores)}")
-    return Scores(scores[dimension], None, meta["hook"], origin, no_q="attribution scores carry no test",
-                  model=model_of(dpo_meta(meta)))
-
-
-def _frequency(source: Source, dimension: str, tokens: str) -> Scores:
-    result, file = _diff(source, dimension)
-    made = result.meta["tokens"]   # diffs record the probe files' token policy
-    if made != tokens:
-        raise RestraintError(f"{file}: a diff of tokens={made} probe files, but --method {TOKEN_METHODS[tokens]} reads "
-                             f"tokens={tokens} ones: use --method {TOKEN_METHODS[made]}, or diff probe files made with "
-                             f"`rolemrc probe collect --tokens {tokens}`")
-    q = result.qvalue[dimension] if result.tested else None
-    return Scores(result.delta[dimension], q, result.hook, file, no_q=f"test: {result.test}",
-                  model=model_of(result.meta, "b_"))
-
-
-def _diff(source: Source, dimension: str) -> tuple[DiffResult, str]:
-    """The diff (a directory, its file, or a DiffResult) and its origin; refuses a dimension it did not compare."""
-    from rolemrc.probe.attribution import Attribution
     from rolemrc.probe.diff import DiffResult, load_diff
 
-    if isinstance(source, Attribution):
-        raise RestraintError("this selector reads a probe diff (a `rolemrc probe diff` folder, or a DiffResult), not an "
-                             "Attribution: use method='attribution'")
-    result, origin = (source, IN_MEMORY) if isinstance(source, DiffResult) else (load_diff(source), str(input_file(source)))
-    if dimension not in result.delta:
-        why = result.empty.get(dimension)
-        raise RestraintError(f"dimension {dimension!r} is not in the diff" + (f" ({why})" if why else "")
-                             + f"; compared: {result.dimensions}")
-    return result, origin
+    entry = SELECTORS.get(method)
+    wrong = Attribution if entry.reads == "diff" else DiffResult
+    if isinstance(source, wrong):
+        other = " or ".join(f"method={n!r}" for n in readers("attribution" if entry.reads == "diff" else "diff"))
+        raise RestraintError(f"--method {method} reads {INPUTS[entry.reads]}, not a{'n' * (wrong is Attribution)} "
+                             f"{wrong.__name__}: use {other}")
+    if isinstance(source, DiffResult | Attribution):
+        loaded, origin = source, IN_MEMORY
+    elif entry.reads == "diff":
+        loaded, origin = load_diff(source), str(input_file(source))
+    else:
+        loaded, origin = load_attribution(source), str(source)
+    if entry.reads == "diff":
+        if dimension not in loaded.delta:
+            why = loaded.empty.get(dimension)
+            raise RestraintError(f"dimension {dimension!r} is not in the diff" + (f" ({why})" if why else "")
+                                 + f"; compared: {loaded.dimensions}")
+        made = loaded.meta["tokens"]   # diffs record the probe files' token policy
+        if not entry.reads_diff_of(made):
+            raise RestraintError(f"{origin}: a diff of tokens={made} probe files, but --method {method} reads "
+                                 f"tokens={entry.tokens} ones: use --method {' or '.join(for_tokens(made))}, or diff "
+                                 f"probe files made with `rolemrc probe collect --tokens {entry.tokens}`")
+        hook, model = loaded.hook, model_of(loaded.meta, "b_")
+    else:
+        if dimension not in loaded.scores:
+            where = "the Attribution" if origin == IN_MEMORY else f"the attribution file {origin}"
+            raise RestraintError(f"dimension {dimension!r} is not in {where} (or has no pairs); it has: "
+                                 f"{sorted(loaded.scores)}")
+        hook, model = loaded.meta["hook"], model_of(dpo_meta(loaded.meta))
+    view = entry.view(loaded, dimension)
+    return Scores(view.score, view.q, hook, origin, no_q=view.no_q, model=model)
 
 
-SelectorName = enum.Enum("SelectorName", {name: name for name in SELECTORS.names()}, type=str)   # the CLI's choice
+INPUTS = {"diff": "a probe diff (a `rolemrc probe diff` folder, or a DiffResult)",
+          "attribution": "an attribution (a file from `rolemrc probe attribute`, or an Attribution)"}

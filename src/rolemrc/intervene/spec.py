@@ -18,8 +18,8 @@ import yaml
 
 from rolemrc.core.artifacts import FORMATS, check_format, describe, identify
 from rolemrc.core.errors import InputError, RolemrcError
+from rolemrc.core.hooks import HOOK_POINTS
 from rolemrc.core.io import read_yaml
-from rolemrc.probe.hooks import HOOK_POINTS
 
 PAPER_FACTOR = 1 - 1e-6   # the RoleMRC paper's restraint: scale the selected units by 1 - 1e-6
 

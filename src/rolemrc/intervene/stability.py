@@ -8,9 +8,10 @@ import os
 from collections.abc import Sequence
 
 from rolemrc.intervene.budget import CURVE, Budget
-from rolemrc.intervene.select import SELECTORS, Source, selected_units
+from rolemrc.intervene.select import Source, scores_of, selected_units
 from rolemrc.intervene.spec import RestraintError
 from rolemrc.probe.options import Direction
+from rolemrc.probe.selectors import SELECTORS
 
 STABILITY_BUDGETS = tuple(Budget("per_layer", k) for k in CURVE[:3])   # the recovery curve's, below 1,024
 
@@ -28,14 +29,12 @@ def selection_stability(source: Source, dimension: str, method: str, budgets: Se
     from rolemrc.probe.diff import load_diff
     from rolemrc.probe.resample import selection_overlap
 
-    SELECTORS.check([method])
-    entry = SELECTORS.get(method)
     if isinstance(source, str | os.PathLike):
-        source = load_attribution(source) if entry.reads == "attribution" else load_diff(source)
-    samples = [entry.scores(source, dimension)]
+        source = load_attribution(source) if SELECTORS.get(method).reads == "attribution" else load_diff(source)
+    samples = [scores_of(method, source, dimension)]
     for replicate in source.resamples:
         try:
-            samples.append(entry.scores(replicate, dimension))
+            samples.append(scores_of(method, replicate, dimension))
         except RestraintError:   # the replicate drew no case of the dimension
             continue
     if len(samples) == 1:

@@ -37,7 +37,6 @@ from rolemrc.organism.calibration_config import (
     PROBE_CASES,
     QUICK_GRID,
     QUICK_PROBE_CASES,
-    SELECTOR_INPUTS,
     CalibrationConfig,
     Organism,
     fitting,
@@ -56,6 +55,7 @@ from rolemrc.organism.recommend import recommend
 from rolemrc.organism.scoring import cell_rows, flag_restorations, half_summary, kl_rows, null_rates
 from rolemrc.organism.seeds import combine_seeds
 from rolemrc.probe.options import DEFAULT_RESAMPLES
+from rolemrc.probe.selectors import SELECTORS
 
 BUDGET_KINDS = tuple(k for k in BUDGET_OPTIONS if k != "fdr")
 log = logging.getLogger(__name__)
@@ -196,12 +196,12 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
             log.warning("%s: every budget of the grid is at or above %s's %d units per layer at %s, so no cell runs; "
                         "give --per-layer values below %d", organism.kind, organism.sft, width, config.hook, width)
         stability += [{"organism": organism.kind, **row} for selector in config.selectors for d in dimensions
-                      for row in selection_stability(inputs[SELECTOR_INPUTS[selector]], d, selector,
+                      for row in selection_stability(inputs[SELECTORS.get(selector).calibrated_on], d, selector,
                                                      fitting(config.budgets(), width))]
         ran = []   # (selector, summary, sweep folder) of the organism's sweeps
         declared[organism.kind] = len(dimensions) * sum(len(b) * len(f) for b, f in grids.values()) * len(config.selectors)
         for selector in config.selectors:
-            source = inputs[SELECTOR_INPUTS[selector]]
+            source = inputs[SELECTORS.get(selector).calibrated_on]
             for suffix, (budgets, factors) in grids.items():
                 key, sweep_dir = f"{organism.kind}/{selector}{suffix}", folder / f"sweep-{selector}{suffix}"
                 started = time.perf_counter()
@@ -280,7 +280,7 @@ def hook_size(model: Path, hook: str) -> tuple[int, int]:
     """(layers, units per layer) of `model`'s hook point, from its config alone."""
     from transformers import AutoConfig
 
-    from rolemrc.probe.hooks import WIDTHS, hook_point
+    from rolemrc.core.hooks import WIDTHS, hook_point
 
     config = AutoConfig.from_pretrained(model)
     return int(config.num_hidden_layers), WIDTHS[hook_point(hook).width](config)

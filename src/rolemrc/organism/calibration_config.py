@@ -8,9 +8,9 @@ from typing import Any
 
 from rolemrc.intervene.budget import CURVE, Budget, budget_grid
 from rolemrc.intervene.spec import PAPER_FACTOR
+from rolemrc.probe.selectors import SELECTORS
 from rolemrc.sweep.plan import CONTROLS, MEASURES, Measure
 
-SELECTOR_INPUTS = {"frequency": "last", "frequency-all": "all", "standardized": "all", "attribution": "attribution"}
 ALPHA = 0.05   # the significance level of every test and flag
 # the default budgets: intervene.budget.CURVE per layer, those below a model's width. Yang et al. (arXiv 2411.06424)
 # find ablating the "toxic" neurons explains 2.5-24% of DPO's effect, the curve's reference.
@@ -49,7 +49,7 @@ class CalibrationConfig:
     share, default per_layer CURVE."""
 
     out: str
-    selectors: list[str] = field(default_factory=lambda: list(SELECTOR_INPUTS))
+    selectors: list[str] = field(default_factory=lambda: list(SELECTORS.names()))   # probe.selectors' table
     top_k: list[int] | None = None
     per_layer: list[int] | None = None
     share: list[float] | None = None
@@ -70,12 +70,10 @@ class CalibrationConfig:
 
     def __post_init__(self) -> None:
         from rolemrc.core.errors import InputError
-        from rolemrc.probe.hooks import check_point
+        from rolemrc.core.hooks import check_point
 
         check_point(self.hook)
-        unknown = sorted(set(self.selectors) - set(SELECTOR_INPUTS))
-        if unknown:
-            raise InputError(f"unknown selector(s) {unknown}; calibration knows {', '.join(SELECTOR_INPUTS)}")
+        SELECTORS.check(self.selectors)
         if self.measure not in MEASURES:
             raise InputError(f"--measure: one of {', '.join(MEASURES)}, not {self.measure!r}")
         self.budgets()

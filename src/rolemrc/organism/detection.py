@@ -1,7 +1,7 @@
 """Where a change lives: how well each selector's ranking finds the units organism's known units S (known.py).
 
-Every selector of `calibration_config.SELECTOR_INPUTS` gives each unit of the hook point a score
-(`intervene.select.SELECTORS`), ranked as `select` ranks them: |score| descending, then q ascending (`probe.ranking.
+Every selector of `probe.selectors.SELECTORS` gives each unit of the hook point a score
+(`intervene.select.scores_of`), ranked as `select` ranks them: |score| descending, then q ascending (`probe.ranking.
 rank_units`); units equal in both are tied. Against S:
 - AUROC over all units: the chance that a unit of S ranks above one outside it, ties counting half (Mann-Whitney
   with average ranks); 0.5 is chance, 1 every unit of S first, 0 every unit of S last.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rolemrc.core.stats import t_interval
-from rolemrc.organism.calibration_config import SELECTOR_INPUTS, Organism
+from rolemrc.organism.calibration_config import Organism
 from rolemrc.organism.config import OrganismError
 from rolemrc.organism.known import Units
 
@@ -86,14 +86,15 @@ def unit_detection(score: torch.Tensor, q: torch.Tensor | None, labels: torch.Te
 
 def detect(inputs: dict[str, str], dimension: str, known: Units,
            selectors: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    """selector -> its detection of S in `dimension`; `inputs`: selector input kind (SELECTOR_INPUTS' values) ->
-    path, as `calibration.probe_stages` gives them. Every selector of SELECTOR_INPUTS unless `selectors` names some."""
-    from rolemrc.intervene.select import SELECTORS
-    from rolemrc.probe.hooks import hook_point
+    """selector -> its detection of S in `dimension`; `inputs`: calibration input kind (`Selector.calibrated_on`) ->
+    path, as `calibration.probe_stages` gives them. Every selector of `probe.selectors` unless `selectors` names some."""
+    from rolemrc.core.hooks import hook_point
+    from rolemrc.intervene.select import scores_of
+    from rolemrc.probe.selectors import SELECTORS
 
     out = {}
-    for name in selectors or list(SELECTOR_INPUTS):
-        scores = SELECTORS.get(name).scores(Path(inputs[SELECTOR_INPUTS[name]]), dimension)
+    for name in selectors or list(SELECTORS.names()):
+        scores = scores_of(name, Path(inputs[SELECTORS.get(name).calibrated_on]), dimension)
         if hook_point(scores.hook).width != "intermediate":
             raise OrganismError(f"{scores.origin}: scores at {scores.hook}, whose units are not the MLP's; the known "
                                 "units are (probe at mlp.act or mlp.post)")

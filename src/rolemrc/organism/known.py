@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
+from rolemrc.core.hooks import WIDTHS, module_at
 from rolemrc.organism.config import OrganismError
-from rolemrc.probe.hooks import WIDTHS, module_at
 
 if TYPE_CHECKING:
     from torch import nn

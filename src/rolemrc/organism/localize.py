@@ -43,7 +43,7 @@ def seed_detection(root: Path, seed: int, config: CalibrationConfig, *, base: st
 def check_settings(config: CalibrationConfig, seeds: list[int], settings: dict[str, Any]) -> None:
     """Refuse, before anything trains, what `known_detection` cannot run: a hook point whose units are not the MLP's
     (S is a set of MLP units), no seed or a repeated one, an organism setting OrganismConfig refuses."""
-    from rolemrc.probe.hooks import hook_point
+    from rolemrc.core.hooks import hook_point
 
     if hook_point(config.hook).width != "intermediate":
         raise OrganismError(f"--hook {config.hook}: its units are not the MLP's, and the known units are; give "

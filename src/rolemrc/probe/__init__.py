@@ -13,8 +13,8 @@
 The hook table imports no torch; the rest is imported on first use (`core.lazy`).
 """
 
+from rolemrc.core.hooks import HOOK_POINTS, site
 from rolemrc.core.lazy import lazy_package
-from rolemrc.probe.hooks import HOOK_POINTS, site
 
 lazy_package(__name__, {
     "rolemrc.probe.attribution": ["AttributeConfig", "Attribution", "attribute", "attribute_to_file", "load_attribution"],

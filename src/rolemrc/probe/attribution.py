@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from rolemrc.core.artifacts import JSONL_INPUT, check_format, expect, stamp
 from rolemrc.core.chat import tokenize_replies
+from rolemrc.core.hooks import WIDTHS, Site, check_point, hook_point, num_layers, site, width
 from rolemrc.core.io import file_fingerprint, iter_jsonl
 from rolemrc.core.modeling import check_model_dir
 from rolemrc.core.placement import DeviceMap, Dtype, check_dtype, check_placement
@@ -57,7 +58,6 @@ from rolemrc.probe.collect import check_same_shape, check_same_tokenizer, load_p
 from rolemrc.probe.counts import CASE_HASHES, read_tensors, write_tensors
 from rolemrc.probe.distributed import all_reduce_min, all_reduce_sum, process_group, shard_from_env
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.hooks import WIDTHS, Site, check_point, hook_point, num_layers, site, width
 from rolemrc.probe.memory import auto_batch_size
 from rolemrc.probe.options import DEFAULT_RESAMPLES
 from rolemrc.probe.paired import NAME_KEYS

@@ -15,8 +15,8 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
+from rolemrc.core.hooks import hook_point, module_at, num_layers, site
 from rolemrc.probe.errors import ProbeError, check_choice
-from rolemrc.probe.hooks import hook_point, module_at, num_layers, site
 from rolemrc.probe.options import Backend
 
 BACKENDS: tuple[str, ...] = get_args(Backend)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import typer
 from typer._click.core import ParameterSource
 
-from rolemrc.core.cli import LIMIT, Command, choice, cli_app
+from rolemrc.core.cli import LIMIT, choice, cli_app, live_choices
+from rolemrc.core.hooks import HOOK_POINTS
 from rolemrc.core.placement import DEVICE_HELP, MODEL_HELP, DeviceMap, Dtype, device_map_option, device_option, dtype_option
-from rolemrc.probe.hooks import HOOK_POINTS
 from rolemrc.probe.options import DEFAULT_RESAMPLES, Backend, Rank, Rounding, Tokens
 from rolemrc.probe.presets import PRESETS
 
@@ -32,15 +31,7 @@ MAX_LENGTH = typer.Option(None, min=1, help="keep at most this many tokens per s
                           "the reply); a reply that alone exceeds it keeps its first ones (default: the context window)")
 
 
-class HookTableCommand(Command):
-    """A command whose `--hook` choices are the rows of HOOK_POINTS as they are when the CLI is built: a row added
-    after this module was imported counts."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        for param in self.params:
-            if param.name == "hook":
-                param.type_descriptor = replace(param.type_descriptor, annotation=choice(HOOK_POINTS))
+HookTableCommand = live_choices(hook=HOOK_POINTS)   # --hook: the rows of HOOK_POINTS when the CLI is built
 
 
 @app.command("collect", cls=HookTableCommand)
@@ -145,7 +136,7 @@ def _attribution_report(result: Any, top: int = 5) -> dict[str, Any]:
     from rolemrc.probe.ranking import rank_units
 
     def units(score: torch.Tensor) -> list[dict[str, Any]]:
-        flat = rank_units(score, torch.full_like(score, float("nan")))[:top].tolist()
+        flat = rank_units(score, None)[:top].tolist()
         return [{"layer": i // score.shape[1], "unit": i % score.shape[1], "score": score.reshape(-1)[i].item()}
                 for i in flat]
 

@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rolemrc.core.extras import require
+from rolemrc.core.hooks import check_point, num_layers, width
 from rolemrc.core.io import file_fingerprint, read_input_jsonl
 from rolemrc.core.modeling import (
     context_window,
@@ -33,7 +34,6 @@ from rolemrc.probe.cases import Cases, batch_indices, batches, build_cases, prom
 from rolemrc.probe.counts import ProbeCounts, TopKCounter, check_top_fraction, top_k_size
 from rolemrc.probe.distributed import all_gather, all_reduce_sum, process_group, rank_gpus, shard_from_env
 from rolemrc.probe.errors import ProbeError, check_choice
-from rolemrc.probe.hooks import check_point, num_layers, width
 from rolemrc.probe.options import DEFAULT_RESAMPLES, Backend, Rank, Rounding, Tokens
 from rolemrc.probe.paired import PairedCounter, PairedCounts
 from rolemrc.probe.presets import PRESETS

@@ -14,12 +14,13 @@ import torch
 
 from rolemrc.core.artifacts import check_format, describe, expect, stamp
 from rolemrc.core.stats import TEST_LABELS, benjamini_hochberg, mcnemar, paired_t_test, two_proportion_test, welch_t_test
+from rolemrc.probe import selectors
 from rolemrc.probe.counts import COMPARABLE_KEYS, ProbeCounts, read_tensors
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.options import TOKEN_METHODS
 from rolemrc.probe.paired import PairedCounts, load_probe
 from rolemrc.probe.ranking import first_per_group, moved, rank_units
 from rolemrc.probe.resample import RESAMPLED, replicate_tensors, resample_count, selection_overlap, stack_replicates
+from rolemrc.probe.selectors import View
 from rolemrc.probe.topcases import TOP_FILE, TopCases, load_sides, save_sides
 
 DIFF_FILE = "diff.safetensors"
@@ -201,17 +202,16 @@ class DiffResult:
         return [d for d in self.dimensions if all(d in rep.delta for rep in self.resamples)]
 
     def stability(self, per_layer: Sequence[int] = STABILITY_PER_LAYER) -> list[dict]:
-        """Per dimension, ranking (the frequency selector of the diff's token policy: |delta|, then q; standardized:
-        |effect|, then its q) and units per layer: how alike the units ranked highest in the full sample and in each
+        """Per dimension, selector (each of `probe.selectors` that reads a diff of this one's token policy) and units per
+        layer: how alike the units ranked highest in the full sample and in each
         replicate are (`resample.selection_overlap`); [] without replicates. The units are those `intervene select
         --per-layer K --direction both` takes."""
-        rankings = {TOKEN_METHODS[self.meta["tokens"]]: ("delta", "qvalue"), "standardized": ("effect", "effect_q")}
+        methods = [s for s in selectors.table() if s.reads_diff_of(self.meta["tokens"])]
         rows = []
         for d in self.resampled_dimensions if self.resamples else []:
-            for method, (score, q) in rankings.items():
-                full, *reps = (top_per_layer(getattr(x, score)[d], getattr(x, q)[d], per_layer)
-                               for x in (self, *self.resamples))
-                rows += [{"dimension": d, "method": method, "budget": f"{k}/layer",
+            for method in methods:
+                full, *reps = (top_per_layer(method.view(x, d), per_layer) for x in (self, *self.resamples))
+                rows += [{"dimension": d, "method": method.name, "budget": f"{k}/layer",
                           **selection_overlap(full[b], torch.stack([r[b] for r in reps]))} for b, k in enumerate(per_layer)]
         return rows
 
@@ -347,10 +347,11 @@ def standardized_effect(mean_a: torch.Tensor, var_a: torch.Tensor, mean_b: torch
     return torch.where(pooled > 0, (mean_b - mean_a) / pooled.clamp_min(1e-300), torch.zeros_like(pooled))
 
 
-def top_per_layer(score: torch.Tensor, q: torch.Tensor, per_layer: Sequence[int]) -> list[torch.Tensor]:
+def top_per_layer(view: View, per_layer: Sequence[int]) -> list[torch.Tensor]:
     """Per k of `per_layer`, bool [layers * width]: the k units of each layer that `intervene select --per-layer k`
-    takes (score != 0, `ranking.rank_units` order)."""
-    order = rank_units(score, q)
+    takes from a selector's view (score != 0, `ranking.rank_units` order)."""
+    score = view.score
+    order = rank_units(score, view.q)
     order = order[moved(score, "both").reshape(-1)[order]]
     layer = torch.arange(score.numel()) // score.shape[1]
     masks = torch.zeros(len(per_layer), score.numel(), dtype=torch.bool)

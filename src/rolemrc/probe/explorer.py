@@ -1,13 +1,14 @@
 """`rolemrc probe explore --diff DIFF_DIR [--attribution FILE] --out explorer.html`: one self-contained interactive
 Plotly page.
 
-Pick a dimension and a selector (`intervene select --method`: frequency, standardized, and attribution given an
-attribution file); see the layer-by-layer shift in the selector's score; click a layer to see its units (A vs B, the
-score, FDR-significant units highlighted); click a unit to see the prompts that activate it most under A and under B
-(from the probes' top cases, `probe collect --top-cases`); preview which units `intervene select --method X` picks
-for given layers, direction and top-k or q < fdr. Per selector the page embeds units in `ranking.rank_units` order of
-its scores and only filters them, so the preview is `select`'s choice: exactly for top-k <= max_units, and for q < fdr
-where at most max_units per layer and sign qualify (else the page says how many qualify).
+Pick a dimension and a selector (`intervene select --method`: each of `probe.selectors` that reads the diff, and
+those reading an attribution given an attribution file); see the layer-by-layer shift in the selector's score; click
+a layer to see its units (A vs B, the score, FDR-significant units highlighted); click a unit to see the prompts that
+activate it most under A and under B (from the probes' top cases, `probe collect --top-cases`); preview which units
+`intervene select --method X` picks for given layers, direction and top-k or q < fdr. Per selector the page embeds
+units in `ranking.rank_units` order of its scores and only filters them, so the preview is `select`'s choice: exactly
+for top-k <= max_units, and for q < fdr where at most max_units per layer and sign qualify (else the page says how
+many qualify).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 from rolemrc.probe.attribution import Attribution, load_attribution
 from rolemrc.probe.diff import DiffResult, load_diff
 from rolemrc.probe.errors import ProbeError
-from rolemrc.probe.options import TOKEN_METHODS
 from rolemrc.probe.ranking import first_per_group, moved, rank_units
+from rolemrc.probe.selectors import readers, table
 from rolemrc.probe.topcases import TopCases
 
 TEMPLATE = Path(__file__).with_name("templates") / "explorer.html"
@@ -52,24 +53,29 @@ class Ranked:
     b: torch.Tensor
 
 
-# per selector: what its score is (the axis label), what its scatter plots, and why it has no q where it has none
-SCORES = {"frequency": "Δ frequency (freq B − freq A)", "standardized": "effect size (mean change / pooled SD)",
-          "attribution": "attribution (mean score per pair)"}
-SCATTER = {"frequency": "frequency", "standardized": "mean activation", "attribution": "mean activation"}
-NO_ATTRIBUTION = "attribution needs an attribution file: `rolemrc probe attribute`, then `probe explore --attribution FILE`"
+def no_attribution() -> str:
+    """What the page says where no attribution file was given."""
+    names = readers("attribution")
+    return (f"{' and '.join(names)} need{'s' if len(names) == 1 else ''} an attribution file: `rolemrc probe attribute`, "
+            "then `probe explore --attribution FILE`") if names else ""
 
 
 def selectors(result: DiffResult, attribution: Attribution | None, dimension: str) -> dict[str, Ranked]:
-    """Each selector's scores of a dimension, as `intervene select --method NAME` reads them (frequency under its
-    token policy's name; attribution where the attribution file scores the dimension)."""
+    """Each selector's scores of a dimension, as `intervene select --method NAME` reads them (`probe.selectors`): those
+    reading a diff of this one's token policy, and those reading an attribution where the attribution file scores
+    the dimension; plotted against the diff's A and B frequencies or mean activations, as the selector says."""
     d = dimension
     nan = torch.full_like(result.delta[d], torch.nan, dtype=torch.float64)
-    out = {TOKEN_METHODS[result.meta["tokens"]]: Ranked(result.delta[d], result.qvalue[d] if result.tested else nan,
-                                                        result.tested, result.freq_a[d], result.freq_b[d]),
-           "standardized": Ranked(result.effect[d], result.effect_q[d] if result.effect_tested else nan,
-                                  result.effect_tested, result.mean_a[d], result.mean_b[d])}
-    if attribution is not None and d in attribution.scores:
-        out["attribution"] = Ranked(attribution.scores[d], nan, False, result.mean_a[d], result.mean_b[d])
+    out = {}
+    for entry in table():
+        if entry.reads_diff_of(result.meta["tokens"]):
+            view = entry.view(result, d)
+        elif entry.reads == "attribution" and attribution is not None and d in attribution.scores:
+            view = entry.view(attribution, d)
+        else:
+            continue
+        a, b = (result.freq_a, result.freq_b) if entry.plots == "frequency" else (result.mean_a, result.mean_b)
+        out[entry.name] = Ranked(view.score, nan if view.q is None else view.q, view.q is not None, a[d], b[d])
     return out
 
 
@@ -131,7 +137,9 @@ def explorer_data(result: DiffResult, max_units: int = 512, fdr: float = 0.05,
     units = torch.unique(torch.cat(shown)) if shown else torch.zeros(0, dtype=torch.long)
     return {"hook": result.hook, "a": result.meta.get("a", ""), "b": result.meta.get("b", ""), "fdr": fdr,
             "layers": int(result.meta["layers"]), "width": width, "max_units": max_units, "not_compared": result.empty,
-            "scores": SCORES, "scatter": SCATTER, "no_attribution": "" if attribution is not None else NO_ATTRIBUTION,
+            "scores": {x.name: x.label for x in table()}, "scatter": {x.name: x.plots for x in table()},
+            "no_attribution": "" if attribution is not None else no_attribution(),
+            "attribution_selectors": readers("attribution"),
             "prompts": top_prompts(result.top_cases, units), "dimensions": dims}
 
 

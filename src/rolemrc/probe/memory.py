@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rolemrc.probe.hooks import num_layers, width
+from rolemrc.core.hooks import num_layers, width
 
 log = logging.getLogger(__name__)
 

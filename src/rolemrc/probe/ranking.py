@@ -8,14 +8,16 @@ import torch
 from rolemrc.probe.options import Direction
 
 
-def rank_units(delta: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def rank_units(delta: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
     """Flat indices (layer * width + unit) of every unit of a [layers, width] diff, most changed first: |delta|
-    descending, then q ascending (NaN q, as without a test, ranks after every q), then layer, then unit.
+    descending, then q ascending (a NaN q ranks after every q; None: no test), then layer, then unit.
 
     Stable sorts from the last key to the first: the flat index already orders layer, then unit."""
     abs_delta = delta.detach().reshape(-1).double().abs().cpu()
-    q_key = q.detach().reshape(-1).double().cpu().nan_to_num(torch.inf)
-    order = torch.sort(q_key, stable=True).indices
+    if q is None:
+        order = torch.arange(abs_delta.numel())
+    else:
+        order = torch.sort(q.detach().reshape(-1).double().cpu().nan_to_num(torch.inf), stable=True).indices
     return order[torch.sort(abs_delta[order], descending=True, stable=True).indices]
 
 

@@ -8,23 +8,24 @@ from pathlib import Path
 
 import typer
 
-from rolemrc.core.cli import LIMIT, cli_app
+from rolemrc.core.cli import LIMIT, choice, cli_app, live_choices
 from rolemrc.core.extras import needs
 from rolemrc.core.placement import MODEL_HELP, Dtype, device_option, dtype_option
 from rolemrc.eval.cli import SCORE, JudgeName
 from rolemrc.eval.generate import Continuation
 from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
-from rolemrc.intervene.select import SelectorName
 from rolemrc.probe.options import Direction
+from rolemrc.probe.selectors import SELECTORS
 from rolemrc.serve.engines import EngineName
 from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES, Measure
 
 GRID_HELP = f"{GRID_ONE}; default: --share {','.join(map(str, SHARES))}"
 
+Method = choice(SELECTORS)   # --method: the selectors registered when the CLI is built (`live_choices`)
 app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls.")
 
 
-@app.command("run")
+@app.command("run", cls=live_choices(method=SELECTORS))
 @needs("eval")
 def run_cmd(
     model: Path = typer.Option(..., "--model", help=f"the model the diff's B side is: {MODEL_HELP}"),
@@ -34,7 +35,7 @@ def run_cmd(
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
     dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
     factors: str = typer.Option(",".join(f"{f:.10g}" for f in FACTORS), help="comma-separated scales"),
-    method: SelectorName = typer.Option(..., "--method", help="unit selector, named (see `rolemrc intervene select "
+    method: Method = typer.Option(..., "--method", help="unit selector, named (see `rolemrc intervene select "
                                         "--help`; what each did on the calibration: docs/calibration.md)"),
     top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
     per_layer: str = typer.Option(None, help=f"comma-separated units from each selected layer ({GRID_HELP})"),
@@ -82,7 +83,7 @@ def run_cmd(
     from rolemrc.sweep.run import run_sweep
 
     config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
-                         factors=numbers(factors, "--factors"), method=method.value,
+                         factors=numbers(factors, "--factors"), method=method,
                          **{key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                             (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None},
                          direction=direction, layers=layers, controls=controls,

@@ -16,9 +16,9 @@ from rolemrc.core.extras import require
 from rolemrc.core.openai_client import ROLEMRC_KEY_ENV
 from rolemrc.core.placement import Dtype, check_dtype
 from rolemrc.intervene.budget import Budget, budget_grid
-from rolemrc.intervene.select import SELECTORS
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError
 from rolemrc.probe.options import Direction
+from rolemrc.probe.selectors import SELECTORS
 from rolemrc.sweep.sources import IN_PROCESS, check_engine
 
 BASELINE = "baseline"
@@ -43,7 +43,7 @@ class SweepConfig:
     data: str
     out: str
     dimensions: list[str]
-    method: str                    # the unit selector (intervene.select.SELECTORS), named; `diff` is its input
+    method: str                    # the unit selector (probe.selectors.SELECTORS), named; `diff` is its input
     cells_dir: str | None = None   # where generated cells are kept (default OUT/cells); sweeps may share one
     factors: list[float] = field(default_factory=lambda: list(FACTORS))
     # the budgets, at most one of (intervene.budget): global counts, units from each layer, shares of all units

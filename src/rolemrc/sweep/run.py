@@ -51,11 +51,11 @@ class CellStore:
 def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[Cell], CellStore]:
     """Generate (`--measure kl`: measure) every cell not yet in the store (model loaded once; cells share batches, or
     a server's); returns the plan."""
+    from rolemrc.core.hooks import width
     from rolemrc.core.modeling import dir_fingerprint, load_model, resolve_model
     from rolemrc.core.records import first_cases, read_records
     from rolemrc.intervene.fit import check_origin
     from rolemrc.intervene.select import input_hook
-    from rolemrc.probe.hooks import width
     from rolemrc.sweep.controls import controls_record
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 

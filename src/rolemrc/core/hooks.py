@@ -1,4 +1,5 @@
-"""Hook points (docs/ARCHITECTURE.md "Hook points"): one table row each, resolved on Llama/Qwen2/Mistral and GPT-2 layouts.
+"""Hook points, the model anatomy probe and intervene both stand on (docs/ARCHITECTURE.md "Hook points"): one table row
+each, resolved on Llama/Qwen2/Mistral and GPT-2 layouts.
 
 A hook point `layers.{i}.<point>` names a tensor of shape [batch, seq, width]. Everything that knows
 about a hook point reads its `HookPoint` row in `HOOK_POINTS`: `site()` (where the tensor lives),
@@ -13,14 +14,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rolemrc.probe.errors import ProbeError, check_choice
+from rolemrc.core.errors import RolemrcError
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
 
-class UnsupportedModelError(ProbeError):
+class HookError(RolemrcError, ValueError):
+    """An unknown hook point, or a layer the model does not have."""
+
+
+class UnsupportedModelError(HookError):
     """The model's module layout is not one the hook points know."""
 
 
@@ -123,8 +128,9 @@ def num_layers(model: nn.Module) -> int:
 
 
 def hook_point(point: str) -> HookPoint:
-    """The table row of `point`, or a ProbeError listing the known ones."""
-    check_choice("hook point", point, HOOK_POINTS)
+    """The table row of `point`, or a HookError listing the known ones."""
+    if point not in HOOK_POINTS:
+        raise HookError(f"unknown hook point {point!r}; choose one of {', '.join(HOOK_POINTS)}")
     return HOOK_POINTS[point]
 
 
@@ -137,7 +143,7 @@ def module_at(model: nn.Module, role: str, layer: int) -> tuple[str, nn.Module]:
     layout = layout_of(model)
     n = len(_get(model, layout.blocks))
     if not 0 <= layer < n:
-        raise ProbeError(f"layer {layer} out of range: the model has {n} layers (0-{n - 1})")
+        raise HookError(f"layer {layer} out of range: the model has {n} layers (0-{n - 1})")
     if role not in layout.modules:
         raise UnsupportedModelError(f"the {layout.name} layout has no {role!r} module")
     name = ".".join(filter(None, (layout.blocks, str(layer), layout.modules[role])))
