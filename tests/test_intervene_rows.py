@@ -37,33 +37,37 @@ def test_controls_refuse_a_layer_with_too_few_units_left():
 
 @pytest.mark.parametrize("hook", ["mlp.act", "attn.out"])
 def test_per_row_restraints_equal_each_restraint_alone(model_dirs, hook):
-    """One batch whose rows (the engine's slots) carry different restraints (or none) gives each row the logits it
-    gets alone; releasing the slots removes the hooks."""
+    """One batch whose rows (the engine's slots) carry different restraints of every hooked kind (or none) gives each
+    row the logits it gets alone; releasing the slots removes the hooks."""
     model, tok = load_model(model_dirs["llama"], device="cpu")
+    n = model.config.intermediate_size if hook == "mlp.act" else model.config.hidden_size
     a = Restraint(name="a", hook=hook, factor=0.0, units={0: [1, 5, 7], 1: [2, 3]})
     b = Restraint(name="b", hook=hook, factor=0.5, units={1: [2, 9]})
-    rows = [a, None, b, a]
+    p = Restraint(name="p", hook=hook, kind="patch", units={1: [9, 4]}, values={1: [0.75, -2.0]})
+    d = Restraint(name="d", hook=hook, kind="direction",
+                  directions={0: torch.randn(n, generator=torch.Generator().manual_seed(0)).tolist()})
+    rows = [a, None, b, a, p, d]
     ids = tok([render_chat(tok, PROMPT)] * len(rows), return_tensors="pt", add_special_tokens=False)["input_ids"]
-    scales = SlotScales(model, slots=6)
+    scales = SlotScales(model, slots=8)
     for slot, r in enumerate(rows):
         scales.assign(slot, r)
     scales.rows = slice(0, len(rows))
     with torch.no_grad():
         together = model(ids).logits
-    assert scales.sites == tuple(sorted({(hook, 0), (hook, 1)}))
+    assert scales.sites == ((hook, 0, ("scale", "direction")), (hook, 1, ("scale", "shift")))
     for slot in range(len(rows)):
         scales.release(slot)
     assert scales.sites == () and not scales.users
     with torch.no_grad():
         plain = model(ids[:1]).logits[0]
         alone = {}
-        for r in (a, b):
+        for r in (a, b, p, d):
             with applied(model, r):
                 alone[r.name] = model(ids[:1]).logits[0]
         after = model(ids[:1]).logits[0]
     for i, r in enumerate(rows):
         torch.testing.assert_close(together[i], plain if r is None else alone[r.name], rtol=0, atol=1e-5)
-    assert not torch.allclose(alone["a"], plain) and not torch.allclose(alone["b"], plain)
+    assert not any(torch.allclose(alone[r.name], plain) for r in (a, b, p, d))
     torch.testing.assert_close(after, plain, rtol=0, atol=0)   # the hooks are gone
 
 

@@ -12,6 +12,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -22,6 +23,14 @@ from rolemrc.core.hooks import HOOK_POINTS
 from rolemrc.core.io import read_yaml
 
 PAPER_FACTOR = 1 - 1e-6   # the RoleMRC paper's restraint: scale the selected units by 1 - 1e-6
+# What a restraint does (`Restraint.kind`): scale units (the paper's), patch them to a constant each, project one
+# direction per layer out of the hook point's tensor, or revert weights from the model toward a reference checkpoint.
+KINDS = ("scale", "patch", "direction", "revert")
+HOOKED = ("scale", "patch", "direction")   # the kinds applied as runtime hooks (revert is baked)
+REVERT_SCOPES = ("model", "layers", "units")   # revert: every weight, the blocks of `layers`, or the units' rows/columns
+# A spec names its kind under `restraint` (`kind` is the file's: a restraint spec); absent, it is a scale.
+KIND_FIELDS = MappingProxyType({"scale": ("factor", "units"), "patch": ("units", "values"), "direction": ("directions",),
+               "revert": ("alpha", "scope", "reference")})   # what each kind's spec holds (and its digest covers)
 
 
 class RestraintError(RolemrcError, ValueError):
@@ -50,16 +59,31 @@ def parse_layers(text: str | None, n_layers: int | None = None) -> list[int] | N
 
 @dataclass
 class Restraint:
-    """Units at one hook point, per layer, scaled by `factor` (the paper's 1 - 1e-6 by default)."""
+    """What to restrain at one hook point, by `kind` (KINDS):
+    - scale: `units` per layer times `factor` (the paper's 1 - 1e-6 by default);
+    - patch: `units` per layer set to a constant each, `values` per layer (aligned with the sorted units), such as their
+      mean activation under the SFT model (`reference`: the model the values are of);
+    - direction: per layer of `directions`, a unit vector of the hook point's width projected out of its tensor;
+    - revert: weights moved from the model toward `reference` (the checkpoint it was trained from: name, fingerprint)
+      by `alpha` in [0, 1], over `scope`: the whole model, the blocks of `layers`, or the MLP units' rows and columns
+      (`units`, at an MLP hook point). Baked, not hooked.
+    """
 
     name: str
     hook: str
-    units: dict[int, list[int]]
+    units: dict[int, list[int]] = field(default_factory=dict)
     factor: float = PAPER_FACTOR
     source: dict[str, Any] = field(default_factory=dict)
     # the model the units were selected on (its diff's or attribution's B model): name, fingerprint, fingerprint_of
     # ("directory": its files, "weights": its tensors; "" unknown), layers, width; {} for a spec made by hand
     model: dict[str, Any] = field(default_factory=dict)
+    kind: str = "scale"
+    values: dict[int, list[float]] = field(default_factory=dict)
+    directions: dict[int, list[float]] = field(default_factory=dict)
+    alpha: float | None = None
+    scope: str = ""
+    layers: list[int] = field(default_factory=list)
+    reference: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -76,37 +100,87 @@ class Restraint:
             raise RestraintError(f"factor must be a number, got {self.factor!r}") from None
         if not math.isfinite(self.factor):
             raise RestraintError(f"factor must be finite, got {self.factor}")
-        if not isinstance(self.units, dict) or not self.units:
-            raise RestraintError("'units' must be a non-empty mapping {layer: [unit, ...]}")
-        units: dict[int, list[int]] = {}
-        for layer, ids in self.units.items():
-            try:
-                layer_i = int(layer)
-            except (TypeError, ValueError):
-                raise RestraintError(f"layer key {layer!r} is not an integer") from None
-            if not isinstance(ids, (list, tuple)) or not ids:
-                raise RestraintError(f"layer {layer_i}: units must be a non-empty list")
-            bad = [u for u in ids if isinstance(u, bool) or not isinstance(u, int)]
-            if bad:
-                raise RestraintError(f"layer {layer_i}: units must be integers, got {bad[0]!r}")
-            if len(set(ids)) != len(ids):
-                dupes = sorted(u for u, n in Counter(ids).items() if n > 1)
-                raise RestraintError(f"layer {layer_i}: duplicate units {dupes[:10]}{' ...' if len(dupes) > 10 else ''}")
-            if layer_i < 0 or min(ids) < 0:
-                raise RestraintError(f"layer {layer_i}: negative layer or unit index")
-            units[layer_i] = sorted(ids)
-        self.units = dict(sorted(units.items()))
+        if self.kind not in KINDS:
+            raise RestraintError(f"unknown restraint kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        needs_units = self.kind in ("scale", "patch") or (self.kind == "revert" and self.scope == "units")
+        if needs_units or self.units:
+            self.units, order = _units(self.units)
+        if self.kind == "patch":
+            self.values = _values(self.values, self.units, order)
+        elif self.values:
+            raise RestraintError(f"'values' belong to a patch, not a {self.kind} restraint")
+        if self.kind == "direction":
+            if self.units:
+                raise RestraintError("a direction restraint takes 'directions' (a vector per layer), not 'units'")
+            self.directions = _directions(self.directions)
+        elif self.directions:
+            raise RestraintError(f"'directions' belong to a direction restraint, not a {self.kind} one")
+        if self.kind == "revert":
+            self._check_revert()
+        elif self.alpha is not None or self.scope or self.layers:
+            raise RestraintError(f"'alpha', 'scope' and 'layers' belong to a revert, not a {self.kind} restraint")
+
+    def _check_revert(self) -> None:
+        try:
+            self.alpha = float(self.alpha)   # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise RestraintError(f"a revert needs alpha, a number in [0, 1], got {self.alpha!r}") from None
+        if not 0.0 <= self.alpha <= 1.0:
+            raise RestraintError(f"alpha must lie in [0, 1] (0: the model as it is, 1: the reference), got {self.alpha}")
+        if self.scope not in REVERT_SCOPES:
+            raise RestraintError(f"a revert's scope is one of {', '.join(REVERT_SCOPES)}, got {self.scope!r}")
+        if not isinstance(self.reference, dict) or not self.reference.get("name"):
+            raise RestraintError("a revert needs the reference checkpoint it reverts toward: reference: {name: "
+                                 "<the SFT model's directory or hub id>, fingerprint: ...}")
+        if self.scope == "layers":
+            if not self.layers or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.layers):
+                raise RestraintError("a revert of scope layers needs 'layers', a non-empty list of layer indices")
+            self.layers = sorted(set(self.layers))
+        elif self.layers:
+            raise RestraintError(f"'layers' belong to a revert of scope layers, not {self.scope}")
+        if self.scope == "units" and HOOK_POINTS[self.hook].width != "intermediate":
+            raise RestraintError(f"a unit-level revert reverts MLP units' rows and columns: its hook is mlp.act or "
+                                 f"mlp.post, not {self.hook}")
+        if self.scope != "units" and self.units:
+            raise RestraintError(f"'units' belong to a revert of scope units, not {self.scope}")
 
     @property
     def num_units(self) -> int:
         return sum(len(v) for v in self.units.values())
 
     @property
+    def hooked(self) -> bool:
+        """Whether it applies as a runtime hook (every kind but revert, which is baked)."""
+        return self.kind in HOOKED
+
+    @property
+    def sites(self) -> list[int]:
+        """The layers whose hook point tensor the hook rewrites."""
+        return list(self.directions) if self.kind == "direction" else list(self.units)
+
+    @property
     def digest(self) -> str:
-        """A short hash of what the restraint does (hook, units, factor; not its name or source): the one identity
-        that batches, caches and adapters key restraints by."""
-        what = {"hook": self.hook, "factor": self.factor, "units": {str(k): v for k, v in sorted(self.units.items())}}
+        """A short hash of what the restraint does (hook, kind and its fields; not its name, source or the model it was
+        selected on): the one identity that batches, caches and adapters key restraints by. A scale's is what it was
+        before kinds existed."""
+        what: dict[str, Any] = {"hook": self.hook, "factor": self.factor,
+                                "units": {str(k): v for k, v in sorted(self.units.items())}}
+        if self.kind != "scale":
+            what = {"hook": self.hook, "kind": self.kind, **self.kind_fields()}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+    def kind_fields(self) -> dict[str, Any]:
+        """The fields of its kind (KIND_FIELDS), as the spec writes them."""
+        out: dict[str, Any] = {}
+        for name in KIND_FIELDS[self.kind]:
+            value = getattr(self, name)
+            out[name] = {int(k): list(v) for k, v in value.items()} if name in ("units", "values", "directions") else value
+        if self.kind == "revert":
+            out |= {"units": {int(k): list(v) for k, v in self.units.items()}} if self.scope == "units" else {}
+            out |= {"layers": list(self.layers)} if self.scope == "layers" else {}
+        if self.kind == "patch" and self.reference:
+            out["reference"] = self.reference
+        return out
 
     def check_shape(self, layers: int, width: int) -> None:
         """A RestraintError unless the spec fits a model of `layers` layers with `width` units at its hook point: every
@@ -115,25 +189,33 @@ class Restraint:
         if None not in shape and shape != (layers, width):
             raise RestraintError(f"restraint {self.name!r} was selected on {self.model.get('name') or 'a model'} with "
                                  f"{shape[0]} layers of {shape[1]} {self.hook} units; this model has {layers} of {width}")
-        for layer, ids in self.units.items():
+        for layer in [*self.units, *self.directions, *self.layers]:
             if layer >= layers:
                 raise RestraintError(f"restraint {self.name!r}: layer {layer} out of range (model has {layers} layers)")
+        for layer, ids in self.units.items():
             if ids[-1] >= width:
                 raise RestraintError(f"restraint {self.name!r}: unit {ids[-1]} in layer {layer} out of range "
                                      f"({self.hook} has width {width})")
+        for layer, vector in self.directions.items():
+            if len(vector) != width:
+                raise RestraintError(f"restraint {self.name!r}: the direction of layer {layer} has {len(vector)} "
+                                     f"entries, but {self.hook} has width {width}")
 
     def summary(self) -> dict[str, Any]:
         """What a person reads: name, hook, factor, digest, unit counts per layer (the unit ids are in the spec) and,
         for a selected spec, the share of all units at the hook point and units per layer (min, median, max)."""
         spread = (self.source.get("coverage") or {}).get("per_layer")
-        return {"name": self.name, "hook": self.hook, "factor": self.factor, "digest": self.digest,
+        what = {"scale": {"factor": self.factor}, "patch": {}, "direction": {"layers": list(self.directions)},
+                "revert": {"alpha": self.alpha, "scope": self.scope, "reference": self.reference.get("name"),
+                           **({"layers": self.layers} if self.scope == "layers" else {})}}[self.kind]
+        return {"name": self.name, "restraint": self.kind, "hook": self.hook, **what, "digest": self.digest,
                 "units": self.num_units, "per_layer": {int(k): len(v) for k, v in sorted(self.units.items())},
                 **({"share": self.source["coverage"]["share"],
                     "units_per_layer": {k: spread[k] for k in ("min", "median", "max")}} if spread else {})}
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "hook": self.hook, "factor": self.factor,
-               "units": {int(k): list(v) for k, v in self.units.items()}}
+        out = {"name": self.name, "hook": self.hook, **({"restraint": self.kind} if self.kind != "scale" else {}),
+               **self.kind_fields()}
         if self.source:
             out["source"] = self.source
         if self.model:
@@ -158,14 +240,20 @@ class Restraint:
             check_format(None, data, "restraint")
         except InputError as exc:
             raise RestraintError(str(exc)) from None
-        unknown = set(data) - {"name", "hook", "factor", "units", "source", "model", "kind", "format"}
+        kind = data.get("restraint", "scale")
+        if kind not in KINDS:
+            raise RestraintError(f"unknown restraint kind {kind!r}; choose one of {', '.join(KINDS)}")
+        allowed = {"name", "hook", "source", "model", "kind", "format", "restraint", *KIND_FIELDS[kind],
+                   *{"revert": ("units", "layers"), "patch": ("reference",)}.get(kind, ())}
+        unknown = set(data) - allowed
         if unknown:
-            raise RestraintError(f"unknown spec field(s) {sorted(unknown)}")
-        missing = {"name", "hook", "units"} - set(data)
+            raise RestraintError(f"unknown spec field(s) {sorted(unknown)} for a {kind} restraint (its fields: "
+                                 f"{', '.join(KIND_FIELDS[kind])})")
+        missing = {"name", "hook", *(f for f in KIND_FIELDS[kind] if f != "factor")} - set(data)
         if missing:
             raise RestraintError(f"spec is missing {sorted(missing)}")
-        return cls(name=data["name"], hook=data["hook"], units=data["units"],
-                   factor=data.get("factor", PAPER_FACTOR), source=data.get("source") or {}, model=data.get("model") or {})
+        fields = {k: data[k] for k in allowed & set(data) - {"kind", "format", "restraint", "source", "model"}}
+        return cls(**fields, kind=kind, source=data.get("source") or {}, model=data.get("model") or {})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Restraint:
@@ -188,3 +276,74 @@ def as_restraint(value: Restraint | dict[str, Any] | str | os.PathLike) -> Restr
     if isinstance(value, str | os.PathLike):
         return Restraint.load(value)
     raise RestraintError(f"a restraint is a Restraint, a spec mapping or a spec file's path, not a {type(value).__name__}")
+
+
+def _units(raw: Any) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Units per layer, checked and sorted, with each layer's sort order (to carry aligned values along)."""
+    if not isinstance(raw, dict) or not raw:
+        raise RestraintError("'units' must be a non-empty mapping {layer: [unit, ...]}")
+    units: dict[int, list[int]] = {}
+    order: dict[int, list[int]] = {}
+    for layer, ids in raw.items():
+        layer_i = _layer(layer)
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise RestraintError(f"layer {layer_i}: units must be a non-empty list")
+        bad = [u for u in ids if isinstance(u, bool) or not isinstance(u, int)]
+        if bad:
+            raise RestraintError(f"layer {layer_i}: units must be integers, got {bad[0]!r}")
+        if len(set(ids)) != len(ids):
+            dupes = sorted(u for u, n in Counter(ids).items() if n > 1)
+            raise RestraintError(f"layer {layer_i}: duplicate units {dupes[:10]}{' ...' if len(dupes) > 10 else ''}")
+        if layer_i < 0 or min(ids) < 0:
+            raise RestraintError(f"layer {layer_i}: negative layer or unit index")
+        order[layer_i] = sorted(range(len(ids)), key=ids.__getitem__)
+        units[layer_i] = [ids[i] for i in order[layer_i]]
+    return dict(sorted(units.items())), order
+
+
+def _layer(key: Any) -> int:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        raise RestraintError(f"layer key {key!r} is not an integer") from None
+
+
+def _finite(values: Any, what: str) -> list[float]:
+    if not isinstance(values, (list, tuple)) or not values:
+        raise RestraintError(f"{what} must be a non-empty list of numbers")
+    try:
+        out = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise RestraintError(f"{what} must be numbers") from None
+    if not all(math.isfinite(v) for v in out):
+        raise RestraintError(f"{what} must be finite")
+    return out
+
+
+def _values(raw: Any, units: dict[int, list[int]], order: dict[int, list[int]]) -> dict[int, list[float]]:
+    """A patch's constants per layer, one per unit, reordered as its units were sorted."""
+    if not isinstance(raw, dict) or {_layer(k) for k in raw} != set(units):
+        raise RestraintError(f"a patch needs 'values' for exactly the layers of its units ({sorted(units)})")
+    values = {}
+    for key, vals in raw.items():
+        layer = _layer(key)
+        vals = _finite(vals, f"layer {layer}: values")
+        if len(vals) != len(units[layer]):
+            raise RestraintError(f"layer {layer}: {len(vals)} values for {len(units[layer])} units")
+        values[layer] = [vals[i] for i in order[layer]]
+    return dict(sorted(values.items()))
+
+
+def _directions(raw: Any) -> dict[int, list[float]]:
+    """Per layer, the direction scaled to unit length (in float64: what the hook projects out is normalised once)."""
+    if not isinstance(raw, dict) or not raw:
+        raise RestraintError("a direction restraint needs 'directions': {layer: [a vector of the hook point's width]}")
+    out = {}
+    for key, vector in raw.items():
+        layer = _layer(key)
+        vector = _finite(vector, f"layer {layer}: the direction")
+        norm = math.sqrt(math.fsum(v * v for v in vector))
+        if layer < 0 or norm == 0:
+            raise RestraintError(f"layer {layer}: a direction needs a layer >= 0 and a nonzero vector")
+        out[layer] = [v / norm for v in vector]
+    return dict(sorted(out.items()))
