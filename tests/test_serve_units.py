@@ -275,8 +275,8 @@ def test_an_inline_restraint_on_the_vllm_engine_is_validated_once_and_shares_its
 
     monkeypatch.setattr(VllmEngine, "_adapter_call", adapter_call)
     folds = []
-    fold_target = lora.fold_target
-    monkeypatch.setattr(lora, "fold_target", lambda model, hook, layer: folds.append(layer) or fold_target(model, hook, layer))
+    restraint_fold = lora.restraint_fold
+    monkeypatch.setattr(lora, "restraint_fold", lambda model, r, layer: folds.append(layer) or restraint_fold(model, r, layer))
     validated = counting_validations(monkeypatch)
     spec = {"name": "a", "hook": "mlp.act", "factor": 0.0, "units": {0: [1, 2], 1: [3]}}
 

@@ -6,14 +6,15 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from rolemrc.core.hooks import hook_point, module_at
+from rolemrc.core.errors import RolemrcError
+from rolemrc.core.hooks import hook_point, layout_of, module_at, num_layers
 from rolemrc.core.modeling import (
     checkpoint_dtype,
     dir_fingerprint,
@@ -69,6 +70,17 @@ def fold_target(model: nn.Module, hook: str, layer: int) -> Fold:
     return Fold(module_at(model, row.fold.weight, layer)[1], row.fold.side)
 
 
+def restraint_fold(model: nn.Module, r: Restraint, layer: int) -> Fold:
+    """`fold_target` for restraint `r`, refusing what only a scale folds exactly: on a gated MLP, mlp.act is multiplied
+    by the up projection's output before the down projection, which scaling commutes with and a constant or a
+    projection does not."""
+    if r.kind in ("patch", "direction") and r.hook == "mlp.act" and len(mlp_unit_folds(model, layer)) > 2:
+        raise RestraintError(f"a {r.kind} at mlp.act cannot be folded into weights on {type(model).__name__}: its "
+                             "gated MLP multiplies mlp.act by the up projection before the down projection; restrain "
+                             "mlp.post (their product, which folds exactly) or apply it as a runtime hook")
+    return fold_target(model, r.hook, layer)
+
+
 def lora_exportable(model: nn.Module, hook: str) -> bool:
     """Whether a restraint at `hook` can ship as a LoRA adapter on `model`: its row allows it and the fold
     scales no bias (a LoRA adapter only adds to weights)."""
@@ -83,32 +95,142 @@ def _weight_index(fold: Fold, units: list[int]) -> tuple[slice | list[int], ...]
     return (units, slice(None)) if axis == 0 else (slice(None), units)
 
 
-def fold_sites(model: nn.Module, r: Restraint) -> Iterator[tuple[nn.Parameter, tuple]]:
-    """(parameter, index) of every weight (and bias) slice that folding `r` scales."""
+Update = tuple[nn.Parameter, tuple, torch.Tensor]   # (parameter, index, its new value there, float32)
+BIAS_FLAGS = {"mlp": "mlp_bias", "attn": "attention_bias"}   # Llama-like configs that give a block's projections biases
+
+
+def fold_updates(model: nn.Module, r: Restraint, reference: nn.Module | None = None) -> Iterator[Update]:
+    """Every weight (and bias) slice a bake of `r` writes, with its new value computed in float32 (float64 for a
+    projection): scale multiplies the units' slices; patch zeroes them and carries their constants through the
+    projection into its bias (`add_biases` first, where the model has none); direction projects the unit vector out
+    of the projection's input or output side; revert moves weights toward `reference` by alpha over its scope."""
     validate(r, model)
+    if r.kind == "revert":
+        yield from revert_updates(model, r, reference)
+        return
+    for layer in r.sites:
+        fold = restraint_fold(model, r, layer)
+        weight = fold.untied_weight(model)
+        if r.kind == "direction":
+            yield from direction_updates(fold, weight, r.directions[layer])
+            continue
+        units = r.units[layer]
+        index = _weight_index(fold, units)
+        if r.kind == "scale":
+            yield weight, index, weight[index].float() * r.factor
+            if fold.scales_bias:
+                yield fold.module.bias, (units,), fold.module.bias[units].float() * r.factor
+            continue
+        bias = fold_bias(fold, r, layer)
+        values = torch.tensor(r.values[layer], dtype=torch.float64, device=weight.device)
+        if fold.side == "in":   # W (m t + v) + b: the units' columns zeroed, W[:, U] v into the bias
+            w = (weight.T if fold.transposed else weight).double()   # [out, in]
+            yield bias, (slice(None),), (bias.double() + w[:, units] @ values).float()
+        else:                   # m (W x + b) + v: the units' rows zeroed, v their bias
+            yield bias, (units,), values.float()
+        yield weight, index, torch.zeros_like(weight[index], dtype=torch.float32)
+
+
+def direction_updates(fold: Fold, weight: nn.Parameter, direction: list[float]) -> Iterator[Update]:
+    """A unit vector d projected out of a projection's input (W (I - d d^T)) or output ((I - d d^T) (W x + b))."""
+    d = torch.tensor(direction, dtype=torch.float64, device=weight.device)
+    w = (weight.T if fold.transposed else weight).double()   # [out, in]
+    new = w - torch.outer(w @ d, d) if fold.side == "in" else w - torch.outer(d, d @ w)
+    yield weight, (slice(None), slice(None)), (new.T if fold.transposed else new).float()
+    if fold.side == "out" and fold.module.bias is not None:
+        b = fold.module.bias.double()
+        yield fold.module.bias, (slice(None),), (b - d * (d @ b)).float()
+
+
+def fold_bias(fold: Fold, r: Restraint, layer: int) -> nn.Parameter:
+    """The bias a patch writes its constants into, or a RestraintError where the projection has none."""
+    if fold.module.bias is None:
+        raise RestraintError(f"a patch at {r.hook} bakes as a bias of layer {layer}'s {type(fold.module).__name__}, "
+                             "which has none: `add_biases(model, restraint)` first where the config allows one "
+                             "(Llama's mlp_bias, attention_bias), else apply the patch as a runtime hook")
+    return fold.module.bias
+
+
+def add_biases(model: nn.Module, r: Restraint) -> list[str]:
+    """For a patch: give the projections it folds into a zero bias where they have none, through the model's config
+    flag (Llama-like mlp_bias / attention_bias: every projection of that part of every block gets one, so the
+    checkpoint loads as the same architecture), an exact no-op; the flags it set. A RestraintError where no flag
+    allows it."""
+    if r.kind != "patch" or fold_target(model, r.hook, r.sites[0]).module.bias is not None:
+        return []
+    row = hook_point(r.hook)
+    part = "attn" if row.fold.weight == "attn_proj" else "mlp"
+    flag = BIAS_FLAGS[part]
+    if not hasattr(model.config, flag):
+        raise RestraintError(f"a patch at {r.hook} bakes as a bias of the {row.fold.weight} projection, which "
+                             f"{type(model).__name__} has none of and whose config cannot add one (no {flag}): apply "
+                             "it as a runtime hook (`rolemrc serve`, `intervene.applied`) instead")
+    for layer in range(num_layers(model)):
+        for module in module_at(model, part, layer)[1].modules():
+            if isinstance(module, nn.Linear) and module.bias is None:
+                module.bias = nn.Parameter(torch.zeros(module.out_features, dtype=module.weight.dtype,
+                                                       device=module.weight.device))
+    setattr(model.config, flag, True)
+    return [flag]
+
+
+def revert_updates(model: nn.Module, r: Restraint, reference: nn.Module | None) -> Iterator[Update]:
+    """W - alpha (W - W_ref) over the revert's scope: every parameter, those of the blocks of `layers`, or the MLP
+    units' slices (their rows of the projections into the MLP's width, their columns of its down projection)."""
+    if reference is None:
+        raise RestraintError(f"restraint {r.name!r} reverts toward {r.reference.get('name')}: it needs that "
+                             "checkpoint loaded as the reference")
+    ref = dict(reference.named_parameters())
+    for name, param, index in revert_slices(model, r):
+        if name not in ref or ref[name].shape != param.shape:
+            raise RestraintError(f"the reference {r.reference.get('name')} has no {name} of shape {tuple(param.shape)}: "
+                                 "revert toward the checkpoint this model was trained from")
+        here, there = param[index].float(), ref[name][index].to(param.device).float()
+        yield param, index, torch.lerp(here, there, r.alpha)   # exact at alpha 0 and 1
+
+
+def revert_slices(model: nn.Module, r: Restraint) -> Iterator[tuple[str, nn.Parameter, tuple]]:
+    """(name, parameter, index) of every slice a revert's scope covers."""
+    params = list(model.named_parameters())
+    if r.scope != "units":
+        blocks = layout_of(model).blocks
+        prefixes = tuple(f"{blocks}.{layer}." for layer in r.layers) if r.scope == "layers" else ("",)
+        yield from ((n, p, (slice(None),) * p.dim()) for n, p in params if n.startswith(prefixes))
+        return
+    names = {id(p): n for n, p in params}
     for layer, units in r.units.items():
-        fold = fold_target(model, r.hook, layer)
-        yield fold.untied_weight(model), _weight_index(fold, units)
-        if fold.scales_bias:
-            yield fold.module.bias, (units,)
+        for fold in mlp_unit_folds(model, layer):
+            yield names[id(fold.module.weight)], fold.module.weight, _weight_index(fold, units)
+            if fold.scales_bias:
+                yield names[id(fold.module.bias)], fold.module.bias, (units,)
 
 
-def fold_restraint(model: nn.Module, r: Restraint) -> dict[str, int]:
-    """Scale the weights in place, each slice computed in float32 and stored back at the weights' dtype; returns
+def mlp_unit_folds(model: nn.Module, layer: int) -> list[Fold]:
+    """Where an MLP unit lives in layer `layer`'s weights: the output side of each projection into the MLP's width
+    (gate and up, or GPT-2's c_fc) and the input side of its down projection."""
+    down = fold_target(model, "mlp.post", layer)
+    width = down.module.weight.shape[0 if down.transposed else 1]
+    into = [Fold(m, "out") for m in module_at(model, "mlp", layer)[1].modules()
+            if m is not down.module and getattr(m, "weight", None) is not None and m.weight.dim() == 2]
+    return [f for f in into if f.module.weight.shape[1 if f.transposed else 0] == width] + [down]
+
+
+def fold_restraint(model: nn.Module, r: Restraint, reference: nn.Module | None = None) -> dict[str, int]:
+    """Write the bake's updates in place, each computed in float32 and stored back at the weights' dtype; returns
     elements touched per tensor."""
     touched: dict[str, int] = {}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
-        for param, index in list(fold_sites(model, r)):
-            param[index] = (param[index].float() * r.factor).to(param.dtype)
-            touched[names[id(param)]] = param[index].numel()
+        for param, index, value in list(fold_updates(model, r, reference)):
+            param[index] = value.to(param.dtype)
+            touched[names[id(param)]] = touched.get(names[id(param)], 0) + value.numel()
     return touched
 
 
-def elements_changed(model: nn.Module, r: Restraint, dtype: torch.dtype) -> int:
-    """Weight elements a bake of `r` (scaled in float32, stored at `dtype`) changes, without editing `model`."""
+def elements_changed(model: nn.Module, r: Restraint, dtype: torch.dtype, reference: nn.Module | None = None) -> int:
+    """Weight elements a bake of `r` (computed in float32, stored at `dtype`) changes, without editing `model`."""
     with torch.no_grad():
-        return sum(int(((p[i].float() * r.factor).to(dtype) != p[i].to(dtype)).sum()) for p, i in fold_sites(model, r))
+        return sum(int((value.to(dtype) != p[i].to(dtype)).sum()) for p, i, value in fold_updates(model, r, reference))
 
 
 @dataclass
@@ -120,6 +242,7 @@ class BakeReport:
     elements_changed_at_dtype: int
     numerical_noop: bool
     restraint: dict
+    size: dict = field(default_factory=dict)   # revert: the share of the model's change from its reference it reverts
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,17 +280,22 @@ def bake(model: Any, restraint: Any, out_dir: str | os.PathLike | None = None, d
     if out_dir is None:
         raise RestraintError(f"bake of the model directory {src} needs out_dir, the checkpoint to write")
     refuse_overwrite(out_dir, src)
+    ref_dir = reference_dir(r)
     dtype = load_dtype(src, dtype)
     target = resolve_dtype(dtype)
     # at the checkpoint's own dtype each slice is scaled in float32 and stored back as a float32 load would give it;
     # another dtype is read in float32 and cast once, after the fold
     read = target if dtype == checkpoint_dtype(src) else torch.float32
     loaded = AutoModelForCausalLM.from_pretrained(src, dtype=read, local_files_only=True).to(resolve_device(device))
+    reference = None if ref_dir is None else AutoModelForCausalLM.from_pretrained(
+        ref_dir, dtype=read, local_files_only=True).to(loaded.device)
     validate(r, loaded)
-    changed = elements_changed(loaded, r, target)
-    scaled = fold_restraint(loaded, r)
+    add_biases(loaded, r)
+    changed = elements_changed(loaded, r, target, reference)
+    size = restraint_size(loaded, r, reference)
+    scaled = fold_restraint(loaded, r, reference)
     report = BakeReport(str(out_dir), dir_fingerprint(src), dtype, sum(scaled.values()), changed, changed == 0,
-                        r.to_dict())
+                        r.to_dict(), size)
     source = model_source(model, src)
     write_baked(loaded.to(target), AutoTokenizer.from_pretrained(src, local_files_only=True), source, report, r)
     return report
@@ -183,14 +311,22 @@ def bake_loaded(model: nn.Module, r: Restraint, out_dir: str | os.PathLike | Non
         raise RestraintError(f"a loaded model is baked at its own dtype ({name}), not {dtype}; cast it first "
                              "(model.to(torch.float32)) or leave dtype out")
     validate(r, model)
+    ref_dir = reference_dir(r)
     if out_dir is not None:
         refuse_overwrite(out_dir, model_name(model))
         tokenizer = tokenizer_of(model, tokenizer)   # before the model changes: a missing one is an error
     fingerprint = model_fingerprint(model)
-    changed = elements_changed(model, r, stored)
-    touched = fold_restraint(model, r)
+    reference = None
+    if ref_dir is not None:
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=stored, local_files_only=True).to(model.device)
+    add_biases(model, r)
+    changed = elements_changed(model, r, stored, reference)
+    size = restraint_size(model, r, reference)
+    touched = fold_restraint(model, r, reference)
     report = BakeReport(None if out_dir is None else str(out_dir), fingerprint, name, sum(touched.values()), changed,
-                        changed == 0, r.to_dict())
+                        changed == 0, r.to_dict(), size)
     if out_dir is not None:
         write_baked(model, tokenizer, {"model": model_name(model), "model_dir": ""}, report, r)
     return report
@@ -221,11 +357,45 @@ def write_baked(model: nn.Module, tokenizer: Any, source: dict[str, str], report
 
 def fold_restraint_plan(model: nn.Module, r: Restraint) -> list[str]:
     """Names of the parameters a bake would touch."""
+    if r.kind == "revert":
+        return list(dict.fromkeys(name for name, _, _ in revert_slices(model, r)))
     names = {id(p): n for n, p in model.named_parameters()}
     plan = []
-    for layer in r.units:
+    for layer in r.sites:
         fold = fold_target(model, r.hook, layer)
         plan.append(names[id(fold.module.weight)])
-        if fold.scales_bias:
+        bias = {"scale": fold.scales_bias, "patch": True,
+                "direction": fold.side == "out" and fold.module.bias is not None}[r.kind]
+        if bias:
             plan.append(names[id(fold.module.bias)])
     return plan
+
+
+def reference_dir(r: Restraint) -> Path | None:
+    """A revert's reference checkpoint, resolved and checked against the fingerprint the spec recorded (before any
+    model loads); None for the other kinds."""
+    if r.kind != "revert":
+        return None
+    try:
+        found = resolve_model(r.reference["name"])
+    except RolemrcError as exc:
+        raise RestraintError(f"restraint {r.name!r} reverts toward {r.reference['name']}, which cannot be found: "
+                             f"{exc}") from None
+    recorded = r.reference.get("fingerprint")
+    if recorded and dir_fingerprint(found) != recorded:
+        raise RestraintError(f"restraint {r.name!r} reverts toward {r.reference['name']} with fingerprint {recorded}; "
+                             f"{found} has {dir_fingerprint(found)}: not the checkpoint the spec was made against")
+    return found
+
+
+def restraint_size(model: nn.Module, r: Restraint, reference: nn.Module | None) -> dict[str, float]:
+    """A revert's size: `reverted_share`, alpha times the share of the squared norm of the model's change from its
+    reference (every parameter) that lies in the revert's scope; {} for the other kinds (their size is the KL they
+    cause: `sweep.kl`)."""
+    if r.kind != "revert" or reference is None:
+        return {}
+    ref = dict(reference.named_parameters())
+    with torch.no_grad():
+        total = sum(float((p.double() - ref[n].double()).pow(2).sum()) for n, p in model.named_parameters() if n in ref)
+        inside = sum(float((p[i].double() - ref[n][i].double()).pow(2).sum()) for n, p, i in revert_slices(model, r))
+    return {"reverted_share": r.alpha * inside / total if total else 0.0, "change_norm": total ** 0.5}

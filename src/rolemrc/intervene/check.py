@@ -7,6 +7,7 @@ dtype), so a bake that changes weights while the hook is an identity at that dty
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +28,14 @@ from rolemrc.core.modeling import (
 )
 from rolemrc.core.placement import check_placement
 from rolemrc.core.records import as_turns
-from rolemrc.intervene.bake import changed_elements, elements_changed, fold_restraint_plan
+from rolemrc.intervene.bake import (
+    add_biases,
+    changed_elements,
+    elements_changed,
+    fold_restraint,
+    fold_restraint_plan,
+    reference_dir,
+)
 from rolemrc.intervene.fit import check_origin, validate
 from rolemrc.intervene.runtime import applied
 from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
@@ -50,7 +58,7 @@ class CheckReport:
     units: int
     factor: float
     dtype: str                      # the logits' dtype (the runtime hook runs at it)
-    factor_at_dtype: float          # 1.0: the runtime hook is an identity at `dtype`
+    factor_at_dtype: float | None   # a scale's factor at `dtype` (1.0: its hook is an identity there); None: other kinds
     numerical_noop: bool            # the bake writes no changed weight element (weight_elements_changed == 0)
     weight_elements_changed: int    # baked vs original weights, both at weights_dtype (bake's own count)
     weights_dtype: str              # the baked checkpoint's stored dtype, or `dtype` without one
@@ -60,6 +68,7 @@ class CheckReport:
     baked_vs_hook_max_rel: float | None = None
     verdict: str = ""
     notes: list[str] = field(default_factory=list)
+    kind: str = "scale"             # the restraint's kind; a revert has no hook: "hook" is its bake in memory
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,19 +110,23 @@ def stored_weights(baked_dir: str | os.PathLike, names: list[str]) -> dict[str, 
     return found
 
 
-def weights_changed(model: Any, r: Restraint, baked_dir: str | os.PathLike | None,
-                    target: torch.dtype) -> tuple[int, torch.dtype]:
+def weights_changed(model: Any, r: Restraint, baked_dir: str | os.PathLike | None, target: torch.dtype,
+                    reference: Any = None) -> tuple[int, torch.dtype]:
     """(weight elements a bake changes, the dtype they were compared at): the baked checkpoint's tensors against
     the original ones (a model directory read in float32, or the loaded model's own) cast to their dtype, or, without
-    a checkpoint, a fold at `target` as bake does."""
-    reference = load_model(model, dtype="float32", device="cpu")[0] if is_path(model) else model
-    validate(r, reference)
+    a checkpoint, a fold at `target` as bake does (a revert's toward its loaded `reference`)."""
+    loaded = load_model(model, dtype="float32", device="cpu")[0] if is_path(model) else model
+    validate(r, loaded)
     if baked_dir is None:
-        return elements_changed(reference, r, target), target
-    names = fold_restraint_plan(reference, r)
+        if reference is not None:
+            reference = reference.to(next(loaded.parameters()).device)
+        patched = copy.deepcopy(loaded) if r.kind == "patch" else loaded   # a patch may add zero biases first
+        add_biases(patched, r)
+        return elements_changed(patched, r, target, reference), target
+    names = fold_restraint_plan(loaded, r)
     baked = stored_weights(baked_dir, names)
     stored = baked[names[0]].dtype
-    original = {n: p.detach().cpu() for n, p in reference.named_parameters() if n in baked}
+    original = {n: p.detach().cpu() for n, p in loaded.named_parameters() if n in baked}
     return changed_elements(original, baked, stored), stored
 
 
@@ -145,15 +158,24 @@ def check(model: Any, restraint: Any, baked_dir: str | os.PathLike | None = None
         dtype, device = own, str(next(loaded.parameters()).device)
     target = resolve_dtype(dtype)
     validate(r, loaded)
+    ref_dir = reference_dir(r)
+    reference = None if ref_dir is None else load_model(ref_dir, dtype=dtype, device="cpu")[0]
     batch = _batch(tok, list(prompts or SAMPLE_PROMPTS), next(loaded.parameters()).device)
     original = _logits(loaded, batch)
-    with applied(loaded, r):
-        hooked = _logits(loaded, batch)
-    changed, stored = weights_changed(model if is_path(model) else loaded, r, baked_dir, target)
-    report = CheckReport(r.name, r.hook, r.num_units, r.factor, dtype, float(torch.tensor(r.factor, dtype=target)),
+    if r.hooked:
+        with applied(loaded, r):
+            hooked = _logits(loaded, batch)
+    else:   # a revert is baked: its bake in memory stands where the hook would
+        reverted = copy.deepcopy(loaded)
+        fold_restraint(reverted, r, reference.to(next(loaded.parameters()).device))
+        hooked = _logits(reverted, batch)
+        del reverted
+    changed, stored = weights_changed(model if is_path(model) else loaded, r, baked_dir, target, reference)
+    at_dtype = float(torch.tensor(r.factor, dtype=target)) if r.kind == "scale" else None
+    report = CheckReport(r.name, r.hook, r.num_units, r.factor, dtype, at_dtype,
                          numerical_noop=changed == 0, weight_elements_changed=changed,
                          weights_dtype=str(stored).removeprefix("torch."),
-                         hook_vs_original_max_abs=float((hooked - original).abs().max()))
+                         hook_vs_original_max_abs=float((hooked - original).abs().max()), kind=r.kind)
     if baked_dir is not None:
         baked = _logits(load_model(baked_dir, dtype=dtype, device=device, device_map=device_map)[0], batch)
         diff = (baked - hooked).abs()
@@ -169,9 +191,10 @@ def _verdict(c: CheckReport) -> str:
     moved = c.hook_vs_original_max_abs
     hook = "leaves logits identical" if moved == 0 else f"moves logits by up to {moved:.3g}"
     if c.numerical_noop:
-        return (f"NUMERICAL NO-OP: the bake changes no weight element at {c.weights_dtype} (factor {c.factor!r} is "
-                f"{c.factor_at_dtype!r} in {c.dtype}); the runtime hook {hook}. "
-                "Use float32 or a factor that survives this dtype.")
+        why = (f" (factor {c.factor!r} is {c.factor_at_dtype!r} in {c.dtype})" if c.kind == "scale" else
+               f" (a {c.kind})")
+        return (f"NUMERICAL NO-OP: the bake changes no weight element at {c.weights_dtype}{why}; the runtime hook "
+                f"{hook}. Use float32 or a larger restraint that survives this dtype.")
     baked = "" if c.baked_vs_hook_max_abs is None else (
         f"; baked logits move by up to {c.baked_vs_original_max_abs:.3g} and differ from hooked by up to "
         f"{c.baked_vs_hook_max_abs:.3g}")

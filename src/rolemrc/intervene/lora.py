@@ -2,7 +2,9 @@
 
 Scaling units of one projection's input (columns U of W) or output (rows R) by f is the rank-|U| edit
 W[:, U] (f - 1) e_U^T (resp. e_R (f - 1) W[R, :]), so with lora_alpha = r (scaling 1) B @ A is exactly the
-bake's weight change: the fold's side in HOOK_POINTS decides which factor is one-hot.
+bake's weight change: the fold's side in HOOK_POINTS decides which factor is one-hot. Projecting a unit vector d out
+of the input (output) side is the rank-1 edit -(W d) d^T (resp. -d (d^T W)). A patch adds a constant and a revert a
+full-rank delta in general: neither is a LoRA.
 
 `LoraExporter` never loads a model directory: a skeleton on the meta device says where each fold lives, and only the
 folded projections' weights are read from the checkpoint, so exporting costs what the adapter holds (a
@@ -29,7 +31,7 @@ from torch import nn
 from rolemrc.core.hooks import HOOK_POINTS, hook_point, layout_of, module_at
 from rolemrc.core.modeling import dir_fingerprint, is_path, loaded_model, model_fingerprint, model_name, resolve_model
 from rolemrc.core.version import __version__
-from rolemrc.intervene.bake import Fold, fold_target, lora_exportable, provenance_metadata
+from rolemrc.intervene.bake import Fold, lora_exportable, provenance_metadata, restraint_fold
 from rolemrc.intervene.fit import check_origin, validate
 from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
 
@@ -61,19 +63,27 @@ def lora_rank(max_units: int, rank: int | None = None) -> int:
     return next((v for v in VLLM_RANKS if v >= max_units), max_units)
 
 
-def lora_pair(weight: torch.Tensor, fold: Fold, units: list[int], factor: float,
-              rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A [rank, in], B [out, rank]) in float32 with B @ A equal to the fold's change of `weight` (as stored),
-    zero-padded to `rank`."""
-    w = weight.detach().float().cpu()
+def lora_units(r: Restraint) -> int:
+    """The rank a restraint's largest layer needs: its units (scale), or 1 (a direction)."""
+    return 1 if r.kind == "direction" else max(len(u) for u in r.units.values())
+
+
+def lora_pair(weight: torch.Tensor, fold: Fold, r: Restraint, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [rank, in], B [out, rank]) in float32 with B @ A equal to the fold's change of `weight` (as stored) at
+    `layer`, zero-padded to `rank`."""
+    w = weight.detach().double().cpu()
     w = w.T if fold.transposed else w  # [out, in]
-    idx = torch.tensor(units)
-    if fold.side == "in":
-        a, b = F.one_hot(idx, w.shape[1]).float(), w[:, idx] * (factor - 1)
+    if r.kind == "direction":
+        d = torch.tensor(r.directions[layer], dtype=torch.float64)[None, :]   # [1, width]
+        a, b = (d, -(w @ d.T)) if fold.side == "in" else (d @ w, -d.T)
     else:
-        a, b = w[idx, :], F.one_hot(idx, w.shape[0]).float().T * (factor - 1)
-    pad = rank - len(units)
-    return F.pad(a, (0, 0, 0, pad)).contiguous(), F.pad(b, (0, pad)).contiguous()
+        idx = torch.tensor(r.units[layer])
+        if fold.side == "in":
+            a, b = F.one_hot(idx, w.shape[1]).double(), w[:, idx] * (r.factor - 1)
+        else:
+            a, b = w[idx, :], F.one_hot(idx, w.shape[0]).double().T * (r.factor - 1)
+    pad = rank - a.shape[0]
+    return F.pad(a.float(), (0, 0, 0, pad)).contiguous(), F.pad(b.float(), (0, pad)).contiguous()
 
 
 class CheckpointWeights:
@@ -140,7 +150,7 @@ class LoraExporter:
         if not checked:
             validate(r, self.model)
         folds = self._folds(r)
-        if max_rank is not None and (units := max(len(u) for u in r.units.values())) > max_rank:
+        if max_rank is not None and (units := lora_units(r)) > max_rank:
             raise RestraintError(f"restraint {r.name!r} has {units} units in one layer; this server's LoRA rank "
                                  f"holds {max_rank} (raise max_lora_rank)")
         return r, folds
@@ -153,11 +163,18 @@ class LoraExporter:
 
     def _folds(self, r: Restraint) -> dict[int, Fold]:
         """Each layer's fold, or a RestraintError when LoRA cannot express `r` exactly."""
+        if r.kind in ("patch", "revert"):
+            why = ("adds a constant per unit (a bias)" if r.kind == "patch" else
+                   "moves weights toward another checkpoint by a delta that is full-rank in general")
+            raise RestraintError(f"restraint {r.name!r} is a {r.kind}, which {why}: a LoRA adapter cannot hold it "
+                                 "exactly; bake it (`rolemrc intervene bake`)" +
+                                 (" or apply it as a runtime hook" if r.kind == "patch" else ""))
         # fold_target refuses, with the row's reason, points that cannot fold
-        folds = {layer: fold_target(self.model, r.hook, layer) for layer in r.units}
-        bias = any(fold.scales_bias for fold in folds.values())
+        folds = {layer: restraint_fold(self.model, r, layer) for layer in r.sites}
+        bias = any(fold.scales_bias or (r.kind == "direction" and fold.side == "out" and fold.module.bias is not None)
+                   for fold in folds.values())
         if bias or not hook_point(r.hook).lora:
-            why = ("the fold also scales the projection's bias, and a LoRA adapter only adds to weights"
+            why = ("the fold also changes the projection's bias, and a LoRA adapter only adds to weights"
                    if bias else "its HOOK_POINTS row does not allow LoRA")
             raise RestraintError(f"{r.hook} cannot be exported as an exact LoRA adapter: {why}; bake it instead")
         for fold in folds.values():
@@ -178,13 +195,12 @@ class LoraExporter:
 
         if self.src is not None and out.resolve() == self.src.resolve():
             raise RestraintError("LoRA output must differ from the source model directory")
-        max_units = max(len(u) for u in r.units.values())
+        max_units = lora_units(r)
         r_pad = lora_rank(max_units, rank)
         tensors = {}
-        for layer, units in r.units.items():
-            fold = folds[layer]
+        for layer, fold in folds.items():
             name = self.names[id(fold.module)]
-            a, b = lora_pair(self.weights[f"{name}.weight"], fold, units, r.factor, r_pad)
+            a, b = lora_pair(self.weights[f"{name}.weight"], fold, r, layer, r_pad)
             tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
         targets = [_target_name(self.model, hook_point(r.hook).fold.weight)]
         # adapter_config.json holds PEFT's keys only (peft warns on any other); the provenance sits beside it in
@@ -192,7 +208,7 @@ class LoraExporter:
         provenance = {"stage": "lora", "source_model": self.source, "source_fingerprint": self.fingerprint,
                       "restraint": r.to_dict(), "source": r.source, "version": __version__}
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.source,
-                  "r": r_pad, "lora_alpha": r_pad, "target_modules": targets, "layers_to_transform": list(r.units),
+                  "r": r_pad, "lora_alpha": r_pad, "target_modules": targets, "layers_to_transform": r.sites,
                   "bias": "none", "fan_in_fan_out": fold.transposed, "lora_dropout": 0.0, "use_rslora": False,
                   "inference_mode": True}
         out.mkdir(parents=True, exist_ok=True)
@@ -200,7 +216,7 @@ class LoraExporter:
         (out / "rolemrc.json").write_text(json.dumps(provenance, indent=1, sort_keys=True))
         save_file(tensors, str(out / "adapter_model.safetensors"),
                   metadata=provenance_metadata(self.source, self.fingerprint, r))
-        return LoraReport(str(out), r_pad, max_units, targets, list(r.units), self.fingerprint, r.to_dict())
+        return LoraReport(str(out), r_pad, max_units, targets, r.sites, self.fingerprint, r.to_dict())
 
     def cached(self, spec: Any, cache_dir: str | os.PathLike, *, rank: int | None = None,
                checked: bool = False) -> Path:
@@ -209,7 +225,7 @@ class LoraExporter:
         use (its mtime orders `evict_adapters`). `checked`: `spec`
         passed `check` on this exporter already (a server checks each restraint once, when it resolves it)."""
         r = as_restraint(spec)
-        r_pad = lora_rank(max(len(u) for u in r.units.values()), rank)
+        r_pad = lora_rank(lora_units(r), rank)
         out = Path(cache_dir) / f"{self.fingerprint}-{r.digest}-r{r_pad}"
         if (out / "adapter_model.safetensors").is_file():
             with contextlib.suppress(OSError):   # the most recently used, for `evict_adapters`

