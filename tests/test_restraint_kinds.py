@@ -198,3 +198,73 @@ def test_check_reports_each_hooked_kind(model_dirs, kind):
     report = check(model_dirs["llama"], r, prompts=TEXTS)
     assert report.kind == kind and report.factor_at_dtype is None and not report.numerical_noop
     assert report.weight_elements_changed > 0 and report.verdict.startswith("effective")
+
+
+@pytest.fixture
+def moments_diff(tmp_path):
+    """A selector test diff (3 layers x 4 units) with distinct SFT means and the models of both sides recorded."""
+    from test_selectors import write_diff
+
+    from rolemrc.probe.diff import load_diff
+
+    diff = load_diff(write_diff(tmp_path / "d"))
+    diff.mean_a["multi_turn"] = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 10
+    diff.meta |= {"a_model": "runs/sft", "a_model_fingerprint": "sft-fp", "b_model": "runs/dpo",
+                  "b_model_fingerprint": "dpo-fp"}
+    return diff
+
+
+def test_select_makes_patches_and_unit_reverts_of_its_units(moments_diff):
+    from rolemrc.intervene import select
+
+    common = {"method": "standardized", "top_k": 3}
+    scale = select(moments_diff, "multi_turn", factor=0.0, **common)
+    patch = select(moments_diff, "multi_turn", kind="patch", **common)
+    assert patch.units == scale.units == {0: [2], 1: [0], 2: [1]}
+    assert patch.values == {0: [pytest.approx(0.2)], 1: [pytest.approx(0.4)], 2: [pytest.approx(0.9)]}   # SFT means
+    assert patch.reference["fingerprint"] == "sft-fp" and patch.model["fingerprint"] == "dpo-fp"
+    revert = select(moments_diff, "multi_turn", kind="revert", alpha=0.5, **common)
+    assert revert.scope == "units" and revert.units == scale.units and revert.reference["name"] == "runs/sft"
+    other = type(moments_diff)(**{**moments_diff.__dict__, "meta": {**moments_diff.meta, "b_model_fingerprint": "x"}})
+    with pytest.raises(RestraintError, match="a diff whose B side is the model with fingerprint x, but the units were "
+                                             "selected on runs/dpo"):
+        select(moments_diff, "multi_turn", kind="patch", means=other, **common)
+    for bad, message in (({"kind": "patch", "factor": 0.5}, "a patch takes no --factor"),
+                         ({"kind": "revert"}, "--alpha belongs to a revert, which needs it"),
+                         ({"kind": "scale", "factor": 0.5, "alpha": 0.5}, "--alpha belongs to a revert, not a scale"),
+                         ({"kind": "direction"}, "select makes a restraint of kind scale | patch | revert")):
+        with pytest.raises(RestraintError, match=message):
+            select(moments_diff, "multi_turn", **common, **bad)
+
+
+def test_directions_come_from_the_difference_of_means(moments_diff):
+    from rolemrc.intervene.kinds import direction_restraint
+
+    r = direction_restraint(moments_diff, "multi_turn", top_layers=2)
+    delta = moments_diff.mean_b["multi_turn"].double() - moments_diff.mean_a["multi_turn"].double()
+    longest = sorted(delta.norm(dim=1).argsort(descending=True)[:2].tolist())
+    assert r.kind == "direction" and r.sites == longest
+    for layer in longest:
+        torch.testing.assert_close(torch.tensor(r.directions[layer], dtype=torch.float64), delta[layer] / delta[layer].norm())
+
+
+def test_the_cli_writes_directions_and_reverts_and_refuses_bad_alpha(tmp_path, pair):
+    from test_selectors import write_diff
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    sft, _ = pair
+    run = CliRunner().invoke
+    res = run(app, ["intervene", "direction", "--diff", str(write_diff(tmp_path / "d")), "--dimension", "multi_turn",
+                    "--top-layers", "1", "--out", str(tmp_path / "d.yaml")])
+    assert res.exit_code == 0, res.output
+    assert Restraint.load(tmp_path / "d.yaml").kind == "direction"
+    res = run(app, ["intervene", "revert", "--reference", str(sft), "--alpha", "0.25", "--scope", "layers",
+                    "--layers", "1", "--out", str(tmp_path / "v.yaml")])
+    assert res.exit_code == 0, res.output
+    v = Restraint.load(tmp_path / "v.yaml")
+    assert (v.kind, v.alpha, v.layers, v.reference["fingerprint"]) == ("revert", 0.25, [1], dir_fingerprint(sft))
+    res = run(app, ["intervene", "revert", "--reference", str(sft), "--alpha", "2", "--scope", "model",
+                    "--out", str(tmp_path / "w.yaml")])
+    assert res.exit_code == 2 and "error: alpha must lie in [0, 1]" in res.output and not (tmp_path / "w.yaml").exists()

@@ -13,7 +13,8 @@ from rolemrc.core.placement import MODEL_HELP, DeviceMap, Dtype, device_map_opti
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.intervene.budget import BUDGET_HELP, BUDGET_OPTIONS, Budget
 from rolemrc.intervene.fit import STRICT_HELP
-from rolemrc.intervene.spec import PAPER_FACTOR
+from rolemrc.intervene.kinds import SELECTED_KINDS
+from rolemrc.intervene.spec import PAPER_FACTOR, REVERT_SCOPES
 from rolemrc.probe.options import Direction
 from rolemrc.probe.selectors import SELECTORS, selectors_help
 
@@ -26,7 +27,9 @@ def brief(report: dict) -> dict:
     return {**report, "restraint": Restraint.from_dict(report["restraint"]).summary()}
 
 
-Method = choice(SELECTORS)   # --method: the selectors registered when the CLI is built (`live_choices`)
+Method = choice(SELECTORS)
+SelectedKind = choice(SELECTED_KINDS)
+RevertScope = choice(REVERT_SCOPES[:2])   # --method: the selectors registered when the CLI is built (`live_choices`)
 app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them, sweep a grid of them.")
 
 
@@ -49,6 +52,12 @@ def select_cmd(
     fdr: float = typer.Option(None, help=BUDGET_HELP["fdr"]),
     direction: Direction = typer.Option("both", help="up: more active under B; down: less; both"),
     name: str = typer.Option(None, help="restraint name (default: <dimension>-restraint)"),
+    kind: SelectedKind = typer.Option("scale", "--kind", help="scale the units (by --factor); patch them to their mean "
+                                      "activation under the SFT model (the diff's A side, or --means); revert their "
+                                      "weights toward the SFT model by --alpha"),
+    alpha: float = typer.Option(None, help="--kind revert: how far toward the SFT model, in [0, 1]"),
+    means: Path = typer.Option(None, help="--kind patch: the diff whose A side's mean activations the units are set "
+                               "to (default: --diff, when it is a diff)"),
 ) -> None:
     """Write a restraint spec for the units of one dimension a selector ranks highest: method, budget and factor
     named, or taken from a calibration's recommendation (docs/calibration.md says what each selector did there).
@@ -58,8 +67,9 @@ def select_cmd(
     from rolemrc.intervene.stability import selection_stability
     from rolemrc.probe.resample import stability_lines
 
-    r = select(diff, dimension, method=method, factor=factor, calibration=calibration,
-               top_k=top_k, per_layer=per_layer, share=share, fdr=fdr, layers=layers, direction=direction, name=name)
+    r = select(diff, dimension, method=method, factor=factor, calibration=calibration, top_k=top_k,
+               per_layer=per_layer, share=share, fdr=fdr, layers=layers, direction=direction, name=name, kind=kind,
+               alpha=alpha, means=means)
     r.save(out)
     budget = next(Budget(kind, r.source[kind]) for kind in BUDGET_OPTIONS if kind in r.source)
     stability = selection_stability(diff, dimension, r.source["method"], [budget], layers=layers, direction=direction)
@@ -67,6 +77,43 @@ def select_cmd(
                            "stability": stability[0] if stability else None}))
     if stability:   # null without resamples in the input (probed or attributed with --resamples 0)
         typer.echo("\n".join(stability_lines(stability)), err=True)
+
+
+@app.command("direction")
+def direction_cmd(
+    diff: Path = typer.Option(..., "--diff", help="a diff of probe files collected with moments (`rolemrc probe diff`)"),
+    dimension: str = typer.Option(..., help=f"a dimension of the diff: {' | '.join(DIMENSIONS)}, or your own"),
+    out: Path = typer.Option(..., "--out", help="spec file to write (.yaml or .json)"),
+    layers: str = typer.Option(None, help="e.g. 12-31 or 3,5,7-9 (default: all)"),
+    top_layers: int = typer.Option(None, min=1, help="only the N of those layers where the direction is longest"),
+    name: str = typer.Option(None, help="restraint name (default: <dimension>-direction)"),
+) -> None:
+    """Write a direction restraint: per layer, the difference of mean activations DPO - SFT (B - A) on the dimension's
+    cases at the diff's hook point, projected out of it (Arditi et al.'s ablation, per layer)."""
+    from rolemrc.intervene.kinds import direction_restraint
+
+    r = direction_restraint(diff, dimension, layers=layers, top_layers=top_layers, name=name)
+    r.save(out)
+    typer.echo(json.dumps({"out": str(out), **r.summary()}))
+
+
+@app.command("revert")
+def revert_cmd(
+    reference: str = typer.Option(..., "--reference", help=f"the checkpoint to revert toward (the SFT model): {MODEL_HELP}"),
+    alpha: float = typer.Option(..., help="how far toward it, in [0, 1] (1: its weights)"),
+    scope: RevertScope = typer.Option(..., "--scope", help="model: every weight; layers: the blocks of --layers (a "
+                                      "unit-level revert: `intervene select --kind revert`)"),
+    out: Path = typer.Option(..., "--out", help="spec file to write (.yaml or .json)"),
+    layers: str = typer.Option(None, help="--scope layers: e.g. 3-5"),
+    name: str = typer.Option(None, help="restraint name (default: revert-<scope>-<alpha>)"),
+) -> None:
+    """Write a weight revert: the model's weights moved toward --reference by --alpha (Lin et al.'s interpolation;
+    alpha 1 over the model is task arithmetic's negated fine-tuning delta). It is baked, not hooked."""
+    from rolemrc.intervene.kinds import revert_restraint
+
+    r = revert_restraint(reference, alpha, scope, layers=layers, name=name)
+    r.save(out)
+    typer.echo(json.dumps({"out": str(out), **r.summary()}))
 
 
 @app.command("bake")

@@ -48,12 +48,13 @@ class Scores:
     origin: str                    # the file read, or IN_MEMORY
     no_q: str = ""                 # why there are no q-values
     model: dict[str, str] = field(default_factory=dict)   # the model the scores are of (the diff's B, the DPO model)
+    reference: dict[str, str] = field(default_factory=dict)   # the model it is compared with (the diff's A, the SFT)
 
 
-def dpo_meta(meta: dict[str, str]) -> dict[str, str]:
-    """An attribution's DPO model metadata (its `models`: by role, or a list in the order sft, dpo)."""
+def role_meta(meta: dict[str, str], role: str = "dpo") -> dict[str, str]:
+    """An attribution's metadata of its DPO or SFT model (its `models`: by role, or a list in the order sft, dpo)."""
     models = json.loads(meta.get("models") or "{}")
-    found = models.get("dpo") if isinstance(models, dict) else (models[-1] if models else None)
+    found = models.get(role) if isinstance(models, dict) else (models[-1 if role == "dpo" else 0] if models else None)
     return found if isinstance(found, dict) else {}
 
 
@@ -72,11 +73,16 @@ def model_of(meta: dict[str, str], prefix: str = "") -> dict[str, str]:
 def select(source: Source, dimension: str, *, method: str | None = None, factor: float | None = None,
            top_k: int | None = None, per_layer: int | None = None, share: float | None = None, fdr: float | None = None,
            calibration: str | os.PathLike | None = None, layers: str | None = None, direction: Direction = "both",
-           name: str | None = None) -> Restraint:
+           name: str | None = None, kind: str = "scale", alpha: float | None = None,
+           means: Source | None = None) -> Restraint:
     """Units of `dimension` that `method` (a name in SELECTORS) ranks highest, in `probe.ranking.rank_units` order
     (|score| descending, q ascending, layer, unit), scaled by `factor` (0 ablates; `PAPER_FACTOR` is the paper's).
     No default picks them: name method and factor, or give `calibration` (a calibration folder or its
     calibration.json), whose recommendation supplies method, budget and factor.
+
+    kind (`intervene.kinds.SELECTED_KINDS`): scale (by `factor`), patch (each unit set to its mean activation under
+    the SFT model, read from `means`, a diff; default the source when it is one) or revert (the units' weights moved
+    toward the SFT model the input records, by `alpha`); patch and revert take no factor.
 
     source: the selector's input: a diff directory or file, or a `DiffResult` (an attribution file or an
     `Attribution` for `attribution`); a spec selected from an object records its source as "in memory".
@@ -87,7 +93,20 @@ def select(source: Source, dimension: str, *, method: str | None = None, factor:
     """
     import torch
 
-    method, budget, factor = recipe(method, factor, calibration, top_k=top_k, per_layer=per_layer, share=share, fdr=fdr)
+    from rolemrc.intervene.kinds import SELECTED_KINDS, as_patch, as_revert
+
+    if kind not in SELECTED_KINDS:
+        raise RestraintError(f"select makes a restraint of kind {' | '.join(SELECTED_KINDS)} (a direction comes from "
+                             f"`intervene.kinds.direction_restraint`), not {kind!r}")
+    if kind != "scale" and (factor is not None or calibration is not None):
+        raise RestraintError(f"a {kind} takes no --factor or --calibration" + (": give --alpha" if kind == "revert" else ""))
+    if (kind == "revert") != (alpha is not None):
+        raise RestraintError("--alpha belongs to a revert, which needs it" if alpha is None or kind == "revert"
+                             else f"--alpha belongs to a revert, not a {kind}")
+    if means is not None and kind != "patch":
+        raise RestraintError(f"--means belongs to a patch, not a {kind}")
+    method, budget, factor = recipe(method, 1.0 if kind != "scale" else factor, calibration, top_k=top_k,
+                                    per_layer=per_layer, share=share, fdr=fdr)
     entry = SELECTORS.get(method)
     if direction not in DIRECTIONS:
         raise RestraintError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
@@ -110,10 +129,16 @@ def select(source: Source, dimension: str, *, method: str | None = None, factor:
                    "coverage": coverage(counts[allowed].tolist(), n_units, n_layers),
                    **({"calibration": str(calibration)} if calibration is not None else {})}
     model = scores.model and {**scores.model, "layers": n_layers, "width": n_units}
-    if factor == PAPER_FACTOR:
+    if kind == "scale" and factor == PAPER_FACTOR:
         log.warning(paper_factor_note(scores.model.get("dtype")))
-    return Restraint(name=name or f"{dimension.replace('_', '-')}-restraint", hook=scores.hook, units=units,
-                     factor=factor, source=spec_source, model=model)
+    r = Restraint(name=name or f"{dimension.replace('_', '-')}-restraint", hook=scores.hook, units=units,
+                  factor=factor, source=spec_source, model=model)
+    if kind == "patch":
+        if means is None and entry.reads != "diff":
+            raise RestraintError(f"a patch of {method}'s units needs --means, a diff of the same pair whose A side's "
+                                 "mean activations the units are set to")
+        return as_patch(r, source if means is None else means, dimension)
+    return as_revert(r, alpha, scores.reference) if kind == "revert" else r
 
 
 def selected_units(scores: Scores, method: str, budget: Budget, layers: str | None,
@@ -252,15 +277,16 @@ def scores_of(method: str, source: Source, dimension: str) -> Scores:
             raise RestraintError(f"{origin}: a diff of tokens={made} probe files, but --method {method} reads "
                                  f"tokens={entry.tokens} ones: use --method {' or '.join(for_tokens(made))}, or diff "
                                  f"probe files made with `rolemrc probe collect --tokens {entry.tokens}`")
-        hook, model = loaded.hook, model_of(loaded.meta, "b_")
+        hook, model, reference = loaded.hook, model_of(loaded.meta, "b_"), model_of(loaded.meta, "a_")
     else:
         if dimension not in loaded.scores:
             where = "the Attribution" if origin == IN_MEMORY else f"the attribution file {origin}"
             raise RestraintError(f"dimension {dimension!r} is not in {where} (or has no pairs); it has: "
                                  f"{sorted(loaded.scores)}")
-        hook, model = loaded.meta["hook"], model_of(dpo_meta(loaded.meta))
+        hook, model, reference = (loaded.meta["hook"], model_of(role_meta(loaded.meta)),
+                                  model_of(role_meta(loaded.meta, "sft")))
     view = entry.view(loaded, dimension)
-    return Scores(view.score, view.q, hook, origin, no_q=view.no_q, model=model)
+    return Scores(view.score, view.q, hook, origin, no_q=view.no_q, model=model, reference=reference)
 
 
 INPUTS = {"diff": "a probe diff (a `rolemrc probe diff` folder, or a DiffResult)",
