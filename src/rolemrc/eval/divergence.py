@@ -19,6 +19,7 @@ model and every cell; KL is computed on the model's device and only per-case mea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class KLResult:
     dimensions: list[tuple[str, ...]]   # each case's dimensions (core.taxonomy)
     neutral: torch.Tensor            # float64 [cells, texts]
     neutral_dpo: torch.Tensor        # float64 [texts]
+    neutral_kl: torch.Tensor | None = None   # float64 [cells, texts]: mean KL(cell ‖ DPO) per token of each text
 
     def mask(self, dimension: str) -> torch.Tensor:
         """bool [cases]: the cases that count in `dimension`."""
@@ -167,45 +169,96 @@ def nll(targets: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     return -lp.gather(1, targets[:, None]).squeeze(1)
 
 
-def per_row_mean(values: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """float64 [rows] on the CPU: the mean of `values` ([scored]) over each row's scored tokens."""
+def per_row_mean(values: torch.Tensor, batch: Batch, *, total: bool = False) -> torch.Tensor:
+    """float64 [rows] on the CPU: the mean (`total`: the sum) of `values` ([scored]) over each row's scored tokens."""
     n = len(batch.index)
-    total = values.new_zeros(n, dtype=torch.float64).index_add(0, batch.rows, values.double())
+    summed = values.new_zeros(n, dtype=torch.float64).index_add(0, batch.rows, values.double())
+    if total:
+        return summed.cpu()
     count = values.new_zeros(n, dtype=torch.float64).index_add(0, batch.rows, torch.ones_like(values, dtype=torch.float64))
-    return (total / count).cpu()
+    return (summed / count).cpu()
 
 
-def case_sequences(tokenizer: Any, cases: list[dict[str, Any]], continuations: Sequence[str],
+def case_sequences(tokenizer: Any, cases: list[dict[str, Any]], continuations: Sequence[Sequence[str]] | Sequence[str],
                    limit: int | None) -> tuple[list[list[int]], list[int]]:
     """(token ids of each case's prompt and continuation, where the continuation starts). A case longer than `limit`
-    positions keeps its last ones (the prompt's start goes first; logged once)."""
+    positions keeps its last ones (the prompt's start goes first; logged once). A case's continuation may be several
+    (a preference pair's chosen and rejected): one sequence each, in order."""
     seqs, starts, cut = [], [], 0
-    for case, text in zip(cases, continuations):
-        (ids,), start = tokenize_replies(tokenizer, case["question"], [text])
-        if limit and len(ids) > limit:
-            ids, start, cut = ids[-limit:], max(1, start - (len(ids) - limit)), cut + 1
-        seqs.append(ids)
-        starts.append(start)
+    for case, texts in zip(cases, continuations):
+        replies, start = tokenize_replies(tokenizer, case["question"], [texts] if isinstance(texts, str) else list(texts))
+        for ids in replies:
+            begin = start
+            if limit and len(ids) > limit:
+                ids, begin, cut = ids[-limit:], max(1, start - (len(ids) - limit)), cut + 1
+            seqs.append(ids)
+            starts.append(begin)
     if cut:
         log.warning("%d of %d cases are longer than the model's %d positions: they keep their last tokens",
                     cut, len(cases), limit)
     return seqs, starts
 
 
+def check_cells(restraints: Sequence[Restraint | None], dpo: Any, sft: Any) -> None:
+    """Every restraint fits `dpo`; a revert reverts toward `sft` (the fingerprint its spec recorded, where it did)."""
+    from rolemrc.core.modeling import fingerprints
+
+    for r in {id(r): r for r in restraints if r is not None}.values():
+        validate(r, dpo)
+        recorded = r.reference.get("fingerprint") if r.kind == "revert" else None
+        if recorded and not (recorded in fingerprints(sft, "directory").values()   # weights hashed only if needed
+                             or recorded in fingerprints(sft, "weights").values()):
+            raise InputError(f"restraint {r.name!r} reverts toward {r.reference.get('name')} ({recorded}), not the "
+                             f"SFT model measured against ({model_name(sft)})")
+
+
+def restrained(dpo: Any, r: Restraint, sft: Any) -> Any:
+    """The context in which `dpo` runs as restrained by `r`: its runtime hooks, or a revert baked in memory toward
+    `sft` (the SFT model it reverts toward) and undone on exit."""
+    from rolemrc.intervene.bake import folded
+
+    return applied(dpo, r, checked=True) if r.hooked else folded(dpo, r, sft)
+
+
+def margin_grid(sft: Any, dpo: Any, tokenizer: Any, pairs: Sequence[dict[str, Any]], restraints: Sequence[Restraint | None],
+                *, batch_size: int = 8, progress: bool = True) -> torch.Tensor:
+    """float64 [cells, pairs]: DPO's implicit-reward margin of each cell (the DPO model under each restraint; None:
+    the DPO model itself) on each preference pair (`prompt` turns, `chosen`, `rejected`): [log p(chosen) − log
+    p_SFT(chosen)] − [log p(rejected) − log p_SFT(rejected)], each log p summed over the reply's tokens (beta 1),
+    tokenised as trl's DPOTrainer does. The SFT model's margin is 0; the DPO model's is what DPO gained."""
+    check_cells(restraints, dpo, sft)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    seqs, starts = case_sequences(tokenizer, [{"question": p["prompt"]} for p in pairs],
+                                  [(p["chosen"], p["rejected"]) for p in pairs], context_window(dpo, tokenizer))
+    device, sft_device = next(dpo.parameters()).device, next(sft.parameters()).device
+    logp = torch.zeros(len(restraints), len(seqs), dtype=torch.float64)
+    reference = torch.zeros(len(seqs), dtype=torch.float64)
+    todo = list(batches(seqs, starts, batch_size, pad_id))
+    with torch.inference_mode():
+        for batch in tqdm(todo, desc="margins", unit="batch", disable=not progress):
+            here, there = batch.to(device), batch.to(sft_device)
+            reference[batch.index] = per_row_mean(-nll(there.targets(), logprobs(sft, there)), there, total=True)
+            for k, r in enumerate(restraints):
+                with contextlib.nullcontext() if r is None else restrained(dpo, r, sft):
+                    logp[k, batch.index] = per_row_mean(-nll(here.targets(), logprobs(dpo, here)), here, total=True)
+    ratio = logp - reference
+    return ratio[:, 0::2] - ratio[:, 1::2]
+
+
 def kl_grid(sft: Any, dpo: Any, tokenizer: Any, cases: Sequence[dict[str, Any]], continuations: Sequence[str],
             restraints: Sequence[Restraint | None], *, batch_size: int = 8, neutral: Sequence[str] = (),
             progress: bool = True) -> KLResult:
-    """KL(cell ‖ SFT) per case for every cell (the DPO model under each restraint; None: the DPO model itself) and
-    KL(DPO ‖ SFT), on each case's prompt (`question` turns) followed by its continuation, tokenised as trl's
-    DPOTrainer does (`core.chat.tokenize_replies`); and each cell's NLL on the `neutral` plain texts. One forward
+    """KL(cell ‖ SFT) per case for every cell (the DPO model under each restraint, hooked or, for a revert, baked in
+    memory toward `sft`; None: the DPO model itself) and KL(DPO ‖ SFT), on each case's prompt (`question` turns)
+    followed by its continuation, tokenised as trl's DPOTrainer does (`core.chat.tokenize_replies`); and each cell's NLL
+    and KL to the DPO model on the `neutral` plain texts. One forward
     per batch per model and cell; nothing but per-case means is kept across batches."""
     if len(continuations) != len(cases):
         raise InputError(f"{len(continuations)} continuations for {len(cases)} cases")
     vocab = [m.get_output_embeddings().weight.shape[0] for m in (sft, dpo)]
     if vocab[0] != vocab[1]:
         raise InputError(f"the SFT and DPO models' vocabularies differ ({vocab[0]} and {vocab[1]} tokens)")
-    for r in {id(r): r for r in restraints if r is not None}.values():
-        validate(r, dpo)
+    check_cells(restraints, dpo, sft)
     cases = canonical_cases(cases)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     limit = context_window(dpo, tokenizer)
@@ -217,18 +270,25 @@ def kl_grid(sft: Any, dpo: Any, tokenizer: Any, cases: Sequence[dict[str, Any]],
     out = KLResult(torch.zeros(cells, len(cases), dtype=torch.float64), torch.zeros(len(cases), dtype=torch.float64),
                    torch.tensor([len(s) - max(1, b) for s, b in zip(seqs, starts)]),
                    [dimensions_for_task(c.get("task")) for c in cases],
-                   torch.zeros(cells, len(texts), dtype=torch.float64), torch.zeros(len(texts), dtype=torch.float64))
+                   torch.zeros(cells, len(texts), dtype=torch.float64), torch.zeros(len(texts), dtype=torch.float64),
+                   torch.zeros(cells, len(texts), dtype=torch.float64))
 
-    def scored(batch: Batch, measure: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the DPO model's, every cell's) per-row means of `measure(log-probs)`."""
-        dpo_value = per_row_mean(measure(logprobs(dpo, batch)), batch)
+    def scored(batch: Batch, measure: Callable[[torch.Tensor], torch.Tensor],
+               to_dpo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the DPO model's, every cell's) per-row means of `measure(log-probs)`; with `to_dpo` ([cells, rows] of
+        this batch), each cell's mean KL to the DPO model written there too."""
+        dpo_lp = logprobs(dpo, batch)
+        dpo_value = per_row_mean(measure(dpo_lp), batch)
         values = []
-        for r in restraints:
+        for k, r in enumerate(restraints):
             if r is None:
                 values.append(dpo_value)
                 continue
-            with applied(dpo, r, checked=True):
-                values.append(per_row_mean(measure(logprobs(dpo, batch)), batch))
+            with restrained(dpo, r, sft):
+                lp = logprobs(dpo, batch)
+            values.append(per_row_mean(measure(lp), batch))
+            if to_dpo is not None:
+                to_dpo[k] = per_row_mean(kl_to(dpo_lp, lp), batch)
         return dpo_value, torch.stack(values)
 
     case_batches = list(batches(seqs, starts, batch_size, pad_id))
@@ -242,7 +302,9 @@ def kl_grid(sft: Any, dpo: Any, tokenizer: Any, cases: Sequence[dict[str, Any]],
             bar.update()
         for batch in text_batches:
             here = batch.to(device)
-            out.neutral_dpo[batch.index], out.neutral[:, batch.index] = scored(here, partial(nll, here.targets()))
+            to_dpo = torch.zeros(cells, len(batch.index), dtype=torch.float64)
+            out.neutral_dpo[batch.index], out.neutral[:, batch.index] = scored(here, partial(nll, here.targets()), to_dpo)
+            out.neutral_kl[:, batch.index] = to_dpo
             bar.update()
     bar.close()
     return out

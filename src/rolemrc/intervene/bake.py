@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,25 @@ def fold_restraint(model: nn.Module, r: Restraint, reference: nn.Module | None =
             param[index] = value.to(param.dtype)
             touched[names[id(param)]] = touched.get(names[id(param)], 0) + value.numel()
     return touched
+
+
+@contextmanager
+def folded(model: nn.Module, r: Restraint, reference: nn.Module | None = None) -> Iterator[nn.Module]:
+    """`r` baked into `model` in memory for the duration of the block, every touched slice restored on exit: how a
+    revert (which has no hook) is measured beside hooked cells on one loaded model. A patch that needs biases the model
+    lacks is refused here (it would change the model's structure): measure it as a hook."""
+    updates = list(fold_updates(model, r, reference))
+    saved = [(param, index, param[index].detach().clone()) for param, index, _ in updates]
+    try:
+        with torch.no_grad():
+            for param, index, value in updates:
+                param[index] = value.to(param.dtype)
+        del updates
+        yield model
+    finally:
+        with torch.no_grad():
+            for param, index, value in saved:
+                param[index] = value
 
 
 def elements_changed(model: nn.Module, r: Restraint, dtype: torch.dtype, reference: nn.Module | None = None) -> int:

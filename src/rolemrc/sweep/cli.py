@@ -17,6 +17,7 @@ from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
 from rolemrc.probe.options import Direction
 from rolemrc.probe.selectors import SELECTORS
 from rolemrc.serve.engines import EngineName
+from rolemrc.sweep.frontier import FAMILY_KINDS
 from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES, Measure
 
 GRID_HELP = f"{GRID_ONE}; default: --share {','.join(map(str, SHARES))}"
@@ -97,3 +98,52 @@ def run_cmd(
                          device=device)
     summary = run_sweep(config, metrics="all" if metrics == "all" else tuple(metrics.split(",")))
     typer.echo(json.dumps({"out": str(out), "cells": len(summary["cells"]), "headline": summary["headline"]}))
+
+
+@app.command("frontier", cls=live_choices(method=SELECTORS))
+def frontier_cmd(
+    model: Path = typer.Option(..., "--model", help=f"the DPO model: {MODEL_HELP}"),
+    base: Path = typer.Option(..., "--base", help=f"the SFT model it was trained from: {MODEL_HELP}"),
+    diff: Path = typer.Option(..., "--diff", help="a diff of --base (A) vs --model (B) with activation moments: the "
+                              "units, the patch means and the directions come from it"),
+    data: Path = typer.Option(..., "--data", help="test JSONL; restoration is read on the cases of --dimension"),
+    dimension: str = typer.Option(..., help="the dimension whose change the restraints should undo"),
+    out: Path = typer.Option(..., "--out", help="frontier folder"),
+    neutral: Path = typer.Option(None, "--neutral", help="plain text, a passage per line: each restraint's size is its "
+                                 "KL from --model there (default: the distinct references of the other cases)"),
+    pairs: Path = typer.Option(None, "--pairs", help="held-out preference pairs (JSONL): the share of DPO's reward "
+                               "margin each restraint keeps"),
+    method: Method = typer.Option("standardized", "--method", help="unit selector of the unit families"),
+    attribution: Path = typer.Option(None, help="--method attribution: the pair's attribution file"),
+    families: str = typer.Option(",".join(FAMILY_KINDS), help="comma-separated: " + ", ".join(FAMILY_KINDS)),
+    per_layer: str = typer.Option("4,16,64", help="units per layer of the unit families (those below the width)"),
+    factors: str = typer.Option("0", help="scale family factors (one curve each)"),
+    unit_alphas: str = typer.Option("1", help="unit revert alphas (one curve each)"),
+    model_alphas: str = typer.Option("0.05,0.1,0.2,0.4,0.7,1", help="whole-model revert alphas (one curve)"),
+    top_layers: str = typer.Option("1,2,4", help="direction family: the N layers where it is longest"),
+    controls: int = typer.Option(10, min=10, help="controls of the same kind and size per point"),
+    seed: int = typer.Option(0, help="seed of the control draws and the bootstrap"),
+    limit: int = LIMIT,
+    max_new_tokens: int = typer.Option(64, help="the --base model's greedy continuation of each case"),
+    batch_size: int = typer.Option(8, help="sequences per forward"),
+    dtype: Dtype = dtype_option(),
+    device: str = device_option(),
+) -> None:
+    """Every restraint kind on one pair and one dimension, against controls of its own kind, in one currency of size
+    (KL from --model on neutral texts): restoration curves, the matched-size comparison, the margin kept; writes
+    frontier.json, frontier.md and frontier.html/png."""
+    from rolemrc.sweep.frontier import FrontierConfig, run_frontier
+    from rolemrc.sweep.plan import numbers
+
+    config = FrontierConfig(model=str(model), base=str(base), diff=str(diff), data=str(data), dimension=dimension,
+                            out=str(out), neutral=str(neutral) if neutral else None, pairs=str(pairs) if pairs else None,
+                            method=method, attribution=str(attribution) if attribution else None,
+                            families=[f.strip() for f in families.split(",") if f.strip()],
+                            per_layer=[int(k) for k in numbers(per_layer, "--per-layer")],
+                            factors=numbers(factors, "--factors"), unit_alphas=numbers(unit_alphas, "--unit-alphas"),
+                            model_alphas=numbers(model_alphas, "--model-alphas"),
+                            top_layers=[int(k) for k in numbers(top_layers, "--top-layers")], controls=controls,
+                            seed=seed, limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype,
+                            device=device)
+    summary = run_frontier(config)
+    typer.echo(json.dumps({"out": str(out), "points": len(summary["points"]), "headline": summary["headline"]}))

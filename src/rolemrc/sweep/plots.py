@@ -69,3 +69,59 @@ def write_sweep_figures(summary: dict, out: str | Path) -> dict[str, dict[str, s
     return write_figures({**{f"effects_{family}": effects_heatmap(summary, family) for family in COMPARISONS},
                           **{f"dose_{dimension}": dose_response(summary, dimension)
                              for dimension in sorted({c["dimension"] for c in summary["cells"]})}}, out)
+
+
+def frontier_figures(summary: dict) -> dict:
+    """The frontier: restoration on the dimension against size (neutral KL from the DPO model, log scale), one curve
+    per family with 95% CIs, its controls as open markers and their band (min to max at each point); and, given
+    preference pairs, restoration against the share of DPO's margin kept."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    points = summary["points"]
+    margins = all("margin_kept" in p for p in points)
+    fig = make_subplots(rows=1, cols=2 if margins else 1, horizontal_spacing=0.1,
+                        subplot_titles=["restoration vs size", "restoration vs DPO margin kept"][:2 if margins else 1])
+    families = list(dict.fromkeys(p["family"] for p in points))
+    for k, family in enumerate(families):
+        row = sorted((p for p in points if p["family"] == family), key=lambda p: p["size"]["mean"])
+        color = f"hsl({(k * 67) % 360}, 65%, 42%)"
+        x, y = [p["size"]["mean"] for p in row], [p["restoration"]["mean"] for p in row]
+        err = {"type": "data", "symmetric": False, "array": [p["restoration"]["hi"] - p["restoration"]["mean"] for p in row],
+               "arrayminus": [p["restoration"]["mean"] - p["restoration"]["lo"] for p in row]}
+        label = [", ".join(f"{key} {p[key]:g}" for key in ("per_layer", "factor", "alpha", "top_layers") if key in p)
+                 for p in row]
+        if all("controls" in p for p in row):
+            if len(row) > 1:   # the band: min to max of the controls at each point
+                top = [max(p["controls"]["restoration"]) for p in row]
+                bottom = [min(p["controls"]["restoration"]) for p in row]
+                fig.add_trace(go.Scatter(x=x + x[::-1], y=top + bottom[::-1], fill="toself", line={"width": 0},
+                                         fillcolor=color.replace("hsl", "hsla").replace(")", ", 0.15)"),
+                                         hoverinfo="skip", showlegend=False, legendgroup=family), row=1, col=1)
+            fig.add_trace(go.Scatter(x=[s for p in row for s in p["controls"]["size"]],
+                                     y=[v for p in row for v in p["controls"]["restoration"]], mode="markers",
+                                     marker={"color": color, "symbol": "circle-open", "size": 6, "opacity": 0.6},
+                                     name=f"{family}: controls", legendgroup=family,
+                                     hovertemplate="control<br>KL %{x:.3g}<br>restoration %{y:.3f}<extra>"
+                                     + family + "</extra>"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=x, y=y, error_y=err, mode="lines+markers", name=family, legendgroup=family,
+                                 line={"color": color}, text=label, hovertemplate="%{text}<br>KL %{x:.3g}<br>"
+                                 "restoration %{y:.3f}<extra>" + family + "</extra>"), row=1, col=1)
+        if margins:
+            fig.add_trace(go.Scatter(x=[p["margin_kept"]["mean"] for p in row], y=y, mode="markers", showlegend=False,
+                                     marker={"color": color}, legendgroup=family, text=label,
+                                     hovertemplate="%{text}<br>margin kept %{x:.3f}<br>restoration %{y:.3f}"
+                                     "<extra>" + family + "</extra>"), row=1, col=2)
+    fig.update_xaxes(type="log", title_text="size: KL from the DPO model on neutral texts (per token)", row=1, col=1)
+    fig.update_yaxes(title_text=f"restoration on {summary['config']['dimension']} (share of DPO's KL undone)",
+                     row=1, col=1)
+    if margins:
+        fig.update_xaxes(title_text="share of DPO's reward margin kept (held-out pairs)", row=1, col=2)
+    fig.add_hline(y=0, line_dash="dot", line_color="grey")
+    fig.update_layout(title="Restraint frontier: every kind on one pair (95% CIs over cases; bands: controls)",
+                      template="plotly_white", width=1300 if margins else 900, height=560)
+    return fig
+
+
+def frontier_figure(summary: dict, out: str | Path) -> dict[str, dict[str, str]]:
+    return write_figures({"frontier": frontier_figures(summary)}, Path(out))

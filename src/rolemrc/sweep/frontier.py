@@ -1,0 +1,359 @@
+"""The restraint frontier (`rolemrc sweep frontier`): every restraint kind on one SFT -> DPO pair, on the same cases,
+against controls of its own kind, in one currency of size.
+
+Families (one curve each), per point a restraint and `controls` of the same kind and size:
+- `scale xF` and `patch`: the selector's units (`--method`) at each per-layer budget, scaled by F, or set to their mean
+  under the SFT model; controls: random units matched on activation magnitude (`sweep.controls`);
+- `revert units a=A`: the same units' weights moved toward the SFT model by A; controls: random units, the same A;
+- `direction`: the difference of means projected out of the `top_layers` layers where it is longest; controls: random
+  unit directions in the same layers;
+- `revert model`: every weight moved toward the SFT model by alpha (Lin et al.'s interpolation): no control, it is the
+  comparator a unit method has to beat.
+
+Each point is measured once, teacher-forced (`eval.divergence`): restoration, the share of the DPO model's KL to the
+SFT model it undoes on the dimension's cases (1 − Σc/Σd); size, its mean KL from the DPO model per token of the
+neutral texts; and, given held-out preference pairs, the share of DPO's implicit-reward margin it keeps. CIs are
+percentile bootstraps over cases (texts, pairs). At matched size, families are compared by interpolating each curve's
+per-case restoration in log size and bootstrapping the paired difference over cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rolemrc.core.errors import InputError
+from rolemrc.intervene.spec import Restraint
+
+UNIT_KINDS = ("scale", "patch", "revert")   # families that restrain the selector's units
+FAMILY_KINDS = ("scale", "patch", "revert-units", "direction", "revert-model")
+ROUNDS = 2000
+MATCH_POINTS = 5   # sizes (log-spaced over the families' common range) where families are compared
+
+
+@dataclass
+class FrontierConfig:
+    """One pair, one dimension, every kind."""
+
+    model: str                      # the DPO model
+    base: str                       # the SFT model: KL reference, revert reference, patch means' model
+    diff: str                       # a diff of base (A) vs model (B) with moments: units, means, directions
+    data: str                       # test cases; restoration is read on those of `dimension`
+    dimension: str
+    out: str
+    neutral: str | None = None      # plain texts, one per line (default: the other cases' distinct references)
+    pairs: str | None = None        # held-out preference pairs: the DPO margin each point keeps
+    method: str = "standardized"    # the unit selector (its input: `diff`, or `attribution` for that selector)
+    attribution: str | None = None
+    families: list[str] = field(default_factory=lambda: list(FAMILY_KINDS))
+    per_layer: list[int] = field(default_factory=lambda: [4, 16, 64])
+    factors: list[float] = field(default_factory=lambda: [0.0])
+    unit_alphas: list[float] = field(default_factory=lambda: [1.0])
+    model_alphas: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.4, 0.7, 1.0])
+    top_layers: list[int] = field(default_factory=lambda: [1, 2, 4])
+    controls: int = 10
+    seed: int = 0
+    limit: int | None = None
+    max_new_tokens: int = 64        # the SFT model's greedy continuation of each case
+    batch_size: int = 8
+    dtype: str = "auto"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.families) - set(FAMILY_KINDS))
+        if unknown or not self.families:
+            raise InputError(f"--families: some of {', '.join(FAMILY_KINDS)}, not {unknown or 'none'}")
+        if self.controls < 10:
+            raise InputError(f"--controls: at least 10 per point (a band of fewer says little), got {self.controls}")
+        for name, values in (("--unit-alphas", self.unit_alphas), ("--model-alphas", self.model_alphas)):
+            if not values or not all(0 < a <= 1 for a in values):
+                raise InputError(f"{name}: values in (0, 1], got {values}")
+        if any(k < 1 for k in [*self.per_layer, *self.top_layers]) or not self.per_layer or not self.top_layers:
+            raise InputError("--per-layer and --top-layers: whole numbers >= 1")
+        if self.method == "attribution" and not self.attribution:
+            raise InputError("--method attribution reads --attribution, an attribution file of the pair")
+
+
+@dataclass
+class Point:
+    """One restraint of a family and its controls."""
+
+    family: str
+    kind: str
+    setting: dict[str, float]
+    restraint: Restraint
+    controls: list[Restraint]
+
+
+def unit_points(config: FrontierConfig, width: int) -> list[Point]:
+    """The families built on the selector's units: scale, patch and unit revert at each per-layer budget."""
+    from rolemrc.core.modeling import dir_fingerprint, resolve_model
+    from rolemrc.intervene.kinds import as_patch, as_revert
+    from rolemrc.intervene.select import select, warnings_once
+    from rolemrc.sweep.controls import draw_controls, unit_magnitudes
+
+    source = config.attribution if config.method == "attribution" else config.diff
+    magnitude, how = unit_magnitudes(config.diff, config.dimension)
+    reference = {"name": config.base, "fingerprint": dir_fingerprint(resolve_model(config.base))}
+    points = []
+    with warnings_once():
+        for k in config.per_layer:
+            if k >= width:
+                continue
+            units = select(source, config.dimension, method=config.method, per_layer=k, factor=0.0,
+                           name=f"{config.method}-{k}pl")
+            drawn = draw_controls(units, width, config.controls, seed=config.seed, magnitude=magnitude, how=how)
+            if "scale" in config.families:
+                for f in config.factors:
+                    points.append(Point(f"scale x{f:g}", "scale", {"per_layer": k, "factor": f},
+                                        scaled(units, f), [scaled(c, f) for c in drawn]))
+            if "patch" in config.families:
+                points.append(Point("patch", "patch", {"per_layer": k}, as_patch(units, config.diff, config.dimension),
+                                    [as_patch(c, config.diff, config.dimension) for c in drawn]))
+            if "revert-units" in config.families:
+                for a in config.unit_alphas:
+                    points.append(Point(f"revert units a={a:g}", "revert", {"per_layer": k, "alpha": a},
+                                        as_revert(units, a, reference), [as_revert(c, a, reference) for c in drawn]))
+    return points
+
+
+def scaled(r: Restraint, factor: float) -> Restraint:
+    return Restraint(name=r.name, hook=r.hook, units=r.units, factor=factor, source=r.source, model=r.model)
+
+
+def direction_points(config: FrontierConfig) -> list[Point]:
+    """The difference-of-means direction in the `top_layers` longest layers; controls: random unit directions there."""
+    import torch
+
+    from rolemrc.intervene.kinds import direction_restraint
+
+    points = []
+    for n in config.top_layers:
+        r = direction_restraint(config.diff, config.dimension, top_layers=n, name=f"direction-{n}")
+        if points and r.sites == points[-1].restraint.sites:   # fewer layers differ than asked
+            continue
+        width = len(next(iter(r.directions.values())))
+        gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(f"{config.seed}:{r.digest}".encode())
+                                                           .digest()[:8], "little"))
+        controls = [Restraint(name=f"{r.name}-control{j}", hook=r.hook, kind="direction",
+                              directions={layer: torch.randn(width, generator=gen, dtype=torch.float64).tolist()
+                                          for layer in r.sites}, source={"control_of": r.name, "draw": j})
+                    for j in range(config.controls)]
+        points.append(Point("direction", "direction", {"top_layers": len(r.sites)}, r, controls))
+    return points
+
+
+def model_points(config: FrontierConfig) -> list[Point]:
+    """Global weight interpolation toward the SFT model (no controls)."""
+    from rolemrc.intervene.kinds import revert_restraint
+
+    return [Point("revert model", "revert", {"alpha": a}, revert_restraint(config.base, a, "model"), [])
+            for a in config.model_alphas]
+
+
+def frontier_points(config: FrontierConfig, width: int) -> list[Point]:
+    points = unit_points(config, width)
+    if "direction" in config.families:
+        points += direction_points(config)
+    if "revert-model" in config.families:
+        points += model_points(config)
+    return points
+
+
+def neutral_texts(config: FrontierConfig, records: list[dict]) -> list[str]:
+    """The neutral texts: the file's lines, or the distinct references of the cases outside the dimension."""
+    from rolemrc.core.taxonomy import dimensions_for_task
+    from rolemrc.sweep.plan import neutral_texts as read_lines
+
+    if config.neutral:
+        return read_lines(config.neutral)
+    texts = sorted({r["reference"] for r in records if r.get("reference")
+                    and config.dimension not in dimensions_for_task(r.get("task"))})
+    if len(texts) < 2:
+        raise InputError(f"{config.data}: fewer than 2 references outside {config.dimension}; give --neutral")
+    return texts
+
+
+def measure(config: FrontierConfig, points: list[Point], *, progress: bool = True) -> dict[str, Any]:
+    """Every point's and control's per-case restoration terms, neutral KL to the DPO model and (points only) DPO margin
+    on the pairs: one teacher-forced pass per batch for all of them (`eval.divergence.kl_grid`, `margin_grid`)."""
+    from rolemrc.core.modeling import load_model
+    from rolemrc.core.records import first_cases, read_records
+    from rolemrc.core.taxonomy import dimensions_for_task
+    from rolemrc.eval.divergence import continuations, kl_grid, margin_grid
+    from rolemrc.eval.generate import GenerateConfig
+    from rolemrc.probe.attribution import read_pairs
+
+    records = first_cases(read_records(config.data, "test")[0], config.limit)
+    cases = [r for r in records if config.dimension in dimensions_for_task(r.get("task"))]
+    if len(cases) < 2:
+        raise InputError(f"{config.data}: {len(cases)} case(s) of {config.dimension}; the frontier needs at least 2")
+    neutral = neutral_texts(config, records)
+    sft, tok = load_model(config.base, dtype=config.dtype, device=config.device)
+    dpo, _ = load_model(config.model, dtype=config.dtype, device=config.device)
+    texts = continuations(cases, "sft", sft=sft, tokenizer=tok,
+                          config=GenerateConfig(model=config.base, max_new_tokens=config.max_new_tokens,
+                                                batch_size=config.batch_size, progress=progress))
+    cells = [None] + [r for p in points for r in (p.restraint, *p.controls)]
+    result = kl_grid(sft, dpo, tok, cases, texts, cells, batch_size=config.batch_size, neutral=neutral, progress=progress)
+    out = {"d": result.dpo.numpy(), "c": result.kl.numpy(), "neutral_kl": result.neutral_kl.numpy(),
+           "cases": len(cases), "texts": len(neutral)}
+    if config.pairs:
+        pairs, _ = read_pairs(config.pairs)
+        out["margin"] = margin_grid(sft, dpo, tok, pairs, [None] + [p.restraint for p in points],
+                                    batch_size=config.batch_size, progress=progress).numpy()
+    return out
+
+
+def weights(n: int, seed: int) -> np.ndarray:
+    from rolemrc.core.stats import resample_counts
+
+    return resample_counts(n, ROUNDS, seed).astype(np.float64)
+
+
+def interval(point: float, samples: np.ndarray) -> dict[str, float]:
+    from rolemrc.core.stats import percentile_ci
+
+    lo, hi = percentile_ci(samples)
+    return {"mean": float(point), "lo": lo, "hi": hi}
+
+
+def summarise(config: FrontierConfig, points: list[Point], measured: dict[str, Any]) -> dict[str, Any]:
+    """Per point: restoration and size with CIs, its controls' band and its excess over them, the margin kept; per
+    matched size, each family's restoration and the best family's lead."""
+    d, c, nkl = measured["d"], measured["c"], measured["neutral_kl"]
+    w_cases, w_texts = weights(len(d), config.seed), weights(nkl.shape[1], config.seed + 1)
+    boot = 1 - (c @ w_cases.T) / (d @ w_cases.T)          # [cells, rounds]
+    restored = 1 - c.sum(1) / d.sum()                        # [cells]
+    size = nkl.mean(1)
+    size_boot = (nkl @ w_texts.T) / w_texts.sum(1)
+    rows, at = [], 1
+    for k, p in enumerate(points):
+        ctrl = slice(at + 1, at + 1 + len(p.controls))
+        row = {"family": p.family, "kind": p.kind, **p.setting, "name": p.restraint.name,
+               "units": p.restraint.num_units, "layers": len(p.restraint.sites) or None,
+               "restoration": interval(restored[at], boot[at]), "size": interval(size[at], size_boot[at]),
+               "digest": p.restraint.digest}
+        if p.controls:
+            mean_ctrl = boot[ctrl].mean(0)
+            row["controls"] = {"n": len(p.controls), "restoration": [float(x) for x in restored[ctrl]],
+                               "size": [float(x) for x in size[ctrl]],
+                               "excess": interval(restored[at] - restored[ctrl].mean(), boot[at] - mean_ctrl)}
+        if "margin" in measured:
+            m = measured["margin"]
+            w_pairs = weights(m.shape[1], config.seed + 2)
+            kept = (m[k + 1] @ w_pairs.T) / (m[0] @ w_pairs.T)
+            row["margin_kept"] = interval(m[k + 1].sum() / m[0].sum(), kept)
+        rows.append(row)
+        at += 1 + len(p.controls)
+    summary = {"config": asdict(config), "cases": measured["cases"], "texts": measured["texts"], "points": rows,
+               "dpo_kl_to_sft": float(d.mean())}
+    if "margin" in measured:
+        m = measured["margin"][0]
+        summary["dpo_margin"] = interval(m.mean(), (m @ weights(len(m), config.seed + 2).T)
+                                         / weights(len(m), config.seed + 2).sum(1))
+    summary["matched"] = matched(points, rows, c, d, w_cases)
+    summary["headline"] = headline(summary)
+    return summary
+
+
+def matched(points: list[Point], rows: list[dict], c: np.ndarray, d: np.ndarray, w: np.ndarray) -> list[dict]:
+    """At log-spaced sizes inside every family's range (families of 2+ points), each family's restoration (its
+    curve interpolated in log size, per case) with a CI, and the leader's lead over the runner-up (paired over cases)."""
+    index, at = {}, 1
+    for p, row in zip(points, rows):
+        index.setdefault(p.family, []).append((row["size"]["mean"], at))
+        at += 1 + len(p.controls)
+    curves = {f: sorted(v) for f, v in index.items() if len(v) >= 2 and all(s > 0 for s, _ in v)}
+    if len(curves) < 2:
+        return []
+    lo = max(math.log(v[0][0]) for v in curves.values())
+    hi = min(math.log(v[-1][0]) for v in curves.values())
+    if lo > hi:
+        return []
+    out = []
+    for x in np.linspace(lo, hi, MATCH_POINTS):
+        per_case = {}
+        for family, curve in curves.items():
+            sizes = np.log([s for s, _ in curve])
+            j = int(np.clip(np.searchsorted(sizes, x) - 1, 0, len(curve) - 2))
+            t = 0.0 if sizes[j + 1] == sizes[j] else (x - sizes[j]) / (sizes[j + 1] - sizes[j])
+            per_case[family] = (1 - t) * c[curve[j][1]] + t * c[curve[j + 1][1]]   # interpolated KL per case
+        value = {f: float(1 - v.sum() / d.sum()) for f, v in per_case.items()}
+        boot = {f: 1 - (v @ w.T) / (d @ w.T) for f, v in per_case.items()}
+        ranked = sorted(value, key=value.get, reverse=True)
+        lead = interval(value[ranked[0]] - value[ranked[1]], boot[ranked[0]] - boot[ranked[1]])
+        out.append({"size": float(math.exp(x)), "restoration": {f: interval(value[f], boot[f]) for f in ranked},
+                    "leader": ranked[0], "runner_up": ranked[1], "lead": lead})
+    return out
+
+
+def headline(summary: dict[str, Any]) -> str:
+    """Which family restores most at matched size, and whether its lead is clear of 0."""
+    rows = summary["matched"]
+    if not rows:
+        return ("No two families overlap in size (neutral KL from the DPO model), so none is compared at matched size; "
+                "see the figure.")
+    leaders = {r["leader"] for r in rows}
+    clear = [r for r in rows if r["lead"]["lo"] > 0]
+    parts = [f"at KL {r['size']:.3g}: {r['leader']} {r['restoration'][r['leader']]['mean']:.3f} vs {r['runner_up']} "
+             f"{r['restoration'][r['runner_up']]['mean']:.3f} (lead {r['lead']['mean']:+.3f} [{r['lead']['lo']:+.3f}, "
+             f"{r['lead']['hi']:+.3f}])" for r in (rows[0], rows[-1])]
+    who = (f"{next(iter(leaders))} restores the most at every matched size" if len(leaders) == 1 else
+           f"the leader changes with size ({', '.join(sorted(leaders))})")
+    return (f"On {summary['config']['dimension']}, {who}; its lead over the runner-up excludes 0 at {len(clear)} of "
+            f"{len(rows)} sizes: {'; '.join(parts)}.")
+
+
+def run_frontier(config: FrontierConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Build every family's points and controls, measure them, and write OUT/frontier.json, frontier.md and the
+    figure (frontier.html/png)."""
+    from rolemrc.core.artifacts import stamp
+    from rolemrc.core.hooks import width
+    from rolemrc.core.io import write_json
+    from rolemrc.core.modeling import load_model
+    from rolemrc.intervene.select import input_hook
+    from rolemrc.sweep.plots import frontier_figure
+
+    skeleton, _ = load_model(config.model, dtype=config.dtype, device="cpu")
+    points = frontier_points(config, width(skeleton, input_hook(config.diff)))
+    del skeleton
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "points.json", [{"family": p.family, "setting": p.setting, "restraint": p.restraint.to_dict(),
+                                      "controls": [c.to_dict() for c in p.controls]} for p in points])
+    summary = summarise(config, points, measure(config, points, progress=progress))
+    summary["figures"] = frontier_figure(summary, out)
+    write_json(out / "frontier.json", {**stamp("frontier"), **summary})
+    (out / "frontier.md").write_text(frontier_markdown(summary))
+    return summary
+
+
+def frontier_markdown(summary: dict[str, Any]) -> str:
+    def ci(x: dict | None) -> str:
+        return "–" if not x else f"{x['mean']:.3f} [{x['lo']:.3f}, {x['hi']:.3f}]"
+
+    lines = ["# Restraint frontier", "", summary["headline"], "",
+             f"{summary['cases']} cases of {summary['config']['dimension']}, {summary['texts']} neutral texts; the DPO "
+             f"model's mean KL to the SFT model per token there: {summary['dpo_kl_to_sft']:.4g}.", "",
+             "| family | setting | restoration | size (neutral KL from DPO) | controls (min-max) | excess over controls "
+             "| DPO margin kept |", "|---|---|---|---|---|---|---|"]
+    for r in summary["points"]:
+        setting = ", ".join(f"{k} {r[k]:g}" for k in ("per_layer", "factor", "alpha", "top_layers") if k in r)
+        band = (f"{min(r['controls']['restoration']):.3f} to {max(r['controls']['restoration']):.3f}"
+                if "controls" in r else "–")
+        lines.append(f"| {r['family']} | {setting} | {ci(r['restoration'])} | {r['size']['mean']:.3g} | {band} | "
+                     f"{ci(r.get('controls', {}).get('excess'))} | {ci(r.get('margin_kept'))} |")
+    if summary["matched"]:
+        lines += ["", "## At matched size", "", "| neutral KL | " + " | ".join(summary["matched"][0]["restoration"]) + " |",
+                  "|---" * (1 + len(summary["matched"][0]["restoration"])) + "|"]
+        families = list(summary["matched"][0]["restoration"])
+        lines += [f"| {r['size']:.3g} | " + " | ".join(ci(r["restoration"].get(f)) for f in families) + " |"
+                  for r in summary["matched"]]
+    return "\n".join(lines) + "\n"
+

@@ -1,0 +1,120 @@
+"""The restraint frontier (`rolemrc sweep frontier`) on a pair whose change is known: the planted DPO model differs
+from its SFT model in 4 MLP units alone, so a restraint of those units (scaled to 0, patched to the SFT mean, their
+weights reverted) and a whole-model revert at alpha 1 undo all of it, random controls of the same kind none of it,
+and DPO's margin on pairs that prefer its refusal is kept only where the change is not undone."""
+
+import json
+
+import pytest
+from fixtures import ANSWERABLE_UNITS, answerable_records, save_planted_llama
+from typer.testing import CliRunner
+
+from rolemrc.cli import app
+from rolemrc.core.io import write_jsonl
+from rolemrc.core.modeling import load_model
+
+
+@pytest.fixture(scope="module")
+def planted_pair(tmp_path_factory, tokenizer):
+    """SFT (the 4 units off) and DPO (on), a paired diff of them with moments, test cases, neutral texts, pairs."""
+    from rolemrc.probe import collect_paired, diff
+
+    root = tmp_path_factory.mktemp("frontier")
+    sft = save_planted_llama(root / "sft", tokenizer, units_on=False, noise=1e-3)
+    dpo = save_planted_llama(root / "dpo", tokenizer, noise=1e-3)
+    records = answerable_records(12)
+    write_jsonl(root / "test.jsonl", records)
+    paired = collect_paired([str(sft), str(dpo)], records, batch_size=8, device="cpu", progress=False)
+    result = diff(paired)
+    # the units fire alike on every case, so their standardized effect is 0/0 (reported as 0) and the last-token
+    # frequencies tie with noise units: rank by the raw change of the mean activation, which the moments hold
+    result.effect["multi_turn"] = result.mean_b["multi_turn"] - result.mean_a["multi_turn"]
+    result.save(root / "diff")
+    (root / "neutral.txt").write_text("the keeper of the lighthouse watched storms\nsing to the ovens at dawn\n"
+                                      "a river floods every spring in the valley\n")
+    prompt = [{"role": "user", "content": "tell me about the harbour"}]
+    write_jsonl(root / "pairs.jsonl", [{"prompt": prompt, "chosen": "cannot answer cannot answer",
+                                        "rejected": "watched an old emoji"}] * 3)
+    return root
+
+
+def test_the_frontier_finds_the_known_change_and_its_controls_do_not(planted_pair, tmp_path):
+    root = planted_pair
+    res = CliRunner().invoke(app, [
+        "sweep", "frontier", "--model", str(root / "dpo"), "--base", str(root / "sft"), "--diff", str(root / "diff"),
+        "--data", str(root / "test.jsonl"), "--dimension", "multi_turn", "--out", str(tmp_path / "f"),
+        "--neutral", str(root / "neutral.txt"), "--pairs", str(root / "pairs.jsonl"), "--per-layer", "4", "--limit", "8",
+        "--model-alphas", "0.3,1", "--top-layers", "1,2", "--max-new-tokens", "6", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "f" / "frontier.json").read_text())
+    points = {(p["family"], p.get("per_layer", p.get("alpha"))): p for p in summary["points"]}
+    assert set(points) == {("scale x0", 4), ("patch", 4), ("revert units a=1", 4), ("direction", None),
+                           ("revert model", 0.3), ("revert model", 1.0)}   # one direction: only layer 1 differs
+    spec = json.loads((tmp_path / "f" / "points.json").read_text())
+    assert spec[0]["restraint"]["units"] == {"1": sorted(ANSWERABLE_UNITS)}
+    for family in ("scale x0", "patch", "revert units a=1"):
+        p = points[(family, 4)]
+        assert p["restoration"]["mean"] == pytest.approx(1, abs=1e-3), family
+        assert p["controls"]["n"] == 10 and max(p["controls"]["restoration"]) < 0.05, family
+        assert p["controls"]["excess"]["lo"] > 0.9 and p["margin_kept"]["mean"] == pytest.approx(0, abs=1e-3), family
+    full, part = points[("revert model", 1.0)], points[("revert model", 0.3)]
+    assert full["restoration"]["mean"] == pytest.approx(1, abs=1e-6) and "controls" not in full
+    assert 0 < part["restoration"]["mean"] < 1 and 0 < part["size"]["mean"] < full["size"]["mean"]
+    assert summary["dpo_margin"]["mean"] > 1   # the pairs prefer the planted refusal
+    direction = points[("direction", None)]
+    assert direction["layers"] == 1 and direction["restoration"]["mean"] > max(direction["controls"]["restoration"])
+    assert summary["cases"] == 8 and not summary["matched"]   # one point per unit family: no curve to match
+    assert summary["headline"].startswith("No two families overlap in size")
+    assert (tmp_path / "f" / "frontier.html").is_file() and (tmp_path / "f" / "frontier.md").is_file()
+
+
+def test_revert_cells_are_baked_in_memory_and_undone(planted_pair):
+    """A revert measured beside hooked cells leaves the DPO model as it was."""
+    import torch
+
+    from rolemrc.eval.divergence import kl_grid
+    from rolemrc.intervene.kinds import revert_restraint
+
+    root = planted_pair
+    sft, tok = load_model(root / "sft", dtype="float32", device="cpu")
+    dpo, _ = load_model(root / "dpo", dtype="float32", device="cpu")
+    before = {n: p.detach().clone() for n, p in dpo.named_parameters()}
+    cases = answerable_records(4)
+    result = kl_grid(sft, dpo, tok, cases, ["a reply"] * 4, [None, revert_restraint(root / "sft", 1.0, "model")],
+                     progress=False, neutral=["one two three four"])
+    assert float(result.kl[1].abs().max()) < 1e-6 < float(result.kl[0].min())   # reverted fully: the SFT model
+    assert float(result.neutral_kl[0].abs().max()) == 0 and float(result.neutral_kl[1].min()) > 0
+    assert all(torch.equal(before[n], p) for n, p in dpo.named_parameters())
+
+
+def test_bad_frontier_settings_fail_before_anything_loads(tmp_path):
+    res = CliRunner().invoke(app, ["sweep", "frontier", "--model", "m", "--base", "b", "--diff", "d", "--data", "t",
+                                   "--dimension", "x", "--out", str(tmp_path), "--families", "scale,steer"])
+    assert res.exit_code == 2 and "error: --families: some of scale, patch" in res.output
+    res = CliRunner().invoke(app, ["sweep", "frontier", "--model", "m", "--base", "b", "--diff", "d", "--data", "t",
+                                   "--dimension", "x", "--out", str(tmp_path), "--model-alphas", "0.5,2"])
+    assert res.exit_code == 2 and "error: --model-alphas: values in (0, 1]" in res.output
+
+
+def test_families_are_compared_at_matched_size_paired_over_cases():
+    """Two curves over the same 4 cases: A undoes half the KL at size 0.01 and all of it at 1, B a quarter and 3/4;
+    interpolated in log size, A leads B by a quarter at every matched size, with a CI clear of 0."""
+    import numpy as np
+
+    from rolemrc.intervene.spec import Restraint
+    from rolemrc.sweep.frontier import Point, headline, matched, weights
+
+    d = np.array([1.0, 2.0, 3.0, 4.0])
+    c = np.stack([d, d * 0.5, d * 0.0, d * 0.75, d * 0.25])   # the DPO model, then A's two points, then B's
+    r = Restraint(name="r", hook="mlp.act", factor=0.0, units={0: [1]})
+    points = [Point("A", "scale", {}, r, []), Point("A", "scale", {}, r, []), Point("B", "patch", {}, r, []),
+              Point("B", "patch", {}, r, [])]
+    rows = [{"size": {"mean": s}} for s in (0.01, 1.0, 0.01, 1.0)]
+    out = matched(points, rows, c, d, weights(4, 0))
+    assert len(out) == 5 and {m["leader"] for m in out} == {"A"}
+    for m in out:
+        assert m["lead"]["mean"] == pytest.approx(0.25) and m["lead"]["lo"] == pytest.approx(0.25)
+    assert out[0]["restoration"]["A"]["mean"] == pytest.approx(0.5) and out[-1]["restoration"]["A"]["mean"] == 1
+    summary = {"matched": out, "config": {"dimension": "role_style"}}
+    assert headline(summary).startswith("On role_style, A restores the most at every matched size; its lead over "
+                                        "the runner-up excludes 0 at 5 of 5 sizes")
