@@ -125,6 +125,36 @@ def test_restraints_change_greedy_output_only_when_strong(client):
     assert greedy(client) == base  # hooks are gone afterwards
 
 
+def test_every_hooked_kind_is_served_as_the_library_applies_it_and_a_revert_is_refused(client, model_dirs):
+    """Inline patch and direction restraints over HTTP give the greedy text that transformers' own generate gives
+    under the library's hooks; a revert (baked, not hooked) is a 422 naming its kind; a direction counts its entries
+    against max_inline_units."""
+    import torch
+
+    from rolemrc.core.chat import render_chat
+    from rolemrc.core.modeling import load_model
+    from rolemrc.intervene import applied
+
+    model, tok = load_model(model_dirs["llama"], dtype="float32", device="cpu")
+    ids = tok(render_chat(tok, CHAT), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    vector = torch.randn(96, generator=torch.Generator().manual_seed(1)).tolist()
+    specs = [{"name": "p", "restraint": "patch", "hook": "mlp.act", "units": {0: list(range(40)), 1: [5, 9]},
+              "values": {0: [3.0] * 40, 1: [-4.0, 6.0]}},
+             {"name": "d", "restraint": "direction", "hook": "mlp.act", "directions": {1: vector}}]
+    for spec in specs:
+        with applied(model, Restraint.from_dict(spec)), torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False)
+        assert greedy(client, restraint=spec) == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), spec
+    assert greedy(client, restraint=specs[0]) != greedy(client)   # the patch changes the text
+    revert = {"name": "v", "restraint": "revert", "hook": "mlp.act", "alpha": 0.5, "scope": "model",
+              "reference": {"name": str(model_dirs["qwen2"])}}
+    status, error = status_of(lambda: greedy(client, restraint=revert))
+    assert (status, error["code"]) == (422, "restraint_kind_unsupported") and "a revert is baked" in error["message"]
+    wide = dict(specs[1], directions={0: vector, 1: vector})
+    status, error = status_of(lambda: greedy(client, restraint=wide))
+    assert (status, error["code"]) == (422, "restraint_too_large") and "192 units and direction entries" in error["message"]
+
+
 def test_concurrent_requests_with_mixed_restraints_match_sequential(client):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -292,3 +292,25 @@ def test_an_inline_restraint_on_the_vllm_engine_is_validated_once_and_shares_its
     second = asyncio.run(one_request(dict(spec, name="b")))
     assert first == second and loaded == [("load_lora_adapter", first)]   # one adapter for both names
     assert validated == ["a", "b"]
+
+
+def test_the_vllm_engine_serves_each_kind_a_lora_holds_and_refuses_the_rest_by_name(model_dirs, tmp_path):
+    """A direction is a rank-1 LoRA: resolved like a scale. A patch (a constant) and a revert (a full-rank delta) are
+    422 restraint_kind_unsupported, naming the kind, before any adapter is exported."""
+    from rolemrc.serve.catalog import ModelCatalog
+    from rolemrc.serve.errors import ApiError
+
+    config = ServeConfig.from_dict({"models": {"v": {"engine": "vllm", "path": str(model_dirs["llama"]),
+                                                     "adapter_cache": str(tmp_path)}},
+                                    "allow_inline_restraints": True})
+    catalog = ModelCatalog(config)
+    engine = catalog.engines["v"]
+    direction = {"name": "d", "restraint": "direction", "hook": "mlp.post", "directions": {1: [1.0] * 96}}
+    assert catalog.resolve(engine, None, direction).restraint.kind == "direction"
+    for spec in ({"name": "p", "restraint": "patch", "hook": "mlp.post", "units": {0: [1]}, "values": {0: [2.0]}},
+                 {"name": "v", "restraint": "revert", "hook": "mlp.act", "alpha": 0.5, "scope": "model",
+                  "reference": {"name": str(model_dirs["qwen2"])}}):
+        with pytest.raises(ApiError) as err:
+            catalog.resolve(engine, None, spec)
+        assert (err.value.status, err.value.code) == (422, "restraint_kind_unsupported")
+        assert f"cannot serve a {spec['restraint']} restraint" in str(err.value) and not list(tmp_path.iterdir())

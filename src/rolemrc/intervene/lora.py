@@ -33,7 +33,7 @@ from rolemrc.core.modeling import dir_fingerprint, is_path, loaded_model, model_
 from rolemrc.core.version import __version__
 from rolemrc.intervene.bake import Fold, lora_exportable, provenance_metadata, restraint_fold
 from rolemrc.intervene.fit import check_origin, validate
-from rolemrc.intervene.spec import Restraint, RestraintError, as_restraint
+from rolemrc.intervene.spec import KindUnsupportedError, Restraint, RestraintError, as_restraint
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 STALE_S = 3600.0   # a hidden folder in an adapter cache this old is an export or eviction that died midway
@@ -166,7 +166,7 @@ class LoraExporter:
         if r.kind in ("patch", "revert"):
             why = ("adds a constant per unit (a bias)" if r.kind == "patch" else
                    "moves weights toward another checkpoint by a delta that is full-rank in general")
-            raise RestraintError(f"restraint {r.name!r} is a {r.kind}, which {why}: a LoRA adapter cannot hold it "
+            raise KindUnsupportedError(f"restraint {r.name!r} is a {r.kind}, which {why}: a LoRA adapter cannot hold it "
                                  "exactly; bake it (`rolemrc intervene bake`)" +
                                  (" or apply it as a runtime hook" if r.kind == "patch" else ""))
         # fold_target refuses, with the row's reason, points that cannot fold

@@ -37,6 +37,10 @@ class RestraintError(RolemrcError, ValueError):
     """A restraint spec is malformed or does not fit the model."""
 
 
+class KindUnsupportedError(RestraintError):
+    """A restraint of a kind that this way of applying it (an engine, a LoRA adapter) cannot apply exactly."""
+
+
 
 def parse_layers(text: str | None, n_layers: int | None = None) -> list[int] | None:
     """'12-31' / '3,5,7-9' -> sorted layer list (None for no restriction)."""

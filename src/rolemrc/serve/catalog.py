@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from rolemrc.intervene.fit import check_origin
-from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.intervene.spec import KindUnsupportedError, Restraint, RestraintError
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines import engine_class
 from rolemrc.serve.engines.base import ClientRestraint, Engine, Resolved
@@ -135,10 +135,10 @@ class ModelCatalog:
         if not self.config.allow_inline_restraints:
             raise ApiError(400, "restraint specs from clients are disabled on this server (allow_inline_restraints)",
                            code="inline_restraints_disabled", param=param)
-        units = spec.get("units")
-        count = sum(len(ids) for ids in units.values() if isinstance(ids, list | tuple)) if isinstance(units, dict) else 0
+        count = sum(len(ids) for field in ("units", "directions") if isinstance(spec.get(field), dict)
+                    for ids in spec[field].values() if isinstance(ids, list | tuple))
         if count > self.config.max_inline_units:   # counted before any unit is parsed or checked
-            raise ApiError(422, f"the restraint has {count} units; this server's limit is "
+            raise ApiError(422, f"the restraint has {count} units and direction entries; this server's limit is "
                                 f"{self.config.max_inline_units}", code="restraint_too_large", param=param)
         try:
             return Restraint.from_dict(spec)
@@ -172,6 +172,9 @@ class ModelCatalog:
         try:
             engine.check_restraint(restraint)
             self._check_model(engine.name, restraint)
+        except KindUnsupportedError as exc:
+            raise ApiError(422, f"model {engine.name!r} cannot serve a {restraint.kind} restraint: {exc}",
+                           code="restraint_kind_unsupported", param="restraint") from None
         except RestraintError as exc:
             raise ApiError(422, f"the restraint does not fit model {engine.name!r}: {exc}", code="invalid_restraint",
                            param="restraint") from None

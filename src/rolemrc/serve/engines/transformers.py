@@ -20,7 +20,7 @@ from rolemrc.core.placement import DeviceMap, Dtype, check_placement
 from rolemrc.generate.engine import Engine, Request
 from rolemrc.generate.params import Output
 from rolemrc.intervene.fit import validate
-from rolemrc.intervene.spec import Restraint
+from rolemrc.intervene.spec import KindUnsupportedError, Restraint
 from rolemrc.serve.engines.base import (
     MODEL_DIR,
     Capabilities,
@@ -139,6 +139,10 @@ class TransformersEngine:
             return Counter(r.label for r in self._submitted) + self._queued
 
     def check_restraint(self, restraint: Restraint) -> None:
+        if not restraint.hooked:
+            raise KindUnsupportedError(f"model {self.name!r} (transformers engine) applies restraints as runtime hooks; "
+                                       f"a {restraint.kind} is baked into weights: `rolemrc intervene bake`, then serve "
+                                       "the baked checkpoint as a model of its own")
         validate(restraint, self.model)
 
     def encode(self, prompt: Prompt) -> list[int]:
