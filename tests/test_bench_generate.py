@@ -27,7 +27,7 @@ def test_generate_bench_report():
         for c, row in by_c.items():
             assert set(row["tokens_per_s"]) == set(VARIANTS)
             assert set(row["ratios"]) == {"engine_vs_static", "engine_vs_generate_batch", "one_vs_unrestrained",
-                                          "mix4_vs_unrestrained"}
+                                          "mix_of_kinds_vs_unrestrained"}
             numbers = [*row["tokens_per_s"].values(), *row["ratios"].values()]
             assert all(isinstance(v, float) and v > 0 for v in numbers), (kind, c, row)
             assert row["requests"] == int(c) and 0 < row["completion_tokens"] <= 4 * int(c)

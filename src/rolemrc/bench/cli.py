@@ -44,6 +44,10 @@ def emit(result: dict, out: Path | None) -> None:
         out.write_text(text)
 
 
+MIN_SECONDS_OPTION = typer.Option(1.0, min=0.0, help="each timed run lasts at least this long (a quick variant is "
+                                  "run several times per round); ratios are medians over rounds with their min-max")
+
+
 @app.command("probe")
 def probe_cmd(
     prompts: int = typer.Option(256, help="cases per run (N; memory is also measured at 4N)"),
@@ -54,12 +58,14 @@ def probe_cmd(
     device: str = DEVICE,
     nproc: int = typer.Option(1, min=1, help="also time collection in this many processes (torchrun) against one, "
                                              "CPU threads split evenly"),
+    min_seconds: float = MIN_SECONDS_OPTION,
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Collect vs plain forward, vs the RoleMRC-code approach, and memory at N vs 4N."""
     from rolemrc.bench.probe import run
 
-    emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(",")), concrete(device), nproc=nproc), out)
+    emit(run(prompts, length, batch_size, repeats, tuple(sizes.split(",")), concrete(device), nproc=nproc,
+             min_seconds=min_seconds), out)
 
 
 @app.command("retrieval")
@@ -121,12 +127,15 @@ def intervene_cmd(
     share: float = typer.Option(0.1, help="share of each layer's mlp.act units restrained"),
     sizes: str = typer.Option("demo,large", help="comma list of: demo, medium, large"),
     device: str = DEVICE,
+    min_seconds: float = MIN_SECONDS_OPTION,
     out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
-    """Forward time with the runtime hook vs without, and baked vs original."""
+    """Forward time under each hooked kind's runtime hook vs without, a batch mixing the kinds vs unrestrained, and
+    baked vs original."""
     from rolemrc.bench.intervene import run
 
-    emit(run(prompts, length, batch_size, repeats, share, tuple(sizes.split(",")), concrete(device)), out)
+    emit(run(prompts, length, batch_size, repeats, share, tuple(sizes.split(",")), concrete(device),
+             min_seconds=min_seconds), out)
 
 
 @app.command("serve")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,26 +57,77 @@ def bench_restraints(layers: int, intermediate: int, units: int | None = None, n
             for j in range(n)]
 
 
+def kind_restraints(layers: int, width: int, share: float) -> dict[str, Restraint]:
+    """A restraint of each hooked kind on every layer at mlp.act: scale and patch of `share` of the units, and a
+    random direction."""
+    gen = torch.Generator().manual_seed(0)
+    k = max(1, int(share * width))
+    scale = Restraint(name="scale", hook="mlp.act", factor=0.5,
+                      units={layer: sorted(torch.randperm(width, generator=gen)[:k].tolist()) for layer in range(layers)})
+    patch = Restraint(name="patch", hook="mlp.act", kind="patch", units=scale.units,
+                      values={layer: [0.1] * len(units) for layer, units in scale.units.items()})
+    direction = Restraint(name="direction", hook="mlp.act", kind="direction",
+                          directions={layer: torch.randn(width, generator=gen).tolist() for layer in range(layers)})
+    return {"scale": scale, "patch": patch, "direction": direction}
+
+
 def sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
+NOISE = 0.10   # a ratio whose rounds spread (max - min) by more than this share of its median is noise, not a result
+MIN_SECONDS = 1.0   # each timed run lasts at least this long (a function too quick for it is called several times)
+
+
+@dataclass
+class Timings:
+    """Seconds per call of each function, one value per timed round (`interleaved`)."""
+
+    rounds: dict[str, list[float]]
+    calls: dict[str, int]   # calls per timed run (enough for MIN_SECONDS)
+
+    def __getitem__(self, name: str) -> float:
+        """The median seconds per call."""
+        return statistics.median(self.rounds[name])
+
+    def items(self) -> list[tuple[str, float]]:
+        return [(name, self[name]) for name in self.rounds]
+
+    def ratio(self, a: str, b: str, digits: int = 3) -> dict[str, Any]:
+        """a's time over b's, round by round (the rounds interleave them): the median with its min-max, and `noise`
+        when the rounds disagree by more than NOISE of the median (such a ratio is not a result)."""
+        per_round = [x / y for x, y in zip(self.rounds[a], self.rounds[b])]
+        median = statistics.median(per_round)
+        spread = (max(per_round) - min(per_round)) / median
+        return {"median": round(median, digits), "min": round(min(per_round), digits),
+                "max": round(max(per_round), digits), "noise": spread > NOISE}
+
+
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: torch.device | str = "cpu",
-                contexts: dict[str, Callable[[], AbstractContextManager]] | None = None) -> dict[str, float]:
-    """Median wall time per function after one untimed call each, calls interleaved round-robin so drift and noise
-    hit all alike, each round starting one function later (what a call leaves behind lands on each in turn); a
-    function named in `contexts` runs inside a fresh context from its factory, entered and left untimed (its setup)."""
+                contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
+                min_seconds: float = MIN_SECONDS) -> Timings:
+    """Wall time per call of each function over `repeats` rounds after one untimed call each (which also sizes a
+    timed run: a function quicker than `min_seconds` is called enough times per run to last that long). Calls are
+    interleaved round-robin so drift and noise hit all alike, each round starting one function later (what a call
+    leaves behind lands on each in turn); a function named in `contexts` runs inside a fresh context from its
+    factory, entered and left untimed (its setup)."""
     contexts = contexts or {}
-    times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
+    calls = dict.fromkeys(names, 1)
+    rounds: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats + 1):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             with contexts.get(name, nullcontext)():
                 sync(device)
                 start = time.perf_counter()
-                fns[name]()
+                for _ in range(calls[name]):
+                    fns[name]()
                 sync(device)
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts[1:]) for name, ts in times.items()}
+                elapsed = time.perf_counter() - start
+            if r == 0:   # the warm-up sizes the timed runs
+                calls[name] = max(1, math.ceil(min_seconds / max(elapsed, 1e-6)))
+            else:
+                rounds[name].append(elapsed / calls[name])
+    return Timings(rounds, calls)

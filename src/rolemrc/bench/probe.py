@@ -9,13 +9,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rolemrc.bench.common import SIZES, interleaved, make_model_dir, random_cases, sync
+from rolemrc.bench.common import MIN_SECONDS, SIZES, interleaved, make_model_dir, random_cases
 from rolemrc.core.hooks import HOOK_POINTS
 from rolemrc.probe.cases import Cases, batches
 from rolemrc.probe.collect import CollectConfig, count_cases
@@ -52,7 +51,8 @@ def rolemrc_code_approach(bridge, cases: Cases, n_layers: int, top_fraction: flo
 NO_RESAMPLES = "mlp.act_resamples0"   # collection with no bootstrap replicates, beside the default
 
 
-def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int, repeats: int, device: str) -> dict:
+def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int, repeats: int, device: str,
+               min_seconds: float = MIN_SECONDS) -> dict:
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,27 +63,29 @@ def bench_size(size: str, root: Path, prompts: int, length: int, batch_size: int
     out: dict = {"model": {**SIZES[size], "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}}
     configs = {point: CollectConfig(hook=point, batch_size=batch_size, progress=False) for point in ("mlp.act", BASELINE_POINT)}
     configs[NO_RESAMPLES] = CollectConfig(hook="mlp.act", batch_size=batch_size, progress=False, resamples=0)
-    times = interleaved({"forward": lambda: plain_forward(model, cases, batch_size, tok.pad_token_id),
-                         **{point: lambda c=c: count_cases(model, tok, cases, c) for point, c in configs.items()}},
-                        repeats, device)
-    out["plain_forward_s"] = round(times["forward"], 3)
-    for point in configs:
-        out[f"collect_{point}_s"] = round(times[point], 3)
-        out[f"collect_{point}_over_forward"] = round(times[point] / times["forward"], 3)
-    out["resamples_overhead"] = round(times["mlp.act"] / times[NO_RESAMPLES], 3)   # the default 5 against none
     preset = CollectConfig.from_preset("rolemrc-code", batch_size=batch_size, progress=False)
     ours = count_cases(model, tok, cases, preset)
-
     bridge_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
     bridge = TransformerBridge.boot_transformers(str(path), hf_model=bridge_model, tokenizer=tok, device=device)
     n_layers = SIZES[size]["layers"]
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        reference = rolemrc_code_approach(bridge, cases, n_layers, 0.2, device)
-    baseline = time.perf_counter() - start
-    out["rolemrc_code_s"] = round(baseline, 3)
-    out["speedup_over_rolemrc_code"] = round(baseline / out[f"collect_{BASELINE_POINT}_s"], 2)
+    results = {}
+
+    def rolemrc_code() -> None:
+        with torch.inference_mode():
+            results["reference"] = rolemrc_code_approach(bridge, cases, n_layers, 0.2, device)
+
+    times = interleaved({"forward": lambda: plain_forward(model, cases, batch_size, tok.pad_token_id),
+                         **{point: lambda c=c: count_cases(model, tok, cases, c) for point, c in configs.items()},
+                         "rolemrc_code": rolemrc_code}, repeats, device, min_seconds=min_seconds)
+    out["plain_forward_s"] = round(times["forward"], 3)
+    for point in configs:
+        out[f"collect_{point}_s"] = round(times[point], 3)
+        out[f"collect_{point}_over_forward"] = times.ratio(point, "forward")
+    out["resamples_overhead"] = times.ratio("mlp.act", NO_RESAMPLES)   # the default 5 against none
+    out["rolemrc_code_s"] = round(times["rolemrc_code"], 3)
+    out["speedup_over_rolemrc_code"] = times.ratio("rolemrc_code", BASELINE_POINT, digits=2)
+    out["calls_per_timed_run"] = times.calls
+    reference = results["reference"]
     # eager (bridge) vs sdpa (ours) attention differ by float rounding: report agreement, do not assert it
     agree = (reference == ours.count[0].cpu().numpy()).mean()
     out["counts_agreement_with_baseline"] = round(float(agree), 4)
@@ -164,17 +166,19 @@ def processes(path: Path, nproc: int, prompts: int, length: int, batch_size: int
 
 
 def run(prompts: int = 256, length: int = 64, batch_size: int = 16, repeats: int = 3,
-        sizes: tuple[str, ...] = ("demo", "large"), device: str = "cpu", nproc: int = 1) -> dict:
+        sizes: tuple[str, ...] = ("demo", "large"), device: str = "cpu", nproc: int = 1,
+        min_seconds: float = MIN_SECONDS) -> dict:
     """Run the probe benchmark; returns a JSON-able dict. With nproc > 1, each size also compares collection
     in nproc processes with one (`processes`)."""
     result: dict = {"benchmark": "probe", "prompts": prompts, "tokens_per_prompt": length, "batch_size": batch_size,
-                    "threads": torch.get_num_threads(), "device": device,
+                    "threads": torch.get_num_threads(), "device": device, "repeats": repeats, "min_seconds": min_seconds,
+                    "ratios": "median over interleaved rounds, with min-max; noise: the rounds disagree by > 10%",
                     "targets": {"collect_over_forward": "<= 1.10", "speedup_demo": ">= 3", "speedup_large": ">= 1.4",
                                 "memory_4n_over_n": "<= 1.1"}}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for size in sizes:
-            result[size] = bench_size(size, root, prompts, length, batch_size, repeats, device)
+            result[size] = bench_size(size, root, prompts, length, batch_size, repeats, device, min_seconds)
             if nproc > 1:
                 result[size]["processes"] = processes(root / size, nproc, prompts, length, batch_size, repeats, device)
         small, big = (peak_memory(root / sizes[0], n, length, batch_size, device) for n in (prompts, 4 * prompts))
