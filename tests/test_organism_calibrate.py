@@ -85,7 +85,8 @@ def calibrated_kl(tmp_path_factory, tokenizer):
     """The same organisms, each cell scored by its KL to the SFT model on the SFT model's replies (forward passes), on
     twice the held-out cases: each half (selection, confirmation) has 12."""
     root = tmp_path_factory.mktemp("calibration-kl")
-    return run_calibration(root, tokenizer, heldout=24, measure="kl", factors=[0.0], controls=KL_CONTROLS), root
+    return run_calibration(root, tokenizer, heldout=24, measure="kl", factors=[0.0], controls=KL_CONTROLS,
+                           frontier=True), root
 
 
 def cells(result, organism_kind=None, selector=None, factor=None, top_k=None):
@@ -235,6 +236,21 @@ def test_by_kl_the_recommendation_is_a_selector_that_sees_the_change(calibrated_
     assert "Measure: teacher-forced KL to the SFT model" in result["headline"]
     assert "measure kl" in (root / "out" / "calibration.md").read_text()
     assert (root / "out" / "calibration.html").stat().st_size > 1000
+
+
+def test_the_planted_organism_gets_a_frontier_with_its_known_units_as_the_ceiling(calibrated_kl):
+    """Every kind on the planted pair; patch S and revert S (its known units) undo all of the change and their random
+    controls none; the null organism, which plants nothing, has no frontier."""
+    result, root = calibrated_kl
+    assert set(result["frontiers"]) == {"planted"}
+    frontier = result["frontiers"]["planted"]
+    points = {p["family"]: p for p in frontier["points"]}
+    assert {"patch S", "revert S", "direction", "revert model", "patch", "scale x0"} <= set(points)
+    for family in ("patch S", "revert S"):
+        assert points[family]["restoration"]["mean"] == pytest.approx(1, abs=1e-3)
+        assert points[family]["controls"]["n"] == 10 and max(points[family]["controls"]["restoration"]) < 0.05
+    assert "## Restraint frontiers" in (root / "out" / "calibration.md").read_text()
+    assert Path(frontier["figures"]["frontier"]["png"]).is_file()
 
 
 def test_by_kl_the_null_organism_flags_nothing(calibrated_kl):

@@ -144,6 +144,25 @@ def sweep_stage(organism: Organism, dimensions: list[str], selector: str, source
     return run_sweep(sweep, metrics=[])
 
 
+def frontier_stage(organism: Organism, inputs: dict[str, str], config: CalibrationConfig, out: Path,
+                   width: int) -> dict:
+    """Every restraint kind on the organism's pair for its planted dimension (`sweep.frontier`): units of a selector
+    that reads the all-token diff (standardized where calibrated) at the grid's per-layer budgets below the width,
+    patch, reverts, directions, controls of each kind; sized by KL from its DPO model on the held-out references
+    (`neutral_file`); its known units as the ceiling."""
+    from rolemrc.sweep.frontier import FrontierConfig, run_frontier
+
+    per_layer = [int(b.value) for b in fitting(config.budgets(), width) if b.kind == "per_layer"] or [16]
+    on_all = [s for s in config.selectors if SELECTORS.get(s).calibrated_on == "all"]   # they read the diff of means
+    method = "standardized" if "standardized" in on_all or not on_all else on_all[0]
+    frontier = FrontierConfig(model=organism.dpo, base=organism.sft, diff=inputs["all"], data=organism.heldout,
+                              dimension=organism.dimension, out=str(out), neutral=str(neutral_file(organism, out.parent)),
+                              method=method, per_layer=per_layer, controls=max(10, config.controls),
+                              known_units=organism.known_units, seed=config.seed,
+                              max_new_tokens=config.max_new_tokens, batch_size=min(config.batch_size, 8))
+    return run_frontier(frontier, progress=False)
+
+
 def correct_organism(ran: list[tuple[str, dict, Path]], cells: int) -> None:
     """One Holm family per comparison over an organism's sweeps: the `cells` grid cells it declared x their scores,
     whether or not every sweep ran (a sweep refused as restraining nothing counts as p = 1), so a cell's verdict does
@@ -174,6 +193,7 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
     planted = sorted({o.dimension for o in organisms if o.dimension}) or list(PLANTED_DIMENSIONS)   # a null alone: every one
     rows, selection, stability, flags, sweep_dirs, timing, skipped, detection = [], [], [], {}, {}, {}, {}, {}
     declared: dict[str, int] = {}   # organism kind -> the grid cells it declared (its Holm families' cells)
+    frontiers: dict[str, dict] = {}   # organism kind -> its frontier (config.frontier)
     for organism in detect_only or []:
         detection[organism.kind] = organism_detection(organism, probe_stages(cache, organism, config,
                                                                           root / organism.kind), config.seed)
@@ -215,6 +235,8 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                 timing[key] = {"seconds": round(time.perf_counter() - started, 1), "cells": cells}
                 sweep_dirs[key] = str(sweep_dir)
                 ran.append((selector, summary, sweep_dir))
+        if config.frontier and organism.dimension:
+            frontiers[organism.kind] = frontier_stage(organism, inputs, config, folder / "frontier", width)
         if config.measure == "kl":   # each half scored and corrected on its own; the confirmation half is reported
             halves = case_halves(organism.heldout, neutral_file(organism, folder), config.seed)
             for half, items in halves.items():
@@ -233,7 +255,9 @@ def calibrate(organisms: list[Organism], config: CalibrationConfig, *, cache: St
                                         selection=selection or None, missed=missed or []).to_dict(),
               "recovery": recovery(rows), "stability": stability, "diff_flags": flags, "cells": rows,
               "selection_cells": selection, "sweeps": sweep_dirs, "skipped": skipped,
-              "detection": detection_summary([detection]), "timing": timing, **null_rates(rows)}
+              "detection": detection_summary([detection]), "timing": timing, **null_rates(rows),
+              "frontiers": {kind: {k: f[k] for k in ("headline", "points", "matched", "figures")}
+                            for kind, f in frontiers.items()}}
     result["figure"] = calibration_figure(rows, root) if rows else {}
     result["detection_figure"] = detection_figure(result["detection"], root) if detection else {}
     write_json(root / CALIBRATION_FILE, result)

@@ -67,6 +67,9 @@ class CalibrationConfig:
     # how a cell is scored (the sweep's --measure): kl, the share of the DPO model's KL to the SFT model it undoes on
     # the SFT model's own replies (forward passes); judge, the rules judge's verdicts on its generated replies
     measure: Measure = "kl"
+    # every restraint kind on each planted organism's pair (`sweep.frontier`), at the grid's per-layer budgets; on a
+    # units organism with the ceiling of its known units
+    frontier: bool = False
 
     def __post_init__(self) -> None:
         from rolemrc.core.errors import InputError

@@ -131,6 +131,18 @@ def _settings(rests_on: dict[str, Any]) -> str:
     return ", ".join(said) or "nothing recorded"
 
 
+def frontier_markdown(frontiers: dict[str, Any]) -> list[str]:
+    """Each planted organism's restraint frontier (`--frontier`): its headline and figure."""
+    if not frontiers:
+        return []
+    lines = ["", "## Restraint frontiers", "", "Every restraint kind on each organism's pair, against controls of its own "
+             "kind, sized by its KL from the DPO model on neutral texts (`rolemrc sweep frontier`).", ""]
+    for kind, f in frontiers.items():
+        html = (f.get("figures") or {}).get("frontier", {}).get("html", "")
+        lines += [f"- **{kind}**: {f['headline']}" + (f" ([figure]({html}))" if html else "")]
+    return lines
+
+
 def calibration_markdown(result: dict[str, Any]) -> str:
     lines = [f"**{result['headline']}**", "", recommendation_text(result[RECOMMENDATION]), "",
              *null_bound_text(result.get("null_bound")), *missed_text(result.get("missed_targets", [])),
@@ -146,6 +158,7 @@ def calibration_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {organism_label(c)} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
                      f"{c['units']:,} | {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | {ctrl} | {found} |")
     lines += over_seeds_markdown(result.get("over_seeds", []))
+    lines += frontier_markdown(result.get("frontiers", {}))
     lines += detection_markdown(result.get("detection", {}))
     lines += ["", "## Stability of the selections", "", "The Jaccard overlap of the units each selector takes from "
               "Poisson bootstrap resamples of the probe cases (of the attribution pairs for attribution), beside two "

@@ -114,6 +114,9 @@ def calibrate_cmd(
                                           "teacher-forced forward pass per case, the share of the DPO model's KL to "
                                           "the SFT model undone on the SFT model's own replies; judge, the rules "
                                           "judge on generated replies"),
+    frontier: bool = typer.Option(False, "--frontier", help="also draw each planted organism's restraint frontier: "
+                                  "every kind (scale, patch, reverts, directions) against controls of its own kind, "
+                                  "sized by KL on neutral texts; a units organism's known units as the ceiling"),
     size: str = setting("size", unset=True),
     pairs: int = setting("pairs", unset=True),
     steps: int = setting("steps", unset=True),
@@ -152,7 +155,7 @@ def calibrate_cmd(
     overrides = given_settings(locals())
     budgets = {key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None}
-    grid = {"measure": measure, **({"controls": controls} if controls else {})}
+    grid = {"measure": measure, "frontier": frontier, **({"controls": controls} if controls else {})}
     result = build_and_calibrate(out, base=base, quick=quick, probe_n=probe_cases, organism_overrides=overrides,
                                  organisms_dir=organisms, hook=hook, budgets=budgets, against=against,
                                  kinds=[k for text in kinds or KINDS for k in text.split(",") if k],

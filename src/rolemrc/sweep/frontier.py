@@ -8,7 +8,9 @@ Families (one curve each), per point a restraint and `controls` of the same kind
 - `direction`: the difference of means projected out of the `top_layers` layers where it is longest; controls: random
   unit directions in the same layers;
 - `revert model`: every weight moved toward the SFT model by alpha (Lin et al.'s interpolation): no control, it is the
-  comparator a unit method has to beat.
+  comparator a unit method has to beat;
+- given the units that carry the change (`known_units`: a units organism's S), `patch S` and `revert S` restrain
+  exactly them: the ceiling a selector's units are measured against.
 
 Each point is measured once, teacher-forced (`eval.divergence`): restoration, the share of the DPO model's KL to the
 SFT model it undoes on the dimension's cases (1 − Σc/Σd); size, its mean KL from the DPO model per token of the
@@ -57,6 +59,7 @@ class FrontierConfig:
     model_alphas: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.4, 0.7, 1.0])
     top_layers: list[int] = field(default_factory=lambda: [1, 2, 4])
     controls: int = 10
+    known_units: dict[int, list[int]] | None = None   # the units that carry the change (a units organism's S)
     seed: int = 0
     limit: int | None = None
     max_new_tokens: int = 64        # the SFT model's greedy continuation of each case
@@ -156,8 +159,28 @@ def model_points(config: FrontierConfig) -> list[Point]:
             for a in config.model_alphas]
 
 
+def ceiling_points(config: FrontierConfig, width: int) -> list[Point]:
+    """`patch S` and `revert S` (alpha 1) on the known units S, each against random units of the same count."""
+    from rolemrc.core.modeling import dir_fingerprint, resolve_model
+    from rolemrc.intervene.kinds import as_patch, as_revert
+    from rolemrc.sweep.controls import draw_controls, unit_magnitudes
+
+    if not config.known_units:
+        return []
+    known = Restraint(name="S", hook="mlp.act", factor=0.0, units={int(k): v for k, v in config.known_units.items()},
+                      source={"units": "known"})
+    magnitude, how = unit_magnitudes(config.diff, config.dimension)
+    drawn = draw_controls(known, width, config.controls, seed=config.seed, magnitude=magnitude, how=how)
+    reference = {"name": config.base, "fingerprint": dir_fingerprint(resolve_model(config.base))}
+    setting = {"per_layer": max(len(u) for u in known.units.values())}
+    return [Point("patch S", "patch", setting, as_patch(known, config.diff, config.dimension),
+                  [as_patch(c, config.diff, config.dimension) for c in drawn]),
+            Point("revert S", "revert", {**setting, "alpha": 1.0}, as_revert(known, 1.0, reference),
+                  [as_revert(c, 1.0, reference) for c in drawn])]
+
+
 def frontier_points(config: FrontierConfig, width: int) -> list[Point]:
-    points = unit_points(config, width)
+    points = unit_points(config, width) + ceiling_points(config, width)
     if "direction" in config.families:
         points += direction_points(config)
     if "revert-model" in config.families:
