@@ -707,3 +707,25 @@ def test_by_kl_one_holm_family_per_organism_and_half_as_declared(calibrated_kl):
             checked += 1
     assert checked == len(by_cell)
     assert holm([0.01, 0.04], 4) == pytest.approx([0.04, 0.12])   # undeclared tests that did not run count as p = 1
+
+
+def test_over_seeds_each_frontier_point_gets_a_t_interval_and_each_seed_a_leader():
+    from rolemrc.organism.calibration_report import frontier_markdown
+    from rolemrc.organism.seeds import frontier_over_seeds
+
+    def seed(restored, leader):
+        point = {"family": "patch", "per_layer": 16, "restoration": {"mean": restored}, "size": {"mean": 0.1},
+                 "controls": {"excess": {"mean": restored - 0.1}}}
+        model = {"family": "revert model", "alpha": 0.5, "restoration": {"mean": 0.4}, "size": {"mean": 0.2}}
+        return {"frontiers": {"refusal": {"headline": "h", "points": [point, model], "figures": {},
+                                          "matched": [{"leader": leader}, {"leader": leader}]}}}
+
+    rows = frontier_over_seeds({0: seed(0.5, "patch"), 1: seed(0.7, "patch"), 2: seed(0.6, "revert model")})
+    patch = next(r for r in rows if r["family"] == "patch")
+    assert patch["setting"] == {"per_layer": 16} and patch["restoration"]["mean"] == pytest.approx(0.6)
+    assert patch["restoration"]["lo"] < 0.6 < patch["restoration"]["hi"] and patch["excess"]["mean"] == pytest.approx(0.5)
+    assert patch["leads"] == {"patch": 2, "revert model": 1}
+    model = next(r for r in rows if r["family"] == "revert model")
+    assert model["excess"]["n"] == 0   # no controls: the whole model
+    text = "\n".join(frontier_markdown({"refusal@0": seed(0.5, "patch")["frontiers"]["refusal"]}, rows))
+    assert "| refusal | patch | per_layer 16 | 0.600 [" in text and "patch led in 2 seed(s)" in text

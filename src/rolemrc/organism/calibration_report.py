@@ -131,8 +131,9 @@ def _settings(rests_on: dict[str, Any]) -> str:
     return ", ".join(said) or "nothing recorded"
 
 
-def frontier_markdown(frontiers: dict[str, Any]) -> list[str]:
-    """Each planted organism's restraint frontier (`--frontier`): its headline and figure."""
+def frontier_markdown(frontiers: dict[str, Any], over_seeds: list[dict[str, Any]] | None = None) -> list[str]:
+    """Each planted organism's restraint frontier (`--frontier`): its headline and figure; over several seeds, each
+    point's restoration and excess over its controls with a t-interval over seeds, and which family led in how many."""
     if not frontiers:
         return []
     lines = ["", "## Restraint frontiers", "", "Every restraint kind on each organism's pair, against controls of its own "
@@ -140,6 +141,19 @@ def frontier_markdown(frontiers: dict[str, Any]) -> list[str]:
     for kind, f in frontiers.items():
         html = (f.get("figures") or {}).get("frontier", {}).get("html", "")
         lines += [f"- **{kind}**: {f['headline']}" + (f" ([figure]({html}))" if html else "")]
+    if over_seeds:
+        def ci(x: dict) -> str:
+            return f"{x['mean']:.3f}" + ("" if x["lo"] is None else f" [{x['lo']:.3f}, {x['hi']:.3f}]")
+
+        lines += ["", f"Over {over_seeds[0]['seeds']} seeds (mean, 95% t-interval over seeds):", "",
+                  "| organism | family | setting | restoration | size (KL from DPO) | excess over controls |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['organism']} | {r['family']} | {', '.join(f'{k} {v:g}' for k, v in r['setting'].items())} | "
+                  f"{ci(r['restoration'])} | {ci(r['size'])} | {ci(r['excess']) if r['excess']['n'] else '–'} |"
+                  for r in over_seeds]
+        led = {r["organism"]: r["leads"] for r in over_seeds}
+        lines += ["", *(f"- {kind}: at matched size, " + (", ".join(f"{f} led in {n} seed(s)" for f, n in leads.items())
+                        or "no two families overlapped in size") for kind, leads in led.items())]
     return lines
 
 
@@ -158,7 +172,7 @@ def calibration_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {organism_label(c)} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
                      f"{c['units']:,} | {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | {ctrl} | {found} |")
     lines += over_seeds_markdown(result.get("over_seeds", []))
-    lines += frontier_markdown(result.get("frontiers", {}))
+    lines += frontier_markdown(result.get("frontiers", {}), result.get("frontier_over_seeds", []))
     lines += detection_markdown(result.get("detection", {}))
     lines += ["", "## Stability of the selections", "", "The Jaccard overlap of the units each selector takes from "
               "Poisson bootstrap resamples of the probe cases (of the attribution pairs for attribution), beside two "

@@ -61,7 +61,8 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
               "missed_targets": [m for r in results.values() for m in r.get("missed_targets", [])],
               "cells": rows, "skipped": {f"{k}@{s}": v for s, r in results.items() for k, v in r["skipped"].items()},
               "timing": {f"{k}@{s}": v for s, r in results.items() for k, v in r["timing"].items()},
-              **null_rates(rows)}
+              "frontiers": {f"{k}@{s}": f for s, r in results.items() for k, f in r.get("frontiers", {}).items()},
+              "frontier_over_seeds": frontier_over_seeds(results), **null_rates(rows)}
     out.mkdir(parents=True, exist_ok=True)
     result["figure"] = calibration_figure(rows, out) if rows else {}
     result["detection_figure"] = detection_figure(result["detection"], out) if result["detection"] else {}
@@ -91,6 +92,34 @@ def over_seeds(rows: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, A
         out.append({"recipe": [selector, json.loads(budget), factor], "organism": organism, "shares": shares,
                     **t_interval(shares), "gap": t_interval(gaps), "seeds": len(seeds),
                     "found_in": f"{sum(finds_change(r) for r in by_seed.values())} of {len(seeds)}"})
+    return out
+
+
+def frontier_over_seeds(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per organism and frontier point (family and setting) that every seed drew: its restoration, size and excess
+    over its controls, each seed's and their mean with a Student-t 95% CI over seeds; and per organism, in how many
+    seeds each family led at matched size (`leads`: the family that restores most at most matched sizes)."""
+    keys = ("per_layer", "factor", "alpha", "top_layers")
+    points: dict[tuple, dict[int, dict[str, Any]]] = {}
+    leads: dict[str, dict[str, int]] = {}
+    for seed, result in results.items():
+        for kind, frontier in result.get("frontiers", {}).items():
+            for p in frontier["points"]:
+                points.setdefault((kind, p["family"], json.dumps({k: p[k] for k in keys if k in p})), {})[seed] = p
+            leaders = [m["leader"] for m in frontier["matched"]]
+            if leaders:
+                top = max(set(leaders), key=leaders.count)
+                leads.setdefault(kind, {})[top] = leads.get(kind, {}).get(top, 0) + 1
+    out = []
+    for (kind, family, setting), by_seed in points.items():
+        if len(by_seed) < len(results):
+            continue
+        ps = [by_seed[s] for s in results]
+        excess = [p["controls"]["excess"]["mean"] if "controls" in p else math.nan for p in ps]
+        out.append({"organism": kind, "family": family, "setting": json.loads(setting), "seeds": len(ps),
+                    "restoration": t_interval([p["restoration"]["mean"] for p in ps]),
+                    "size": t_interval([p["size"]["mean"] for p in ps]), "excess": t_interval(excess),
+                    "leads": leads.get(kind, {})})
     return out
 
 
