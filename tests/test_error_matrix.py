@@ -42,6 +42,9 @@ TEMPLATES: dict[str, list[str]] = {
                          "--factor", "0", "--out", "{out}/s.yaml"],
     "intervene select#calibration": ["--diff", "{diff}", "--dimension", "role_style", "--calibration", "{calibration}",
                                      "--out", "{out}/s.yaml"],
+    "intervene select#patch": ["--diff", "{diff}", "--dimension", "role_style", "--method", "frequency", "--top-k", "4",
+                               "--kind", "patch", "--means", "{diff}", "--out", "{out}/s.yaml"],
+    "intervene direction": ["--diff", "{diff}", "--dimension", "role_style", "--out", "{out}/d.yaml"],
     "intervene bake": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/b"],
     "intervene lora": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/l"],
     "intervene check": ["--model", "{model}", "--restraint", "{restraint}", "--baked", "{model}"],
@@ -49,6 +52,11 @@ TEMPLATES: dict[str, list[str]] = {
                   "--dimension", "role_style", "--method", "frequency"],
     "sweep run#kl": ["--measure", "kl", "--model", "{model}", "--base", "{model}", "--diff", "{diff}", "--data",
                      "{records}", "--out", "{out}/s", "--dimension", "role_style", "--method", "frequency"],
+    "sweep frontier": ["--model", "{model}", "--base", "{model}", "--diff", "{diff}", "--data", "{records}",
+                       "--pairs", "{pairs}", "--dimension", "role_style", "--out", "{out}/f"],
+    "sweep frontier#attribution": ["--model", "{model}", "--base", "{model}", "--diff", "{diff}", "--data",
+                                   "{records}", "--method", "attribution", "--attribution", "{attribution}",
+                                   "--dimension", "role_style", "--out", "{out}/f"],
     "eval generate": ["--data", "{records}", "--out", "{out}/r.jsonl", "--model", "{model}", "--restraint", "{restraint}"],
     "eval score": ["{responses}", "--out", "{out}/run"],
     "eval run": ["--data", "{records}", "--out", "{out}/run", "--model", "{model}"],
@@ -73,7 +81,8 @@ TEMPLATES: dict[str, list[str]] = {
 # what an argument accepts beyond its template's own kind: (command, argument) -> kinds
 ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("probe collect", "--data"): RECORDS, ("eval generate", "--data"): RECORDS, ("eval run", "--data"): RECORDS,
-    ("sweep run", "--data"): RECORDS, ("train sft", "--data"): RECORDS, ("train base", "--data"): RECORDS,
+    ("sweep run", "--data"): RECORDS, ("sweep frontier", "--data"): RECORDS, ("sweep frontier", "--pairs"): RECORDS,
+    ("intervene select", "--means"): ("diff", "diff-file"), ("train sft", "--data"): RECORDS, ("train base", "--data"): RECORDS,
     ("probe diff", "a"): ("probe", "paired-probe"),
     ("probe merge", "probes"): ("probe", "paired-probe", "attribution"),
     ("probe explore", "--diff"): ("diff", "diff-file"), ("intervene select", "--diff"): ("diff", "diff-file", "attribution"),
@@ -85,6 +94,7 @@ ACCEPTS: dict[tuple[str, str], tuple[str, ...]] = {
 OUTSIDE = {
     ("sweep run", "--cells-dir"): "a store the sweep creates (any folder, or none yet)",
     ("sweep run", "--neutral"): "plain text, a passage per line (tests/test_divergence.py: what it refuses)",
+    ("sweep frontier", "--neutral"): "plain text, a passage per line, read as sweep run --neutral is",
     ("sweep run", "--magnitudes"): "read when the plan is made, through the same `expect` as --diff (diff, diff-file, "
                                    "attribution: sweep/controls.py unit_magnitudes)",
     ("models list", "--dir"): "a cache folder, listed (any folder, or none yet)",
@@ -215,7 +225,7 @@ def test_every_wrong_input_is_one_clean_error(artifacts, tmp_path):
     assert not failed, f"{len(failed)} of {count} cells:\n" + "\n".join(failed)
 
 
-LIMITED = {"probe collect", "probe attribute", "eval generate", "eval run", "sweep run"}   # commands with --limit N
+LIMITED = {"probe collect", "probe attribute", "eval generate", "eval run", "sweep run", "sweep frontier"}   # commands with --limit N
 
 
 def test_a_value_outside_a_closed_set_and_a_limit_under_one_are_one_error_line():

@@ -19,7 +19,7 @@ SELECTED_KINDS = ("scale", "patch", "revert")   # kinds `select` makes of a sele
 
 def load_means(source: str | os.PathLike | DiffResult, dimension: str) -> tuple[DiffResult, str]:
     """A diff holding activation moments of `dimension` (a folder or file, or a DiffResult) and its origin."""
-    from rolemrc.intervene.select import IN_MEMORY, input_file
+    from rolemrc.intervene.inputs import IN_MEMORY, input_file
     from rolemrc.probe.diff import DiffResult, load_diff
 
     diff, origin = (source, IN_MEMORY) if isinstance(source, DiffResult) else (load_diff(source), str(input_file(source)))
@@ -33,7 +33,7 @@ def as_patch(r: Restraint, means: str | os.PathLike | DiffResult, dimension: str
     """`r`'s units patched to their mean activation on `dimension`'s cases under the diff's A side (the SFT model).
     The diff must be of `r`'s hook point and shape, and its B side the model `r` was selected on (where both record
     one): a mean from another model's probe is refused."""
-    from rolemrc.intervene.select import model_of
+    from rolemrc.intervene.inputs import model_of
 
     diff, origin = load_means(means, dimension)
     shape = tuple(diff.mean_a[dimension].shape)
@@ -68,7 +68,7 @@ def direction_restraint(diff: str | os.PathLike | DiffResult, dimension: str, *,
     diff's hook point and token policy, in `layers` (default all) or the `top_layers` of them where it is longest."""
     import torch
 
-    from rolemrc.intervene.select import model_of
+    from rolemrc.intervene.inputs import model_of
 
     loaded, origin = load_means(diff, dimension)
     delta = loaded.mean_b[dimension].double() - loaded.mean_a[dimension].double()

@@ -11,7 +11,6 @@ torch until `select` runs.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -20,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
-from rolemrc.core.artifacts import expect
 from rolemrc.intervene.budget import BUDGET_OPTIONS, EXACTLY_ONE, Budget, coverage, one_budget
+from rolemrc.intervene.inputs import IN_MEMORY, input_file, model_of, role_meta
 from rolemrc.intervene.recommendation import load_recommendation
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError, parse_layers
 from rolemrc.probe.options import DIRECTIONS, Direction
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     from rolemrc.probe.diff import DiffResult
 
 Source: TypeAlias = "str | os.PathLike | DiffResult | Attribution"   # a selector's input: a path, or its loaded object
-IN_MEMORY = "in memory"   # a source's origin when it was handed over as an object
 log = logging.getLogger(__name__)
 
 
@@ -49,25 +47,6 @@ class Scores:
     no_q: str = ""                 # why there are no q-values
     model: dict[str, str] = field(default_factory=dict)   # the model the scores are of (the diff's B, the DPO model)
     reference: dict[str, str] = field(default_factory=dict)   # the model it is compared with (the diff's A, the SFT)
-
-
-def role_meta(meta: dict[str, str], role: str = "dpo") -> dict[str, str]:
-    """An attribution's metadata of its DPO or SFT model (its `models`: by role, or a list in the order sft, dpo)."""
-    models = json.loads(meta.get("models") or "{}")
-    found = models.get(role) if isinstance(models, dict) else (models[-1 if role == "dpo" else 0] if models else None)
-    return found if isinstance(found, dict) else {}
-
-
-def model_of(meta: dict[str, str], prefix: str = "") -> dict[str, str]:
-    """The identity of a probed model as a restraint spec records it (from a probe's or a diff's metadata, the
-    diff's keys with prefix "b_"), with the dtype it was probed at where recorded; {} when the metadata has no
-    fingerprint."""
-    if not meta.get(f"{prefix}model_fingerprint"):
-        return {}
-    name = meta.get(f"{prefix}model") or meta.get(prefix.rstrip("_"), "")   # diffs before names: the side's label
-    return {"name": name, "fingerprint": meta[f"{prefix}model_fingerprint"],
-            "fingerprint_of": meta.get(f"{prefix}model_fingerprint_of", ""),
-            **({"dtype": meta[f"{prefix}dtype"]} if meta.get(f"{prefix}dtype") else {})}
 
 
 def select(source: Source, dimension: str, *, method: str | None = None, factor: float | None = None,
@@ -230,23 +209,6 @@ def paper_factor_note(dtype: str | None) -> str:
         return head + f"it rounds to 1.0 in {dtype}, the dtype the model was probed at: an exact no-op there" + checked
     return (head + f"in {dtype}, the dtype the model was probed at, it changes each selected activation by "
             f"{1 - rounded:.2g} relative; the calibration saw no verdict move at it (docs/calibration.md)" + checked)
-
-
-def input_file(path: str | os.PathLike) -> Path:
-    """A selector's input file: a diff directory's diff.safetensors, else the path itself."""
-    from rolemrc.probe.diff import DIFF_FILE
-
-    path = Path(path)
-    return path / DIFF_FILE if path.is_dir() else path
-
-
-def input_hook(path: str | os.PathLike) -> str:
-    """The hook point a selector's input (a diff, or an attribution file) was measured at."""
-    from rolemrc.probe.counts import read_tensors
-
-    expect(path, ("diff", "diff-file", "attribution"), "a selector reads a diff folder (from `rolemrc probe diff`) or "
-           "an attribution file (from `rolemrc probe attribute`)")
-    return read_tensors(input_file(path), "diff or attribution file", missing="no such diff or attribution file")[0]["hook"]
 
 
 def scores_of(method: str, source: Source, dimension: str) -> Scores:

@@ -31,7 +31,7 @@ def unit_magnitudes(source: str | os.PathLike, dimension: str) -> tuple[torch.Te
     from safetensors import safe_open
 
     from rolemrc.core.artifacts import expect
-    from rolemrc.intervene.select import input_file
+    from rolemrc.intervene.inputs import input_file
 
     expect(source, ("diff", "diff-file", "attribution"), "controls are matched on a diff's activation moments")
     file = input_file(source)

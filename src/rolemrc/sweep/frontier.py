@@ -81,6 +81,26 @@ class FrontierConfig:
         if self.method == "attribution" and not self.attribution:
             raise InputError("--method attribution reads --attribution, an attribution file of the pair")
 
+    def check_inputs(self) -> None:
+        """Every input readable and of its kind, before any model loads: the two models, the diff (with moments of
+        the dimension), the cases, and the pairs, neutral texts and attribution where given."""
+        from rolemrc.core.modeling import resolve_model
+        from rolemrc.core.records import read_records
+        from rolemrc.intervene.kinds import load_means
+        from rolemrc.probe.attribution import load_attribution, read_pairs
+        from rolemrc.sweep.plan import neutral_texts as read_lines
+
+        for model in (self.model, self.base):
+            resolve_model(model)
+        load_means(self.diff, self.dimension)
+        read_records(self.data, "test")
+        if self.pairs:
+            read_pairs(self.pairs)
+        if self.neutral:
+            read_lines(self.neutral)
+        if self.attribution:
+            load_attribution(self.attribution)
+
 
 @dataclass
 class Point:
@@ -340,9 +360,10 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True) -> dict[str, 
     from rolemrc.core.hooks import width
     from rolemrc.core.io import write_json
     from rolemrc.core.modeling import load_model
-    from rolemrc.intervene.select import input_hook
+    from rolemrc.intervene.inputs import input_hook
     from rolemrc.sweep.plots import frontier_figure
 
+    config.check_inputs()
     skeleton, _ = load_model(config.model, dtype=config.dtype, device="cpu")
     points = frontier_points(config, width(skeleton, input_hook(config.diff)))
     del skeleton

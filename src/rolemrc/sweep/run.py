@@ -55,7 +55,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     from rolemrc.core.modeling import dir_fingerprint, load_model, resolve_model
     from rolemrc.core.records import first_cases, read_records
     from rolemrc.intervene.fit import check_origin
-    from rolemrc.intervene.select import input_hook
+    from rolemrc.intervene.inputs import input_hook
     from rolemrc.sweep.controls import controls_record
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
