@@ -111,10 +111,17 @@ def test_families_are_compared_at_matched_size_paired_over_cases():
               Point("B", "patch", {}, r, [])]
     rows = [{"size": {"mean": s}} for s in (0.01, 1.0, 0.01, 1.0)]
     out = matched(points, rows, c, d, weights(4, 0))
-    assert len(out) == 5 and {m["leader"] for m in out} == {"A"}
+    assert len(out) == 10 and {m["leader"] for m in out} == {"A"}
     for m in out:
         assert m["lead"]["mean"] == pytest.approx(0.25) and m["lead"]["lo"] == pytest.approx(0.25)
     assert out[0]["restoration"]["A"]["mean"] == pytest.approx(0.5) and out[-1]["restoration"]["A"]["mean"] == 1
     summary = {"matched": out, "config": {"dimension": "role_style"}}
-    assert headline(summary).startswith("On role_style, A restores the most at every matched size; its lead over "
-                                        "the runner-up excludes 0 at 5 of 5 sizes")
+    assert headline(summary).startswith("On role_style, A restores the most at every matched size (among the families "
+                                        "that reach it); the leader's lead over the runner-up excludes 0 at 10 of 10")
+    c = np.vstack([c, d * 0.1, d * 0.05])   # C reaches only the larger sizes: compared there alone
+    points.append(Point("C", "direction", {}, r, []))
+    points.append(Point("C", "direction", {}, r, []))
+    rows += [{"size": {"mean": 0.5}}, {"size": {"mean": 1.0}}]
+    out = matched(points, rows, c, d, weights(4, 0))
+    assert all(set(m["restoration"]) == {"A", "B"} for m in out if m["size"] < 0.49)
+    assert all(set(m["restoration"]) == {"A", "B", "C"} for m in out if m["size"] > 0.51)

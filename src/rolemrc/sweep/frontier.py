@@ -22,6 +22,7 @@ per-case restoration in log size and bootstrapping the paired difference over ca
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -253,6 +254,27 @@ def measure(config: FrontierConfig, points: list[Point], *, progress: bool = Tru
     return out
 
 
+def measured(config: FrontierConfig, points: list[Point], out: Path, *, progress: bool = True) -> dict[str, Any]:
+    """`measure`, kept in OUT/measured.npz under the digest of every cell and of what they are measured on, so a
+    rerun with the same points and inputs summarises again without measuring."""
+    from rolemrc.core.io import file_fingerprint
+    from rolemrc.core.modeling import dir_fingerprint, resolve_model
+
+    inputs = [dir_fingerprint(resolve_model(config.model)), dir_fingerprint(resolve_model(config.base)),
+              file_fingerprint(config.data), *(file_fingerprint(f) for f in (config.pairs, config.neutral) if f),
+              config.dimension, config.limit, config.max_new_tokens, config.dtype]
+    key = hashlib.sha256(json.dumps([[p.restraint.digest, *(c.digest for c in p.controls)] for p in points] + inputs,
+                                    default=str).encode()).hexdigest()[:16]
+    path = out / "measured.npz"
+    if path.is_file():
+        kept = np.load(path, allow_pickle=False)
+        if str(kept["key"]) == key:
+            return {name: kept[name] if kept[name].ndim else kept[name].item() for name in kept.files if name != "key"}
+    result = measure(config, points, progress=progress)
+    np.savez(path, key=key, **result)
+    return result
+
+
 def weights(n: int, seed: int) -> np.ndarray:
     from rolemrc.core.stats import resample_counts
 
@@ -284,7 +306,8 @@ def summarise(config: FrontierConfig, points: list[Point], measured: dict[str, A
                "digest": p.restraint.digest}
         if p.controls:
             mean_ctrl = boot[ctrl].mean(0)
-            row["controls"] = {"n": len(p.controls), "restoration": [float(x) for x in restored[ctrl]],
+            row["controls"] = {"n": len(p.controls), "distinct": len({c.digest for c in p.controls}),
+                               "restoration": [float(x) for x in restored[ctrl]],
                                "size": [float(x) for x in size[ctrl]],
                                "excess": interval(restored[at] - restored[ctrl].mean(), boot[at] - mean_ctrl)}
         if "margin" in measured:
@@ -306,23 +329,25 @@ def summarise(config: FrontierConfig, points: list[Point], measured: dict[str, A
 
 
 def matched(points: list[Point], rows: list[dict], c: np.ndarray, d: np.ndarray, w: np.ndarray) -> list[dict]:
-    """At log-spaced sizes inside every family's range (families of 2+ points), each family's restoration (its
-    curve interpolated in log size, per case) with a CI, and the leader's lead over the runner-up (paired over cases)."""
+    """At log-spaced sizes over the families' ranges (families of 2+ points), the families whose range covers the
+    size (2 or more): each one's restoration (its curve interpolated in log size, per case) with a CI, and the
+    leader's lead over the runner-up, paired over cases."""
     index, at = {}, 1
     for p, row in zip(points, rows):
         index.setdefault(p.family, []).append((row["size"]["mean"], at))
         at += 1 + len(p.controls)
-    curves = {f: sorted(v) for f, v in index.items() if len(v) >= 2 and all(s > 0 for s, _ in v)}
+    curves = {f: sorted(v) for f, v in index.items() if len({s for s, _ in v}) >= 2 and all(s > 0 for s, _ in v)}
     if len(curves) < 2:
         return []
-    lo = max(math.log(v[0][0]) for v in curves.values())
-    hi = min(math.log(v[-1][0]) for v in curves.values())
-    if lo > hi:
-        return []
+    ranges = {f: (math.log(v[0][0]), math.log(v[-1][0])) for f, v in curves.items()}
     out = []
-    for x in np.linspace(lo, hi, MATCH_POINTS):
+    for x in np.linspace(min(lo for lo, _ in ranges.values()), max(hi for _, hi in ranges.values()), MATCH_POINTS * 2):
+        covering = [f for f, (lo, hi) in ranges.items() if lo - 1e-9 <= x <= hi + 1e-9]
+        if len(covering) < 2:
+            continue
         per_case = {}
-        for family, curve in curves.items():
+        for family in covering:
+            curve = curves[family]
             sizes = np.log([s for s, _ in curve])
             j = int(np.clip(np.searchsorted(sizes, x) - 1, 0, len(curve) - 2))
             t = 0.0 if sizes[j + 1] == sizes[j] else (x - sizes[j]) / (sizes[j + 1] - sizes[j])
@@ -343,14 +368,14 @@ def headline(summary: dict[str, Any]) -> str:
         return ("No two families overlap in size (neutral KL from the DPO model), so none is compared at matched size; "
                 "see the figure.")
     leaders = {r["leader"] for r in rows}
-    clear = [r for r in rows if r["lead"]["lo"] > 0]
+    clear = [r for r in rows if r["lead"]["lo"] > 0]   # at each size, among the families that reach it
     parts = [f"at KL {r['size']:.3g}: {r['leader']} {r['restoration'][r['leader']]['mean']:.3f} vs {r['runner_up']} "
              f"{r['restoration'][r['runner_up']]['mean']:.3f} (lead {r['lead']['mean']:+.3f} [{r['lead']['lo']:+.3f}, "
              f"{r['lead']['hi']:+.3f}])" for r in (rows[0], rows[-1])]
     who = (f"{next(iter(leaders))} restores the most at every matched size" if len(leaders) == 1 else
            f"the leader changes with size ({', '.join(sorted(leaders))})")
-    return (f"On {summary['config']['dimension']}, {who}; its lead over the runner-up excludes 0 at {len(clear)} of "
-            f"{len(rows)} sizes: {'; '.join(parts)}.")
+    return (f"On {summary['config']['dimension']}, {who} (among the families that reach it); the leader's lead over "
+            f"the runner-up excludes 0 at {len(clear)} of {len(rows)} sizes: {'; '.join(parts)}.")
 
 
 def run_frontier(config: FrontierConfig, *, progress: bool = True) -> dict[str, Any]:
@@ -371,7 +396,7 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True) -> dict[str, 
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "points.json", [{"family": p.family, "setting": p.setting, "restraint": p.restraint.to_dict(),
                                       "controls": [c.to_dict() for c in p.controls]} for p in points])
-    summary = summarise(config, points, measure(config, points, progress=progress))
+    summary = summarise(config, points, measured(config, points, out, progress=progress))
     summary["figures"] = frontier_figure(summary, out)
     write_json(out / "frontier.json", {**stamp("frontier"), **summary})
     (out / "frontier.md").write_text(frontier_markdown(summary))
@@ -389,8 +414,11 @@ def frontier_markdown(summary: dict[str, Any]) -> str:
              "| DPO margin kept |", "|---|---|---|---|---|---|---|"]
     for r in summary["points"]:
         setting = ", ".join(f"{k} {r[k]:g}" for k in ("per_layer", "factor", "alpha", "top_layers") if k in r)
-        band = (f"{min(r['controls']['restoration']):.3f} to {max(r['controls']['restoration']):.3f}"
-                if "controls" in r else "–")
+        band = "–"
+        if "controls" in r:
+            c = r["controls"]
+            band = f"{min(c['restoration']):.3f} to {max(c['restoration']):.3f}" + (
+                f" ({c['distinct']} distinct of {c['n']}: the budget leaves no other units)" if c["distinct"] < c["n"] else "")
         lines.append(f"| {r['family']} | {setting} | {ci(r['restoration'])} | {r['size']['mean']:.3g} | {band} | "
                      f"{ci(r.get('controls', {}).get('excess'))} | {ci(r.get('margin_kept'))} |")
     if summary["matched"]:

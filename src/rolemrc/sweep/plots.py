@@ -71,6 +71,9 @@ def write_sweep_figures(summary: dict, out: str | Path) -> dict[str, dict[str, s
                              for dimension in sorted({c["dimension"] for c in summary["cells"]})}}, out)
 
 
+FRONTIER_FLOOR = -1.5   # restorations below this (a restraint pushing the model well past DPO) are listed, not drawn
+
+
 def frontier_figures(summary: dict) -> dict:
     """The frontier: restoration on the dimension against size (neutral KL from the DPO model, log scale), one curve
     per family with 95% CIs, its controls as open markers and their band (min to max at each point); and, given
@@ -112,6 +115,13 @@ def frontier_figures(summary: dict) -> dict:
                                      marker={"color": color}, legendgroup=family, text=label,
                                      hovertemplate="%{text}<br>margin kept %{x:.3f}<br>restoration %{y:.3f}"
                                      "<extra>" + family + "</extra>"), row=1, col=2)
+    floor = FRONTIER_FLOOR
+    below = [f"{p['family']} ({', '.join(f'{k} {p[k]:g}' for k in ('per_layer', 'alpha', 'top_layers') if k in p)}): "
+             f"{p['restoration']['mean']:.2f}" for p in points if p["restoration"]["mean"] < floor]
+    if below or any(min(p.get("controls", {}).get("restoration") or [0]) < floor for p in points):
+        fig.update_yaxes(range=[floor, 1.1])
+        fig.add_annotation(text="below the axis: " + ("; ".join(below) or "controls only"), xref="paper", yref="paper",
+                           x=0, y=-0.16, showarrow=False, align="left", font={"size": 11})
     fig.update_xaxes(type="log", title_text="size: KL from the DPO model on neutral texts (per token)", row=1, col=1)
     fig.update_yaxes(title_text=f"restoration on {summary['config']['dimension']} (share of DPO's KL undone)",
                      row=1, col=1)
@@ -119,7 +129,7 @@ def frontier_figures(summary: dict) -> dict:
         fig.update_xaxes(title_text="share of DPO's reward margin kept (held-out pairs)", row=1, col=2)
     fig.add_hline(y=0, line_dash="dot", line_color="grey")
     fig.update_layout(title="Restraint frontier: every kind on one pair (95% CIs over cases; bands: controls)",
-                      template="plotly_white", width=1300 if margins else 900, height=560)
+                      template="plotly_white", width=1300 if margins else 900, height=600, margin={"b": 110})
     return fig
 
 
