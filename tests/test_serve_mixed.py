@@ -115,10 +115,10 @@ def test_slot_scales_restrain_each_row_alone_and_release_slots(model_dirs):
         assert not torch.allclose(alone_a, plain) and not torch.allclose(alone_b, plain)
         for row, want in zip(mixed, [alone_b, plain, alone_a, plain]):
             torch.testing.assert_close(row, want, rtol=0, atol=1e-5)
-        assert scales.sites == (("mlp.act", 0), ("mlp.act", 1))
+        assert scales.sites == (("mlp.act", 0, ("scale",)), ("mlp.act", 1, ("scale",)))
         scales.release(2)
-        assert scales.sites == (("mlp.act", 0),)   # only b restrained layer 1
-        assert bool((scales.tables[("mlp.act", 0)][2] == 1).all())
+        assert scales.sites == (("mlp.act", 0, ("scale",)),)   # only b restrained layer 1
+        assert bool((scales.tables[("mlp.act", 0)]["scale"][2] == 1).all())
         torch.testing.assert_close(run([2, 0])[0], plain, rtol=0, atol=1e-5)
         scales.release(0)
         assert scales.sites == ()

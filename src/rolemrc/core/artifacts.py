@@ -185,8 +185,7 @@ def document_kind(path: Path) -> str:
 
 
 # The format version of each kind this rolemrc writes, the only one it reads. diff 2: tests named by code.
-FORMATS = {"probe": 2, "paired-probe": 2, "attribution": 1, "diff": 2, "restraint": 1, "eval-run": 1, "sweep": 2,
-           "frontier": 1}
+FORMATS = {"probe": 2, "paired-probe": 2, "attribution": 1, "diff": 2, "restraint": 1, "eval-run": 1, "sweep": 2}
 HAND_WRITTEN = ("restraint",)   # kinds a person may write: without a "format" they are of the current one
 
 

@@ -101,6 +101,7 @@ def run_cmd(
 
 
 @app.command("frontier", cls=live_choices(method=SELECTORS))
+@needs("eval")
 def frontier_cmd(
     model: Path = typer.Option(..., "--model", help=f"the DPO model: {MODEL_HELP}"),
     base: Path = typer.Option(..., "--base", help=f"the SFT model it was trained from: {MODEL_HELP}"),

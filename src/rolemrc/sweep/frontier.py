@@ -381,7 +381,6 @@ def headline(summary: dict[str, Any]) -> str:
 def run_frontier(config: FrontierConfig, *, progress: bool = True) -> dict[str, Any]:
     """Build every family's points and controls, measure them, and write OUT/frontier.json, frontier.md and the
     figure (frontier.html/png)."""
-    from rolemrc.core.artifacts import stamp
     from rolemrc.core.hooks import width
     from rolemrc.core.io import write_json
     from rolemrc.core.modeling import load_model
@@ -398,7 +397,7 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True) -> dict[str, 
                                       "controls": [c.to_dict() for c in p.controls]} for p in points])
     summary = summarise(config, points, measured(config, points, out, progress=progress))
     summary["figures"] = frontier_figure(summary, out)
-    write_json(out / "frontier.json", {**stamp("frontier"), **summary})
+    write_json(out / "frontier.json", {"kind": "frontier", **summary})   # read by people and calibrate, not rolemrc
     (out / "frontier.md").write_text(frontier_markdown(summary))
     return summary
 
