@@ -421,10 +421,10 @@ def frontier_markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| {r['family']} | {setting} | {ci(r['restoration'])} | {r['size']['mean']:.3g} | {band} | "
                      f"{ci(r.get('controls', {}).get('excess'))} | {ci(r.get('margin_kept'))} |")
     if summary["matched"]:
-        lines += ["", "## At matched size", "", "| neutral KL | " + " | ".join(summary["matched"][0]["restoration"]) + " |",
-                  "|---" * (1 + len(summary["matched"][0]["restoration"])) + "|"]
-        families = list(summary["matched"][0]["restoration"])
-        lines += [f"| {r['size']:.3g} | " + " | ".join(ci(r["restoration"].get(f)) for f in families) + " |"
-                  for r in summary["matched"]]
+        families = list(dict.fromkeys(f for r in summary["matched"] for f in r["restoration"]))
+        lines += ["", "## At matched size", "", "| neutral KL | " + " | ".join(families) + " | leader's lead |",
+                  "|---" * (2 + len(families)) + "|"]
+        lines += [f"| {r['size']:.3g} | " + " | ".join(ci(r["restoration"].get(f)) for f in families)
+                  + f" | {r['leader']} over {r['runner_up']}: {ci(r['lead'])} |" for r in summary["matched"]]
     return "\n".join(lines) + "\n"
 
