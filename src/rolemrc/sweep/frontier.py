@@ -21,6 +21,7 @@ per-case restoration in log size and bootstrapping the paired difference over ca
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -116,14 +117,13 @@ class Point:
 
 def unit_points(config: FrontierConfig, width: int) -> list[Point]:
     """The families built on the selector's units: scale, patch and unit revert at each per-layer budget."""
-    from rolemrc.core.modeling import dir_fingerprint, resolve_model
     from rolemrc.intervene.kinds import as_patch, as_revert
     from rolemrc.intervene.select import select, warnings_once
     from rolemrc.sweep.controls import draw_controls, unit_magnitudes
 
     source = config.attribution if config.method == "attribution" else config.diff
     magnitude, how = unit_magnitudes(config.diff, config.dimension)
-    reference = {"name": config.base, "fingerprint": dir_fingerprint(resolve_model(config.base))}
+    reference = base_reference(config)
     points = []
     with warnings_once():
         for k in config.per_layer:
@@ -147,7 +147,14 @@ def unit_points(config: FrontierConfig, width: int) -> list[Point]:
 
 
 def scaled(r: Restraint, factor: float) -> Restraint:
-    return Restraint(name=r.name, hook=r.hook, units=r.units, factor=factor, source=r.source, model=r.model)
+    return dataclasses.replace(r, factor=factor)
+
+
+def base_reference(config: FrontierConfig) -> dict[str, str]:
+    """The SFT model as a unit revert's reference: its name and fingerprint."""
+    from rolemrc.core.modeling import dir_fingerprint
+
+    return {"name": config.base, "fingerprint": dir_fingerprint(config.base)}
 
 
 def direction_points(config: FrontierConfig) -> list[Point]:
@@ -182,7 +189,6 @@ def model_points(config: FrontierConfig) -> list[Point]:
 
 def ceiling_points(config: FrontierConfig, width: int) -> list[Point]:
     """`patch S` and `revert S` (alpha 1) on the known units S, each against random units of the same count."""
-    from rolemrc.core.modeling import dir_fingerprint, resolve_model
     from rolemrc.intervene.kinds import as_patch, as_revert
     from rolemrc.sweep.controls import draw_controls, unit_magnitudes
 
@@ -192,7 +198,7 @@ def ceiling_points(config: FrontierConfig, width: int) -> list[Point]:
                       source={"units": "known"})
     magnitude, how = unit_magnitudes(config.diff, config.dimension)
     drawn = draw_controls(known, width, config.controls, seed=config.seed, magnitude=magnitude, how=how)
-    reference = {"name": config.base, "fingerprint": dir_fingerprint(resolve_model(config.base))}
+    reference = base_reference(config)
     setting = {"per_layer": max(len(u) for u in known.units.values())}
     return [Point("patch S", "patch", setting, as_patch(known, config.diff, config.dimension),
                   [as_patch(c, config.diff, config.dimension) for c in drawn]),
