@@ -296,6 +296,24 @@ def test_json_response_format_is_refused_by_the_transformers_engine(client):
     assert chat(client, "t", response_format={"type": "text"}).choices[0].message.content is not None
 
 
+def test_a_direction_is_served_as_a_rank_one_lora_and_a_patch_is_refused_by_kind(client):
+    """On real vLLM a direction restraint (an exact rank-1 LoRA) gives what the transformers engine's hook gives; a
+    patch, which no LoRA holds, is a 422 naming its kind."""
+    import torch
+
+    vector = torch.randn(96, generator=torch.Generator().manual_seed(3)).tolist()
+    spec = {"name": "dir", "restraint": "direction", "hook": "mlp.post", "directions": {"0": vector, "1": vector}}
+    restrained = chat(client, "v", restraint=spec)
+    assert_same(restrained, chat(client, "t", restraint=spec))
+    first = [t.logprob for t in restrained.choices[0].logprobs.content[0].top_logprobs]
+    plain = [t.logprob for t in chat(client, "v").choices[0].logprobs.content[0].top_logprobs]
+    assert max(abs(a - b) for a, b in zip(first, plain)) > 10 * ATOL   # the direction moves the logits
+    patch = {"name": "p", "restraint": "patch", "hook": "mlp.post", "units": {"1": [4]}, "values": {"1": [2.0]}}
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        chat(client, "v", restraint=patch)
+    assert err.value.body["code"] == "restraint_kind_unsupported"
+
+
 def test_sigterm_drains_the_request_in_flight_and_stops_vllm(server):
     """Runs last: it stops the module's server."""
     children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
@@ -395,21 +413,3 @@ def test_a_second_sigterm_still_stops_vllm(peaked_model, tmp_path):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
-
-
-def test_a_direction_is_served_as_a_rank_one_lora_and_a_patch_is_refused_by_kind(client):
-    """On real vLLM a direction restraint (an exact rank-1 LoRA) gives what the transformers engine's hook gives; a
-    patch, which no LoRA holds, is a 422 naming its kind."""
-    import torch
-
-    vector = torch.randn(96, generator=torch.Generator().manual_seed(3)).tolist()
-    spec = {"name": "dir", "restraint": "direction", "hook": "mlp.post", "directions": {"0": vector, "1": vector}}
-    restrained = chat(client, "v", restraint=spec)
-    assert_same(restrained, chat(client, "t", restraint=spec))
-    first = [t.logprob for t in restrained.choices[0].logprobs.content[0].top_logprobs]
-    plain = [t.logprob for t in chat(client, "v").choices[0].logprobs.content[0].top_logprobs]
-    assert max(abs(a - b) for a, b in zip(first, plain)) > 10 * ATOL   # the direction moves the logits
-    patch = {"name": "p", "restraint": "patch", "hook": "mlp.post", "units": {"1": [4]}, "values": {"1": [2.0]}}
-    with pytest.raises(openai.UnprocessableEntityError) as err:
-        chat(client, "v", restraint=patch)
-    assert err.value.body["code"] == "restraint_kind_unsupported"
