@@ -166,6 +166,8 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     made["serve-config"] = root / "serve.yaml"
     (root / "train.yaml").write_text("trl:\n  max_steps: 1\n")
     made["train-config"] = root / "train.yaml"
+    (root / "known_units.json").write_text(json.dumps({"0": [1, 5], "1": [7]}))   # a units organism's S
+    made["known-units"] = root / "known_units.json"
     data = repo / "src" / "rolemrc" / "datagen" / "data"
     made |= {"personas": data / "personas.jsonl", "mrc": data / "mrc.jsonl"}
 

@@ -23,7 +23,7 @@ IDENTIFIED = {   # artifact (conftest's `artifacts`) -> what identify() says it 
     "model": "model", "records": "records", "pairs": "records", "sft-records": "records", "responses": "responses",
     "probe": "probe", "paired-probe": "paired-probe", "attribution": "attribution", "diff": "diff",
     "restraint": "restraint", "peft-adapter": "peft-adapter", "eval-run": "eval-run", "sweep": "sweep", "calibration": "calibration", "gguf": "gguf",
-    "sqlite": "sqlite", "serve-config": "serve-config", "train-config": "train-config", "personas": "records",
+    "sqlite": "sqlite", "serve-config": "serve-config", "train-config": "train-config", "known-units": "json", "personas": "records",
     "mrc": "records", "missing": "missing", "empty-file": "empty-file", "empty-folder": "empty-folder",
     "folder": "folder", "binary": "binary", "non-utf8": "non-utf8",
 }

@@ -40,19 +40,22 @@ def planted_pair(tmp_path_factory, tokenizer):
 
 def test_the_frontier_finds_the_known_change_and_its_controls_do_not(planted_pair, tmp_path):
     root = planted_pair
+    (tmp_path / "known_units.json").write_text(json.dumps({"1": sorted(ANSWERABLE_UNITS)}))
     res = CliRunner().invoke(app, [
         "sweep", "frontier", "--model", str(root / "dpo"), "--base", str(root / "sft"), "--diff", str(root / "diff"),
         "--data", str(root / "test.jsonl"), "--dimension", "multi_turn", "--out", str(tmp_path / "f"),
         "--neutral", str(root / "neutral.txt"), "--pairs", str(root / "pairs.jsonl"), "--per-layer", "4", "--limit", "8",
-        "--model-alphas", "0.3,1", "--top-layers", "1,2", "--max-new-tokens", "6", "--dtype", "float32"])
+        "--model-alphas", "0.3,1", "--top-layers", "1,2", "--max-new-tokens", "6", "--dtype", "float32",
+        "--known-units", str(tmp_path / "known_units.json")])
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "f" / "frontier.json").read_text())
     points = {(p["family"], p.get("per_layer", p.get("alpha"))): p for p in summary["points"]}
     assert set(points) == {("scale x0", 4), ("patch", 4), ("revert units a=1", 4), ("direction", None),
-                           ("revert model", 0.3), ("revert model", 1.0)}   # one direction: only layer 1 differs
+                           ("revert model", 0.3), ("revert model", 1.0),   # one direction: only layer 1 differs
+                           ("patch S", 4), ("revert S", 4)}                # the known units: the ceiling
     spec = json.loads((tmp_path / "f" / "points.json").read_text())
     assert spec[0]["restraint"]["units"] == {"1": sorted(ANSWERABLE_UNITS)}
-    for family in ("scale x0", "patch", "revert units a=1"):
+    for family in ("scale x0", "patch", "revert units a=1", "patch S", "revert S"):
         p = points[(family, 4)]
         assert p["restoration"]["mean"] == pytest.approx(1, abs=1e-3), family
         assert p["controls"]["n"] == 10 and max(p["controls"]["restoration"]) < 0.05, family
@@ -87,13 +90,23 @@ def test_revert_cells_are_baked_in_memory_and_undone(planted_pair):
     assert all(torch.equal(before[n], p) for n, p in dpo.named_parameters())
 
 
-def test_bad_frontier_settings_fail_before_anything_loads(tmp_path):
+def test_bad_frontier_settings_fail_before_anything_loads(planted_pair, tmp_path):
     res = CliRunner().invoke(app, ["sweep", "frontier", "--model", "m", "--base", "b", "--diff", "d", "--data", "t",
                                    "--dimension", "x", "--out", str(tmp_path), "--families", "scale,steer"])
     assert res.exit_code == 2 and "error: --families: some of scale, patch" in res.output
     res = CliRunner().invoke(app, ["sweep", "frontier", "--model", "m", "--base", "b", "--diff", "d", "--data", "t",
                                    "--dimension", "x", "--out", str(tmp_path), "--model-alphas", "0.5,2"])
     assert res.exit_code == 2 and "error: --model-alphas: values in (0, 1]" in res.output
+    root = planted_pair
+    for known, says in (({"1": [3, 96]}, "--known-units: layers or units outside the diff's 2 x 32"),
+                        ({"0": []}, "no units"), ([1, 2], "not layer -> [unit, ...]")):
+        (tmp_path / "known.json").write_text(json.dumps(known))
+        res = CliRunner().invoke(app, [
+            "sweep", "frontier", "--model", str(root / "dpo"), "--base", str(root / "sft"), "--diff", str(root / "diff"),
+            "--data", str(root / "test.jsonl"), "--dimension", "multi_turn", "--out", str(tmp_path / "f"),
+            "--known-units", str(tmp_path / "known.json")])
+        assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "f").exists()
 
 
 def test_families_are_compared_at_matched_size_paired_over_cases():
@@ -125,3 +138,26 @@ def test_families_are_compared_at_matched_size_paired_over_cases():
     out = matched(points, rows, c, d, weights(4, 0))
     assert all(set(m["restoration"]) == {"A", "B"} for m in out if m["size"] < 0.49)
     assert all(set(m["restoration"]) == {"A", "B", "C"} for m in out if m["size"] > 0.51)
+
+
+def test_sweep_run_patches_its_units_and_controls_to_the_sft_mean(planted_pair, tmp_path):
+    """`sweep run --kind patch`: the grid's units and their controls set to the SFT model's means; the planted units
+    patched give the SFT model's outputs back (restoration 1), their controls nothing; a factor or another kind is
+    refused before anything loads."""
+    root = planted_pair
+    args = ["sweep", "run", "--kind", "patch", "--measure", "kl", "--model", str(root / "dpo"), "--base",
+            str(root / "sft"), "--diff", str(root / "diff"), "--data", str(root / "test.jsonl"), "--limit", "8",
+            "--dimension", "multi_turn", "--method", "standardized", "--per-layer", "4", "--controls", "2",
+            "--max-new-tokens", "4", "--dtype", "float32", "--out", str(tmp_path / "sweep")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "sweep" / "plan.json").read_text())["cells"]
+    assert {c["restraint"]["restraint"] for c in plan if c["restraint"]} == {"patch"}
+    (cell,) = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["cells"]
+    own = cell["scores"]["restoration:multi_turn"]
+    assert own["mean"] == pytest.approx(1, abs=1e-3) and abs(own["controls_mean"]) < 0.05
+    for extra, says in ((["--factors", "0.5"], "--kind patch sets its units to the SFT mean"),
+                        (["--kind", "revert"], "--kind"), (["--kind", "scale", "--means", str(root / "diff")],
+                                                           "--means is --kind patch's")):
+        bad = CliRunner().invoke(app, [*args, *extra, "--out", str(tmp_path / "bad")])
+        assert bad.exit_code == 2 and says in bad.output and not (tmp_path / "bad").exists(), (extra, bad.output)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rolemrc.intervene.inputs import units_of
 from rolemrc.organism import KINDS, PLANTED_DIMENSION, OrganismConfig, OrganismError
 from rolemrc.organism.calibration_config import CalibrationConfig
 from rolemrc.organism.detection import (
@@ -30,7 +31,6 @@ from rolemrc.organism.known import (
     random_units,
     revert_units,
     unit_slices,
-    units_of,
 )
 from rolemrc.probe.selectors import SELECTORS
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from rolemrc.core.artifacts import expect
+from rolemrc.core.errors import InputError
 
 IN_MEMORY = "in memory"   # a source's origin when it was handed over as an object
 
@@ -46,3 +47,21 @@ def input_hook(path: str | os.PathLike) -> str:
     expect(path, ("diff", "diff-file", "attribution"), "a selector reads a diff folder (from `rolemrc probe diff`) or "
            "an attribution file (from `rolemrc probe attribute`)")
     return read_tensors(input_file(path), "diff or attribution file", missing="no such diff or attribution file")[0]["hook"]
+
+
+def units_of(data: dict[str, list[int]]) -> dict[int, list[int]]:
+    """Units (layer -> unit indices) from their JSON form (keys are strings): a known-units file, organism.json."""
+    return {int(layer): [int(u) for u in units] for layer, units in data.items()}
+
+
+def read_units(path: str | os.PathLike) -> dict[int, list[int]]:
+    """S from known_units.json (layer -> units); anything else is an InputError naming the file."""
+    wanted = "--known-units wants a units organism's known_units.json (from `rolemrc organism build`)"
+    text = expect(path, "json", wanted).read_text()
+    try:
+        units = units_of(json.loads(text))
+    except (ValueError, AttributeError, TypeError) as err:
+        raise InputError(f"{path}: not layer -> [unit, ...] ({err}); {wanted}") from None
+    if not units or not all(units.values()) or min(units) < 0 or min(min(u) for u in units.values()) < 0:
+        raise InputError(f"{path}: no units, or a negative layer or unit; {wanted}")
+    return units

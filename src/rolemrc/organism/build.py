@@ -162,7 +162,8 @@ def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config
                  known: Path | None) -> dict:
     """LoRA DPO (with an SFT term on the chosen replies: `sft_weight`); for the units organism a full update masked to
     the known units (`known.UnitMask`)."""
-    from rolemrc.organism.known import UnitMask, read_units
+    from rolemrc.intervene.inputs import read_units
+    from rolemrc.organism.known import UnitMask
     from rolemrc.train import DPOTrainConfig, make_config, train_dpo
 
     out = folder / "dpo"
@@ -190,8 +191,8 @@ def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config
 def _carrier_stage(cache: StageCache, folder: Path, sft: Path, known: Path, heldout: Path,
                    config: OrganismConfig) -> dict:
     """The check that S carries the units organism's change (carrier.py), on the held-out cases of its dimension."""
+    from rolemrc.intervene.inputs import read_units
     from rolemrc.organism.carrier import KL_PROMPTS, carrier_check
-    from rolemrc.organism.known import read_units
 
     def run() -> dict:
         cases = [c for c in read_jsonl(heldout) if config.dimension in dimensions_for_task(c.get("task"))]

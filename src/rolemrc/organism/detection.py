@@ -135,7 +135,7 @@ def seed_row(seed: int, selectors: dict[str, dict[str, Any]], meets_target: bool
 def organism_detection(organism: Organism, inputs: dict[str, str], seed: int,
                        selectors: list[str] | None = None) -> dict[str, Any]:
     """The `seed_row` of a units organism whose selector inputs (`calibration.probe_stages`) are `inputs`."""
-    from rolemrc.organism.known import units_of
+    from rolemrc.intervene.inputs import units_of
 
     return seed_row(seed, detect(inputs, organism.dimension, units_of(organism.known_units), selectors),
                     organism.meets_target, organism.headline)

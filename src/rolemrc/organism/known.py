@@ -13,9 +13,7 @@ gives the SFT model back, weight for weight (`carrier_check` asserts both and me
 from __future__ import annotations
 
 import copy
-import json
 import random
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,16 +47,6 @@ def random_units(known: Units, width: int, seed: int) -> Units:
 def units_json(units: Units) -> dict[str, list[int]]:
     """S as known_units.json and organism.json keep it (JSON keys are strings)."""
     return {str(layer): list(units[layer]) for layer in sorted(units)}
-
-
-def units_of(data: dict[str, list[int]]) -> Units:
-    """S from its JSON form."""
-    return {int(layer): [int(u) for u in units] for layer, units in data.items()}
-
-
-def read_units(path: Path) -> Units:
-    """S from known_units.json."""
-    return units_of(json.loads(path.read_text()))
 
 
 def model_shape(model_or_config: Any) -> tuple[int, int]:

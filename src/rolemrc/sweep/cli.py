@@ -18,10 +18,11 @@ from rolemrc.probe.options import Direction
 from rolemrc.probe.selectors import SELECTORS
 from rolemrc.serve.engines import EngineName
 from rolemrc.sweep.frontier import FAMILY_KINDS
-from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES, Measure
+from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES, SWEEP_KINDS, Measure
 
 GRID_HELP = f"{GRID_ONE}; default: --share {','.join(map(str, SHARES))}"
 
+SweepKind = choice(SWEEP_KINDS)
 Method = choice(SELECTORS)   # --method: the selectors registered when the CLI is built (`live_choices`)
 app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls.")
 
@@ -35,7 +36,13 @@ def run_cmd(
     limit: int = LIMIT,
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
     dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
-    factors: str = typer.Option(",".join(f"{f:.10g}" for f in FACTORS), help="comma-separated scales"),
+    factors: str = typer.Option(None, help="comma-separated scales (default: "
+                                f"{','.join(f'{f:.10g}' for f in FACTORS)}; --kind patch: 0, its only one)"),
+    kind: SweepKind = typer.Option("scale", "--kind", help=f"what each cell does to its units and controls: "
+                             f"{' or '.join(SWEEP_KINDS)} (set them to the SFT mean, --means); every kind side by side: "
+                             "`rolemrc sweep frontier`"),
+    means: Path = typer.Option(None, "--means", help="--kind patch: a diff with activation moments whose A side's "
+                               "means the units are set to (default: --diff)"),
     method: Method = typer.Option(..., "--method", help="unit selector, named (see `rolemrc intervene select "
                                         "--help`; what each did on the calibration: docs/calibration.md)"),
     top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
@@ -84,7 +91,9 @@ def run_cmd(
     from rolemrc.sweep.run import run_sweep
 
     config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
-                         factors=numbers(factors, "--factors"), method=method,
+                         factors=numbers(factors, "--factors") if factors else list(FACTORS if kind == "scale" else [0.0]),
+                         method=method, kind=kind,
+                         means=str(means) if means else None,
                          **{key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
                             (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None},
                          direction=direction, layers=layers, controls=controls,
@@ -123,6 +132,8 @@ def frontier_cmd(
     model_alphas: str = typer.Option("0.05,0.1,0.2,0.4,0.7,1", help="whole-model revert alphas (one curve)"),
     top_layers: str = typer.Option("1,2,4", help="direction family: the N layers where it is longest"),
     controls: int = typer.Option(10, min=10, help="controls of the same kind and size per point"),
+    known_units: Path = typer.Option(None, "--known-units", help="the units that carry the change (a units "
+                                     "organism's known_units.json): `patch S` and `revert S` drawn as the ceiling"),
     seed: int = typer.Option(0, help="seed of the control draws and the bootstrap"),
     limit: int = LIMIT,
     max_new_tokens: int = typer.Option(64, help="the --base model's greedy continuation of each case"),
@@ -133,6 +144,7 @@ def frontier_cmd(
     """Every restraint kind on one pair and one dimension, against controls of its own kind, in one currency of size
     (KL from --model on neutral texts): restoration curves, the matched-size comparison, the margin kept; writes
     frontier.json, frontier.md and frontier.html/png."""
+    from rolemrc.intervene.inputs import read_units
     from rolemrc.sweep.frontier import FrontierConfig, run_frontier
     from rolemrc.sweep.plan import numbers
 
@@ -144,7 +156,8 @@ def frontier_cmd(
                             factors=numbers(factors, "--factors"), unit_alphas=numbers(unit_alphas, "--unit-alphas"),
                             model_alphas=numbers(model_alphas, "--model-alphas"),
                             top_layers=[int(k) for k in numbers(top_layers, "--top-layers")], controls=controls,
-                            seed=seed, limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype,
+                            known_units=read_units(known_units) if known_units else None, seed=seed, limit=limit,
+                            max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype,
                             device=device)
     summary = run_frontier(config)
     typer.echo(json.dumps({"out": str(out), "points": len(summary["points"]), "headline": summary["headline"]}))

@@ -94,7 +94,13 @@ class FrontierConfig:
 
         for model in (self.model, self.base):
             resolve_model(model)
-        load_means(self.diff, self.dimension)
+        diff, origin = load_means(self.diff, self.dimension)
+        layers, width = diff.mean_a[self.dimension].shape
+        outside = {layer: [u for u in units if not 0 <= u < width] for layer, units in (self.known_units or {}).items()
+                   if not 0 <= layer < layers or any(not 0 <= u < width for u in units)}
+        if outside:
+            raise InputError(f"--known-units: layers or units outside the diff's {layers} x {width} ({origin}): "
+                             f"{dict(list(outside.items())[:3])}")
         read_records(self.data, "test")
         if self.pairs:
             read_pairs(self.pairs)

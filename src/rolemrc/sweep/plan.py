@@ -28,6 +28,9 @@ FACTORS = (PAPER_FACTOR, 0.99, 0.9, 0.5, 0.0)   # the default grid's scales
 SHARES = (0.01, 0.05, 0.17)
 # random-unit controls per cell: one control cannot place a cell (two of one size undid 44% and 64% of a planted change)
 CONTROLS = 10
+# restraint kinds a sweep's grid applies to its selected units and controls (the other kinds, and all of them side by
+# side against controls of their own kind: `sweep frontier`)
+SWEEP_KINDS = ("scale", "patch")
 # how a cell is scored: judge: its generated replies by the judge and metrics; kl: one teacher-forced forward pass per
 # case, its KL to the base (SFT) model as a share of the DPO model's undone (`sweep.kl`)
 Measure = Literal["judge", "kl"]
@@ -44,6 +47,8 @@ class SweepConfig:
     out: str
     dimensions: list[str]
     method: str                    # the unit selector (probe.selectors.SELECTORS), named; `diff` is its input
+    kind: str = "scale"            # what a cell does to its units (SWEEP_KINDS): scale them by its factor, or patch
+    means: str | None = None       # patch: a diff whose A side's mean activations the units are set to (default: diff)
     cells_dir: str | None = None   # where generated cells are kept (default OUT/cells); sweeps may share one
     factors: list[float] = field(default_factory=lambda: list(FACTORS))
     # the budgets, at most one of (intervene.budget): global counts, units from each layer, shares of all units
@@ -85,6 +90,13 @@ class SweepConfig:
             raise RestraintError(f"cells_per_pass must be >= 1, got {self.cells_per_pass}")
         if not self.factors:
             raise RestraintError("a sweep needs at least one factor")
+        if self.kind not in SWEEP_KINDS:
+            raise RestraintError(f"--kind: one of {', '.join(SWEEP_KINDS)}, not {self.kind!r} (every kind against "
+                                 "controls of its own: `rolemrc sweep frontier`)")
+        if self.kind == "patch" and self.factors != [0.0]:
+            raise RestraintError("--kind patch sets its units to the SFT mean, a factor-less restraint: --factors 0")
+        if self.means and self.kind != "patch":
+            raise RestraintError("--means is --kind patch's")
         self.budgets()
         check_dtype(self.dtype)
         if self.base_url and self.engine != IN_PROCESS:
@@ -174,8 +186,12 @@ def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell
     """The baseline, then per grid cell its selected units and `config.controls` controls matched on activation
     magnitude (`sweep.controls`). `width`: units at the diff's hook point; `settings`: what else responses depend on
     (model, data, generation)."""
+    from rolemrc.intervene.kinds import as_patch
     from rolemrc.intervene.select import select, warnings_once
     from rolemrc.sweep.controls import draw_controls, unit_magnitudes
+
+    def of_kind(r: Restraint, dimension: str) -> Restraint:
+        return as_patch(r, config.means or config.diff, dimension) if config.kind == "patch" else r
 
     cells = [Cell(cell_id(BASELINE, None, settings), BASELINE, {}, None)]
     magnitudes: dict[str, tuple[Any, str]] = {}   # dimension -> unit magnitudes and what they are
@@ -185,11 +201,12 @@ def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell
             name = f"{dimension.replace('_', '-')}-{budget.slug}-x{factor:g}"
             chosen = select(config.diff, dimension, method=config.method, layers=config.layers,
                             direction=config.direction, factor=factor, name=name, **budget.to_dict())
-            cells.append(Cell(cell_id("selected", chosen, settings), "selected", grid, chosen))
+            restraint = of_kind(chosen, dimension)
+            cells.append(Cell(cell_id("selected", restraint, settings), "selected", grid, restraint))
             if dimension not in magnitudes:   # read after the selection, which checks the input first
                 magnitudes[dimension] = unit_magnitudes(config.magnitudes or config.diff, dimension)
             magnitude, how = magnitudes[dimension]
-            cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k) for k, c in
-                      enumerate(draw_controls(chosen, width, config.controls, seed=config.seed, magnitude=magnitude,
-                                              how=how))]
+            drawn = draw_controls(chosen, width, config.controls, seed=config.seed, magnitude=magnitude, how=how)
+            controls = [of_kind(c, dimension) for c in drawn]
+            cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k) for k, c in enumerate(controls)]
     return cells

@@ -108,6 +108,10 @@ def divergence_text(summary: dict) -> list[str]:
             f"the {summary['config']['continuation']} continuation; the DPO model's mean KL per token: {per}.", ""]
 
 
+def elements_text(changed: int | None) -> str:
+    return "no bake" if changed is None else str(changed)   # None: the kind does not fold into weights there
+
+
 def sweep_markdown(summary: dict) -> str:
     cells = summary["cells"]
     names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not is_primary(n), n))
@@ -116,7 +120,7 @@ def sweep_markdown(summary: dict) -> str:
              "controls (same units per layer, same factor, matched on activation magnitude). Mean [95% bootstrap CI], "
              f"Holm-corrected p over the grid; * marks p < {summary['alpha']}.", "",
              "| cell | units (share of all; per layer) | weight elements | max Δlogit |", "|---|---|---|---|"]
-    lines += [f"| {cell_label(c)} | {coverage_text(c['coverage'])} | {c['weight_elements_changed']} | "
+    lines += [f"| {cell_label(c)} | {coverage_text(c['coverage'])} | {elements_text(c['weight_elements_changed'])} | "
               f"{c['max_logit_shift']:.3g} |" for c in cells]
     for family, title in COMPARISONS.items():
         lines += ["", f"## Effect {title}", "", *score_table(cells, names, lambda e, f=family: effect_text(e, f))]

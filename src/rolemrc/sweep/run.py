@@ -13,19 +13,23 @@ from typing import Any
 
 from rolemrc.core.artifacts import stamp
 from rolemrc.core.io import file_fingerprint, read_jsonl, write_json, write_jsonl
-from rolemrc.intervene.spec import Restraint
+from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.sweep.plan import Cell, SweepConfig, plan
 
 
 def footprint(model: Any, tok: Any, r: Restraint) -> dict[str, Any]:
-    """What a restraint touches: units, weight elements a bake at the model's dtype changes, the largest logit
-    shift of its runtime hook on the sample prompts."""
+    """What a restraint touches: units, weight elements a bake at the model's dtype changes (None where it does not
+    fold into weights: a patch of a gated MLP's mlp.act), the largest logit shift of its runtime hook on the sample
+    prompts."""
     from rolemrc.intervene.bake import elements_changed
     from rolemrc.intervene.check import hook_shift
 
     dtype = next(model.parameters()).dtype
-    return {"units": r.num_units, "weight_elements_changed": elements_changed(model, r, dtype),
-            "max_logit_shift": hook_shift(model, tok, r)}
+    try:
+        changed = elements_changed(model, r, dtype)
+    except RestraintError:
+        changed = None
+    return {"units": r.num_units, "weight_elements_changed": changed, "max_logit_shift": hook_shift(model, tok, r)}
 
 
 class CellStore:
