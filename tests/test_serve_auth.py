@@ -3,6 +3,7 @@ line, exit 2, before any model loads); a `serve` key serves completions and read
 deletes restraints and owns experiments (403 `forbidden` otherwise); deleting a restraint or an experiment frees its
 name; /health details and /metrics are behind a key unless the config opens them."""
 
+import json
 import os
 import sqlite3
 import subprocess
@@ -78,6 +79,33 @@ def test_keys_are_required_and_roles_decide_what_a_key_may_do(server):
     sent = call(server, "POST", "/v1/chat/completions", SERVE, json={**chat, "model": "roles2", "experiment": "roles2"})
     assert sent.status_code == 200 and sent.json()["arm"] in ("a", "b")
     assert call(server, "GET", "/v1/experiments/roles2", ADMIN).json()["requests"] == {sent.json()["arm"]: 1}
+
+
+def test_an_idempotency_key_belongs_to_its_caller(server):
+    """Two API keys send the same `Idempotency-Key` into one experiment (the real openai client): each gets its own
+    completion of its own prompt, both are logged; each key's retry replays its own answer, and the same key reused
+    for another body is 422 `idempotency_key_reused`."""
+    assert call(server, "POST", "/v1/experiments", ADMIN,
+                json={"id": "idem", "arms": [{"name": "a", "model": "tiny"}]}).status_code == 201
+
+    def send(key, prompt):
+        sdk = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+        return sdk.chat.completions.with_raw_response.create(
+            model="idem", messages=[{"role": "user", "content": prompt}], max_tokens=3, user="u1",
+            extra_body={"experiment": "idem"}, extra_headers={"Idempotency-Key": "same"})
+    first, second = send(ADMIN, "the admin asks"), send(SERVE, "the serve key asks")
+    assert "Idempotent-Replayed" not in first.headers and "Idempotent-Replayed" not in second.headers
+    ids = first.parse().id, second.parse().id
+    with sqlite3.connect(server.config.parent / "ab.sqlite") as db:
+        logged = db.execute("SELECT request_id, messages, idempotency_key FROM requests WHERE experiment = 'idem'"
+                            " ORDER BY started").fetchall()
+    assert [(rid, json.loads(m)[0]["content"], k) for rid, m, k in logged] == [
+        (ids[0], "the admin asks", "same"), (ids[1], "the serve key asks", "same")] and ids[0] != ids[1]
+    again = send(SERVE, "the serve key asks")
+    assert again.headers["Idempotent-Replayed"] == "true" and again.parse().id == ids[1]
+    with pytest.raises(openai.UnprocessableEntityError) as reused:
+        send(SERVE, "the serve key asks something else")
+    assert reused.value.code == "idempotency_key_reused" and reused.value.param == "Idempotency-Key"
 
 
 def test_deleting_frees_the_name_and_takes_the_rows(server):

@@ -11,6 +11,7 @@ import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -101,10 +102,14 @@ def served(model_dirs, tmp_path_factory):
 def test_timeout_disconnects_and_nan_each_leave_one_row(served):
     server, root = served
     url = server.base_url + "/v1/chat/completions"
-    late = httpx.post(url, json=ask("slow", "timeout", max_tokens=400, ignore_eos=True), timeout=60)
+    late = httpx.post(url, json=ask("slow", "timeout", max_tokens=400, ignore_eos=True),
+                      headers={"Idempotency-Key": "late"}, timeout=60)
     assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
     [row] = wait_rows(root, "timeout")
     assert row["finish_reason"] == "timeout" and row["response"]   # the text generated so far
+    # a 504 tells its client to retry: its key was freed, so a retry (a shorter one) runs: no replay, no 422
+    retry = httpx.post(url, json=ask("slow", "timeout-retry"), headers={"Idempotency-Key": "late"}, timeout=60)
+    assert retry.status_code == 200 and "Idempotent-Replayed" not in retry.headers
 
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=ask("slow", "gone", max_tokens=400, ignore_eos=True), timeout=1.0)
@@ -161,7 +166,9 @@ def test_an_idempotent_retry_logs_once_and_replays(served):
     again = httpx.post(url, json=ask("exp", "idem"), headers={"Idempotency-Key": "k1"}, timeout=60)
     assert first.status_code == again.status_code == 200 and again.json() == first.json()
     assert again.headers["Idempotent-Replayed"] == "true" and "Idempotent-Replayed" not in first.headers
-    assert len(rows(root, "idem")) == 1
+    reused = httpx.post(url, json=ask("exp", "idem", max_tokens=3), headers={"Idempotency-Key": "k1"}, timeout=60)
+    assert reused.status_code == 422 and reused.json()["error"]["code"] == "idempotency_key_reused"
+    assert reused.json()["error"]["param"] == "Idempotency-Key" and len(rows(root, "idem")) == 1
 
     body = ask("exp", "idem-stream", stream=True, stream_options={"include_usage": True})
     streamed = httpx.post(url, json=body, headers={"Idempotency-Key": "k2"}, timeout=60)
@@ -191,6 +198,16 @@ def test_an_idempotent_retry_logs_once_and_replays(served):
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "idempotency_key_in_use"
         assert running.result().status_code == 200
     assert len(rows(root, "idem-busy")) == 1
+
+    left = ask("slow", "idem-left", max_tokens=30, ignore_eos=True)   # the client leaves: 499, logged, key freed
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=left, headers={"Idempotency-Key": "k5"}, timeout=0.5)
+    assert [r["finish_reason"] for r in wait_rows(root, "idem-left")] == ["disconnected"]
+    retry = httpx.post(url, json=left, headers={"Idempotency-Key": "k5"}, timeout=60)
+    assert retry.status_code == 200 and "Idempotent-Replayed" not in retry.headers
+    replayed = httpx.post(url, json=left, headers={"Idempotency-Key": "k5"}, timeout=60)
+    assert replayed.headers["Idempotent-Replayed"] == "true" and replayed.json() == retry.json()
+    assert sorted(r["finish_reason"] for r in rows(root, "idem-left")) == ["disconnected", "length"]
 
 
 def test_a_failed_step_ends_every_row_of_its_group_at_once(served):
@@ -230,7 +247,8 @@ def test_sigterm_ends_a_long_stream_within_the_grace_and_logs_it(model_dirs, tmp
     server = launch(model_dirs, tmp_path, shutdown_grace_s=2)
     try:
         body = ask("slow", "sigterm", max_tokens=400, ignore_eos=True, stream=True)
-        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as stream:
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
+                          headers={"Idempotency-Key": "sigterm"}, timeout=60) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if said(line))
             start = time.monotonic()
@@ -244,3 +262,5 @@ def test_sigterm_ends_a_long_stream_within_the_grace_and_logs_it(model_dirs, tmp
     assert '"shutting_down"' in rest[-1] and "[DONE]" not in rest
     [row] = rows(tmp_path, "sigterm")
     assert row["finish_reason"] == "shutdown" and row["response"]
+    with closing(sqlite3.connect(tmp_path / "ab.sqlite")) as db:   # 503 shutting_down: its key freed, not stored
+        assert db.execute("SELECT COUNT(*) FROM idempotency").fetchone() == (0,)

@@ -17,12 +17,13 @@ import psycopg
 import pytest
 
 from rolemrc.serve.launch import free_port, launch_server, running_server
-from rolemrc.serve.store import Store, StoreError
+from rolemrc.serve.store import Claim, Store, StoreError
 from rolemrc.serve.store.backend import HEALTH_TTL_S
-from rolemrc.serve.store.schema import VERSION
+from rolemrc.serve.store.schema import MIGRATIONS, VERSION
 from rolemrc.serve.store.sqlite import BUSY_TIMEOUT_S
 
 ARMS = [{"name": "a", "model": "tiny", "weight": 1}, {"name": "b", "model": "tiny", "weight": 1}]
+RUNNING = {"status": "running", "body": "body", "response": None}   # a claim of the body hashed "body", held
 # the schema the first release wrote (commit 9a34e99), without schema_version
 OLD_SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiments (
@@ -56,12 +57,16 @@ def test_every_method_on_both_backends(db):
         assert store.experiment("e1") == {"id": "e1", "description": "first", "arms": ARMS, "created": 1.5}
         assert store.experiment("nope") is None and store.arm_counts("e1") == {}
 
-        assert store.claim("e1", "k1") is None
-        assert store.claim("e1", "k1") == {"status": "running", "response": None}
-        assert store.claim("e1", "k1", stale_after_s=3600) == {"status": "running", "response": None}
-        assert store.claim("e1", "k1", stale_after_s=0) is None   # its replica died: taken over
-        store.log_request([row("r1:0"), row("r1:1", error="boom", finish_reason="error")], ("e1", "k1"), {"id": "r1"})
-        assert store.claim("e1", "k1") == {"status": "done", "response": {"id": "r1"}}
+        first = store.claim("e1", "c1", "k1", "body")
+        assert isinstance(first, Claim) and first[:3] == ("e1", "c1", "k1")
+        assert store.claim("e1", "c1", "k1", "body") == RUNNING
+        assert store.claim("e1", "c1", "k1", "body", stale_after_s=3600) == RUNNING
+        assert store.claim("e1", "c1", "k1", "other", stale_after_s=0) == RUNNING   # another body never takes over
+        held = store.claim("e1", "c1", "k1", "body", stale_after_s=0)   # its replica died: taken over, new token
+        assert isinstance(held, Claim) and held.token != first.token
+        assert isinstance(store.claim("e1", "c2", "k1", "body"), Claim)   # another caller's key of the same name
+        assert store.log_request([row("r1:0"), row("r1:1", error="boom", finish_reason="error")], held, {"id": "r1"})
+        assert store.claim("e1", "c1", "k1", "body") == {"status": "done", "body": "body", "response": {"id": "r1"}}
         store.log_request([row("r2", arm="b", user=None, metadata=None, response="a\x00b")])
         assert store.arm_counts("e1") == {"a": 2, "b": 1}
         rows = store.requests("e1")
@@ -70,11 +75,14 @@ def test_every_method_on_both_backends(db):
         assert rows[1]["error"] == "boom" and rows[2]["user"] is None and rows[2]["metadata"] is None
         assert rows[2]["response"] == "a\ufffdb"   # as PostgreSQL can store it, on both backends
 
-        assert store.claim("e1", "k2") is None
-        store.release_claim("e1", "k2")
-        assert store.claim("e1", "k2") is None   # released: a retry runs
-        store.release_claim("e1", "k1")          # a done key stays
-        assert store.claim("e1", "k1")["status"] == "done"
+        k2 = store.claim("e1", "c1", "k2", "body")
+        store.release_claim(k2)
+        assert isinstance(store.claim("e1", "c1", "k2", "other"), Claim)   # released: a retry runs, any body
+        store.release_claim(held)                                          # a done key stays
+        assert store.claim("e1", "c1", "k1", "body")["status"] == "done"
+        k3 = store.claim("e1", "c1", "k3", "body")
+        assert store.log_request([row("r3", response="", finish_reason="timeout")], k3, None)   # not final: freed
+        assert isinstance(store.claim("e1", "c1", "k3", "body"), Claim)
 
         spec = {"name": "mute", "hook": "mlp.act", "factor": 0.0, "units": {"0": [1, 2]}}
         store.add_restraint("mute", spec, 1.0)
@@ -86,10 +94,10 @@ def test_every_method_on_both_backends(db):
         assert list(store.restraints()) == ["loud"]
         assert store.health() is None
     with closing(Store.open(db)) as store:   # reopened: migrations are not run twice, nothing lost
-        assert store.arm_counts("e1") == {"a": 2, "b": 1} and len(store.requests("e1")) == 3
+        assert store.arm_counts("e1") == {"a": 3, "b": 1} and len(store.requests("e1")) == 4
         assert store.delete_experiment("e1") and not store.delete_experiment("e1")
         assert store.experiment("e1") is None and store.requests("e1") == [] and store.arm_counts("e1") == {}
-        assert store.claim("e1", "k1") is None   # its keys went too
+        assert isinstance(store.claim("e1", "c1", "k1", "other"), Claim)   # its keys went too
         with store.backend.transaction() as tx:
             assert tx.execute("SELECT version FROM schema_version") == [{"version": VERSION}]
 
@@ -99,9 +107,9 @@ def test_rows_of_a_request_commit_together_or_not_at_all(db):
         store.add_experiment("e1", "", ARMS, 1.0)
         store.log_request([row("r1")])
         with pytest.raises((sqlite3.IntegrityError, psycopg.IntegrityError)):   # a repeated id: all rolled back
-            store.log_request([row("r2"), row("r1")], ("e1", "k"), {"id": "r2"})
+            store.log_request([row("r2"), row("r1")], store.claim("e1", "c", "k", "body"), {"id": "r2"})
         assert [r["id"] for r in store.requests("e1")] == ["r1"] and store.arm_counts("e1") == {"a": 1}
-        assert store.claim("e1", "k") is None
+        assert store.claim("e1", "c", "k", "body") == RUNNING   # still held by the request whose commit failed
 
 
 def test_stores_opened_at_once_migrate_once_and_claim_a_key_once(db):
@@ -113,16 +121,73 @@ def test_stores_opened_at_once_migrate_once_and_claim_a_key_once(db):
 
         def claim(store):
             barrier.wait()
-            results.append(store.claim("e1", "same-key"))
+            results.append(store.claim("e1", "c", "same-key", "body"))
         threads = [threading.Thread(target=claim, args=(s,)) for s in stores]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert results.count(None) == 1 and results.count({"status": "running", "response": None}) == 7
+        assert sum(isinstance(r, Claim) for r in results) == 1 and results.count(RUNNING) == 7
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_taken_over_claim_is_fenced_out_of_the_key_but_its_rows_are_logged(db):
+    """Two replicas hold one key in turn: the first is taken over as stale while it still runs. Its commit (a final
+    answer or a failure that would free the key) neither overwrites nor frees the key of the request that took it
+    over; its rows are logged all the same, since it ran."""
+    with closing(Store.open(db)) as store:
+        store.add_experiment("e1", "", ARMS, 1.0)
+        first = store.claim("e1", "c", "k", "body")
+        second = store.claim("e1", "c", "k", "body", stale_after_s=0)
+        assert isinstance(second, Claim) and second.token != first.token
+        assert not store.log_request([row("r1")], first, {"id": "r1"})   # fenced out: the key is not settled
+        assert not store.log_request([row("r1b")], first, None)
+        store.release_claim(first)
+        assert store.claim("e1", "c", "k", "body") == RUNNING             # still the second's
+        assert store.log_request([row("r2")], second, {"id": "r2"})
+        assert not store.log_request([row("r1c")], first, {"id": "r1"})   # a late commit after the second's
+        assert store.claim("e1", "c", "k", "body") == {"status": "done", "body": "body", "response": {"id": "r2"}}
+        assert [r["id"] for r in store.requests("e1")] == ["r1", "r1b", "r2", "r1c"]
+        assert store.arm_counts("e1") == {"a": 4}
+
+
+class RefusingStore(Store):
+    """A store whose request log refuses every write, as a full disk would; the rest of it answers."""
+
+    def log_request(self, rows, claim=None, response=None):
+        raise StoreError("db_full", "the log cannot take the write (db_full)")
+
+
+def test_a_commit_the_database_refused_frees_the_key(db):
+    from rolemrc.serve import outcome
+    from rolemrc.serve.errors import ApiError
+
+    with closing(RefusingStore.open(db)) as store:
+        store.add_experiment("e1", "", ARMS, 1.0)
+        held = store.claim("e1", "c", "k", "body")
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(outcome.write(store, [row("r1")], held, {"id": "r1"}))
+        assert refused.value.status == 503 and refused.value.code == "db_full"
+        assert isinstance(store.claim("e1", "c", "k", "body"), Claim)   # the retry runs now, no 409 for the stale window
+        assert store.requests("e1") == []
+
+
+def test_keys_of_the_version_2_schema_are_dropped_and_rows_kept(tmp_path):
+    path = tmp_path / "ab.sqlite"
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        for statement in (*MIGRATIONS[0], *MIGRATIONS[1]):
+            conn.execute(statement)
+        conn.execute("INSERT INTO schema_version VALUES (2)")
+        conn.execute("INSERT INTO experiments VALUES ('e1', '', '[]', 1.0)")
+        conn.execute("INSERT INTO idempotency VALUES ('e1', 'k', 'done', '{\"error\": {}}', 1.0)")
+    with closing(Store.open(str(path))) as store:
+        store.log_request([row("r1")])
+        assert isinstance(store.claim("e1", "c", "k", "body"), Claim) and len(store.requests("e1")) == 1
+        with store.backend.transaction() as tx:
+            assert tx.execute("SELECT version FROM schema_version") == [{"version": VERSION}] and VERSION == 3
 
 
 def test_a_log_written_by_the_first_schema_migrates(tmp_path):
@@ -139,7 +204,7 @@ def test_a_log_written_by_the_first_schema_migrates(tmp_path):
         assert store.arm_counts("old") == {"a": 2, "b": 1} and store.restraint("mute") == {"name": "mute"}
         assert [(r["id"], r["request_id"]) for r in store.requests("old")] == [("r0", "r0"), ("r1", "r1"), ("r2", "r2")]
         store.log_request([row("r3", exp="old")])
-        assert store.arm_counts("old") == {"a": 3, "b": 1} and store.claim("old", "k") is None
+        assert store.arm_counts("old") == {"a": 3, "b": 1} and isinstance(store.claim("old", "c", "k", "b"), Claim)
 
 
 def test_lost_postgres_connection_is_db_unavailable_then_reconnects(postgres_url):

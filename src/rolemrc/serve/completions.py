@@ -109,6 +109,7 @@ class Call(ABC):
     started: float
     clock: float
     key: str | None = None    # its claimed idempotency key (experiment requests)
+    claim: idempotency.Claim | None = None   # that key's claim: whose it is, and the fencing token
     choices: list[Choice] = field(default_factory=list)    # set once admitted
     outs: list[Piece] = field(default_factory=list)        # each choice's output so far
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # (choice position, Piece | None: done | Ended)
@@ -128,11 +129,11 @@ class Call(ABC):
         call = cls(state, request, body, prompts, target, p.new_id(cls.id_prefix), started, clock)
         info["id"] = call.id
         if target.experiment is not None and (key := idempotency.header(request)) is not None:
-            held = await idempotency.claim(state.store, target.experiment, key,
+            held = await idempotency.claim(state.store, request, body, target.experiment, key,
                                            state.config.request_timeout_s + state.config.shutdown_grace_s)
-            if held is not None:
+            if not isinstance(held, idempotency.Claim):
                 return call.replay(held)
-            call.key = key
+            call.key, call.claim = key, held
         try:
             params = sampling_params(state.config, body, target.engine)
             call.share.enter_context(key_share(state, request, target.engine.name, len(prompts) * body.n))
@@ -141,8 +142,8 @@ class Call(ABC):
             call.share.close()
             error = exc if isinstance(exc, ApiError) else internal_error(exc)
             if error.status < 500:   # refused before reaching the engine: a retry may run
-                if call.key is not None:
-                    await idempotency.release(state.store, target.experiment, call.key)
+                if call.claim is not None:
+                    await idempotency.release(state.store, call.claim)
                 raise error from None
             await call.commit("shutdown" if error.code == "shutting_down" else "error", error.body())
             raise error from None
@@ -351,14 +352,15 @@ class Call(ABC):
 
     async def commit(self, reason: str | None, response: dict[str, Any] | None) -> None:
         """For an experiment request, once: its A/B rows (`outcome.rows`; `reason` the finish_reason of all of them
-        when it did not complete) and, with an idempotency key, the response its client got, in one transaction
-        before anything is acknowledged. 503 with the store's code when the database refuses."""
+        when it did not complete) and, with an idempotency key, the response its client got (stored to replay when
+        it completed; an outcome that tells the client to retry frees the key instead), in one transaction before
+        anything is acknowledged. 503 with the store's code when the database refuses."""
         if self.route.experiment is None or self.logged:
             return
         self.logged = True
-        key = (self.route.experiment, self.key) if self.key is not None else None
         error = response["error"]["message"] if reason is not None and response and "error" in response else None
-        await outcome.write(self.state.store, outcome.rows(self, reason, error), key, response if key else None)
+        final = response if self.claim is not None and reason is None else None   # else the key is freed
+        await outcome.write(self.state.store, outcome.rows(self, reason, error), self.claim, final)
 
     async def commit_quietly(self, end: Ended) -> None:
         """`commit` for a request whose client can no longer be told that the store refused."""

@@ -1,9 +1,17 @@
-"""Idempotency keys on experiment requests: a retry sent with the same `Idempotency-Key` header is answered from
-the first attempt's stored response (`Idempotent-Replayed: true`) instead of generating and logging again."""
+"""Idempotency keys on experiment requests: a retry sent with the same `Idempotency-Key` header, by the same caller
+and with the same body, is answered from the first attempt's stored response (`Idempotent-Replayed: true`) instead
+of generating and logging again. A key belongs to its caller (the API key the request authenticated with, else the
+client's address), so another caller's key of the same name is another key; the same caller reusing a key for
+another body gets 422 `idempotency_key_reused`. Only a final answer (200) is stored: an outcome that tells its
+client to retry (a 5xx, 499, 504, shutdown, ...) frees the key, as does a request refused before it reached the
+engine. Each claim carries a fencing token, so a request whose claim was taken over cannot overwrite the answer
+stored under the key."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,11 +21,11 @@ from pydantic import BaseModel
 
 from rolemrc.serve.errors import ApiError, database_refused
 from rolemrc.serve.protocol import sse
-from rolemrc.serve.store import Store, StoreError
+from rolemrc.serve.store import Claim, Store, StoreError
 
 HEADER = "Idempotency-Key"
 MAX_KEY_CHARS = 255
-STATUS_OF_TYPE = {"cancelled": 499, "server_error": 500, "service_unavailable": 503, "timeout_error": 504}
+DELIVERY = {"stream", "stream_options"}   # how the answer is delivered, not what it is: left out of the body's hash
 
 
 def header(request: Request) -> str | None:
@@ -29,37 +37,56 @@ def header(request: Request) -> str | None:
     return key
 
 
-async def claim(store: Store, experiment: str, key: str, stale_after_s: float) -> dict[str, Any] | None:
-    """None when this request now holds the key; the stored response when the key is done; 409 while another
-    request with it is running (a claim older than `stale_after_s` is taken over: no request runs that long)."""
+def caller(request: Request) -> str:
+    """Whose key it is: `key:` and the id (a hash) of the API key the request authenticated with, else (a server
+    without keys) `addr:` and the client's address."""
+    key = getattr(request.state, "key", None)
+    if key:
+        return f"key:{key}"
+    return f"addr:{request.client.host if request.client else 'unknown'}"
+
+
+def body_hash(body: BaseModel) -> str:
+    """sha256 of the parsed body as canonical JSON (sorted keys, defaults filled in), without DELIVERY: a retry that
+    asks to stream what was answered whole is the same request."""
+    canonical = json.dumps(body.model_dump(mode="json", exclude=DELIVERY), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+async def claim(store: Store, request: Request, body: BaseModel, experiment: str, key: str,
+                stale_after_s: float) -> Claim | dict[str, Any]:
+    """The `Claim` when this request now holds its caller's key; the stored response when the key is done; 422 when
+    the caller sent the key with another body; 409 while another request with it is running (a claim older than
+    `stale_after_s` is taken over: no request runs that long)."""
+    digest = body_hash(body)
     try:
-        held = await asyncio.to_thread(store.claim, experiment, key, stale_after_s)
+        held = await asyncio.to_thread(store.claim, experiment, caller(request), key, digest, stale_after_s)
     except StoreError as exc:
         raise database_refused(exc) from exc
-    if held is None:
-        return None
+    if isinstance(held, Claim):
+        return held
+    if held["body"] != digest:
+        raise ApiError(422, f"this {HEADER} was already used with a different request body; send a new key for a "
+                            "new request", code="idempotency_key_reused", param=HEADER)
     if held["status"] == "running":
         raise ApiError(409, f"a request with this {HEADER} is still running", code="idempotency_key_in_use",
                        param=HEADER)
     return held["response"]
 
 
-async def release(store: Store, experiment: str, key: str) -> None:
+async def release(store: Store, held: Claim) -> None:
     """Drop the claim of a request refused before it reached the engine."""
     try:
-        await asyncio.to_thread(store.release_claim, experiment, key)
+        await asyncio.to_thread(store.release_claim, held)
     except StoreError as exc:
         raise database_refused(exc) from exc
 
 
 def replay(stored: dict[str, Any], stream: bool, include_usage: bool, chunk_model: type[BaseModel],
            deltas: Callable[[dict[str, Any]], list[BaseModel]]) -> Response:
-    """A stored response again: an error with the status it had (only server-side failures are stored), a whole
-    response as is or, for a request that streams, as server-sent events (`deltas` turns a whole choice into its
-    streamed ones)."""
+    """A stored response (only whole 200 answers are stored) again: as is or, for a request that streams, as
+    server-sent events (`deltas` turns a whole choice into its streamed ones)."""
     headers = {"Idempotent-Replayed": "true"}
-    if "error" in stored:
-        return JSONResponse(stored, status_code=STATUS_OF_TYPE.get(stored["error"]["type"], 500), headers=headers)
     if not stream:
         return JSONResponse(stored, headers=headers)
 

@@ -1,10 +1,11 @@
 """How a request (`completions.Call`) ends: `Ended` when it cannot complete (why, and what its client hears), its
-whole body rendered before anything is committed, and its A/B rows: one per choice it asked for, all of them (and
-the response stored under its idempotency key) written in one transaction."""
+whole body rendered before anything is committed, and its A/B rows: one per choice it asked for, all of them written
+in one transaction with its idempotency key settled (the answer stored under it, or the key freed)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -13,7 +14,7 @@ from typing import Any
 import anyio
 
 from rolemrc.serve.errors import ApiError, database_refused
-from rolemrc.serve.store import Store, StoreError
+from rolemrc.serve.store import Claim, Store, StoreError
 
 log = logging.getLogger("rolemrc.serve")
 
@@ -74,12 +75,21 @@ def rows(call: Any, reason: str | None, error: str | None = None) -> list[dict[s
     return out
 
 
-async def write(store: Store, logged: list[dict[str, Any]], idempotency: tuple[str, str] | None,
+async def write(store: Store, logged: list[dict[str, Any]], claim: Claim | None,
                 response: dict[str, Any] | None) -> None:
     """`Store.log_request` off the event loop, finished even while the request's task is being cancelled (a
-    disconnect, the shutdown); 503 with the store's code when the database refuses."""
+    disconnect, the shutdown): the rows, and the idempotency key settled (`response`: the final answer it replays,
+    or None to free it). 503 with the store's code when the database refuses; the key is then freed if the database
+    still answers (else its claim goes stale and is taken over), so the retry the client was told to send runs."""
     try:
         with anyio.CancelScope(shield=True):
-            await asyncio.to_thread(store.log_request, logged, idempotency, response)
-    except StoreError as exc:
-        raise database_refused(exc) from exc
+            if not await asyncio.to_thread(store.log_request, logged, claim, response):
+                log.warning("idempotency key taken over by another request: its stored answer is kept, this "
+                            "request's rows are logged", extra={"id": logged[0]["request_id"] if logged else None})
+    except Exception as exc:
+        if claim is not None:
+            with anyio.CancelScope(shield=True), contextlib.suppress(StoreError):
+                await asyncio.to_thread(store.release_claim, claim)
+        if isinstance(exc, StoreError):
+            raise database_refused(exc) from exc
+        raise

@@ -6,15 +6,27 @@ acknowledged row survives a crash. The server writes it; `rolemrc.ab.report` rea
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from rolemrc.serve.store.backend import Backend, StoreError
 from rolemrc.serve.store.schema import COLUMNS, INSERT_REQUEST, JSON_FIELDS, MIGRATIONS, REQUEST_FIELDS
 
-__all__ = ["Store", "StoreError", "is_url"]
+__all__ = ["Claim", "Store", "StoreError", "is_url"]
 POSTGRES = ("postgresql://", "postgres://")
+RELEASE = ("DELETE FROM idempotency WHERE experiment = ? AND caller = ? AND key = ? AND token = ?"
+           " AND status = 'running'")
+
+
+class Claim(NamedTuple):
+    """An idempotency key held by one request: whose key it is and the fencing token its commit must still match."""
+
+    experiment: str
+    caller: str
+    key: str
+    token: str
 
 
 def is_url(db: str) -> bool:
@@ -117,32 +129,40 @@ class Store:
         with self.backend.transaction() as tx:
             return tx.execute_count("DELETE FROM restraints WHERE name = ?", (name,)) == 1
 
-    def claim(self, experiment: str, key: str, stale_after_s: float = float("inf")) -> dict[str, Any] | None:
-        """Claim an idempotency key: None when this call claimed it now, else its record {"status": "running" |
-        "done", "response": the JSON body answered, or None}. Atomic across replicas. A claim still `running` after
-        `stale_after_s` (its replica died mid-request) is taken over."""
-        now = time.time()
+    def claim(self, experiment: str, caller: str, key: str, body: str,
+              stale_after_s: float = float("inf")) -> Claim | dict[str, Any]:
+        """Claim the idempotency key `key` of `caller` in `experiment` for a request whose body hashes to `body`: a
+        `Claim` (with a fresh fencing token) when this call holds the key now, else the key's record {"status":
+        "running" | "done", "body": the hash it was first sent with, "response": the JSON body stored, or None}.
+        Atomic across replicas. A claim still `running` after `stale_after_s` (its replica died mid-request) is
+        taken over by a request with the same body, under a new token: the old holder's commit no longer matches."""
+        now, token = time.time(), secrets.token_hex(16)
         with self.backend.transaction() as tx:
-            if tx.execute_count("INSERT INTO idempotency (experiment, key, status, response, created)"
-                                " VALUES (?, ?, 'running', NULL, ?) ON CONFLICT (experiment, key) DO UPDATE"
-                                " SET created = excluded.created"
-                                " WHERE idempotency.status = 'running' AND idempotency.created < ?",
-                                (experiment, key, now, now - stale_after_s)) == 1:
-                return None
-            row = tx.execute("SELECT status, response FROM idempotency WHERE experiment = ? AND key = ?",
-                             (experiment, key))[0]
-        return {"status": row["status"], "response": json.loads(row["response"]) if row["response"] else None}
+            if tx.execute_count("INSERT INTO idempotency (experiment, caller, key, body, token, status, response,"
+                                " created) VALUES (?, ?, ?, ?, ?, 'running', NULL, ?)"
+                                " ON CONFLICT (experiment, caller, key) DO UPDATE"
+                                " SET token = excluded.token, created = excluded.created"
+                                " WHERE idempotency.status = 'running' AND idempotency.created < ?"
+                                " AND idempotency.body = excluded.body",
+                                (experiment, caller, key, body, token, now, now - stale_after_s)) == 1:
+                return Claim(experiment, caller, key, token)
+            row = tx.execute("SELECT status, body, response FROM idempotency"
+                             " WHERE experiment = ? AND caller = ? AND key = ?", (experiment, caller, key))[0]
+        return {"status": row["status"], "body": row["body"],
+                "response": json.loads(row["response"]) if row["response"] else None}
 
-    def release_claim(self, experiment: str, key: str) -> None:
-        """Drop a claim whose request never reached the engine (so a retry runs)."""
+    def release_claim(self, claim: Claim) -> None:
+        """Drop a claim still held under its token (so a retry runs); a key done or taken over stays."""
         with self.backend.transaction() as tx:
-            tx.execute("DELETE FROM idempotency WHERE experiment = ? AND key = ? AND status = 'running'",
-                       (experiment, key))
+            tx.execute(RELEASE, claim)
 
-    def log_request(self, rows: list[dict[str, Any]], idempotency: tuple[str, str] | None = None,
-                    response: dict[str, Any] | None = None) -> None:
-        """Insert the rows of one request, add them to their arms' counts and, with `idempotency` (experiment, key),
-        mark that key done with `response`: one transaction, committed (and on SQLite fsynced) before returning."""
+    def log_request(self, rows: list[dict[str, Any]], claim: Claim | None = None,
+                    response: dict[str, Any] | None = None) -> bool:
+        """Insert the rows of one request, add them to their arms' counts and, with the `claim` of its idempotency
+        key, settle that key: done with `response` (a final answer, replayed to retries), or freed when `response`
+        is None (an outcome that tells its client to retry); one transaction, committed (and on SQLite fsynced)
+        before returning. The key is settled only while `claim`'s token still holds it: False when another request
+        took it over (the rows are written all the same: the request ran; the key keeps the taker's answer)."""
         values = [[json.dumps(row.get(f)) if f in JSON_FIELDS else row.get(f) for f in REQUEST_FIELDS] for row in rows]
         counts = Counter((row["experiment"], row["arm"]) for row in rows)
         with self.backend.transaction() as tx:
@@ -152,11 +172,13 @@ class Store:
                 tx.execute("INSERT INTO arm_counts (experiment, arm, requests) VALUES (?, ?, ?) ON CONFLICT"
                            " (experiment, arm) DO UPDATE SET requests = arm_counts.requests + excluded.requests",
                            (experiment, arm, n))
-            if idempotency is not None:
-                tx.execute("INSERT INTO idempotency (experiment, key, status, response, created)"
-                           " VALUES (?, ?, 'done', ?, ?) ON CONFLICT (experiment, key) DO UPDATE"
-                           " SET status = 'done', response = excluded.response",
-                           (*idempotency, json.dumps(response), time.time()))
+            if claim is None:
+                return True
+            if response is None:
+                return tx.execute_count(RELEASE, claim) == 1
+            return tx.execute_count("UPDATE idempotency SET status = 'done', response = ?"
+                                    " WHERE experiment = ? AND caller = ? AND key = ? AND token = ?"
+                                    " AND status = 'running'", (json.dumps(response), *claim)) == 1
 
     def requests(self, exp_id: str) -> list[dict[str, Any]]:
         """An experiment's rows, oldest first, JSON fields decoded."""

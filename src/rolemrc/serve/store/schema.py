@@ -31,6 +31,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE TABLE idempotency (experiment TEXT NOT NULL, key TEXT NOT NULL, status TEXT NOT NULL, response TEXT,"
         " created DOUBLE PRECISION NOT NULL, PRIMARY KEY (experiment, key))",
     ),
+    (
+        # idempotency keys belong to their caller (the API key's id, else the client's address), remember the hash
+        # of the request they were first sent with, and carry the fencing token of the request holding them. Keys
+        # of the old table had no caller or body to match, so they are dropped: a retry across the upgrade runs.
+        "DROP TABLE idempotency",
+        "CREATE TABLE idempotency (experiment TEXT NOT NULL, caller TEXT NOT NULL, key TEXT NOT NULL,"
+        " body TEXT NOT NULL, token TEXT NOT NULL, status TEXT NOT NULL, response TEXT,"
+        " created DOUBLE PRECISION NOT NULL, PRIMARY KEY (experiment, caller, key))",
+    ),
 )
 VERSION = len(MIGRATIONS)
 
