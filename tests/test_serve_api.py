@@ -283,6 +283,11 @@ def test_upstream_engine_proxies_a_rolemrc_server(server, client, tmp_path):
         pc = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="none", max_retries=0)
         assert greedy(pc, "proxy") == greedy(client)
         assert greedy(pc, "proxy", restraint="mute") == greedy(client, restraint="mute")
+        for k in range(3):   # names the proxy does not list: refused upstream, and no metric label each
+            with pytest.raises(openai.NotFoundError):
+                greedy(pc, "proxy", restraint=f"made-up-{k}")
+        labels = httpx.get(proxy.base_url + "/metrics").text
+        assert 'restraint="unlisted"' in labels and "made-up" not in labels and 'restraint="mute"' not in labels
         streamed = "".join(c.choices[0].delta.content or "" for c in pc.chat.completions.create(
             model="proxy", messages=CHAT, max_tokens=12, temperature=0, stream=True) if c.choices)
         assert streamed == greedy(client)

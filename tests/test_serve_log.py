@@ -45,6 +45,34 @@ def failing_advance(self, requests, *args):
     return advance(self, requests, *args)
 
 engine.Engine._forward, engine.Engine._advance = slow_forward, failing_advance
+
+# a request whose metadata says {"pause": POINT} waits 1 s at that point of the handler (its client leaves meanwhile)
+import asyncio, contextvars
+import rolemrc.serve.completions as completions
+import rolemrc.serve.idempotency as idempotency
+
+PAUSE = contextvars.ContextVar("pause", default=None)
+route, claim, submit_all = completions.route, idempotency.claim, completions.submit_all
+
+async def paused_route(state, body):
+    PAUSE.set((body.metadata or {}).get("pause"))
+    if PAUSE.get() == "route":
+        await asyncio.sleep(1)
+    return await route(state, body)
+
+async def paused_claim(*args):
+    held = await claim(*args)
+    if PAUSE.get() == "claim":
+        await asyncio.sleep(1)
+    return held
+
+async def paused_submit_all(*args):
+    choices = await submit_all(*args)
+    if PAUSE.get() == "admitted":
+        await asyncio.sleep(1)
+    return choices
+
+completions.route, idempotency.claim, completions.submit_all = paused_route, paused_claim, paused_submit_all
 '''
 
 
@@ -70,8 +98,8 @@ def launch(model_dirs, root, **config):
 def rows(root, case):
     with sqlite3.connect(root / "ab.sqlite") as db:
         db.row_factory = sqlite3.Row
-        return [dict(r) for r in db.execute("SELECT * FROM requests WHERE metadata = ? ORDER BY id",
-                                            (json.dumps({"case": case}),))]
+        return [dict(r) for r in db.execute("SELECT * FROM requests WHERE json_extract(metadata, '$.case') = ? "
+                                            "ORDER BY id", (case,))]
 
 
 def wait_rows(root, case, timeout=20):
@@ -149,6 +177,39 @@ def test_a_stream_left_before_its_first_byte_is_closed_and_logged(served):
         assert row["finish_reason"] == "disconnected" and row["completion_tokens"] < 400, row
 
 
+def admitted(server) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('rolemrc_admitted{model="tiny"}'))
+
+
+@pytest.mark.parametrize("point", ["route", "claim", "admitted"])
+def test_a_stream_abandoned_at_each_point_of_the_handler_holds_nothing(served, point):
+    """The client sends a streamed n=2 request with an idempotency key and leaves while the handler is at `point`
+    (routing, claiming the key, just admitted): the response is cancelled before its events run. Its choices stop
+    generating and leave the engine, its row says disconnected, and the same key is then served at once."""
+    server, root = served
+    host, port = server.base_url.removeprefix("http://").split(":")
+    case, key = f"abandon-{point}", f"abandon-{point}"
+    request = ask("slow", case, max_tokens=30, ignore_eos=True, stream=True, n=2, temperature=0.5,
+                  metadata={"case": case, "pause": point})
+    body = json.dumps(request).encode()
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Idempotency-Key: %s\r\nContent-Length: %d\r\n\r\n" % (key.encode(), len(body)) + body)
+        time.sleep(0.3)   # the handler is at `point` (it waits there 1 s)
+    deadline = time.monotonic() + 2.5   # a leaked slot stays for good
+    while admitted(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert admitted(server) == 0
+    logged = wait_rows(root, case)
+    assert len(logged) == 2 and all(r["finish_reason"] == "disconnected" and r["completion_tokens"] < 30
+                                    for r in logged), logged
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=request,
+                      headers={"Idempotency-Key": key}, timeout=60) as again:
+        text = "".join(again.iter_text())
+    assert again.status_code == 200 and "Idempotent-Replayed" not in again.headers and "[DONE]" in text, text
+
+
 def test_n_choices_are_written_together(served):
     server, root = served
     answer = httpx.post(server.base_url + "/v1/chat/completions", json=ask("exp", "n3", n=3, temperature=0.9, seed=1),
@@ -222,6 +283,7 @@ def test_a_failed_step_ends_every_row_of_its_group_at_once(served):
         answered = [f.result() for f in others]
         took = time.monotonic() - start
     assert failed.status_code == 500 and failed.json()["error"]["code"] == "generation_failed"
+    assert failed.json()["error"]["message"] == "generation failed: RuntimeError"   # its text stays in the log
     assert all(r.status_code in (200, 500) for r in answered) and took < 3   # the 504 would come at 4 s
     assert httpx.post(url, json={**body, "model": "tiny"}, timeout=60).status_code == 200
 

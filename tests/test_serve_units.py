@@ -314,3 +314,72 @@ def test_the_vllm_engine_serves_each_kind_a_lora_holds_and_refuses_the_rest_by_n
             catalog.resolve(engine, None, spec)
         assert (err.value.status, err.value.code) == (422, "restraint_kind_unsupported")
         assert f"cannot serve a {spec['restraint']} restraint" in str(err.value) and not list(tmp_path.iterdir())
+
+
+def test_cors_lets_a_browser_send_an_idempotency_key_and_read_the_replay(model_dirs):
+    from fastapi.testclient import TestClient
+
+    from rolemrc.serve.app import create_app
+
+    config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "db": None,
+                                    "cors_origins": ["https://notebook.example"]})
+    with TestClient(create_app(config)) as client:
+        preflight = client.options("/v1/chat/completions", headers={
+            "Origin": "https://notebook.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, idempotency-key"})
+        assert preflight.status_code == 200, preflight.text
+        assert "idempotency-key" in preflight.headers["access-control-allow-headers"].lower()
+        models = client.get("/v1/models", headers={"Origin": "https://notebook.example"})
+        assert {"idempotent-replayed", "retry-after"} <= set(models.headers["access-control-expose-headers"].lower()
+                                                             .replace(" ", "").split(","))
+        other = client.options("/v1/chat/completions", headers={"Origin": "https://evil.example",
+                                                                "Access-Control-Request-Method": "POST"})
+        assert other.status_code == 400
+
+
+def test_a_postgres_store_times_out_statements_and_names_no_password(postgres_url):
+    """A statement past STATEMENT_TIMEOUT is cancelled (db_locked), the session keeps TCP keepalives, and no password
+    (in the authority or as a parameter) reaches the store's name or a client's 503."""
+    from contextlib import closing
+
+    from rolemrc.serve.errors import database_refused
+    from rolemrc.serve.store import Store, StoreError
+    from rolemrc.serve.store.postgres import STATEMENT_TIMEOUT, redacted
+
+    assert redacted("postgresql://u:hunter2@h/db") == "postgresql://u:***@h/db"
+    assert redacted("postgresql://h/db?user=u&password=hunter2&sslmode=require") == \
+        "postgresql://h/db?user=u&password=***&sslmode=require"
+    assert redacted("host=h password='a b' user=u") == "host=h password=*** user=u"
+    with closing(Store.open(postgres_url + ("&" if "?" in postgres_url else "?") + "application_name=t")) as store:
+        conn = store.backend._connection()
+        assert conn.execute("SHOW statement_timeout").fetchone()[0] == STATEMENT_TIMEOUT
+        options = {o.keyword.decode(): (o.val or b"").decode() for o in conn.pgconn.info}
+        assert options["keepalives"] == "1" and options["tcp_user_timeout"] == "15000" and options["application_name"] == "t"
+        with pytest.raises(StoreError) as slow, store.backend.transaction() as tx:
+            tx.execute("SET LOCAL statement_timeout = '100ms'")
+            tx.execute("SELECT pg_sleep(2)")
+        assert slow.value.code == "db_locked"
+        refused = database_refused(slow.value)
+        assert refused.status == 503 and "pg_sleep" not in refused.message and "canceling" not in refused.message
+
+
+def test_registrations_stop_at_the_servers_limit_and_a_deleted_one_frees_its_place(model_dirs):
+    from fastapi.testclient import TestClient
+
+    from rolemrc.serve.app import create_app
+
+    config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "db": None,
+                                    "allow_inline_restraints": True, "max_registered_restraints": 2})
+
+    def spec(unit):
+        return {"hook": "mlp.act", "factor": 0.0, "units": {"0": [unit]}}
+
+    with TestClient(create_app(config)) as client:
+        assert [client.post("/v1/restraints", json={"name": f"r{k}", "spec": spec(k)}).status_code
+                for k in range(2)] == [201, 201]
+        third = client.post("/v1/restraints", json={"name": "r2", "spec": spec(2)})
+        assert third.status_code == 422 and third.json()["error"]["code"] == "too_many_restraints"
+        assert "tiny+r2" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
+        assert client.post("/v1/restraints", json={"name": "r0", "spec": spec(0)}).status_code == 200   # already there
+        assert client.delete("/v1/restraints/r0").status_code == 204
+        assert client.post("/v1/restraints", json={"name": "r2", "spec": spec(2)}).status_code == 201

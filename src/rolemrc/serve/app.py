@@ -99,7 +99,8 @@ def create_app(config: ServeConfig, keys: dict[str, Role] | None = None) -> Fast
     install_error_handlers(app)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
+                           expose_headers=["Idempotent-Replayed", "Retry-After"])
     app.add_middleware(Lifecycle, state=state)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     return app

@@ -4,6 +4,7 @@ serving, and the `model+restraint` variants they make."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -75,13 +76,26 @@ class ModelCatalog:
                     raise ApiError(409, f"restraint {rname!r} is registered with other units, hook or factor",
                                    code="restraint_exists", param="name")
                 return False, self.fitted(rname)
+            registered = len(set(self.restraints) - set(self.config.restraints))
+            if registered >= self.config.max_registered_restraints:
+                raise ApiError(422, f"{registered} restraints are registered while serving, this server's limit "
+                                    f"(max_registered_restraints); delete some first", code="too_many_restraints",
+                               param="name")
             fits = [name for name, engine in self.engines.items() if self._fits(name, engine, rname, restraint)]
             if not fits:
                 raise ApiError(422, f"restraint {rname!r} fits none of the served models {sorted(self.engines)}",
                                code="invalid_restraint", param="spec")
-            for name in fits:
-                if self.engines[name].capabilities.lora_restraints:
-                    await self.engines[name].add_adapter(rname, restraint)
+            try:
+                for name in fits:
+                    if self.engines[name].capabilities.lora_restraints:
+                        await self.engines[name].add_adapter(rname, restraint)
+            except BaseException:   # no variant outlives a registration that failed
+                for name in fits:
+                    self.variants.pop(f"{name}+{rname}", None)
+                    if self.engines[name].capabilities.lora_restraints:
+                        with contextlib.suppress(Exception):
+                            await self.engines[name].remove_adapter(rname)
+                raise
             self.restraints[rname] = restraint
             return True, fits
 
@@ -158,7 +172,7 @@ class ModelCatalog:
             return Resolved()
         if not engine.capabilities.runtime_restraints:   # the upstream applies it, if the engine may forward it
             engine.check_restraint(requested)
-            return Resolved(None, requested if isinstance(requested, str) else "inline", "", requested)
+            return Resolved(None, self.upstream_label(engine, requested), "", requested)
         if isinstance(requested, str):
             if requested not in self.restraints:
                 raise ApiError(404, f"unknown restraint {requested!r}; registered: {sorted(self.restraints)}",
@@ -179,3 +193,11 @@ class ModelCatalog:
             raise ApiError(422, f"the restraint does not fit model {engine.name!r}: {exc}", code="invalid_restraint",
                            param="restraint") from None
         return Resolved(restraint, label, key, requested)
+
+    def upstream_label(self, engine: Engine, requested: str | dict) -> str:
+        """The metric and log label of a restraint an upstream applies: its name where this server lists it (a
+        registered restraint, a `model+name` variant), else "inline" or "unlisted", so a client's strings cannot grow
+        the label set."""
+        if not isinstance(requested, str):
+            return "inline"
+        return requested if requested in self.restraints or f"{engine.name}+{requested}" in self.variants else "unlisted"

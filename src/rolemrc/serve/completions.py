@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -81,7 +82,18 @@ async def submit_all(engine: Engine, prompts: list[Prompt], params: SamplingPara
                             f"requests, not {len(prompts) * n}; retry later", code="queue_full")
     asks = [(prompt, k, params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k))
             for prompt in prompts for k in range(n)]
-    gens = await asyncio.gather(*(engine.submit(prompt, sp, resolved) for prompt, _, sp in asks), return_exceptions=True)
+    tasks = [asyncio.ensure_future(engine.submit(prompt, sp, resolved)) for prompt, _, sp in asks]
+    try:
+        gens = await asyncio.gather(*tasks, return_exceptions=True)
+    except asyncio.CancelledError:   # abandoned while admitting: what was admitted is closed, the rest cancelled
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            gens = await asyncio.gather(*tasks, return_exceptions=True)
+        for gen in gens:
+            if isinstance(gen, Generation):
+                gen.close()
+        raise
     refused = next((g for g in gens if isinstance(g, BaseException)), None)
     if refused is not None:
         for gen in gens:
@@ -152,9 +164,9 @@ class Call(ABC):
             await call.commit_quietly(call.interrupted())
             raise
         call.outs = [Piece("") for _ in call.choices]
+        state.calls.add(call)
         if body.stream:
-            return StreamingResponse(call.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return CallStream(call)
         return await call.whole()
 
     # what differs per endpoint
@@ -191,16 +203,26 @@ class Call(ABC):
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
-        """The call among the server's in-flight calls; every generation of it closed (cancelled if unfinished) and
-        its key's share released on the way out."""
-        self.state.calls.add(self)
+        """The admitted call answering; released however that ends."""
         try:
             yield
         finally:
-            self.state.calls.discard(self)
-            for choice in self.choices:
-                choice.gen.close()
-            self.share.close()
+            self.release()
+
+    def release(self) -> None:
+        """Out of the server's in-flight calls, every generation closed (cancelled, so the engine stops decoding it,
+        if unfinished: its slot and any adapter hold freed) and the key's share returned. Idempotent."""
+        self.state.calls.discard(self)
+        for choice in self.choices:
+            choice.gen.close()
+        self.share.close()
+
+    async def abandoned(self) -> None:
+        """A streamed call whose response ended without its events running to their end (the client left before the
+        first byte, or while a chunk was being sent): logged as interrupted, unless it was, and released."""
+        if not self.logged:
+            await self.commit_quietly(self.interrupted())
+        self.release()
 
     def shut_down(self) -> None:
         """End the request now (the server's shutdown grace has passed): its rows are logged `shutdown`."""
@@ -368,6 +390,26 @@ class Call(ABC):
             await self.commit(end.reason, end.error.body())
         except ApiError as exc:
             log.error("A/B rows not written: %s", exc.message, extra={"id": self.id})
+
+class CallStream(StreamingResponse):
+    """A call's server-sent events. Starlette may cancel a response before its iterator ever runs (a client gone
+    while the call was routed, its idempotency key claimed or its choices admitted: the disconnect is then the first
+    thing the response hears), which would leave the admitted call held for good; this response closes the events
+    and ends the call however it stops."""
+
+    def __init__(self, call: Call) -> None:
+        super().__init__(call.events(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.call = call
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()   # a started stream ends as its own code says
+                await self.call.abandoned()
+
 
 class ChatCall(Call):
     endpoint = "chat"

@@ -86,6 +86,7 @@ class ServeConfig:
     allow_inline_restraints: bool = False
     strict_restraints: bool = False     # refuse a registered restraint selected on another model (default: a warning)
     max_inline_units: int = 4096
+    max_registered_restraints: int = 256   # restraints registered while serving (POST /v1/restraints), at most
     api_key_env: str | None = None      # env var with a comma-separated list of KEY or KEY:admin
     api_key_file: str | None = None     # one KEY or `KEY admin` per line; `#` starts a comment line
     allow_no_auth: bool = False         # serve without keys on a non-loopback host (loopback: always allowed)
@@ -121,7 +122,7 @@ class ServeConfig:
             self.default_max_tokens = min(DEFAULT_MAX_TOKENS, int(self.max_new_tokens))
         for key in ("max_inline_units", "max_body_bytes", "max_queue", "max_batch", "max_new_tokens",
                     "default_max_tokens", "max_stop_strings", "max_stop_chars", "max_choices", "max_metadata_bytes",
-                    "max_queue_per_key"):
+                    "max_queue_per_key", "max_registered_restraints"):
             if int(getattr(self, key)) < 1:
                 raise ServeConfigError(f"{key} must be >= 1")
         if self.default_max_tokens > self.max_new_tokens:

@@ -3,6 +3,7 @@ rendered in OpenAI's error shape (`ApiError`, for HTTP clients)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from rolemrc.core.errors import RolemrcError
@@ -10,6 +11,7 @@ from rolemrc.core.errors import RolemrcError
 if TYPE_CHECKING:
     from fastapi.responses import JSONResponse
 
+log = logging.getLogger("rolemrc.serve")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 502: "upstream_error",
          503: "service_unavailable", 504: "timeout_error"}
@@ -42,5 +44,8 @@ class ApiError(Exception):
 
 
 def database_refused(exc: RolemrcError) -> ApiError:
-    """The A/B database could not take a write or answer (a `store.StoreError`): 503 with its code, retry in 1 s."""
-    return ApiError(503, str(exc), code=getattr(exc, "code", None), retry_after=1)
+    """The A/B database could not take a write or answer (a `store.StoreError`): 503 with its code, retry in 1 s. The
+    database's own words (its host, its tables, what it said) go to the server's log, not to the client."""
+    code = getattr(exc, "code", None)
+    log.error("the A/B database refused: %s", exc)
+    return ApiError(503, f"the A/B database cannot take the request now ({code}); retry", code=code, retry_after=1)

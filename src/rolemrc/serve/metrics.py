@@ -21,6 +21,8 @@ class Metrics:
         self.queue = Gauge("rolemrc_queue_depth", "Requests waiting for a batch slot", labels, registry=self.registry)
         self.running = Gauge("rolemrc_running", "Requests in a running batch", labels, registry=self.registry)
         self.inflight = Gauge("rolemrc_inflight", "Requests being handled", registry=self.registry)
+        self.admitted = Gauge("rolemrc_admitted", "Engine requests admitted (waiting or generating), at most max_queue",
+                              ("model",), registry=self.registry)
         self.restarts = Counter("rolemrc_engine_restarts", "Engine restarts after a crash", ("model",),
                                 registry=self.registry)
         self.engine_state = Gauge("rolemrc_engine_state", "1 for the state each engine is in", ("model", "state"),
@@ -46,6 +48,7 @@ class Metrics:
             self.queue.labels(*key).set(depth.get(key, 0))
             self.running.labels(*key).set(running.get(key, 0))
         for name, engine in engines.items():
+            self.admitted.labels(name).set(engine.admitted)
             current, _ = engine.health() if hasattr(engine, "health") else ("ok", None)
             for s in STATES:
                 self.engine_state.labels(name, s).set(float(s == current))

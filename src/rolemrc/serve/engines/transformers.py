@@ -255,7 +255,7 @@ class TransformersEngine:
                 except Exception as exc:  # a failed forward must not take the server down
                     log.exception("generation failed")
                     for request in self.engine.fail():   # each at once, those joining its prefill group too
-                        request.gen.push(generation_failed(f"{type(exc).__name__}: {exc}"))
+                        request.gen.push(generation_failed(type(exc).__name__))   # the text stays in the log
                 finally:
                     self._step_began = None
                 with self._cv:

@@ -14,19 +14,30 @@ from rolemrc.serve.store.backend import Backend, StoreError, Transaction
 
 CONNECT_TIMEOUT_S = 3
 LOCK_TIMEOUT = "5s"        # a write waiting this long for a row or table lock is db_locked
+STATEMENT_TIMEOUT = "15s"  # a statement running this long is cancelled (db_locked)
+# a silent peer (a hung socket, a dead host) is noticed within seconds, not at the kernel's 2 h keepalive: libpq's
+# keepalives, and a cap on unacknowledged writes (TCP_USER_TIMEOUT, ms)
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+              "tcp_user_timeout": 15000}
 MIGRATION_LOCK = 0x726F6C65   # the advisory lock that serialises replicas' migrations
+
+
+def redacted(url: str) -> str:
+    """A PostgreSQL URL or keyword DSN as messages show it: its password, in the authority or as a parameter, masked."""
+    url = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
+    return re.sub(r"(password\s*=\s*)('[^']*'|[^&\s]*)", r"\1***", url, flags=re.IGNORECASE)
 
 
 class PostgresBackend(Backend):
     def __init__(self, url: str) -> None:
-        super().__init__(re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url))
+        super().__init__(redacted(url))
         self.url = url
         self._conn: psycopg.Connection | None = None
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
-                                         options=f"-c lock_timeout={LOCK_TIMEOUT}")
+            self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, **KEEPALIVES,
+                                         options=f"-c lock_timeout={LOCK_TIMEOUT} -c statement_timeout={STATEMENT_TIMEOUT}")
         return self._conn
 
     def _drop(self) -> None:
