@@ -42,6 +42,8 @@ def slow_forward(self, *args, **kw):
 def failing_advance(self, requests, *args):
     if "boom" in names(requests):
         raise RuntimeError("boom")
+    if "die" in names(requests):   # what no `except Exception` catches: the scheduler thread ends
+        raise SystemExit("die")
     return advance(self, requests, *args)
 
 engine.Engine._forward, engine.Engine._advance = slow_forward, failing_advance
@@ -79,7 +81,7 @@ completions.route, idempotency.claim, completions.submit_all = paused_route, pau
 def launch(model_dirs, root, **config):
     """A server whose model `tiny` has the fault restraints, with experiments `exp` (plain), `slow`, and `nan` (a
     factor of 1e30 on a GPT-2, whose LayerNorm turns it into NaN; RMSNorm models stay finite)."""
-    names = {"slow": 1.0, "boom": 1.0, "stall": 1.0, "huge": 1e30}
+    names = {"slow": 1.0, "boom": 1.0, "stall": 1.0, "die": 1.0, "huge": 1e30}
     for name, factor in names.items():
         Restraint(name=name, hook="mlp.act", factor=factor, units={0: list(range(96)), 1: list(range(96))}).save(
             root / f"{name}.yaml")
@@ -286,6 +288,31 @@ def test_a_failed_step_ends_every_row_of_its_group_at_once(served):
     assert failed.json()["error"]["message"] == "generation failed: RuntimeError"   # its text stays in the log
     assert all(r.status_code in (200, 500) for r in answered) and took < 3   # the 504 would come at 4 s
     assert httpx.post(url, json={**body, "model": "tiny"}, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("on_dead", ["serve_others", "exit"])
+def test_a_dead_scheduler_refuses_at_once_and_on_engine_dead_applies(model_dirs, tmp_path, on_dead):
+    """The transformers engine's scheduler thread ends (an error no step handler catches): the request it held and
+    every later one for that model get 503 `engine_dead` at once (not a timeout), /health says engine_dead and the
+    other model serves on; with `on_engine_dead: exit` the server drains and exits non-zero."""
+    server = launch(model_dirs, tmp_path, on_engine_dead=on_dead, request_timeout_s=30)
+    try:
+        url = server.base_url + "/v1/chat/completions"
+        body = {"messages": CHAT, "max_tokens": 4}
+        start = time.monotonic()
+        held = httpx.post(url, json={**body, "model": "tiny+die"}, timeout=60)
+        assert held.status_code == 503 and held.json()["error"]["code"] == "engine_dead", held.text
+        assert time.monotonic() - start < 10   # not the 30 s timeout
+        if on_dead == "exit":
+            assert server.wait(30) == 1
+            return
+        later = httpx.post(url, json={**body, "model": "tiny"}, timeout=60)
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
+        assert later.elapsed.total_seconds() < 1
+        assert httpx.get(server.base_url + "/health").json()["status"] == "engine_dead"
+        assert httpx.post(url, json={**body, "model": "g"}, timeout=60).status_code == 200
+    finally:
+        stop_server(server)
 
 
 def test_a_step_that_does_not_return_reads_stalled(model_dirs, tmp_path):

@@ -107,7 +107,9 @@ class TransformersEngine:
         self._queued: Counter[str] = Counter()      # handed to the engine, waiting for a slot
         self._cv = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+        self._dead: str | None = None   # why the scheduler thread ended while serving
+        self.on_dead: Callable[[str, str], None] | None = None   # the server's `engine_dead` (app.lifespan sets it)
+        self._thread = threading.Thread(target=self._scheduler, name=f"engine-{name}", daemon=True)
 
     async def start(self) -> None:
         self._thread.start()
@@ -126,8 +128,9 @@ class TransformersEngine:
     def health(self) -> tuple[EngineState, str | None]:
         """Dead once the scheduler thread has ended while serving; stalled while a step has run longer than
         `stall_after_s` (a step runs only while there is work)."""
-        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
-            return "dead", "the scheduler thread ended"
+        if self._dead is not None or (self._thread.ident is not None and not self._thread.is_alive()
+                                      and not self._stopping):
+            return "dead", self._dead or "the scheduler thread ended"
         began = self._step_began
         if began is not None and (busy := time.monotonic() - began) > self.stall_after_s:
             return "stalled", f"a generation step has run for {busy:.0f} s (stall_after_s {self.stall_after_s:g})"
@@ -160,6 +163,8 @@ class TransformersEngine:
         with self._cv:
             if self._stopping:
                 raise shutting_down()
+            if self._dead is not None:
+                raise ApiError(503, f"model {self.name!r} cannot generate: {self._dead}", code="engine_dead")
             if self.admitted >= self.max_queue:
                 raise ApiError(429, f"the queue of {self.name!r} is full ({self.max_queue} requests); retry later",
                                code="queue_full")
@@ -229,6 +234,22 @@ class TransformersEngine:
         return emit
 
     # scheduler thread -------------------------------------------------------------------------
+
+    def _scheduler(self) -> None:
+        """`_run`; if anything ends it while serving, the engine is dead: every request it holds or is handed gets
+        503 `engine_dead` at once, later ones are refused at admission, and the server is told (`on_engine_dead`)."""
+        try:
+            self._run()
+        except BaseException as exc:
+            log.exception("the scheduler thread of model %r ended", self.name)
+            with self._cv:
+                self._dead = f"its scheduler thread ended ({type(exc).__name__})"
+                dead = ApiError(503, f"model {self.name!r} cannot generate: {self._dead}", code="engine_dead")
+                for request in [*self._submitted, *self.engine.waiting, *self.engine.running]:
+                    request.gen.push(dead)
+                self._submitted.clear()
+            if self.on_dead is not None:
+                self.on_dead(self.name, self._dead)
 
     def _run(self) -> None:
         """Hand submitted requests to the engine and step it while there is work; a failed forward ends the requests
