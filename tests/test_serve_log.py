@@ -75,6 +75,16 @@ async def paused_submit_all(*args):
     return choices
 
 completions.route, idempotency.claim, completions.submit_all = paused_route, paused_claim, paused_submit_all
+
+# hashing a model's weights takes 2 s, as on a large model
+import rolemrc.core.modeling as modeling
+weights_fingerprint = modeling.model_fingerprint
+
+def slow_fingerprint(model):
+    time.sleep(2)
+    return weights_fingerprint(model)
+
+modeling.model_fingerprint = slow_fingerprint
 '''
 
 
@@ -89,7 +99,8 @@ def launch(model_dirs, root, **config):
     src = str(Path(rolemrc.__file__).parents[1])
     config = {"models": {"tiny": {"path": str(model_dirs["llama"]), **config.pop("engine", {})},
                          "g": {"path": str(model_dirs["gpt2"])}}, "db": "ab.sqlite",
-              "restraints": {name: f"{name}.yaml" for name in names}, "max_new_tokens": 400, **config}
+              "restraints": {name: f"{name}.yaml" for name in names}, "max_new_tokens": 400,
+              "allow_inline_restraints": True, **config}
     server = start_server(config, workdir=root, env={"PYTHONPATH": f"{root}:{src}"})
     for exp, arm in (("exp", {}), ("slow", {"restraint": "slow"}), ("nan", {"model": "g", "restraint": "huge"})):
         arms = [{"name": "a", "model": "tiny", **arm}]
@@ -210,6 +221,48 @@ def test_a_stream_abandoned_at_each_point_of_the_handler_holds_nothing(served, p
                       headers={"Idempotency-Key": key}, timeout=60) as again:
         text = "".join(again.iter_text())
     assert again.status_code == 200 and "Idempotent-Replayed" not in again.headers and "[DONE]" in text, text
+
+
+def test_a_reader_slower_than_the_deadline_is_cut_off_and_logged(served):
+    """A client that sends a streamed request and never reads: once the kernel's buffers fill, the server's sends
+    block. The deadline (request_timeout_s 4) covers them: the stream is cut off a second after it, the choices
+    free their slots and the row says timeout, while the client still holds its socket open."""
+    server, root = served
+    host, port = server.base_url.removeprefix("http://").split(":")
+    body = json.dumps(ask("exp", "slow-reader", max_tokens=400, ignore_eos=True, stream=True, n=16, temperature=0.5,
+                          logprobs=True, top_logprobs=20)).encode()   # ~10 MB of events: more than the buffers hold
+    conn = socket.socket()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn.connect((host, int(port)))
+    try:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        start = time.monotonic()
+        time.sleep(1)
+        while admitted(server) and time.monotonic() - start < 10:
+            time.sleep(0.2)
+        assert admitted(server) == 0, "a reader that never reads still holds its slots"
+        took = time.monotonic() - start
+        logged = wait_rows(root, "slow-reader")
+        assert len(logged) == 16 and {r["finish_reason"] for r in logged} == {"timeout"}, took
+    finally:
+        conn.close()
+
+
+def test_a_spec_naming_its_model_is_checked_off_the_event_loop(served):
+    """An inline spec that records the model it was selected on (a fingerprint of its weights) makes the first check
+    hash the served model's weights (2 s here, as on a large model): the check runs off the event loop, so /health
+    answers meanwhile."""
+    server, _ = served
+    spec = {"name": "named", "hook": "mlp.act", "factor": 0.5, "units": {"0": [1, 2]},
+            "model": {"name": "elsewhere", "fingerprint": "0123456789abcdef", "fingerprint_of": "weights"}}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, server.base_url + "/v1/chat/completions", timeout=60,
+                             json={"model": "tiny", "messages": CHAT, "max_tokens": 2, "restraint": spec})
+        time.sleep(0.3)
+        health = [httpx.get(server.base_url + "/health", timeout=10).elapsed.total_seconds() for _ in range(5)]
+        assert answer.result().status_code == 200
+    assert max(health) < 0.5, health
 
 
 def test_n_choices_are_written_together(served):

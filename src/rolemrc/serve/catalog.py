@@ -81,7 +81,8 @@ class ModelCatalog:
                 raise ApiError(422, f"{registered} restraints are registered while serving, this server's limit "
                                     f"(max_registered_restraints); delete some first", code="too_many_restraints",
                                param="name")
-            fits = [name for name, engine in self.engines.items() if self._fits(name, engine, rname, restraint)]
+            fits = await asyncio.to_thread(   # off the loop: the checks may fingerprint a model's weights
+                lambda: [name for name, engine in self.engines.items() if self._fits(name, engine, rname, restraint)])
             if not fits:
                 raise ApiError(422, f"restraint {rname!r} fits none of the served models {sorted(self.engines)}",
                                code="invalid_restraint", param="spec")

@@ -229,7 +229,10 @@ class Call(ABC):
         self.queue.put_nowait((-1, shut_down()))
 
     def interrupted(self) -> Ended:
-        """Why a request was torn down from outside (its task cancelled)."""
+        """Why a request was torn down from outside (its task cancelled): past its deadline (a reader too slow to take
+        what was sent), the server's shutdown, else its client leaving."""
+        if time.perf_counter() >= self.deadline:
+            return Ended("timeout", self.timeout())
         return shut_down() if self.state.draining else Ended("disconnected", disconnected())
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
@@ -391,6 +394,9 @@ class Call(ABC):
         except ApiError as exc:
             log.error("A/B rows not written: %s", exc.message, extra={"id": self.id})
 
+SEND_GRACE_S = 1.0   # past its deadline, a stream has this long to send its timeout event before it is cut off
+
+
 class CallStream(StreamingResponse):
     """A call's server-sent events. Starlette may cancel a response before its iterator ever runs (a client gone
     while the call was routed, its idempotency key claimed or its choices admitted: the disconnect is then the first
@@ -403,8 +409,9 @@ class CallStream(StreamingResponse):
         self.call = call
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
+        try:   # the deadline covers sending too: a client that stops reading blocks `send`, not the generation
+            with anyio.move_on_after(max(0.0, self.call.deadline - time.perf_counter()) + SEND_GRACE_S):
+                await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()   # a started stream ends as its own code says

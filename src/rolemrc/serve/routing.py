@@ -4,6 +4,7 @@ limits."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from rolemrc.generate.params import SamplingParams
@@ -32,7 +33,7 @@ async def route(state: State, body: p.SamplingFields) -> Route:
     if body.experiment is None:
         await state.fetch_restraints(body.model.partition("+")[2], body.restraint)
         engine, named = catalog.lookup(body.model)
-        return Route(body.model, engine, catalog.resolve(engine, named, body.restraint))
+        return Route(body.model, engine, await resolve(state, engine, named, body.restraint))
     if body.restraint is not None:
         raise ApiError(400, "a request in an experiment gets its restraint from the arm; drop 'restraint'",
                        param="restraint")
@@ -41,11 +42,19 @@ async def route(state: State, body: p.SamplingFields) -> Route:
     await state.fetch_restraints(arm["model"].partition("+")[2], arm.get("restraint"))
     engine, named = catalog.lookup(arm["model"])
     if named is None and arm.get("restraint"):
-        resolved = catalog.resolve(engine, None, arm["restraint"])
+        resolved = await resolve(state, engine, None, arm["restraint"])
     else:
         resolved = catalog.resolve(engine, named, None)
     model_id = arm["model"] if named or not arm.get("restraint") else f"{arm['model']}+{arm['restraint']}"
     return Route(model_id, engine, resolved, exp["id"], arm["name"])
+
+
+async def resolve(state: State, engine: Engine, named: str | None, requested: str | dict | None) -> Resolved:
+    """`catalog.resolve`, off the event loop for an inline spec: checking it may fingerprint the model's weights
+    (a spec that records the model it was selected on), seconds on a large model the first time (then cached)."""
+    if isinstance(requested, dict):
+        return await asyncio.to_thread(state.catalog.resolve, engine, named, requested)
+    return state.catalog.resolve(engine, named, requested)
 
 
 def sampling_params(config: ServeConfig, body: p.SamplingFields, engine: Engine) -> SamplingParams:
