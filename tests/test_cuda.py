@@ -147,6 +147,7 @@ def test_cuda_engine_graphs_equal_eager_and_restraints_mix(peaked_model, dtype):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     graphed, tokens = _run_engine(model, tok, prompts, params, max_batch=4)
     assert graphed.graphs is not None and graphed.graphs.graphs and not graphed.graphs.broken
+    assert len(graphed.graphs.graphs) <= graphed.graphs.max_graphs
     assert _run_engine(model, tok, prompts, params, max_batch=4, graphs=False)[1] == tokens
     a = Restraint(name="a", hook="mlp.act", factor=0.0, units={0: list(range(0, 96, 2))})
     b = Restraint(name="b", hook="mlp.act", factor=0.0, units={1: list(range(1, 96, 2))})

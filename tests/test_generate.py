@@ -165,3 +165,60 @@ def test_sliding_window_layers_see_only_their_window(tokenizer, arch):
     expected = [hf_greedy(model, tokenizer, p, 12) for p in prompts]
     assert [c.token_ids for c in done] == expected
     assert expected != [hf_greedy(full, tokenizer, p, 12) for p in prompts]
+
+
+def test_an_oom_growing_the_cache_ends_only_the_requests_being_admitted(model_dirs, monkeypatch):
+    """The cache runs out of memory while growing for a late long request (injected: the third buffer it makes
+    fails): that request ends `out_of_memory`, the cache is exactly as it was (no layer half grown), the requests
+    already decoding finish with their own tokens, and the next request is served in full."""
+    import rolemrc.generate.cache as cache_module
+
+    model, tok = load_model(model_dirs["llama"], device="cpu")
+    prompts = prompts_of(tok)
+    whole = [c.token_ids for c in generate(model, tok, prompts[:4], GREEDY, max_batch=8, progress=False)]
+    engine = Engine(model, tok, max_batch=4)
+
+    class FailingTorch:
+        """torch, but its third `zeros` runs out of memory."""
+
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def zeros(self, *args, **kwargs):
+            FailingTorch.calls += 1
+            if FailingTorch.calls == 3:
+                raise torch.OutOfMemoryError("injected")
+            return torch.zeros(*args, **kwargs)
+
+    outputs = []
+    early = [Request(p, GREEDY, 12, lambda o: None, text=False) for p in prompts[:3]]
+    late = Request(prompts[4], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), 400, outputs.append,
+                   text=False)
+    with torch.inference_mode():
+        for r in early:
+            engine.add(r)
+        engine.step()   # the early ones are decoding: the cache holds what they need
+        before = {layer: (k.shape, k.data_ptr()) for layer, k in engine.cache.keys.items()}
+        monkeypatch.setattr(cache_module, "torch", FailingTorch())
+        engine.add(late)
+        engine.step()
+        monkeypatch.setattr(cache_module, "torch", torch)
+        assert {layer: (k.shape, k.data_ptr()) for layer, k in engine.cache.keys.items()} == before
+        assert outputs[-1].finish_reason == "out_of_memory" and late.slot == -1
+    drive(engine, [])
+    assert [r.out for r in early] == whole[:3]
+    again = drive(engine, [Request(prompts[3], GREEDY, 12, lambda o: None, text=False)])
+    assert again[0].out == whole[3] and sorted(engine.free) == [0, 1, 2, 3]
+
+
+def test_the_cache_grows_to_at_most_max_length(model_dirs):
+    """Doubling stops at the engine's `max_length` (the serve engine's window under its KV budget)."""
+    model, tok = load_model(model_dirs["llama"], device="cpu")
+    prompt = prompts_of(tok)[0]
+    engine = Engine(model, tok, max_batch=2, max_length=len(prompt) + 280)
+    drive(engine, [Request(prompt, SamplingParams(max_tokens=200, temperature=0), 200, lambda o: None, text=False)])
+    assert engine.cache.length == 256
+    drive(engine, [Request(prompt, SamplingParams(max_tokens=280, temperature=0), 280, lambda o: None, text=False)])
+    assert engine.cache.length == 384   # the need rounded up to the grain; without the cap, doubled: 512

@@ -188,7 +188,7 @@ def test_a_failed_forward_ends_its_requests_with_500_and_the_engine_serves_on(pe
         return errors, alone, after, (health, dict(engine.running), dict(engine.queue_depth()))
 
     errors, alone, after, (health, running, waiting) = asyncio.run(go())
-    assert len(errors) == 1 and errors[0].startswith("500 generation failed: RuntimeError: poisoned forward")
+    assert errors == ["500 generation failed: RuntimeError"]   # what it said stays in the server log
     assert after == alone and alone
     assert health == ("ok", None) and running == {"none": 0} and waiting == {}
 

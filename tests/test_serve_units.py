@@ -2,6 +2,7 @@
 
 import asyncio
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -383,3 +384,46 @@ def test_registrations_stop_at_the_servers_limit_and_a_deleted_one_frees_its_pla
         assert client.post("/v1/restraints", json={"name": "r0", "spec": spec(0)}).status_code == 200   # already there
         assert client.delete("/v1/restraints/r0").status_code == 204
         assert client.post("/v1/restraints", json={"name": "r2", "spec": spec(2)}).status_code == 201
+
+
+def test_a_128k_context_model_sizes_its_window_from_the_kv_budget(tokenizer, tmp_path):
+    """A tiny model that claims a 131072-token context, served with default settings but a 32 MiB KV budget: its
+    window is what the budget holds at max_batch (not the model's 128k, whose 16 slots would take 8 GiB), a prompt
+    over it is a 400 naming the budget, and serving a request within it keeps the cache inside the budget. With no
+    budget given it is half the host's available memory, and the window never exceeds the model's."""
+    from fastapi.testclient import TestClient
+
+    from rolemrc.core.tiny import build_model
+    from rolemrc.generate.cache import kv_bytes_per_token
+    from rolemrc.serve.app import create_app
+
+    model = build_model("llama", tokenizer, hidden=64, layers=2, intermediate=96, max_positions=131072)
+    model.save_pretrained(tmp_path / "long")
+    tokenizer.save_pretrained(tmp_path / "long")
+    per_token = kv_bytes_per_token(model.config, torch.float32)
+    assert per_token == 2 * 2 * 2 * 32 * 4   # k and v x layers x kv heads x head dim x float32
+    budget = 32 << 20
+    config = ServeConfig.from_dict({"models": {"long": {"path": str(tmp_path / "long"), "kv_cache_bytes": budget,
+                                                        "dtype": "float32"}}, "db": None, "max_batch": 16})
+    app = create_app(config)
+    with TestClient(app) as client:
+        engine = app.state.rolemrc.catalog.engines["long"]
+        assert engine.context_window == budget // (per_token * 16) == 2048
+        long = client.post("/v1/completions", json={"model": "long", "prompt": [5 + i % 300 for i in range(2095)],
+                                                "max_tokens": 1})
+        assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+        assert "the KV budget (33554432 bytes at max_batch 16)" in long.json()["error"]["message"]
+        fits = client.post("/v1/completions", json={"model": "long", "prompt": [5 + i % 300 for i in range(1895)],
+                                                "max_tokens": 8})
+        assert fits.status_code == 200
+        cache = engine.engine.cache
+        held = sum(t.numel() * t.element_size() for store in (cache.keys, cache.values) for t in store.values())
+        assert 0 < held <= budget
+    default = ServeConfig.from_dict({"models": {"long": {"path": str(tmp_path / "long"), "dtype": "float32"}},
+                                     "db": None})
+    app = create_app(default)
+    with TestClient(app):
+        engine = app.state.rolemrc.catalog.engines["long"]
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        assert 0 < engine.kv_budget <= available
+        assert engine.context_window == min(131072, engine.kv_budget // (per_token * default.max_batch))

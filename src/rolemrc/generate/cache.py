@@ -37,16 +37,23 @@ class SlotCache(Cache):
         self.write = torch.empty(0, 0, dtype=torch.long)   # [rows, tokens] positions the new keys go to
         self.width = 0
 
-    def reserve(self, length: int) -> bool:
-        """Room for `length` positions per slot (kept rows' keys copied into the larger buffers); True if it grew."""
+    def reserve(self, length: int, limit: int | None = None) -> bool:
+        """Room for `length` positions per slot (kept rows' keys copied into the larger buffers), doubling up to
+        `limit` positions; True if it grew. All or nothing: every layer's new buffers are made before any replaces
+        its old one, so an allocation that fails (out of memory) leaves the cache as it was."""
         if length <= self.length:
             return False
         new = max(round_up(length), 2 * self.length)
+        new = max(round_up(length), min(new, round_up(limit))) if limit is not None else new
+        grown = {id(store): {} for store in (self.keys, self.values)}
         for store in (self.keys, self.values):
             for layer, old in store.items():
-                grown = old.new_zeros(*old.shape[:2], new, old.shape[3])
-                grown[:, :, :self.length] = old
-                store[layer] = grown
+                grown[id(store)][layer] = torch.zeros(*old.shape[:2], new, old.shape[3], dtype=old.dtype,
+                                                      device=old.device)
+        for store in (self.keys, self.values):
+            for layer, old in store.items():
+                grown[id(store)][layer][:, :, :self.length] = old
+            store.update(grown[id(store)])
         self.length = new
         return True
 
@@ -76,6 +83,18 @@ class SlotCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one position of one sequence takes over all layers (full attention everywhere: an
+    upper bound for models with sliding-window layers)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 def attention_mask(write: torch.Tensor, limit: torch.Tensor, width: int, dtype: torch.dtype,

@@ -80,8 +80,9 @@ class Engine:
     """Continuous batching for one loaded model, `max_batch` requests at a time."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32, prefill_tokens: int = PREFILL_TOKENS,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, max_length: int | None = None) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, max_batch
+        self.max_length = max_length   # positions a slot may hold (prompt + completion): the cache grows to at most this
         self.device = model.get_input_embeddings().weight.device
         self.dtype = next(model.parameters()).dtype
         self.eos = torch.tensor(sorted(eos_ids(model, tokenizer)), dtype=torch.long)
@@ -129,7 +130,10 @@ class Engine:
         """One round: admit, one prefill chunk, one decode step."""
         self._drop_cancelled()
         if self.group is None and self.waiting and self.free:
-            self._admit()
+            try:
+                self._admit()
+            except torch.OutOfMemoryError:   # growing the cache for the new group: only that group fails
+                self._drop_group("out_of_memory")
         if self.group is not None:
             self._prefill_chunk()
         if self.decoding:
@@ -145,6 +149,18 @@ class Engine:
             self._free(request)
         self.decoding.clear()
         return failed
+
+    def _drop_group(self, reason: str) -> None:
+        """End the requests being admitted (joining, or in the prefill group) with `reason`; the decoding ones go on.
+        The cache is as it was (`SlotCache.reserve` is all or nothing)."""
+        log.warning("admitting %d request(s) failed: %s", len(self.joining) + len(self.group.requests if self.group
+                                                                                  else []), reason)
+        dropped = list(dict.fromkeys([*self.joining, *(self.group.requests if self.group else [])]))
+        self.joining, self.group = [], None
+        for request in dropped:
+            self.prefixes.drop(request.slot)
+            request.emit(Output("", [], reason, 0))
+            self._free(request)
 
     # scheduling -----------------------------------------------------------------------------------
 
@@ -202,7 +218,7 @@ class Engine:
 
     def _group(self, requests: list[Request], starts: list[int]) -> PrefillGroup:
         """The prefill group of requests just given slots, their prompts from `starts` on left-padded together."""
-        if self.cache.reserve(max(len(r.prompt) + r.max_tokens for r in requests)) and self.graphs:
+        if self.cache.reserve(max(len(r.prompt) + r.max_tokens for r in requests), self.max_length) and self.graphs:
             self.graphs.clear()
         suffixes = [r.prompt[k:] for r, k in zip(requests, starts)]
         width = max(len(x) for x in suffixes)

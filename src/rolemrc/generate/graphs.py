@@ -1,11 +1,13 @@
 """The decode step as CUDA graphs: captured on first use per (batch rows, attended width, hooked restraint sites),
-replayed after. The step reads the engine's per-slot `tokens` and `next_pos` and the cache's buffers, whose addresses
-never change, so a replay needs no copies; growing the cache clears the graphs. A model whose forward cannot be
-captured (a host sync, a data-dependent branch) falls back to eager with one warning."""
+replayed after (at most `MAX_GRAPHS`, least recently used dropped). The step reads the engine's per-slot `tokens` and
+`next_pos` and the cache's buffers, whose addresses never change, so a replay needs no copies; growing the cache
+clears the graphs. A model whose forward cannot be captured (a host sync, a data-dependent branch) falls back to
+eager with one warning."""
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -13,12 +15,14 @@ import torch
 log = logging.getLogger("rolemrc.generate")
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MAX_GRAPHS = 64   # captured graphs kept (least recently replayed dropped first): sets of hooked sites are unbounded
 
 
 class DecodeGraphs:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, max_graphs: int = MAX_GRAPHS) -> None:
         self.engine = engine
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = OrderedDict()
+        self.max_graphs = max_graphs
         self.pool = torch.cuda.graph_pool_handle()
         self.broken = False
 
@@ -41,6 +45,9 @@ class DecodeGraphs:
                 self.broken = True
                 torch.cuda.synchronize()
                 return engine.decode_forward(rows, width)
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits

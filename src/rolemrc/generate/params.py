@@ -37,8 +37,8 @@ class TokenLogprob:
 class Output:
     """What one engine step gives a request: new text (held back while it may still become a stop string or an
     unfinished character), the log-probabilities of the tokens it came from, and, on its last step, why it ended
-    (stop | length | cancelled | error: its logits were not finite) and how many tokens it generated (a final EOS
-    counts, as in vLLM)."""
+    (stop | length | cancelled | error: its logits were not finite | out_of_memory: the cache could not grow to
+    admit it) and how many tokens it generated (a final EOS counts, as in vLLM)."""
 
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from rolemrc.core.errors import InputError
 from rolemrc.core.placement import DeviceMap, Dtype, check_placement
+from rolemrc.generate.cache import kv_bytes_per_token
 from rolemrc.generate.engine import Engine, Request
 from rolemrc.generate.params import Output
 from rolemrc.intervene.fit import validate
@@ -43,7 +46,10 @@ class TransformersOptions:
     """`path`: a model (a local HF directory, a pulled model's name or a hub id); `dtype` auto: the checkpoint's own;
     `device` auto: a GPU when there is one; `device_map`: the layers placed over the GPUs instead; `stall_after_s`:
     a step running longer than this reads `stalled` in /health; `max_model_len`: prompt + completion tokens per
-    request (default: the model's context window), which bounds the KV cache at `max_batch` x `max_model_len`."""
+    request (default: the model's context window, lowered to what the KV budget holds at `max_batch` slots);
+    `kv_cache_bytes`: the KV cache's budget (default: `memory_utilization` of the device memory free once the model
+    is loaded, on a GPU; half the available memory on the CPU). The cache never outgrows the budget: it holds
+    `max_batch` x `max_model_len` positions at most."""
 
     path: str = field(metadata=MODEL_DIR)
     dtype: Dtype = "auto"
@@ -51,6 +57,8 @@ class TransformersOptions:
     device_map: DeviceMap | None = None
     stall_after_s: float = 60.0
     max_model_len: int | None = None
+    kv_cache_bytes: int | None = None
+    memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         try:
@@ -61,6 +69,10 @@ class TransformersOptions:
             raise ServeConfigError(f"stall_after_s must be > 0, got {self.stall_after_s}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ServeConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ServeConfigError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ServeConfigError(f"memory_utilization must lie in (0, 1], got {self.memory_utilization}")
 
 
 @dataclass(eq=False)
@@ -69,6 +81,21 @@ class ServeRequest(Request):
 
     gen: Generation = field(kw_only=True)
     label: str = field(kw_only=True)
+
+
+MIN_WINDOW = 16   # positions per slot below which a KV budget is refused at start
+
+
+def kv_budget(options: TransformersOptions, model: Any) -> int:
+    """The KV cache's bytes: `kv_cache_bytes`, else `memory_utilization` of the free memory of the model's GPU once it
+    is loaded, else half the memory available on the host."""
+    if options.kv_cache_bytes is not None:
+        return options.kv_cache_bytes
+    device = model.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * options.memory_utilization)
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
 
 
 def shutting_down() -> ApiError:
@@ -95,9 +122,17 @@ class TransformersEngine:
         self.name = name
         self.model, self.tokenizer = load_model(options.path, dtype=options.dtype, device=options.device,
                                                device_map=options.device_map)
-        self.context_window = min(int(context_window(self.model, self.tokenizer, default=2048)),
-                                  options.max_model_len or float("inf"))
-        self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch)
+        self.kv_budget = kv_budget(options, self.model)
+        per_slot = self.kv_budget // (kv_bytes_per_token(self.model.config, self.model.dtype) * max_batch)
+        self.context_window = int(min(context_window(self.model, self.tokenizer, default=2048),
+                                      options.max_model_len or float("inf"), per_slot))
+        if self.context_window < MIN_WINDOW:
+            raise ServeConfigError(f"model {name!r}: a KV budget of {self.kv_budget} bytes holds {per_slot} positions "
+                                   f"per slot at max_batch {max_batch}; lower max_batch or raise kv_cache_bytes")
+        self.window_limit = ("max_model_len" if options.max_model_len == self.context_window else
+                             f"the KV budget ({self.kv_budget} bytes at max_batch {max_batch})"
+                             if per_slot == self.context_window else "the model's context window")
+        self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_length=self.context_window)
         self.max_queue = max_queue
         self.stall_after_s = options.stall_after_s
         self._step_began: float | None = None   # monotonic start of the step running now (scheduler thread)
@@ -204,14 +239,15 @@ class TransformersEngine:
         (a default, `fit_to_context`, is lowered to the room)."""
         room = self.context_window - prompt_tokens
         if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context window is "
-                                f"{self.context_window}", code="context_length_exceeded",
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model takes {self.context_window} "
+                                f"per request ({self.window_limit})", code="context_length_exceeded",
                            param="messages" if prompt.messages is not None else "prompt")
         if params.max_tokens is None or params.fit_to_context:
             return min(params.max_tokens or room, room)
         if params.max_tokens > room:
-            raise ApiError(400, f"max_tokens {params.max_tokens} + prompt {prompt_tokens} tokens exceeds the context "
-                                f"window of {self.context_window}", code="context_length_exceeded", param="max_tokens")
+            raise ApiError(400, f"max_tokens {params.max_tokens} + prompt {prompt_tokens} tokens exceeds the "
+                                f"{self.context_window} this model takes per request ({self.window_limit})",
+                           code="context_length_exceeded", param="max_tokens")
         return params.max_tokens
 
     def _release(self) -> None:
@@ -230,6 +266,9 @@ class TransformersEngine:
                                              "max_tokens": max_tokens})
             if output.finish_reason == "error":
                 return gen.push(generation_failed("the model's logits were not finite (NaN or inf)"))
+            if output.finish_reason == "out_of_memory":   # only the requests being admitted: the others go on
+                return gen.push(ApiError(503, "the KV cache could not grow to admit this request (out of memory); "
+                                              "retry", code="out_of_memory", retry_after=1))
             gen.push(Final(output.finish_reason, prompt_tokens, output.completion_tokens))
         return emit
 
