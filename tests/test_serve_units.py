@@ -364,12 +364,17 @@ def test_a_postgres_store_times_out_statements_and_names_no_password(postgres_ur
         assert refused.status == 503 and "pg_sleep" not in refused.message and "canceling" not in refused.message
 
 
-def test_registrations_stop_at_the_servers_limit_and_a_deleted_one_frees_its_place(model_dirs):
+@pytest.mark.parametrize("with_db", [False, True])
+def test_registrations_stop_at_the_servers_limit_and_a_deleted_one_frees_its_place(model_dirs, tmp_path, with_db):
+    from contextlib import closing
+
     from fastapi.testclient import TestClient
 
     from rolemrc.serve.app import create_app
+    from rolemrc.serve.store import Store
 
-    config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "db": None,
+    db = str(tmp_path / "ab.sqlite") if with_db else None
+    config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "db": db,
                                     "allow_inline_restraints": True, "max_registered_restraints": 2})
 
     def spec(unit):
@@ -381,6 +386,9 @@ def test_registrations_stop_at_the_servers_limit_and_a_deleted_one_frees_its_pla
         third = client.post("/v1/restraints", json={"name": "r2", "spec": spec(2)})
         assert third.status_code == 422 and third.json()["error"]["code"] == "too_many_restraints"
         assert "tiny+r2" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
+        if with_db:   # refused before the store kept it for other replicas
+            with closing(Store.open(db)) as store:
+                assert list(store.restraints()) == ["r0", "r1"]
         assert client.post("/v1/restraints", json={"name": "r0", "spec": spec(0)}).status_code == 200   # already there
         assert client.delete("/v1/restraints/r0").status_code == 204
         assert client.post("/v1/restraints", json={"name": "r2", "spec": spec(2)}).status_code == 201

@@ -13,7 +13,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.catalog import ModelCatalog
 from rolemrc.serve.config import Role, ServeConfig
 from rolemrc.serve.errors import ApiError, database_refused
@@ -46,7 +45,7 @@ async def lifespan(app: FastAPI):
         yield
         return
     if state.store is not None:
-        await reregister(state)
+        await state.restore_restraints()
     log.info("ready", extra={"models": sorted(state.catalog.variants)})
     try:
         yield
@@ -76,16 +75,6 @@ async def start_unless_stopped(state: State) -> bool:
         await start
     await state.catalog.stop()
     return False
-
-
-async def reregister(state: State) -> None:
-    """Register again the restraints registered while serving before (kept in the database); one that no longer
-    fits, or whose name the config now gives another restraint, is logged and skipped."""
-    for name, spec in (await asyncio.to_thread(state.store.restraints)).items():
-        try:
-            await state.catalog.register(name, Restraint.from_dict(spec))
-        except (ApiError, RestraintError) as exc:
-            log.warning("restraint %r registered earlier is not served: %s", name, exc)
 
 
 def create_app(config: ServeConfig, keys: dict[str, Role] | None = None) -> FastAPI:

@@ -76,16 +76,11 @@ class ModelCatalog:
                     raise ApiError(409, f"restraint {rname!r} is registered with other units, hook or factor",
                                    code="restraint_exists", param="name")
                 return False, self.fitted(rname)
-            registered = len(set(self.restraints) - set(self.config.restraints))
-            if registered >= self.config.max_registered_restraints:
-                raise ApiError(422, f"{registered} restraints are registered while serving, this server's limit "
-                                    f"(max_registered_restraints); delete some first", code="too_many_restraints",
-                               param="name")
+            self._check_room()
             fits = await asyncio.to_thread(   # off the loop: the checks may fingerprint a model's weights
                 lambda: [name for name, engine in self.engines.items() if self._fits(name, engine, rname, restraint)])
             if not fits:
-                raise ApiError(422, f"restraint {rname!r} fits none of the served models {sorted(self.engines)}",
-                               code="invalid_restraint", param="spec")
+                raise self._fits_none(rname)
             try:
                 for name in fits:
                     if self.engines[name].capabilities.lora_restraints:
@@ -99,6 +94,35 @@ class ModelCatalog:
                 raise
             self.restraints[rname] = restraint
             return True, fits
+
+    async def check(self, rname: str, restraint: Restraint) -> None:
+        """The 422s `register` answers for a new `rname` (too many registered, fits no model), without registering
+        it: a replica refuses a restraint before the shared store keeps it for every replica."""
+        if rname not in self.restraints:
+            self._check_room()
+
+        def fits(name: str, engine: Engine) -> bool:
+            if not engine.capabilities.runtime_restraints:
+                return False
+            try:
+                engine.check_restraint(restraint)
+                self._check_model(name, restraint)
+            except RestraintError:
+                return False
+            return True
+        if not await asyncio.to_thread(lambda: any(fits(name, engine) for name, engine in self.engines.items())):
+            raise self._fits_none(rname)
+
+    def _check_room(self) -> None:
+        registered = len(set(self.restraints) - set(self.config.restraints))
+        if registered >= self.config.max_registered_restraints:
+            raise ApiError(422, f"{registered} restraints are registered while serving, this server's limit "
+                                f"(max_registered_restraints); delete some first", code="too_many_restraints",
+                           param="name")
+
+    def _fits_none(self, rname: str) -> ApiError:
+        return ApiError(422, f"restraint {rname!r} fits none of the served models {sorted(self.engines)}",
+                        code="invalid_restraint", param="spec")
 
     async def unregister(self, rname: str) -> None:
         """Stop serving a restraint registered while serving: its variants go and its name is free again."""

@@ -83,6 +83,7 @@ def restraint_card(state: Any, name: str) -> p.RestraintCard:
 @v1.get("/restraints", response_model=p.RestraintList)
 async def restraints(request: Request) -> p.RestraintList:
     state = app_state(request)
+    await state.sync_restraints()   # none that another replica deleted or replaced (within RESTRAINTS_STALE_S)
     return p.RestraintList(data=[restraint_card(state, name) for name in state.catalog.restraints])
 
 
@@ -91,13 +92,12 @@ async def restraints(request: Request) -> p.RestraintList:
                     409: {"model": p.ErrorResponse, "description": "the name holds another restraint"}})
 async def register_restraint(body: p.RestraintCreate, request: Request) -> Any:
     """Register a restraint while serving (allowed where clients may send specs: allow_inline_restraints); it is
-    kept in the database, if any, and registered again when the server restarts."""
+    kept in the database, if any, registered again when the server restarts and served by every replica. A name holds
+    one spec until it is deleted: the same spec again is a 200, another a 409 (the database decides between
+    replicas)."""
     state = app_state(request)
     restraint = state.catalog.parse_spec({**body.spec, "name": body.name}, "spec")
-    await state.fetch_restraints(body.name)   # a name another replica registered holds its restraint here too
-    new, _ = await state.catalog.register(body.name, restraint)
-    if new and state.store is not None:
-        await asyncio.to_thread(state.store.add_restraint, body.name, restraint.to_dict(), time.time())
+    new = await state.register_restraint(body.name, restraint)
     card = restraint_card(state, body.name)
     return card if new else JSONResponse(card.model_dump(), status_code=200)
 
@@ -130,19 +130,23 @@ async def get_experiment(exp_id: str, request: Request) -> p.Experiment:
 @v1.delete("/restraints/{name}", status_code=204, dependencies=[Depends(admin)],
            responses={409: {"model": p.ErrorResponse, "description": "from the config file, or an experiment uses it"}})
 async def delete_restraint(name: str, request: Request) -> Response:
-    """Unregister a restraint registered while serving: its variants go, and its name is free again."""
+    """Unregister a restraint registered while serving: its variants go, and its name is free again (on every
+    replica: the others stop serving it within RESTRAINTS_STALE_S)."""
     state = app_state(request)
-    if name not in state.catalog.restraints:
-        raise ApiError(404, f"unknown restraint {name!r}", code="restraint_not_found", param="name")
+    unknown = ApiError(404, f"unknown restraint {name!r}", code="restraint_not_found", param="name")
+    if state.store is None and name not in state.catalog.restraints:
+        raise unknown
     if name in state.config.restraints:
         raise ApiError(409, f"restraint {name!r} comes from the config file; remove it there", code="restraint_in_config",
                        param="name")
-    if state.store is not None and (users := await asyncio.to_thread(state.store.experiments_using, name)):
+    if state.store is None:
+        await state.catalog.unregister(name)
+        return Response(status_code=204)
+    if users := await asyncio.to_thread(state.store.experiments_using, name):
         raise ApiError(409, f"restraint {name!r} is an arm of experiment(s) {users}; delete those first",
                        code="restraint_in_use", param="name")
-    await state.catalog.unregister(name)
-    if state.store is not None:
-        await asyncio.to_thread(state.store.delete_restraint, name)
+    if not await state.delete_restraint(name):   # the store's, whichever replica registered it
+        raise unknown
     return Response(status_code=204)
 
 

@@ -11,13 +11,19 @@ import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from rolemrc.serve.store.backend import Backend, StoreError
+from rolemrc.serve.store.backend import Backend, StoreError, Transaction
 from rolemrc.serve.store.schema import COLUMNS, INSERT_REQUEST, JSON_FIELDS, MIGRATIONS, REQUEST_FIELDS
 
 __all__ = ["Claim", "Store", "StoreError", "is_url"]
 POSTGRES = ("postgresql://", "postgres://")
 RELEASE = ("DELETE FROM idempotency WHERE experiment = ? AND caller = ? AND key = ? AND token = ?"
            " AND status = 'running'")
+
+
+def bump_generation(tx: Transaction) -> int:
+    """Count one more change to the restraints (in the transaction making it): the new generation."""
+    tx.execute("UPDATE restraints_generation SET generation = generation + 1")
+    return tx.execute("SELECT generation FROM restraints_generation")[0]["generation"]
 
 
 class Claim(NamedTuple):
@@ -99,17 +105,49 @@ class Store:
                 tx.execute(f"DELETE FROM {table} WHERE experiment = ?", (exp_id,))
             return tx.execute_count("DELETE FROM experiments WHERE id = ?", (exp_id,)) == 1
 
-    def add_restraint(self, name: str, spec: dict[str, Any], created: float) -> None:
-        """Keep a restraint registered while serving (the first spec under a name stays)."""
+    def add_restraint(self, name: str, spec: dict[str, Any], created: float) -> tuple[bool, int, dict[str, Any]]:
+        """Keep a restraint registered while serving, unless the name holds one already (the first spec under a name
+        stays until it is deleted): (whether this call inserted it, the version the name holds, its spec). Atomic across
+        replicas: of two concurrent registrations of a name the database keeps one. A new row's version is the bumped
+        `restraints_generation`, so a name deleted and registered again never has a version it had before."""
         with self.backend.transaction() as tx:
-            tx.execute("INSERT INTO restraints (name, spec, created) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-                       (name, json.dumps(spec), created))
+            while True:   # the row found in conflict may be deleted before it is read: then insert again
+                if tx.execute_count("INSERT INTO restraints (name, spec, created, version) VALUES (?, ?, ?, 0)"
+                                    " ON CONFLICT DO NOTHING", (name, json.dumps(spec), created)) == 1:
+                    version = bump_generation(tx)
+                    tx.execute("UPDATE restraints SET version = ? WHERE name = ?", (version, name))
+                    return True, version, spec
+                rows = tx.execute("SELECT version, spec FROM restraints WHERE name = ?", (name,))
+                if rows:
+                    return False, rows[0]["version"], json.loads(rows[0]["spec"])
 
     def restraint(self, name: str) -> dict[str, Any] | None:
         """The spec registered under `name`, if any."""
+        found = self.versioned_restraint(name)
+        return found[1] if found else None
+
+    def versioned_restraint(self, name: str) -> tuple[int, dict[str, Any]] | None:
+        """(version, spec) of the restraint registered under `name`, if any."""
         with self.backend.transaction() as tx:
-            rows = tx.execute("SELECT spec FROM restraints WHERE name = ?", (name,))
-        return json.loads(rows[0]["spec"]) if rows else None
+            rows = tx.execute("SELECT version, spec FROM restraints WHERE name = ?", (name,))
+        return (rows[0]["version"], json.loads(rows[0]["spec"])) if rows else None
+
+    def restraint_versions(self, known: int | None = None) -> tuple[int, dict[str, int] | None]:
+        """(restraints_generation, name -> version of every registered restraint); the versions are None when the
+        generation is still `known` (nothing was registered or deleted since): one single-row read then."""
+        with self.backend.transaction() as tx:   # the generation first: rows read after it are at least as new
+            generation = tx.execute("SELECT generation FROM restraints_generation")[0]["generation"]
+            if generation == known:
+                return generation, None
+            rows = tx.execute("SELECT name, version FROM restraints")
+        return generation, {row["name"]: row["version"] for row in rows}
+
+    def versioned_restraints(self) -> tuple[int, dict[str, tuple[int, dict[str, Any]]]]:
+        """(restraints_generation, name -> (version, spec) of every registered restraint, oldest first)."""
+        with self.backend.transaction() as tx:
+            generation = tx.execute("SELECT generation FROM restraints_generation")[0]["generation"]
+            rows = tx.execute("SELECT name, version, spec FROM restraints ORDER BY created, name")
+        return generation, {row["name"]: (row["version"], json.loads(row["spec"])) for row in rows}
 
     def restraints(self) -> dict[str, dict[str, Any]]:
         """name -> spec of the restraints registered while serving, oldest first."""
@@ -125,9 +163,17 @@ class Store:
                                                  or arm["model"].partition("+")[2] == restraint
                                                  for arm in json.loads(row["arms"]))]
 
-    def delete_restraint(self, name: str) -> bool:
+    def delete_restraint(self, name: str, version: int | None = None) -> bool:
+        """Delete the restraint registered under `name` (only while it has `version`, if given), bumping
+        `restraints_generation` in the same transaction; False when there is none."""
         with self.backend.transaction() as tx:
-            return tx.execute_count("DELETE FROM restraints WHERE name = ?", (name,)) == 1
+            if version is None:
+                deleted = tx.execute_count("DELETE FROM restraints WHERE name = ?", (name,))
+            else:
+                deleted = tx.execute_count("DELETE FROM restraints WHERE name = ? AND version = ?", (name, version))
+            if deleted:
+                bump_generation(tx)
+            return deleted == 1
 
     def claim(self, experiment: str, caller: str, key: str, body: str,
               stale_after_s: float = float("inf")) -> Claim | dict[str, Any]:

@@ -40,6 +40,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         " body TEXT NOT NULL, token TEXT NOT NULL, status TEXT NOT NULL, response TEXT,"
         " created DOUBLE PRECISION NOT NULL, PRIMARY KEY (experiment, caller, key))",
     ),
+    (
+        # restraints are versioned, so replicas agree on them: each row carries the generation its registration made,
+        # and restraints_generation (one row) counts every registration and deletion, bumped in the transaction making
+        # it, so a replica learns whether any name changed from one number. Rows kept before keep version 0.
+        "ALTER TABLE restraints ADD COLUMN version BIGINT NOT NULL DEFAULT 0",
+        "CREATE TABLE restraints_generation (generation BIGINT NOT NULL)",
+        "INSERT INTO restraints_generation (generation) VALUES (0)",
+    ),
 )
 VERSION = len(MIGRATIONS)
 
