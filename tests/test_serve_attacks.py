@@ -12,13 +12,15 @@ ANSWER_S = 1.0        # the issue's target is 100 ms; `rolemrc bench attacks` me
 RSS_MB = 50
 MAX_QUEUE = 128       # the flood sends this many from KEY1: over max_queue_per_key (64 by default)
 CLIENT_TIMEOUT_S = 10
+REQUEST_TIMEOUT_S = 10   # the server's: the slow reader is cut off a second after it
 
 
 @pytest.fixture(scope="module")
 def attacked(model_dirs, tmp_path_factory):
     """(run, baseline): `run(name)` sends the named attack while the stream runs and returns its answers."""
-    target = start_target(model_dirs["llama"], tmp_path_factory.mktemp("attacks"), MAX_QUEUE)
-    chosen = attacks("tiny", 512, MAX_QUEUE, CLIENT_TIMEOUT_S)   # the fixture models' context window: 512
+    target = start_target(model_dirs["llama"], tmp_path_factory.mktemp("attacks"), MAX_QUEUE, REQUEST_TIMEOUT_S)
+    chosen = attacks("tiny", 512, MAX_QUEUE, CLIENT_TIMEOUT_S, target.base_url,   # the fixture models' window: 512
+                     request_timeout=REQUEST_TIMEOUT_S)
     try:
         with RssSampler(lambda: target.pid, 4096) as sampler, Stream(target.base_url, "tiny", KEYS[1]) as stream:
             stream.wait_for(20)
@@ -87,3 +89,19 @@ def test_a_megabyte_of_duplicate_inline_units_is_refused_and_health_answers_mean
     check_cost(answers["inline_units"], baseline)
     health = answers["health_during_inline_units"]
     assert health["status"] == 200 and health["seconds"] < ANSWER_S, health
+
+
+def test_what_a_request_holds_is_released_whatever_the_client_does(attacked):
+    """Issue 53's attacks: streams abandoned before their first byte leave the same key served (no slot, share or
+    claim leaked); a prompt at the window is served and one past it refused with the limit; a flood of registrations
+    stops at the server's limit; a reader that never reads is cut off about a second past the deadline."""
+    run, _ = attacked
+    abandoned = run("abandoned_streams")["abandoned_streams"]
+    assert abandoned["status"] == "served" and abandoned["rss_growth_mb"] < RSS_MB, abandoned
+    prompt = run("long_prompt")["long_prompt"]
+    assert prompt["status"] == 200 and prompt["over_the_window"]["code"] == "context_length_exceeded", prompt
+    flood = run("registration_flood")["registration_flood"]
+    assert flood["registrations"] == {"201": 256, "422 too_many_restraints": 44}, flood
+    reader = run("slow_reader")["slow_reader"]
+    assert reader["status"] == "cut off" and reader["seconds"] < REQUEST_TIMEOUT_S + 5, reader
+    assert reader["rss_growth_mb"] < RSS_MB, reader

@@ -280,6 +280,95 @@ async def flood(client: httpx.AsyncClient, model: str, count: int, timeout: floa
     return {**second, "flood": by_status}
 
 
+async def raw_request(base_url: str, path: str, key: str, body: dict[str, Any], *, extra: str = "",
+                      rcvbuf: int | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A request written on a socket of its own (to leave before its answer, or never read it): its reader and
+    writer. `rcvbuf`: a small receive buffer, so the server's sends block once it is full."""
+    import socket
+
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    payload = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\nContent-Type: "
+                 f"application/json\r\n{extra}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    await writer.drain()
+    return reader, writer
+
+
+async def abandoned_streams(client: httpx.AsyncClient, base_url: str, model: str, timeout: float,
+                            count: int = 16) -> dict[str, Any]:
+    """KEY1 sends `count` streamed n=8 experiment requests, each with an Idempotency-Key, and closes each socket
+    at once (before the first byte, as a client that gave up would); a second later it sends 8 n=8 requests at once,
+    its whole share of the queue (max_queue_per_key 64): all are served unless something of the abandoned ones (a
+    slot, the key's share) is still held."""
+    body = {"model": model, "messages": CHAT, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True, "n": 8,
+            "temperature": 0.5, "experiment": EXPERIMENT, "user": "abandon"}
+    for k in range(count):
+        _, writer = await raw_request(base_url, "/v1/chat/completions", KEYS[0], body,
+                                      extra=f"Idempotency-Key: abandon-{k}-{time.time_ns()}\r\n")
+        writer.close()
+    await asyncio.sleep(1.0)
+    retried = await asyncio.gather(*(ask(client, "/v1/chat/completions", KEYS[0], max(timeout, 60),
+                                         {**body, "stream": False, "max_tokens": 4, "user": f"again-{k}"})
+                                     for k in range(8)))
+    return {"status": "refused" if any(r["status"] == 429 for r in retried) else "served",   # 429: something held
+            "code": None, "param": None, "seconds": max(r["seconds"] for r in retried),
+            "retried_by_status": {str(s): sum(r["status"] == s for r in retried) for s in {r["status"] for r in retried}}}
+
+
+async def long_prompt(client: httpx.AsyncClient, model: str, context: int, timeout: float) -> dict[str, Any]:
+    """One prompt at the server's context window (default settings: no max_model_len) and one past it."""
+    fits = await ask(client, "/v1/completions", KEYS[0], timeout,
+                     {"model": model, "prompt": [5 + i % 200 for i in range(context - 8)], "max_tokens": 4})
+    over = await ask(client, "/v1/completions", KEYS[0], timeout,
+                     {"model": model, "prompt": [5 + i % 200 for i in range(4 * context)], "max_tokens": 4})
+    return {**fits, "over_the_window": over}
+
+
+async def registration_flood(client: httpx.AsyncClient, timeout: float, count: int = 300) -> dict[str, Any]:
+    """KEY1 (admin) registers `count` distinct restraints: how many are taken before the server's limit refuses."""
+    start = time.perf_counter()
+    answers = []
+    for lo in range(0, count, 32):   # 32 in flight
+        answers += await asyncio.gather(*(ask(client, "/v1/restraints", KEYS[0], timeout, {
+            "name": f"flood-{k}", "spec": {"hook": "mlp.act", "factor": 0.0, "units": {"0": [k % 64]}}})
+            for k in range(lo, min(count, lo + 32))))
+    by_status: dict[str, int] = {}
+    for a in answers:
+        label = f"{a['status']} {a['code'] or ''}".strip()
+        by_status[label] = by_status.get(label, 0) + 1
+    for lo in range(0, count, 32):   # leave the server as it was
+        await asyncio.gather(*(client.delete(f"/v1/restraints/flood-{k}", headers={"Authorization": f"Bearer {KEYS[0]}"})
+                               for k in range(lo, min(count, lo + 32))))
+    return {"status": "limited" if any(a["status"] == 422 for a in answers) else "unlimited", "code": None,
+            "param": None, "seconds": round(time.perf_counter() - start, 3), "registrations": by_status}
+
+
+async def slow_reader(base_url: str, model: str, timeout: float, request_timeout: float) -> dict[str, Any]:
+    """A streamed n=16 request with top-20 logprobs (megabytes of events) on a socket with a 4 KB receive buffer that
+    is never read: how long the server holds it (its slots) before cutting it off, read from /metrics."""
+    body = {"model": model, "messages": CHAT, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True, "n": 16,
+            "temperature": 0.5, "logprobs": True, "top_logprobs": 20}
+    start = time.perf_counter()
+    _, writer = await raw_request(base_url, "/v1/chat/completions", KEYS[1], body, rcvbuf=4096)
+    held = True
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        while held and time.perf_counter() - start < request_timeout + 15:
+            await asyncio.sleep(0.5)
+            metrics = (await client.get("/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"})).text
+            held = any(line.startswith("rolemrc_admitted") and float(line.split()[-1]) >= 16
+                       for line in metrics.splitlines())
+    writer.close()
+    seconds = round(time.perf_counter() - start, 3)
+    return {"status": "cut off" if not held else "still held", "code": None, "param": None, "seconds": seconds,
+            "request_timeout_s": request_timeout}
+
+
 # --- the run ---
 
 @dataclass
@@ -313,10 +402,13 @@ class Target:
 
 
 ATTACKS = ("chunked_body", "long_stops", "no_max_tokens", "echo_logprobs_at_window", "metadata", "key_flood",
+           "abandoned_streams", "long_prompt", "registration_flood", "slow_reader",
            "prompts_times_n", "inline_units")   # the ones that may leave the server hung or killed last
+REQUEST_TIMEOUT_S = 30.0   # the started server's request_timeout_s: the slow reader is held about this long
 
 
-def attacks(model: str, context: int, max_queue: int, timeout: float) -> dict[str, Callable[[httpx.AsyncClient], Any]]:
+def attacks(model: str, context: int, max_queue: int, timeout: float, base_url: str,
+            request_timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Callable[[httpx.AsyncClient], Any]]:
     """Each attack's coroutine factory; `inline_units` also answers for `health_during_inline_units`."""
     chat, text = "/v1/chat/completions", "/v1/completions"
 
@@ -339,6 +431,10 @@ def attacks(model: str, context: int, max_queue: int, timeout: float) -> dict[st
         "echo_logprobs_at_window": lambda c: ask(c, text, KEYS[0], timeout, echo_logprobs_body(model, context)),
         "metadata": lambda c: ask(c, chat, KEYS[0], timeout, metadata_body(model)),
         "key_flood": lambda c: flood(c, model, max_queue, timeout),
+        "abandoned_streams": lambda c: abandoned_streams(c, base_url, model, timeout),
+        "long_prompt": lambda c: long_prompt(c, model, context, timeout),
+        "registration_flood": lambda c: registration_flood(c, timeout),
+        "slow_reader": lambda c: slow_reader(base_url, model, timeout, request_timeout),
         "prompts_times_n": lambda c: ask(c, text, KEYS[0], timeout, prompts_times_n_body(model)),
         "inline_units": inline_units,
     }
@@ -366,12 +462,12 @@ def attack_once(name: str, make: Callable[[httpx.AsyncClient], Any], target: Tar
     return {k: v | shared for k, v in answers.items()}
 
 
-def start_target(model_dir: Path, root: Path, max_queue: int) -> Target:
+def start_target(model_dir: Path, root: Path, max_queue: int, request_timeout: float = REQUEST_TIMEOUT_S) -> Target:
     """A server on `model_dir` as the bench attacks it (its files in `root`): keys KEY1 (admin) and KEY2, inline
     restraints, an A/B database with the experiment `attacks`, room for `max_queue` requests."""
     config = {"models": {"tiny": {"path": str(model_dir)}}, "allow_inline_restraints": True, "db": "ab.sqlite",
               "api_key_file": "keys.txt", "max_queue": max_queue, "max_batch": 8, "max_new_tokens": 512,
-              "request_timeout_s": 300, "log_level": "warning"}
+              "request_timeout_s": request_timeout, "log_level": "warning"}
     (root / "keys.txt").write_text(f"{KEYS[0]} admin\n{KEYS[1]}\n")   # KEY1 creates the experiment
     server = start_server(config, workdir=root, timeout=300)
     target = Target(server.base_url, server)
@@ -406,7 +502,7 @@ def run(model: Path | None = None, base_url: str | None = None, served_model: st
             served_model = served_model or httpx.get(target.base_url + "/v1/models", timeout=30, headers={
                 "Authorization": f"Bearer {KEYS[0]}"}).json()["data"][0]["id"]
             context = context or 2048
-        every = attacks(served_model, context, max_queue, timeout)
+        every = attacks(served_model, context, max_queue, timeout, target.base_url)
         chosen = {k: v for k, v in every.items() if not only or k in only}
         results: dict[str, Any] = {}
         try:
