@@ -54,7 +54,8 @@ def db(request, tmp_path):
 def test_every_method_on_both_backends(db):
     with closing(Store.open(db)) as store:
         assert store.add_experiment("e1", "first", ARMS, 1.5) and not store.add_experiment("e1", "again", [], 2.0)
-        assert store.experiment("e1") == {"id": "e1", "description": "first", "arms": ARMS, "created": 1.5}
+        assert store.experiment("e1") == {"id": "e1", "description": "first", "arms": ARMS, "created": 1.5,
+                                          "reveal_arm": True}
         assert store.experiment("nope") is None and store.arm_counts("e1") == {}
 
         first = store.claim("e1", "c1", "k1", "body")

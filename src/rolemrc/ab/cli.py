@@ -62,7 +62,8 @@ def report_cmd(
     base: str = typer.Option(None, help="--measure kl: its SFT model, the KL's reference"),
     batch_size: int = typer.Option(8, min=1, help="--measure kl: cases per forward pass"),
 ) -> None:
-    """Per-arm scores with 95% CIs and unpaired tests of each arm against the first, the user as the unit; with
+    """Per-arm scores with 95% CIs and unpaired tests of each arm against the first, the user as the unit; each arm's
+    refused requests, and a `FLAG:` line (also on stderr) when the arms' refusal rates differ (p < 0.05); with
     --measure kl, each arm's restoration (the share of the unrestrained arm's KL to the SFT model it undoes) on
     every logged reference, paired."""
     from rolemrc.ab.report import build_report
@@ -85,3 +86,5 @@ def report_cmd(
     finally:
         store.close()
     typer.echo(json.dumps(report, indent=1))
+    if (refused := report.get("refusals") or {}).get("flagged"):
+        typer.echo(refused["text"], err=True)

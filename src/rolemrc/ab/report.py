@@ -3,7 +3,9 @@ process: per-arm scores from the eval module (a judge from eval.judges, referenc
 (latency, tokens) and unpaired tests of each arm against the first. Arms are assigned per user, so the user is the
 unit: every quantity is first averaged per user (a request without a user is its own cluster), CIs resample users
 (a cluster bootstrap) and tests are Welch's t on the per-user means; for the judge's binary verdicts that is Welch
-on per-user pass proportions."""
+on per-user pass proportions. Requests an arm refused (`refused` rows: the server logs every request assigned to an
+arm) are counted per arm and the arms' refusal rates tested against each other: rates that differ are flagged, since
+each arm's scored rows are then a differently filtered sample of the traffic."""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ import numpy as np
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.figures import write_figure
-from rolemrc.core.stats import TEST_LABELS, cluster_means, mean_ci, welch
+from rolemrc.core.stats import TEST_LABELS, cluster_means, mean_ci, rates_test, welch
 from rolemrc.eval.judges import JudgeConfig, judge_info
 from rolemrc.serve.store import Store
 
-COMPLETED = ("stop", "length")   # other finish reasons (error, timeout, disconnected, shutdown): failed requests
+COMPLETED = ("stop", "length")   # other finish reasons (refused, error, timeout, disconnected, shutdown): failed
+REFUSED = "refused"              # turned away once its arm was assigned (a 4xx: context, queue, limits), never generated
+ALPHA = 0.05                     # arms whose refusal rates differ at p below this are flagged
 OPERATIONAL = ("latency_s", "completion_tokens", "response_chars")
 UNIT_NOTE = (": arms are assigned per user, so each quantity is averaged per user first (a request without a user "
              "is its own cluster); CIs resample users, tests are Welch's t on per-user means (judge: Welch on per-user "
@@ -151,8 +155,10 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
              for name in names[1:]}
     users = len({cluster(r) for r in rows})
     unit = {"name": "user", "users": users, "requests": len(rows), "text": unit_text(users, len(rows))}
+    refused = refusals(rows, names)
     report = {"experiment": exp_id, "description": exp["description"], "requests": len(rows), "unit": unit,
-              "control": control, "arms": arms, "tests": tests, "notes": [unit["text"] + UNIT_NOTE, *notes(arms)]}
+              "control": control, "arms": arms, "tests": tests, "refusals": refused,
+              "notes": [unit["text"] + UNIT_NOTE, *([refused["text"]] if refused["refused"] else []), *notes(arms)]}
     if kl is not None:
         from rolemrc.ab.divergence import kl_report
 
@@ -170,6 +176,33 @@ def build_report(store: Store, exp_id: str, *, judge: str | JudgeConfig = "rules
         report["files"] = write_figure(figure(report), out, "chart", plotlyjs=True, width=None, height=None)
         (out / "report.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
     return _finite(report)
+
+
+def refusals(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Per arm, its requests and those refused (a request is refused whole: every row of it says `refused`, its
+    `error_code` why), and whether the arms' refusal rates differ: Fisher's exact test for two arms, Pearson's
+    chi-square for more, the request as the unit (requests of one user are taken as independent here). `flagged` when
+    p < ALPHA; `text` says so in one line."""
+    arms = {}
+    for name in names:
+        requests: dict[str, dict[str, Any]] = {}
+        for row in rows:
+            if row["arm"] == name:
+                requests.setdefault(row.get("request_id") or row["id"].split(":")[0], row)
+        refused = [r for r in requests.values() if r["finish_reason"] == REFUSED]
+        arms[name] = {"requests": len(requests), "refused": len(refused),
+                      "rate": len(refused) / len(requests) if requests else math.nan,
+                      "by_code": dict(Counter(r.get("error_code") or "unknown" for r in refused))}
+    test = rates_test([a["refused"] for a in arms.values()], [a["requests"] for a in arms.values()])
+    flagged = bool(test["p"] < ALPHA)
+    counts = ", ".join(f"{name} {a['refused']}/{a['requests']}" for name, a in arms.items())
+    tested = f"{TEST_LABELS[test['test']]}, p = {_num(test['p'], '.3g')}"
+    text = (f"FLAG: the arms' refusal rates differ ({counts} requests refused; {tested} < {ALPHA}): each arm's scored "
+            "rows are a differently filtered sample of its traffic, so their scores compare different requests"
+            if flagged else f"refusals: {counts} requests refused ({tested}; flagged below {ALPHA})")
+    return {"arms": arms, "refused": sum(a["refused"] for a in arms.values()), **test,
+            "test_label": TEST_LABELS[test["test"]], "unit": "request", "alpha": ALPHA, "flagged": flagged,
+            "text": text}
 
 
 def notes(arms: dict[str, Any]) -> list[str]:
@@ -228,11 +261,20 @@ def report_html(report: dict[str, Any]) -> str:
                    for pair, t in report["tests"].items() for k, v in sorted(t.items()))
     notes_html = "".join(f"<li>{html.escape(n)}</li>" for n in report["notes"])
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>A/B {html.escape(report['experiment'])}</title>"
-            f"</head><body><p>{html.escape(report['unit']['text'])}</p>"
+            f"</head><body><p>{html.escape(report['unit']['text'])}</p>{refusal_html(report)}"
             f"{figure(report).to_html(full_html=False, include_plotlyjs=True)}"
             "<table border=1><tr><th>arms</th><th>quantity</th><th>diff</th><th>p</th><th>users (control / arm)</th>"
             f"<th>test</th></tr>{rows}</table>"
             f"<ul>{notes_html}</ul></body></html>")
+
+
+def refusal_html(report: dict[str, Any]) -> str:
+    """The refusal line (bold when the arms' rates differ), if any request was refused."""
+    refused = report.get("refusals") or {}
+    if not refused.get("refused"):
+        return ""
+    text = html.escape(refused["text"])
+    return f"<p><strong>{text}</strong></p>" if refused["flagged"] else f"<p>{text}</p>"
 
 
 def _finite(value: Any) -> Any:

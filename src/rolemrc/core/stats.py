@@ -7,7 +7,7 @@ tests of `probe diff` run on torch tensors over all units at once):
 - paired tests: exact McNemar on paired binary outcomes (eval's verdicts, probe's per-unit activity), the paired
   sign-flip permutation test with a paired bootstrap CI (eval, sweep), the paired t-test from streamed sums (probe);
 - unpaired tests: Welch's t on cluster (user) means with a bootstrap CI (A/B), the pooled two-proportion z-test and
-  Welch's t from streamed moments (probe);
+  Welch's t from streamed moments (probe), whether groups' rates differ (Fisher's exact or chi-square: A/B refusals);
 - multiplicity: Benjamini-Hochberg (probe), Holm (sweep).
 
 A result names its test by a code (`"test"`, also in probe diff files); TEST_LABELS holds the prose reports print.
@@ -34,6 +34,8 @@ TEST_LABELS: dict[str, str] = {
     "paired-t": "paired t-test",
     "two-proportion-z": "pooled two-proportion z-test",
     "welch-t": "Welch's t-test",
+    "fisher-exact": "Fisher's exact test",
+    "chi-square": "Pearson's chi-square test",
     "none": "no test",
 }
 EXACT_MAX_N = 16        # sign-flip test: enumerate all 2^n flips up to this many nonzero differences
@@ -283,6 +285,25 @@ def welch(a: list[float], b: list[float], *, rounds: int = 2000, seed: int = 0, 
         p = ttest_ind(y, x, equal_var=False).pvalue
     p = float(p) if np.isfinite(p) else (1.0 if float(y.mean()) == float(x.mean()) else 0.0)
     return out | {"diff": float(y.mean() - x.mean()), "lo": lo, "hi": hi, "p": p}
+
+
+def rates_test(hits: Sequence[int], totals: Sequence[int]) -> dict:
+    """Whether groups' rates hits/totals differ: two groups, Fisher's exact test (two-sided); more, Pearson's
+    chi-square test of the groups x (hit, miss) table. Groups with no trials are left out; with fewer than two left
+    there is no test (p NaN); when every group hits never (or always) the rates are equal (p = 1)."""
+    from scipy.stats import chi2_contingency, fisher_exact
+
+    table = [(int(h), int(t) - int(h)) for h, t in zip(hits, totals) if t > 0]
+    if len(table) < 2:
+        return {"test": "none", "p": math.nan, "groups": len(table)}
+    test = "fisher-exact" if len(table) == 2 else "chi-square"
+    if not sum(h for h, _ in table) or not sum(m for _, m in table):
+        return {"test": test, "p": 1.0, "groups": len(table)}
+    if test == "fisher-exact":
+        return {"test": test, "p": float(fisher_exact(table).pvalue), "groups": 2}
+    result = chi2_contingency(table, correction=False)
+    return {"test": test, "p": float(result.pvalue), "statistic": float(result.statistic), "dof": int(result.dof),
+            "groups": len(table)}
 
 
 def two_proportion_test(count_a: torch.Tensor, n_a: int, count_b: torch.Tensor, n_b: int) -> tuple[torch.Tensor, torch.Tensor]:

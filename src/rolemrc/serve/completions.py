@@ -147,17 +147,17 @@ class Call(ABC):
                 return call.replay(held)
             call.key, call.claim = key, held
         try:
+            if target.refused is not None:   # the arm it was assigned cannot serve it
+                raise target.refused
             params = sampling_params(state.config, body, target.engine)
             call.share.enter_context(key_share(state, request, target.engine.name, len(prompts) * body.n))
             call.choices = await submit_all(target.engine, prompts, params, body.n, target.resolved)
         except Exception as exc:
             call.share.close()
             error = exc if isinstance(exc, ApiError) else internal_error(exc)
-            if error.status < 500:   # refused before reaching the engine: a retry may run
-                if call.claim is not None:
-                    await idempotency.release(state.store, call.claim)
-                raise error from None
-            await call.commit("shutdown" if error.code == "shutting_down" else "error", error.body())
+            # refused once its arm was assigned, it is logged too (arms refuse different requests: unlogged refusals
+            # would leave each arm's rows a differently biased sample); a refusal frees its key, as a 5xx does
+            await call.commit(outcome.refusal(error), error.body())
             raise error from None
         except asyncio.CancelledError:   # the client left (or the server is stopping) while it was admitted
             call.share.close()
@@ -196,10 +196,18 @@ class Call(ABC):
     def deadline(self) -> float:
         return self.clock + self.state.config.request_timeout_s
 
+    def restraint(self) -> str | None:
+        """The label of the restraint serving it, None when unrestrained."""
+        resolved = self.route.resolved
+        return resolved.label if resolved.restraint is not None or resolved.raw is not None else None
+
     def served(self) -> dict[str, Any]:
-        return {"restraint": self.route.resolved.label if self.route.resolved.restraint is not None
-                or self.route.resolved.raw is not None else None,
-                "experiment": self.route.experiment, "arm": self.route.arm}
+        """What served it, as its response and chunks say: the variant (`model`), `restraint`, `experiment`, `arm`.
+        An experiment that hides its arms (`reveal_arm` false) says none of it: `model` is the one the client sent."""
+        if not self.route.reveal:
+            return {"model": self.body.model, "restraint": None, "experiment": None, "arm": None}
+        return {"model": self.route.model_id, "restraint": self.restraint(), "experiment": self.route.experiment,
+                "arm": self.route.arm}
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -345,8 +353,7 @@ class Call(ABC):
         for choice in self.choices:
             choice.offset = 0
         choices = [self.whole_choice(c, out, c.gen.final.finish_reason) for c, out in zip(self.choices, self.outs)]
-        return self.response_model(id=self.id, model=self.route.model_id, usage=usage, **self.served(),
-                                   choices=choices).model_dump()
+        return self.response_model(id=self.id, usage=usage, **self.served(), choices=choices).model_dump()
 
     def replay(self, stored: dict[str, Any]) -> Response:
         """The response stored under the request's idempotency key, whole or as server-sent events."""
@@ -354,8 +361,7 @@ class Call(ABC):
         return idempotency.replay(stored, self.body.stream, usage, self.chunk_model, self.replayed_deltas)
 
     def chunk(self, created: int, choices: list[BaseModel], *, usage: p.Usage | None = None) -> str:
-        out = self.chunk_model(id=self.id, created=created, model=self.route.model_id, choices=choices, usage=usage,
-                               **self.served())
+        out = self.chunk_model(id=self.id, created=created, choices=choices, usage=usage, **self.served())
         return p.sse(out.model_dump(exclude_none=True))
 
     def timeout(self) -> ApiError:
@@ -377,15 +383,16 @@ class Call(ABC):
 
     async def commit(self, reason: str | None, response: dict[str, Any] | None) -> None:
         """For an experiment request, once: its A/B rows (`outcome.rows`; `reason` the finish_reason of all of them
-        when it did not complete) and, with an idempotency key, the response its client got (stored to replay when
-        it completed; an outcome that tells the client to retry frees the key instead), in one transaction before
-        anything is acknowledged. 503 with the store's code when the database refuses."""
+        when it did not complete, `response` then the error its client got) and, with an idempotency key, the
+        response its client got (stored to replay when it completed; an outcome that tells the client to retry, or
+        a refusal, frees the key instead), in one transaction before anything is acknowledged. 503 with the store's
+        code when the database refuses."""
         if self.route.experiment is None or self.logged:
             return
         self.logged = True
-        error = response["error"]["message"] if reason is not None and response and "error" in response else None
+        failed = response["error"] if reason is not None and response and "error" in response else None
         final = response if self.claim is not None and reason is None else None   # else the key is freed
-        await outcome.write(self.state.store, outcome.rows(self, reason, error), self.claim, final)
+        await outcome.write(self.state.store, outcome.rows(self, reason, failed), self.claim, final)
 
     async def commit_quietly(self, end: Ended) -> None:
         """`commit` for a request whose client can no longer be told that the store refused."""

@@ -4,8 +4,8 @@ of generating and logging again. A key belongs to its caller (the API key the re
 client's address), so another caller's key of the same name is another key; the same caller reusing a key for
 another body gets 422 `idempotency_key_reused`. Only a final answer (200) is stored: an outcome that tells its
 client to retry (a 5xx, 499, 504, shutdown, ...) frees the key, as does a request refused before it reached the
-engine. Each claim carries a fencing token, so a request whose claim was taken over cannot overwrite the answer
-stored under the key."""
+engine (both in the transaction that logs its rows). Each claim carries a fencing token, so a request whose claim
+was taken over cannot overwrite the answer stored under the key."""
 
 from __future__ import annotations
 
@@ -72,14 +72,6 @@ async def claim(store: Store, request: Request, body: BaseModel, experiment: str
         raise ApiError(409, f"a request with this {HEADER} is still running", code="idempotency_key_in_use",
                        param=HEADER)
     return held["response"]
-
-
-async def release(store: Store, held: Claim) -> None:
-    """Drop the claim of a request refused before it reached the engine."""
-    try:
-        await asyncio.to_thread(store.release_claim, held)
-    except StoreError as exc:
-        raise database_refused(exc) from exc
 
 
 def replay(stored: dict[str, Any], stream: bool, include_usage: bool, chunk_model: type[BaseModel],

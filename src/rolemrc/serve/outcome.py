@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -50,23 +51,47 @@ def render(body: dict[str, Any]) -> bytes:
                                       code="generation_failed")) from None
 
 
-def rows(call: Any, reason: str | None, error: str | None = None) -> list[dict[str, Any]]:
+def refusal(error: ApiError) -> str:
+    """The finish_reason of a request that failed before its engine admitted it (its arm already assigned): `refused`
+    for a 4xx (the arm's limits or engine turned it away: context_length_exceeded, queue_full, key_queue_full,
+    max_tokens_too_large, unsupported_parameter, ...), `shutdown` when the server is stopping, else `error`."""
+    if error.status < 500:
+        return "refused"
+    return "shutdown" if error.code == "shutting_down" else "error"
+
+
+def caller(request: Any) -> str:
+    """Who sent a request, as its rows say, never in the clear: `key:` and the id of the API key it authenticated
+    with (`request.state.key`, the first 12 hex digits of the key's sha256), else (a server without keys) `addr:` and
+    the first 12 hex digits of the sha256 of the client's address."""
+    key = getattr(request.state, "key", None)
+    if key:
+        return f"key:{key}"
+    host = request.client.host if request.client else "unknown"
+    return f"addr:{hashlib.sha256(host.encode()).hexdigest()[:12]}"
+
+
+def rows(call: Any, reason: str | None, failed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The rows of `call` (a `completions.Call`): one per choice (id `<id>` for a single choice, else
-    `<id>:<index>`, each with `request_id` `<id>`) with the text generated so far; `reason`: the finish_reason of every
-    row when the request did not complete (`error`: the message its client got), else each choice's own. A request
-    that failed before admission gets a row per choice it asked for, with no text."""
+    `<id>:<index>`, each with `request_id` `<id>`) with the text generated so far and the caller that sent it;
+    `reason`: the finish_reason of every row when the request did not complete (`failed`: the error its client got,
+    whose message goes in `error`, and its code, or its type when it has none, in `error_code`), else each choice's
+    own. A request that failed before admission (refused included) gets a row per choice it asked for, with no
+    text."""
     n, latency, finished = call.body.n, time.perf_counter() - call.clock, time.time()
     if call.choices:
         asked = [(c.index, c.prompt, out.text, c.gen) for c, out in zip(call.choices, call.outs)]
     else:
         asked = [(i * n + k, prompt, "", None) for i, prompt in enumerate(call.prompts) for k in range(n)]
+    error, code = (failed.get("message"), failed.get("code") or failed.get("type")) if failed else (None, None)
+    who = caller(call.request)
     out = []
     for index, prompt, text, gen in asked:
         final = gen.final if gen is not None else None
         out.append({"id": call.id if len(asked) == 1 else f"{call.id}:{index}", "request_id": call.id,
-                    "idempotency_key": call.key, "error": error, "experiment": call.route.experiment,
-                    "arm": call.route.arm, "user": call.body.user, "model": call.route.model_id,
-                    "restraint": call.served()["restraint"], "endpoint": call.endpoint,
+                    "idempotency_key": call.key, "error": error, "error_code": code, "caller": who,
+                    "experiment": call.route.experiment, "arm": call.route.arm, "user": call.body.user,
+                    "model": call.route.model_id, "restraint": call.restraint(), "endpoint": call.endpoint,
                     "messages": call.logged_messages(prompt), "response": text,
                     "finish_reason": reason or final.finish_reason, "latency_s": latency,
                     "prompt_tokens": gen.prompt_tokens if gen is not None else 0,

@@ -358,6 +358,8 @@ class ExperimentCreate(BaseModel):
     id: str | None = Field(None, pattern=ID_PATTERN)
     description: str = Field("", max_length=4096)
     arms: list[Arm] = Field(min_length=1, max_length=16)
+    reveal_arm: bool = Field(True, description="responses and stream chunks say which arm served them (`experiment`, "
+                                               "`arm`, the arm's `model` and `restraint`); false: they say none of it")
 
     @field_validator("arms")
     @classmethod
@@ -374,4 +376,5 @@ class Experiment(BaseModel):
     description: str
     arms: list[Arm]
     created: float
+    reveal_arm: bool = True
     requests: dict[str, int] = Field(default_factory=dict, description="logged requests per arm")

@@ -115,9 +115,11 @@ async def create_experiment(body: p.ExperimentCreate, request: Request) -> p.Exp
     exp_id = body.id or f"exp-{uuid.uuid4().hex[:12]}"
     arms = [a.model_dump() for a in body.arms]
     created = time.time()
-    if not await asyncio.to_thread(state.store.add_experiment, exp_id, body.description, arms, created):
+    if not await asyncio.to_thread(state.store.add_experiment, exp_id, body.description, arms, created,
+                                   reveal_arm=body.reveal_arm):
         raise ApiError(409, f"experiment {exp_id!r} exists", code="experiment_exists", param="id")
-    return p.Experiment(id=exp_id, description=body.description, arms=body.arms, created=created)
+    return p.Experiment(id=exp_id, description=body.description, arms=body.arms, created=created,
+                        reveal_arm=body.reveal_arm)
 
 
 @v1.get("/experiments/{exp_id}", response_model=p.Experiment, dependencies=[Depends(admin)])

@@ -18,13 +18,16 @@ from rolemrc.serve.state import State
 
 @dataclass
 class Route:
-    """Where one request goes."""
+    """Where one request goes. `reveal`: whether its response says so (an experiment's `reveal_arm`); `refused`: why
+    the arm it was assigned cannot serve it (its engine then None): the request is logged, refused, all the same."""
 
     model_id: str
-    engine: Engine
+    engine: Engine | None
     resolved: Resolved
     experiment: str | None = None
     arm: str | None = None
+    reveal: bool = True
+    refused: ApiError | None = None
 
 
 async def route(state: State, body: p.SamplingFields) -> Route:
@@ -39,6 +42,18 @@ async def route(state: State, body: p.SamplingFields) -> Route:
                        param="restraint")
     exp = await state.experiment(body.experiment)
     arm = assign(exp["id"], exp["arms"], body.user)
+    try:
+        return await arm_route(state, exp, arm)
+    except ApiError as exc:   # assigned, so counted in its arm: a request its arm cannot take is logged as refused
+        restraint = arm.get("restraint") or arm["model"].partition("+")[2] or None
+        model_id = f"{arm['model']}+{arm['restraint']}" if arm.get("restraint") else arm["model"]
+        return Route(model_id, None, Resolved(label=restraint or "none", raw=restraint), exp["id"], arm["name"],
+                     exp.get("reveal_arm", True), exc)
+
+
+async def arm_route(state: State, exp: dict, arm: dict) -> Route:
+    """The route of a request `exp` assigned to `arm`."""
+    catalog = state.catalog
     await state.fetch_restraints(arm["model"].partition("+")[2], arm.get("restraint"))
     engine, named = catalog.lookup(arm["model"])
     if named is None and arm.get("restraint"):
@@ -46,7 +61,7 @@ async def route(state: State, body: p.SamplingFields) -> Route:
     else:
         resolved = catalog.resolve(engine, named, None)
     model_id = arm["model"] if named or not arm.get("restraint") else f"{arm['model']}+{arm['restraint']}"
-    return Route(model_id, engine, resolved, exp["id"], arm["name"])
+    return Route(model_id, engine, resolved, exp["id"], arm["name"], exp.get("reveal_arm", True))
 
 
 async def resolve(state: State, engine: Engine, named: str | None, requested: str | dict | None) -> Resolved:

@@ -81,16 +81,19 @@ class Store:
         """None when a write could commit now; else why not (a StoreError code)."""
         return self.backend.health()
 
-    def add_experiment(self, exp_id: str, description: str, arms: list[dict[str, Any]], created: float) -> bool:
-        """False when the id is taken."""
+    def add_experiment(self, exp_id: str, description: str, arms: list[dict[str, Any]], created: float, *,
+                       reveal_arm: bool = True) -> bool:
+        """False when the id is taken. `reveal_arm`: whether its responses say which arm served them."""
         with self.backend.transaction() as tx:
-            return tx.execute_count("INSERT INTO experiments (id, description, arms, created) VALUES (?, ?, ?, ?)"
-                                    " ON CONFLICT DO NOTHING", (exp_id, description, json.dumps(arms), created)) == 1
+            return tx.execute_count("INSERT INTO experiments (id, description, arms, created, reveal_arm)"
+                                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                                    (exp_id, description, json.dumps(arms), created, int(reveal_arm))) == 1
 
     def experiment(self, exp_id: str) -> dict[str, Any] | None:
         with self.backend.transaction() as tx:
-            rows = tx.execute("SELECT id, description, arms, created FROM experiments WHERE id = ?", (exp_id,))
-        return {**rows[0], "arms": json.loads(rows[0]["arms"])} if rows else None
+            rows = tx.execute("SELECT id, description, arms, created, reveal_arm FROM experiments WHERE id = ?",
+                              (exp_id,))
+        return {**rows[0], "arms": json.loads(rows[0]["arms"]), "reveal_arm": bool(rows[0]["reveal_arm"])} if rows else None
 
     def arm_counts(self, exp_id: str) -> dict[str, int]:
         """Logged rows per arm (kept by `log_request`, never counted)."""

@@ -48,12 +48,20 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE TABLE restraints_generation (generation BIGINT NOT NULL)",
         "INSERT INTO restraints_generation (generation) VALUES (0)",
     ),
+    (
+        # every request assigned to an arm is a row, refusals included (finish_reason `refused`): a failed row keeps
+        # its error's code; a row says which caller sent it (a hash: `key:` + the API key's id, else `addr:` + the
+        # client address's); an experiment says whether its responses reveal the arm. Older rows keep NULL.
+        "ALTER TABLE requests ADD COLUMN error_code TEXT",
+        "ALTER TABLE requests ADD COLUMN caller TEXT",
+        "ALTER TABLE experiments ADD COLUMN reveal_arm INTEGER NOT NULL DEFAULT 1",
+    ),
 )
 VERSION = len(MIGRATIONS)
 
 REQUEST_FIELDS = ("id", "request_id", "experiment", "arm", "user", "model", "restraint", "endpoint", "messages",
-                  "response", "finish_reason", "error", "latency_s", "prompt_tokens", "completion_tokens", "metadata",
-                  "idempotency_key", "started", "finished")
+                  "response", "finish_reason", "error", "error_code", "latency_s", "prompt_tokens", "completion_tokens",
+                  "metadata", "idempotency_key", "caller", "started", "finished")
 JSON_FIELDS = ("messages", "metadata")
 COLUMNS = ", ".join(f'"{f}"' for f in REQUEST_FIELDS)   # each quoted: `user` is reserved in PostgreSQL
 INSERT_REQUEST = f"INSERT INTO requests ({COLUMNS}) VALUES ({', '.join('?' * len(REQUEST_FIELDS))})"
