@@ -103,5 +103,5 @@ def test_what_a_request_holds_is_released_whatever_the_client_does(attacked):
     flood = run("registration_flood")["registration_flood"]
     assert flood["registrations"] == {"201": 256, "422 too_many_restraints": 44}, flood
     reader = run("slow_reader")["slow_reader"]
-    assert reader["status"] == "cut off" and reader["seconds"] < REQUEST_TIMEOUT_S + 5, reader
+    assert reader["status"] == "cut off" and reader["probes"] == ["200"] * 3, reader
     assert reader["rss_growth_mb"] < RSS_MB, reader

@@ -349,24 +349,23 @@ async def registration_flood(client: httpx.AsyncClient, timeout: float, count: i
             "param": None, "seconds": round(time.perf_counter() - start, 3), "registrations": by_status}
 
 
-async def slow_reader(base_url: str, model: str, timeout: float, request_timeout: float) -> dict[str, Any]:
-    """A streamed n=16 request with top-20 logprobs (megabytes of events) on a socket with a 4 KB receive buffer that
-    is never read: how long the server holds it (its slots) before cutting it off, read from /metrics."""
+async def slow_reader(client: httpx.AsyncClient, base_url: str, model: str, timeout: float,
+                      request_timeout: float) -> dict[str, Any]:
+    """`KEY2` sends a streamed n=16 request with top-20 logprobs (megabytes of events) on a socket with a 4 KB receive
+    buffer that is never read. 3 s past the server's `request_timeout_s` it sends three n=16 requests at once: with
+    the stream's one choice they fit its `max_queue_per_key` (64) only if the reader's 16 were let go (else 429)."""
     body = {"model": model, "messages": CHAT, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True, "n": 16,
             "temperature": 0.5, "logprobs": True, "top_logprobs": 20}
     start = time.perf_counter()
     _, writer = await raw_request(base_url, "/v1/chat/completions", KEYS[1], body, rcvbuf=4096)
-    held = True
-    async with httpx.AsyncClient(base_url=base_url) as client:
-        while held and time.perf_counter() - start < request_timeout + 15:
-            await asyncio.sleep(0.5)
-            metrics = (await client.get("/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"})).text
-            held = any(line.startswith("rolemrc_admitted") and float(line.split()[-1]) >= 16
-                       for line in metrics.splitlines())
+    await asyncio.sleep(request_timeout + 3)
+    probe = {"model": model, "messages": CHAT, "max_tokens": 1, "n": 16, "temperature": 0.5}
+    answers = await asyncio.gather(*(ask(client, "/v1/chat/completions", KEYS[1], timeout, probe) for _ in range(3)))
     writer.close()
-    seconds = round(time.perf_counter() - start, 3)
-    return {"status": "cut off" if not held else "still held", "code": None, "param": None, "seconds": seconds,
-            "request_timeout_s": request_timeout}
+    held = any(a["status"] == 429 for a in answers)
+    return {"status": "still held" if held else "cut off", "code": None, "param": None,
+            "seconds": round(time.perf_counter() - start, 3), "request_timeout_s": request_timeout,
+            "probes": [f"{a['status']} {a['code'] or ''}".strip() for a in answers]}
 
 
 # --- the run ---
@@ -434,7 +433,7 @@ def attacks(model: str, context: int, max_queue: int, timeout: float, base_url: 
         "abandoned_streams": lambda c: abandoned_streams(c, base_url, model, timeout),
         "long_prompt": lambda c: long_prompt(c, model, context, timeout),
         "registration_flood": lambda c: registration_flood(c, timeout),
-        "slow_reader": lambda c: slow_reader(base_url, model, timeout, request_timeout),
+        "slow_reader": lambda c: slow_reader(c, base_url, model, timeout, request_timeout),
         "prompts_times_n": lambda c: ask(c, text, KEYS[0], timeout, prompts_times_n_body(model)),
         "inline_units": inline_units,
     }
