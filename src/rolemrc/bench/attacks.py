@@ -426,7 +426,7 @@ def attacks(model: str, context: int, max_queue: int, timeout: float, base_url: 
     return {   # in the order of ATTACKS
         "chunked_body": lambda c: ask(c, chat, KEYS[0], timeout, chunked_body(model, BODY_BYTES + (1 << 20))),
         "long_stops": long_stops,
-        "no_max_tokens": lambda c: streamed_tokens(c, no_max_tokens_body(model), KEYS[0], min(timeout, 5.0)),
+        "no_max_tokens": lambda c: streamed_tokens(c, no_max_tokens_body(model), KEYS[0], timeout),
         "echo_logprobs_at_window": lambda c: ask(c, text, KEYS[0], timeout, echo_logprobs_body(model, context)),
         "metadata": lambda c: ask(c, chat, KEYS[0], timeout, metadata_body(model)),
         "key_flood": lambda c: flood(c, model, max_queue, timeout),

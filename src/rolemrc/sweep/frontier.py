@@ -96,7 +96,8 @@ class FrontierConfig:
             resolve_model(model)
         diff, origin = load_means(self.diff, self.dimension)
         layers, width = diff.mean_a[self.dimension].shape
-        outside = {layer: [u for u in units if not 0 <= u < width] for layer, units in (self.known_units or {}).items()
+        known = {int(layer): [int(u) for u in units] for layer, units in (self.known_units or {}).items()}
+        outside = {layer: [u for u in units if not 0 <= u < width] for layer, units in known.items()
                    if not 0 <= layer < layers or any(not 0 <= u < width for u in units)}
         if outside:
             raise InputError(f"--known-units: layers or units outside the diff's {layers} x {width} ({origin}): "
