@@ -33,13 +33,15 @@ def rewrite(t: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
             direction: torch.Tensor | None) -> torch.Tensor:
     """`t * scale + shift`, then `direction` projected out: t - (t . d) d. Each operand broadcasts over t's leading
     dimensions and is cast to t's dtype; a zero direction and a zero shift change nothing."""
-    if scale is not None:
+    if scale is not None and shift is not None:
+        t = torch.addcmul(shift.to(t.dtype), t, scale.to(t.dtype))   # one pass over t
+    elif scale is not None:
         t = t * scale.to(t.dtype)
-    if shift is not None:
+    elif shift is not None:
         t = t + shift.to(t.dtype)
     if direction is not None:
         d = direction.to(t.dtype)
-        t = t - (t * d).sum(-1, keepdim=True) * d
+        t = torch.addcmul(t, torch.matmul(t, d.unsqueeze(-1) if d.dim() == 1 else d.transpose(-1, -2)), d, value=-1)
     return t
 
 
