@@ -153,9 +153,8 @@ class Engine:
     def _drop_group(self, reason: str) -> None:
         """End the requests being admitted (joining, or in the prefill group) with `reason`; the decoding ones go on.
         The cache is as it was (`SlotCache.reserve` is all or nothing)."""
-        log.warning("admitting %d request(s) failed: %s", len(self.joining) + len(self.group.requests if self.group
-                                                                                  else []), reason)
         dropped = list(dict.fromkeys([*self.joining, *(self.group.requests if self.group else [])]))
+        log.warning("admitting %d request(s) failed: %s", len(dropped), reason)
         self.joining, self.group = [], None
         for request in dropped:
             self.prefixes.drop(request.slot)

@@ -46,15 +46,23 @@ class ModelCatalog:
             if engine.capabilities.lora_restraints:
                 engine.register_adapters(fitting, inline=config.allow_inline_restraints)
 
-    def _fits(self, name: str, engine: Engine, rname: str, restraint: Restraint) -> bool:
-        """Whether `engine` serves `restraint`; if so, the variant `name+rname` exists from now on."""
+    def _serves(self, name: str, engine: Engine, restraint: Restraint) -> RestraintError | None:
+        """None when `engine` (model `name`) serves `restraint` at runtime, else why not."""
         if not engine.capabilities.runtime_restraints:
-            return False
+            return RestraintError(f"the {engine.kind} engine applies no restraints at runtime")
         try:
             engine.check_restraint(restraint)
             self._check_model(name, restraint)
         except RestraintError as exc:
-            log.warning("restraint %r does not fit model %r: %s", rname, name, exc)
+            return exc
+        return None
+
+    def _fits(self, name: str, engine: Engine, rname: str, restraint: Restraint) -> bool:
+        """Whether `engine` serves `restraint`; if so, the variant `name+rname` exists from now on."""
+        why = self._serves(name, engine, restraint)
+        if why is not None:
+            if engine.capabilities.runtime_restraints:
+                log.warning("restraint %r does not fit model %r: %s", rname, name, why)
             return False
         self.variants[f"{name}+{rname}"] = (name, rname)
         return True
@@ -100,17 +108,8 @@ class ModelCatalog:
         it: a replica refuses a restraint before the shared store keeps it for every replica."""
         if rname not in self.restraints:
             self._check_room()
-
-        def fits(name: str, engine: Engine) -> bool:
-            if not engine.capabilities.runtime_restraints:
-                return False
-            try:
-                engine.check_restraint(restraint)
-                self._check_model(name, restraint)
-            except RestraintError:
-                return False
-            return True
-        if not await asyncio.to_thread(lambda: any(fits(name, engine) for name, engine in self.engines.items())):
+        if not await asyncio.to_thread(lambda: any(self._serves(name, engine, restraint) is None
+                                                   for name, engine in self.engines.items())):
             raise self._fits_none(rname)
 
     def _check_room(self) -> None:

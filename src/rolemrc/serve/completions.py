@@ -401,14 +401,16 @@ class Call(ABC):
         except ApiError as exc:
             log.error("A/B rows not written: %s", exc.message, extra={"id": self.id})
 
+
 SEND_GRACE_S = 1.0   # past its deadline, a stream has this long to send its timeout event before it is cut off
 
 
 class CallStream(StreamingResponse):
-    """A call's server-sent events. Starlette may cancel a response before its iterator ever runs (a client gone
-    while the call was routed, its idempotency key claimed or its choices admitted: the disconnect is then the first
-    thing the response hears), which would leave the admitted call held for good; this response closes the events
-    and ends the call however it stops."""
+    """A call's server-sent events, which end the call however the response stops. A client gone while the call was
+    routed or admitted makes the disconnect the first thing the response hears; whether the iterator has started
+    (and its own `except` runs) before that cancellation lands is up to the scheduler, and a send cut off by the
+    deadline leaves it suspended at a `yield`: so the events are closed here, and a call they did not end is logged
+    and released."""
 
     def __init__(self, call: Call) -> None:
         super().__init__(call.events(), media_type="text/event-stream",
