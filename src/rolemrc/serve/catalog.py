@@ -81,8 +81,7 @@ class ModelCatalog:
         async with self._registering:
             if rname in self.restraints:
                 if self.restraints[rname].digest != restraint.digest:
-                    raise ApiError(409, f"restraint {rname!r} is registered with other units, hook or factor",
-                                   code="restraint_exists", param="name")
+                    raise restraint_exists(rname)
                 return False, self.fitted(rname)
             self._check_room()
             fits = await asyncio.to_thread(   # off the loop: the checks may fingerprint a model's weights
@@ -225,3 +224,9 @@ class ModelCatalog:
         if not isinstance(requested, str):
             return "inline"
         return requested if requested in self.restraints or f"{engine.name}+{requested}" in self.variants else "unlisted"
+
+
+def restraint_exists(name: str) -> ApiError:
+    """409: `name` holds another restraint (a name holds one until it is deleted)."""
+    return ApiError(409, f"restraint {name!r} is registered with other units, hook or factor", code="restraint_exists",
+                    param="name")

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 
 from rolemrc.intervene.spec import Restraint, RestraintError
-from rolemrc.serve.catalog import ModelCatalog
+from rolemrc.serve.catalog import ModelCatalog, restraint_exists
 from rolemrc.serve.config import Role, ServeConfig
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.metrics import Metrics
@@ -125,8 +125,7 @@ class State:
                                                          time.time())
             held = restraint if new else Restraint.from_dict(spec)
             if held.digest != restraint.digest:
-                raise ApiError(409, f"restraint {name!r} is registered with other units, hook or factor",
-                               code="restraint_exists", param="name")
+                raise restraint_exists(name)
             try:
                 await self._load(name, version, held)
             except Exception:

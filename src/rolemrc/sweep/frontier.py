@@ -70,6 +70,8 @@ class FrontierConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.known_units:   # JSON keeps layers as strings (organism.json)
+            self.known_units = {int(layer): [int(u) for u in units] for layer, units in self.known_units.items()}
         unknown = sorted(set(self.families) - set(FAMILY_KINDS))
         if unknown or not self.families:
             raise InputError(f"--families: some of {', '.join(FAMILY_KINDS)}, not {unknown or 'none'}")
@@ -96,8 +98,7 @@ class FrontierConfig:
             resolve_model(model)
         diff, origin = load_means(self.diff, self.dimension)
         layers, width = diff.mean_a[self.dimension].shape
-        known = {int(layer): [int(u) for u in units] for layer, units in (self.known_units or {}).items()}
-        outside = {layer: [u for u in units if not 0 <= u < width] for layer, units in known.items()
+        outside = {layer: [u for u in units if not 0 <= u < width] for layer, units in (self.known_units or {}).items()
                    if not 0 <= layer < layers or any(not 0 <= u < width for u in units)}
         if outside:
             raise InputError(f"--known-units: layers or units outside the diff's {layers} x {width} ({origin}): "
@@ -201,8 +202,7 @@ def ceiling_points(config: FrontierConfig, width: int) -> list[Point]:
 
     if not config.known_units:
         return []
-    known = Restraint(name="S", hook="mlp.act", factor=0.0, units={int(k): v for k, v in config.known_units.items()},
-                      source={"units": "known"})
+    known = Restraint(name="S", hook="mlp.act", factor=0.0, units=config.known_units, source={"units": "known"})
     magnitude, how = unit_magnitudes(config.diff, config.dimension)
     drawn = draw_controls(known, width, config.controls, seed=config.seed, magnitude=magnitude, how=how)
     reference = base_reference(config)
