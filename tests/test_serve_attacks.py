@@ -33,11 +33,23 @@ def attacked(model_dirs, tmp_path_factory):
         target.server.wait(30)
 
 
+def stalled(answer, baseline) -> bool:
+    """The stream's longest gap over the attack's window is past 1 s and 3x its baseline's."""
+    return answer["stream_gap_max_ms"] >= max(1000, 3 * baseline["stream_gap_max_ms"])
+
+
+def run_steady(run, baseline, attack):
+    """`run(attack)`, sent once more if the stream stalled: a stall the attack causes recurs, one from a loaded
+    machine (the other xdist worker, this process's own client) does not. The second answer is the one checked."""
+    answers = run(attack)
+    return run(attack) if stalled(answers[attack], baseline) else answers
+
+
 def check_cost(answer, baseline):
-    """Answered within ANSWER_S, RSS up < RSS_MB, the stream's longest gap within 1 s or 3x its baseline's."""
+    """Answered within ANSWER_S, RSS up < RSS_MB, the stream kept its pace (see `stalled`)."""
     assert answer["seconds"] < ANSWER_S, answer
     assert answer["rss_growth_mb"] is not None and answer["rss_growth_mb"] < RSS_MB, answer
-    assert answer["stream_gap_max_ms"] < max(1000, 3 * baseline["stream_gap_max_ms"]), (answer, baseline)
+    assert not stalled(answer, baseline), (answer, baseline)
     assert not answer.get("server_restarted") and not answer.get("rss_cap_hit"), answer
 
 
@@ -49,14 +61,14 @@ def refused(answer, statuses, param=None, code=None):
 
 def test_no_max_tokens_with_ignore_eos_ends_at_default_max_tokens(attacked):
     run, baseline = attacked
-    answer = run("no_max_tokens")["no_max_tokens"]
+    answer = run_steady(run, baseline, "no_max_tokens")["no_max_tokens"]
     assert answer["status"] == 200 and answer["finished"] and answer["tokens"] == 128, answer   # default_max_tokens
-    assert answer["stream_gap_max_ms"] < max(1000, 3 * baseline["stream_gap_max_ms"]), (answer, baseline)
+    assert not stalled(answer, baseline), (answer, baseline)
 
 
 def test_echo_with_logprobs_at_the_context_window_stays_small(attacked):
     run, baseline = attacked
-    answer = run("echo_logprobs_at_window")["echo_logprobs_at_window"]
+    answer = run_steady(run, baseline, "echo_logprobs_at_window")["echo_logprobs_at_window"]
     assert answer["status"] == 200, answer
     check_cost(answer, baseline)
 
@@ -77,14 +89,14 @@ def test_one_key_flooding_the_queue_leaves_room_for_another_key(attacked):
 ])
 def test_an_oversized_request_is_refused_naming_its_field_at_little_cost(attacked, attack, statuses, param, code):
     run, baseline = attacked
-    answer = run(attack)[attack]
+    answer = run_steady(run, baseline, attack)[attack]
     refused(answer, statuses, param, code)
     check_cost(answer, baseline)
 
 
 def test_a_megabyte_of_duplicate_inline_units_is_refused_and_health_answers_meanwhile(attacked):
     run, baseline = attacked
-    answers = run("inline_units")
+    answers = run_steady(run, baseline, "inline_units")
     refused(answers["inline_units"], {400, 422}, param="restraint")
     check_cost(answers["inline_units"], baseline)
     health = answers["health_during_inline_units"]
