@@ -3,6 +3,7 @@
 import asyncio
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -435,3 +436,85 @@ def test_a_128k_context_model_sizes_its_window_from_the_kv_budget(tokenizer, tmp
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         assert 0 < engine.kv_budget <= available
         assert engine.context_window == min(131072, engine.kv_budget // (per_token * default.max_batch))
+
+
+def test_a_restraint_whose_adapter_fails_to_load_leaves_no_variant_and_no_adapter(model_dirs, tmp_path, monkeypatch):
+    """vLLM loads the adapter but its answer is lost (the connection drops): the registration is 502 `adapter_failed`,
+    no variant is listed or routable, the store keeps no row and vLLM is told to unload it; once vLLM answers, the
+    name registers, and a DELETE takes its variants off /v1/models."""
+    import json
+
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from rolemrc.serve.app import create_app
+    from rolemrc.serve.engines.vllm import VllmEngine
+
+    held, broken = set(), [True]
+
+    def fake_vllm(request: httpx.Request) -> httpx.Response:
+        name = json.loads(request.content)["lora_name"]
+        if request.url.path.endswith("/load_lora_adapter"):
+            held.add(name)
+            if broken:
+                raise httpx.ReadError("connection lost", request=request)
+        elif name in held:
+            held.remove(name)
+        else:
+            return httpx.Response(404, json={"message": f"{name} is not loaded"})
+        return httpx.Response(200, text="ok")
+
+    async def start(self):   # no vLLM process: its adapter API is fake_vllm
+        self.client = httpx.AsyncClient(base_url="http://vllm/v1/", transport=httpx.MockTransport(fake_vllm))
+
+    monkeypatch.setattr(VllmEngine, "start", start)
+    config = ServeConfig.from_dict({"models": {"v": {"engine": "vllm", "path": str(model_dirs["llama"]),
+                                                     "adapter_cache": str(tmp_path / "lora")},
+                                               "t": str(model_dirs["llama"])},
+                                    "allow_inline_restraints": True, "allow_no_auth": True,
+                                    "db": str(tmp_path / "ab.sqlite")})
+    late = {"name": "late", "spec": {"hook": "mlp.act", "factor": 0.0, "units": {"0": [1, 2]}}}
+    app = create_app(config)
+    with TestClient(app, base_url="http://localhost") as client:
+        def listed():
+            return {m["id"] for m in client.get("/v1/models").json()["data"]}
+
+        failed = client.post("/v1/restraints", json=late)
+        assert failed.status_code == 502 and failed.json()["error"]["code"] == "adapter_failed", failed.text
+        assert listed() == {"v", "t"} and client.get("/v1/restraints").json()["data"] == []
+        for model in ("v+late", "t+late"):
+            routed = client.post("/v1/chat/completions", json={"model": model, "max_tokens": 1,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+            assert routed.status_code == 404 and routed.json()["error"]["code"] == "restraint_not_found"
+        engine = app.state.rolemrc.catalog.engines["v"]
+        assert not held and "v+late" not in engine.loaded and not engine.registered
+        assert app.state.rolemrc.store.versioned_restraint("late") is None
+
+        broken.clear()
+        assert client.post("/v1/restraints", json=late).status_code == 201
+        assert listed() == {"v", "t", "v+late", "t+late"} and held == {"v+late"}
+        assert client.delete("/v1/restraints/late").status_code == 204
+        assert listed() == {"v", "t"} and not held
+
+
+def test_a_restraint_deleted_on_another_replica_leaves_its_models_list_within_the_bound(model_dirs, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from rolemrc.serve.app import create_app
+    from rolemrc.serve.state import RESTRAINTS_STALE_S
+
+    config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "allow_inline_restraints": True,
+                                    "allow_no_auth": True, "db": str(tmp_path / "ab.sqlite")})
+    gone = {"name": "gone", "spec": {"hook": "mlp.act", "factor": 0.0, "units": {"0": [1, 2]}}}
+    with (TestClient(create_app(config), base_url="http://localhost") as a,
+          TestClient(create_app(config), base_url="http://localhost") as b):
+        def listed():
+            return {m["id"] for m in b.get("/v1/models").json()["data"]}
+
+        assert a.post("/v1/restraints", json=gone).status_code == 201
+        asked = b.post("/v1/chat/completions", json={"model": "tiny+gone", "max_tokens": 1,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+        assert asked.status_code == 200 and listed() == {"tiny", "tiny+gone"}   # B has learnt it
+        assert a.delete("/v1/restraints/gone").status_code == 204
+        time.sleep(RESTRAINTS_STALE_S)
+        assert listed() == {"tiny"}

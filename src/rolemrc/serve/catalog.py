@@ -43,6 +43,7 @@ class ModelCatalog:
         self._registering = asyncio.Lock()
         for name, engine in self.engines.items():
             fitting = {rname: r for rname, r in self.restraints.items() if self._fits(name, engine, rname, r)}
+            self.variants |= {f"{name}+{rname}": (name, rname) for rname in fitting}
             if engine.capabilities.lora_restraints:
                 engine.register_adapters(fitting, inline=config.allow_inline_restraints)
 
@@ -58,14 +59,11 @@ class ModelCatalog:
         return None
 
     def _fits(self, name: str, engine: Engine, rname: str, restraint: Restraint) -> bool:
-        """Whether `engine` serves `restraint`; if so, the variant `name+rname` exists from now on."""
+        """Whether `engine` serves `restraint` (why not logged)."""
         why = self._serves(name, engine, restraint)
-        if why is not None:
-            if engine.capabilities.runtime_restraints:
-                log.warning("restraint %r does not fit model %r: %s", rname, name, why)
-            return False
-        self.variants[f"{name}+{rname}"] = (name, rname)
-        return True
+        if why is not None and engine.capabilities.runtime_restraints:
+            log.warning("restraint %r does not fit model %r: %s", rname, name, why)
+        return why is None
 
     def _check_model(self, name: str, restraint: Restraint) -> None:
         """With `strict_restraints`, a RestraintError for a restraint selected on another model than `name`'s (without
@@ -77,7 +75,8 @@ class ModelCatalog:
     async def register(self, rname: str, restraint: Restraint) -> tuple[bool, list[str]]:
         """Register a restraint while serving (idempotent for the same `Restraint.digest`: units, hook and factor):
         (whether it is new, the models it fits). 409 when the name holds a different restraint; 422 when it fits
-        no model."""
+        no model. Its variants are listed and routable once every engine serving it as an adapter has loaded it; a
+        failure (502 `adapter_failed` from an engine) leaves no variant and no adapter behind."""
         async with self._registering:
             if rname in self.restraints:
                 if self.restraints[rname].digest != restraint.digest:
@@ -88,19 +87,25 @@ class ModelCatalog:
                 lambda: [name for name, engine in self.engines.items() if self._fits(name, engine, rname, restraint)])
             if not fits:
                 raise self._fits_none(rname)
-            try:
-                for name in fits:
-                    if self.engines[name].capabilities.lora_restraints:
-                        await self.engines[name].add_adapter(rname, restraint)
-            except BaseException:   # no variant outlives a registration that failed
-                for name in fits:
-                    self.variants.pop(f"{name}+{rname}", None)
-                    if self.engines[name].capabilities.lora_restraints:
-                        with contextlib.suppress(Exception):
-                            await self.engines[name].remove_adapter(rname)
-                raise
+            await self._add_adapters(rname, restraint, fits)
             self.restraints[rname] = restraint
+            self.variants |= {f"{name}+{rname}": (name, rname) for name in fits}
             return True, fits
+
+    async def _add_adapters(self, rname: str, restraint: Restraint, fits: list[str]) -> None:
+        """Load `restraint` on each of the models `fits` that serve restraints as adapters: on all, or (unloaded
+        again from those that took it) on none."""
+        added: list[str] = []
+        try:
+            for name in fits:
+                if self.engines[name].capabilities.lora_restraints:
+                    await self.engines[name].add_adapter(rname, restraint)
+                    added.append(name)
+        except BaseException:
+            for name in added:
+                with contextlib.suppress(Exception):
+                    await self.engines[name].remove_adapter(rname)
+            raise
 
     async def check(self, rname: str, restraint: Restraint) -> None:
         """The 422s `register` answers for a new `rname` (too many registered, fits no model), without registering

@@ -71,7 +71,9 @@ async def completions(body: p.CompletionRequest, request: Request) -> Any:
 
 @v1.get("/models", response_model=p.ModelList)
 async def models(request: Request) -> p.ModelList:
-    return p.ModelList(data=app_state(request).catalog.cards())
+    state = app_state(request)
+    await state.sync_restraints()   # no variant of one another replica deleted (within RESTRAINTS_STALE_S)
+    return p.ModelList(data=state.catalog.cards())
 
 
 def restraint_card(state: Any, name: str) -> p.RestraintCard:

@@ -261,12 +261,22 @@ class VllmEngine(OpenAIProxy):
         return super().body(prompt, params, resolved, model)
 
     async def add_adapter(self, name: str, restraint: Restraint) -> None:
-        """A restraint registered while running: exported and loaded now, then served like those given at start."""
+        """A restraint registered while running: exported and loaded now, then served like those given at start. When
+        that fails (502 `adapter_failed`), vLLM is told to unload it, in case it loaded it all the same (its answer
+        lost, the cache's eviction failed after)."""
         if not self.lora:
             raise ApiError(422, f"model {self.name!r} runs without LoRA, so it cannot take restraints while running",
                            code="invalid_restraint", param="spec")
         adapter = f"{self.name}+{name}"
-        await self._load(adapter, restraint)
+        try:
+            await self._load(adapter, restraint)
+        except BaseException as exc:
+            await self._discard(adapter)
+            if isinstance(exc, Exception) and not isinstance(exc, ApiError):   # the export, or vLLM's connection
+                log.error("model %r: restraint %r not loaded", self.name, name, exc_info=exc)
+                raise ApiError(502, f"model {self.name!r} could not load restraint {name!r}: {type(exc).__name__}",
+                               code="adapter_failed") from None
+            raise
         self.registered[adapter] = restraint
 
     async def remove_adapter(self, name: str) -> None:
@@ -298,6 +308,12 @@ class VllmEngine(OpenAIProxy):
         await self._adapter_call("unload_lora_adapter", {"lora_name": name})
         del self.loaded[name]
 
+    async def _discard(self, name: str) -> None:
+        """After a failed load: `name` unloaded wherever it may be held (vLLM answers 4xx when it holds none)."""
+        self.loaded.pop(name, None)
+        with contextlib.suppress(ApiError, httpx.HTTPError):
+            await self._adapter_call("unload_lora_adapter", {"lora_name": name})
+
     def evict(self, keep: list[Path]) -> None:
         """Bring the adapter cache within its caps, sparing `keep` (the adapters vLLM holds)."""
         from rolemrc.intervene.lora import evict_adapters
@@ -310,7 +326,8 @@ class VllmEngine(OpenAIProxy):
     async def _adapter_call(self, path: str, body: dict[str, str]) -> None:
         response = await self.client.post(path, json=body)
         if response.status_code != 200:
-            raise ApiError(502, f"vllm refused {path} for {body['lora_name']!r}: {response.text[:300]}")
+            raise ApiError(502, f"vllm refused {path} for {body['lora_name']!r}: {response.text[:300]}",
+                           code="adapter_failed")
 
 
 class InlineAdapters:
