@@ -1,10 +1,12 @@
 """A/B rows that cannot be skewed, over real HTTP and a real SQLite log: every request assigned to an arm is one row,
 refusals included (`refused`, with the error's code), so `ab report` can count each arm's refusals and flag arms
 whose refusal rates differ; rows say which caller (a hash of its API key) sent them; an experiment may hide its arm
-from whole, streamed and replayed responses; a log of the previous schema migrates (SQLite and PostgreSQL)."""
+from whole, streamed and replayed responses and from its errors; a log of the previous schema migrates (SQLite and
+PostgreSQL)."""
 
 import hashlib
 import json
+import re
 import sqlite3
 import time
 from contextlib import closing
@@ -49,7 +51,7 @@ def server(model_dirs, tmp_path_factory):
     llama = str(model_dirs["llama"])
     config = {"models": {"big": {"path": llama}, "small": {"path": llama, "max_model_len": 64}},
               "restraints": {"mute": "mute.yaml"}, "api_key_file": "keys.txt", "db": "ab.sqlite",
-              "max_new_tokens": 16}
+              "max_new_tokens": 16, "max_queue_per_key": 4}
     with running_server(config, workdir=root) as srv:
         yield srv, root
 
@@ -200,6 +202,35 @@ def test_reveal_arm_decides_what_whole_streamed_and_replayed_responses_say(serve
     for case in (f"{exp}-whole", f"{exp}-stream"):   # the log keeps what served it, whatever the client saw
         [row] = case_rows(root, case)
         assert (row["arm"], row["model"], row["restraint"]) == ("m", "big+mute", "mute")
+
+
+def test_an_experiment_that_hides_its_arms_names_none_of_them_in_its_errors(server):
+    """Refusals after assignment (a prompt over `small`'s context, n over the caller's share of the queue, an arm's
+    restraint or model this server lacks), whole and streamed: no arm, model or restraint name of the arm in the
+    body or a header, while the log keeps what the arm's engine said."""
+    srv, root = server
+    arms = [{"name": "hush", "model": "small", "restraint": "mute", "weight": 1.0},
+            {"name": "ghost-arm", "model": "big", "restraint": "ghost", "weight": 1.0},
+            {"name": "lost-arm", "model": "vanished", "weight": 1.0}]
+    with closing(Store.open(str(root / "ab.sqlite"))) as store:   # arms the API would refuse to create
+        store.add_experiment("blind", "", arms, 1.0, reveal_arm=False)
+    users = {assign("blind", arms, f"u{k}")["name"]: f"u{k}" for k in range(40)}
+    names = {"hush": {"hush", "small", "mute"}, "ghost-arm": {"ghost-arm", "big", "ghost"},
+             "lost-arm": {"lost-arm", "vanished"}}
+    cases = [("hush", {"messages": [{"role": "user", "content": LONG}]}, 400, "context_length_exceeded"),
+             ("hush", {"n": 5}, 429, "key_queue_full"), ("ghost-arm", {}, 404, "restraint_not_found"),
+             ("lost-arm", {}, 404, "model_not_found")]
+    for k, (arm, extra, status, code) in enumerate(cases):
+        for stream in (False, True):
+            case = f"blind-{k}-{stream}"
+            answer = post(srv, "/v1/chat/completions", json={**ask("blind", case, user=users[arm], stream=stream),
+                                                             **extra})
+            assert (answer.status_code, answer.json()["error"]["code"]) == (status, code), answer.text
+            said = answer.text + json.dumps(dict(answer.headers))
+            assert not [n for n in names[arm] if re.search(rf"\b{re.escape(n)}\b", said)], (case, said)
+            row = case_rows(root, case)[0]
+            assert row["arm"] == arm and row["error_code"] == code
+    assert "'vanished'" in case_rows(root, "blind-3-False")[0]["error"]   # the log says what the client was not told
 
 
 def test_the_report_tests_refusal_rates_of_any_number_of_arms(tmp_path):

@@ -158,7 +158,7 @@ class Call(ABC):
             # refused once its arm was assigned, it is logged too (arms refuse different requests: unlogged refusals
             # would leave each arm's rows a differently biased sample); a refusal frees its key, as a 5xx does
             await call.commit(outcome.refusal(error), error.body())
-            raise error from None
+            raise target.conceal(error) from None
         except asyncio.CancelledError:   # the client left (or the server is stopping) while it was admitted
             call.share.close()
             await call.commit_quietly(call.interrupted())
@@ -294,7 +294,7 @@ class Call(ABC):
                 await self.commit(None, body)
             except Ended as end:
                 await self.commit(end.reason, end.error.body())
-                raise end.error from None
+                raise self.route.conceal(end.error) from None
             except asyncio.CancelledError:
                 await self.commit_quietly(self.interrupted())
                 raise
@@ -328,7 +328,7 @@ class Call(ABC):
                     await self.commit(end.reason, end.error.body())
                 except ApiError as store:
                     end.error = store
-                yield p.sse(end.error.body())
+                yield p.sse(self.route.conceal(end.error).body())
                 return
             except ApiError as store:   # the store refused the rows
                 yield p.sse(store.body())

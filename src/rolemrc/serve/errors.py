@@ -31,6 +31,11 @@ class ApiError(Exception):
         self.retry_after = retry_after   # seconds, sent as `Retry-After`
         self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
+    def reworded(self, message: str) -> ApiError:
+        """The same error saying `message`."""
+        return ApiError(self.status, message, code=self.code, param=self.param, type=self.type,
+                        retry_after=self.retry_after)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

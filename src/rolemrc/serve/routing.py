@@ -5,6 +5,7 @@ limits."""
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 
 from rolemrc.generate.params import SamplingParams
@@ -14,6 +15,8 @@ from rolemrc.serve.engines.base import Engine, Resolved
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.experiments import assign
 from rolemrc.serve.state import State
+
+HIDDEN = "<arm>"   # what the errors of an experiment that hides its arms say instead of the arm's names
 
 
 @dataclass
@@ -28,6 +31,15 @@ class Route:
     arm: str | None = None
     reveal: bool = True
     refused: ApiError | None = None
+
+    def conceal(self, error: ApiError) -> ApiError:
+        """`error` as its client hears it: as is where the route reveals its arm, else with each of the arm's names
+        (its own, its model id and that id's parts: model and restraint) said as HIDDEN."""
+        if self.reveal:
+            return error
+        names = sorted({self.arm, self.model_id, *self.model_id.split("+")} - {""}, key=len, reverse=True)
+        said = re.sub(rf"(?<!\w)(?:{'|'.join(map(re.escape, names))})(?!\w)", HIDDEN, error.message)
+        return error.reworded(said)
 
 
 async def route(state: State, body: p.SamplingFields) -> Route:
