@@ -58,6 +58,7 @@ def test_ab_create_from_sweep_serves_the_cells_as_arms(sweep, tmp_path):
         assert [a["name"] for a in arms] == ["baseline", *(e["arm"] for e in created["cells"])]
         assert {e["arm"] for e in created["cells"]} == {arm_name(c) for c in summary["cells"]}   # best:2 of 2 cells
         assert len(arms) == 3 and {a["model"] for a in arms} == {"m"} and arms[0].get("restraint") is None
+        assert created["experiment"]["reveal_arm"] is True
         assert "multi_turn top-8 x0" in created["experiment"]["description"]
         listed = httpx.get(server.base_url + "/v1/restraints").json()["data"]
         assert {r["name"]: (r["units"], r["models"]) for r in listed} == {a["name"]: (8, ["m"]) for a in arms[1:]}
@@ -79,6 +80,12 @@ def test_ab_create_from_sweep_serves_the_cells_as_arms(sweep, tmp_path):
         assert other.status_code == 409 and other.json()["error"]["code"] == "restraint_exists"
         taken = CliRunner().invoke(app, [*args, "--base-url", server.base_url + "/v1"])
         assert taken.exit_code != 0 and "HTTP 409" in taken.output and "exists" in taken.output
+        blind = CliRunner().invoke(app, [*args[:-1], "blind", "--no-reveal-arm", "--base-url", server.base_url + "/v1"])
+        assert blind.exit_code == 0, blind.output   # the same restraints again: registered already
+        assert json.loads(blind.output)["experiment"]["reveal_arm"] is False
+        hidden = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "the keeper"}],
+                                                max_tokens=4, user="u1", extra_body={"experiment": "blind"})
+        assert hidden.model_extra["arm"] is None and hidden.model == "m"
 
     # a restart registers them again from the database, so the experiment's arms are still served
     with running_server(served, workdir=tmp_path) as server:

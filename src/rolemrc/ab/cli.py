@@ -30,6 +30,8 @@ def create_cmd(
     model: str = typer.Option(None, help="the served model id (default: the one unrestrained model it lists)"),
     id: str = typer.Option(None, "--id", help="experiment id (default: generated)"),
     description: str = typer.Option(None, help="default: which cells, and what the sweep found for each"),
+    reveal_arm: bool = typer.Option(True, "--reveal-arm/--no-reveal-arm", help="whether responses say which arm "
+                                    "served them (--no-reveal-arm: a blind experiment)"),
     api_key_env: str = typer.Option(ROLEMRC_KEY_ENV, help="env var holding one API key of the server (one of those "
                                     "its config's api_key_env lists)"),
 ) -> None:
@@ -38,7 +40,7 @@ def create_cmd(
     from rolemrc.ab.from_sweep import experiment_from_sweep
 
     created = experiment_from_sweep(from_sweep, cells, base_url, model=model, exp_id=id, description=description,
-                                    api_key=os.environ.get(api_key_env))
+                                    api_key=os.environ.get(api_key_env), reveal_arm=reveal_arm)
     typer.echo(json.dumps(created, indent=1))
 
 

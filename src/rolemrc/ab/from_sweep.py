@@ -70,10 +70,11 @@ def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, An
 
 def experiment_from_sweep(folder: str | os.PathLike, which: str, base_url: str, *, model: str | None = None,
                           exp_id: str | None = None, description: str | None = None, api_key: str | None = None,
-                          timeout: float = 120.0) -> dict[str, Any]:
+                          reveal_arm: bool = True, timeout: float = 120.0) -> dict[str, Any]:
     """Register the chosen cells' restraints on the server at `base_url` (OpenAI base, .../v1) and create the
     experiment: arm `baseline` (the model unrestrained), then one arm per cell. `model`: the served model id
-    (default: the one unrestrained model the server lists). Returns the experiment and what each arm's cell showed."""
+    (default: the one unrestrained model the server lists); `reveal_arm`: whether responses say which arm served
+    them. Returns the experiment and what each arm's cell showed."""
     from rolemrc.sweep.sources import served_model
 
     cells, specs = load_sweep(folder)
@@ -94,5 +95,6 @@ def experiment_from_sweep(folder: str | os.PathLike, which: str, base_url: str, 
         text = description or (f"restraint sweep {Path(folder).resolve()}: " + "; ".join(
             f"{e['arm']} = {e['label']} (beats baseline and controls on {', '.join(e['beats_both']) or 'nothing'})"
             for e in evidence))
-        experiment = _post(client, "experiments", {"id": exp_id, "description": text[:4096], "arms": arms})
+        experiment = _post(client, "experiments", {"id": exp_id, "description": text[:4096], "arms": arms,
+                                                   "reveal_arm": reveal_arm})
     return {"experiment": experiment, "cells": evidence}
