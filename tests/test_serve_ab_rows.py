@@ -22,7 +22,7 @@ from rolemrc.core.stats import rates_test
 from rolemrc.intervene import Restraint
 from rolemrc.serve.experiments import assign
 from rolemrc.serve.launch import running_server
-from rolemrc.serve.outcome import caller
+from rolemrc.serve.state import caller_id
 from rolemrc.serve.store import Store
 from rolemrc.serve.store.postgres import PostgresBackend
 from rolemrc.serve.store.schema import MIGRATIONS, VERSION
@@ -163,7 +163,28 @@ def test_rows_carry_a_hash_of_their_caller(server):
     assert not any(key in json.dumps(rows(root)) for key in (ADMIN, SERVE))   # never the key itself
     # without keys, a hash of the client's address
     anonymous = SimpleNamespace(state=SimpleNamespace(key=None), client=SimpleNamespace(host="10.1.2.3"))
-    assert caller(anonymous) == "addr:" + hashlib.sha256(b"10.1.2.3").hexdigest()[:12]
+    assert caller_id(anonymous) == "addr:" + hashlib.sha256(b"10.1.2.3").hexdigest()[:12]
+
+
+def test_a_keyless_callers_rows_and_idempotency_keys_name_it_alike(model_dirs, tmp_path):
+    """Without keys, a caller's rows and the idempotency keys it holds say the same `caller`: a hash of its
+    address."""
+    from fastapi.testclient import TestClient
+
+    from rolemrc.serve.app import create_app
+    from rolemrc.serve.config import ServeConfig
+
+    config = ServeConfig.from_dict({"models": {"big": str(model_dirs["llama"])}, "db": str(tmp_path / "ab.sqlite"),
+                                    "allow_no_auth": True})
+    with TestClient(create_app(config), base_url="http://localhost") as client:   # its client is at "testclient"
+        arms = [{"name": "a", "model": "big"}]
+        assert client.post("/v1/experiments", json={"id": "anon", "arms": arms}).status_code == 201
+        sent = [client.post("/v1/chat/completions", json=ask("anon", "anon", user="u1"),
+                            headers={"Idempotency-Key": "once"}) for _ in range(2)]
+        assert [r.status_code for r in sent] == [200, 200] and sent[1].headers["Idempotent-Replayed"] == "true"
+    with closing(sqlite3.connect(tmp_path / "ab.sqlite")) as db:
+        callers = [db.execute(f"SELECT caller FROM {table}").fetchall() for table in ("requests", "idempotency")]
+    assert callers == [[("addr:" + hashlib.sha256(b"testclient").hexdigest()[:12],)]] * 2
 
 
 def sse(text):

@@ -1,11 +1,11 @@
-"""Idempotency keys on experiment requests: a retry sent with the same `Idempotency-Key` header, by the same caller
-and with the same body, is answered from the first attempt's stored response (`Idempotent-Replayed: true`) instead
-of generating and logging again. A key belongs to its caller (the API key the request authenticated with, else the
-client's address), so another caller's key of the same name is another key; the same caller reusing a key for
-another body gets 422 `idempotency_key_reused`. Only a final answer (200) is stored: an outcome that tells its
-client to retry (a 5xx, 499, 504, shutdown, ...) frees the key, as does a request refused before it reached the
-engine (both in the transaction that logs its rows). Each claim carries a fencing token, so a request whose claim
-was taken over cannot overwrite the answer stored under the key."""
+"""Idempotency keys on experiment requests: a retry sent with the same `Idempotency-Key` header, by the same caller and
+with the same body, is answered from the first attempt's stored response (`Idempotent-Replayed: true`) instead of
+generating and logging again. A key belongs to its caller (`state.caller_id`: the API key the request authenticated
+with, else a hash of the client's address, as its A/B rows say), so another caller's key of the same name is another
+key; the same caller reusing a key for another body gets 422 `idempotency_key_reused`. Only a final answer (200) is
+stored: an outcome that tells its client to retry (a 5xx, 499, 504, shutdown, ...) frees the key, as does a request
+refused before it reached the engine (both in the transaction that logs its rows). Each claim carries a fencing
+token, so a request whose claim was taken over cannot overwrite the answer stored under the key."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from rolemrc.serve.errors import ApiError, database_refused
 from rolemrc.serve.protocol import sse
+from rolemrc.serve.state import caller_id
 from rolemrc.serve.store import Claim, Store, StoreError
 
 HEADER = "Idempotency-Key"
@@ -37,15 +38,6 @@ def header(request: Request) -> str | None:
     return key
 
 
-def caller(request: Request) -> str:
-    """Whose key it is: `key:` and the id (a hash) of the API key the request authenticated with, else (a server
-    without keys) `addr:` and the client's address."""
-    key = getattr(request.state, "key", None)
-    if key:
-        return f"key:{key}"
-    return f"addr:{request.client.host if request.client else 'unknown'}"
-
-
 def body_hash(body: BaseModel) -> str:
     """sha256 of the parsed body as canonical JSON (sorted keys, defaults filled in), without DELIVERY: a retry that
     asks to stream what was answered whole is the same request."""
@@ -60,7 +52,7 @@ async def claim(store: Store, request: Request, body: BaseModel, experiment: str
     `stale_after_s` is taken over: no request runs that long)."""
     digest = body_hash(body)
     try:
-        held = await asyncio.to_thread(store.claim, experiment, caller(request), key, digest, stale_after_s)
+        held = await asyncio.to_thread(store.claim, experiment, caller_id(request), key, digest, stale_after_s)
     except StoreError as exc:
         raise database_refused(exc) from exc
     if isinstance(held, Claim):

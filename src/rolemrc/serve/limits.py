@@ -12,7 +12,7 @@ from fastapi import Request
 from rolemrc.serve import protocol as p
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.errors import ApiError
-from rolemrc.serve.state import State
+from rolemrc.serve.state import State, caller_id
 
 
 def check_limits(config: ServeConfig, body: p.SamplingFields, prompts: int) -> None:
@@ -36,9 +36,9 @@ def check_limits(config: ServeConfig, body: p.SamplingFields, prompts: int) -> N
 
 @contextlib.contextmanager
 def key_share(state: State, request: Request, model: str, choices: int) -> Iterator[None]:
-    """Hold `choices` of the caller's share of `model`'s queue (the caller: its API key's id, else its address) while
-    the call runs: 429 `key_queue_full` past `max_queue_per_key`, so one caller cannot take every slot."""
-    caller = getattr(request.state, "key", None) or (request.client.host if request.client else "unknown")
+    """Hold `choices` of the caller's share of `model`'s queue (the caller: `caller_id`) while the call runs: 429
+    `key_queue_full` past `max_queue_per_key`, so one caller cannot take every slot."""
+    caller = caller_id(request)
     held, limit = state.key_choices, state.config.max_queue_per_key
     if held[caller, model] + choices > limit:
         raise ApiError(429, f"this caller has {held[caller, model]} choices admitted on {model!r} and may have at "

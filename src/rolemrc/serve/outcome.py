@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -15,6 +14,7 @@ from typing import Any
 import anyio
 
 from rolemrc.serve.errors import ApiError, database_refused
+from rolemrc.serve.state import caller_id
 from rolemrc.serve.store import Claim, Store, StoreError
 
 log = logging.getLogger("rolemrc.serve")
@@ -60,17 +60,6 @@ def refusal(error: ApiError) -> str:
     return "shutdown" if error.code == "shutting_down" else "error"
 
 
-def caller(request: Any) -> str:
-    """Who sent a request, as its rows say, never in the clear: `key:` and the id of the API key it authenticated
-    with (`request.state.key`, the first 12 hex digits of the key's sha256), else (a server without keys) `addr:` and
-    the first 12 hex digits of the sha256 of the client's address."""
-    key = getattr(request.state, "key", None)
-    if key:
-        return f"key:{key}"
-    host = request.client.host if request.client else "unknown"
-    return f"addr:{hashlib.sha256(host.encode()).hexdigest()[:12]}"
-
-
 def rows(call: Any, reason: str | None, failed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The rows of `call` (a `completions.Call`): one per choice (id `<id>` for a single choice, else
     `<id>:<index>`, each with `request_id` `<id>`) with the text generated so far and the caller that sent it;
@@ -84,7 +73,7 @@ def rows(call: Any, reason: str | None, failed: dict[str, Any] | None = None) ->
     else:
         asked = [(i * n + k, prompt, "", None) for i, prompt in enumerate(call.prompts) for k in range(n)]
     error, code = (failed.get("message"), failed.get("code") or failed.get("type")) if failed else (None, None)
-    who = caller(call.request)
+    who = caller_id(call.request)
     out = []
     for index, prompt, text, gen in asked:
         final = gen.final if gen is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -169,3 +170,15 @@ class State:
 def app_state(request: Request) -> State:
     """The State of the app serving `request`."""
     return request.app.state.rolemrc
+
+
+def caller_id(request: Request) -> str:
+    """Who sent `request`, as its A/B rows, its idempotency keys and its share of a queue know it, never in the
+    clear: `key:` and the id of the API key it authenticated with (`request.state.key`, the first 12 hex digits of
+    the key's sha256), else (a server without keys) `addr:` and the first 12 hex digits of the sha256 of the client's
+    address (the clients at one address, loopback ones too, are one caller)."""
+    key = getattr(request.state, "key", None)
+    if key:
+        return f"key:{key}"
+    host = request.client.host if request.client else "unknown"
+    return f"addr:{hashlib.sha256(host.encode()).hexdigest()[:12]}"
