@@ -1,7 +1,9 @@
 """Auth that fails closed, over real HTTP: a configured key source that yields no key stops the start (one `error:`
 line, exit 2, before any model loads); a `serve` key serves completions and reads, an `admin` key also registers and
 deletes restraints and owns experiments (403 `forbidden` otherwise); deleting a restraint or an experiment frees its
-name; /health details and /metrics are behind a key unless the config opens them."""
+name; /health details and /metrics are behind a key unless the config opens them. Without keys, admin routes are
+403 `admin_needs_keys` unless the config says `allow_no_auth: true`; a Host header naming neither a loopback name nor
+one of `allowed_hosts` is 400 `host_not_allowed`."""
 
 import json
 import os
@@ -160,3 +162,55 @@ def test_keys_from_the_environment_and_public_health_and_metrics(model_dirs, tmp
         assert call(srv, "POST", "/v1/restraints", SERVE, json={"name": "x", "spec": SPEC}).status_code == 403
         # allow_inline_restraints is off: past the role check, the registration itself is refused
         assert call(srv, "POST", "/v1/restraints", ADMIN, json={"name": "x", "spec": SPEC}).status_code == 400
+
+
+@pytest.fixture(scope="module")
+def keyless(model_dirs, tmp_path_factory):
+    """A loopback server without keys or allow_no_auth that also serves the Host name api.example."""
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "allow_inline_restraints": True,
+              "db": "ab.sqlite", "default_max_tokens": 4, "allowed_hosts": ["api.example"]}
+    with running_server(config, workdir=tmp_path_factory.mktemp("serve-keyless")) as srv:
+        yield srv
+
+
+def test_without_keys_admin_routes_need_allow_no_auth(keyless):
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 3}
+    assert call(keyless, "POST", "/v1/chat/completions", None, json=chat).status_code == 200
+    assert call(keyless, "GET", "/v1/models", None).status_code == 200
+    assert call(keyless, "GET", "/v1/restraints", None).status_code == 200
+    for method, path, body in (("POST", "/v1/restraints", {"name": "late", "spec": SPEC}),
+                               ("POST", "/v1/experiments", {"id": "x", "arms": [{"name": "a", "model": "tiny"}]}),
+                               ("GET", "/v1/experiments/x", None), ("DELETE", "/v1/experiments/x", None),
+                               ("DELETE", "/v1/restraints/late", None)):
+        refused = call(keyless, method, path, None, json=body)
+        error = refused.json()["error"]
+        assert refused.status_code == 403 and error["code"] == "admin_needs_keys", (method, path, refused.text)
+        assert "allow_no_auth" in error["message"] and "api_key_file" in error["message"]
+    assert call(keyless, "GET", "/health", None).json() == {"status": "ok"}   # no admin view either
+    # with allow_no_auth: true every caller is admin: the keyless servers of test_serve_completions, test_sweep_ab,
+    # test_serve_store, test_serve_ops and test_serve_replicas create experiments and register restraints
+
+
+def test_a_host_header_outside_the_allow_list_is_400_before_routing(keyless):
+    def sent(host: str, path: str = "/v1/models") -> httpx.Response:
+        return httpx.get(keyless.base_url + path, headers={"Host": host}, timeout=60)
+
+    for host in ("evil.example", "evil.example:80", "api.example.evil.example", ""):
+        for path in ("/v1/models", "/health", "/nowhere"):
+            refused = sent(host, path)
+            assert refused.status_code == 400, (host, path, refused.text)
+            assert refused.json()["error"]["code"] == "host_not_allowed" and "allowed_hosts" in refused.text
+    for host in (f"127.0.0.1:{keyless.port}", "localhost", f"[::1]:{keyless.port}", "api.example", "API.example:443"):
+        assert sent(host).status_code == 200, host
+
+
+@pytest.mark.parametrize("hosts, says", [("api.example", "must be a non-empty list"), ([], "must be a non-empty list"),
+                                         (["api.example:8000"], "'api.example:8000' is not a host name"),
+                                         (["https://api.example"], "is not a host name")])
+def test_a_bad_allowed_hosts_entry_is_a_config_error(hosts, says):
+    from rolemrc.serve.config import ServeConfig
+    from rolemrc.serve.errors import ServeConfigError
+
+    with pytest.raises(ServeConfigError) as err:
+        ServeConfig.from_dict({"models": {"m": "nowhere"}, "allowed_hosts": hosts})
+    assert str(err.value).startswith("allowed_hosts") and says in str(err.value)

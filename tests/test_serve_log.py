@@ -100,7 +100,7 @@ def launch(model_dirs, root, **config):
     config = {"models": {"tiny": {"path": str(model_dirs["llama"]), **config.pop("engine", {})},
                          "g": {"path": str(model_dirs["gpt2"])}}, "db": "ab.sqlite",
               "restraints": {name: f"{name}.yaml" for name in names}, "max_new_tokens": 400,
-              "allow_inline_restraints": True, **config}
+              "allow_inline_restraints": True, "allow_no_auth": True, **config}
     server = start_server(config, workdir=root, env={"PYTHONPATH": f"{root}:{src}"})
     for exp, arm in (("exp", {}), ("slow", {"restraint": "slow"}), ("nan", {"model": "g", "restraint": "huge"})):
         arms = [{"name": "a", "model": "tiny", **arm}]
@@ -183,7 +183,7 @@ def test_a_stream_left_before_its_first_byte_is_closed_and_logged(served):
     for k in range(4):
         body = json.dumps(ask("slow", f"left-{k}", max_tokens=400, ignore_eos=True, stream=True)).encode()
         with socket.create_connection((host, int(port))) as conn:
-            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
     for k in range(4):
         [row] = wait_rows(root, f"left-{k}")
@@ -207,7 +207,7 @@ def test_a_stream_abandoned_at_each_point_of_the_handler_holds_nothing(served, p
                   metadata={"case": case, "pause": point})
     body = json.dumps(request).encode()
     with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Idempotency-Key: %s\r\nContent-Length: %d\r\n\r\n" % (key.encode(), len(body)) + body)
         time.sleep(0.3)   # the handler is at `point` (it waits there 1 s)
     deadline = time.monotonic() + 2.5   # a leaked slot stays for good
@@ -235,7 +235,7 @@ def test_a_reader_slower_than_the_deadline_is_cut_off_and_logged(served):
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     conn.connect((host, int(port)))
     try:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         start = time.monotonic()
         time.sleep(1)

@@ -113,7 +113,7 @@ def logged(db):
 
 def test_load_through_experiment_then_sigkill_loses_nothing_acknowledged(model_dirs, tmp_path):
     config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_batch": 16, "db": "ab.sqlite",
-              "restraints": {}, "max_queue": 64}
+              "restraints": {}, "max_queue": 64, "allow_no_auth": True}
     db = tmp_path / "ab.sqlite"
     server = start_server(config, workdir=tmp_path)
     try:
@@ -153,7 +153,7 @@ def test_schemathesis_finds_no_server_errors(model_dirs, tmp_path):
     from schemathesis.checks import not_a_server_error
 
     config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": "ab.sqlite", "max_new_tokens": 16,
-              "default_max_tokens": 4, "allow_inline_restraints": True, "max_inline_units": 64}
+              "default_max_tokens": 4, "allow_inline_restraints": True, "max_inline_units": 64, "allow_no_auth": True}
     with running_server(config, workdir=tmp_path) as server:
         schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
         failures, calls = [], []

@@ -54,7 +54,7 @@ def test_two_replicas_share_restraints_experiments_and_the_log(model_dirs, tmp_p
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": postgres_url, "max_batch": 16,
-              "max_queue": 64, "allow_inline_restraints": True}
+              "max_queue": 64, "allow_inline_restraints": True, "allow_no_auth": True}
     a = start_server(config, workdir=tmp_path / "a")
     b = start_server(config, workdir=tmp_path / "b")
     try:
@@ -113,7 +113,7 @@ def test_two_replicas_share_restraints_experiments_and_the_log(model_dirs, tmp_p
 def replicas(model_dirs, tmp_path_factory, postgres):
     """Two replicas of the tiny model on one fresh PostgreSQL database, shared by the tests below (each its own names)."""
     config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": postgres_database(postgres),
-              "allow_inline_restraints": True}
+              "allow_inline_restraints": True, "allow_no_auth": True}
     a = start_server(config, workdir=tmp_path_factory.mktemp("a"))
     try:
         b = start_server(config, workdir=tmp_path_factory.mktemp("b"))

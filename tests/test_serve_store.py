@@ -284,7 +284,7 @@ def logged_ids(store):
 
 def test_full_database_gives_db_full_503s_never_a_200_without_its_row(model_dirs, tmp_path):
     db = f"file:{tmp_path / 'ab.sqlite'}?max_page_count=60"   # the A/B log capped at 60 pages of 4 KiB
-    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": db}
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": db, "allow_no_auth": True}
     acked, codes = [], []
     with running_server(config, workdir=tmp_path) as server:
         assert httpx.post(server.base_url + "/v1/experiments", json={"id": "exp", "arms": ARMS}).status_code == 201
@@ -307,7 +307,7 @@ def test_full_database_gives_db_full_503s_never_a_200_without_its_row(model_dirs
 
 def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing(model_dirs, tmp_path):
     path = tmp_path / "ab.sqlite"
-    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": str(path)}
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": str(path), "allow_no_auth": True}
     acked = []
     with running_server(config, workdir=tmp_path) as server:
         assert httpx.post(server.base_url + "/v1/experiments", json={"id": "exp", "arms": ARMS}).status_code == 201

@@ -67,7 +67,7 @@ def setup(peaked_model, tmp_path_factory):
                                "restart_max": 3, "restart_window_s": 3600, "restart_backoff_s": 0.5},
                          "t": {"path": str(peaked_model)}},
               "restraints": {"silence": "silence.yaml"}, "allow_inline_restraints": True, "max_new_tokens": 400,
-              "db": "ab.sqlite", "on_engine_dead": "serve_others"}
+              "db": "ab.sqlite", "on_engine_dead": "serve_others", "allow_no_auth": True}
     server = start_server(config, workdir=root, timeout=600)
     yield server, broken
     stop_server(server)

@@ -243,7 +243,7 @@ def test_a_request_validates_its_inline_restraint_once_and_equal_units_batch_tog
                                     "db": None})
     spec = {"name": "a", "hook": "mlp.act", "factor": 0.0, "units": {0: [1, 2], 1: [3]}}
     app = create_app(config)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         validated = counting_validations(monkeypatch)
         out = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "restraint": spec,
                                                         "messages": [{"role": "user", "content": "hi"}]})
@@ -325,7 +325,7 @@ def test_cors_lets_a_browser_send_an_idempotency_key_and_read_the_replay(model_d
 
     config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "db": None,
                                     "cors_origins": ["https://notebook.example"]})
-    with TestClient(create_app(config)) as client:
+    with TestClient(create_app(config), base_url="http://localhost") as client:
         preflight = client.options("/v1/chat/completions", headers={
             "Origin": "https://notebook.example", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization, content-type, idempotency-key"})
@@ -376,12 +376,12 @@ def test_registrations_stop_at_the_servers_limit_and_a_deleted_one_frees_its_pla
 
     db = str(tmp_path / "ab.sqlite") if with_db else None
     config = ServeConfig.from_dict({"models": {"tiny": str(model_dirs["llama"])}, "db": db,
-                                    "allow_inline_restraints": True, "max_registered_restraints": 2})
+                                    "allow_inline_restraints": True, "max_registered_restraints": 2, "allow_no_auth": True})
 
     def spec(unit):
         return {"hook": "mlp.act", "factor": 0.0, "units": {"0": [unit]}}
 
-    with TestClient(create_app(config)) as client:
+    with TestClient(create_app(config), base_url="http://localhost") as client:
         assert [client.post("/v1/restraints", json={"name": f"r{k}", "spec": spec(k)}).status_code
                 for k in range(2)] == [201, 201]
         third = client.post("/v1/restraints", json={"name": "r2", "spec": spec(2)})
@@ -415,7 +415,7 @@ def test_a_128k_context_model_sizes_its_window_from_the_kv_budget(tokenizer, tmp
     config = ServeConfig.from_dict({"models": {"long": {"path": str(tmp_path / "long"), "kv_cache_bytes": budget,
                                                         "dtype": "float32"}}, "db": None, "max_batch": 16})
     app = create_app(config)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         engine = app.state.rolemrc.catalog.engines["long"]
         assert engine.context_window == budget // (per_token * 16) == 2048
         long = client.post("/v1/completions", json={"model": "long", "prompt": [5 + i % 300 for i in range(2095)],

@@ -48,7 +48,8 @@ def server(peaked_model, tmp_path_factory):
                                "vllm_args": ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']},
                          "t": {"path": str(peaked_model)}},
               "restraints": {name: f"{name}.yaml" for name in RESTRAINTS}, "allow_inline_restraints": True,
-              "max_new_tokens": 64, "default_max_tokens": 12, "db": "ab.sqlite", "shutdown_grace_s": 60}
+              "max_new_tokens": 64, "default_max_tokens": 12, "db": "ab.sqlite", "shutdown_grace_s": 60,
+              "allow_no_auth": True}
     srv = start_server(config, workdir=root, env={"ROLEMRC_VLLM_PYTHON": VLLM}, timeout=600)
     yield srv
     stop_server(srv)

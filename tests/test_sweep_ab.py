@@ -48,7 +48,8 @@ def test_cells_are_chosen_best_first_or_by_name():
 
 def test_ab_create_from_sweep_serves_the_cells_as_arms(sweep, tmp_path):
     root, summary = sweep
-    served = {"models": {"m": {"path": str(root / "model")}}, "allow_inline_restraints": True, "db": "ab.sqlite"}
+    served = {"models": {"m": {"path": str(root / "model")}}, "allow_inline_restraints": True, "db": "ab.sqlite",
+              "allow_no_auth": True}
     args = ["ab", "create", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--id", "from-sweep"]
     with running_server(served, workdir=tmp_path) as server:
         result = CliRunner().invoke(app, [*args, "--base-url", server.base_url + "/v1"])
@@ -99,7 +100,8 @@ def test_ab_create_from_sweep_serves_the_cells_as_arms(sweep, tmp_path):
 
 def test_servers_without_client_specs_refuse_registration(sweep, tmp_path):
     root, _ = sweep
-    with running_server({"models": {"m": {"path": str(root / "model")}}, "db": None}, workdir=tmp_path) as server:
+    with running_server({"models": {"m": {"path": str(root / "model")}}, "db": None, "allow_no_auth": True},
+                        workdir=tmp_path) as server:
         result = CliRunner().invoke(app, ["ab", "create", "--from-sweep", str(root / "sweep"), "--base-url",
                                           server.base_url + "/v1"])
     assert result.exit_code != 0 and "allow_inline_restraints" in result.output

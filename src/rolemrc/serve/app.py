@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rolemrc.serve.catalog import ModelCatalog
 from rolemrc.serve.config import Role, ServeConfig
 from rolemrc.serve.errors import ApiError, database_refused
-from rolemrc.serve.middleware import BodyLimit, Lifecycle
+from rolemrc.serve.middleware import BodyLimit, HostCheck, Lifecycle
 from rolemrc.serve.routes import ops, v1
 from rolemrc.serve.state import State, app_state
 from rolemrc.serve.store import Store, StoreError
@@ -77,8 +77,9 @@ async def start_unless_stopped(state: State) -> bool:
     return False
 
 
-def create_app(config: ServeConfig, keys: dict[str, Role] | None = None) -> FastAPI:
-    """`keys`: the API keys and their roles (default: the config's)."""
+def create_app(config: ServeConfig, keys: dict[str, Role] | None = None, host: str | None = None) -> FastAPI:
+    """`keys`: the API keys and their roles (default: the config's); `host`: the address served (default: the
+    config's), which decides the Host names accepted unless the config lists them."""
     state = State(config, config.api_keys() if keys is None else keys)
     app = FastAPI(title="rolemrc serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible endpoint for RoleMRC models with per-request restraints and A/B logs")
@@ -90,6 +91,8 @@ def create_app(config: ServeConfig, keys: dict[str, Role] | None = None) -> Fast
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
                            expose_headers=["Idempotent-Replayed", "Retry-After"])
+    if (names := config.host_names(host or config.host)) is not None:
+        app.add_middleware(HostCheck, names=names)
     app.add_middleware(Lifecycle, state=state)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     return app

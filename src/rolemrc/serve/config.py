@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
@@ -24,6 +25,7 @@ ROLES: tuple[Role, ...] = get_args(Role)
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 DEFAULT_MAX_TOKENS = 128
 OnEngineDead = Literal["serve_others", "exit"]
+_HOSTNAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
 
 
 @dataclass
@@ -89,7 +91,10 @@ class ServeConfig:
     max_registered_restraints: int = 256   # restraints registered while serving (POST /v1/restraints), at most
     api_key_env: str | None = None      # env var with a comma-separated list of KEY or KEY:admin
     api_key_file: str | None = None     # one KEY or `KEY admin` per line; `#` starts a comment line
-    allow_no_auth: bool = False         # serve without keys on a non-loopback host (loopback: always allowed)
+    allow_no_auth: bool = False         # no keys: true makes every caller admin and lets a non-loopback host serve;
+                                        # false serves a loopback host only, its admin routes 403 admin_needs_keys
+    allowed_hosts: list[str] | None = None   # Host names served besides loopback ones (any port; `*.x.org`, `*`);
+                                        # None: loopback names only on a loopback host, any name elsewhere
     public_health_details: bool = False   # /health lists models and engines without an admin key
     public_metrics: bool = False        # /metrics without a key
     max_body_bytes: int = 1 << 20
@@ -132,6 +137,8 @@ class ServeConfig:
             raise ServeConfigError("request_timeout_s must be > 0")
         if not self.shutdown_grace_s > 0:
             raise ServeConfigError("shutdown_grace_s must be > 0")
+        if self.allowed_hosts is not None:
+            self.allowed_hosts = check_hosts(self.allowed_hosts)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: str | os.PathLike = ".",
@@ -202,13 +209,21 @@ class ServeConfig:
         return keys
 
     def check_auth(self, host: str) -> dict[str, Role]:
-        """The keys to serve `host` with: without any, a loopback host is served open, any other host only with
-        `allow_no_auth: true` (else ServeConfigError)."""
+        """The keys to serve `host` with: without any, a loopback host is served (admin routes only with
+        `allow_no_auth: true`, see `routes.admin`), any other host only with `allow_no_auth: true` (else
+        ServeConfigError)."""
         keys = self.api_keys()
-        if not (keys or _loopback(host) or self.allow_no_auth):
+        if not (keys or is_loopback(host) or self.allow_no_auth):
             raise ServeConfigError(f"host {host} is reachable from other machines, but no API keys are configured: "
                                    "set api_key_file or api_key_env (or allow_no_auth: true to serve it open)")
         return keys
+
+    def host_names(self, host: str) -> frozenset[str] | None:
+        """The names a request's Host header may give when serving on `host`, besides loopback names (always
+        served); None: any."""
+        if self.allowed_hosts is None:
+            return frozenset() if is_loopback(host) else None
+        return None if "*" in self.allowed_hosts else frozenset(self.allowed_hosts)
 
 
 def _add_keys(keys: dict[str, Role], entries: list[list[str]], source: str) -> None:
@@ -223,7 +238,28 @@ def _add_keys(keys: dict[str, Role], entries: list[list[str]], source: str) -> N
             raise ServeConfigError(f"{source}: a key is listed with two roles ({keys[key]} and {role})")
 
 
-def _loopback(host: str) -> bool:
+def check_hosts(names: Any) -> list[str]:
+    """`allowed_hosts` lower-cased: each a host name or IP address without a port (`*.example.org`: its subdomains,
+    `*`: any name); ServeConfigError otherwise."""
+    if not isinstance(names, list) or not names:
+        raise ServeConfigError("allowed_hosts must be a non-empty list of host names (leave it out for the default)")
+    checked = []
+    for name in names:
+        value = name.strip().lower().rstrip(".") if isinstance(name, str) else ""
+        try:
+            checked.append(str(ipaddress.ip_address(value.strip("[]"))))
+            continue
+        except ValueError:
+            pass
+        if not (value == "*" or _HOSTNAME.fullmatch(value.removeprefix("*."))):
+            raise ServeConfigError(f"allowed_hosts: {name!r} is not a host name or IP address (no scheme, port or "
+                                   "path: any port is served)")
+        checked.append(value)
+    return checked
+
+
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback IP address."""
     if host == "localhost":
         return True
     try:

@@ -1,4 +1,5 @@
-"""ASGI middleware: body size limit, in-flight accounting with draining (503), and the access log."""
+"""ASGI middleware: body size limit, in-flight accounting with draining (503), the access log, and the Host
+allow-list (400)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+from rolemrc.serve.config import is_loopback
 from rolemrc.serve.errors import ApiError
 from rolemrc.serve.logs import elapsed_ms
 
@@ -124,3 +126,34 @@ class Lifecycle:
             if path not in ("/health", "/metrics"):
                 log.info("request", extra={"method": scope["method"], "path": path, "status": status,
                                            "ms": elapsed_ms(start), **info})
+
+
+def host_name(header: str) -> str:
+    """The name a Host header gives, lower-cased, without its port or an IPv6 address's brackets."""
+    value = header.strip().lower()
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+class HostCheck:
+    """400 `host_not_allowed` before routing for a Host header naming neither a loopback name nor one of `names`
+    (`*.x.org`: its subdomains): a web page whose DNS name was rebound to this address cannot reach the API."""
+
+    def __init__(self, app: Any, names: frozenset[str]) -> None:
+        self.app, self.names = app, names
+        self.suffixes = tuple(name[1:] for name in names if name.startswith("*."))
+
+    def allowed(self, header: str) -> bool:
+        name = host_name(header).rstrip(".")
+        return is_loopback(name) or name in self.names or name.endswith(self.suffixes)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if not self.allowed(header):
+            error = ApiError(400, f"Host {header[:100]!r} is not served here: add its name to allowed_hosts in the "
+                                  "serve config", code="host_not_allowed")
+            return await _send_error(send, error, close=True)
+        await self.app(scope, receive, send)

@@ -22,7 +22,8 @@ from rolemrc.serve.errors import ApiError
 from rolemrc.serve.state import app_state
 
 ERRORS = {status: {"model": p.ErrorResponse, "description": text} for status, text in (
-    (400, "bad request"), (401, "missing or wrong API key"), (403, "an admin route with a serve key"),
+    (400, "bad request or a Host not allowed"), (401, "missing or wrong API key"),
+    (403, "an admin route with a serve key, or on a server without keys unless allow_no_auth"),
     (404, "unknown model, restraint or experiment"),
     (413, "body too large"), (422, "invalid inline restraint or invalid request fields"), (429, "queue full"),
     (503, "shutting down"), (504, "request timeout"))}
@@ -32,9 +33,9 @@ bearer = HTTPBearer(auto_error=False, description="an API key from the server's 
 
 def caller(state: Any, creds: HTTPAuthorizationCredentials | None) -> tuple[str | None, Role]:
     """(a short stable id of the caller's key, its role); 401 without a valid key. Without keys (auth off) every
-    caller is admin."""
+    caller is admin with `allow_no_auth: true`, else serve."""
     if not state.keys:
-        return None, "admin"
+        return None, "admin" if state.config.allow_no_auth else "serve"
     if creds is None or creds.scheme.lower() != "bearer":
         raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
     sent = creds.credentials.encode()
@@ -50,8 +51,13 @@ async def authorized(request: Request, creds: HTTPAuthorizationCredentials | Non
 
 
 async def admin(request: Request) -> None:
-    """403 for a key whose role is not admin (after `authorized`)."""
+    """403 for a key whose role is not admin (after `authorized`), and for every caller of a server without keys
+    unless its config says `allow_no_auth: true`."""
     if request.state.role != "admin":
+        if not app_state(request).keys:
+            raise ApiError(403, "admin routes need an admin key, and this server has none: set api_key_file or "
+                                "api_key_env in its config, or allow_no_auth: true to open them to every caller",
+                           code="admin_needs_keys")
         raise ApiError(403, "this route needs an admin key", code="forbidden")
 
 

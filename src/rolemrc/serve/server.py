@@ -80,8 +80,10 @@ def serve(config: ServeConfig, host: str | None = None, port: int | None = None,
     config.preflight()
     logging.config.dictConfig(log_config(config.log_level))
     if not keys:
-        log.warning("serving without API keys: every caller is admin", extra={"host": host})
-    app = create_app(config, keys)
+        log.warning("serving without API keys: every caller is admin" if config.allow_no_auth else
+                    "serving without API keys: admin routes answer 403 (allow_no_auth: true opens them)",
+                    extra={"host": host})
+    app = create_app(config, keys, host)
     # uvicorn's own wait for connections comes after the drain above: whatever is left by then is cancelled
     uv = uvicorn.Config(app, host=host, port=port if port is not None else config.port,
                         log_config=log_config(config.log_level), access_log=False,
