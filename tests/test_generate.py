@@ -70,7 +70,7 @@ def test_chunked_prefill_and_a_growing_cache_change_nothing(model_dirs):
     long = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
     late = Request(prompts[4], long, 150, lambda o: None, text=False)
     requests = drive(engine, [Request(p, GREEDY, 12, lambda o: None, text=False) for p in prompts[:4]], (3, [late]))
-    assert engine.cache.length >= len(prompts[4]) + 150 > 128
+    assert engine.cache.parking >= len(prompts[4]) + 150 > 128   # the page table grew while others decoded
     assert [r.out for r in requests[:4]] == whole[:4]
     assert late.out == hf_greedy(model, tok, prompts[4], 150)
     chunked = drive(Engine(model, tok, max_batch=2, prefill_tokens=5),
@@ -207,18 +207,68 @@ def test_an_oom_growing_the_cache_ends_only_the_requests_being_admitted(model_di
         monkeypatch.setattr(cache_module, "torch", torch)
         assert {layer: (k.shape, k.data_ptr()) for layer, k in engine.cache.keys.items()} == before
         assert outputs[-1].finish_reason == "out_of_memory" and late.slot == -1
+        check_pages(engine.cache)
     drive(engine, [])
     assert [r.out for r in early] == whole[:3]
     again = drive(engine, [Request(prompts[3], GREEDY, 12, lambda o: None, text=False)])
     assert again[0].out == whole[3] and sorted(engine.free) == [0, 1, 2, 3]
 
 
-def test_the_cache_grows_to_at_most_max_length(model_dirs):
-    """Doubling stops at the engine's `max_length` (the serve engine's window under its KV budget)."""
+def check_pages(cache):
+    """The page bookkeeping is whole: every page but NULL is spare or held, held as often as slots list it, and
+    each slot's table row lists its pages then NULL."""
+    from collections import Counter
+
+    from rolemrc.generate.cache import NULL
+
+    held = Counter(p for pages in cache.owned for p in pages)
+    assert sorted([*cache.spare, *held]) == list(range(1, cache.pages)) and NULL not in held
+    assert all(cache.refs[p] == n for p, n in held.items())
+    for slot, pages in enumerate(cache.owned):
+        row = cache.table[slot].tolist()
+        assert row[:len(pages)] == pages and set(row[len(pages):]) <= {NULL}
+
+
+def test_each_request_holds_its_own_pages_and_waits_for_pages_to_come_free(model_dirs):
+    """One long request among short ones: the cache holds what they need, not max_batch x the longest, and the
+    long one gets the tokens it gets alone. Under a
+    budget of two requests' pages, four requests run two at a time, each with the tokens it gets alone; a request
+    that can never fit is refused when added."""
+    from rolemrc.generate.cache import PAGE, pages_for
+
     model, tok = load_model(model_dirs["llama"], device="cpu")
-    prompt = prompts_of(tok)[0]
-    engine = Engine(model, tok, max_batch=2, max_length=len(prompt) + 280)
-    drive(engine, [Request(prompt, SamplingParams(max_tokens=200, temperature=0), 200, lambda o: None, text=False)])
-    assert engine.cache.length == 256
-    drive(engine, [Request(prompt, SamplingParams(max_tokens=280, temperature=0), 280, lambda o: None, text=False)])
-    assert engine.cache.length == 384   # the need rounded up to the grain; without the cap, doubled: 512
+    prompts = prompts_of(tok)
+    engine = Engine(model, tok, max_batch=8)
+    long = Request(prompts[2], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), 400, lambda o: None,
+                   text=False)
+    short = [Request(p, GREEDY, 12, lambda o: None, text=False) for p in prompts[3:8]]
+    with torch.inference_mode():
+        for r in [long, *short]:
+            engine.add(r)
+        engine.step()
+        need = sum(pages_for(len(r.prompt) + r.max_tokens) for r in [long, *short])
+        assert sum(map(len, engine.cache.owned)) == need
+        assert engine.cache.pages <= 2 * need + 2 < 8 * pages_for(len(prompts[2]) + 400)
+        check_pages(engine.cache)
+    drive(engine, [])
+    alone = drive(Engine(model, tok, max_batch=1), [Request(prompts[2], long.params, 400, lambda o: None,
+                                                            text=False)])[0]
+    assert long.out == alone.out   # (transformers' own generate parts from both at token 68: float noise)
+
+    needs = sorted(pages_for(len(p) + 12) for p in prompts[:4])
+    budget = (needs[-1] + needs[-2]) * PAGE
+    tight = Engine(model, tok, max_batch=8, kv_positions=budget)
+    requests = [Request(p, GREEDY, 12, lambda o: None, text=False) for p in prompts[:4]]
+    running = []
+    with torch.inference_mode():
+        for r in requests:
+            tight.add(r)
+        while tight.has_work():
+            tight.step()
+            running.append(len(tight.running))
+            assert sum(map(len, tight.cache.owned)) <= tight.cache.max_pages - 1
+            check_pages(tight.cache)
+    assert max(running) == 2 and [r.out for r in requests] == [hf_greedy(model, tok, p, 12) for p in prompts[:4]]
+    with pytest.raises(ValueError, match="can never fit"):
+        tight.add(Request(prompts[0], SamplingParams(max_tokens=budget), budget, lambda o: None, text=False))
+

@@ -396,14 +396,17 @@ def test_registrations_stop_at_the_servers_limit_and_a_deleted_one_frees_its_pla
 
 
 def test_a_128k_context_model_sizes_its_window_from_the_kv_budget(tokenizer, tmp_path):
-    """A tiny model that claims a 131072-token context, served with default settings but a 32 MiB KV budget: its
-    window is what the budget holds at max_batch (not the model's 128k, whose 16 slots would take 8 GiB), a prompt
-    over it is a 400 naming the budget, and serving a request within it keeps the cache inside the budget. With no
-    budget given it is half the host's available memory, and the window never exceeds the model's."""
+    """A tiny model that claims a 131072-token context, served with default settings but a 2 MiB KV budget (2048
+    positions): its window is what the budget holds (not the model's 128k), a prompt over it is a 400 naming the
+    budget, one within it holds only its own pages, and two that cannot be held at once are both served, one after
+    the other, the cache inside the budget. With no budget given it is half the host's available memory, and the
+    window never exceeds the model's; a second model on the same device has half of what the first left."""
+    import concurrent.futures
+
     from fastapi.testclient import TestClient
 
     from rolemrc.core.tiny import build_model
-    from rolemrc.generate.cache import kv_bytes_per_token
+    from rolemrc.generate.cache import PAGE, kv_bytes_per_token
     from rolemrc.serve.app import create_app
 
     model = build_model("llama", tokenizer, hidden=64, layers=2, intermediate=96, max_positions=131072)
@@ -411,31 +414,37 @@ def test_a_128k_context_model_sizes_its_window_from_the_kv_budget(tokenizer, tmp
     tokenizer.save_pretrained(tmp_path / "long")
     per_token = kv_bytes_per_token(model.config, torch.float32)
     assert per_token == 2 * 2 * 2 * 32 * 4   # k and v x layers x kv heads x head dim x float32
-    budget = 32 << 20
+    budget = 2 << 20
     config = ServeConfig.from_dict({"models": {"long": {"path": str(tmp_path / "long"), "kv_cache_bytes": budget,
                                                         "dtype": "float32"}}, "db": None, "max_batch": 16})
     app = create_app(config)
     with TestClient(app, base_url="http://127.0.0.1") as client:
         engine = app.state.rolemrc.catalog.engines["long"]
-        assert engine.context_window == budget // (per_token * 16) == 2048
+        assert engine.context_window == budget // per_token == 2048
         long = client.post("/v1/completions", json={"model": "long", "prompt": [5 + i % 300 for i in range(2095)],
                                                 "max_tokens": 1})
         assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
-        assert "the KV budget (33554432 bytes at max_batch 16)" in long.json()["error"]["message"]
+        assert "the KV budget (2097152 bytes)" in long.json()["error"]["message"]
         fits = client.post("/v1/completions", json={"model": "long", "prompt": [5 + i % 300 for i in range(1895)],
                                                 "max_tokens": 8})
         assert fits.status_code == 200
         cache = engine.engine.cache
-        held = sum(t.numel() * t.element_size() for store in (cache.keys, cache.values) for t in store.values())
-        assert 0 < held <= budget
-    default = ServeConfig.from_dict({"models": {"long": {"path": str(tmp_path / "long"), "dtype": "float32"}},
-                                     "db": None})
+        assert sum(map(len, cache.owned)) == (1895 - 1) // PAGE   # done: its prompt's full blocks stay, as a prefix
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda first: client.post("/v1/completions", json={
+                "model": "long", "prompt": [first + i % 300 for i in range(1200)], "max_tokens": 8}), (6, 7)))
+        assert [r.status_code for r in both] == [200, 200]
+        assert 0 < cache.held_bytes() <= budget + 2 * PAGE * per_token   # the pool, and its NULL page
+    default = ServeConfig.from_dict({"models": {name: {"path": str(tmp_path / "long"), "dtype": "float32"}
+                                                for name in ("long", "again")}, "db": None})
     app = create_app(default)
-    with TestClient(app):
-        engine = app.state.rolemrc.catalog.engines["long"]
+    with TestClient(app, base_url="http://127.0.0.1"):
+        first, second = (app.state.rolemrc.catalog.engines[name] for name in ("long", "again"))
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        assert 0 < engine.kv_budget <= available
-        assert engine.context_window == min(131072, engine.kv_budget // (per_token * default.max_batch))
+        assert 0 < first.kv_budget <= available
+        assert first.context_window == min(131072, first.kv_budget // per_token)
+        assert 0 < second.kv_budget < 0.6 * first.kv_budget   # half of what the first left: one device, no overcommit
+        assert first.kv_budget + second.kv_budget < available
 
 
 def test_a_restraint_whose_adapter_fails_to_load_leaves_no_variant_and_no_adapter(model_dirs, tmp_path, monkeypatch):

@@ -1,6 +1,8 @@
-"""The generation engine: continuous batching over a transformers causal LM with one KV-cache slot per request.
+"""The generation engine: continuous batching over a transformers causal LM, each request in a slot holding the KV-cache
+pages its prompt and completion need (`cache.PagedCache`).
 
-Each `step` admits waiting requests into free slots as one prefill group, runs the group's next prefill chunk (so a
+Each `step` admits waiting requests into free slots as one prefill group (as many, in order, as the cache's pages
+hold), runs the group's next prefill chunk (so a
 long prompt never stalls the rows that are decoding for more than a chunk), then one decode step for every decoding
 row, whatever its restraint. The decode step reads the last tokens and positions from per-slot tensors whose addresses
 never change, so on CUDA it replays a captured graph (`graphs.DecodeGraphs`) at a few batch sizes. Single-threaded:
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rolemrc.generate.cache import SlotCache, attention_mask, mask_layout, round_up
+from rolemrc.generate.cache import PAGE, PagedCache, attention_mask, mask_layout, pages_for, round_up
 from rolemrc.generate.params import Output, SamplingParams, TokenLogprob
 from rolemrc.generate.prefix import BLOCK, PrefixIndex, block_hashes
 from rolemrc.generate.sampling import TextStream, choose, make_generator
@@ -80,15 +82,17 @@ class Engine:
     """Continuous batching for one loaded model, `max_batch` requests at a time."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32, prefill_tokens: int = PREFILL_TOKENS,
-                 graphs: bool = True, max_length: int | None = None) -> None:
+                 graphs: bool = True, max_length: int | None = None, kv_positions: int | None = None) -> None:
+        """`max_length`: positions one request may hold (prompt + completion); `kv_positions`: positions the cache
+        may hold over all requests (its budget); None: unbounded."""
         self.model, self.tokenizer, self.slots = model, tokenizer, max_batch
-        self.max_length = max_length   # positions a slot may hold (prompt + completion): the cache grows to at most this
+        self.max_length = max_length
         self.device = model.get_input_embeddings().weight.device
         self.dtype = next(model.parameters()).dtype
         self.eos = torch.tensor(sorted(eos_ids(model, tokenizer)), dtype=torch.long)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos[0])
         self.prefill_tokens = prefill_tokens
-        self.cache = SlotCache(max_batch, 1)
+        self.cache = PagedCache(max_batch, kv_positions, max_length, self.device)
         self.scales = SlotScales(model, max_batch)
         self.prefixes = PrefixIndex()
         self.stats: Counter[str] = Counter()   # prompt tokens admitted, and those copied from a held prefix
@@ -100,7 +104,7 @@ class Engine:
         self.decoding: dict[int, Request] = {}
         self.free = list(range(max_batch))
         self.tokens = torch.full((max_batch,), self.pad_id, dtype=torch.long, device=self.device)   # next input
-        self.next_pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)   # where it is written
+        self.next_pos = torch.full((max_batch,), self.cache.parking, dtype=torch.long, device=self.device)   # where it goes
         self.lengths = [0] * max_batch          # positions a decoding slot fills after its next decode step
         self.unlimited = torch.full((max_batch,), 2**62, dtype=torch.long, device=self.device)
         self._token_text: dict[int, str] = {}
@@ -113,6 +117,11 @@ class Engine:
     # public ---------------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        need = self._positions(request)
+        if self.max_length is not None and need > self.max_length or self.cache.max_pages is not None and (
+                pages_for(need) >= self.cache.max_pages):
+            raise ValueError(f"a request of {need} positions can never fit this engine's cache "
+                             f"(max_length {self.max_length}, {self.cache.max_pages} pages of {PAGE})")
         request.stream = TextStream(self.tokenizer, request.params.stop) if request.text or request.params.stop else None
         request.generator = make_generator(request.params.seed)
         self.waiting.append(request)
@@ -152,7 +161,7 @@ class Engine:
 
     def _drop_group(self, reason: str) -> None:
         """End the requests being admitted (joining, or in the prefill group) with `reason`; the decoding ones go on.
-        The cache is as it was (`SlotCache.reserve` is all or nothing)."""
+        The cache is as it was (`PagedCache.assign` is all or nothing)."""
         dropped = list(dict.fromkeys([*self.joining, *(self.group.requests if self.group else [])]))
         log.warning("admitting %d request(s) failed: %s", len(dropped), reason)
         self.joining, self.group = [], None
@@ -174,8 +183,9 @@ class Engine:
 
     def _admit(self) -> None:
         """Take waiting requests into free slots as one prefill group. A request whose prompt begins like one a
-        slot holds (`prefix.PrefixIndex`) starts from a copy of those positions; one whose next block another
-        request of this group is about to compute waits for the next group, to copy it then."""
+        slot holds (`prefix.PrefixIndex`) starts from those pages, shared; one whose next block another request of
+        this group is about to compute waits for the next group, to share it then. A request whose pages do not fit
+        waits, first in line, for pages to come free."""
         self.free.sort()
         self.joining = requests = []
         starts, computing, deferred = [], set(), []
@@ -204,21 +214,23 @@ class Engine:
                 deferred.append(request)
                 continue
             slot = source if source in self.free else self.free[0]
+            need, shared = self._positions(request), blocks * BLOCK
+            if not self._room(slot, need, source, shared):
+                self.waiting.appendleft(request)   # first in line: it waits for pages to come free
+                break
             self.free.remove(slot)
-            if source is not None and source != slot:
-                self.cache.copy(source, slot, blocks * BLOCK)
-            self.prefixes.hold(slot, request.hashes[:blocks])
-            computing.update(request.hashes[blocks:])
             request.slot = slot
             requests.append(request)
+            if self.cache.assign(slot, need, source, shared):
+                self._regrown()
+            self.prefixes.hold(slot, request.hashes[:blocks])
+            computing.update(request.hashes[blocks:])
             starts.append(blocks * BLOCK)
             self.stats["prompt_tokens"] += len(request.prompt)
             self.stats["prompt_tokens_reused"] += blocks * BLOCK
 
     def _group(self, requests: list[Request], starts: list[int]) -> PrefillGroup:
         """The prefill group of requests just given slots, their prompts from `starts` on left-padded together."""
-        if self.cache.reserve(max(len(r.prompt) + r.max_tokens for r in requests), self.max_length) and self.graphs:
-            self.graphs.clear()
         suffixes = [r.prompt[k:] for r, k in zip(requests, starts)]
         width = max(len(x) for x in suffixes)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
@@ -235,7 +247,29 @@ class Engine:
         index = torch.tensor([r.slot for r in requests], device=self.device)
         self.next_pos[index] = lengths.to(self.device)   # a prefilling slot's safe write position in decode steps
         return PrefillGroup(requests, index, ids.to(self.device), positions.to(self.device), lengths.to(self.device),
-                            int(lengths.max()))
+                            pages_for(int(lengths.max())) * PAGE)
+
+    @staticmethod
+    def _positions(request: Request) -> int:
+        """Positions a request holds: its prompt and its completion (one at least: the slot's padding goes there)."""
+        return len(request.prompt) + max(1, request.max_tokens)
+
+    def _room(self, slot: int, need: int, source: int | None, shared: int) -> bool:
+        """Whether `slot` can take `need` positions now, dropping prefixes that free slots hold (other than
+        `slot`'s and `source`'s) until it can."""
+        for other in [s for s in self.free if s not in (slot, source) and self.cache.owned[s]]:
+            if not self.cache.short(slot, need, source, shared):
+                return True
+            self.prefixes.drop(other)
+            self.cache.release(other)
+        return not self.cache.short(slot, need, source, shared)
+
+    def _regrown(self) -> None:
+        """The cache's buffers moved: captured graphs are stale, free slots park again."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        if self.free:
+            self.next_pos[torch.tensor(self.free, device=self.device)] = self.cache.parking
 
     def _prefill_chunk(self) -> None:
         group = self.group
@@ -344,7 +378,8 @@ class Engine:
         slot, request.slot = request.slot, -1
         self.scales.release(slot)
         self.tokens[slot] = self.pad_id
-        self.next_pos[slot] = self.cache.length - 1   # past the prefix it still holds
+        self.cache.release(slot, len(self.prefixes.held.get(slot, ())) * BLOCK)   # a held prefix stays
+        self.next_pos[slot] = self.cache.parking   # its padding goes to no page of anyone's
         self.lengths[slot] = 0
         self.free.append(slot)
 

@@ -1,7 +1,7 @@
 """Prompt prefixes already in the cache. A prompt is cut into blocks of `BLOCK` tokens, each named by a hash chained
 over the blocks before it and the request's restraint (a restraint changes the keys and values), so one hash names a
 whole prefix. A slot holds its prompt's blocks while it runs and after it is freed, until a new request overwrites
-it; a request whose prompt begins like one held copies those positions from that slot instead of computing them
+it; a request whose prompt begins like one held shares those pages with that slot instead of computing them
 again (role-play prompts share their persona's system prompt; a sweep runs the same prompts under many restraints)."""
 
 from __future__ import annotations

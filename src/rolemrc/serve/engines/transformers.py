@@ -46,10 +46,10 @@ class TransformersOptions:
     """`path`: a model (a local HF directory, a pulled model's name or a hub id); `dtype` auto: the checkpoint's own;
     `device` auto: a GPU when there is one; `device_map`: the layers placed over the GPUs instead; `stall_after_s`:
     a step running longer than this reads `stalled` in /health; `max_model_len`: prompt + completion tokens per
-    request (default: the model's context window, lowered to what the KV budget holds at `max_batch` slots);
-    `kv_cache_bytes`: the KV cache's budget (default: `memory_utilization` of the device memory free once the model
-    is loaded, on a GPU; half the available memory on the CPU). The cache never outgrows the budget: it holds
-    `max_batch` x `max_model_len` positions at most."""
+    request (default: the model's context window, lowered to what the KV budget holds); `kv_cache_bytes`: the KV
+    cache's budget (default: `memory_utilization` of the device memory free once the model is loaded, on a GPU; half
+    the available memory on the CPU). The cache never outgrows the budget: each request holds the pages its own
+    prompt and completion need, and requests wait for pages to come free."""
 
     path: str = field(metadata=MODEL_DIR)
     dtype: Dtype = "auto"
@@ -83,19 +83,22 @@ class ServeRequest(Request):
     label: str = field(kw_only=True)
 
 
-MIN_WINDOW = 16   # positions per slot below which a KV budget is refused at start
+MIN_WINDOW = 16   # positions below which a KV budget is refused at start
+CLAIMED: Counter[str] = Counter()   # KV bytes the engines serving now claimed per device (their pools grow lazily)
 
 
 def kv_budget(options: TransformersOptions, model: Any) -> int:
     """The KV cache's bytes: `kv_cache_bytes`, else `memory_utilization` of the free memory of the model's GPU once it
-    is loaded, else half the memory available on the host."""
+    is loaded, else half the memory available on the host; free memory counts what the other engines on the device
+    claimed as taken (their caches grow into it), so two models on one device never both count on the same bytes."""
     if options.kv_cache_bytes is not None:
         return options.kv_cache_bytes
     device = model.get_input_embeddings().weight.device
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * options.memory_utilization)
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
+        return max(0, int((free - CLAIMED[str(device)]) * options.memory_utilization))
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(0, int((available - CLAIMED["cpu"]) * 0.5))
 
 
 def shutting_down() -> ApiError:
@@ -123,16 +126,19 @@ class TransformersEngine:
         self.model, self.tokenizer = load_model(options.path, dtype=options.dtype, device=options.device,
                                                device_map=options.device_map)
         self.kv_budget = kv_budget(options, self.model)
-        per_slot = self.kv_budget // (kv_bytes_per_token(self.model.config, self.model.dtype) * max_batch)
+        positions = self.kv_budget // kv_bytes_per_token(self.model.config, self.model.dtype)
         self.context_window = int(min(context_window(self.model, self.tokenizer, default=2048),
-                                      options.max_model_len or float("inf"), per_slot))
+                                      options.max_model_len or float("inf"), positions))
         if self.context_window < MIN_WINDOW:
-            raise ServeConfigError(f"model {name!r}: a KV budget of {self.kv_budget} bytes holds {per_slot} positions "
-                                   f"per slot at max_batch {max_batch}; lower max_batch or raise kv_cache_bytes")
+            raise ServeConfigError(f"model {name!r}: a KV budget of {self.kv_budget} bytes holds {positions} "
+                                   "positions; raise kv_cache_bytes or memory_utilization")
         self.window_limit = ("max_model_len" if options.max_model_len == self.context_window else
-                             f"the KV budget ({self.kv_budget} bytes at max_batch {max_batch})"
-                             if per_slot == self.context_window else "the model's context window")
-        self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_length=self.context_window)
+                             f"the KV budget ({self.kv_budget} bytes)" if positions == self.context_window
+                             else "the model's context window")
+        self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_length=self.context_window,
+                             kv_positions=positions)
+        self.kv_device = str(self.engine.device)
+        CLAIMED[self.kv_device] += self.kv_budget
         self.max_queue = max_queue
         self.stall_after_s = options.stall_after_s
         self._step_began: float | None = None   # monotonic start of the step running now (scheduler thread)
@@ -159,6 +165,8 @@ class TransformersEngine:
             self._cv.notify_all()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30)
+        CLAIMED[self.kv_device] -= self.kv_budget
+        self.kv_budget = 0
 
     def health(self) -> tuple[EngineState, str | None]:
         """Dead once the scheduler thread has ended while serving; stalled while a step has run longer than
