@@ -68,7 +68,7 @@ def test_the_paper_factor_and_frequency_are_named_with_a_warning_each(tmp_path, 
     diff = write_diff(tmp_path / "d")
     with caplog.at_level(logging.WARNING, logger="rolemrc"):
         select(diff, "multi_turn", method="frequency", factor=PAPER_FACTOR, top_k=2)
-    assert "--method frequency reproduces the paper; on the calibration it undid none of a planted change" in caplog.text
+    assert "--method frequency reproduces the paper; on the calibration it undid no planted change but" in caplog.text
     assert "factor 0.999999 is the paper's factor: the dtype the model was probed at is not recorded" in caplog.text
     assert "exact no-op there" in paper_factor_note("bfloat16") and "in bfloat16" in paper_factor_note("bfloat16")
     assert "exact no-op there" in paper_factor_note("float16")

@@ -172,8 +172,8 @@ def recipe(method: str | None, factor: float | None, calibration: str | os.PathL
     return method, one_budget(**budget), float(factor)
 
 
-FREQUENCY_WARNING = ("--method frequency reproduces the paper; on the calibration it undid none of a planted change "
-                     "(docs/calibration.md)")
+FREQUENCY_WARNING = ("--method frequency reproduces the paper; on the calibration it undid no planted change but a "
+                     "collapsed organism's (docs/calibration.md)")
 
 
 @contextmanager
