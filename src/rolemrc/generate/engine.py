@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rolemrc.generate.cache import PAGE, PagedCache, attention_mask, mask_layout, pages_for, round_up
+from rolemrc.generate.cache import GRAIN, PAGE, PagedCache, attention_mask, mask_layout, pages_for, round_up
 from rolemrc.generate.params import Output, SamplingParams, TokenLogprob
 from rolemrc.generate.prefix import BLOCK, PrefixIndex, block_hashes
 from rolemrc.generate.sampling import TextStream, choose, make_generator
@@ -295,7 +295,8 @@ class Engine:
     def _decode(self) -> None:
         slots = sorted(self.decoding)
         hi = slots[-1] + 1
-        width = round_up(max(self.lengths[s] for s in slots))
+        # a captured graph per width: few widths on CUDA (GRAIN); eagerly, only the pages the rows hold
+        width = round_up(max(self.lengths[s] for s in slots), PAGE if self.graphs is None else GRAIN)
         if self.graphs is not None:
             logits = self.graphs.decode(hi, width)
         else:
