@@ -118,8 +118,8 @@ class Engine:
 
     def add(self, request: Request) -> None:
         need = self._positions(request)
-        if self.max_length is not None and need > self.max_length or self.cache.max_pages is not None and (
-                pages_for(need) >= self.cache.max_pages):
+        too_long = self.max_length is not None and need > self.max_length
+        if too_long or (self.cache.max_pages is not None and pages_for(need) >= self.cache.max_pages):
             raise ValueError(f"a request of {need} positions can never fit this engine's cache "
                              f"(max_length {self.max_length}, {self.cache.max_pages} pages of {PAGE})")
         request.stream = TextStream(self.tokenizer, request.params.stop) if request.text or request.params.stop else None

