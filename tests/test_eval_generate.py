@@ -103,6 +103,13 @@ def test_endpoint_generation_retries_and_extra_body(records):
     for rec, res in zip(records, out):
         assert res["id"] == rec["id"] and res["response"] == " ".join(rec["question"][-1]["content"].split()[:4])
         assert res["tokens"] == len(res["response"].split()) and res["latency"] > 0
+    app.state.bodies.clear()
+    with Server(app) as server:   # A/B traffic for rolemrc serve: each request names its user, task and reference
+        generate(records[:3], model="dpo", base_url=server.url, backoff_s=0.01, progress=False,
+                 extra_body={"experiment": "ab", "metadata": {"run": 1}})
+    sent = {b["user"]: b for b in app.state.bodies}.values()   # retries send the same body again
+    assert sorted((b["user"], b["experiment"], b["metadata"]) for b in sent) == sorted(
+        (r["id"], "ab", {"task": r.get("task"), "reference": r["reference"], "run": 1}) for r in records[:3])
     with Server(app) as server, pytest.raises(GenerationError, match="giving up"):
         generate(records[5:6], model="dpo", base_url=server.url, max_retries=0, progress=False)
     with pytest.raises(ValueError, match="extra_body"):

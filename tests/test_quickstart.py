@@ -3,6 +3,7 @@ Python block as a doctest, on tiny SFT and DPO models in a folder laid out as th
 cases.jsonl, pairs.jsonl, test.jsonl). Only the server's port is changed, to a free one."""
 
 import doctest
+import json
 import os
 import re
 import subprocess
@@ -63,6 +64,9 @@ def test_the_readme_quickstart_runs_as_written(workdir):
                  "runs/dpo-restraint-lora/adapter_config.json", "ab/report.json"):
         assert (workdir / made).exists(), made
     assert len(read_jsonl(workdir / "ab-traffic.jsonl")) == 18
+    report = json.loads((workdir / "ab/report.json").read_text())   # the traffic names its users, tasks, references
+    assert report["unit"]["users"] == 18 and all(arm["with_reference"] > 0 and arm.get("judge")
+                                                  for arm in report["arms"].values()), report["arms"]
 
 
 def test_the_readme_python_quickstart_is_a_doctest(workdir, monkeypatch):

@@ -148,9 +148,18 @@ def generate_endpoint_rows(records: list[dict], restraints: list[Any], config: G
     limit, so a server batches rows with different restraints."""
     from rolemrc.eval.judges import run_sync
 
-    bodies = [config.extra_body | {"restraint": r.to_dict()} if r is not None else config.extra_body
-              for r in restraints]
+    bodies = [ab_fields(record, config.extra_body) | ({"restraint": r.to_dict()} if r is not None else {})
+              for record, r in zip(records, restraints)]
     return run_sync(_generate_endpoint(records, bodies, config))
+
+
+def ab_fields(record: dict, body: dict[str, Any]) -> dict[str, Any]:
+    """`body`, and when it names an A/B `experiment` (rolemrc serve), the `user` arms are assigned by (the record's
+    `user`, else its id) and the `metadata` `ab report` scores with (its task and reference), unless `body` sets them."""
+    if "experiment" not in body:
+        return body
+    metadata = {"task": record.get("task"), "reference": record["reference"]} | (body.get("metadata") or {})
+    return {"user": str(record.get("user") or record["id"])} | body | {"metadata": metadata}
 
 
 async def _generate_endpoint(records: list[dict], bodies: list[dict[str, Any]], config: GenerateConfig) -> list[dict]:
