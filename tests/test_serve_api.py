@@ -153,6 +153,15 @@ def test_every_hooked_kind_is_served_as_the_library_applies_it_and_a_revert_is_r
     wide = dict(specs[1], directions={0: vector, 1: vector})
     status, error = status_of(lambda: greedy(client, restraint=wide))
     assert (status, error["code"]) == (422, "restraint_too_large") and "192 units and direction entries" in error["message"]
+    admin = {"Authorization": f"Bearer {KEY}"}   # registered by name, a restraint of any size reaches the A/B test
+    registered = httpx.post(f"{client.base_url}restraints", headers=admin, json={"name": "wide2", "spec": wide})
+    assert registered.status_code == 201, registered.text
+    try:
+        with applied(model, Restraint.from_dict(wide)), torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False)
+        assert greedy(client, restraint="wide2") == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    finally:
+        httpx.delete(f"{client.base_url}restraints/wide2", headers=admin).raise_for_status()
 
 
 def test_concurrent_requests_with_mixed_restraints_match_sequential(client):

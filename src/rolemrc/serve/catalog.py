@@ -171,15 +171,16 @@ class ModelCatalog:
         raise ApiError(404, f"the model {model_id!r} does not exist; GET /v1/models lists them",
                        code="model_not_found", param="model")
 
-    def parse_spec(self, spec: dict[str, Any], param: str) -> Restraint:
+    def parse_spec(self, spec: dict[str, Any], param: str, *, inline: bool = True) -> Restraint:
         """A client's restraint spec as a Restraint: 400 when this server takes none (allow_inline_restraints),
-        422 when invalid or larger than max_inline_units."""
+        422 when invalid or, sent inline with a request, larger than max_inline_units (a registration, an admin's,
+        is checked once and served by name: any size the body limit lets through)."""
         if not self.config.allow_inline_restraints:
             raise ApiError(400, "restraint specs from clients are disabled on this server (allow_inline_restraints)",
                            code="inline_restraints_disabled", param=param)
         count = sum(len(ids) for field in ("units", "directions") if isinstance(spec.get(field), dict)
                     for ids in spec[field].values() if isinstance(ids, list | tuple))
-        if count > self.config.max_inline_units:   # counted before any unit is parsed or checked
+        if inline and count > self.config.max_inline_units:   # counted before any unit is parsed or checked
             raise ApiError(422, f"the restraint has {count} units and direction entries; this server's limit is "
                                 f"{self.config.max_inline_units}", code="restraint_too_large", param=param)
         try:

@@ -104,7 +104,7 @@ async def register_restraint(body: p.RestraintCreate, request: Request) -> Any:
     one spec until it is deleted: the same spec again is a 200, another a 409 (the database decides between
     replicas)."""
     state = app_state(request)
-    restraint = state.catalog.parse_spec({**body.spec, "name": body.name}, "spec")
+    restraint = state.catalog.parse_spec({**body.spec, "name": body.name}, "spec", inline=False)
     new = await state.register_restraint(body.name, restraint)
     card = restraint_card(state, body.name)
     return card if new else JSONResponse(card.model_dump(), status_code=200)
