@@ -77,20 +77,24 @@ class PagedCache(Cache):
         room = 0 if self.max_pages is None else self.max_pages - self.pages
         return len(self.spare) + (room if self.max_pages is not None else 1 << 62)
 
+    def _plan(self, slot: int, length: int, source: int | None, shared: int) -> tuple[list[int], int, int]:
+        """What `assign(slot, length, source, shared)` takes: the shared pages it keeps, the fresh pages it needs,
+        and how many of `slot`'s own pages it lets go back to spare."""
+        keep = list(self.owned[source][:shared // PAGE]) if shared else []
+        freed = sum(1 for p in self.owned[slot] if self.refs[p] == 1 and p not in keep)
+        return keep, pages_for(length) - len(keep), freed
+
     def short(self, slot: int, length: int, source: int | None = None, shared: int = 0) -> int:
         """Pages missing for `assign(slot, length, source, shared)` now (0: it fits)."""
-        keep = self.owned[source][:shared // PAGE] if shared else []
-        freed = sum(1 for p in self.owned[slot] if self.refs[p] == 1 and p not in keep)
-        return max(0, pages_for(length) - len(keep) - freed - self.free_pages())
+        _, fresh, freed = self._plan(slot, length, source, shared)
+        return max(0, fresh - freed - self.free_pages())
 
     def assign(self, slot: int, length: int, source: int | None = None, shared: int = 0) -> bool:
         """Give `slot` pages for `length` positions: its first `shared` positions are `source`'s pages (the same
         pages: a held prefix; `source` may be `slot`), the others fresh and zeroed; the slot's other pages are let
         go. True if the table or the pools grew (their addresses changed). All or nothing: growing allocates before
         anything is changed, so an allocation that fails (out of memory) leaves the cache as it was."""
-        keep = list(self.owned[source][:shared // PAGE]) if shared else []
-        fresh = pages_for(length) - len(keep)
-        freed = sum(1 for p in self.owned[slot] if self.refs[p] == 1 and p not in keep)
+        keep, fresh, freed = self._plan(slot, length, source, shared)
         grew = self._grow(fresh - freed - len(self.spare), length)
         for page in keep:
             self.refs[page] += 1
