@@ -12,6 +12,7 @@ from rolemrc.cli import app
 from rolemrc.core.stats import holm
 from rolemrc.eval.runs import EvalRun
 from rolemrc.sweep.plan import SweepConfig, plan
+from rolemrc.sweep.plots import dose_response
 from rolemrc.sweep.run import generate_cells, run_sweep
 from rolemrc.sweep.stats import cell_effects, correct_grid, item_scores
 
@@ -116,6 +117,29 @@ def test_effects_against_baseline_and_controls_are_paired_and_corrected():
     assert [e["vs_baseline"]["p_holm"] for e in family] == pytest.approx(
         holm([e["vs_baseline"]["p"] for e in family]))
     assert planted["judge:multi_turn"]["vs_controls"]["p_holm"] < 0.05
+    assert judge["lo"] == judge["hi"] == 1   # every case passes: the bootstrap CI over cases has nothing to vary
+    assert like_controls["lo"] == 0 < like_controls["mean"] < like_controls["hi"]
+    assert like_controls["controls_lo"] == 0 < like_controls["controls_mean"] == 1 / (2 * n) < like_controls["controls_hi"]
+
+
+def test_the_dose_response_draws_every_cells_95_ci_and_its_controls_band():
+    n = 12
+    baseline, controls = run([0] * n, [1.0] * n), [run([1, 0] * (n // 2), [1.0] * n), run([0] * n, [1.0] * n)]
+    cells = [{"dimension": "multi_turn", "budget": {"top_k": k}, "units": k, "factor": f,
+              "scores": cell_effects(baseline, run([1, 1, 0] * (n // 3), [1.0] * n), controls, rounds=500)}
+             for k, factors in ((8, [0.5, 0.0]), (64, [0.0])) for f in factors]   # a budget of one factor: bars alone
+    fig = dose_response({"config": {"measure": "judge", "controls": 2}, "baseline": {"judge:multi_turn": 0.0},
+                         "cells": cells}, "multi_turn")
+    bands = [t for t in fig.data if t.fill == "toself"]
+    lines = [t for t in fig.data if t.fill != "toself"]
+    assert [t.name for t in bands] == [t.name + ": 95% CI" for t in lines] == [
+        "random-unit controls (mean of 2 draws): 95% CI", "selected units: 95% CI"] * 2
+    for band, line in zip(bands, lines):
+        assert max(band.y) > min(band.y) and band.fillcolor.startswith("rgba(")   # a band of some height, see-through
+        assert all(up > 0 and down > 0 for up, down in zip(line.error_y.array, line.error_y.arrayminus))
+    assert "95% bootstrap CI over cases" in fig.layout.title.subtitle.text and "grey: random-unit controls" in \
+        fig.layout.title.subtitle.text
+    assert [a.text for a in fig.layout.annotations][:2] == ["top-8 (8 units)", "top-64 (64 units)"]
 
 
 def test_a_factor_one_grid_finds_nothing_and_says_so(setup, tmp_path):
@@ -135,7 +159,8 @@ def test_a_rerun_of_a_finished_sweep_generates_and_scores_nothing(setup, tmp_pat
     assert len(first["cells"]) == 2 and {"judge:" in n for n in first["cells"][0]["scores"]} == {True, False}
     assert set(first["figures"]) == {"effects_vs_baseline", "effects_vs_controls", "dose_multi_turn"}
     dose = (tmp_path / "dose_multi_turn.html").read_text()
-    assert "top-8 random controls" in dose and "baseline" in dose and (tmp_path / "dose_multi_turn.png").stat().st_size > 5000
+    assert "random-unit controls (mean of 2 draws): 95% CI" in dose and "selected units: 95% CI" in dose
+    assert '"fill":"toself"' in dose and "baseline" in dose and (tmp_path / "dose_multi_turn.png").stat().st_size > 5000
     generate_module = importlib.import_module("rolemrc.eval.generate")
     runs_module = importlib.import_module("rolemrc.eval.runs")
     monkeypatch.setattr(generate_module, "generate_rows", lambda *a, **k: pytest.fail("generated again"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from rolemrc.core.figures import write_figures
@@ -9,42 +10,71 @@ from rolemrc.intervene.budget import Budget
 from rolemrc.sweep.report import ALPHA, cell_label
 from rolemrc.sweep.stats import COMPARISONS, MEASURE_SCORES, is_primary
 
+SELECTED_COLOR, CONTROLS_COLOR = (31, 119, 180), (110, 110, 110)   # the selected units' blue, the controls' grey
+
+
+def ci_traces(x: list[float], entries: list[dict], key: str, color: tuple[int, int, int], name: str, *,
+              legend: bool) -> list:
+    """A mean line (`entries[i][key + "mean"]` at `x[i]`) with each point's 95% CI as an error bar and, across the
+    points, as a shaded band (`key + "lo"` to `key + "hi"`), both in `color`; the band is named `name` + ": 95% CI"."""
+    import plotly.graph_objects as go
+
+    mean, lo, hi = ([e[key + part] for e in entries] for part in ("mean", "lo", "hi"))
+    rgb = ", ".join(map(str, color))
+    band = go.Scatter(x=x + x[::-1], y=hi + lo[::-1], mode="lines", fill="toself", fillcolor=f"rgba({rgb}, 0.2)",
+                      line={"width": 0}, hoverinfo="skip", name=f"{name}: 95% CI", legendgroup=name, showlegend=False)
+    line = go.Scatter(x=x, y=mean, mode="lines+markers", name=name, legendgroup=name, showlegend=legend,
+                      line={"color": f"rgb({rgb})", "dash": "dash" if key else "solid"},
+                      error_y={"type": "data", "symmetric": False, "array": [h - m for h, m in zip(hi, mean)],
+                               "arrayminus": [m - v for m, v in zip(mean, lo)], "color": f"rgb({rgb})",
+                               "thickness": 1.5, "width": 5},
+                      customdata=list(zip(lo, hi)), hovertemplate="factor %{x:g}<br>mean %{y:.3f} "
+                      "[%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra>" + name + "</extra>")
+    return [band, line]
+
 
 def dose_response(summary: dict, dimension: str):
     """For the cells selected on `dimension`: the measure's primary score on it (the judge pass share or the
-    restoration; when the test set has none on it, on the first dimension that has one) against the factor, one line
-    per budget with its 95% CI band (paired against the baseline), the mean of its random-unit controls dashed, the
-    baseline flat."""
-    import plotly.graph_objects as go
+    restoration; when the test set has none on it, on the first dimension that has one) against the factor, a panel
+    per budget: the cells' mean and the mean of their random-unit controls (per case, over the draws), each with its
+    95% bootstrap CI over cases as error bars and a shaded band, and the baseline flat."""
+    from plotly.subplots import make_subplots
 
     prefix, what = MEASURE_SCORES[summary["config"]["measure"]]
     cells = [c for c in summary["cells"] if c["dimension"] == dimension]
     judged = sorted({n for c in cells for n in c["scores"] if n.startswith(prefix)})
     score = prefix + dimension if prefix + dimension in judged else (judged or [prefix + dimension])[0]
     cells = [c for c in cells if score in c["scores"]]
-    fig = go.Figure()
-    budgets = sorted({Budget.of(c["budget"]) for c in cells}, key=lambda b: min(c["units"] for c in cells
-                                                                                  if Budget.of(c["budget"]) == b))
-    for k, budget in enumerate(budgets):
-        row = sorted((c for c in cells if Budget.of(c["budget"]) == budget), key=lambda c: c["factor"])
-        x = [c["factor"] for c in row]
-        tests = [c["scores"][score]["vs_baseline"] for c in row]
-        color = f"hsl({(k * 67) % 360}, 65%, 45%)"
-        upper, lower = [t["a_mean"] + t["hi"] for t in tests], [t["a_mean"] + t["lo"] for t in tests]
-        fig.add_trace(go.Scatter(x=x + x[::-1], y=upper + lower[::-1],
-                                 fill="toself", fillcolor=color.replace("hsl", "hsla").replace(")", ", 0.15)"),
-                                 line={"width": 0}, hoverinfo="skip", showlegend=False))
-        fig.add_trace(go.Scatter(x=x, y=[c["scores"][score]["mean"] for c in row], mode="lines+markers",
-                                 name=budget.label, line={"color": color}))
-        if all("controls_mean" in c["scores"][score] for c in row):
-            fig.add_trace(go.Scatter(x=x, y=[c["scores"][score]["controls_mean"] for c in row], mode="lines",
-                                     name=f"{budget.label} random controls", line={"color": color, "dash": "dash"}))
+    groups: dict[Budget, list[dict]] = {}
+    for cell in sorted(cells, key=lambda c: c["units"]):   # budgets by size
+        groups.setdefault(Budget.of(cell["budget"]), []).append(cell)
+    fig = make_subplots(rows=1, cols=max(len(groups), 1), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=[f"{b.label} ({span(c['units'] for c in row)} units)" for b, row in groups.items()])
+    controls = bool(cells) and all("controls_mean" in c["scores"][score] for c in cells)
+    series = [("controls_", CONTROLS_COLOR, f"random-unit controls (mean of {summary['config']['controls']} draws)")
+              ] if controls else []
+    for col, row in enumerate(groups.values(), 1):
+        row = sorted(row, key=lambda c: c["factor"])
+        for key, color, name in [*series, ("", SELECTED_COLOR, "selected units")]:
+            for trace in ci_traces([c["factor"] for c in row], [c["scores"][score] for c in row], key, color, name,
+                                   legend=col == 1):
+                fig.add_trace(trace, row=1, col=col)
+        fig.update_xaxes(title_text="factor (1 = unrestrained, 0 = ablated)", row=1, col=col)
     if score in summary["baseline"]:
         fig.add_hline(y=summary["baseline"][score], line_dash="dot", annotation_text="baseline")
-    fig.update_layout(title=f"units of {dimension}: {score.removeprefix(prefix)} {what} vs factor "
-                            "(95% CI bands; dashed: random units)",
-                      xaxis_title="factor (1 = unrestrained, 0 = ablated)", yaxis_title=what, template="plotly_white")
+    band = (f"lines: means over {span(c['scores'][score]['n'] for c in cells)} cases; bars and shading: 95% bootstrap "
+            "CI over cases; " + ("grey: random-unit controls; " if controls else "") + "dotted: unrestrained baseline")
+    fig.update_layout(title={"text": f"units of {dimension}: {score.removeprefix(prefix)} {what} vs factor",
+                             "subtitle": {"text": band}},
+                      yaxis_title=what, template="plotly_white", margin={"t": 110},
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.18, "x": 0})
     return fig
+
+
+def span(values: Iterable[int]) -> str:
+    """'72', or '70-72' where the values differ."""
+    ordered = sorted(set(values))
+    return f"{ordered[0]}" if len(ordered) == 1 else f"{ordered[0]}-{ordered[-1]}"
 
 
 def effects_heatmap(summary: dict, family: str):

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from rolemrc.core.stats import control_placement, holm, paired_test
+from rolemrc.core.stats import control_placement, holm, mean_ci, paired_test
 from rolemrc.eval.runs import EvalRun
 
 JUDGE_PREFIX = "judge:"   # score names: "judge:<dimension>" (the item's pass share on it) or a metric name
@@ -45,9 +45,11 @@ def is_primary(name: str) -> bool:
 
 def cell_effects(base: Scores, mine: Scores, ctrl: list[Scores], *, rounds: int = 10_000,
                  seed: int = 0) -> dict[str, dict[str, Any]]:
-    """score -> {"mean", "vs_baseline", "vs_controls", "placement"}: paired tests (core.stats.paired_test) of the cell's
-    item scores against the baseline's, and against the per-item mean of its controls', and where it falls among the
-    controls (core.stats.control_placement), on the items all of them scored."""
+    """score -> {"mean", "lo", "hi", "vs_baseline", "controls_mean", "controls_lo", "controls_hi", "vs_controls",
+    "placement"}: the cell's mean item score and that of its controls' per-item mean, each with a 95% bootstrap CI over
+    the items (`mean_band`); paired tests (core.stats.paired_test) of the cell's item scores against the baseline's, and
+    against the per-item mean of its controls', and where it falls among the controls (core.stats.control_placement),
+    on the items all of them scored."""
     out = {}
     for name in sorted(set(base) & set(mine)):
         ids = sorted(set(base[name]) & set(mine[name]).intersection(*(c.get(name, {}) for c in ctrl)))
@@ -55,14 +57,20 @@ def cell_effects(base: Scores, mine: Scores, ctrl: list[Scores], *, rounds: int 
             continue
         b = [base[name][i] for i in ids]
         m = [mine[name][i] for i in ids]
-        entry = {"n": len(ids), "mean": float(np.mean(m)), "vs_baseline": paired_test(b, m, rounds=rounds, seed=seed)}
+        entry = {"n": len(ids), **mean_band(m, rounds, seed), "vs_baseline": paired_test(b, m, rounds=rounds, seed=seed)}
         if ctrl:
             each = np.array([[scores[name][i] for i in ids] for scores in ctrl])
-            entry["controls_mean"] = float(each.mean())
+            entry |= {f"controls_{k}": v for k, v in mean_band(each.mean(0), rounds, seed).items()}
             entry["vs_controls"] = paired_test(each.mean(0), m, rounds=rounds, seed=seed)
             entry["placement"] = control_placement(m, each, rounds=rounds, seed=seed)
         out[name] = entry
     return out
+
+
+def mean_band(values: Any, rounds: int, seed: int) -> dict[str, float]:
+    """{"mean", "lo", "hi"}: the mean of per-item values and its 95% bootstrap percentile CI over the items."""
+    ci = mean_ci(values, rounds=rounds, seed=seed)
+    return {k: ci[k] for k in ("mean", "lo", "hi")}
 
 
 def grid_effects(cells: list[Any], scores: dict[str, Scores]) -> dict[str, dict[str, Any]]:
