@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from rolemrc.cli import app
 from rolemrc.core.stats import mcnemar_outcomes, mean_ci, paired_test
 from rolemrc.core.taxonomy import Aspect, judge_aspects_for_task
 from rolemrc.eval import compare, parse_verdict, score
@@ -178,6 +181,33 @@ def test_score_and_compare_end_to_end(records, tmp_path):
     out = result.save(tmp_path / "cmp", chart=False)
     text = (out / "compare.md").read_text()
     assert "Table 6" in text and "| all |" in text
+    rows = {d: r for d, r in result.verdicts.items() if d != "all"}
+    cost = result.costliest()
+    assert cost["dimension"] == min(rows, key=lambda d: rows[d]["diff"]) and cost["diff"] == rows[cost["dimension"]]["diff"]
+    assert cost["lo"] <= cost["diff"] <= cost["hi"] < 0 and cost["excludes_zero"]
+    assert f"Costliest dimension: {cost['dimension']}" in text and "its CI excludes 0" in text
+    assert json.loads((out / "compare.json").read_text())["costliest"]["dimension"] == cost["dimension"]
+    runner = CliRunner()
+    named = runner.invoke(app, ["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--costliest", "--rounds", "200"])
+    assert named.exit_code == 0 and named.stdout == cost["dimension"] + "\n", named.output
+    assert "Costliest dimension" in named.stderr
     assert "Table 3" in (tmp_path / "a" / "report.md").read_text()
     with pytest.raises(ValueError, match="lacks"):
         score([{"id": "x", "task": "t"}], metrics=None)
+
+
+def test_a_change_ci_resamples_items_not_verdicts():
+    """An item's verdicts move together: with every item judged on three details alike, the CI of the change is the
+    one-verdict-per-item CI (the same bootstrap of the per-item change), not three times as many independent draws."""
+    from rolemrc.eval.compare import item_resampled_ci
+
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 2, 30), rng.integers(0, 2, 30)
+    keys = [(f"i{i}", "nested", d) for i in range(30) for d in ("x", "y", "z")]
+    va = {k: int(a[int(k[0][1:])]) for k in keys}
+    vb = {k: int(b[int(k[0][1:])]) for k in keys}
+    lo, hi = item_resampled_ci(keys, va, vb, rounds=2000, seed=0)
+    once = mean_ci(b - a, rounds=2000, seed=0)
+    assert (lo, hi) == pytest.approx((once["lo"], once["hi"]))
+    flat = mean_ci([vb[k] - va[k] for k in keys], rounds=2000, seed=0)   # verdicts as if independent: too narrow
+    assert flat["hi"] - flat["lo"] < 0.8 * (hi - lo)

@@ -53,17 +53,21 @@ def workdir(tmp_path_factory, tokenizer) -> Path:
     return root
 
 
+@pytest.mark.timeout(1300)   # the whole path, from two evals to the A/B report, beyond the suite's 600 s per test
 def test_the_readme_quickstart_runs_as_written(workdir):
     script = block("quickstart", "bash").replace("8000", str(free_port()))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
-    for made in ("paired.safetensors", "diff/diff.safetensors", "attribution.safetensors", "explorer.html",
+    for made in ("eval/sft/report.md", "eval/dpo/report.md", "cost/compare.md", "paired.safetensors", "diff/diff.safetensors", "attribution.safetensors", "explorer.html",
                  "sweep/sweep.md", "restraint.yaml", "runs/dpo-restrained/config.json",
                  "runs/dpo-restraint-lora/adapter_config.json", "ab/report.json"):
         assert (workdir / made).exists(), made
     assert len(read_jsonl(workdir / "ab-traffic.jsonl")) == 18
+    costliest = json.loads((workdir / "cost/compare.json").read_text())["costliest"]["dimension"]
+    swept = json.loads((workdir / "sweep/sweep.json").read_text())["cells"]   # step 0's dimension is the one swept
+    assert {cell["dimension"] for cell in swept if cell.get("dimension")} == {costliest}, swept
     report = json.loads((workdir / "ab/report.json").read_text())   # the traffic names its users, tasks, references
     assert report["unit"]["users"] == 18 and all(arm["with_reference"] > 0 and arm.get("judge")
                                                   for arm in report["arms"].values()), report["arms"]

@@ -151,15 +151,25 @@ def run_cmd(data: Path = typer.Option(..., help="test JSONL"), out: Path = typer
 def compare_cmd(run_a: Path = typer.Argument(..., help="run folder A (before)"),
                 run_b: Path = typer.Argument(..., help="run folder B (after)"),
                 out: Path = typer.Option(None, help="folder for compare.json/.md and the chart (default: print only)"),
-                rounds: int = typer.Option(ROUNDS, help="bootstrap resamples (CIs); Monte Carlo sign flips (n > 16)")) -> None:
-    """Paired comparison: exact McNemar on verdicts; on metrics a paired bootstrap CI and a sign-flip permutation p."""
+                rounds: int = typer.Option(ROUNDS, help="bootstrap resamples (CIs); Monte Carlo sign flips (n > 16)"),
+                costliest: bool = typer.Option(False, "--costliest", help="print only the judge dimension B cost most "
+                                               "(for a shell variable); its change and CI go to stderr")) -> None:
+    """Paired comparison: exact McNemar on verdicts, with a CI of each change; on metrics a paired bootstrap CI and a
+    sign-flip permutation p; the dimension B cost most (SFT -> DPO: the cost a restraint should give back)."""
     from rolemrc.eval.compare import compare
-    from rolemrc.eval.report import compare_markdown
+    from rolemrc.eval.report import compare_markdown, costliest_lines
 
     result = compare(run_a, run_b, rounds=rounds)
     if out:
         result.save(out)
-    typer.echo(compare_markdown(result))
+    if not costliest:
+        typer.echo(compare_markdown(result))
+        return
+    cost = result.costliest()
+    if cost is None:
+        raise InputError(f"{run_a} and {run_b} share no judged verdict: no dimension to name")
+    typer.echo(costliest_lines(cost)[0].replace("**", ""), err=True)
+    typer.echo(cost["dimension"])
 
 
 @app.command("report")

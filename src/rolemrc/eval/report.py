@@ -99,6 +99,20 @@ def _p(p: float) -> str:
     return "–" if p is None or math.isnan(p) else (f"{p:.3g}" if p >= 1e-4 else "<1e-4")
 
 
+def costliest_lines(cost: dict | None) -> list[str]:
+    """compare.md's verdict on the dimension B cost most (the one a restraint should give back), and how sure it is."""
+    if cost is None:
+        return []
+    change = f"{100 * cost['diff']:+.1f} points [{100 * cost['lo']:+.1f}, {100 * cost['hi']:+.1f}], McNemar p {_p(cost['p'])}"
+    if cost["excludes_zero"]:
+        verdict = "its CI excludes 0: restrain toward this dimension"
+    elif cost["diff"] < 0:
+        verdict = "its CI includes 0: no dimension's cost is measurable on these items"
+    else:
+        verdict = "no dimension fell: B cost nothing on the judge"
+    return [f"**Costliest dimension: {cost['dimension']}**, {change}; {verdict}.", ""]
+
+
 def compare_markdown(comparison) -> str:
     """Table 6 shape: per dimension before (A) / after (B) / change, McNemar p and odds ratio; then metrics."""
     lines = [f"# Compare `{comparison.a}` (A) -> `{comparison.b}` (B)", "",
@@ -106,12 +120,14 @@ def compare_markdown(comparison) -> str:
              "(improved = 0 -> 1, worsened = 1 -> 0). Metrics: mean(B - A) with a paired bootstrap 95% CI and a "
              "two-sided sign-flip permutation p (exact over all 2^n flips up to n = 16 nonzero differences, "
              "else Monte Carlo with (hits + 1) / (rounds + 1)).", "",
+             *costliest_lines(comparison.costliest()),
              "## Table 6 shape", "",
-             "| dimension | A | B | change | improved | worsened | odds ratio | p (McNemar) | pairs |",
+             "| dimension | A | B | change [95% CI, items resampled] | improved | worsened | odds ratio | p (McNemar) | pairs |",
              "|---|---|---|---|---|---|---|---|---|"]
     for dim, r in comparison.verdicts.items():
-        lines.append(f"| {dim} | {100 * r['a_rate']:.1f} | {100 * r['b_rate']:.1f} | {100 * r['diff']:+.1f} | "
-                     f"{r['improved']} | {r['worsened']} | {r['odds_ratio']:.2f} | {_p(r['p'])} | {r['n']} |")
+        lines.append(f"| {dim} | {100 * r['a_rate']:.1f} | {100 * r['b_rate']:.1f} | {100 * r['diff']:+.1f} "
+                     f"[{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}] | {r['improved']} | {r['worsened']} | "
+                     f"{r['odds_ratio']:.2f} | {_p(r['p'])} | {r['n']} |")
     if comparison.damaged:
         r = comparison.damaged
         lines += ["", "## Damaged replies", "", "Items whose reply is empty, degenerate or in the wrong language "
