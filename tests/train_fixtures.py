@@ -47,20 +47,23 @@ def profile_records(n: int = 4) -> list[dict]:
 
 
 # Trainer arguments the bundled profiles resolved to before trainer arguments moved under `trl:` (written down
-# from the old code with no GPU and no WORLD_SIZE; output_dir for out="o").
+# from the old code with no GPU and no WORLD_SIZE; output_dir for out="o"). Since then: gradient checkpointing is
+# rolemrc's own setting (derived for sft and dpo, left to transformers' default for base) and bf16 autocast on a
+# CPU tells the trainer to use it (use_cpu).
 _SHARED = {"dataloader_num_workers": 0, "dataloader_pin_memory": False, "disable_tqdm": False,
            "logging_first_step": True, "max_grad_norm": 1.0, "output_dir": "o/checkpoints", "report_to": [],
            "save_strategy": "steps", "save_total_limit": 2, "seed": 0, "use_cpu": False, "max_steps": -1, "weight_decay": 0.0}
-_PAPER = {**_SHARED, "bf16": True, "gradient_accumulation_steps": 16, "gradient_checkpointing": True,
+_PAPER = {**_SHARED, "bf16": True, "use_cpu": True, "gradient_accumulation_steps": 16, "gradient_checkpointing": True,
           "logging_steps": 10, "max_length": 4096, "num_train_epochs": 1.0, "per_device_train_batch_size": 4,
           "save_steps": 500}
 _TINY = {**_SHARED, "bf16": False, "gradient_accumulation_steps": 1, "gradient_checkpointing": False,
          "logging_steps": 5, "save_steps": 100, "per_device_train_batch_size": 8, "num_train_epochs": 1.0}
+_TINY_BASE = {k: v for k, v in _TINY.items() if k != "gradient_checkpointing"}
 PROFILE_ARGUMENTS_BEFORE = {
     "paper/sft": {**_PAPER, "assistant_only_loss": True, "packing": False, "learning_rate": 2e-05,
                   "lr_scheduler_type": "cosine", "warmup_steps": 0.04},
     "paper/dpo": {**_PAPER, "beta": 0.1, "learning_rate": 4e-07, "lr_scheduler_type": "linear", "warmup_steps": 0.1},
-    "tiny/base": {**_TINY, "learning_rate": 0.003, "lr_scheduler_type": "cosine",
+    "tiny/base": {**_TINY_BASE, "learning_rate": 0.003, "lr_scheduler_type": "cosine",
                   "num_train_epochs": 2.0, "per_device_train_batch_size": 16, "warmup_steps": 0.05,
                   "weight_decay": 0.01},
     "tiny/sft": {**_TINY, "assistant_only_loss": True, "packing": False, "learning_rate": 0.0005,

@@ -165,6 +165,7 @@ def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config
     from rolemrc.intervene.inputs import read_units
     from rolemrc.organism.known import UnitMask
     from rolemrc.train import DPOTrainConfig, make_config, train_dpo
+    from rolemrc.train.runner import train_dtype
 
     out = folder / "dpo"
     mixed = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, config.sft_weight]} if config.sft_weight else {}
@@ -172,20 +173,23 @@ def _train_stage(cache: StageCache, folder: Path, sft: Path, pairs: Path, config
                                 "lora_target_modules": config.lora_targets}
     train = make_config(DPOTrainConfig, profile=None, model=str(sft), data=[str(pairs)], out=str(out),
                         batch_size=1, effective_batch_size=config.batch_size, seed=config.seed, lora=not known,
-                        **adapter,
+                        dtype=config.dtype, **adapter,
                         trl={"learning_rate": config.learning_rate, "beta": config.beta, **mixed, "max_steps": config.steps,
                              "max_length": config.max_length, "lr_scheduler_type": "linear", "warmup_steps": 0.1,
                              "logging_steps": 1, "save_steps": max(1, config.steps // 4), "weight_decay": 0.0})
     callbacks = (UnitMask(read_units(known)),) if known else ()
+    dtype = train_dtype(train)
 
     def run() -> dict:
         check_lengths(sft, read_jsonl(pairs), config.max_length)
         result = train_dpo(train, callbacks=callbacks)
-        return {"seconds": round(result.seconds, 1), "steps": result.metrics.get("steps"),
+        return {"seconds": round(result.seconds, 1), "steps": result.metrics.get("steps"), "dtype": dtype,
                 "metrics": result.metrics, "history": result.history}
 
-    return cache.run(f"{config.kind} train dpo", {"model": sft, "pairs": pairs, "settings": config.training(),
-                                                  **({"known": known} if known else {})}, run, [out / "config.json"])
+    # float32, what every organism trained at before the dtype setting, keeps their keys
+    key = {"model": sft, "pairs": pairs, "settings": config.training(), **({"known": known} if known else {}),
+           **({"dtype": dtype} if dtype != "float32" else {})}
+    return cache.run(f"{config.kind} train dpo", key, run, [out / "config.json"])
 
 
 def _carrier_stage(cache: StageCache, folder: Path, sft: Path, known: Path, heldout: Path,

@@ -10,6 +10,7 @@ import typer
 
 from rolemrc.core.cli import choice, cli_app
 from rolemrc.core.extras import needs
+from rolemrc.core.placement import Dtype
 from rolemrc.intervene.budget import BUDGET_OPTIONS, CURVE, GRID_ONE
 from rolemrc.organism.calibration_config import PROBE_CASES, QUICK_GRID, QUICK_PROBE_CASES
 from rolemrc.organism.config import KINDS, QUICK, OrganismConfig, option_name
@@ -69,6 +70,7 @@ def build_cmd(
     eval_others: int = setting("eval_others"),
     known_layers: int = setting("known_layers"),
     known_units: int = setting("known_units"),
+    dtype: Dtype = setting("dtype"),
     seed: int = setting("seed"),
     quick: bool = typer.Option(False, "--quick", help=f"fewer steps, where not set otherwise ({QUICK})"),
 ) -> None:
@@ -133,6 +135,7 @@ def calibrate_cmd(
     eval_others: int = setting("eval_others", unset=True),
     known_layers: int = setting("known_layers", unset=True),
     known_units: int = setting("known_units", unset=True),
+    dtype: Dtype = setting("dtype", unset=True),
     against: list[Path] = typer.Option(None, "--against", help="another calibration folder of the same base (other "
                                                               "settings, e.g. the --quick one beside the full one) the "
                                                               "recommendation must agree with; repeat for more"),
@@ -197,6 +200,7 @@ def localize_cmd(
     eval_others: int = setting("eval_others", unset=True),
     known_layers: int = setting("known_layers", unset=True),
     known_units: int = setting("known_units", unset=True),
+    dtype: Dtype = setting("dtype", unset=True),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Where a DPO change lives, checked on a known answer: per seed a units organism (DPO trained into known MLP

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolemrc.core.errors import RolemrcError
+from rolemrc.train.config import TRAIN_DTYPE_HELP, check_train_dtype
 
 # kind -> the dimension its DPO pairs change (pairs.py says how); the null changes none
 PLANTED_DIMENSION: dict[str, str | None] = {"narration": "role_style", "refusal": "knowledge_boundary", "null": None,
@@ -79,6 +80,8 @@ class OrganismConfig:
         "help": "units organism: known units per layer (drawn with the seed); DPO trains only their MLP rows and columns"})
     seed: int = field(default=0, metadata={"help": "seed of the pair sample, the null's swaps, the known units and "
                                                    "training"})
+    dtype: str = field(default="auto", metadata={"help": f"DPO's {TRAIN_DTYPE_HELP} (the units organism trains "
+                                                          "without LoRA)"})
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -89,6 +92,7 @@ class OrganismConfig:
                      "known_layers", "known_units"):
             if getattr(self, name) < 1:
                 raise OrganismError(f"{option_name(name)} is {getattr(self, name)}; it must be >= 1")
+        check_train_dtype(self.dtype, self.kind != KNOWN, option_name("dtype"))
         if self.eval_planted is not None and self.eval_planted < 1:
             raise OrganismError(f"--eval-planted is {self.eval_planted}; it must be >= 1")
         if self.eval_others is not None and self.eval_others < 0:
@@ -115,10 +119,11 @@ class OrganismConfig:
         return PAIRS_OF.get(self.kind, self.kind)
 
     def settings(self) -> dict[str, Any]:
-        """Everything but where it goes (the known units' settings only for the units organism; sft_weight only when
-        used, so organisms built before it existed keep their stage keys)."""
+        """Everything but where it goes and the dtype setting (the training stage's key holds the dtype it trained at;
+        the known units' settings only for the units organism; sft_weight only when used, so organisms built before
+        it existed keep their stage keys)."""
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k != "out" and (self.kind == KNOWN or not k.startswith("known_"))
+                if k not in ("out", "dtype") and (self.kind == KNOWN or not k.startswith("known_"))
                 and not (k == "sft_weight" and not v)}
 
     def training(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import typer
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.extras import needs
+from rolemrc.core.placement import Dtype
 from rolemrc.train.config import BaseTrainConfig, DPOTrainConfig, SFTTrainConfig, TrainConfig, help_text
 
 app = cli_app(help="Train a small base model from scratch (the embedded default); SFT and DPO (trl) on any causal LM.")
@@ -44,6 +45,9 @@ BATCH = option("batch_size")
 RESUME = option("resume", None, "--resume/--no-resume")
 PROGRESS = option("progress", True, "--progress/--no-progress")
 LORA = option("lora", None, "--lora/--no-lora", cls=SFTTrainConfig)
+DTYPE = option("dtype", None, "--dtype", cls=SFTTrainConfig)
+CHECKPOINTING = option("gradient_checkpointing", None, "--gradient-checkpointing/--no-gradient-checkpointing",
+                       cls=SFTTrainConfig)
 
 
 def _run(stage: str, profile: str, config_file: Path | None, sets: list[str], **options: Any) -> None:
@@ -99,6 +103,8 @@ def sft_cmd(
     out: Path = OUT,
     mix: list[str] = option("mix", [], cls=SFTTrainConfig),
     lora: bool = LORA,
+    dtype: Dtype = DTYPE,
+    gradient_checkpointing: bool = CHECKPOINTING,
     profile: str = PROFILE,
     config: Path = CONFIG,
     set_: list[str] = SET,
@@ -111,8 +117,8 @@ def sft_cmd(
 ) -> None:
     """Supervised fine-tuning (trl SFTTrainer), loss on assistant turns only."""
     _run("sft", profile, config, set_, model=str(model), data=[str(p) for p in data], out=str(out),
-         mix=list(mix) or None, lora=lora, batch_size=batch_size, resume=resume, progress=progress,
-         **trainer_overrides(max_steps, epochs, lr))
+         mix=list(mix) or None, lora=lora, dtype=dtype, gradient_checkpointing=gradient_checkpointing,
+         batch_size=batch_size, resume=resume, progress=progress, **trainer_overrides(max_steps, epochs, lr))
 
 
 @app.command("dpo")
@@ -123,6 +129,8 @@ def dpo_cmd(
     out: Path = OUT,
     beta: float = trainer_option("beta", "DPO beta"),
     lora: bool = LORA,
+    dtype: Dtype = DTYPE,
+    gradient_checkpointing: bool = CHECKPOINTING,
     profile: str = PROFILE,
     config: Path = CONFIG,
     set_: list[str] = SET,
@@ -135,5 +143,6 @@ def dpo_cmd(
 ) -> None:
     """Direct preference optimisation (trl DPOTrainer) from an SFT checkpoint."""
     _run("dpo", profile, config, set_, model=str(model), data=[str(p) for p in data], out=str(out), lora=lora,
-         batch_size=batch_size, resume=resume, progress=progress, **trainer_overrides(max_steps, epochs, lr),
+         dtype=dtype, gradient_checkpointing=gradient_checkpointing, batch_size=batch_size, resume=resume,
+         progress=progress, **trainer_overrides(max_steps, epochs, lr),
          **{"trl.beta": beta})

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 from rolemrc.core.artifacts import expect
 from rolemrc.core.errors import InputError, RolemrcError
 from rolemrc.core.io import read_yaml
-from rolemrc.core.placement import MODEL_HELP
+from rolemrc.core.placement import MODEL_HELP, check_dtype
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 STAGES = ("base", "sft", "dpo")
@@ -40,15 +40,49 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "all": {"learning_rate": 2e-5, "lr_scheduler_type": "cosine", "warmup_steps": 0.0, "num_train_epochs": 1.0,
             "max_steps": -1, "weight_decay": 0.0, "max_grad_norm": 1.0, "logging_steps": 1,
             "logging_first_step": True, "save_strategy": "steps", "save_steps": 50, "save_total_limit": 2,
-            "bf16": False, "gradient_checkpointing": False,  # trl turns it on; it only slows small models down
+            "bf16": False,  # trl's default is on; half-precision weights (`dtype`) turn it on (runner.mixed_precision)
             "report_to": [], "dataloader_num_workers": 0},
     "base": {},
     "sft": {"max_length": 512, "assistant_only_loss": True, "packing": False},
     "dpo": {"max_length": 512, "beta": 0.1},
 }
 
+TRAIN_DTYPE_HELP = ("dtype the model trains at (with LoRA the frozen weights; peft keeps the adapters in float32). "
+                    "auto: the checkpoint's own (config.json) on a GPU, float32 on the CPU, where bf16 training is "
+                    "slow and rounds small updates away; float16 with LoRA only. The saved model is in the "
+                    "checkpoint's dtype, whatever it trained at")
+CHECKPOINTING_HELP = ("gradient (activation) checkpointing: recompute each layer's activations in the backward pass "
+                      "instead of keeping them (unset: on on a GPU, off on the CPU, where it only slows small models)")
+
+
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def on_gpu(config: TrainConfig) -> bool:
+    """Whether the trainer runs on a GPU: `--device auto`'s choice (a GPU when there is one), unless trl.use_cpu."""
+    from rolemrc.core.modeling import resolve_device  # torch, on first use
+
+    return not config.trl.get("use_cpu") and resolve_device("auto").type == "cuda"
+
+
+def checkpointing(config: PrecisionOptions) -> bool:
+    """Whether the trainer checkpoints activations: `gradient_checkpointing`, or (unset) on a GPU only."""
+    return on_gpu(config) if config.gradient_checkpointing is None else config.gradient_checkpointing
+
+
+def check_train_dtype(dtype: str, lora: bool, source: str = "dtype") -> None:
+    """A TrainConfigError naming `source` for a dtype outside DTYPES, or float16 weights trained without LoRA: with
+    full fine-tuning torch's GradScaler refuses float16 gradients ("Attempting to unscale FP16 gradients") and
+    without loss scaling float16 gradients and AdamW's eps underflow."""
+    try:
+        check_dtype(dtype)
+    except InputError as exc:
+        raise TrainConfigError(f"{source}: {exc}") from None
+    if dtype == "float16" and not lora:
+        raise TrainConfigError(f"{source}: float16 weights train LoRA adapters only (peft keeps those in float32): full "
+                               "fine-tuning of float16 weights has no loss scaling (torch's GradScaler refuses float16 "
+                               "gradients); use bfloat16 or float32")
 
 
 def checkpoints_dir(config: TrainConfig) -> Path:
@@ -73,6 +107,7 @@ DERIVED: dict[str, tuple[str, Callable[[TrainConfig], Any]]] = {
     "gradient_accumulation_steps": ("effective_batch_size", accumulation_steps),
     "seed": ("seed", lambda c: c.seed),
     "disable_tqdm": ("progress", lambda c: not c.progress),
+    "gradient_checkpointing": ("gradient_checkpointing", checkpointing),
 }
 
 
@@ -168,6 +203,19 @@ class LoraOptions:
 
 
 @dataclass(kw_only=True)
+class PrecisionOptions:
+    """The dtype a stage that starts from a checkpoint trains at, and activation memory. A mixin placed before
+    TrainConfig (its checks run after TrainConfig's)."""
+
+    dtype: str = field(default="auto", metadata={"help": TRAIN_DTYPE_HELP})
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": CHECKPOINTING_HELP})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_train_dtype(self.dtype, self.lora)
+
+
+@dataclass(kw_only=True)
 class BaseTrainConfig(TrainConfig):
     """Tokenizer + Llama from scratch, pretrained on chat-formatted RoleMRC-style data."""
 
@@ -193,7 +241,7 @@ class BaseTrainConfig(TrainConfig):
 
 
 @dataclass(kw_only=True)
-class SFTTrainConfig(TrainConfig, LoraOptions):
+class SFTTrainConfig(PrecisionOptions, TrainConfig, LoraOptions):
     """trl SFTTrainer with loss on assistant turns only."""
 
     stage = "sft"
@@ -206,7 +254,7 @@ class SFTTrainConfig(TrainConfig, LoraOptions):
 
 
 @dataclass(kw_only=True)
-class DPOTrainConfig(TrainConfig, LoraOptions):
+class DPOTrainConfig(PrecisionOptions, TrainConfig, LoraOptions):
     """trl DPOTrainer from an SFT checkpoint against a frozen copy of it."""
 
     stage = "dpo"
@@ -235,20 +283,28 @@ def resolve_trl(cls: type[TrainConfig], given: dict[str, Any]) -> dict[str, Any]
     and its value converted to the field's type."""
     args_cls = cls.arguments_class()
     fields = {f.name for f in dataclasses.fields(args_cls) if f.init}
+    derived = derived_arguments(cls)
     for key in given:
-        if key in DERIVED:
+        if key in derived:
             raise TrainConfigError(f"trl.{key} is derived from rolemrc's `{DERIVED[key][0]}` setting; set that instead")
         if key not in fields:
             raise TrainConfigError(f"unknown {cls.stage} trainer argument trl.{key} ({args_cls.__name__} has no such field)"
-                              + _suggest(key, fields - set(DERIVED)))
+                              + _suggest(key, fields - set(derived)))
     hints = typing.get_type_hints(args_cls)
     values = {**TRL_DEFAULTS["all"], **TRL_DEFAULTS[cls.stage], **given}
     return {key: _coerce(hints[key], value, f"{args_cls.__name__}.{key}") for key, value in values.items()}
 
 
+def derived_arguments(cls: type[TrainConfig]) -> set[str]:
+    """The trainer arguments DERIVED from settings the stage `cls` has (so not accepted under `trl:`)."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    return {key for key, (setting, _) in DERIVED.items() if setting in own}
+
+
 def trl_arguments(config: TrainConfig) -> dict[str, Any]:
-    """The trainer arguments rolemrc derives from its own settings, then the config's `trl` entries."""
-    return {**config.trl, **{key: value(config) for key, (_, value) in DERIVED.items()}}
+    """The config's `trl` entries, then the trainer arguments rolemrc derives from its own settings."""
+    derived = derived_arguments(type(config))
+    return {**config.trl, **{key: value(config) for key, (_, value) in DERIVED.items() if key in derived}}
 
 
 def profile_path(profile: str | os.PathLike) -> Path:

@@ -22,10 +22,10 @@ def dpo_trainer(config: DPOTrainConfig, *, callbacks: tuple[TrainerCallback, ...
     pairs = load_examples(files, pair_example, report)
     report.check(config.max_bad_share, "preference")
     args = build_arguments(config)
-    model, tokenizer = start_model(config.model)
+    model, tokenizer = start_model(config)
     reference = None
     if not config.lora:
-        reference, _ = start_model(config.model)
+        reference, _ = start_model(config)
         reference.eval().requires_grad_(False)
     trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(pairs),
                          processing_class=tokenizer, peft_config=lora_config(config))

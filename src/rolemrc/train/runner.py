@@ -16,9 +16,18 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from rolemrc.core.modeling import dir_fingerprint, resolve_model
+from rolemrc.core.modeling import checkpoint_dtype, dir_fingerprint, resolve_dtype, resolve_model
 from rolemrc.core.version import __version__
-from rolemrc.train.config import TrainConfig, TrainConfigError, checkpoints_dir, trl_arguments, world_size
+from rolemrc.train.config import (
+    PrecisionOptions,
+    TrainConfig,
+    TrainConfigError,
+    check_train_dtype,
+    checkpoints_dir,
+    on_gpu,
+    trl_arguments,
+    world_size,
+)
 from rolemrc.train.data import DataReport
 
 MANIFEST = "rolemrc.json"
@@ -53,22 +62,61 @@ def resume_checkpoint(config: TrainConfig) -> str | None:
     return get_last_checkpoint(str(folder))
 
 
+def train_dtype(config: PrecisionOptions) -> str:
+    """The dtype the start model is loaded and trained at: `config.dtype`; for auto, the checkpoint's own on a GPU
+    (`core.modeling.checkpoint_dtype`, as `--dtype auto` everywhere) and float32 on the CPU."""
+    if config.dtype != "auto":
+        return config.dtype
+    if not on_gpu(config):
+        return "float32"
+    dtype = checkpoint_dtype(resolve_model(config.model))
+    check_train_dtype(dtype, config.lora, f"dtype auto ({config.model} is stored in {dtype}; this runs on a GPU)")
+    return dtype
+
+
+def dtypes(config: TrainConfig) -> dict[str, str]:
+    """What a stage that starts from a checkpoint trains at and saves at (the checkpoint's own dtype, whatever it
+    trained at); empty for the base stage (trained and saved in float32)."""
+    if not isinstance(config, PrecisionOptions):
+        return {}
+    return {"trained": train_dtype(config), "saved": checkpoint_dtype(resolve_model(config.model))}
+
+
+def mixed_precision(config: TrainConfig) -> dict[str, bool]:
+    """trl's autocast flags for the weights' dtype: bfloat16 weights train under bf16 autocast, float16 ones (LoRA
+    only: peft keeps the adapters in float32) under fp16 with loss scaling; float32 weights under what trl.bf16 and
+    trl.fp16 say (default: neither). A flag for the other half precision is refused."""
+    dtype = train_dtype(config) if isinstance(config, PrecisionOptions) else "float32"
+    if dtype == "float32":
+        return {}
+    flags = {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
+    for key, on in flags.items():
+        if config.trl.get(key) and not on:
+            raise TrainConfigError(f"trl.{key} autocasts {dtype} weights (dtype {config.dtype}) to the other half "
+                                   "precision; drop it: half-precision weights train under their own")
+    return flags
+
+
 def trainer_arguments(config: TrainConfig) -> dict[str, Any]:
     """Keyword arguments for the stage's trainer arguments class: machine-dependent defaults, then the
-    config's trainer arguments (`config.trl` and those derived from its own settings)."""
+    config's trainer arguments (`config.trl`, those derived from its own settings, the autocast its dtype needs)."""
+    args = {**trl_arguments(config), **mixed_precision(config)}
+    cpu = not torch.cuda.is_available()
     return {
-        "dataloader_pin_memory": torch.cuda.is_available(),
-        # transformers runs data-parallel over CPU processes (gloo) only when told to use the CPU
-        "use_cpu": world_size() > 1 and not torch.cuda.is_available(),
-        **trl_arguments(config),
+        "dataloader_pin_memory": not cpu,
+        # transformers runs data-parallel over CPU processes (gloo), and bf16 autocast on a CPU, only when told to
+        # use the CPU
+        "use_cpu": cpu and (world_size() > 1 or args["bf16"]),
+        **args,
     }
 
 
 def build_arguments(config: TrainConfig):
     """The stage's trainer arguments object; a value transformers or trl refuses is a TrainConfigError."""
     cls = config.arguments_class()
+    arguments = trainer_arguments(config)
     try:
-        return cls(**trainer_arguments(config))
+        return cls(**arguments)
     except (TypeError, ValueError) as exc:
         raise TrainConfigError(f"{cls.__name__}: {exc}") from None
 
@@ -132,16 +180,17 @@ def write_manifest(result: TrainResult, config: TrainConfig, extra: dict[str, An
     os.replace(tmp, result.manifest)
 
 
-def save_final(trainer, out: Path) -> None:
-    """Save a plain HF directory (LoRA adapters merged into the weights) with the tokenizer."""
+def save_final(trainer, out: Path, dtype: str) -> None:
+    """Save a plain HF directory (LoRA adapters merged into the weights) with the tokenizer, its weights in `dtype`."""
     from peft import PeftModel
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     if isinstance(model, PeftModel):
         if trainer.is_world_process_zero():
-            model.merge_and_unload().save_pretrained(out)
+            model.merge_and_unload().to(resolve_dtype(dtype)).save_pretrained(out)
             trainer.processing_class.save_pretrained(out)
     else:
+        model.to(resolve_dtype(dtype))
         trainer.save_model(str(out))
 
 
@@ -152,27 +201,28 @@ def train_and_save(trainer, config: TrainConfig, *, stage: str, report: DataRepo
     started = time.perf_counter()
     output = trainer.train(resume_from_checkpoint=resumed_from)
     out = Path(config.out)
-    save_final(trainer, out)
+    precision = dtypes(config)
+    save_final(trainer, out, precision.get("saved", "float32"))
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))}
                for h in trainer.state.log_history if "loss" in h]
     result = TrainResult(stage=stage, out_dir=out, metrics=summarise(history, output.metrics, trainer.state.global_step),
                          history=history, data=report.as_dict(), resumed_from=resumed_from,
                          seconds=time.perf_counter() - started)
     if trainer.is_world_process_zero():
-        write_manifest(result, config, manifest)
+        write_manifest(result, config, {**manifest, **({"dtype": precision} if precision else {})})
         if not config.keep_checkpoints:
             shutil.rmtree(checkpoints_dir(config), ignore_errors=True)
     return result
 
 
-def start_model(path: str | os.PathLike):
-    """(model, tokenizer) a stage starts from (a model name: `resolve_model`), in train mode, in float32 (the trainer
-    casts for mixed precision); the tokenizer must have a chat template."""
+def start_model(config: PrecisionOptions):
+    """(model, tokenizer) a stage starts from (`config.model`, a model name: `resolve_model`), in train mode, at
+    `train_dtype(config)`, on the CPU (the trainer moves it); the tokenizer must have a chat template."""
     from rolemrc.core.modeling import load_model
 
-    model, tokenizer = load_model(path, dtype="float32", device="cpu")
+    model, tokenizer = load_model(config.model, dtype=train_dtype(config), device="cpu")
     if not getattr(tokenizer, "chat_template", None):
-        raise TrainConfigError(f"{path}: the tokenizer has no chat_template; SFT/DPO need one "
+        raise TrainConfigError(f"{config.model}: the tokenizer has no chat_template; SFT/DPO need one "
                           "(the embedded base model has one; set tokenizer.chat_template for others)")
     return model.train(), tokenizer
 

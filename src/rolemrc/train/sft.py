@@ -23,7 +23,7 @@ def sft_trainer(config: SFTTrainConfig, *, callbacks: tuple[TrainerCallback, ...
     examples, mixture = sft_examples(config.data, config.mix, config.seed, report)
     report.check(config.max_bad_share, "SFT")
     args = build_arguments(config)
-    model, tokenizer = start_model(config.model)
+    model, tokenizer = start_model(config)
     if args.assistant_only_loss:  # masks from the model's own template; trl's would need {% generation %} markers
         examples = [tokenize_with_assistant_mask(tokenizer, example["messages"]) for example in examples]
         args.assistant_only_loss = False
