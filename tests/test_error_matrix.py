@@ -45,6 +45,8 @@ TEMPLATES: dict[str, list[str]] = {
     "intervene select#patch": ["--diff", "{diff}", "--dimension", "role_style", "--method", "frequency", "--top-k", "4",
                                "--kind", "patch", "--means", "{diff}", "--out", "{out}/s.yaml"],
     "intervene direction": ["--diff", "{diff}", "--dimension", "role_style", "--out", "{out}/d.yaml"],
+    "intervene direction#pairs": ["--contrast", "chosen-rejected", "--model", "{model}", "--pairs", "{pairs}",
+                                  "--out", "{out}/d.yaml"],
     "intervene bake": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/b"],
     "intervene lora": ["--model", "{model}", "--restraint", "{restraint}", "--out", "{out}/l"],
     "intervene check": ["--model", "{model}", "--restraint", "{restraint}", "--baked", "{model}"],

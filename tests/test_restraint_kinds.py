@@ -268,3 +268,77 @@ def test_the_cli_writes_directions_and_reverts_and_refuses_bad_alpha(tmp_path, p
     res = run(app, ["intervene", "revert", "--reference", str(sft), "--alpha", "2", "--scope", "model",
                     "--out", str(tmp_path / "w.yaml")])
     assert res.exit_code == 2 and "error: alpha must lie in [0, 1]" in res.output and not (tmp_path / "w.yaml").exists()
+
+
+STYLE = "role_related_mrc_refused_no_narration"   # role_style alone
+PAIRS = [{"id": f"p{i}", "prompt": [{"role": "user", "content": prompt}], "chosen": chosen, "rejected": rejected,
+          "task": task} for i, (prompt, chosen, rejected, task) in enumerate([
+              ("who keeps the lighthouse", "the keeper watched storms roll over grey water", "no", STYLE),
+              ("sing to the ovens", "a baker in the old quarter kneads dough", "i cannot answer that", STYLE),
+              ("answer questions on history", "rivers and mountains and trains", "sorry traveller", STYLE),
+              ("what lies outside", "i cannot answer that because it lies outside", "libraries",
+               "role_related_mrc_answer_no_narration"),
+          ])]
+
+
+def reply_mean(model, tokenizer, pair, side, hook):
+    """[layers, width]: the hook point's activation of one pair's side, unbatched, averaged over its reply's tokens."""
+    from rolemrc.core.chat import tokenize_replies
+    from rolemrc.core.hooks import num_layers
+
+    (ids,), start = tokenize_replies(tokenizer, pair["prompt"], [pair[side]])
+    start = min(start, tokenize_replies(tokenizer, pair["prompt"], [pair["chosen"], pair["rejected"]])[1])
+    seen = {}
+    handles = [site(model, hook, i).capture(lambda t, i=i: seen.__setitem__(i, t[0, start:].double().mean(0)))
+               for i in range(num_layers(model))]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in handles:
+        h.remove()
+    return torch.stack([seen[i] for i in sorted(seen)])
+
+
+def test_a_pair_direction_is_the_normalised_mean_difference_over_the_replies(model_dirs, tokenizer, tmp_path):
+    """chosen - rejected over each reply's tokens, batched and padded, equals the unbatched hand computation; the
+    layers are the longest ones; --dimension keeps its pairs alone."""
+    from rolemrc.core.io import write_jsonl
+    from rolemrc.intervene.kinds import pair_direction_restraint
+
+    write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    r = pair_direction_restraint(model_dirs["llama"], tmp_path / "pairs.jsonl", dimension="role_style", top_layers=1,
+                                 hook="mlp.post", batch_size=2, dtype="float32", device="cpu", progress=False)
+    model = load(model_dirs["llama"])
+    kept = [p for p in PAIRS if p["task"] == STYLE]
+    delta = sum(reply_mean(model, tokenizer, p, "chosen", "mlp.post") - reply_mean(model, tokenizer, p, "rejected",
+                                                                                   "mlp.post") for p in kept) / len(kept)
+    longest = int(delta.norm(dim=1).argmax())
+    assert r.kind == "direction" and r.hook == "mlp.post" and r.sites == [longest]
+    torch.testing.assert_close(torch.tensor(r.directions[longest], dtype=torch.float64),
+                               delta[longest] / delta[longest].norm(), rtol=0, atol=1e-5)
+    assert r.source["pairs_used"] == 3 and r.source["contrast"] == "chosen-rejected"
+    assert r.model["fingerprint"] == dir_fingerprint(model_dirs["llama"]) and r.model["width"] == 96
+
+
+def test_the_cli_writes_a_pair_direction_and_refuses_the_wrong_inputs(model_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+    from rolemrc.core.io import write_jsonl
+
+    write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    run = CliRunner().invoke
+    base = ["intervene", "direction", "--contrast", "chosen-rejected", "--model", str(model_dirs["llama"]),
+            "--pairs", str(tmp_path / "pairs.jsonl")]
+    res = run(app, [*base, "--hook", "mlp.out", "--top-layers", "2", "--out", str(tmp_path / "d.yaml")])
+    assert res.exit_code == 0, res.output
+    d = Restraint.load(tmp_path / "d.yaml")
+    assert (d.kind, d.hook, d.sites, d.name) == ("direction", "mlp.out", [0, 1], "pairs-chosen-rejected-direction")
+    for extra, message in ((["--diff", str(tmp_path)], "not its: --diff"),
+                           (["--dimension", "multi_turn"], "pairs.jsonl: no pair of 'multi_turn'")):
+        res = run(app, [*base, *extra, "--out", str(tmp_path / "x.yaml")])
+        errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+        assert res.exit_code == 2 and len(errors) == 1 and message in errors[0], res.output
+        assert not (tmp_path / "x.yaml").exists()
+    res = run(app, ["intervene", "direction", "--model", str(model_dirs["llama"]), "--out", str(tmp_path / "x.yaml")])
+    assert res.exit_code == 2 and "error: --contrast dpo-sft reads --diff, --dimension; missing: --diff, --dimension; " \
+                                  "not its: --model" in res.output

@@ -13,7 +13,7 @@ from rolemrc.core.placement import MODEL_HELP, DeviceMap, Dtype, device_map_opti
 from rolemrc.core.taxonomy import DIMENSIONS
 from rolemrc.intervene.budget import BUDGET_HELP, BUDGET_OPTIONS, Budget
 from rolemrc.intervene.fit import STRICT_HELP
-from rolemrc.intervene.kinds import SELECTED_KINDS
+from rolemrc.intervene.kinds import CONTRASTS, SELECTED_KINDS
 from rolemrc.intervene.spec import PAPER_FACTOR, REVERT_SCOPES
 from rolemrc.probe.options import Direction
 from rolemrc.probe.selectors import SELECTORS, selectors_help
@@ -29,6 +29,8 @@ def brief(report: dict) -> dict:
 
 Method = choice(SELECTORS)
 SelectedKind = choice(SELECTED_KINDS)
+Contrast = choice(CONTRASTS)
+Hook = choice(HOOK_POINTS)
 RevertScope = choice(REVERT_SCOPES[:2])   # --method: the selectors registered when the CLI is built (`live_choices`)
 app = cli_app(help="Restraints: select units from a diff, bake them or export them as LoRA, check them, sweep a grid of them.")
 
@@ -79,20 +81,56 @@ def select_cmd(
         typer.echo("\n".join(stability_lines(stability)), err=True)
 
 
-@app.command("direction")
+def check_contrast(contrast: str, given: dict[str, Path | str | None], dimension: str | None) -> None:
+    """One error naming what `intervene direction --contrast` reads and what is missing or not its (before anything
+    is read)."""
+    from rolemrc.intervene.spec import RestraintError
+
+    reads = {"dpo-sft": ("--diff", "--dimension"), "chosen-rejected": ("--model", "--pairs", "--hook")}[contrast]
+    missing = [o for o in reads if o != "--hook" and {**given, "--dimension": dimension}[o] is None]
+    foreign = [o for o, value in given.items() if value is not None and o not in reads]
+    if missing or foreign:
+        raise RestraintError(f"--contrast {contrast} reads {', '.join(reads)}" + "".join(
+            f"; {what}: {', '.join(options)}" for what, options in (("missing", missing), ("not its", foreign)) if options))
+
+
+@app.command("direction", cls=live_choices(hook=HOOK_POINTS))
 def direction_cmd(
-    diff: Path = typer.Option(..., "--diff", help="a diff of probe files collected with moments (`rolemrc probe diff`)"),
-    dimension: str = typer.Option(..., help=f"a dimension of the diff: {' | '.join(DIMENSIONS)}, or your own"),
+    contrast: Contrast = typer.Option(CONTRASTS[0], "--contrast", help="what the direction is the difference of: "
+                                      "dpo-sft, the paired probe's mean activations DPO - SFT (--diff); "
+                                      "chosen-rejected, --model's mean activations over each preference pair's chosen "
+                                      "reply minus its rejected one (--pairs), each side read as the mean over its "
+                                      "reply's tokens (the prompt is shared, so its last token cannot tell them apart)"),
+    diff: Path = typer.Option(None, "--diff", help="dpo-sft: a diff of probe files collected with moments "
+                              "(`rolemrc probe diff`)"),
+    model: Path = typer.Option(None, "--model", help=f"chosen-rejected: the model run on the pairs (the DPO model, or "
+                               f"another): {MODEL_HELP}"),
+    pairs: Path = typer.Option(None, "--pairs", help="chosen-rejected: JSONL preference pairs (prompt, chosen, "
+                               "rejected, task)"),
+    dimension: str = typer.Option(None, help=f"a dimension: {' | '.join(DIMENSIONS)}, or your own; dpo-sft: of the "
+                                  "diff (needed); chosen-rejected: only its pairs (default: every pair)"),
     out: Path = typer.Option(..., "--out", help="spec file to write (.yaml or .json)"),
+    hook: Hook = typer.Option(None, help="chosen-rejected: the hook point (default mlp.act, as probe collect's; "
+                              "mlp.post or mlp.out bake on a gated MLP); dpo-sft: the diff's"),
     layers: str = typer.Option(None, help="e.g. 12-31 or 3,5,7-9 (default: all)"),
     top_layers: int = typer.Option(None, min=1, help="only the N of those layers where the direction is longest"),
     name: str = typer.Option(None, help="restraint name (default: <dimension>-direction)"),
+    batch_size: int = typer.Option(8, min=1, help="chosen-rejected: preference pairs per batch (twice as many "
+                                   "sequences)"),
+    dtype: Dtype = dtype_option(),
+    device: str = device_option(),
 ) -> None:
-    """Write a direction restraint: per layer, the difference of mean activations DPO - SFT (B - A) on the dimension's
-    cases at the diff's hook point, projected out of it (Arditi et al.'s ablation, per layer)."""
-    from rolemrc.intervene.kinds import direction_restraint
+    """Write a direction restraint: per layer a difference of mean activations at a hook point, normalised, projected
+    out of it (Arditi et al.'s ablation, per layer): DPO - SFT on the dimension's cases (a diff), or chosen - rejected
+    replies of one model over preference pairs."""
+    from rolemrc.intervene.kinds import direction_restraint, pair_direction_restraint
 
-    r = direction_restraint(diff, dimension, layers=layers, top_layers=top_layers, name=name)
+    check_contrast(contrast, {"--diff": diff, "--model": model, "--pairs": pairs, "--hook": hook}, dimension)
+    if contrast == CONTRASTS[0]:
+        r = direction_restraint(diff, dimension, layers=layers, top_layers=top_layers, name=name)
+    else:
+        r = pair_direction_restraint(model, pairs, dimension=dimension, layers=layers, top_layers=top_layers, name=name,
+                                     hook=hook or "mlp.act", batch_size=batch_size, dtype=dtype, device=device)
     r.save(out)
     typer.echo(json.dumps({"out": str(out), **r.summary()}))
 

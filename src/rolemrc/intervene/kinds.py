@@ -1,6 +1,7 @@
 """Restraints of every kind from a probe's numbers (`Restraint.kind`): the selected units patched to their mean
-activation under the SFT model or reverted toward its weights, one direction per layer from the paired probe's
-difference of means, and weight reversions by layer or for the whole model. Each records where its numbers came from.
+activation under the SFT model or reverted toward its weights, one direction per layer from a difference of means
+(the paired probe's DPO - SFT, or one model's chosen - rejected replies over preference pairs), and weight reversions
+by layer or for the whole model. Each records where its numbers came from.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
     from rolemrc.probe.diff import DiffResult
 
 SELECTED_KINDS = ("scale", "patch", "revert")   # kinds `select` makes of a selector's units (revert: scope units)
+# what a direction is the difference of: the paired probe's DPO - SFT means (a diff), or one model's chosen - rejected
+# replies over preference pairs
+CONTRASTS = ("dpo-sft", "chosen-rejected")
 
 
 def load_means(source: str | os.PathLike | DiffResult, dimension: str) -> tuple[DiffResult, str]:
@@ -66,12 +70,41 @@ def direction_restraint(diff: str | os.PathLike | DiffResult, dimension: str, *,
                         top_layers: int | None = None, name: str | None = None) -> Restraint:
     """One direction per layer, the difference of mean activations B - A (DPO - SFT) on `dimension`'s cases at the
     diff's hook point and token policy, in `layers` (default all) or the `top_layers` of them where it is longest."""
-    import torch
-
     from rolemrc.intervene.inputs import model_of
 
     loaded, origin = load_means(diff, dimension)
     delta = loaded.mean_b[dimension].double() - loaded.mean_a[dimension].double()
+    return directions_of(delta, loaded.hook, origin, f"the mean activations of {dimension!r}", layers=layers,
+                         top_layers=top_layers, name=name or f"{dimension.replace('_', '-')}-direction",
+                         model=model_of(loaded.meta, "b_"),
+                         source={"diff": origin, "dimension": dimension, "contrast": CONTRASTS[0],
+                                 "direction": f"mean B - mean A at tokens={loaded.meta.get('tokens')}"})
+
+
+def pair_direction_restraint(model: Any, pairs: Any, *, dimension: str | None = None, layers: str | None = None,
+                             top_layers: int | None = None, name: str | None = None, **settings: Any) -> Restraint:
+    """One direction per layer, the difference of mean activations chosen - rejected of `model` (the DPO model, or
+    another) over the preference pairs (those of `dimension` when given), each side read over its reply's tokens
+    (`probe.contrast`), in `layers` (default all) or the `top_layers` where it is longest. `settings`: attribution's
+    (hook, batch_size, max_length, limit, dimension_field, dtype, device, progress)."""
+    from rolemrc.intervene.inputs import model_of
+    from rolemrc.probe.contrast import REPLY_TOKENS, reply_means
+
+    means = reply_means(model, pairs, dimension=dimension, **settings)
+    label = dimension.replace("_", "-") if dimension else "pairs"
+    return directions_of(means.delta, means.hook, means.origin, "the chosen and rejected replies' mean activations",
+                         layers=layers, top_layers=top_layers, name=name or f"{label}-chosen-rejected-direction",
+                         model=model_of(means.model),
+                         source={"pairs": means.origin, "dimension": dimension or "all", "pairs_used": means.pairs,
+                                 "contrast": CONTRASTS[1],
+                                 "direction": f"mean chosen - mean rejected, each reply read as {REPLY_TOKENS}"})
+
+
+def directions_of(delta: Any, hook: str, origin: str, what: str, *, layers: str | None, top_layers: int | None,
+                  name: str, model: dict[str, Any], source: dict[str, Any]) -> Restraint:
+    """A direction restraint at `hook` from `delta` (float64 [layers, width]: a difference of means, `what` differs):
+    per layer its row, normalised, in `layers` (default all) or the `top_layers` of them where it is longest. The
+    source gains the layers and each one's norm; `model` (where known) gains the shape."""
     n_layers, width = delta.shape
     chosen = parse_layers(layers, n_layers) or list(range(n_layers))
     norms = delta.norm(dim=1)
@@ -81,14 +114,10 @@ def direction_restraint(diff: str | os.PathLike | DiffResult, dimension: str, *,
             raise RestraintError(f"top_layers must be >= 1, got {top_layers}")
         chosen = sorted(sorted(chosen, key=lambda layer: -float(norms[layer]))[:top_layers])
     if not chosen:
-        raise RestraintError(f"{origin}: the mean activations of {dimension!r} do not differ in layers {layers or 'all'}")
-    model = model_of(loaded.meta, "b_")
-    return Restraint(name=name or f"{dimension.replace('_', '-')}-direction", hook=loaded.hook, kind="direction",
-                     directions={layer: delta[layer].tolist() for layer in chosen},
-                     source={"diff": origin, "dimension": dimension, "layers": layers or "all",
-                             **({"top_layers": top_layers} if top_layers else {}),
-                             "direction": f"mean B - mean A at tokens={loaded.meta.get('tokens')}",
-                             "norms": {layer: float(torch.as_tensor(norms[layer])) for layer in chosen}},
+        raise RestraintError(f"{origin}: {what} do not differ in layers {layers or 'all'}")
+    return Restraint(name=name, hook=hook, kind="direction", directions={layer: delta[layer].tolist() for layer in chosen},
+                     source={**source, "layers": layers or "all", **({"top_layers": top_layers} if top_layers else {}),
+                             "norms": {layer: float(norms[layer]) for layer in chosen}},
                      model=model and {**model, "layers": n_layers, "width": width})
 
 
