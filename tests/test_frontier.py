@@ -38,22 +38,33 @@ def planted_pair(tmp_path_factory, tokenizer):
     return root
 
 
-def test_the_frontier_finds_the_known_change_and_its_controls_do_not(planted_pair, tmp_path):
-    root = planted_pair
-    (tmp_path / "known_units.json").write_text(json.dumps({"1": sorted(ANSWERABLE_UNITS)}))
+@pytest.fixture(scope="module")
+def frontier_run(planted_pair, tmp_path_factory):
+    """One `sweep frontier` of the planted pair with every family, the known units as the ceiling: its folder."""
+    root, out = planted_pair, tmp_path_factory.mktemp("frontier-run")
+    (out / "known_units.json").write_text(json.dumps({"1": sorted(ANSWERABLE_UNITS)}))
     res = CliRunner().invoke(app, [
         "sweep", "frontier", "--model", str(root / "dpo"), "--base", str(root / "sft"), "--diff", str(root / "diff"),
-        "--data", str(root / "test.jsonl"), "--dimension", "multi_turn", "--out", str(tmp_path / "f"),
+        "--data", str(root / "test.jsonl"), "--dimension", "multi_turn", "--out", str(out / "f"),
         "--neutral", str(root / "neutral.txt"), "--pairs", str(root / "pairs.jsonl"), "--per-layer", "4", "--limit", "8",
         "--model-alphas", "0.3,1", "--top-layers", "1,2", "--max-new-tokens", "6", "--dtype", "float32",
-        "--known-units", str(tmp_path / "known_units.json")])
+        "--known-units", str(out / "known_units.json")])
     assert res.exit_code == 0, res.output
-    summary = json.loads((tmp_path / "f" / "frontier.json").read_text())
-    points = {(p["family"], p.get("per_layer", p.get("alpha"))): p for p in summary["points"]}
+    return out / "f"
+
+
+def frontier_points_of(folder):
+    summary = json.loads((folder / "frontier.json").read_text())
+    return summary, {(p["family"], p.get("per_layer", p.get("alpha"))): p for p in summary["points"]}
+
+
+def test_the_frontier_finds_the_known_change_and_its_controls_do_not(frontier_run):
+    summary, points = frontier_points_of(frontier_run)
     assert set(points) == {("scale x0", 4), ("patch", 4), ("revert units a=1", 4), ("direction", None),
                            ("revert model", 0.3), ("revert model", 1.0),   # one direction: only layer 1 differs
+                           ("revert layers a=1", 1.0),                    # one top layer too: only layer 1 differs
                            ("patch S", 4), ("revert S", 4)}                # the known units: the ceiling
-    spec = json.loads((tmp_path / "f" / "points.json").read_text())
+    spec = json.loads((frontier_run / "points.json").read_text())
     assert spec[0]["restraint"]["units"] == {"1": sorted(ANSWERABLE_UNITS)}
     for family in ("scale x0", "patch", "revert units a=1", "patch S", "revert S"):
         p = points[(family, 4)]
@@ -68,7 +79,69 @@ def test_the_frontier_finds_the_known_change_and_its_controls_do_not(planted_pai
     assert direction["layers"] == 1 and direction["restoration"]["mean"] > max(direction["controls"]["restoration"])
     assert summary["cases"] == 8 and not summary["matched"]   # one point per unit family: no curve to match
     assert summary["headline"].startswith("No two families overlap in size")
-    assert (tmp_path / "f" / "frontier.html").is_file() and (tmp_path / "f" / "frontier.md").is_file()
+    assert (frontier_run / "frontier.html").is_file() and (frontier_run / "frontier.md").is_file()
+
+
+def test_revert_layers_reverts_the_top_layers_and_its_controls_as_many_others(frontier_run, planted_pair):
+    """The layer the diff's shift is longest in (1: the planted units') reverted to the SFT model's weights, nothing
+    else (layer 0 and the embeddings of a DPO model perturbed there stay as they are): all of the change undone; its
+    10 controls revert the other layer (the one distinct set a 2-layer model has, said in the table): none of it."""
+    import torch
+
+    from rolemrc.intervene.bake import folded
+    from rolemrc.intervene.spec import Restraint
+
+    _, points = frontier_points_of(frontier_run)
+    point = points[("revert layers a=1", 1.0)]
+    assert point["top_layers"] == 1 and point["layers"] == 1 and point["restoration"]["mean"] == pytest.approx(1, abs=1e-6)
+    assert point["controls"]["n"] == 10 and point["controls"]["distinct"] == 1
+    assert max(abs(r) for r in point["controls"]["restoration"]) < 1e-6
+    assert "| revert layers a=1 | alpha 1, top_layers 1 |" in (frontier_run / "frontier.md").read_text()
+    assert "(1 distinct of 10: no other units or layers to draw)" in (frontier_run / "frontier.md").read_text()
+    (spec,) = [p for p in json.loads((frontier_run / "points.json").read_text()) if p["family"] == "revert layers a=1"]
+    restraint, controls = Restraint.from_dict(spec["restraint"]), [Restraint.from_dict(c) for c in spec["controls"]]
+    assert restraint.layers == [1] and len(controls) == 10 and all(c.layers == [0] for c in controls)
+    root = planted_pair
+    sft, _ = load_model(root / "sft", dtype="float32", device="cpu")
+    dpo, _ = load_model(root / "dpo", dtype="float32", device="cpu")
+    with torch.no_grad():   # a change outside layer 1 too, which the point must leave alone
+        for name, param in dpo.named_parameters():
+            if not name.startswith("model.layers.1."):
+                param.add_(torch.randn_like(param) * 0.01)
+    dpo_weights = {n: p.detach().clone() for n, p in dpo.named_parameters()}
+    sft_weights = dict(sft.named_parameters())
+    for r, reverted in ((restraint, "model.layers.1."), (controls[0], "model.layers.0.")):
+        with folded(dpo, r, sft):
+            for name, param in dpo.named_parameters():
+                expected = sft_weights[name] if name.startswith(reverted) else dpo_weights[name]
+                assert torch.equal(param, expected), (r.name, name)
+
+
+def test_each_revert_point_carries_the_share_of_the_change_it_reverts(frontier_run):
+    """The bake's size.reverted_share on every revert point (alpha x the share of ||DPO - SFT||^2 in scope): the whole
+    model's grows with alpha and is 1 at alpha 1; all of the planted change is in the 4 units and in layer 1, none in
+    their controls; the markdown table shows it."""
+    _, points = frontier_points_of(frontier_run)
+    model = [points[("revert model", a)]["reverted_share"] for a in (0.3, 1.0)]
+    assert model == [pytest.approx(0.3), pytest.approx(1.0)]
+    for key in (("revert units a=1", 4), ("revert S", 4), ("revert layers a=1", 1.0)):
+        assert points[key]["reverted_share"] == pytest.approx(1, abs=1e-9), key
+        assert max(points[key]["controls"]["reverted_share"]) < 1e-9 and len(points[key]["controls"]["reverted_share"]) == 10
+    assert all("reverted_share" not in p for (family, _), p in points.items() if not family.startswith("revert"))
+    text = (frontier_run / "frontier.md").read_text()
+    assert "| share of DPO − SFT reverted |" in text and "| revert model | alpha 0.3 |" in text
+    assert any(line.startswith("| revert model | alpha 0.3 |") and "| 0.3 |" in line for line in text.splitlines())
+
+
+def test_layer_controls_are_distinct_sets_of_other_layers_while_there_are_enough():
+    from rolemrc.sweep.frontier import layer_draws
+
+    drawn = layer_draws([2, 5], 8, 12, seed=0)
+    assert len(drawn) == 12 and len({tuple(c) for c in drawn}) == 12
+    assert all(len(c) == 2 and not {2, 5} & set(c) and c == sorted(c) for c in drawn)
+    assert drawn == layer_draws([2, 5], 8, 12, seed=0) != layer_draws([2, 5], 8, 12, seed=1)
+    few = layer_draws([1, 3], 5, 10, seed=0)   # 3 other layers: 3 sets of 2, each in turn
+    assert len(few) == 10 and {tuple(c) for c in few} == {(0, 2), (0, 4), (2, 4)} and few[:3] == few[3:6]
 
 
 def test_revert_cells_are_baked_in_memory_and_undone(planted_pair):
@@ -138,6 +211,69 @@ def test_families_are_compared_at_matched_size_paired_over_cases():
     out = matched(points, rows, c, d, weights(4, 0))
     assert all(set(m["restoration"]) == {"A", "B"} for m in out if m["size"] < 0.49)
     assert all(set(m["restoration"]) == {"A", "B", "C"} for m in out if m["size"] > 0.51)
+
+
+def test_over_seeds_each_pair_of_families_gets_its_lead_at_matched_size_with_a_t_interval():
+    """Three seeds' frontiers, A and B curves at sizes of their own: at sizes both reach in every seed, each seed's
+    lead is A's restoration minus B's, each linear in log size between its points (worked out here with np.interp),
+    and the row's CI is the Student-t 95% interval of those leads; a family without a curve is in no pair; one seed
+    gives the mean and no interval."""
+    import math
+
+    import numpy as np
+    from scipy.stats import t as student
+
+    from rolemrc.organism.calibration_report import frontier_markdown
+    from rolemrc.organism.seeds import frontier_leads_over_seeds
+    from rolemrc.sweep.frontier import MATCH_POINTS
+
+    def seed(a, b):
+        points = [{"family": family, "size": {"mean": size}, "restoration": {"mean": value}}
+                  for family, curve in (("A", a), ("B", b)) for size, value in curve]
+        points.append({"family": "C", "size": {"mean": 0.1}, "restoration": {"mean": 0.9}})
+        return {"frontiers": {"refusal": {"points": points}}}
+
+    seeds = {0: seed([(0.01, 0.2), (0.1, 0.6), (1.0, 0.9)], [(0.02, 0.1), (2.0, 0.5)]),
+             1: seed([(0.02, 0.3), (0.5, 0.8)], [(0.01, 0.2), (0.4, 0.4), (1.0, 0.6)]),
+             2: seed([(0.005, 0.1), (0.3, 0.7)], [(0.03, 0.3), (3.0, 0.35)])}
+    rows = frontier_leads_over_seeds(seeds)
+    lo, hi = math.log(0.03), math.log(0.3)   # the range A and B both reach in every seed
+    assert [r["size"] for r in rows] == pytest.approx(np.exp(np.linspace(lo, hi, MATCH_POINTS)).tolist())
+    for r in rows:
+        assert (r["organism"], r["leader"], r["other"]) == ("refusal", "A", "B")
+        x, leads = math.log(r["size"]), []
+        for s in seeds.values():
+            curve = {f: sorted((p["size"]["mean"], p["restoration"]["mean"]) for p in s["frontiers"]["refusal"]["points"]
+                               if p["family"] == f) for f in "AB"}
+            at = {f: np.interp(x, np.log([z for z, _ in c]), [v for _, v in c]) for f, c in curve.items()}
+            leads.append(at["A"] - at["B"])
+        half = student.ppf(0.975, 2) * np.std(leads, ddof=1) / math.sqrt(3)
+        assert r["leads"] == pytest.approx(leads)
+        assert (r["lead"]["mean"], r["lead"]["lo"], r["lead"]["hi"]) == pytest.approx(
+            (np.mean(leads), np.mean(leads) - half, np.mean(leads) + half))
+    text = "\n".join(frontier_markdown({"refusal@0": {**seeds[0]["frontiers"]["refusal"], "headline": "h"}}, [], rows))
+    first = rows[0]["lead"]
+    assert f"| refusal | 0.03 | A | B | {first['mean']:.3f} [{first['lo']:.3f}, {first['hi']:.3f}] |" in text
+    swapped = {k: {"frontiers": {"refusal": {"points": [{**p, "family": {"A": "B", "B": "A"}.get(p["family"], "C")}
+                                                       for p in s["frontiers"]["refusal"]["points"]]}}}
+               for k, s in seeds.items()}
+    assert [(r["leader"], r["other"], r["leads"]) for r in frontier_leads_over_seeds(swapped)] == [
+        ("B", "A", pytest.approx(r["leads"])) for r in rows]   # named for the family ahead, whichever comes first
+    one = frontier_leads_over_seeds({0: seeds[0]})[0]   # one seed: its lead, no interval
+    assert one["lead"]["lo"] is None and one["lead"]["mean"] == pytest.approx(one["leads"][0]) and one["lead"]["n"] == 1
+
+
+def test_fewer_than_10_controls_are_refused_before_anything_loads(tmp_path):
+    from rolemrc.core.errors import InputError
+    from rolemrc.sweep.frontier import FrontierConfig
+
+    res = CliRunner().invoke(app, ["sweep", "frontier", "--model", "m", "--base", "b", "--diff", "d", "--data", "t",
+                                   "--dimension", "x", "--out", str(tmp_path / "f"), "--controls", "9"])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert res.output.startswith("error:") and "--controls" in res.output and "10" in res.output
+    assert not (tmp_path / "f").exists()
+    with pytest.raises(InputError, match="--controls: at least 10 per point"):   # calibration's way in: the config
+        FrontierConfig(model="m", base="b", diff="d", data="t", dimension="x", out=str(tmp_path / "f"), controls=9)
 
 
 def test_sweep_run_patches_its_units_and_controls_to_the_sft_mean(planted_pair, tmp_path):

@@ -408,14 +408,22 @@ def reference_dir(r: Restraint) -> Path | None:
     return found
 
 
-def restraint_size(model: nn.Module, r: Restraint, reference: nn.Module | None) -> dict[str, float]:
+def restraint_size(model: nn.Module, r: Restraint, reference: nn.Module | None, *,
+                   total: float | None = None) -> dict[str, float]:
     """A revert's size: `reverted_share`, alpha times the share of the squared norm of the model's change from its
-    reference (every parameter) that lies in the revert's scope; {} for the other kinds (their size is the KL they
-    cause: `sweep.kl`)."""
+    reference (every parameter; `total` where it is known: `squared_change`) that lies in the revert's scope; {} for
+    the other kinds (their size is the KL they cause: `sweep.kl`)."""
     if r.kind != "revert" or reference is None:
         return {}
     ref = dict(reference.named_parameters())
+    total = squared_change(model, reference) if total is None else total
     with torch.no_grad():
-        total = sum(float((p.double() - ref[n].double()).pow(2).sum()) for n, p in model.named_parameters() if n in ref)
         inside = sum(float((p[i].double() - ref[n][i].double()).pow(2).sum()) for n, p, i in revert_slices(model, r))
     return {"reverted_share": r.alpha * inside / total if total else 0.0, "change_norm": total ** 0.5}
+
+
+def squared_change(model: nn.Module, reference: nn.Module) -> float:
+    """The squared norm of the model's change from its reference over every parameter they share."""
+    ref = dict(reference.named_parameters())
+    with torch.no_grad():
+        return sum(float((p.double() - ref[n].double()).pow(2).sum()) for n, p in model.named_parameters() if n in ref)

@@ -131,9 +131,11 @@ def _settings(rests_on: dict[str, Any]) -> str:
     return ", ".join(said) or "nothing recorded"
 
 
-def frontier_markdown(frontiers: dict[str, Any], over_seeds: list[dict[str, Any]] | None = None) -> list[str]:
+def frontier_markdown(frontiers: dict[str, Any], over_seeds: list[dict[str, Any]] | None = None,
+                      leads: list[dict[str, Any]] | None = None) -> list[str]:
     """Each planted organism's restraint frontier (`--frontier`): its headline and figure; over several seeds, each
-    point's restoration and excess over its controls with a t-interval over seeds, and which family led in how many."""
+    point's restoration and excess over its controls with a t-interval over seeds, which family led in how many, and
+    each pair of families' lead at matched size with a t-interval over seeds (`seeds.frontier_leads_over_seeds`)."""
     if not frontiers:
         return []
     lines = ["", "## Restraint frontiers", "", "Every restraint kind on each organism's pair, against controls of its own "
@@ -141,10 +143,10 @@ def frontier_markdown(frontiers: dict[str, Any], over_seeds: list[dict[str, Any]
     for kind, f in frontiers.items():
         html = (f.get("figures") or {}).get("frontier", {}).get("html", "")
         lines += [f"- **{kind}**: {f['headline']}" + (f" ([figure]({html}))" if html else "")]
-    if over_seeds:
-        def ci(x: dict) -> str:
-            return f"{x['mean']:.3f}" + ("" if x["lo"] is None else f" [{x['lo']:.3f}, {x['hi']:.3f}]")
+    def ci(x: dict) -> str:
+        return f"{x['mean']:.3f}" + ("" if x["lo"] is None else f" [{x['lo']:.3f}, {x['hi']:.3f}]")
 
+    if over_seeds:
         lines += ["", f"Over {over_seeds[0]['seeds']} seeds (mean, 95% t-interval over seeds):", "",
                   "| organism | family | setting | restoration | size (KL from DPO) | excess over controls |",
                   "|---|---|---|---|---|---|"]
@@ -152,8 +154,14 @@ def frontier_markdown(frontiers: dict[str, Any], over_seeds: list[dict[str, Any]
                   f"{ci(r['restoration'])} | {ci(r['size'])} | {ci(r['excess']) if r['excess']['n'] else '–'} |"
                   for r in over_seeds]
         led = {r["organism"]: r["leads"] for r in over_seeds}
-        lines += ["", *(f"- {kind}: at matched size, " + (", ".join(f"{f} led in {n} seed(s)" for f, n in leads.items())
-                        or "no two families overlapped in size") for kind, leads in led.items())]
+        lines += ["", *(f"- {kind}: at matched size, " + (", ".join(f"{f} led in {n} seed(s)" for f, n in count.items())
+                        or "no two families overlapped in size") for kind, count in led.items())]
+    if leads:
+        lines += ["", "Each pair of families at matched size (a size both reach in every seed; each seed's "
+                  "restoration interpolated in log size): the mean lead over seeds, 95% t-interval over seeds:", "",
+                  "| organism | size (KL from DPO) | leader | over | lead | per seed |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['organism']} | {r['size']:.3g} | {r['leader']} | {r['other']} | {ci(r['lead'])} | "
+                  f"{', '.join(f'{v:+.3f}' for v in r['leads'])} |" for r in leads]
     return lines
 
 
@@ -172,7 +180,8 @@ def calibration_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {organism_label(c)} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} | "
                      f"{c['units']:,} | {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | {ctrl} | {found} |")
     lines += over_seeds_markdown(result.get("over_seeds", []))
-    lines += frontier_markdown(result.get("frontiers", {}), result.get("frontier_over_seeds", []))
+    lines += frontier_markdown(result.get("frontiers", {}), result.get("frontier_over_seeds", []),
+                               result.get("frontier_leads_over_seeds", []))
     lines += detection_markdown(result.get("detection", {}))
     lines += ["", "## Stability of the selections", "", "The Jaccard overlap of the units each selector takes from "
               "Poisson bootstrap resamples of the probe cases (of the attribution pairs for attribution), beside two "

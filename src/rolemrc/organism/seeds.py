@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from rolemrc.organism.config import NULL
 from rolemrc.organism.detection import detection_summary
 from rolemrc.organism.recommend import recipe_of, recommend
 from rolemrc.organism.scoring import finds_change, null_rates
+from rolemrc.sweep.frontier import MATCH_POINTS, family_curves, interpolated
 
 
 def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[dict[str, Any]]) -> dict[str, Any]:
@@ -62,7 +64,8 @@ def combine_seeds(results: dict[int, dict[str, Any]], out: Path, against: list[d
               "cells": rows, "skipped": {f"{k}@{s}": v for s, r in results.items() for k, v in r["skipped"].items()},
               "timing": {f"{k}@{s}": v for s, r in results.items() for k, v in r["timing"].items()},
               "frontiers": {f"{k}@{s}": f for s, r in results.items() for k, f in r.get("frontiers", {}).items()},
-              "frontier_over_seeds": frontier_over_seeds(results), **null_rates(rows)}
+              "frontier_over_seeds": frontier_over_seeds(results),
+              "frontier_leads_over_seeds": frontier_leads_over_seeds(results), **null_rates(rows)}
     out.mkdir(parents=True, exist_ok=True)
     result["figure"] = calibration_figure(rows, out) if rows else {}
     result["detection_figure"] = detection_figure(result["detection"], out) if result["detection"] else {}
@@ -121,6 +124,41 @@ def frontier_over_seeds(results: dict[int, dict[str, Any]]) -> list[dict[str, An
                     "size": t_interval([p["size"]["mean"] for p in ps]), "excess": t_interval(excess),
                     "leads": leads.get(kind, {})})
     return out
+
+
+def frontier_leads_over_seeds(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per organism and pair of families with a curve in every seed's frontier, at `MATCH_POINTS` sizes log-spaced over
+    the range both curves reach in every seed: each seed's lead of one over the other (each curve's restoration
+    interpolated in log size, as `sweep.frontier.matched` does per case) and their mean with a Student-t 95% CI over
+    seeds (lo and hi None below two); `leader` is the family ahead on that mean. Each seed's bootstrap over its cases
+    stays in its own frontier's `matched`."""
+    seeds: dict[str, list[tuple[dict, np.ndarray]]] = {}   # organism -> per seed (its curves, its points' restoration)
+    for result in results.values():
+        for kind, frontier in result.get("frontiers", {}).items():
+            points = frontier["points"]
+            seeds.setdefault(kind, []).append((
+                family_curves([p["family"] for p in points], [p["size"]["mean"] for p in points]),
+                np.array([p["restoration"]["mean"] for p in points])))
+    out = []
+    for kind, per_seed in seeds.items():
+        if len(per_seed) < len(results):
+            continue
+        common = [f for f in per_seed[0][0] if all(f in curves for curves, _ in per_seed)]
+        for pair in combinations(common, 2):
+            lo = max(curves[f][0][0] for curves, _ in per_seed for f in pair)
+            hi = min(curves[f][0][-1] for curves, _ in per_seed for f in pair)
+            for x in np.unique(np.linspace(lo, hi, MATCH_POINTS)) if lo <= hi else []:
+                leads = np.array([seed_lead(curves, restored, pair, x) for curves, restored in per_seed])
+                leader, other, leads = (*pair, leads) if leads.mean() >= 0 else (pair[1], pair[0], -leads)
+                out.append({"organism": kind, "size": float(math.exp(x)), "leader": leader, "other": other,
+                            "leads": leads.tolist(), "lead": t_interval(leads)})
+    return out
+
+
+def seed_lead(curves: dict, restored: np.ndarray, pair: tuple[str, str], x: float) -> float:
+    """One seed's restoration of pair[0] minus pair[1] at log size `x` (`sweep.frontier.interpolated`)."""
+    first, second = (interpolated(*curves[f], x, restored) for f in pair)
+    return float(first - second)
 
 
 def lead(row: dict[str, Any]) -> float:

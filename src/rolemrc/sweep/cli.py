@@ -128,9 +128,10 @@ def frontier_cmd(
     families: str = typer.Option(",".join(FAMILY_KINDS), help="comma-separated: " + ", ".join(FAMILY_KINDS)),
     per_layer: str = typer.Option("4,16,64", help="units per layer of the unit families (those below the width)"),
     factors: str = typer.Option("0", help="scale family factors (one curve each)"),
-    unit_alphas: str = typer.Option("1", help="unit revert alphas (one curve each)"),
+    unit_alphas: str = typer.Option("1", help="unit and layer revert alphas (one curve each)"),
     model_alphas: str = typer.Option("0.05,0.1,0.2,0.4,0.7,1", help="whole-model revert alphas (one curve)"),
-    top_layers: str = typer.Option("1,2,4", help="direction family: the N layers where it is longest"),
+    top_layers: str = typer.Option("1,2,4", help="direction and revert-layers families: the N layers where the "
+                                   "difference of means is longest (revert-layers: N of at most half the layers)"),
     controls: int = typer.Option(10, min=10, help="controls of the same kind and size per point"),
     known_units: Path = typer.Option(None, "--known-units", help="the units that carry the change (a units "
                                      "organism's known_units.json): `patch S` and `revert S` drawn as the ceiling"),

@@ -5,6 +5,8 @@ Families (one curve each), per point a restraint and `controls` of the same kind
 - `scale xF` and `patch`: the selector's units (`--method`) at each per-layer budget, scaled by F, or set to their mean
   under the SFT model; controls: random units matched on activation magnitude (`sweep.controls`);
 - `revert units a=A`: the same units' weights moved toward the SFT model by A; controls: random units, the same A;
+- `revert layers a=A`: the blocks of the `top_layers` layers where the difference of means is longest (the layers
+  `direction` takes) moved toward the SFT model by A; controls: as many random other layers, the same A;
 - `direction`: the difference of means projected out of the `top_layers` layers where it is longest; controls: random
   unit directions in the same layers;
 - `revert model`: every weight moved toward the SFT model by alpha (Lin et al.'s interpolation): no control, it is the
@@ -14,7 +16,8 @@ Families (one curve each), per point a restraint and `controls` of the same kind
 
 Each point is measured once, teacher-forced (`eval.divergence`): restoration, the share of the DPO model's KL to the
 SFT model it undoes on the dimension's cases (1 − Σc/Σd); size, its mean KL from the DPO model per token of the
-neutral texts; and, given held-out preference pairs, the share of DPO's implicit-reward margin it keeps. CIs are
+neutral texts; a revert's share of the DPO - SFT weight change it reverts (the bake's `size.reverted_share`); and,
+given held-out preference pairs, the share of DPO's implicit-reward margin it keeps. CIs are
 percentile bootstraps over cases (texts, pairs). At matched size, families are compared by interpolating each curve's
 per-case restoration in log size and bootstrapping the paired difference over cases.
 """
@@ -35,7 +38,7 @@ from rolemrc.core.errors import InputError
 from rolemrc.intervene.spec import Restraint
 
 UNIT_KINDS = ("scale", "patch", "revert")   # families that restrain the selector's units
-FAMILY_KINDS = ("scale", "patch", "revert-units", "direction", "revert-model")
+FAMILY_KINDS = ("scale", "patch", "revert-units", "revert-layers", "direction", "revert-model")
 ROUNDS = 2000
 MATCH_POINTS = 5   # sizes (log-spaced over the families' common range) where families are compared
 
@@ -57,9 +60,9 @@ class FrontierConfig:
     families: list[str] = field(default_factory=lambda: list(FAMILY_KINDS))
     per_layer: list[int] = field(default_factory=lambda: [4, 16, 64])
     factors: list[float] = field(default_factory=lambda: [0.0])
-    unit_alphas: list[float] = field(default_factory=lambda: [1.0])
+    unit_alphas: list[float] = field(default_factory=lambda: [1.0])   # unit and layer reverts
     model_alphas: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.4, 0.7, 1.0])
-    top_layers: list[int] = field(default_factory=lambda: [1, 2, 4])
+    top_layers: list[int] = field(default_factory=lambda: [1, 2, 4])   # direction and layer reverts
     controls: int = 10
     known_units: dict[int, list[int]] | None = None   # the units that carry the change (a units organism's S)
     seed: int = 0
@@ -187,6 +190,52 @@ def direction_points(config: FrontierConfig) -> list[Point]:
     return points
 
 
+def layer_points(config: FrontierConfig, layers: int) -> list[Point]:
+    """The blocks of the `top_layers` layers where the difference of means is longest (those `direction` takes)
+    reverted toward the SFT model at each unit alpha; controls: as many of the model's `layers` other layers, the same
+    alpha. A top set of more than half the layers (no other set as large) is left out."""
+    from rolemrc.intervene.kinds import direction_restraint, revert_restraint
+
+    points, seen = [], []
+    for n in config.top_layers:
+        top = direction_restraint(config.diff, config.dimension, top_layers=n).sites
+        if top in seen or 2 * len(top) > layers:   # fewer layers differ than asked, or no others to draw
+            continue
+        seen.append(top)
+        drawn = layer_draws(top, layers, config.controls, config.seed)
+        for a in config.unit_alphas:
+            name = f"revert-layers-{len(top)}-a{a:g}"
+            points.append(Point(f"revert layers a={a:g}", "revert", {"top_layers": len(top), "alpha": a},
+                                revert_restraint(config.base, a, "layers", layers=spelled(top), name=name),
+                                [revert_restraint(config.base, a, "layers", layers=spelled(c), name=f"{name}-control{j}")
+                                 for j, c in enumerate(drawn)]))
+    return points
+
+
+def spelled(layers: list[int]) -> str:
+    return ",".join(map(str, layers))
+
+
+def layer_draws(top: list[int], layers: int, n: int, seed: int) -> list[list[int]]:
+    """`n` sets of as many layers as `top` from the model's other layers, seeded: distinct while there are that many
+    such sets, else each of them in turn (in a random order)."""
+    import itertools
+
+    import torch
+
+    others = torch.tensor([layer for layer in range(layers) if layer not in top])
+    gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(f"{seed}:layers:{top}".encode()).digest()[:8],
+                                                       "little"))
+    if math.comb(len(others), len(top)) <= n:
+        sets = [list(c) for c in itertools.combinations(others.tolist(), len(top))]
+        order = torch.randperm(len(sets), generator=gen).tolist()
+        return [sets[order[j % len(sets)]] for j in range(n)]
+    drawn: dict[tuple[int, ...], None] = {}
+    while len(drawn) < n:
+        drawn[tuple(sorted(others[torch.randperm(len(others), generator=gen)[:len(top)]].tolist()))] = None
+    return [list(c) for c in drawn]
+
+
 def model_points(config: FrontierConfig) -> list[Point]:
     """Global weight interpolation toward the SFT model (no controls)."""
     from rolemrc.intervene.kinds import revert_restraint
@@ -213,8 +262,10 @@ def ceiling_points(config: FrontierConfig, width: int) -> list[Point]:
                   [as_revert(c, 1.0, reference) for c in drawn])]
 
 
-def frontier_points(config: FrontierConfig, width: int) -> list[Point]:
+def frontier_points(config: FrontierConfig, width: int, layers: int) -> list[Point]:
     points = unit_points(config, width) + ceiling_points(config, width)
+    if "revert-layers" in config.families:
+        points += layer_points(config, layers)
     if "direction" in config.families:
         points += direction_points(config)
     if "revert-model" in config.families:
@@ -259,12 +310,25 @@ def measure(config: FrontierConfig, points: list[Point], *, progress: bool = Tru
     cells = [None] + [r for p in points for r in (p.restraint, *p.controls)]
     result = kl_grid(sft, dpo, tok, cases, texts, cells, batch_size=config.batch_size, neutral=neutral, progress=progress)
     out = {"d": result.dpo.numpy(), "c": result.kl.numpy(), "neutral_kl": result.neutral_kl.numpy(),
-           "cases": len(cases), "texts": len(neutral)}
+           "reverted_share": reverted_shares(dpo, sft, cells), "cases": len(cases), "texts": len(neutral)}
     if config.pairs:
         pairs, _ = read_pairs(config.pairs)
         out["margin"] = margin_grid(sft, dpo, tok, pairs, [None] + [p.restraint for p in points],
                                     batch_size=config.batch_size, progress=progress).numpy()
     return out
+
+
+def reverted_shares(dpo: Any, sft: Any, cells: list[Restraint | None]) -> np.ndarray:
+    """Each cell's share of the DPO - SFT weight change it reverts, as its bake reports it (`size.reverted_share`);
+    NaN for a cell that reverts nothing."""
+    from rolemrc.intervene.bake import restraint_size, squared_change
+
+    total = squared_change(dpo, sft)
+    return np.array([restraint_size(dpo, r, sft, total=total).get("reverted_share", math.nan) if r else math.nan
+                     for r in cells])
+
+
+MEASURES = ("d", "c", "neutral_kl", "reverted_share")   # what a kept measured.npz must hold to be read again
 
 
 def measured(config: FrontierConfig, points: list[Point], out: Path, *, progress: bool = True) -> dict[str, Any]:
@@ -281,7 +345,7 @@ def measured(config: FrontierConfig, points: list[Point], out: Path, *, progress
     path = out / "measured.npz"
     if path.is_file():
         kept = np.load(path, allow_pickle=False)
-        if str(kept["key"]) == key:
+        if str(kept["key"]) == key and set(MEASURES) <= set(kept.files):
             return {name: kept[name] if kept[name].ndim else kept[name].item() for name in kept.files if name != "key"}
     result = measure(config, points, progress=progress)
     np.savez(path, key=key, **result)
@@ -304,7 +368,7 @@ def interval(point: float, samples: np.ndarray) -> dict[str, float]:
 def summarise(config: FrontierConfig, points: list[Point], measured: dict[str, Any]) -> dict[str, Any]:
     """Per point: restoration and size with CIs, its controls' band and its excess over them, the margin kept; per
     matched size, each family's restoration and the best family's lead."""
-    d, c, nkl = measured["d"], measured["c"], measured["neutral_kl"]
+    d, c, nkl, share = measured["d"], measured["c"], measured["neutral_kl"], measured["reverted_share"]
     w_cases, w_texts = weights(len(d), config.seed), weights(nkl.shape[1], config.seed + 1)
     boot = 1 - (c @ w_cases.T) / (d @ w_cases.T)          # [cells, rounds]
     restored = 1 - c.sum(1) / d.sum()                        # [cells]
@@ -314,14 +378,15 @@ def summarise(config: FrontierConfig, points: list[Point], measured: dict[str, A
     for k, p in enumerate(points):
         ctrl = slice(at + 1, at + 1 + len(p.controls))
         row = {"family": p.family, "kind": p.kind, **p.setting, "name": p.restraint.name,
-               "units": p.restraint.num_units, "layers": len(p.restraint.sites) or None,
+               "units": p.restraint.num_units, "layers": len(p.restraint.sites or p.restraint.layers) or None,
                "restoration": interval(restored[at], boot[at]), "size": interval(size[at], size_boot[at]),
-               "digest": p.restraint.digest}
+               **({"reverted_share": float(share[at])} if p.kind == "revert" else {}), "digest": p.restraint.digest}
         if p.controls:
             mean_ctrl = boot[ctrl].mean(0)
             row["controls"] = {"n": len(p.controls), "distinct": len({c.digest for c in p.controls}),
                                "restoration": [float(x) for x in restored[ctrl]],
                                "size": [float(x) for x in size[ctrl]],
+                               **({"reverted_share": [float(x) for x in share[ctrl]]} if p.kind == "revert" else {}),
                                "excess": interval(restored[at] - restored[ctrl].mean(), boot[at] - mean_ctrl)}
         if "margin" in measured:
             m = measured["margin"]
@@ -345,26 +410,17 @@ def matched(points: list[Point], rows: list[dict], c: np.ndarray, d: np.ndarray,
     """At log-spaced sizes over the families' ranges (families of 2+ points), the families whose range covers the
     size (2 or more): each one's restoration (its curve interpolated in log size, per case) with a CI, and the
     leader's lead over the runner-up, paired over cases."""
-    index, at = {}, 1
-    for p, row in zip(points, rows):
-        index.setdefault(p.family, []).append((row["size"]["mean"], at))
-        at += 1 + len(p.controls)
-    curves = {f: sorted(v) for f, v in index.items() if len({s for s, _ in v}) >= 2 and all(s > 0 for s, _ in v)}
+    cell = np.cumsum([0, *(1 + len(p.controls) for p in points)])[:-1] + 1   # each point's row of c
+    curves = family_curves([p.family for p in points], [row["size"]["mean"] for row in rows])
     if len(curves) < 2:
         return []
-    ranges = {f: (math.log(v[0][0]), math.log(v[-1][0])) for f, v in curves.items()}
+    ranges = {f: (sizes[0], sizes[-1]) for f, (sizes, _) in curves.items()}
     out = []
     for x in np.linspace(min(lo for lo, _ in ranges.values()), max(hi for _, hi in ranges.values()), MATCH_POINTS * 2):
         covering = [f for f, (lo, hi) in ranges.items() if lo - 1e-9 <= x <= hi + 1e-9]
         if len(covering) < 2:
             continue
-        per_case = {}
-        for family in covering:
-            curve = curves[family]
-            sizes = np.log([s for s, _ in curve])
-            j = int(np.clip(np.searchsorted(sizes, x) - 1, 0, len(curve) - 2))
-            t = 0.0 if sizes[j + 1] == sizes[j] else (x - sizes[j]) / (sizes[j + 1] - sizes[j])
-            per_case[family] = (1 - t) * c[curve[j][1]] + t * c[curve[j + 1][1]]   # interpolated KL per case
+        per_case = {f: interpolated(*curves[f], x, c[cell]) for f in covering}   # interpolated KL per case
         value = {f: float(1 - v.sum() / d.sum()) for f, v in per_case.items()}
         boot = {f: 1 - (v @ w.T) / (d @ w.T) for f, v in per_case.items()}
         ranked = sorted(value, key=value.get, reverse=True)
@@ -372,6 +428,25 @@ def matched(points: list[Point], rows: list[dict], c: np.ndarray, d: np.ndarray,
         out.append({"size": float(math.exp(x)), "restoration": {f: interval(value[f], boot[f]) for f in ranked},
                     "leader": ranked[0], "runner_up": ranked[1], "lead": lead})
     return out
+
+
+def family_curves(families: list[str], sizes: list[float]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per family of points at 2 or more distinct sizes, all positive: their log sizes, ascending, and their
+    positions in the lists."""
+    by_family: dict[str, list[tuple[float, int]]] = {}
+    for k, (family, size) in enumerate(zip(families, sizes)):
+        by_family.setdefault(family, []).append((size, k))
+    return {f: (np.log([s for s, _ in sorted(v)]), np.array([k for _, k in sorted(v)])) for f, v in by_family.items()
+            if len({s for s, _ in v}) >= 2 and all(s > 0 for s, _ in v)}
+
+
+def interpolated(log_sizes: np.ndarray, positions: np.ndarray, x: float, values: np.ndarray) -> np.ndarray:
+    """A curve's value at log size `x`: linear in log size between the points around it (`family_curves`' log sizes
+    and positions into `values`, the first axis), extended from the end segments."""
+    j = int(np.clip(np.searchsorted(log_sizes, x) - 1, 0, len(log_sizes) - 2))
+    gap = log_sizes[j + 1] - log_sizes[j]
+    t = 0.0 if gap == 0 else (x - log_sizes[j]) / gap
+    return (1 - t) * values[positions[j]] + t * values[positions[j + 1]]
 
 
 def headline(summary: dict[str, Any]) -> str:
@@ -394,7 +469,7 @@ def headline(summary: dict[str, Any]) -> str:
 def run_frontier(config: FrontierConfig, *, progress: bool = True) -> dict[str, Any]:
     """Build every family's points and controls, measure them, and write OUT/frontier.json, frontier.md and the
     figure (frontier.html/png)."""
-    from rolemrc.core.hooks import width
+    from rolemrc.core.hooks import num_layers, width
     from rolemrc.core.io import write_json
     from rolemrc.core.modeling import load_model
     from rolemrc.intervene.inputs import input_hook
@@ -402,7 +477,7 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True) -> dict[str, 
 
     config.check_inputs()
     skeleton, _ = load_model(config.model, dtype=config.dtype, device="cpu")
-    points = frontier_points(config, width(skeleton, input_hook(config.diff)))
+    points = frontier_points(config, width(skeleton, input_hook(config.diff)), num_layers(skeleton))
     del skeleton
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -422,16 +497,18 @@ def frontier_markdown(summary: dict[str, Any]) -> str:
     lines = ["# Restraint frontier", "", summary["headline"], "",
              f"{summary['cases']} cases of {summary['config']['dimension']}, {summary['texts']} neutral texts; the DPO "
              f"model's mean KL to the SFT model per token there: {summary['dpo_kl_to_sft']:.4g}.", "",
-             "| family | setting | restoration | size (neutral KL from DPO) | controls (min-max) | excess over controls "
-             "| DPO margin kept |", "|---|---|---|---|---|---|---|"]
+             "| family | setting | restoration | size (neutral KL from DPO) | share of DPO − SFT reverted | controls "
+             "(min-max) | excess over controls | DPO margin kept |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["points"]:
         setting = ", ".join(f"{k} {r[k]:g}" for k in ("per_layer", "factor", "alpha", "top_layers") if k in r)
         band = "–"
         if "controls" in r:
             c = r["controls"]
             band = f"{min(c['restoration']):.3f} to {max(c['restoration']):.3f}" + (
-                f" ({c['distinct']} distinct of {c['n']}: the budget leaves no other units)" if c["distinct"] < c["n"] else "")
-        lines.append(f"| {r['family']} | {setting} | {ci(r['restoration'])} | {r['size']['mean']:.3g} | {band} | "
+                f" ({c['distinct']} distinct of {c['n']}: no other units or layers to draw)" if c["distinct"] < c["n"]
+                else "")
+        share = f"{r['reverted_share']:.3g}" if "reverted_share" in r else "–"
+        lines.append(f"| {r['family']} | {setting} | {ci(r['restoration'])} | {r['size']['mean']:.3g} | {share} | {band} | "
                      f"{ci(r.get('controls', {}).get('excess'))} | {ci(r.get('margin_kept'))} |")
     if summary["matched"]:
         families = list(dict.fromkeys(f for r in summary["matched"] for f in r["restoration"]))
