@@ -6,9 +6,11 @@
 Writes into `--img` (docs/img): the diff's heatmaps (layers x dimensions, and the units of the dimension that shifted
 most), a screenshot of the layer explorer (headless Chromium, that dimension's peak layer clicked), the sweep's
 dose-response figure, the A/B chart, and, given a calibration run's folder, its chart. Executes
-notebooks/layer_explorer.ipynb and notebooks/ab_testing.ipynb on the demo's outputs and writes them, outputs saved,
-into `--notebooks` (notebooks/): each Plotly figure is saved as a static PNG (what GitHub and any viewer show), with
-its interactive JSON beside it when that is small. The A/B chart is the ab_testing notebook's figure.
+notebooks/layer_explorer.ipynb, notebooks/ab_testing.ipynb and notebooks/attribution.ipynb on the demo's outputs and
+writes them, outputs saved, into `--notebooks` (notebooks/): each Plotly figure is saved as a static PNG (what GitHub
+and any viewer show), with its interactive JSON beside it when that is small, and no output names a path of this
+machine (the demo folder reads `runs/demo`, `rolemrc demo`'s default). The A/B chart is the ab_testing notebook's
+figure.
 Every PNG is stored with a 256-colour palette to stay small. Needs Chromium, kaleido, playwright and nbclient
 (`make install`, scripts/system-deps.sh).
 """
@@ -51,9 +53,10 @@ def diff_heatmaps(demo: Path, img: Path, dimension: str) -> list[Path]:
             save_png((demo / "diff" / f"heatmap_units_{dimension}.png").read_bytes(), img / "probe_heatmap_units.png")]
 
 
-def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int) -> Path:
-    """The explorer page with `dimension` chosen, the bar of `layer` clicked (its unit panel shows) and the preview's
-    first unit clicked (its top prompts under A and B show)."""
+def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int, *, selector: str | None = None,
+                        name: str = "explorer.png") -> Path:
+    """The explorer page with `dimension` (and `selector`, else the page's default) chosen, the bar of `layer` clicked
+    (its unit panel shows) and the preview's first unit clicked (its top prompts under A and B show)."""
     sys.path.insert(0, str(ROOT / "tests"))   # the tests' headless Chromium (Playwright on /usr/bin/chromium)
     from browser import browser_page
 
@@ -61,6 +64,8 @@ def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int) -> Pa
         page.goto((demo / "explorer.html").as_uri())
         page.wait_for_function("window.explorerReady === true", timeout=30_000)
         page.select_option("#dimension", dimension)
+        if selector:
+            page.select_option("#selector", selector)
         box = page.locator("#layers .bars .point path").nth(layer).bounding_box()
         page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] - 3)
         page.wait_for_function(f"document.querySelector('#scatter .gtitle').textContent.startsWith('layer {layer}')")
@@ -74,7 +79,7 @@ def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int) -> Pa
     content = ImageOps.invert(shot.convert("RGB")).getbbox()   # the page without its blank bottom
     buffer = io.BytesIO()
     shot.crop((0, 0, shot.width, min(shot.height, content[3] + 24))).save(buffer, format="PNG")
-    return save_png(buffer.getvalue(), img / "explorer.png")
+    return save_png(buffer.getvalue(), img / name)
 
 
 def sweep_figure(demo: Path, img: Path, dimension: str) -> Path:
@@ -98,8 +103,31 @@ def static_figures(nb: nbformat.NotebookNode) -> list[bytes]:
     return pngs
 
 
-def execute(name: str, env: dict[str, str], out_dir: Path) -> list[bytes]:
-    """Execute notebooks/<name> with `env` set, save it with static figures into out_dir; returns its figures' PNGs."""
+def stand_ins(demo: Path) -> dict[str, str]:
+    """The machine paths a notebook's outputs may show, longest first, each with what it reads instead: the demo
+    folder `runs/demo`, this checkout `.`, the home folder `~`, the temporary folder `$TMPDIR`."""
+    paths = {str(demo): "runs/demo", str(ROOT): ".", str(Path.home()): "~", tempfile.gettempdir(): "$TMPDIR"}
+    return dict(sorted(paths.items(), key=lambda item: -len(item[0])))
+
+
+def replace_paths(nb: nbformat.NotebookNode, paths: dict[str, str]) -> None:
+    """Replace each of `paths` by its stand-in in every output's text (streams, and data other than images)."""
+    def replaced(text: str) -> str:
+        for path, stand_in in paths.items():
+            text = text.replace(path, stand_in)
+        return text
+
+    for output in (o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs):
+        if "text" in output:
+            output["text"] = replaced(output["text"])
+        data = output.get("data", {})
+        for mime in [m for m, value in data.items() if isinstance(value, str) and not m.startswith("image/")]:
+            data[mime] = replaced(data[mime])
+
+
+def execute(name: str, env: dict[str, str], out_dir: Path, paths: dict[str, str]) -> list[bytes]:
+    """Execute notebooks/<name> with `env` set, save it with static figures and `paths` replaced (`replace_paths`)
+    into out_dir; returns its figures' PNGs."""
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -111,19 +139,26 @@ def execute(name: str, env: dict[str, str], out_dir: Path) -> list[bytes]:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.update({k: v})
     pngs = static_figures(nb)
+    replace_paths(nb, paths)
     out_dir.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out_dir / name)
     return pngs
 
 
 def notebooks(demo: Path, out_dir: Path, img: Path, ab_requests: int) -> list[Path]:
-    """Both notebooks executed on the demo's outputs (`ab_requests` A/B requests); the A/B notebook's chart becomes
+    """The notebooks executed on the demo's outputs (`ab_requests` A/B requests); the A/B notebook's chart becomes
     the A/B picture."""
-    execute("layer_explorer.ipynb", {"ROLEMRC_DIFF_DIR": str(demo / "diff")}, out_dir)
+    paths = stand_ins(demo)
+    execute("layer_explorer.ipynb", {"ROLEMRC_DIFF_DIR": str(demo / "diff")}, out_dir, paths)
     ab = execute("ab_testing.ipynb", {"ROLEMRC_MODEL_DIR": str(demo / "dpo"), "ROLEMRC_RESTRAINT": str(demo / "restraint.yaml"),
                                       "ROLEMRC_TEST_DATA": str(demo / "data" / "test.jsonl"),
-                                      "ROLEMRC_AB_REQUESTS": str(ab_requests)}, out_dir)
-    return [out_dir / "layer_explorer.ipynb", out_dir / "ab_testing.ipynb", save_png(ab[-1], img / "ab_chart.png")]
+                                      "ROLEMRC_AB_REQUESTS": str(ab_requests)}, out_dir, paths)
+    execute("attribution.ipynb", {"ROLEMRC_SFT_DIR": str(demo / "sft"), "ROLEMRC_DPO_DIR": str(demo / "dpo"),
+                                  "ROLEMRC_PAIRS": str(demo / "data" / "pairs.jsonl"),
+                                  "ROLEMRC_TEST_DATA": str(demo / "data" / "test.jsonl"),
+                                  "ROLEMRC_DIFF_DIR": str(demo / "diff")}, out_dir, paths)
+    return [out_dir / name for name in ("layer_explorer.ipynb", "ab_testing.ipynb", "attribution.ipynb")] + [
+        save_png(ab[-1], img / "ab_chart.png")]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -105,7 +105,7 @@ def test_docs_pictures_come_from_a_demo_run(first_run, tmp_path):
     assert set(pictures) == {"probe_heatmap_dimensions.png", "probe_heatmap_units.png", "explorer.png",
                              "sweep_dose_response.png", "ab_chart.png"}
     assert all(2_000 < size < 400_000 for size in pictures.values()), pictures
-    for name in ("layer_explorer.ipynb", "ab_testing.ipynb"):
+    for name in ("layer_explorer.ipynb", "ab_testing.ipynb", "attribution.ipynb"):
         assert unsaved_outputs(tmp_path / "notebooks" / name) == [], name
 
 
