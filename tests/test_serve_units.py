@@ -297,8 +297,9 @@ def test_an_inline_restraint_on_the_vllm_engine_is_validated_once_and_shares_its
 
 
 def test_the_vllm_engine_serves_each_kind_a_lora_holds_and_refuses_the_rest_by_name(model_dirs, tmp_path):
-    """A direction is a rank-1 LoRA: resolved like a scale. A patch (a constant) and a revert (a full-rank delta) are
-    422 restraint_kind_unsupported, naming the kind, before any adapter is exported."""
+    """A direction is a rank-1 LoRA: resolved like a scale. A patch (a constant) and a revert (it moves every linear
+    layer, beyond the projections the engine's adapters wrap; baked) are 422 restraint_kind_unsupported, naming the
+    kind, before any adapter is exported."""
     from rolemrc.serve.catalog import ModelCatalog
     from rolemrc.serve.errors import ApiError
 
@@ -316,6 +317,7 @@ def test_the_vllm_engine_serves_each_kind_a_lora_holds_and_refuses_the_rest_by_n
             catalog.resolve(engine, None, spec)
         assert (err.value.status, err.value.code) == (422, "restraint_kind_unsupported")
         assert f"cannot serve a {spec['restraint']} restraint" in str(err.value) and not list(tmp_path.iterdir())
+    assert "(vllm engine) serves restraints as LoRA adapters of the projections" in str(err.value)
 
 
 def test_cors_lets_a_browser_send_an_idempotency_key_and_read_the_replay(model_dirs):

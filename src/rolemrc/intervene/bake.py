@@ -184,10 +184,15 @@ def revert_updates(model: nn.Module, r: Restraint, reference: nn.Module | None) 
     ref = dict(reference.named_parameters())
     for name, param, index in revert_slices(model, r):
         if name not in ref or ref[name].shape != param.shape:
-            raise RestraintError(f"the reference {r.reference.get('name')} has no {name} of shape {tuple(param.shape)}: "
-                                 "revert toward the checkpoint this model was trained from")
+            raise reference_mismatch(r, name, tuple(param.shape))
         here, there = param[index].float(), ref[name][index].to(param.device).float()
         yield param, index, torch.lerp(here, there, r.alpha)   # exact at alpha 0 and 1
+
+
+def reference_mismatch(r: Restraint, name: str, shape: tuple[int, ...]) -> RestraintError:
+    """The error for a revert's reference that lacks the parameter `name` of `shape`."""
+    return RestraintError(f"the reference {r.reference.get('name')} has no {name} of shape {shape}: revert toward the "
+                          "checkpoint this model was trained from")
 
 
 def revert_slices(model: nn.Module, r: Restraint) -> Iterator[tuple[str, nn.Parameter, tuple]]:

@@ -177,10 +177,13 @@ def bake_cmd(
 @app.command("lora")
 def lora_cmd(
     model: Path = typer.Option(..., "--model", help=f"source model: {MODEL_HELP}"),
-    spec: Path = typer.Option(..., "--restraint", help="restraint spec at a hook point that exports as LoRA: "
-                              + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold and point.lora)),
+    spec: Path = typer.Option(..., "--restraint", help="restraint spec: a scale or direction at a hook point that "
+                              "exports as LoRA ("
+                              + " | ".join(name for name, point in HOOK_POINTS.items() if point.fold and point.lora)
+                              + "), or a revert whose change from its reference is low-rank"),
     out: Path = typer.Option(..., "--out", help="output PEFT adapter directory"),
-    rank: int = typer.Option(None, help="LoRA rank (default: the smallest vLLM rank that holds the largest layer)"),
+    rank: int = typer.Option(None, help="LoRA rank (default: the smallest vLLM rank that holds the largest layer's "
+                             "units, or a revert's largest numerical rank; a revert above it is refused)"),
     strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Export the restraint as an exact PEFT LoRA adapter (B @ A = the bake's weight change)."""

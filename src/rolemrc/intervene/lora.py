@@ -3,8 +3,9 @@
 Scaling units of one projection's input (columns U of W) or output (rows R) by f is the rank-|U| edit
 W[:, U] (f - 1) e_U^T (resp. e_R (f - 1) W[R, :]), so with lora_alpha = r (scaling 1) B @ A is exactly the
 bake's weight change: the fold's side in HOOK_POINTS decides which factor is one-hot. Projecting a unit vector d out
-of the input (output) side is the rank-1 edit -(W d) d^T (resp. -d (d^T W)). A patch adds a constant and a revert a
-full-rank delta in general: neither is a LoRA.
+of the input (output) side is the rank-1 edit -(W d) d^T (resp. -d (d^T W)). A patch adds a constant: not a LoRA. A
+revert adds alpha (W_ref - W) to every weight of its scope: a LoRA where that change is low-rank (a LoRA-trained
+model's, merged), factored exactly by `intervene.delta` from both checkpoints, and refused by weight where it is not.
 
 `LoraExporter` never loads a model directory: a skeleton on the meta device says where each fold lives, and only the
 folded projections' weights are read from the checkpoint, so exporting costs what the adapter holds (a
@@ -31,7 +32,8 @@ from torch import nn
 from rolemrc.core.hooks import HOOK_POINTS, hook_point, layout_of, module_at
 from rolemrc.core.modeling import dir_fingerprint, is_path, loaded_model, model_fingerprint, model_name, resolve_model
 from rolemrc.core.version import __version__
-from rolemrc.intervene.bake import Fold, lora_exportable, provenance_metadata, restraint_fold
+from rolemrc.intervene.bake import Fold, lora_exportable, provenance_metadata, reference_dir, restraint_fold
+from rolemrc.intervene.delta import revert_pairs, stores_in_out
 from rolemrc.intervene.fit import check_origin, validate
 from rolemrc.intervene.spec import KindUnsupportedError, Restraint, RestraintError, as_restraint
 
@@ -82,6 +84,11 @@ def lora_pair(weight: torch.Tensor, fold: Fold, r: Restraint, layer: int, rank: 
             a, b = F.one_hot(idx, w.shape[1]).double(), w[:, idx] * (r.factor - 1)
         else:
             a, b = w[idx, :], F.one_hot(idx, w.shape[0]).double().T * (r.factor - 1)
+    return pad_pair(a, b, rank)
+
+
+def pad_pair(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) in float32, zero-padded to `rank` (exact: the padding adds nothing to B @ A)."""
     pad = rank - a.shape[0]
     return F.pad(a.float(), (0, 0, 0, pad)).contiguous(), F.pad(b.float(), (0, pad)).contiguous()
 
@@ -138,9 +145,20 @@ class LoraExporter:
         self.names = {id(m): n for n, m in self.model.named_modules()}
 
     def check(self, spec: Any, max_rank: int | None = None) -> Restraint:
-        """The restraint, if LoRA expresses it exactly on this model (within `max_rank` units per layer), else
-        a RestraintError saying why."""
-        return self._plan(spec, max_rank)[0]
+        """The restraint, if LoRA expresses it exactly on this model (within `max_rank` units per layer; a revert:
+        within rank `max_rank`, by an SVD of every weight it moves), else a RestraintError saying why."""
+        r = as_restraint(spec)
+        if r.kind == "revert":
+            self._revert_pairs(r, max_rank)
+            return r
+        return self._plan(r, max_rank)[0]
+
+    def _revert_pairs(self, r: Restraint, cap: int | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """A revert's (A, B) per module it moves, exact, each of rank at most `cap` (default: vLLM's largest), read
+        from this model's and the reference's checkpoints (`intervene.delta`); a RestraintError where none holds it."""
+        validate(r, self.model)
+        reference = CheckpointWeights(reference_dir(r))
+        return revert_pairs(self.model, self.weights, reference, r, cap or VLLM_RANKS[-1])
 
     def _plan(self, spec: Any, max_rank: int | None = None, *,
               checked: bool = False) -> tuple[Restraint, dict[int, Fold]]:
@@ -188,35 +206,60 @@ class LoraExporter:
         selected on another model (default: a warning)."""
         r = as_restraint(spec)
         check_origin(r, self.src if self.src is not None else self.model, strict)
+        if self.src is not None and Path(out_dir).resolve() == self.src.resolve():
+            raise RestraintError("LoRA output must differ from the source model directory")
+        if r.kind == "revert":
+            return self._write_revert(r, Path(out_dir), rank)
         return self._write(*self._plan(r), Path(out_dir), rank)
 
     def _write(self, r: Restraint, folds: dict[int, Fold], out: Path, rank: int | None) -> LoraReport:
-        from safetensors.torch import save_file
-
-        if self.src is not None and out.resolve() == self.src.resolve():
-            raise RestraintError("LoRA output must differ from the source model directory")
         max_units = lora_units(r)
         r_pad = lora_rank(max_units, rank)
-        tensors = {}
+        pairs = {}
         for layer, fold in folds.items():
             name = self.names[id(fold.module)]
-            a, b = lora_pair(self.weights[f"{name}.weight"], fold, r, layer, r_pad)
-            tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
+            pairs[name] = lora_pair(self.weights[f"{name}.weight"], fold, r, layer, r_pad)
         targets = [_target_name(self.model, hook_point(r.hook).fold.weight)]
+        self._save(r, pairs, {"r": r_pad, "target_modules": targets, "layers_to_transform": r.sites,
+                              "fan_in_fan_out": fold.transposed}, out)
+        return LoraReport(str(out), r_pad, max_units, targets, r.sites, self.fingerprint, r.to_dict())
+
+    def _write_revert(self, r: Restraint, out: Path, rank: int | None) -> LoraReport:
+        """A revert's adapter: every module it moves targeted by its full name, its factors padded to one rank."""
+        pairs = self._revert_pairs(r, rank)
+        if not pairs:
+            raise RestraintError(f"restraint {r.name!r}: no Linear weight in its scope differs from the reference "
+                                 f"{r.reference['name']}, so there is nothing to export")
+        needed = max(a.shape[0] for a, _ in pairs.values())
+        r_pad = lora_rank(needed, rank)
+        targets = sorted(pairs)
+        in_out = any(stores_in_out(self.model.get_submodule(n)) for n in targets)
+        self._save(r, {n: pad_pair(a, b, r_pad) for n, (a, b) in pairs.items()},
+                   {"r": r_pad, "target_modules": targets, "fan_in_fan_out": in_out}, out)
+        blocks = layout_of(self.model).blocks + "."
+        layers = sorted({int(n[len(blocks):].split(".")[0]) for n in targets if n.startswith(blocks)})
+        return LoraReport(str(out), r_pad, needed, targets, layers, self.fingerprint, r.to_dict())
+
+    def _save(self, r: Restraint, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], where: dict[str, Any],
+              out: Path) -> None:
+        """Write the adapter: each module's padded (A, B), PEFT's config (`where`: rank, target_modules and how they
+        store weights) and the provenance."""
+        from safetensors.torch import save_file
+
+        tensors = {f"base_model.model.{name}.lora_{x}.weight": t for name, pair in pairs.items()
+                   for x, t in zip("AB", pair, strict=True)}
         # adapter_config.json holds PEFT's keys only (peft warns on any other); the provenance sits beside it in
         # rolemrc.json, as in a baked checkpoint, and in the safetensors metadata
         provenance = {"stage": "lora", "source_model": self.source, "source_fingerprint": self.fingerprint,
                       "restraint": r.to_dict(), "source": r.source, "version": __version__}
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.source,
-                  "r": r_pad, "lora_alpha": r_pad, "target_modules": targets, "layers_to_transform": r.sites,
-                  "bias": "none", "fan_in_fan_out": fold.transposed, "lora_dropout": 0.0, "use_rslora": False,
-                  "inference_mode": True}
+                  "lora_alpha": where["r"], "bias": "none", "lora_dropout": 0.0, "use_rslora": False,
+                  "inference_mode": True, **where}
         out.mkdir(parents=True, exist_ok=True)
         (out / "adapter_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
         (out / "rolemrc.json").write_text(json.dumps(provenance, indent=1, sort_keys=True))
         save_file(tensors, str(out / "adapter_model.safetensors"),
                   metadata=provenance_metadata(self.source, self.fingerprint, r))
-        return LoraReport(str(out), r_pad, max_units, targets, r.sites, self.fingerprint, r.to_dict())
 
     def cached(self, spec: Any, cache_dir: str | os.PathLike, *, rank: int | None = None,
                checked: bool = False) -> Path:

@@ -33,7 +33,7 @@ import httpx
 
 from rolemrc.core.io import cache_dir
 from rolemrc.core.placement import Dtype
-from rolemrc.intervene.spec import Restraint, RestraintError
+from rolemrc.intervene.spec import KindUnsupportedError, Restraint, RestraintError
 from rolemrc.serve.engines.base import (
     LOCAL_PATH,
     MODEL_DIR,
@@ -97,6 +97,15 @@ class VllmOptions:
         return RestartPolicy(self.restart_max, self.restart_window_s, self.restart_backoff_s)
 
 
+# A revert's adapter (where its delta is low-rank) exists, but the engine wraps only the projections hooked kinds fold
+# into, fixes its LoRA rank at start and checks each request's restraint on the request path: a revert moves every
+# linear layer, and its rank takes an SVD of every moved weight of two checkpoints
+UNSERVED_REVERT = ("model {name!r} (vllm engine) serves restraints as LoRA adapters of the projections hooked kinds fold "
+                   "into; a revert moves every weight of its scope toward its reference: bake it (`rolemrc intervene "
+                   "bake`) and serve the checkpoint as a model of its own (where the model's change from its reference "
+                   "is low-rank, `rolemrc intervene lora` also exports it as a PEFT adapter)")
+
+
 class VllmEngine(OpenAIProxy):
     """vLLM's OpenAI server on a loopback port (needs vLLM: the `vllm` extra, or `.venv-vllm` on CPU)."""
 
@@ -137,6 +146,8 @@ class VllmEngine(OpenAIProxy):
             raise ServeConfigError(f"model {name!r} uses engine 'vllm', but {python} cannot import vllm: {INSTALL}")
 
     def check_restraint(self, restraint: Restraint) -> None:
+        if not restraint.hooked:
+            raise KindUnsupportedError(UNSERVED_REVERT.format(name=self.name))
         if not self.options.lora:
             raise RestraintError(f"model {self.name!r} serves without LoRA (lora: false), so without restraints")
         self.exporter.check(restraint, self.rank)
