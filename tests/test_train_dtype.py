@@ -132,6 +132,23 @@ def test_a_bad_dtype_is_one_error_line_before_any_model_loads(bf16_model, sft_da
     assert message in lines[0] and not out.exists()
 
 
+def test_a_dtype_in_a_config_file_stands_unless_the_command_line_gives_one(tmp_path, monkeypatch):
+    import rolemrc.train
+
+    seen = []
+
+    def stop(config):
+        seen.append(config.dtype)
+        raise TrainConfigError("stop")
+
+    monkeypatch.setattr(rolemrc.train, "train_sft", stop, raising=False)
+    (tmp_path / "c.yaml").write_text("sft:\n  dtype: bfloat16\n")
+    for given in ([], ["--dtype", "float32"], ["--dtype", "auto"]):
+        CliRunner().invoke(app, ["sft", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path / "o"),
+                                 "--config", str(tmp_path / "c.yaml"), *given])
+    assert seen == ["bfloat16", "float32", "auto"]
+
+
 @pytest.fixture
 def gpu(monkeypatch):
     """A machine that says it has a GPU (nothing is built or run on it)."""

@@ -50,7 +50,9 @@ def carrier_check(sft_dir: str, dpo_dir: str, known: Units, prompts: list[list[d
                   max_length: int, seed: int) -> dict[str, Any]:
     """The weight checks (an OrganismError where one fails: the masking leaked) and the KL of the DPO model, of it
     with S reverted and of it with CONTROLS random unit sets of S's layers and sizes reverted, against the SFT
-    model on `prompts`."""
+    model on `prompts`. Both models load in float32 on the CPU whatever dtype they were trained and saved at: a bf16
+    weight widens to float32 exactly, so the weight checks are as exact as at the stored dtype, and the KL (float64
+    from float32 logits) carries no half-precision rounding of the forward pass."""
     from rolemrc.core.modeling import load_model
 
     sft, tokenizer = load_model(sft_dir, dtype="float32", device="cpu")

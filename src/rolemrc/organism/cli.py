@@ -135,7 +135,7 @@ def calibrate_cmd(
     eval_others: int = setting("eval_others", unset=True),
     known_layers: int = setting("known_layers", unset=True),
     known_units: int = setting("known_units", unset=True),
-    dtype: Dtype = setting("dtype", unset=True),
+    dtype: Dtype = setting("dtype"),
     against: list[Path] = typer.Option(None, "--against", help="another calibration folder of the same base (other "
                                                               "settings, e.g. the --quick one beside the full one) the "
                                                               "recommendation must agree with; repeat for more"),
@@ -200,7 +200,7 @@ def localize_cmd(
     eval_others: int = setting("eval_others", unset=True),
     known_layers: int = setting("known_layers", unset=True),
     known_units: int = setting("known_units", unset=True),
-    dtype: Dtype = setting("dtype", unset=True),
+    dtype: Dtype = setting("dtype"),
     json_out: Path = typer.Option(None, "--json", help="also write the JSON here"),
 ) -> None:
     """Where a DPO change lives, checked on a known answer: per seed a units organism (DPO trained into known MLP

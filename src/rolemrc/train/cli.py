@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from typer._click.core import ParameterSource
 
 from rolemrc.core.cli import cli_app
 from rolemrc.core.extras import needs
-from rolemrc.core.placement import Dtype
+from rolemrc.core.placement import Dtype, dtype_option
 from rolemrc.train.config import BaseTrainConfig, DPOTrainConfig, SFTTrainConfig, TrainConfig, help_text
 
 app = cli_app(help="Train a small base model from scratch (the embedded default); SFT and DPO (trl) on any causal LM.")
@@ -45,7 +46,7 @@ BATCH = option("batch_size")
 RESUME = option("resume", None, "--resume/--no-resume")
 PROGRESS = option("progress", True, "--progress/--no-progress")
 LORA = option("lora", None, "--lora/--no-lora", cls=SFTTrainConfig)
-DTYPE = option("dtype", None, "--dtype", cls=SFTTrainConfig)
+DTYPE = dtype_option(help_text(SFTTrainConfig, "dtype"))
 CHECKPOINTING = option("gradient_checkpointing", None, "--gradient-checkpointing/--no-gradient-checkpointing",
                        cls=SFTTrainConfig)
 
@@ -61,6 +62,11 @@ def _run(stage: str, profile: str, config_file: Path | None, sets: list[str], **
                "resumed_from": result.resumed_from, "data": {k: result.data[k] for k in ("kept", "skipped", "reasons")},
                "metrics": {k: round(v, 5) if isinstance(v, float) else v for k, v in result.metrics.items()}}
     typer.echo(json.dumps(summary, indent=1))
+
+
+def given(ctx: typer.Context, name: str, value: Any) -> Any:
+    """`value` where the command line gave option `name`, else None: a default leaves the profile's or --config's."""
+    return None if ctx.get_parameter_source(name) is ParameterSource.DEFAULT else value
 
 
 def trainer_overrides(max_steps: int | None, epochs: float | None, learning_rate: float | None) -> dict[str, Any]:
@@ -98,6 +104,7 @@ def base_cmd(
 @app.command("sft")
 @needs("train")
 def sft_cmd(
+    ctx: typer.Context,
     model: Path = option("model", ..., cls=SFTTrainConfig),
     data: list[Path] = option("data", ..., cls=SFTTrainConfig),
     out: Path = OUT,
@@ -117,13 +124,15 @@ def sft_cmd(
 ) -> None:
     """Supervised fine-tuning (trl SFTTrainer), loss on assistant turns only."""
     _run("sft", profile, config, set_, model=str(model), data=[str(p) for p in data], out=str(out),
-         mix=list(mix) or None, lora=lora, dtype=dtype, gradient_checkpointing=gradient_checkpointing,
-         batch_size=batch_size, resume=resume, progress=progress, **trainer_overrides(max_steps, epochs, lr))
+         mix=list(mix) or None, lora=lora, dtype=given(ctx, "dtype", dtype),
+         gradient_checkpointing=gradient_checkpointing, batch_size=batch_size, resume=resume, progress=progress,
+         **trainer_overrides(max_steps, epochs, lr))
 
 
 @app.command("dpo")
 @needs("train")
 def dpo_cmd(
+    ctx: typer.Context,
     model: Path = option("model", ..., cls=DPOTrainConfig),
     data: list[Path] = option("data", ..., cls=DPOTrainConfig),
     out: Path = OUT,
@@ -143,6 +152,5 @@ def dpo_cmd(
 ) -> None:
     """Direct preference optimisation (trl DPOTrainer) from an SFT checkpoint."""
     _run("dpo", profile, config, set_, model=str(model), data=[str(p) for p in data], out=str(out), lora=lora,
-         dtype=dtype, gradient_checkpointing=gradient_checkpointing, batch_size=batch_size, resume=resume,
-         progress=progress, **trainer_overrides(max_steps, epochs, lr),
-         **{"trl.beta": beta})
+         dtype=given(ctx, "dtype", dtype), gradient_checkpointing=gradient_checkpointing, batch_size=batch_size,
+         resume=resume, progress=progress, **trainer_overrides(max_steps, epochs, lr), **{"trl.beta": beta})
