@@ -80,8 +80,8 @@ class OrganismConfig:
         "help": "units organism: known units per layer (drawn with the seed); DPO trains only their MLP rows and columns"})
     seed: int = field(default=0, metadata={"help": "seed of the pair sample, the null's swaps, the known units and "
                                                    "training"})
-    dtype: str = field(default="auto", metadata={"help": f"DPO's {TRAIN_DTYPE_HELP} (the units organism trains "
-                                                          "without LoRA)"})
+    dtype: str = field(default="auto", metadata={"help": f"as train dpo's: {TRAIN_DTYPE_HELP}; the units organism "
+                                                          "trains without LoRA"})
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
