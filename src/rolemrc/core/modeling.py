@@ -86,6 +86,16 @@ def resolve_model(model: str | os.PathLike) -> Path:
     return check_model_dir(hub_snapshot(parse_hub_id(name)))
 
 
+def meta_model(directory: Path) -> Any:
+    """The model of a checkpoint directory built on PyTorch's meta device (float32): its modules and shapes, no
+    weights read or allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 def model_source(model: str | os.PathLike, directory: Path) -> dict[str, str]:
     """Metadata of a model loaded from a name: `model` as the user named it (a path, pulled name or hub id with its
     revision) and `model_dir`, the directory it resolved to (for a hub id, its snapshot)."""

@@ -30,15 +30,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from rolemrc.core.hooks import HOOK_POINTS, hook_point, layout_of, module_at
-from rolemrc.core.modeling import dir_fingerprint, is_path, loaded_model, model_fingerprint, model_name, resolve_model
+from rolemrc.core.modeling import (
+    dir_fingerprint,
+    is_path,
+    loaded_model,
+    meta_model,
+    model_fingerprint,
+    model_name,
+    resolve_model,
+)
 from rolemrc.core.version import __version__
 from rolemrc.intervene.bake import Fold, lora_exportable, provenance_metadata, reference_dir, restraint_fold
 from rolemrc.intervene.delta import revert_pairs, stores_in_out
 from rolemrc.intervene.fit import check_origin, validate
-from rolemrc.intervene.spec import KindUnsupportedError, Restraint, RestraintError, as_restraint
+from rolemrc.intervene.spec import KindUnsupportedError, LoraRankError, Restraint, RestraintError, as_restraint
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 STALE_S = 3600.0   # a hidden folder in an adapter cache this old is an export or eviction that died midway
+
+
+def rank_fix(units: int) -> str:
+    """What to do about a restraint of `units` units in one layer that a server's LoRA rank does not hold."""
+    baked = "serve it baked, a checkpoint per A/B arm (`rolemrc ab bake`, then `ab create --baked`)"
+    if units > VLLM_RANKS[-1]:
+        return f"vLLM's LoRA rank (max_lora_rank) goes to {VLLM_RANKS[-1]} at most, so {baked}"
+    return f"raise max_lora_rank (at most {VLLM_RANKS[-1]} on vLLM) or {baked}"
 
 
 @dataclass
@@ -129,13 +145,9 @@ class LoraExporter:
 
     def __init__(self, model: Any) -> None:
         if is_path(model):
-            from transformers import AutoConfig, AutoModelForCausalLM
-
             self.src: Path | None = resolve_model(model)
             self.source = str(model)   # as named (a hub id with its revision); `src` is where it resolved to
-            config = AutoConfig.from_pretrained(self.src, local_files_only=True)
-            with torch.device("meta"):
-                self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.model = meta_model(self.src)
             self.fingerprint = dir_fingerprint(self.src)
             self.weights: Any = CheckpointWeights(self.src)
         else:
@@ -169,8 +181,8 @@ class LoraExporter:
             validate(r, self.model)
         folds = self._folds(r)
         if max_rank is not None and (units := lora_units(r)) > max_rank:
-            raise RestraintError(f"restraint {r.name!r} has {units} units in one layer; this server's LoRA rank "
-                                 f"holds {max_rank} (raise max_lora_rank)")
+            raise LoraRankError(f"restraint {r.name!r} has {units} units in one layer; this server's LoRA rank "
+                                f"holds {max_rank}; {rank_fix(units)}")
         return r, folds
 
     def target_modules(self) -> list[str]:
@@ -185,7 +197,7 @@ class LoraExporter:
             why = ("adds a constant per unit (a bias)" if r.kind == "patch" else
                    "moves weights toward another checkpoint by a delta that is full-rank in general")
             raise KindUnsupportedError(f"restraint {r.name!r} is a {r.kind}, which {why}: a LoRA adapter cannot hold it "
-                                 "exactly; bake it (`rolemrc intervene bake`)" +
+                                 "exactly; bake it (`rolemrc intervene bake`; A/B arms: `rolemrc ab bake`)" +
                                  (" or apply it as a runtime hook" if r.kind == "patch" else ""))
         # fold_target refuses, with the row's reason, points that cannot fold
         folds = {layer: restraint_fold(self.model, r, layer) for layer in r.sites}

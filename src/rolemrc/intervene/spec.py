@@ -41,6 +41,10 @@ class KindUnsupportedError(RestraintError):
     """A restraint of a kind that this way of applying it (an engine, a LoRA adapter) cannot apply exactly."""
 
 
+class LoraRankError(RestraintError):
+    """A restraint with more units in one layer than a server's LoRA rank holds (served baked instead)."""
+
+
 
 def parse_layers(text: str | None, n_layers: int | None = None) -> list[int] | None:
     """'12-31' / '3,5,7-9' -> sorted layer list (None for no restriction)."""

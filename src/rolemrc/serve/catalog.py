@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from rolemrc.intervene.fit import check_origin
-from rolemrc.intervene.spec import KindUnsupportedError, Restraint, RestraintError
+from rolemrc.intervene.spec import KindUnsupportedError, LoraRankError, Restraint, RestraintError
 from rolemrc.serve.config import ServeConfig
 from rolemrc.serve.engines import engine_class
 from rolemrc.serve.engines.base import ClientRestraint, Engine, Resolved
@@ -42,7 +42,7 @@ class ModelCatalog:
         self.variants: dict[str, tuple[str, str | None]] = {name: (name, None) for name in self.engines}
         self._registering = asyncio.Lock()
         for name, engine in self.engines.items():
-            fitting = {rname: r for rname, r in self.restraints.items() if self._fits(name, engine, rname, r)}
+            fitting = {rname: r for rname, r in self.restraints.items() if self._refusal(name, engine, rname, r) is None}
             self.variants |= {f"{name}+{rname}": (name, rname) for rname in fitting}
             if engine.capabilities.lora_restraints:
                 engine.register_adapters(fitting, inline=config.allow_inline_restraints)
@@ -58,12 +58,12 @@ class ModelCatalog:
             return exc
         return None
 
-    def _fits(self, name: str, engine: Engine, rname: str, restraint: Restraint) -> bool:
-        """Whether `engine` serves `restraint` (why not logged)."""
+    def _refusal(self, name: str, engine: Engine, rname: str, restraint: Restraint) -> RestraintError | None:
+        """None when `engine` serves `restraint`, else why not (logged)."""
         why = self._serves(name, engine, restraint)
         if why is not None and engine.capabilities.runtime_restraints:
             log.warning("restraint %r does not fit model %r: %s", rname, name, why)
-        return why is None
+        return why
 
     def _check_model(self, name: str, restraint: Restraint) -> None:
         """With `strict_restraints`, a RestraintError for a restraint selected on another model than `name`'s (without
@@ -83,10 +83,11 @@ class ModelCatalog:
                     raise restraint_exists(rname)
                 return False, self.fitted(rname)
             self._check_room()
-            fits = await asyncio.to_thread(   # off the loop: the checks may fingerprint a model's weights
-                lambda: [name for name, engine in self.engines.items() if self._fits(name, engine, rname, restraint)])
+            refusals = await asyncio.to_thread(   # off the loop: the checks may fingerprint a model's weights
+                lambda: {name: self._refusal(name, engine, rname, restraint) for name, engine in self.engines.items()})
+            fits = [name for name, why in refusals.items() if why is None]
             if not fits:
-                raise self._fits_none(rname)
+                raise fits_none(rname, refusals)
             await self._add_adapters(rname, restraint, fits)
             self.restraints[rname] = restraint
             self.variants |= {f"{name}+{rname}": (name, rname) for name in fits}
@@ -112,9 +113,10 @@ class ModelCatalog:
         it: a replica refuses a restraint before the shared store keeps it for every replica."""
         if rname not in self.restraints:
             self._check_room()
-        if not await asyncio.to_thread(lambda: any(self._serves(name, engine, restraint) is None
-                                                   for name, engine in self.engines.items())):
-            raise self._fits_none(rname)
+        refusals = await asyncio.to_thread(
+            lambda: {name: self._serves(name, engine, restraint) for name, engine in self.engines.items()})
+        if all(refusals.values()):
+            raise fits_none(rname, refusals)
 
     def _check_room(self) -> None:
         registered = len(set(self.restraints) - set(self.config.restraints))
@@ -122,10 +124,6 @@ class ModelCatalog:
             raise ApiError(422, f"{registered} restraints are registered while serving, this server's limit "
                                 f"(max_registered_restraints); delete some first", code="too_many_restraints",
                            param="name")
-
-    def _fits_none(self, rname: str) -> ApiError:
-        return ApiError(422, f"restraint {rname!r} fits none of the served models {sorted(self.engines)}",
-                        code="invalid_restraint", param="spec")
 
     async def unregister(self, rname: str) -> None:
         """Stop serving a restraint registered while serving: its variants go and its name is free again."""
@@ -236,3 +234,13 @@ def restraint_exists(name: str) -> ApiError:
     """409: `name` holds another restraint (a name holds one until it is deleted)."""
     return ApiError(409, f"restraint {name!r} is registered with other units, hook or factor", code="restraint_exists",
                     param="name")
+
+
+def fits_none(rname: str, refusals: dict[str, RestraintError]) -> ApiError:
+    """422 for a restraint no served model takes, with each model's reason: `restraint_needs_bake` where a model
+    refused it only as a restraint applied at runtime (a kind it cannot apply, more units than its LoRA rank holds),
+    which that model serves baked into a checkpoint of its own; else `invalid_restraint`."""
+    why = "; ".join(f"{name!r}: {exc}" for name, exc in refusals.items())
+    baked = any(isinstance(exc, (KindUnsupportedError, LoraRankError)) for exc in refusals.values())
+    return ApiError(422, f"restraint {rname!r} fits none of the served models ({why})",
+                    code="restraint_needs_bake" if baked else "invalid_restraint", param="spec")

@@ -146,11 +146,15 @@ class VllmEngine(OpenAIProxy):
             raise ServeConfigError(f"model {name!r} uses engine 'vllm', but {python} cannot import vllm: {INSTALL}")
 
     def check_restraint(self, restraint: Restraint) -> None:
+        """A RestraintError unless an adapter within the engine's rank holds `restraint` (before the rank is chosen at
+        start, within the largest vLLM accepts)."""
+        from rolemrc.intervene.lora import VLLM_RANKS
+
         if not restraint.hooked:
             raise KindUnsupportedError(UNSERVED_REVERT.format(name=self.name))
         if not self.options.lora:
             raise RestraintError(f"model {self.name!r} serves without LoRA (lora: false), so without restraints")
-        self.exporter.check(restraint, self.rank)
+        self.exporter.check(restraint, self.rank or VLLM_RANKS[-1])
 
     def register_adapters(self, restraints: Mapping[str, Restraint], inline: bool) -> None:
         """Serve these registered restraints (name -> Restraint, each passed `check_restraint`) from the start;
