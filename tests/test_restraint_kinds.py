@@ -342,3 +342,78 @@ def test_the_cli_writes_a_pair_direction_and_refuses_the_wrong_inputs(model_dirs
     res = run(app, ["intervene", "direction", "--model", str(model_dirs["llama"]), "--out", str(tmp_path / "x.yaml")])
     assert res.exit_code == 2 and "error: --contrast dpo-sft reads --diff, --dimension; missing: --diff, --dimension; " \
                                   "not its: --model" in res.output
+
+
+def refuse_loading(monkeypatch):
+    """Any model load fails the test: what is refused must be refused before a model loads."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("a model loaded"))
+
+
+def one_error(args, out):
+    """Exit 2, one `error:` line (returned), no traceback, nothing at `out`."""
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    res = CliRunner().invoke(app, args)
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1 and "Traceback" not in res.output, res.output
+    assert not out.exists(), out
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", ["bake", "check", "lora"])
+def test_a_direction_of_another_width_is_refused_from_config_json_before_loading(model_dirs, tmp_path, monkeypatch,
+                                                                                   command):
+    """mlp.post is intermediate_size (96) wide, mlp.out hidden_size (64): a 64-wide direction at mlp.post, or a unit
+    past the width, is one error naming the model's config.json, read before the model loads."""
+    refuse_loading(monkeypatch)
+    model = model_dirs["llama"]
+    out = tmp_path / "out"
+    for r, says in ((Restraint(name="d", hook="mlp.post", kind="direction", directions={0: vector(64)}),
+                     "the direction of layer 0 has 64 entries, but mlp.post has width 96"),
+                    (Restraint(name="s", hook="mlp.out", factor=0.0, units={1: [70]}),
+                     "unit 70 in layer 1 out of range (mlp.out has width 64)")):
+        spec = r.save(tmp_path / f"{r.name}.yaml")
+        args = {"bake": ["--out", str(out)], "lora": ["--out", str(out)], "check": []}[command]
+        error = one_error(["intervene", command, "--model", str(model), "--restraint", str(spec), *args], out)
+        assert says in error and f"{model}/config.json" in error, error
+
+
+def means_diffs(tmp_path):
+    """Two diffs of the sweep fixture's shape (mlp.act, 2 x 96) with moments: the selection's, B side the model
+    "dpo-fp", and one whose B side is another model."""
+    from fixtures import write_diff_file
+
+    from rolemrc.probe.diff import load_diff
+
+    delta = torch.linspace(-1, 1, 192).reshape(2, 96)
+    paths = []
+    for name, fingerprint in (("diff", "dpo-fp"), ("other", "other-fp")):
+        diff = load_diff(write_diff_file(tmp_path / name, delta, torch.full_like(delta, 0.5)))
+        diff.meta |= {"a_model": "runs/sft", "a_model_fingerprint": "sft-fp", "b_model": f"runs/{name}",
+                      "b_model_fingerprint": fingerprint}
+        diff.save(tmp_path / name)
+        paths.append(tmp_path / name)
+    return paths
+
+
+def test_patch_means_of_another_model_are_refused_before_anything_loads(model_dirs, tmp_path, monkeypatch):
+    """`select --kind patch --means` and `sweep run --kind patch --means` with a diff whose B side is another model
+    than the one the units come from: one error naming that diff, nothing loaded or written."""
+    from rolemrc.core.io import write_jsonl
+
+    refuse_loading(monkeypatch)
+    diff, other = means_diffs(tmp_path)
+    common = ["--diff", str(diff), "--dimension", "multi_turn", "--method", "standardized", "--kind", "patch",
+              "--means", str(other)]
+    says = f"{other}/diff.safetensors: a diff whose B side is the model with fingerprint other-fp, but the units were " \
+           "selected on runs/diff (dpo-fp)"
+    assert says in one_error(["intervene", "select", *common, "--top-k", "4", "--out", str(tmp_path / "p.yaml")],
+                             tmp_path / "p.yaml")
+    write_jsonl(tmp_path / "test.jsonl", [{"id": "a", "question": "hello", "task": STYLE}])
+    assert says in one_error(["sweep", "run", "--model", str(model_dirs["llama"]), "--data", str(tmp_path / "test.jsonl"),
+                              *common, "--top-k", "4", "--out", str(tmp_path / "sweep")], tmp_path / "sweep")

@@ -35,9 +35,12 @@ def check_origin(r: Restraint, model: Any, strict: bool = False) -> None:
     """Is `model` (a loaded model, or a model directory) the one `r`'s units were selected on? When it is another
     one: a logged warning naming both, once per pair of models, or with `strict` a RestraintError. Silent when the spec
     names no model or `model` cannot be told apart cheaply (a directory, where the spec recorded tensors: checked once
-    loaded)."""
+    loaded). A directory's shape is checked first, from its config.json (`check_config`): what every caller does
+    before the model loads."""
     from rolemrc.core.modeling import fingerprints, is_path, model_name
 
+    if is_path(model):
+        check_config(r, model)
     recorded = r.model.get("fingerprint")
     if not recorded:
         return
@@ -58,3 +61,16 @@ def check_origin(r: Restraint, model: Any, strict: bool = False) -> None:
     if pair not in WARNED:
         WARNED.add(pair)
         log.warning(message)
+
+
+def check_config(r: Restraint, directory: Any) -> None:
+    """`r` against a model directory's config.json alone (its layers, and its width at `r`'s hook point: hidden_size
+    or intermediate_size), so a spec of another shape (a direction of another width, a unit out of range) is refused
+    naming the directory before the model loads."""
+    from rolemrc.probe.attribution import config_shape
+
+    shape = config_shape(directory, r.hook)
+    try:
+        r.check_shape(shape["layers"], shape["width"])
+    except RestraintError as exc:
+        raise RestraintError(f"{exc} ({directory}/config.json)") from None

@@ -55,11 +55,11 @@ class CellStore:
 def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[Cell], CellStore]:
     """Generate (`--measure kl`: measure) every cell not yet in the store (model loaded once; cells share batches, or
     a server's); returns the plan."""
-    from rolemrc.core.hooks import width
     from rolemrc.core.modeling import dir_fingerprint, load_model, resolve_model
     from rolemrc.core.records import first_cases, read_records
     from rolemrc.intervene.fit import check_origin
     from rolemrc.intervene.inputs import input_hook
+    from rolemrc.probe.attribution import config_shape
     from rolemrc.sweep.controls import controls_record
     from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
 
@@ -71,12 +71,12 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
         settings |= {"measure": "kl", "base": dir_fingerprint(resolve_model(config.base)),
                      "continuation": config.continuation,
                      "neutral": file_fingerprint(config.neutral) if config.neutral else None}
-    model, tok = load_model(directory, dtype=config.dtype, device=config.device)
     hook = input_hook(config.diff)
-    cells = plan(config, width(model, hook), settings)
+    cells = plan(config, config_shape(directory, hook)["width"], settings)   # every input read before the model loads
     selected = next((c.restraint for c in cells if c.restraint is not None and c.restraint.model), None)
     if selected is not None:   # every selected cell names the same model: the diff's B side
         check_origin(selected, directory, config.strict)
+    model, tok = load_model(directory, dtype=config.dtype, device=config.device)
     store = CellStore(config.cells_dir or Path(config.out) / "cells")
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "plan.json", {"config": asdict(config), "settings": settings,
