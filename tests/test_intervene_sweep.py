@@ -182,3 +182,55 @@ def test_cli_sweep_writes_the_tables(setup, tmp_path):
                                    "--data", str(setup / "test.jsonl"), "--out", str(tmp_path / "x"), "--dimension",
                                    "multi_turn", "--method", "frequency", "--factors", "half"])
     assert bad.exit_code != 0 and "comma-separated numbers" in bad.output
+
+
+def test_a_direction_sweep_runs_its_cells_and_random_direction_controls(setup, tmp_path):
+    """`--kind direction`: per budget the diff's normalised mean difference in its top layers (a budget reaching no
+    further layer is left out: the model has 2), each against random unit directions in the same layers; sweep.json
+    and sweep.md say what each cell restrains."""
+    import torch
+
+    from rolemrc.intervene import Restraint
+    from rolemrc.probe.diff import load_diff
+
+    summary = run_sweep(config(setup, tmp_path, kind="direction", method=None, top_k=None, factors=[0.0],
+                               top_layers=[1, 2, 4]), metrics=("rouge",), progress=False)
+    cells = json.loads((tmp_path / "plan.json").read_text())["cells"]
+    assert [c["kind"] for c in cells] == ["baseline"] + ["selected", "control", "control"] * 2
+    diff = load_diff(setup / "diff")
+    delta = (diff.mean_b["multi_turn"] - diff.mean_a["multi_turn"]).double()
+    longest = int(delta.norm(dim=1).argmax())
+    restraints = [Restraint.from_dict(c["restraint"]) for c in cells[1:]]
+    assert [r.sites for r in restraints] == [[longest]] * 3 + [[0, 1]] * 3
+    for layer in (0, 1):
+        torch.testing.assert_close(torch.tensor(restraints[3].directions[layer], dtype=torch.float64),
+                                   delta[layer] / delta[layer].norm())
+    controls = [r for r, c in zip(restraints, cells[1:]) if c["kind"] == "control"]
+    assert all(r.kind == "direction" and r.source["control_of"] for r in controls)
+    assert len({r.digest for r in restraints}) == 6   # every control its own random direction
+    assert [c["budget"] for c in summary["cells"]] == [{"top_layers": 1}, {"top_layers": 2}]
+    assert summary["cells"][1]["layers"] == [0, 1] and summary["cells"][1]["max_logit_shift"] > 0
+    assert json.loads((tmp_path / "sweep.json").read_text())["cells"][1]["id"] == summary["cells"][1]["id"]
+    markdown = (tmp_path / "sweep.md").read_text()
+    assert "| multi_turn 2 layers x0 | a direction in layers [0, 1] |" in markdown
+    assert "a random unit direction in each of the same layers" in markdown
+    assert "a random unit direction" in json.loads((tmp_path / "plan.json").read_text())["controls"]["how"]
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--kind", "revert"], "--kind revert: a revert has no runtime hook"),
+    (["--kind", "direction"], "--kind direction takes the diff's difference of means"),   # with the template's --method
+    (["--kind", "direction", "--top-k", "4"], "--kind direction's budgets are --top-layers, not --top-k"),
+    (["--kind", "direction", "--factors", "0.5"], "--kind direction projects its direction out, a factor-less"),
+    (["--top-layers", "2"], "--top-layers is --kind direction's"),
+])
+def test_sweep_kinds_refuse_what_is_not_theirs_in_one_line(setup, tmp_path, extra, says):
+    args = ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"), "--data",
+            str(setup / "test.jsonl"), "--dimension", "multi_turn", "--method", "frequency", "--out", str(tmp_path / "s")]
+    if extra[:2] == ["--kind", "direction"] and len(extra) > 2:
+        args.remove("--method"), args.remove("frequency")
+    result = CliRunner().invoke(app, [*args, *extra])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and says in errors[0], result.output
+    assert "rolemrc sweep frontier" in errors[0] or extra[:2] != ["--kind", "revert"]
+    assert not (tmp_path / "s").exists()

@@ -4,7 +4,8 @@ covers (units per layer, share of all units) as every report states it. Imports 
 - top_k: the first K units ranked over all selected layers (a global count);
 - per_layer: exactly K from each selected layer, ranked within the layer;
 - share: round(S x all units of the selected layers), ranked over them (0 < S <= 1);
-- fdr: every unit with BH q below Q (selectors with a test only).
+- fdr: every unit with BH q below Q (selectors with a test only);
+- top_layers: a direction's, not a selection's: the N layers where the difference of means is longest.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from rolemrc.intervene.spec import RestraintError
 
 BUDGET_OPTIONS = {"top_k": "--top-k", "per_layer": "--per-layer", "share": "--share", "fdr": "--fdr"}
+BUDGET_KINDS = {**BUDGET_OPTIONS, "top_layers": "--top-layers"}   # with a direction's (sweep run --kind direction)
 EXACTLY_ONE = "exactly one of " + "/".join(BUDGET_OPTIONS.values())
 BUDGET_HELP = {
     "top_k": f"the K highest-ranked units over all selected layers ({EXACTLY_ONE})",
@@ -26,33 +28,34 @@ BUDGET_HELP = {
 
 @dataclass(frozen=True)
 class Budget:
-    """One way of saying how many units: `kind` (a key of BUDGET_OPTIONS) and its value."""
+    """One way of saying how many units (or, for a direction, layers): `kind` (a key of BUDGET_KINDS) and its value."""
 
     kind: str
     value: float
 
     def __post_init__(self) -> None:
-        option = BUDGET_OPTIONS.get(self.kind)
+        option = BUDGET_KINDS.get(self.kind)
         if option is None:
-            raise RestraintError(f"a budget is one of {', '.join(BUDGET_OPTIONS)}, not {self.kind!r}")
-        if self.kind in ("top_k", "per_layer") and (self.value != int(self.value) or self.value < 1):
+            raise RestraintError(f"a budget is one of {', '.join(BUDGET_KINDS)}, not {self.kind!r}")
+        whole = self.kind in ("top_k", "per_layer", "top_layers")
+        if whole and (self.value != int(self.value) or self.value < 1):
             raise RestraintError(f"{option} must be a whole number >= 1, got {self.value:g}")
         if self.kind in ("share", "fdr") and not 0 < self.value <= 1:
             raise RestraintError(f"{option} must be in (0, 1], got {self.value:g}")
-        if self.kind in ("top_k", "per_layer"):
+        if whole:
             object.__setattr__(self, "value", int(self.value))
 
     @property
     def label(self) -> str:
-        """Short and unambiguous: 'top-64', '16/layer', 'share 0.17', 'q < 0.05'."""
+        """Short and unambiguous: 'top-64', '16/layer', 'share 0.17', 'q < 0.05', '4 layers'."""
         return {"top_k": f"top-{self.value}", "per_layer": f"{self.value}/layer", "share": f"share {self.value:.3g}",
-                "fdr": f"q < {self.value:g}"}[self.kind]
+                "fdr": f"q < {self.value:g}", "top_layers": f"{self.value} layers"}[self.kind]
 
     @property
     def slug(self) -> str:
-        """For names: 'k64', '16pl', 's0.17', 'q0.05'."""
+        """For names: 'k64', '16pl', 's0.17', 'q0.05', '4l'."""
         return {"top_k": f"k{self.value}", "per_layer": f"{self.value}pl", "share": f"s{self.value:.3g}",
-                "fdr": f"q{self.value:g}"}[self.kind]
+                "fdr": f"q{self.value:g}", "top_layers": f"{self.value}l"}[self.kind]
 
     def to_dict(self) -> dict[str, float]:
         return {self.kind: self.value}

@@ -13,16 +13,17 @@ from rolemrc.core.extras import needs
 from rolemrc.core.placement import MODEL_HELP, Dtype, device_option, dtype_option
 from rolemrc.eval.cli import SCORE, JudgeName
 from rolemrc.eval.generate import Continuation
-from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE
+from rolemrc.intervene.budget import BUDGET_KINDS, GRID_ONE
+from rolemrc.intervene.spec import KINDS
 from rolemrc.probe.options import Direction
 from rolemrc.probe.selectors import SELECTORS
 from rolemrc.serve.engines import EngineName
 from rolemrc.sweep.frontier import FAMILY_KINDS
-from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES, SWEEP_KINDS, Measure
+from rolemrc.sweep.plan import CONTROLS, FACTORS, SHARES, TOP_LAYERS, Measure
 
 GRID_HELP = f"{GRID_ONE}; default: --share {','.join(map(str, SHARES))}"
 
-SweepKind = choice(SWEEP_KINDS)
+SweepKind = choice(KINDS)   # revert among them, refused with its reason and where it is compared (SweepConfig)
 Method = choice(SELECTORS)   # --method: the selectors registered when the CLI is built (`live_choices`)
 app = cli_app(help="Restraint sweeps: a grid of restraints against the baseline and random-unit controls.")
 
@@ -37,21 +38,26 @@ def run_cmd(
     out: Path = typer.Option(..., "--out", help="sweep folder (rerun with the same folder to resume)"),
     dimension: list[str] = typer.Option(..., help="dimension(s) to select units for; repeatable"),
     factors: str = typer.Option(None, help="comma-separated scales (default: "
-                                f"{','.join(f'{f:.10g}' for f in FACTORS)}; --kind patch: 0, its only one)"),
-    kind: SweepKind = typer.Option("scale", "--kind", help=f"what each cell does to its units and controls: "
-                             f"{' or '.join(SWEEP_KINDS)} (set them to the SFT mean, --means); every kind side by side: "
-                             "`rolemrc sweep frontier`"),
+                                f"{','.join(f'{f:.10g}' for f in FACTORS)}; --kind patch or direction: 0, its only one)"),
+    kind: SweepKind = typer.Option("scale", "--kind", help="what each cell does: scale its units (by --factors); patch "
+                                   "them to the SFT mean (--means); direction: project the diff's difference of means "
+                                   "out of its --top-layers, against random unit directions there. revert is refused "
+                                   "(no runtime hook): every kind side by side, reverts included, is `rolemrc sweep "
+                                   "frontier`"),
     means: Path = typer.Option(None, "--means", help="--kind patch: a diff with activation moments whose A side's "
                                "means the units are set to (default: --diff)"),
-    method: Method = typer.Option(..., "--method", help="unit selector, named (see `rolemrc intervene select "
-                                        "--help`; what each did on the calibration: docs/calibration.md)"),
+    method: Method = typer.Option(None, "--method", help="unit selector, named (see `rolemrc intervene select "
+                                  "--help`; what each did on the calibration: docs/calibration.md); not --kind direction's"),
     top_k: str = typer.Option(None, help=f"comma-separated global unit counts ({GRID_HELP})"),
     per_layer: str = typer.Option(None, help=f"comma-separated units from each selected layer ({GRID_HELP})"),
     share: str = typer.Option(None, help="comma-separated shares of all units of the selected layers, ranked over them "
                                          f"({GRID_HELP})"),
+    top_layers: str = typer.Option(None, help="--kind direction's budgets: comma-separated N, the direction in the N "
+                                   f"layers where it is longest (default: {','.join(map(str, TOP_LAYERS))})"),
     direction: Direction = typer.Option("both", help="up | down | both"),
     layers: str = typer.Option(None, help="e.g. 12-31 (default: all)"),
-    controls: int = typer.Option(CONTROLS, help="random-unit control sets per cell, matched on activation magnitude"),
+    controls: int = typer.Option(CONTROLS, help="random controls per cell: unit sets matched on activation magnitude "
+                                 "(--kind direction: random unit directions in its layers)"),
     magnitudes: Path = typer.Option(None, help="a diff whose activation moments the controls are matched on (default: "
                                                "--diff when it is one; else the controls are uniform per layer)"),
     seed: int = typer.Option(0, help="seed of the control draws"),
@@ -94,8 +100,9 @@ def run_cmd(
                          factors=numbers(factors, "--factors") if factors else list(FACTORS if kind == "scale" else [0.0]),
                          method=method, kind=kind,
                          means=str(means) if means else None,
-                         **{key: numbers(text, BUDGET_OPTIONS[key]) for key, text in
-                            (("top_k", top_k), ("per_layer", per_layer), ("share", share)) if text is not None},
+                         **{key: numbers(text, BUDGET_KINDS[key]) for key, text in
+                            (("top_k", top_k), ("per_layer", per_layer), ("share", share), ("top_layers", top_layers))
+                            if text is not None},
                          direction=direction, layers=layers, controls=controls,
                          magnitudes=str(magnitudes) if magnitudes else None, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,

@@ -1,7 +1,7 @@
 """Random-unit controls for a restraint: per layer as many units as it selects there, drawn (seeded) from the units it
 does not select, at the same factor, and matched on activation magnitude: each selected unit's stand-in comes from
 the same decile of its layer's units ranked by mean |activation|. An effect that the controls match is not an effect
-of *these* units, nor of units that active."""
+of *these* units, nor of units that active. A direction's controls are random unit directions in its layers."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rolemrc.intervene.spec import Restraint, RestraintError
 
 BINS = 10   # controls are matched on deciles of each layer's unit magnitudes
 UNIFORM = "uniform"
+RANDOM_DIRECTIONS = "random unit directions in the cell's layers"   # a direction's controls: nothing to match on
 
 
 def control_seed(restraint: Restraint, draw: int, seed: int) -> int:
@@ -98,13 +99,29 @@ def draw_controls(restraint: Restraint, width: int, n: int, *, seed: int = 0, ma
     return controls
 
 
+def random_directions(restraint: Restraint, n: int, seed: int = 0) -> list[Restraint]:
+    """`n` controls for a direction restraint: per layer of it a random unit direction (uniform on the sphere), drawn
+    from a generator seeded by the sweep seed and the restraint's digest."""
+    key = hashlib.sha256(f"{seed}:{restraint.digest}".encode()).digest()[:8]
+    gen = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+    width = len(next(iter(restraint.directions.values())))
+    return [Restraint(name=f"{restraint.name}-control{draw}", hook=restraint.hook, kind="direction",
+                      directions={layer: torch.randn(width, generator=gen, dtype=torch.float64).tolist()
+                                  for layer in restraint.sites},
+                      source={"control_of": restraint.name, "draw": draw, "seed": seed, "matched_on": RANDOM_DIRECTIONS,
+                              "unmatched": 0})
+            for draw in range(n)]
+
+
 def controls_record(cells: list[Any]) -> dict[str, Any]:
     """plan.json's account of the controls: how many per cell, and per dimension how they were matched."""
     controls = [c for c in cells if c.kind == "control"]
     selected = sum(c.kind == "selected" for c in cells)
+    directions = any(c.restraint.kind == "direction" for c in controls)
     return {"per_cell": len(controls) // selected if selected else 0, "bins": BINS,
             "matched_on": {c.grid["dimension"]: c.restraint.source["matched_on"] for c in controls},
             "unmatched_units": sum(c.restraint.source["unmatched"] for c in controls),
-            "how": "per layer as many units as the cell; each from its unit's decile of mean |activation| in that "
+            "how": "per layer of a direction cell a random unit direction (uniform on the sphere)" if directions else
+                   "per layer as many units as the cell; each from its unit's decile of mean |activation| in that "
                    "layer, the cell's own units excluded (a short decile: the rest uniform, counted in "
                    "unmatched_units); uniform per layer where no magnitudes are known"}

@@ -170,23 +170,16 @@ def base_reference(config: FrontierConfig) -> dict[str, str]:
 
 def direction_points(config: FrontierConfig) -> list[Point]:
     """The difference-of-means direction in the `top_layers` longest layers; controls: random unit directions there."""
-    import torch
-
     from rolemrc.intervene.kinds import direction_restraint
+    from rolemrc.sweep.controls import random_directions
 
     points = []
     for n in config.top_layers:
         r = direction_restraint(config.diff, config.dimension, top_layers=n, name=f"direction-{n}")
         if points and r.sites == points[-1].restraint.sites:   # fewer layers differ than asked
             continue
-        width = len(next(iter(r.directions.values())))
-        gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(f"{config.seed}:{r.digest}".encode())
-                                                           .digest()[:8], "little"))
-        controls = [Restraint(name=f"{r.name}-control{j}", hook=r.hook, kind="direction",
-                              directions={layer: torch.randn(width, generator=gen, dtype=torch.float64).tolist()
-                                          for layer in r.sites}, source={"control_of": r.name, "draw": j})
-                    for j in range(config.controls)]
-        points.append(Point("direction", "direction", {"top_layers": len(r.sites)}, r, controls))
+        points.append(Point("direction", "direction", {"top_layers": len(r.sites)}, r,
+                            random_directions(r, config.controls, config.seed)))
     return points
 
 

@@ -1,5 +1,5 @@
-"""The sweep's plan: a grid of cells (dimension x budget x factor), each with seeded random-unit controls, and one
-shared unrestrained baseline. A cell's id digests everything its responses depend on, so a rerun finds the cells
+"""The sweep's plan: a grid of cells (dimension x budget x factor), each with seeded random controls of its kind, and
+one shared unrestrained baseline. A cell's id digests everything its responses depend on, so a rerun finds the cells
 it already has."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rolemrc.core.artifacts import expect
 from rolemrc.core.extras import require
 from rolemrc.core.openai_client import ROLEMRC_KEY_ENV
 from rolemrc.core.placement import Dtype, check_dtype
-from rolemrc.intervene.budget import Budget, budget_grid
+from rolemrc.intervene.budget import BUDGET_OPTIONS, GRID_ONE, Budget, budget_grid
 from rolemrc.intervene.spec import PAPER_FACTOR, Restraint, RestraintError
 from rolemrc.probe.options import Direction
 from rolemrc.probe.selectors import SELECTORS
@@ -28,9 +28,14 @@ FACTORS = (PAPER_FACTOR, 0.99, 0.9, 0.5, 0.0)   # the default grid's scales
 SHARES = (0.01, 0.05, 0.17)
 # random-unit controls per cell: one control cannot place a cell (two of one size undid 44% and 64% of a planted change)
 CONTROLS = 10
-# restraint kinds a sweep's grid applies to its selected units and controls (the other kinds, and all of them side by
-# side against controls of their own kind: `sweep frontier`)
-SWEEP_KINDS = ("scale", "patch")
+# restraint kinds a sweep's grid applies: to its selected units and their controls (scale, patch), or a direction per
+# layer in the budget's top layers against random unit directions there; all of them side by side, reverts included,
+# against controls of their own kind: `sweep frontier`
+SWEEP_KINDS = ("scale", "patch", "direction")
+TOP_LAYERS = (1, 2, 4)   # a direction's default budgets: the N layers where the difference of means is longest
+NO_REVERT = ("--kind revert: a revert has no runtime hook, so a sweep cannot generate it beside its other cells (each "
+             "would need the weights baked in memory for a pass of its own); `rolemrc sweep frontier` measures unit, "
+             "layer and model reverts against random controls of their own kind")
 # how a cell is scored: judge: its generated replies by the judge and metrics; kl: one teacher-forced forward pass per
 # case, its KL to the base (SFT) model as a share of the DPO model's undone (`sweep.kl`)
 Measure = Literal["judge", "kl"]
@@ -46,8 +51,10 @@ class SweepConfig:
     data: str
     out: str
     dimensions: list[str]
-    method: str                    # the unit selector (probe.selectors.SELECTORS), named; `diff` is its input
-    kind: str = "scale"            # what a cell does to its units (SWEEP_KINDS): scale them by its factor, or patch
+    method: str | None             # the unit selector (probe.selectors.SELECTORS), named; `diff` is its input (None for
+    # a direction, the diff's difference of means)
+    kind: str = "scale"            # what a cell does (SWEEP_KINDS): scale its units by its factor, patch them, or project
+    # a direction out
     means: str | None = None       # patch: a diff whose A side's mean activations the units are set to (default: diff)
     cells_dir: str | None = None   # where generated cells are kept (default OUT/cells); sweeps may share one
     factors: list[float] = field(default_factory=lambda: list(FACTORS))
@@ -55,6 +62,7 @@ class SweepConfig:
     top_k: list[int] | None = None
     per_layer: list[int] | None = None
     share: list[float] | None = None
+    top_layers: list[int] | None = None   # a direction's budgets (default TOP_LAYERS)
     direction: Direction = "both"
     layers: str | None = None
     controls: int = CONTROLS
@@ -90,13 +98,7 @@ class SweepConfig:
             raise RestraintError(f"cells_per_pass must be >= 1, got {self.cells_per_pass}")
         if not self.factors:
             raise RestraintError("a sweep needs at least one factor")
-        if self.kind not in SWEEP_KINDS:
-            raise RestraintError(f"--kind: one of {', '.join(SWEEP_KINDS)}, not {self.kind!r} (every kind against "
-                                 "controls of its own: `rolemrc sweep frontier`)")
-        if self.kind == "patch" and self.factors != [0.0]:
-            raise RestraintError("--kind patch sets its units to the SFT mean, a factor-less restraint: --factors 0")
-        if self.means and self.kind != "patch":
-            raise RestraintError("--means is --kind patch's")
+        self.check_kind()
         self.budgets()
         check_dtype(self.dtype)
         if self.base_url and self.engine != IN_PROCESS:
@@ -105,7 +107,6 @@ class SweepConfig:
         require("eval", what="a sweep")
         if self.engine != IN_PROCESS and not self.base_url:
             require("serve", what=f"a sweep on the {self.engine} engine (a rolemrc server)")
-        SELECTORS.check([self.method])
         if self.measure not in MEASURES:
             raise RestraintError(f"--measure: one of {', '.join(MEASURES)}, not {self.measure!r}")
         if self.measure == "kl":
@@ -114,6 +115,29 @@ class SweepConfig:
             raise RestraintError("--base and --neutral are --measure kl's; the judge measure scores generated replies")
         else:
             self.judge_config()
+
+    def check_kind(self) -> None:
+        """The kind, and the settings that belong to it: a patch and a direction have no factor (--factors 0), a
+        direction no unit selector, controls matched on magnitudes, nor unit budgets."""
+        if self.kind == "revert":
+            raise RestraintError(NO_REVERT)
+        if self.kind not in SWEEP_KINDS:
+            raise RestraintError(f"--kind: one of {', '.join(SWEEP_KINDS)}, not {self.kind!r} (every kind against "
+                                 "controls of its own: `rolemrc sweep frontier`)")
+        if self.kind != "scale" and self.factors != [0.0]:
+            does = "sets its units to the SFT mean" if self.kind == "patch" else "projects its direction out"
+            raise RestraintError(f"--kind {self.kind} {does}, a factor-less restraint: --factors 0")
+        if self.means and self.kind != "patch":
+            raise RestraintError("--means is --kind patch's")
+        if self.kind == "direction":
+            given = [o for o, v in (("--method", self.method), ("--magnitudes", self.magnitudes)) if v is not None]
+            if given:
+                raise RestraintError(f"--kind direction takes the diff's difference of means in its top layers, against "
+                                     f"random unit directions: {' and '.join(given)} select or match units")
+        elif self.method is None:
+            raise RestraintError(f"--kind {self.kind} needs --method, the unit selector")
+        else:
+            SELECTORS.check([self.method])
 
     def check_kl(self) -> None:
         """--measure kl's inputs: the base model and the neutral texts readable, the cells run in this process."""
@@ -132,9 +156,17 @@ class SweepConfig:
             neutral_texts(self.neutral)
 
     def budgets(self) -> list[Budget]:
-        """The grid's budgets: the top_k, per_layer or share list given, else SHARES."""
-        return budget_grid([Budget("share", s) for s in SHARES], top_k=self.top_k, per_layer=self.per_layer,
-                           share=self.share)
+        """The grid's budgets: a direction's top_layers (default TOP_LAYERS); else the top_k, per_layer or share list
+        given, else SHARES."""
+        units = {"top_k": self.top_k, "per_layer": self.per_layer, "share": self.share}
+        if self.kind == "direction":
+            given = [BUDGET_OPTIONS[k] for k, v in units.items() if v is not None]
+            if given:
+                raise RestraintError(f"--kind direction's budgets are --top-layers, not {', '.join(given)}")
+            return [Budget("top_layers", n) for n in self.top_layers or TOP_LAYERS]
+        if self.top_layers is not None:
+            raise RestraintError(f"--top-layers is --kind direction's; --kind {self.kind} takes {GRID_ONE}")
+        return budget_grid([Budget("share", s) for s in SHARES], **units)
 
     def judge_config(self) -> Any:
         """The `eval.judges.JudgeConfig` scoring every cell (an unknown or misconfigured judge is an error)."""
@@ -183,30 +215,57 @@ def cell_id(kind: str, restraint: Restraint | None, settings: dict[str, Any]) ->
 
 
 def plan(config: SweepConfig, width: int, settings: dict[str, Any]) -> list[Cell]:
-    """The baseline, then per grid cell its selected units and `config.controls` controls matched on activation
-    magnitude (`sweep.controls`). `width`: units at the diff's hook point; `settings`: what else responses depend on
-    (model, data, generation)."""
-    from rolemrc.intervene.kinds import as_patch
-    from rolemrc.intervene.select import select, warnings_once
-    from rolemrc.sweep.controls import draw_controls, unit_magnitudes
-
-    def of_kind(r: Restraint, dimension: str) -> Restraint:
-        return as_patch(r, config.means or config.diff, dimension) if config.kind == "patch" else r
+    """The baseline, then per grid cell its restraint and `config.controls` controls of its kind: units selected and
+    random units matched on activation magnitude (`sweep.controls`), or a direction and random unit directions in its
+    layers. `width`: units at the diff's hook point; `settings`: what else responses depend on (model, data,
+    generation). A direction budget that reaches no further layer than the one before it is left out."""
+    from rolemrc.intervene.select import warnings_once
 
     cells = [Cell(cell_id(BASELINE, None, settings), BASELINE, {}, None)]
     magnitudes: dict[str, tuple[Any, str]] = {}   # dimension -> unit magnitudes and what they are
+    reached: dict[str, list[int]] = {}   # dimension -> the layers of its last direction cell
     with warnings_once():   # one paper-factor or frequency note for the whole grid
         for dimension, budget, factor in itertools.product(config.dimensions, config.budgets(), config.factors):
             grid = {"dimension": dimension, "factor": factor, "budget": budget.to_dict()}
             name = f"{dimension.replace('_', '-')}-{budget.slug}-x{factor:g}"
-            chosen = select(config.diff, dimension, method=config.method, layers=config.layers,
-                            direction=config.direction, factor=factor, name=name, **budget.to_dict())
-            restraint = of_kind(chosen, dimension)
+            if config.kind == "direction":
+                restraint, controls = direction_cell(config, dimension, budget, name)
+                if reached.get(dimension) == restraint.sites:   # fewer layers differ than the budget names
+                    continue
+                reached[dimension] = restraint.sites
+            else:
+                restraint, controls = unit_cell(config, dimension, budget, factor, name, width, magnitudes)
             cells.append(Cell(cell_id("selected", restraint, settings), "selected", grid, restraint))
-            if dimension not in magnitudes:   # read after the selection, which checks the input first
-                magnitudes[dimension] = unit_magnitudes(config.magnitudes or config.diff, dimension)
-            magnitude, how = magnitudes[dimension]
-            drawn = draw_controls(chosen, width, config.controls, seed=config.seed, magnitude=magnitude, how=how)
-            controls = [of_kind(c, dimension) for c in drawn]
             cells += [Cell(cell_id("control", c, settings), "control", grid, c, draw=k) for k, c in enumerate(controls)]
     return cells
+
+
+def unit_cell(config: SweepConfig, dimension: str, budget: Budget, factor: float, name: str, width: int,
+              magnitudes: dict[str, tuple[Any, str]]) -> tuple[Restraint, list[Restraint]]:
+    """The selected units (scaled by `factor`, or patched to the SFT mean) and their controls matched on activation
+    magnitude (read once per dimension into `magnitudes`)."""
+    from rolemrc.intervene.kinds import as_patch
+    from rolemrc.intervene.select import select
+    from rolemrc.sweep.controls import draw_controls, unit_magnitudes
+
+    def of_kind(r: Restraint) -> Restraint:
+        return as_patch(r, config.means or config.diff, dimension) if config.kind == "patch" else r
+
+    chosen = select(config.diff, dimension, method=config.method, layers=config.layers, direction=config.direction,
+                    factor=factor, name=name, **budget.to_dict())
+    restraint = of_kind(chosen)
+    if dimension not in magnitudes:   # read after the selection, which checks the input first
+        magnitudes[dimension] = unit_magnitudes(config.magnitudes or config.diff, dimension)
+    magnitude, how = magnitudes[dimension]
+    drawn = draw_controls(chosen, width, config.controls, seed=config.seed, magnitude=magnitude, how=how)
+    return restraint, [of_kind(c) for c in drawn]
+
+
+def direction_cell(config: SweepConfig, dimension: str, budget: Budget, name: str) -> tuple[Restraint, list[Restraint]]:
+    """The diff's difference of means (DPO - SFT) on `dimension` in the budget's top layers, and random unit
+    directions in the same layers."""
+    from rolemrc.intervene.kinds import direction_restraint
+    from rolemrc.sweep.controls import random_directions
+
+    restraint = direction_restraint(config.diff, dimension, layers=config.layers, top_layers=budget.value, name=name)
+    return restraint, random_directions(restraint, config.controls, config.seed)

@@ -49,7 +49,8 @@ def dose_response(summary: dict, dimension: str):
     for cell in sorted(cells, key=lambda c: c["units"]):   # budgets by size
         groups.setdefault(Budget.of(cell["budget"]), []).append(cell)
     fig = make_subplots(rows=1, cols=max(len(groups), 1), shared_yaxes=True, horizontal_spacing=0.04,
-                        subplot_titles=[f"{b.label} ({span(c['units'] for c in row)} units)" for b, row in groups.items()])
+                        subplot_titles=[f"{b.label}" + (f" ({span(c['units'] for c in row)} units)" if row[0]["units"]
+                                                         else "") for b, row in groups.items()])
     controls = bool(cells) and all("controls_mean" in c["scores"][score] for c in cells)
     series = [("controls_", CONTROLS_COLOR, f"random-unit controls (mean of {summary['config']['controls']} draws)")
               ] if controls else []

@@ -12,6 +12,9 @@ from rolemrc.intervene.budget import Budget, coverage_text
 from rolemrc.sweep.stats import COMPARISONS, LOWER_IS_BETTER, MEASURE_SCORES, Scores, is_primary
 
 ALPHA = 0.05
+# a cell's controls: random units (scale, patch) or, for a direction, random directions
+CONTROLS_TEXT = ("same units per layer, same factor, matched on activation magnitude",
+                 "a random unit direction in each of the same layers")
 # what a cell beats the baseline and its controls on, per measure
 PRIMARY_WORDS = {"judge": "a judge dimension", "kl": "a dimension's restoration (KL to the base model)"}
 
@@ -19,7 +22,8 @@ PRIMARY_WORDS = {"judge": "a judge dimension", "kl": "a dimension's restoration 
 def sweep_summary(config: Any, selected: list, effects: dict[str, dict], prints: dict[str, dict],
                   baseline: Scores) -> dict:
     base = {name: sum(v.values()) / len(v) for name, v in baseline.items() if v}
-    cells = [{"id": c.id, **c.grid, **prints[c.id], "coverage": c.restraint.source["coverage"], "scores": effects[c.id]}
+    cells = [{"id": c.id, **c.grid, **prints[c.id], "coverage": c.restraint.source.get("coverage"),
+              **({"layers": c.restraint.sites} if c.restraint.kind == "direction" else {}), "scores": effects[c.id]}
              for c in selected]
     return {"config": asdict(config), "alpha": ALPHA, "baseline": base, "cells": cells,
             "headline": headline(cells, config.measure)}
@@ -108,6 +112,11 @@ def divergence_text(summary: dict) -> list[str]:
             f"the {summary['config']['continuation']} continuation; the DPO model's mean KL per token: {per}.", ""]
 
 
+def reach_text(cell: dict) -> str:
+    """What a cell restrains: its units (`coverage_text`), or a direction's layers."""
+    return coverage_text(cell["coverage"]) if cell["coverage"] else f"a direction in layers {cell['layers']}"
+
+
 def elements_text(changed: int | None) -> str:
     return "no bake" if changed is None else str(changed)   # None: the kind does not fold into weights there
 
@@ -116,11 +125,11 @@ def sweep_markdown(summary: dict) -> str:
     cells = summary["cells"]
     names = sorted({n for c in cells for n in c["scores"]}, key=lambda n: (not is_primary(n), n))
     lines = ["# Restraint sweep", "", summary["headline"], "", *divergence_text(summary),
-             "Effects are paired per item: the cell minus the baseline, and the cell minus the mean of its random-unit "
-             "controls (same units per layer, same factor, matched on activation magnitude). Mean [95% bootstrap CI], "
+             "Effects are paired per item: the cell minus the baseline, and the cell minus the mean of its random "
+             f"controls ({CONTROLS_TEXT[summary['config']['kind'] == 'direction']}). Mean [95% bootstrap CI], "
              f"Holm-corrected p over the grid; * marks p < {summary['alpha']}.", "",
              "| cell | units (share of all; per layer) | weight elements | max Δlogit |", "|---|---|---|---|"]
-    lines += [f"| {cell_label(c)} | {coverage_text(c['coverage'])} | {elements_text(c['weight_elements_changed'])} | "
+    lines += [f"| {cell_label(c)} | {reach_text(c)} | {elements_text(c['weight_elements_changed'])} | "
               f"{c['max_logit_shift']:.3g} |" for c in cells]
     for family, title in COMPARISONS.items():
         lines += ["", f"## Effect {title}", "", *score_table(cells, names, lambda e, f=family: effect_text(e, f))]
