@@ -16,7 +16,6 @@ import yaml
 from rolemrc.ab.from_sweep import MODELS_FILE, arm_name, choose_cells, load_sweep
 from rolemrc.core.artifacts import describe, identify, stamp
 from rolemrc.core.errors import InputError
-from rolemrc.core.hooks import num_layers, width
 from rolemrc.intervene.spec import Restraint
 
 GPU_SHARE = 0.9   # vLLM's default memory_utilization for one process: split among those on one GPU
@@ -57,9 +56,9 @@ def bake_arms(folder: str | os.PathLike, which: str, model: str | os.PathLike, o
 
 
 def check_bakes(src: Path, restraints: Any, strict: bool) -> None:
-    """A RestraintError for a restraint that does not bake into the model at `src` (its shape, where it folds, a
-    patch's bias, a revert's reference; and with `strict`, another model's units), on a skeleton of the model on
-    PyTorch's meta device: no weights load."""
+    """A RestraintError for a restraint that does not bake into the model at `src` (its shape, from config.json; where
+    it folds and a patch's bias, on a skeleton of the model on PyTorch's meta device; a revert's reference; with
+    `strict`, another model's units): no weights load."""
     from rolemrc.core.modeling import meta_model
     from rolemrc.intervene.bake import add_biases, reference_dir, restraint_fold
     from rolemrc.intervene.fit import check_origin
@@ -67,7 +66,6 @@ def check_bakes(src: Path, restraints: Any, strict: bool) -> None:
     skeleton = meta_model(src)
     for r in restraints:
         check_origin(r, src, strict)
-        r.check_shape(num_layers(skeleton), width(skeleton, r.hook))
         if r.kind == "revert":
             reference_dir(r)
             continue
