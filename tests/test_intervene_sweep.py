@@ -140,6 +140,9 @@ def test_the_dose_response_draws_every_cells_95_ci_and_its_controls_band():
     assert "95% bootstrap CI over cases" in fig.layout.title.subtitle.text and "grey: random-unit controls" in \
         fig.layout.title.subtitle.text
     assert [a.text for a in fig.layout.annotations][:2] == ["top-8 (8 units)", "top-64 (64 units)"]
+    controls, selected = lines[:2]   # the controls drawn beside the cells (their CIs are equal here), hovering the factor
+    assert list(selected.x) == [0.0, 0.5] and all(c > s for c, s in zip(controls.x, selected.x))
+    assert [row[0] for row in controls.customdata] == [0.0, 0.5]
 
 
 def test_a_factor_one_grid_finds_nothing_and_says_so(setup, tmp_path):

@@ -11,25 +11,28 @@ from rolemrc.sweep.report import ALPHA, cell_label
 from rolemrc.sweep.stats import COMPARISONS, MEASURE_SCORES, is_primary
 
 SELECTED_COLOR, CONTROLS_COLOR = (31, 119, 180), (110, 110, 110)   # the selected units' blue, the controls' grey
+CONTROLS_DODGE = 0.02   # the controls drawn this share of the factors' range to the right: equal CIs stay apart
 
 
 def ci_traces(x: list[float], entries: list[dict], key: str, color: tuple[int, int, int], name: str, *,
-              legend: bool) -> list:
-    """A mean line (`entries[i][key + "mean"]` at `x[i]`) with each point's 95% CI as an error bar and, across the
-    points, as a shaded band (`key + "lo"` to `key + "hi"`), both in `color`; the band is named `name` + ": 95% CI"."""
+              legend: bool, shift: float = 0.0) -> list:
+    """A mean line (`entries[i][key + "mean"]` at `x[i]`, drawn `shift` to the right) with each point's 95% CI as an
+    error bar and, across the points, as a shaded band (`key + "lo"` to `key + "hi"`), both in `color`; the band is
+    named `name` + ": 95% CI"."""
     import plotly.graph_objects as go
 
     mean, lo, hi = ([e[key + part] for e in entries] for part in ("mean", "lo", "hi"))
     rgb = ", ".join(map(str, color))
-    band = go.Scatter(x=x + x[::-1], y=hi + lo[::-1], mode="lines", fill="toself", fillcolor=f"rgba({rgb}, 0.2)",
+    at = [v + shift for v in x]
+    band = go.Scatter(x=at + at[::-1], y=hi + lo[::-1], mode="lines", fill="toself", fillcolor=f"rgba({rgb}, 0.2)",
                       line={"width": 0}, hoverinfo="skip", name=f"{name}: 95% CI", legendgroup=name, showlegend=False)
-    line = go.Scatter(x=x, y=mean, mode="lines+markers", name=name, legendgroup=name, showlegend=legend,
+    line = go.Scatter(x=at, y=mean, mode="lines+markers", name=name, legendgroup=name, showlegend=legend,
                       line={"color": f"rgb({rgb})", "dash": "dash" if key else "solid"},
                       error_y={"type": "data", "symmetric": False, "array": [h - m for h, m in zip(hi, mean)],
                                "arrayminus": [m - v for m, v in zip(mean, lo)], "color": f"rgb({rgb})",
                                "thickness": 1.5, "width": 5},
-                      customdata=list(zip(lo, hi)), hovertemplate="factor %{x:g}<br>mean %{y:.3f} "
-                      "[%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra>" + name + "</extra>")
+                      customdata=list(zip(x, lo, hi)), hovertemplate="factor %{customdata[0]:g}<br>mean %{y:.3f} "
+                      "[%{customdata[1]:.3f}, %{customdata[2]:.3f}]<extra>" + name + "</extra>")
     return [band, line]
 
 
@@ -52,19 +55,23 @@ def dose_response(summary: dict, dimension: str):
                         subplot_titles=[f"{b.label}" + (f" ({span(c['units'] for c in row)} units)" if row[0]["units"]
                                                          else "") for b, row in groups.items()])
     controls = bool(cells) and all("controls_mean" in c["scores"][score] for c in cells)
-    series = [("controls_", CONTROLS_COLOR, f"random-unit controls (mean of {summary['config']['controls']} draws)")
-              ] if controls else []
+    factors = [c["factor"] for c in cells]
+    dodge = CONTROLS_DODGE * ((max(factors) - min(factors)) or 1) if cells else 0.0
+    series = [("controls_", CONTROLS_COLOR, f"random-unit controls (mean of {summary['config']['controls']} draws)",
+               dodge)] if controls else []
     for col, row in enumerate(groups.values(), 1):
         row = sorted(row, key=lambda c: c["factor"])
-        for key, color, name in [*series, ("", SELECTED_COLOR, "selected units")]:
-            for trace in ci_traces([c["factor"] for c in row], [c["scores"][score] for c in row], key, color, name,
-                                   legend=col == 1):
-                fig.add_trace(trace, row=1, col=col)
+        pairs = [ci_traces([c["factor"] for c in row], [c["scores"][score] for c in row], key, color, name,
+                           legend=col == 1, shift=shift)
+                 for key, color, name, shift in [*series, ("", SELECTED_COLOR, "selected units", 0.0)]]
+        for trace in [band for band, _ in pairs] + [line for _, line in pairs]:   # every band under every line
+            fig.add_trace(trace, row=1, col=col)
         fig.update_xaxes(title_text="factor (1 = unrestrained, 0 = ablated)", row=1, col=col)
     if score in summary["baseline"]:
         fig.add_hline(y=summary["baseline"][score], line_dash="dot", annotation_text="baseline")
     band = (f"lines: means over {span(c['scores'][score]['n'] for c in cells)} cases; bars and shading: 95% bootstrap "
-            "CI over cases; " + ("grey: random-unit controls; " if controls else "") + "dotted: unrestrained baseline")
+            "CI over cases; " + ("grey: random-unit controls (drawn a little to the right); " if controls else "")
+            + "dotted: unrestrained baseline")
     fig.update_layout(title={"text": f"units of {dimension}: {score.removeprefix(prefix)} {what} vs factor",
                              "subtitle": {"text": band}},
                       yaxis_title=what, template="plotly_white", margin={"t": 110},
