@@ -70,11 +70,11 @@ def dose_response(summary: dict, dimension: str):
     if score in summary["baseline"]:
         fig.add_hline(y=summary["baseline"][score], line_dash="dot", annotation_text="baseline")
     band = (f"lines: means over {span(c['scores'][score]['n'] for c in cells)} cases; bars and shading: 95% bootstrap "
-            "CI over cases; " + ("grey: random-unit controls (drawn a little to the right); " if controls else "")
+            "CI over cases<br>" + ("grey: random-unit controls (drawn a little to the right); " if controls else "")
             + "dotted: unrestrained baseline")
     fig.update_layout(title={"text": f"units of {dimension}: {score.removeprefix(prefix)} {what} vs factor",
                              "subtitle": {"text": band}},
-                      yaxis_title=what, template="plotly_white", margin={"t": 110},
+                      yaxis_title=what, template="plotly_white", margin={"t": 140},
                       legend={"orientation": "h", "yanchor": "top", "y": -0.18, "x": 0})
     return fig
 
