@@ -37,9 +37,12 @@ OUTPUTS = [("eval run (SFT)", "eval/sft/report.md"), ("eval run (DPO)", "eval/dp
 
 
 def step_times(run: Path) -> list[tuple[str, float]]:
-    """(step, seconds) from the outputs' modification times, starting when quickstart.sh was written."""
+    """(step, seconds) from the outputs' modification times, starting when quickstart.sh was written; up to the first
+    step whose output is missing."""
     times, before = [], (run / "quickstart.sh").stat().st_mtime
     for step, output in OUTPUTS:
+        if not (run / output).exists():
+            break
         done = (run / output).stat().st_mtime
         times.append((step, done - before))
         before = done
@@ -73,7 +76,7 @@ def attribution_section(run: Path, img: Path, dimension: str) -> tuple[list[str]
     from rolemrc.probe.attribution import load_attribution
 
     scores = load_attribution(run / "attribution.safetensors").scores[dimension]   # [layers, width], mean per pair
-    per_layer = abs(scores).sum(1)
+    per_layer = scores.abs().sum(1).numpy()
     top = per_layer.argsort()[::-1][:3]
     share = per_layer[top].sum() / per_layer.sum()
     shot = explorer_screenshot(run, img, dimension, int(top[0]), selector="attribution",
@@ -140,14 +143,19 @@ def ab_section(run: Path, img: Path) -> tuple[list[str], list[Path]]:
     return [f"{report['unit']['text']}.", "", *rows, "", *tests, "", f"![the A/B report's chart](img/{chart.name})"], [chart]
 
 
-def page(run: Path, img: Path) -> tuple[str, list[Path]]:
+def page(run: Path, img: Path, time_note: str = "") -> tuple[str, list[Path]]:
     dimension, cost = cost_section(run)
-    sections = [("1. What changed: the paired probe and its diff", diff_section(run, img, dimension)),
-                ("2. What matters to the preference: attribution", attribution_section(run, img, dimension)),
-                ("3. The evidence: the sweep against random units", sweep_section(run, img, dimension)),
-                ("4. The restraint, checked and exported", restraint_section(run, dimension)),
-                ("5. Live traffic: the A/B report", ab_section(run, img))]
+    steps = [("1. What changed: the paired probe and its diff", lambda: diff_section(run, img, dimension), "diff/summary.json"),
+             ("2. What matters to the preference: attribution", lambda: attribution_section(run, img, dimension),
+              "explorer.html"),
+             ("3. The evidence: the sweep against random units", lambda: sweep_section(run, img, dimension), "sweep/sweep.json"),
+             ("4. The restraint, checked and exported", lambda: restraint_section(run, dimension),
+              "runs/dpo-restraint-lora/adapter_config.json"),
+             ("5. Live traffic: the A/B report", lambda: ab_section(run, img), "ab/report.json")]
+    sections = [(title, made, needs, (run / needs).exists()) for title, made, needs in steps]
     times = step_times(run)
+    sections = [(title, made() if ready else ([f"Not reached when this page was made: the run had not written `{needs}`."], []))
+                for title, made, needs, ready in sections]
     lines = ["# The researcher's path on SmolLM2, end to end", "",
              "README's quickstart block, run as written on two SmolLM2-135M-Instruct checkpoints named by hub id "
              "(`rolemrc-demo/smollm2-rp-sft`, `rolemrc-demo/smollm2-rp-dpo`) and found offline in an HF cache "
@@ -161,7 +169,7 @@ def page(run: Path, img: Path) -> tuple[str, list[Path]]:
         written += pictures
     lines += ["## Time per step (2 CPU cores, shared with other jobs)", "", "| step | seconds |", "|---|---|",
               *(f"| {step} | {seconds:.0f} |" for step, seconds in times),
-              f"| the quickstart, in all | {sum(s for _, s in times):.0f} |", ""]
+              f"| the quickstart, in all | {sum(s for _, s in times):.0f} |", "", *([time_note, ""] if time_note else [])]
     return "\n".join(lines), written
 
 
@@ -170,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run", type=Path, help="a scripts/smollm2_path.sh folder")
     parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "researcher-path.md")
+    parser.add_argument("--time-note", default="", help="what the page should say about this run's times")
     args = parser.parse_args(argv)
-    text, written = page(args.run.resolve(), args.img)
+    text, written = page(args.run.resolve(), args.img, args.time_note)
     args.out.write_text(text)
     for path in [args.out, *written]:
         print(f"{path.stat().st_size / 1000:7.1f} kB  {path}")
