@@ -31,15 +31,15 @@ def validate(r: Restraint, model: Any) -> Restraint:
     return r
 
 
-def check_origin(r: Restraint, model: Any, strict: bool = False) -> None:
+def check_origin(r: Restraint, model: Any, strict: bool = False, *, shape: bool = True) -> None:
     """Is `model` (a loaded model, or a model directory) the one `r`'s units were selected on? When it is another
     one: a logged warning naming both, once per pair of models, or with `strict` a RestraintError. Silent when the spec
     names no model or `model` cannot be told apart cheaply (a directory, where the spec recorded tensors: checked once
     loaded). A directory's shape is checked first, from its config.json (`check_config`): what every caller does
-    before the model loads."""
+    before the model loads; `shape=False` leaves it to a caller that serves a restraint only on the models it fits."""
     from rolemrc.core.modeling import fingerprints, is_path, model_name
 
-    if is_path(model):
+    if shape and is_path(model):
         check_config(r, model)
     recorded = r.model.get("fingerprint")
     if not recorded:

@@ -70,7 +70,7 @@ class ModelCatalog:
         it, the engine's check logs a warning once)."""
         if self.config.strict_restraints:
             for directory in self.config.models[name].directories():
-                check_origin(restraint, directory, strict=True)
+                check_origin(restraint, directory, strict=True, shape=False)
 
     async def register(self, rname: str, restraint: Restraint) -> tuple[bool, list[str]]:
         """Register a restraint while serving (idempotent for the same `Restraint.digest`: units, hook and factor):

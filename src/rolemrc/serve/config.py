@@ -185,7 +185,7 @@ class ServeConfig:
             for name, model in self.models.items():
                 for directory in model.directories():
                     try:
-                        check_origin(restraint, directory, self.strict_restraints)
+                        check_origin(restraint, directory, self.strict_restraints, shape=False)   # a misfit: not served there
                     except RestraintError as exc:
                         raise ServeConfigError(f"model {name!r}: {exc} (strict_restraints: true)") from None
 
