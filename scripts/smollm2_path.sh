@@ -3,6 +3,8 @@
 # the two models, is replaced), on SmolLM2-135M-Instruct SFT and DPO checkpoints named by hub id and found offline in
 # an HF cache laid out as huggingface_hub lays it out; with CALIBRATE=1, then the calibration the quickstart mentions.
 #   scripts/smollm2_path.sh [OUT]        (default runs/smollm2-path; a rerun reuses the trained pair)
+#   FROM=3 scripts/smollm2_path.sh [OUT] (a rerun from the quickstart's step 3 on, on the files steps 0-2 wrote;
+#                                         DIM is read again from step 0's evals; the sweep resumes its finished cells)
 # Writes OUT/transcript.log (every command with its start time, and its output); scripts/smollm2_path_figures.py OUT
 # turns the run into docs/researcher-path.md's figures and pictures. About 1.5 h on 2 CPU cores.
 set -euo pipefail
@@ -50,13 +52,17 @@ for name in ("sft", "dpo"):
 EOF
 
 # README's quickstart block, as written, with the models named by hub id
-"$PY" - "$ROOT/README.md" > quickstart.sh <<'EOF'
+"$PY" - "$ROOT/README.md" "${FROM:-0}" > quickstart.sh <<'EOF'
 import re, sys
 block = re.search(r"<!-- quickstart:[^\n]*-->\n```bash\n(.*?)```", open(sys.argv[1]).read(), re.S).group(1)
 first, rest = block.split("\n", 1)
+if int(sys.argv[2]):   # step 0's line that names DIM, then the block from "# FROM." on
+    dim = next(line for line in rest.splitlines() if line.startswith("DIM="))
+    rest = dim + "\n" + rest[rest.index(f"# {sys.argv[2]}. "):]
 print("SFT=rolemrc-demo/smollm2-rp-sft DPO=rolemrc-demo/smollm2-rp-dpo\n" + rest)
 EOF
-rm -rf eval cost diff sweep ab ab.sqlite ab-traffic.jsonl runs
+if [ "${FROM:-0}" = 0 ]; then rm -rf eval cost diff sweep; fi
+rm -rf ab ab.sqlite ab-traffic.jsonl runs
 bash -euo pipefail -c "PS4='$PS4'; set -x; . ./quickstart.sh"   # bash as root does not import PS4: set it inside
 
 # the quickstart's aside, once per base model: the recipe calibrated on organisms planted in this SFT model, by the
