@@ -2,6 +2,8 @@
 `--engine vllm` (a server of the sweep's own, restraints as LoRA adapters) give the in-process sweep's responses."""
 
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from fixtures import save_peaked_llama, vllm_or_skip, write_diff_file
@@ -9,11 +11,11 @@ from fixtures import test_records as make_records
 
 from rolemrc.core.errors import RolemrcError
 from rolemrc.core.io import write_jsonl
-from rolemrc.intervene.spec import RestraintError
+from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.launch import running_server
 from rolemrc.sweep.plan import SweepConfig, plan
 from rolemrc.sweep.run import generate_cells
-from rolemrc.sweep.sources import served_model, server_config
+from rolemrc.sweep.sources import check_rank, served_model, server_config
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,12 @@ def test_the_vllm_server_is_sized_for_the_largest_cell(setup, tmp_path):
     assert served["allow_inline_restraints"] and served["max_inline_units"] == 40
     with pytest.raises(RestraintError, match="choose one"):
         config(setup, tmp_path, engine="vllm", base_url="http://x/v1")
+    check_rank(cfg, cells)   # a cell wider than vLLM's largest LoRA rank is refused before any model loads
+    wide = SimpleNamespace(id="c-wide", restraint=Restraint(name="wide", hook=cells[1].restraint.hook,
+                                                            units={0: list(range(600))}, factor=0.0))
+    with pytest.raises(RestraintError, match=r"cell c-wide restrains 600 units in one layer, .* vLLM accepts \(512\)"):
+        check_rank(cfg, [*cells, wide])
+    check_rank(config(setup, tmp_path), [*cells, wide])   # in process: hooks, no rank
 
 
 def test_engine_and_judge_come_from_the_registries(setup, tmp_path):

@@ -61,7 +61,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
     from rolemrc.intervene.inputs import input_hook
     from rolemrc.probe.attribution import config_shape
     from rolemrc.sweep.controls import controls_record
-    from rolemrc.sweep.sources import IN_PROCESS, engine_label, row_source
+    from rolemrc.sweep.sources import IN_PROCESS, check_rank, engine_label, row_source
 
     directory = resolve_model(config.model)
     records = first_cases(read_records(config.data, "test")[0], config.limit)
@@ -73,6 +73,7 @@ def generate_cells(config: SweepConfig, *, progress: bool = True) -> tuple[list[
                      "neutral": file_fingerprint(config.neutral) if config.neutral else None}
     hook = input_hook(config.diff)
     cells = plan(config, config_shape(directory, hook)["width"], settings)   # every input read before the model loads
+    check_rank(config, cells)
     selected = next((c.restraint for c in cells if c.restraint is not None and c.restraint.model), None)
     if selected is not None:   # every selected cell names the same model: the diff's B side
         check_origin(selected, directory, config.strict)

@@ -30,6 +30,26 @@ def check_engine(name: str) -> None:
         raise RestraintError(f"engine {name!r} does not run a local model; point --base-url at a running server instead")
 
 
+def check_rank(config: Any, cells: list[Any]) -> None:
+    """A sweep on a local engine that applies restraints as LoRA adapters (`max_lora_rank` among its options: vLLM)
+    must fit every cell's widest layer in the largest rank that engine accepts; a RestraintError naming the cell."""
+    from dataclasses import fields
+
+    from rolemrc.intervene.lora import VLLM_RANKS, lora_units
+    from rolemrc.serve.engines import engine_class
+
+    if config.base_url or config.engine == IN_PROCESS:
+        return
+    if "max_lora_rank" not in {f.name for f in fields(engine_class(config.engine).Options)}:
+        return
+    for cell in cells:
+        if cell.restraint is not None and lora_units(cell.restraint) > VLLM_RANKS[-1]:
+            raise RestraintError(f"--engine {config.engine}: cell {cell.id} restrains {lora_units(cell.restraint)} "
+                                 f"units in one layer, over the largest LoRA rank vLLM accepts ({VLLM_RANKS[-1]}); "
+                                 "sweep it with --engine transformers, then serve the cells you choose baked "
+                                 "(`rolemrc ab bake`)")
+
+
 def engine_label(config: Any) -> str:
     """What the responses depend on besides model, data and length (part of every cell id)."""
     return f"endpoint:{config.served_model or ''}" if config.base_url else config.engine
