@@ -56,7 +56,8 @@ def diff_heatmaps(demo: Path, img: Path, dimension: str) -> list[Path]:
 def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int, *, selector: str | None = None,
                         name: str = "explorer.png") -> Path:
     """The explorer page with `dimension` (and `selector`, else the page's default) chosen, the bar of `layer` clicked
-    (its unit panel shows) and the preview's first unit clicked (its top prompts under A and B show)."""
+    (its unit panel shows) and the preview's first unit clicked (its top prompts under A and B show); machine paths
+    read as in the notebooks (`stand_ins`)."""
     sys.path.insert(0, str(ROOT / "tests"))   # the tests' headless Chromium (Playwright on /usr/bin/chromium)
     from browser import browser_page
 
@@ -71,6 +72,11 @@ def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int, *, se
         page.wait_for_function(f"document.querySelector('#scatter .gtitle').textContent.startsWith('layer {layer}')")
         page.locator("#preview-table tr[data-unit]").first.click()
         page.wait_for_function("document.getElementById('prompts-sides').children.length > 0")
+        page.evaluate("""(pairs) => {   // the models' paths on this machine read as stand_ins says
+            const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+            for (let node = walk.nextNode(); node; node = walk.nextNode())
+                for (const [path, name] of pairs) node.nodeValue = node.nodeValue.split(path).join(name);
+        }""", list(stand_ins(demo.resolve()).items()))
         page.mouse.move(0, 0)   # no hover label or toolbar in the picture
         page.wait_for_timeout(500)
         shot = Image.open(io.BytesIO(page.screenshot(full_page=True)))
