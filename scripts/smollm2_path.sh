@@ -5,6 +5,7 @@
 #   scripts/smollm2_path.sh [OUT]        (default runs/smollm2-path; a rerun reuses the trained pair)
 #   FROM=3 scripts/smollm2_path.sh [OUT] (a rerun from the quickstart's step 3 on, on the files steps 0-2 wrote;
 #                                         DIM is read again from step 0's evals; the sweep resumes its finished cells)
+#   FROM=6 CALIBRATE=1 scripts/smollm2_path.sh [OUT]   (only the calibration, after a finished quickstart)
 # Writes OUT/transcript.log (every command with its start time, and its output); scripts/smollm2_path_figures.py OUT
 # turns the run into docs/researcher-path.md's figures and pictures. About 1.5 h on 2 CPU cores.
 set -euo pipefail
@@ -51,8 +52,9 @@ for name in ("sft", "dpo"):
         cache_snapshot(hub, repo, Path("train") / name, commit=("0" if name == "sft" else "1") * 40)
 EOF
 
-# README's quickstart block, as written, with the models named by hub id
-"$PY" - "$ROOT/README.md" "${FROM:-0}" > quickstart.sh <<'EOF'
+# README's quickstart block, as written, with the models named by hub id (FROM=6: none of it, only the aside below)
+if [ "${FROM:-0}" -le 5 ]; then
+    "$PY" - "$ROOT/README.md" "${FROM:-0}" > quickstart.sh <<'EOF'
 import re, sys
 block = re.search(r"<!-- quickstart:[^\n]*-->\n```bash\n(.*?)```", open(sys.argv[1]).read(), re.S).group(1)
 first, rest = block.split("\n", 1)
@@ -61,16 +63,14 @@ if int(sys.argv[2]):   # step 0's line that names DIM, then the block from "# FR
     rest = dim + "\n" + rest[rest.index(f"# {sys.argv[2]}. "):]
 print("SFT=rolemrc-demo/smollm2-rp-sft DPO=rolemrc-demo/smollm2-rp-dpo\n" + rest)
 EOF
-if [ "${FROM:-0}" = 0 ]; then rm -rf eval cost diff sweep; fi
-rm -rf ab ab.sqlite ab-traffic.jsonl runs
-bash -euo pipefail -c "PS4='$PS4'; set -x; . ./quickstart.sh"   # bash as root does not import PS4: set it inside
+    if [ "${FROM:-0}" = 0 ]; then rm -rf eval cost diff sweep; fi
+    rm -rf ab ab.sqlite ab-traffic.jsonl runs
+    bash -euo pipefail -c "PS4='$PS4'; set -x; . ./quickstart.sh"   # bash as root does not import PS4: set it inside
+fi
 
-# the quickstart's aside, once per base model: the recipe calibrated on organisms planted in this SFT model, by the
-# judge (--measure kl is 4-5 h a seed on 2 cores); skipped unless CALIBRATE=1 (about 65 min here)
+# the quickstart's aside, once per base model: the recipe calibrated on organisms planted in this SFT model (built
+# under calibration/organisms), by the judge (--measure kl is 4-5 h a seed on 2 cores); only with CALIBRATE=1
 if [ "${CALIBRATE:-0}" = 1 ]; then
     set -x
-    for kind in narration refusal null; do
-        rolemrc organism build $kind --base rolemrc-demo/smollm2-rp-sft --out organisms --quick --eval-others 4
-    done
-    rolemrc organism calibrate --out calibration --organisms organisms --quick --measure judge
+    rolemrc organism calibrate --base rolemrc-demo/smollm2-rp-sft --out calibration --quick --measure judge
 fi

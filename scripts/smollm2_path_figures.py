@@ -143,6 +143,25 @@ def ab_section(run: Path, img: Path) -> tuple[list[str], list[Path]]:
     return [f"{report['unit']['text']}.", "", *rows, "", *tests, "", f"![the A/B report's chart](img/{chart.name})"], [chart]
 
 
+def calibration_section(run: Path, img: Path) -> tuple[list[str], list[Path]]:
+    """The calibration the quickstart's aside runs (CALIBRATE=1): its headline, recommendation, recovery table and
+    figure."""
+    from rolemrc.organism.calibration_report import organism_label, recommendation_text
+
+    result = read(run, "calibration/calibration.json")
+    rows = ["| organism | selector | factor | units per layer | undone (95% CI) | random-unit controls | found |",
+            "|---|---|---|---|---|---|---|"]
+    for c in result["recovery"]:
+        found = "yes" if c["found"] else (f"no (broke {', '.join(c['broken'])})" if c["broken"] else "no")
+        rows.append(f"| {organism_label(c)} ({c['dimension']}) | {c['selector']} | {c['factor']:g} | {c['per_layer']:g} "
+                    f"| {c['share']:.0%} ({c['lo']:.0%} to {c['hi']:.0%}) | "
+                    f"{', '.join(f'{x:.0%}' for x in c['controls']) or '-'} | {found} |")
+    picture = save_png((run / "calibration" / "calibration.png").read_bytes(), img / "smollm2-calibration.png")
+    return [f"**{result['headline']}**", "", recommendation_text(result["recommendation"]), "", *rows, "",
+            f"![the recovery curve per planted organism (stars: found; crosses: broke another dimension)]"
+            f"(img/{picture.name})"], [picture]
+
+
 def page(run: Path, img: Path, time_note: str = "") -> tuple[str, list[Path]]:
     dimension, cost = cost_section(run)
     steps = [("1. What changed: the paired probe and its diff", lambda: diff_section(run, img, dimension), "diff/summary.json"),
@@ -151,7 +170,9 @@ def page(run: Path, img: Path, time_note: str = "") -> tuple[str, list[Path]]:
              ("3. The evidence: the sweep against random units", lambda: sweep_section(run, img, dimension), "sweep/sweep.json"),
              ("4. The restraint, checked and exported", lambda: restraint_section(run, dimension),
               "runs/dpo-restraint-lora/adapter_config.json"),
-             ("5. Live traffic: the A/B report", lambda: ab_section(run, img), "ab/report.json")]
+             ("5. Live traffic: the A/B report", lambda: ab_section(run, img), "ab/report.json"),
+             ("The aside: the recipe calibrated on organisms planted in this SFT model (`CALIBRATE=1`)",
+              lambda: calibration_section(run, img), "calibration/calibration.json")]
     sections = [(title, made, needs, (run / needs).exists()) for title, made, needs in steps]
     times = step_times(run)
     sections = [(title, made() if ready else ([f"Not reached when this page was made: the run had not written `{needs}`."], []))
@@ -167,7 +188,7 @@ def page(run: Path, img: Path, time_note: str = "") -> tuple[str, list[Path]]:
     for title, (body, pictures) in sections:
         lines += [f"## {title}", "", *body, ""]
         written += pictures
-    lines += ["## Time per step (2 CPU cores, shared with other jobs)", "", "| step | seconds |", "|---|---|",
+    lines += ["## Time per step (2 CPU cores, no GPU)", "", "| step | seconds |", "|---|---|",
               *(f"| {step} | {seconds:.0f} |" for step, seconds in times),
               f"| the quickstart, in all | {sum(s for _, s in times):.0f} |", "", *([time_note, ""] if time_note else [])]
     return "\n".join(lines), written
