@@ -96,11 +96,18 @@ def test_rerun_reuses_every_stage_and_a_new_factor_reruns_only_downstream(first_
 
 def test_docs_pictures_come_from_a_demo_run(first_run, tmp_path):
     out, _, _ = first_run
-    script = Path(__file__).resolve().parents[1] / "scripts" / "docs_pictures.py"
-    proc = subprocess.run([sys.executable, str(script), str(out), "--img", str(tmp_path / "img"),
-                           "--notebooks", str(tmp_path / "notebooks"), "--ab-requests", "8"],   # the micro model's
-                          capture_output=True, text=True, timeout=900)   # 1,024-token window holds the first 13 prompts
+    root = Path(__file__).resolve().parents[1]
+    page = tmp_path / "demo.md"   # a copy of docs/demo.md: its demo-run block is rewritten from this run
+    page.write_text((root / "docs" / "demo.md").read_text())
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "docs_pictures.py"), str(out), "--img", str(tmp_path / "img"),
+                           "--notebooks", str(tmp_path / "notebooks"), "--demo-page", str(page),
+                           "--ab-requests", "8"],   # the micro model's 1,024-token window holds the first 13 prompts
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    block = " ".join(page.read_text().split("<!-- demo-run:")[1].split("<!-- /demo-run -->")[0].split())
+    assert " ".join(summary["conclusion"].split()) in block and f"`{summary['largest_shift']['dimension']}`" in block
+    assert str(page) in proc.stdout
     pictures = {p.name: p.stat().st_size for p in (tmp_path / "img").iterdir()}
     assert set(pictures) == {"probe_heatmap_dimensions.png", "probe_heatmap_units.png", "explorer.png",
                              "sweep_dose_response.png", "ab_chart.png"}
