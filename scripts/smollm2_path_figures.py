@@ -90,13 +90,15 @@ def attribution_section(run: Path, img: Path, dimension: str) -> tuple[list[str]
 def sweep_section(run: Path, img: Path, dimension: str) -> tuple[list[str], list[Path]]:
     sweep = read(run, "sweep/sweep.json")
     key = f"judge:{dimension}"
+    from rolemrc.sweep.report import cell_label
+
     rows = [f"| cell | units | {dimension}: mean [95% CI] | vs baseline | vs controls (their mean) |", "|---|---|---|---|---|"]
     for cell in sweep["cells"]:
         e = cell["scores"].get(key)
         if e is None:
             continue
         base, ctrl = e["vs_baseline"], e.get("vs_controls")
-        rows.append(f"| {cell['id']} | {cell.get('units', '')} | {e['mean']:.3f} [{e['lo']:.3f}, {e['hi']:.3f}] | "
+        rows.append(f"| {cell_label(cell)} | {cell.get('units', '')} | {e['mean']:.3f} [{e['lo']:.3f}, {e['hi']:.3f}] | "
                     f"{base['diff']:+.3f}, Holm p {base.get('p_holm', base['p']):.2g} | "
                     + (f"{ctrl['diff']:+.3f} ({e['controls_mean']:.3f}), Holm p {ctrl.get('p_holm', ctrl['p']):.2g} |"
                        if ctrl else "- |"))
@@ -113,18 +115,24 @@ def traced_json(run: Path, command: str) -> dict:
 
 
 def restraint_section(run: Path, dimension: str) -> tuple[list[str], list[Path]]:
+    from rolemrc.intervene.lora import VLLM_RANKS
     from rolemrc.intervene.spec import Restraint
 
     spec = Restraint.load(run / "restraint.yaml").summary()
     check = traced_json(run, "rolemrc intervene check")
+    bake = traced_json(run, "rolemrc intervene bake")
     rank = read(run, "runs/dpo-restraint-lora/adapter_config.json")["r"]
-    spread = spec.get("units_per_layer", {})
-    return [f"`intervene select` took {spec['units']:,} units ({100 * spec.get('share', 0):.0f}% of the model's "
-            f"{spec['hook']} units; {spread.get('min')}-{spread.get('max')} per layer) for {dimension}, factor "
-            f"{spec.get('factor')}. `intervene check`: {check['verdict']} (largest logit change under the hook "
-            f"{check['hook_vs_original_max_abs']:.3g}; baked against hooked, {check['baked_vs_hook_max_abs']:.2g} at most). "
-            f"Its LoRA adapter has rank {rank}: one unit per rank in the widest layer, within vLLM's 512 here; an 8B "
-            "model's 2,400 units a layer are served baked, a checkpoint per arm (`rolemrc ab bake`, docs/serve.md)."], []
+    spread = spec["units_per_layer"]
+    vllm = (f"within vLLM's largest LoRA rank ({VLLM_RANKS[-1]}), so vLLM can serve the adapter"
+            if rank <= VLLM_RANKS[-1] else
+            f"over vLLM's largest LoRA rank ({VLLM_RANKS[-1]}), so on vLLM this restraint is served baked, a "
+            "checkpoint per A/B arm (`rolemrc ab bake`, then `ab create --baked`; docs/serve.md), as an 8B model's "
+            "2,400 units a layer are")
+    return [f"`intervene select` took {spec['units']:,} units ({100 * spec['share']:.0f}% of the model's "
+            f"{spec['hook']} units; {spread['min']}-{spread['max']} per layer) for {dimension}, factor "
+            f"{spec['factor']:g}. `intervene check`: {check['verdict']}. `intervene bake` wrote the checkpoint at "
+            f"{bake['dtype']} ({bake['elements_changed_at_dtype']:,} weight elements changed). `intervene lora` wrote "
+            f"an exact PEFT adapter of rank {rank}, one rank per unit of the widest layer: {vllm}."], []
 
 
 def ab_section(run: Path, img: Path) -> tuple[list[str], list[Path]]:

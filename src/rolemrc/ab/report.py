@@ -238,8 +238,10 @@ def figure(report: dict[str, Any]):
             fig.add_bar(x=[name], y=[mean], name=name, marker_color=PALETTE[k % len(PALETTE)], showlegend=p == 0,
                         error_y={"type": "data", "symmetric": False, "array": [hi - mean], "arrayminus": [mean - lo]},
                         row=p // cols + 1, col=p % cols + 1)
+    fig.update_xaxes(showticklabels=False)   # the legend names the arms by colour: long names overlap the panels
     fig.update_layout(title=f"A/B experiment {report['experiment']} ({report['unit']['text']}; 95% CIs over users)",
-                      template="plotly_white", width=max(700, 300 * cols), height=120 + 280 * rows)
+                      template="plotly_white", width=max(700, 300 * cols), height=160 + 250 * rows,
+                      legend={"orientation": "h", "x": 0, "y": -0.02, "yanchor": "top"})
     return fig
 
 
