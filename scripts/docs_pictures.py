@@ -115,8 +115,10 @@ def static_figures(nb: nbformat.NotebookNode) -> list[bytes]:
 
 def stand_ins(demo: Path) -> dict[str, str]:
     """The machine paths a notebook's outputs may show, longest first, each with what it reads instead: the demo
-    folder `runs/demo`, this checkout `.`, the home folder `~`, the temporary folder `$TMPDIR`."""
-    paths = {str(demo): "runs/demo", str(ROOT): ".", str(Path.home()): "~", tempfile.gettempdir(): "$TMPDIR"}
+    folder `runs/demo`, this checkout `.`, the Python environment `.venv` (inside the checkout or not), the home folder
+    `~`, the temporary folder `$TMPDIR`."""
+    paths = {str(demo): "runs/demo", str(ROOT): ".", sys.prefix: ".venv", str(Path.home()): "~",
+             tempfile.gettempdir(): "$TMPDIR"}
     return dict(sorted(paths.items(), key=lambda item: -len(item[0])))
 
 

@@ -7,7 +7,8 @@
 #                                         DIM is read again from step 0's evals; the sweep resumes its finished cells)
 #   FROM=6 CALIBRATE=1 scripts/smollm2_path.sh [OUT]   (only the calibration, after a finished quickstart)
 # Writes OUT/transcript.log (every command with its start time, and its output); scripts/smollm2_path_figures.py OUT
-# turns the run into docs/researcher-path.md's figures and pictures. About 1.5 h on 2 CPU cores.
+# turns the run into docs/researcher-path.md's figures and pictures. On 2 quiet CPU cores: the pair 8 min, the quickstart
+# 24 min; CALIBRATE=1 over 70 min more (4 organisms with retries, then a probe and sweep grid per organism).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(mkdir -p "${1:-runs/smollm2-path}" && cd "${1:-runs/smollm2-path}" && pwd)

@@ -151,11 +151,23 @@ def ab_section(run: Path, img: Path) -> tuple[list[str], list[Path]]:
     return [f"{report['unit']['text']}.", "", *rows, "", *tests, "", f"![the A/B report's chart](img/{chart.name})"], [chart]
 
 
+def organisms_only(run: Path) -> list[str]:
+    """What a calibration that did not finish built: each organism's verdict on its target, first try and retries."""
+    built = sorted((run / "calibration").glob("organisms*/*/organism.json"))
+    lines = [f"- `{path.parent.parent.name}/{path.parent.name}`: {read(run, str(path.relative_to(run)))['headline']}"
+             for path in built]
+    return ["The calibration's grid (per organism: probes, attribution, sweeps against random units) had not finished "
+            "when this page was made, so there is no recommendation and no recovery curve. The organisms it built, "
+            "planted in this SFT model, and their verdicts:", "", *lines]
+
+
 def calibration_section(run: Path, img: Path) -> tuple[list[str], list[Path]]:
     """The calibration the quickstart's aside runs (CALIBRATE=1): its headline, recommendation, recovery table and
     figure."""
     from rolemrc.organism.calibration_report import organism_label, recommendation_text
 
+    if not (run / "calibration" / "calibration.json").exists():
+        return organisms_only(run), []
     result = read(run, "calibration/calibration.json")
     rows = ["| organism | selector | factor | units per layer | undone (95% CI) | random-unit controls | found |",
             "|---|---|---|---|---|---|---|"]
@@ -180,7 +192,7 @@ def page(run: Path, img: Path, time_note: str = "") -> tuple[str, list[Path]]:
               "runs/dpo-restraint-lora/adapter_config.json"),
              ("5. Live traffic: the A/B report", lambda: ab_section(run, img), "ab/report.json"),
              ("The aside: the recipe calibrated on organisms planted in this SFT model (`CALIBRATE=1`)",
-              lambda: calibration_section(run, img), "calibration/calibration.json")]
+              lambda: calibration_section(run, img), "calibration/organisms/stages.json")]
     sections = [(title, made, needs, (run / needs).exists()) for title, made, needs in steps]
     times = step_times(run)
     sections = [(title, made() if ready else ([f"Not reached when this page was made: the run had not written `{needs}`."], []))
