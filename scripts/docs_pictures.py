@@ -22,6 +22,7 @@ Every PNG is stored with a 256-colour palette to stay small. Needs Chromium, kal
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import io
 import json
@@ -96,6 +97,15 @@ def sweep_figure(demo: Path, img: Path, dimension: str) -> Path:
     return save_png((demo / "sweep" / f"dose_{dimension}.png").read_bytes(), img / "sweep_dose_response.png")
 
 
+async def render_pngs(figures: list) -> list[bytes]:
+    """The figures' PNGs at each layout's size, in one Chromium and with no deadline per figure: kaleido's default
+    (90 s, a Chromium per `to_image`) is overrun when the suite loads the machine's other core."""
+    import kaleido
+
+    async with kaleido.Kaleido(n=1, timeout=None) as session:
+        return [await session.calc_fig(fig, opts={"format": "png"}) for fig in figures]
+
+
 def static_figures(nb: nbformat.NotebookNode) -> list[bytes]:
     """Replace each Plotly output by its PNG (rendered by kaleido) and, when small, its JSON; drop the HTML (it loads
     plotly.js). Returns the PNGs in order."""
@@ -103,7 +113,7 @@ def static_figures(nb: nbformat.NotebookNode) -> list[bytes]:
 
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if PLOTLY_JSON in o.get("data", {})]
     figures = [pio.from_json(json.dumps(o["data"][PLOTLY_JSON])) for o in outputs]
-    pngs = [fig.to_image(format="png") for fig in figures]   # at the layout's size, where it sets one
+    pngs = asyncio.run(render_pngs(figures))
     for output, fig, png in zip(outputs, figures, pngs):
         plotly_json = output["data"][PLOTLY_JSON]
         title = (fig.layout.title.text or "Plotly figure")

@@ -330,21 +330,25 @@ async def long_prompt(client: httpx.AsyncClient, model: str, context: int, timeo
     return {**fits, "over_the_window": over}
 
 
-async def registration_flood(client: httpx.AsyncClient, timeout: float, count: int = 300) -> dict[str, Any]:
-    """KEY1 (admin) registers `count` distinct restraints: how many are taken before the server's limit refuses."""
+async def registration_flood(base_url: str, timeout: float, count: int = 300) -> dict[str, Any]:
+    """KEY1 (admin) registers `count` distinct restraints: how many are taken before the server's limit refuses.
+    Every request on a new connection: a pooled one left idle past the server's keep-alive while a slow batch ends can
+    be closed by the server as it is reused (a ReadError that says nothing of the limit)."""
     start = time.perf_counter()
     answers = []
-    for lo in range(0, count, 32):   # 32 in flight
-        answers += await asyncio.gather(*(ask(client, "/v1/restraints", KEYS[0], timeout, {
-            "name": f"flood-{k}", "spec": {"hook": "mlp.act", "factor": 0.0, "units": {"0": [k % 64]}}})
-            for k in range(lo, min(count, lo + 32))))
+    async with httpx.AsyncClient(base_url=base_url, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for lo in range(0, count, 32):   # 32 in flight
+            answers += await asyncio.gather(*(ask(client, "/v1/restraints", KEYS[0], timeout, {
+                "name": f"flood-{k}", "spec": {"hook": "mlp.act", "factor": 0.0, "units": {"0": [k % 64]}}})
+                for k in range(lo, min(count, lo + 32))))
+        for lo in range(0, count, 32):   # leave the server as it was
+            await asyncio.gather(*(client.delete(f"/v1/restraints/flood-{k}",
+                                                 headers={"Authorization": f"Bearer {KEYS[0]}"})
+                                   for k in range(lo, min(count, lo + 32))))
     by_status: dict[str, int] = {}
     for a in answers:
         label = f"{a['status']} {a['code'] or ''}".strip()
         by_status[label] = by_status.get(label, 0) + 1
-    for lo in range(0, count, 32):   # leave the server as it was
-        await asyncio.gather(*(client.delete(f"/v1/restraints/flood-{k}", headers={"Authorization": f"Bearer {KEYS[0]}"})
-                               for k in range(lo, min(count, lo + 32))))
     return {"status": "limited" if any(a["status"] == 422 for a in answers) else "unlimited", "code": None,
             "param": None, "seconds": round(time.perf_counter() - start, 3), "registrations": by_status}
 
@@ -432,7 +436,7 @@ def attacks(model: str, context: int, max_queue: int, timeout: float, base_url: 
         "key_flood": lambda c: flood(c, model, max_queue, timeout),
         "abandoned_streams": lambda c: abandoned_streams(c, base_url, model, timeout),
         "long_prompt": lambda c: long_prompt(c, model, context, timeout),
-        "registration_flood": lambda c: registration_flood(c, timeout),
+        "registration_flood": lambda c: registration_flood(base_url, timeout),
         "slow_reader": lambda c: slow_reader(c, base_url, model, timeout, request_timeout),
         "prompts_times_n": lambda c: ask(c, text, KEYS[0], timeout, prompts_times_n_body(model)),
         "inline_units": inline_units,
