@@ -13,9 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 from fixtures import SMOLLM2_TEMPLATE, save_peaked_llama
-from test_notebooks import machine_paths, unsaved_outputs
+from test_notebooks import machine_paths, outputs_text, unsaved_outputs
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
@@ -36,6 +37,15 @@ sft: {lora: true, lora_r: 4, lora_alpha: 8, batch_size: 4,
 dpo: {lora: true, lora_r: 4, lora_alpha: 8, batch_size: 2,
       trl: {learning_rate: 1.0e-2, max_steps: 2, max_length: 4096, logging_steps: 1, save_steps: 100}}
 """
+
+
+# notebook -> (its figures, what it prints on a demo run)
+NOTEBOOK_OUTPUTS = {
+    "layer_explorer.ipynb": (4, ("hook mlp.act: 2 layers x 128 units", "largest shift:", "per-unit test: mcnemar")),
+    "ab_testing.ipynb": (1, ("'dpo', 'dpo+", "restrained vs control", "server exited with 0")),
+    "attribution.ipynb": (2, ("preference pairs,", "hook mlp.act: 2 layers x 128 units", "restrained below:",
+                              "'numerical_noop': False", "DPO restrained", "cells differ from the baseline")),
+}
 
 
 def demo(out: Path, profile: Path, *extra: str) -> dict:
@@ -112,8 +122,13 @@ def test_docs_pictures_come_from_a_demo_run(first_run, tmp_path):
     assert set(pictures) == {"probe_heatmap_dimensions.png", "probe_heatmap_units.png", "explorer.png",
                              "sweep_dose_response.png", "ab_chart.png"}
     assert all(2_000 < size < 400_000 for size in pictures.values()), pictures
-    for name in ("layer_explorer.ipynb", "ab_testing.ipynb", "attribution.ipynb"):
-        assert unsaved_outputs(tmp_path / "notebooks" / name) == machine_paths(tmp_path / "notebooks" / name) == [], name
+    for name, (figures, says) in NOTEBOOK_OUTPUTS.items():   # each ran top to bottom on the run
+        path = tmp_path / "notebooks" / name
+        assert unsaved_outputs(path) == machine_paths(path) == [], name
+        nb = nbformat.read(path, as_version=4)
+        text = outputs_text(nb)
+        assert [s for s in says if s not in text] == [], (name, text[-3000:])
+        assert sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs) == figures
 
 
 @pytest.fixture(scope="module")

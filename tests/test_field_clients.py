@@ -69,7 +69,7 @@ def tasks(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     models = {"t": {"path": str(model_dir)}}
     if VLLM:
-        models["v"] = {"engine": "vllm", "path": str(model_dir), "max_model_len": 512}
+        models["v"] = {"engine": "vllm", "path": str(model_dir), "max_model_len": 512, "vllm_args": ["--enforce-eager"]}
     srv = start_server({"models": models, "max_new_tokens": 64, "db": None},
                        workdir=tmp_path_factory.mktemp("serve-clients"), env={"ROLEMRC_VLLM_PYTHON": VLLM or ""},
                        timeout=600)

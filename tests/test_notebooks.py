@@ -1,19 +1,11 @@
-"""The notebooks run top to bottom on small fixtures (nbclient), so they cannot rot; the committed ones carry the
-outputs of a demo run (scripts/docs_pictures.py), each figure as a PNG."""
+"""The committed notebooks carry the outputs of a demo run (scripts/docs_pictures.py), each figure as a PNG, and no
+machine path. They run top to bottom (nbclient) in test_demo.py, where that script makes their outputs from a fresh
+demo run and what each prints is checked, so they cannot rot."""
 
-import os
 import re
 from pathlib import Path
 
 import nbformat
-import pytest
-from nbclient import NotebookClient
-from train_fixtures import pair_records
-
-from rolemrc.core.io import write_jsonl
-from rolemrc.core.taxonomy import TASKS
-from rolemrc.core.tiny import build_model
-from rolemrc.probe import collect_paired, diff, write_diff
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PLOTLY_JSON = "application/vnd.plotly.v1+json"
@@ -21,79 +13,10 @@ PLOTLY_JSON = "application/vnd.plotly.v1+json"
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|tmp|root|home|Users|private|var|mnt|opt|srv|data)/|\b[A-Z]:\\")
 
 
-def run_notebook(name: str, env: dict[str, str], tmp_path: Path) -> nbformat.NotebookNode:
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return nb
-
-
-def outputs_text(nb) -> str:
+def outputs_text(nb: nbformat.NotebookNode) -> str:
+    """What a notebook's code cells printed and displayed as text."""
     return "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", ""))
                      for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
-
-
-@pytest.fixture(scope="module")
-def pair(model_dirs, records, tokenizer, tmp_path_factory) -> dict[str, Path]:
-    """A tiny SFT/DPO stand-in (two Llamas of one shape), their paired diff, preference pairs and test records."""
-    root = tmp_path_factory.mktemp("pair")
-    build_model("llama", tokenizer, seed=5, hidden=64, layers=2, intermediate=96).save_pretrained(root / "dpo")
-    tokenizer.save_pretrained(root / "dpo")
-    result = diff(collect_paired([model_dirs["llama"], root / "dpo"], records, device="cpu", progress=False))
-    write_diff(result, root / "diff", figures=False)
-    write_jsonl(root / "pairs.jsonl", [{**p, "task": TASKS[i % len(TASKS)]} for i, p in enumerate(pair_records(18))])
-    write_jsonl(root / "test.jsonl", records)
-    return {"sft": model_dirs["llama"], **{name: root / name for name in ("dpo", "diff")},
-            "pairs": root / "pairs.jsonl", "test": root / "test.jsonl"}
-
-
-def test_layer_explorer_notebook(pair, tmp_path):
-    nb = run_notebook("layer_explorer.ipynb", {"ROLEMRC_DIFF_DIR": str(pair["diff"])}, tmp_path)
-    text = outputs_text(nb)
-    assert "hook mlp.act: 2 layers x 96 units" in text and "largest shift:" in text
-    assert "per-unit test: mcnemar" in text   # the paired diff docs/probe.md recommends
-    plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
-             if PLOTLY_JSON in o.get("data", {})]
-    assert len(plots) >= 4
-
-
-def test_ab_testing_notebook(model_dirs, records, tmp_path):
-    from rolemrc.intervene import Restraint
-
-    spec = Restraint(name="r", hook="mlp.act", units={0: [1, 2, 3], 1: [4, 5]}, factor=0.0).save(tmp_path / "r.yaml")
-    write_jsonl(tmp_path / "test.jsonl", records)
-    nb = run_notebook("ab_testing.ipynb", {"ROLEMRC_MODEL_DIR": str(model_dirs["llama"]), "ROLEMRC_RESTRAINT": str(spec),
-                                           "ROLEMRC_TEST_DATA": str(tmp_path / "test.jsonl"),
-                                           "ROLEMRC_AB_REQUESTS": "12"}, tmp_path)
-    text = outputs_text(nb)
-    assert "'dpo', 'dpo+r'" in text, text
-    assert "control" in text and "restrained" in text
-    assert "restrained vs control" in text and "server exited with 0" in text
-    plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
-             if PLOTLY_JSON in o.get("data", {})]
-    assert len(plots) == 1
-
-
-def test_attribution_notebook(pair, tmp_path):
-    nb = run_notebook("attribution.ipynb", {"ROLEMRC_SFT_DIR": str(pair["sft"]), "ROLEMRC_DPO_DIR": str(pair["dpo"]),
-                                            "ROLEMRC_PAIRS": str(pair["pairs"]), "ROLEMRC_TEST_DATA": str(pair["test"]),
-                                            "ROLEMRC_DIFF_DIR": str(pair["diff"]), "ROLEMRC_SWEEP_CASES": "6"}, tmp_path)
-    text = outputs_text(nb)
-    assert "18 preference pairs, 40 test records" in text and "hook mlp.act: 2 layers x 96 units" in text, text
-    assert "restrained below:" in text and "'method': 'attribution'" not in text   # the summary's chosen keys only
-    assert "'units': 4" in text and "'numerical_noop': False" in text   # 2% of 192 units, ablated
-    assert "DPO restrained" in text and "cells differ from the baseline" in text
-    plots = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
-             if PLOTLY_JSON in o.get("data", {})]
-    assert len(plots) == 2 and "95% bootstrap CI" in str(plots[-1]["data"][PLOTLY_JSON]["layout"]["title"])
 
 
 def machine_paths(path: Path) -> list[str]:

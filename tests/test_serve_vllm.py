@@ -33,6 +33,9 @@ INLINE = [{"name": f"inline{k}", "hook": "mlp.act", "factor": 0.0, "units": {str
 CHATS = [[{"role": "user", "content": text}] for text in
          ("the storms quarter the old", "a keeper of the light", "tell me of the harbour", "why do gulls cry")]
 ATOL = 2e-4   # vLLM's CPU kernels vs torch's, float32
+# a server of a test's own, for its signals alone: without torch.compile it starts in about half the time (the module's
+# server keeps vLLM's default, compiled)
+EAGER = ["--enforce-eager"]
 CACHED, CACHE_BYTES = 8, 8 << 20   # the adapter cache's caps: over the 7 adapters the tests before eviction's make
 
 
@@ -393,8 +396,8 @@ def test_sigterm_while_vllm_starts_stops_everything_promptly(peaked_model, tmp_p
 def test_a_second_sigterm_still_stops_vllm(peaked_model, tmp_path):
     """SIGTERM, then SIGTERM again at once, with a stream in flight: the second signal ends the stream now (unless
     it is done already), and the server still stops vLLM's whole process group before it exits."""
-    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "max_model_len": 512}}, "db": None,
-              "max_new_tokens": 400}
+    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "max_model_len": 512, "vllm_args": EAGER}},
+              "db": None, "max_new_tokens": 400}
     server = start_server(config, workdir=tmp_path, env={"ROLEMRC_VLLM_PYTHON": VLLM}, timeout=600)
     try:
         tree = descendants(server.proc.pid)
