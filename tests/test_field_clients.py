@@ -21,7 +21,7 @@ from collections import Counter
 import httpx
 import pytest
 import torch
-from fixtures import WORDS, corpus, save_eos_llama
+from fixtures import EAGER, WORDS, corpus, save_eos_llama
 
 from rolemrc.bench.clients import CLIENTS, choice_lls, client_python, generations, guidellm, lm_eval, served_args, write_tasks
 from rolemrc.core.errors import InputError
@@ -69,7 +69,7 @@ def tasks(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     models = {"t": {"path": str(model_dir)}}
     if VLLM:
-        models["v"] = {"engine": "vllm", "path": str(model_dir), "max_model_len": 512, "vllm_args": ["--enforce-eager"]}
+        models["v"] = {"engine": "vllm", "path": str(model_dir), "max_model_len": 512, "vllm_args": EAGER}
     srv = start_server({"models": models, "max_new_tokens": 64, "db": None},
                        workdir=tmp_path_factory.mktemp("serve-clients"), env={"ROLEMRC_VLLM_PYTHON": VLLM or ""},
                        timeout=600)

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fixtures import served_report
+from fixtures import EAGER, served_report
 from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same, descendants
 
 from rolemrc.serve.launch import start_server, stop_server
@@ -27,9 +27,6 @@ BURST = 24
 BROKEN = "vllm-python: broken on purpose"   # what the wrapper says on stderr when it cannot start vLLM
 LENGTH = 400    # tokens each burst request generates (ignore_eos): the kill comes long before the last one
 TIMEOUT = 120   # no request may take longer: none hangs
-# vLLM without torch.compile: what these tests assert (restarts, states, restored adapters) does not depend on it, and
-# each of their five starts takes ~20 s instead of ~38 s
-EAGER = ["--enforce-eager"]
 
 
 def wrapper(folder: Path) -> tuple[Path, Path]:

