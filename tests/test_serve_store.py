@@ -20,7 +20,6 @@ from rolemrc.serve.launch import free_port, launch_server, running_server
 from rolemrc.serve.store import Claim, Store, StoreError
 from rolemrc.serve.store.backend import HEALTH_TTL_S
 from rolemrc.serve.store.schema import MIGRATIONS, VERSION
-from rolemrc.serve.store.sqlite import BUSY_TIMEOUT_S
 
 ARMS = [{"name": "a", "model": "tiny", "weight": 1}, {"name": "b", "model": "tiny", "weight": 1}]
 RUNNING = {"status": "running", "body": "body", "response": None}   # a claim of the body hashed "body", held
@@ -263,11 +262,12 @@ def test_lost_postgres_connection_is_db_unavailable_then_reconnects(postgres_url
         assert store.arm_counts("e1") == {"a": 1}
 
 
-def hold_lock(path, seconds):
-    """Another process holding the SQLite database's write lock (BEGIN EXCLUSIVE) for `seconds`; returns once held."""
-    job = (f"import sqlite3, sys, time; c = sqlite3.connect({str(path)!r}, isolation_level=None); "
-           f"c.execute('BEGIN EXCLUSIVE'); print('held', flush=True); time.sleep({seconds}); c.execute('COMMIT')")
-    proc = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True)
+def hold_lock(path):
+    """Another process holding the SQLite database's write lock (BEGIN EXCLUSIVE) until a line reaches its stdin
+    (not for a fixed time, which a loaded machine can outrun); returns once held."""
+    job = (f"import sqlite3, sys; c = sqlite3.connect({str(path)!r}, isolation_level=None); "
+           f"c.execute('BEGIN EXCLUSIVE'); print('held', flush=True); sys.stdin.readline(); c.execute('COMMIT')")
+    proc = subprocess.Popen([sys.executable, "-c", job], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -312,7 +312,7 @@ def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing
     with running_server(config, workdir=tmp_path) as server:
         assert httpx.post(server.base_url + "/v1/experiments", json={"id": "exp", "arms": ARMS}).status_code == 201
         acked += [r.json()["id"] for r in (post_chat(server.base_url, k) for k in range(3)) if r.status_code == 200]
-        holder = hold_lock(path, BUSY_TIMEOUT_S + 4)
+        holder = hold_lock(path)
         time.sleep(HEALTH_TTL_S + 0.1)   # past the verdict cached before the lock
         health = httpx.get(server.base_url + "/health", timeout=30)
         assert health.status_code == 503 and health.json()["database"] == "db_locked"
@@ -322,12 +322,10 @@ def test_locked_database_gives_db_locked_503s_and_no_acknowledged_row_is_missing
                 bodies = [{"model": "ab", "messages": [{"role": "user", "content": f"the keeper {k}"}],
                            "max_tokens": 2, "user": f"user{k}", "experiment": "exp"} for k in range(3, 5)]
                 return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
-        answers = asyncio.run(during())   # the first waits out the busy timeout; the second may get the lock after
-        assert any(r.status_code == 503 for r in answers)
-        for r in answers:
-            assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["code"] == "db_locked")
-        acked += [r.json()["id"] for r in answers if r.status_code == 200]
-        assert holder.wait(30) == 0   # the lock is released
+        answers = asyncio.run(during())   # each waits out the busy timeout, the lock held throughout
+        assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == [(503, "db_locked")] * 2
+        holder.communicate("release\n", timeout=30)
+        assert holder.returncode == 0   # the lock is released
         time.sleep(HEALTH_TTL_S + 0.1)
         assert httpx.get(server.base_url + "/health").status_code == 200
         for k in range(5, 8):

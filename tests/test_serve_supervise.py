@@ -3,7 +3,8 @@ on the same model. SIGKILL of vLLM's worker during a concurrent burst of `openai
 every request ends (none hangs), those in flight fail cleanly (503 or an error event; experiment ones are logged as
 failed), `/health` goes restarting -> ok, and afterwards every greedy reply (registered, late-registered and inline
 restraints too) is what it was before. When vLLM cannot start again the engine is dead: with `serve_others` the
-other model goes on; with `exit` the server exits non-zero."""
+other model goes on. (With `on_engine_dead: exit` the server exits non-zero: the same `ServerState.engine_dead` for
+every engine, tested on the transformers engine's dead scheduler in test_serve_log.py.)"""
 
 import asyncio
 import contextlib
@@ -256,16 +257,3 @@ def test_an_engine_that_cannot_start_again_is_dead_and_the_others_serve_on(setup
     assert server.proc.poll() is None
     assert metric(server, 'rolemrc_engine_state{model="v",state="dead"}') == 1
 
-
-def test_on_engine_dead_exit_ends_the_server_non_zero(peaked_model, tmp_path):
-    python, _ = wrapper(tmp_path)
-    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "python": str(python),
-                               "max_model_len": 512, "memory_utilization": 0.05, "restart_max": 0, "vllm_args": EAGER}}, "db": None, "on_engine_dead": "exit"}
-    server = start_server(config, workdir=tmp_path, timeout=600)
-    try:
-        os.kill(vllm_process(server, "api"), signal.SIGKILL)
-        assert server.wait(60) == 1
-        assert "error: the engine of model 'v' is dead: " in server.logs()
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
