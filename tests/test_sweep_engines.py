@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fixtures import save_peaked_llama, vllm_or_skip, write_diff_file
+from fixtures import EAGER, save_peaked_llama, vllm_or_skip, write_diff_file
 from fixtures import test_records as make_records
 
 from rolemrc.core.errors import RolemrcError
@@ -15,7 +15,7 @@ from rolemrc.intervene.spec import Restraint, RestraintError
 from rolemrc.serve.launch import running_server
 from rolemrc.sweep.plan import SweepConfig, plan
 from rolemrc.sweep.run import generate_cells
-from rolemrc.sweep.sources import check_rank, served_model, server_config
+from rolemrc.sweep.sources import check_rank, engine_label, served_model, server_config
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_a_sweep_on_a_running_endpoint_equals_the_in_process_one(setup, local, t
 
 def test_engine_vllm_serves_every_cell_as_a_lora_adapter(setup, local, tmp_path, monkeypatch):
     monkeypatch.setenv("ROLEMRC_VLLM_PYTHON", vllm_or_skip(module_level=False))
-    assert responses(setup, tmp_path, engine="vllm") == local
+    assert responses(setup, tmp_path, engine="vllm", engine_options={"vllm_args": EAGER}) == local
     assert not list(tmp_path.glob("cells/*.tmp")) and list(tmp_path.glob("server-*.log"))
 
 
@@ -71,6 +71,14 @@ def test_the_vllm_server_is_sized_for_the_largest_cell(setup, tmp_path):
     widest = max(len(u) for c in cells[1:] for u in c.restraint.units.values())
     assert model["engine"] == "vllm" and model["max_lora_rank"] >= widest and model["max_inline_adapters"] == 3
     assert served["allow_inline_restraints"] and served["max_inline_units"] == 40
+    options = {"vllm_args": ["--tensor-parallel-size", "2"], "memory_utilization": 0.5}
+    tuned = config(setup, tmp_path, engine="vllm", top_k=[8, 40], cells_per_pass=3, engine_options=options)
+    assert server_config(tuned, cells)["models"]["sweep"] == model | options
+    assert engine_label(tuned) != engine_label(cfg)   # a vLLM flag may change the replies: cells are not shared
+    for wrong, says in (({"max_lora_rank": 8}, "not a vllm engine option the sweep leaves to you"),
+                        ({"tensor_parallel": 2}, "choose from .*vllm_args"), ("{}", "must be a JSON object")):
+        with pytest.raises(RestraintError, match=says):
+            config(setup, tmp_path, engine="vllm", engine_options=wrong)
     with pytest.raises(RestraintError, match="choose one"):
         config(setup, tmp_path, engine="vllm", base_url="http://x/v1")
     check_rank(cfg, cells)   # a cell wider than vLLM's largest LoRA rank is refused before any model loads
@@ -96,3 +104,18 @@ def test_engine_and_judge_come_from_the_registries(setup, tmp_path):
         config(setup, tmp_path, judge="gpt")
     with pytest.raises(RolemrcError, match="needs a model and a base URL"):
         config(setup, tmp_path, judge="openai")
+
+
+@pytest.mark.parametrize(("options", "says"), [("{'vllm_args': []}", "error: --engine-options is not JSON: "),
+                                               ('{"python": "/x", "lora_rank": 8}', "error: --engine-options lora_rank: ")])
+def test_engine_options_are_refused_in_one_line_before_the_model_loads(setup, tmp_path, options, says):
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
+    result = CliRunner().invoke(app, ["sweep", "run", "--model", str(setup / "model"), "--diff", str(setup / "diff"),
+                                      "--data", str(setup / "test.jsonl"), "--out", str(tmp_path / "s"), "--dimension",
+                                      "multi_turn", "--method", "frequency", "--engine", "vllm", "--engine-options",
+                                      options])
+    assert result.exit_code == 2 and result.output.startswith(says) and result.output.count("\n") == 1, result.output
+    assert not (tmp_path / "s").exists()

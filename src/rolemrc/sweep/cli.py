@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from rolemrc.core.cli import LIMIT, choice, cli_app, live_choices
+from rolemrc.core.errors import InputError
 from rolemrc.core.extras import needs
 from rolemrc.core.placement import MODEL_HELP, Dtype, device_option, dtype_option
 from rolemrc.eval.cli import SCORE, JudgeName
@@ -81,6 +82,8 @@ def run_cmd(
                                       "vllm (a rolemrc server with the vLLM engine, restraints as LoRA adapters)"),
     base_url: str = typer.Option(None, help="generate on a running rolemrc endpoint instead (OpenAI base URL, "
                                             ".../v1; --model is then the local copy of its weights)"),
+    engine_options: str = typer.Option(None, help="--engine vllm: more of its serve options as JSON, e.g. "
+                                       '\'{"vllm_args": ["--tensor-parallel-size", "2"], "memory_utilization": 0.8}\''),
     served_model: str = typer.Option(None, help="the endpoint's model id (default: the one it lists)"),
     concurrency: int = typer.Option(16, help="requests in flight (endpoint engines)"),
     cells_dir: Path = typer.Option(None, help="store of generated cells (default OUT/cells); sweeps sharing one "
@@ -96,6 +99,10 @@ def run_cmd(
     from rolemrc.sweep.plan import SweepConfig, numbers
     from rolemrc.sweep.run import run_sweep
 
+    try:
+        options = json.loads(engine_options) if engine_options else {}
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--engine-options is not JSON: {exc}") from None
     config = SweepConfig(model=str(model), diff=str(diff), data=str(data), out=str(out), dimensions=list(dimension),
                          factors=numbers(factors, "--factors") if factors else list(FACTORS if kind == "scale" else [0.0]),
                          method=method, kind=kind,
@@ -106,7 +113,8 @@ def run_cmd(
                          direction=direction, layers=layers, controls=controls,
                          magnitudes=str(magnitudes) if magnitudes else None, seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, cells_per_pass=cells_per_pass,
-                         engine=engine.value, base_url=base_url, served_model=served_model, concurrency=concurrency,
+                         engine=engine.value, engine_options=options, base_url=base_url, served_model=served_model,
+                         concurrency=concurrency,
                          judge=judge, judge_model=judge_model, judge_base_url=judge_base_url,
                          cells_dir=str(cells_dir) if cells_dir else None, measure=measure,
                          base=str(base) if base else None, continuation=continuation,

@@ -76,7 +76,8 @@ class SweepConfig:
     served_model: str | None = None   # its model id (default: the one unrestrained model it lists)
     api_key_env: str = ROLEMRC_KEY_ENV   # the endpoint's key (one of the rolemrc server's keys)
     concurrency: int = 16          # requests in flight (endpoint engines)
-    vllm_memory: float | None = None   # the vLLM engine's memory_utilization
+    engine_options: dict[str, Any] = field(default_factory=dict)   # more of the engine's serve options (vLLM's
+    # memory_utilization, vllm_args, dtype, ...), not those the sweep sizes itself (sources.SWEEP_SETS)
     judge: str = "rules"           # a judge of eval's registry (eval.judges.JUDGES)
     judge_model: str | None = None     # endpoint judges: the judge model and its OpenAI-compatible base URL
     judge_base_url: str | None = None
@@ -103,7 +104,7 @@ class SweepConfig:
         check_dtype(self.dtype)
         if self.base_url and self.engine != IN_PROCESS:
             raise RestraintError(f"--base-url generates on a running server; --engine {self.engine} starts one: choose one")
-        check_engine(self.engine)
+        check_engine(self.engine, self.engine_options)
         require("eval", what="a sweep")
         if self.engine != IN_PROCESS and not self.base_url:
             require("serve", what=f"a sweep on the {self.engine} engine (a rolemrc server)")

@@ -6,6 +6,7 @@ adapters)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,16 +19,28 @@ Rows = Callable[[list[dict], list[Restraint | None]], list[dict]]   # (records, 
 IN_PROCESS = "transformers"   # this engine's name runs in this process, not behind a server
 
 
-def check_engine(name: str) -> None:
-    """`name` must be an engine of serve's registry (`serve.engines.ENGINES`) that serves a local model directory."""
+# what the sweep sets on its server's model itself: no --engine-options key
+SWEEP_SETS = ("engine", "path", "max_lora_rank", "max_loras", "max_inline_adapters")
+
+
+def check_engine(name: str, options: dict[str, Any]) -> None:
+    """`name` must be an engine of serve's registry (`serve.engines.ENGINES`) that serves a local model directory;
+    `options`, more of that engine's serve options (its `Options` fields, less those the sweep sizes itself)."""
     from dataclasses import fields
 
     from rolemrc.serve.engines import ENGINES, engine_class
 
     if name not in ENGINES:
         raise RestraintError(f"engine: {name!r} is not a serving engine; choose from {', '.join(ENGINES)}")
-    if "path" not in {f.name for f in fields(engine_class(name).Options)}:
+    known = {f.name for f in fields(engine_class(name).Options)}
+    if "path" not in known:
         raise RestraintError(f"engine {name!r} does not run a local model; point --base-url at a running server instead")
+    if not isinstance(options, dict):
+        raise RestraintError(f"--engine-options must be a JSON object, not {options!r}")
+    allowed = sorted(known - set(SWEEP_SETS))
+    if unknown := sorted(set(options) - set(allowed)):
+        raise RestraintError(f"--engine-options {', '.join(unknown)}: not a {name} engine option the sweep leaves "
+                             f"to you; choose from {', '.join(allowed)}")
 
 
 def check_rank(config: Any, cells: list[Any]) -> None:
@@ -51,8 +64,11 @@ def check_rank(config: Any, cells: list[Any]) -> None:
 
 
 def engine_label(config: Any) -> str:
-    """What the responses depend on besides model, data and length (part of every cell id)."""
-    return f"endpoint:{config.served_model or ''}" if config.base_url else config.engine
+    """What the responses depend on besides model, data and length (part of every cell id): any engine option may
+    (a dtype, a vLLM flag), so all of them count."""
+    if config.base_url:
+        return f"endpoint:{config.served_model or ''}"
+    return config.engine + (json.dumps(config.engine_options, sort_keys=True) if config.engine_options else "")
 
 
 def served_model(base_url: str, api_key: str) -> str:
@@ -71,7 +87,7 @@ def served_model(base_url: str, api_key: str) -> str:
 
 def server_config(config: Any, cells: list[Any]) -> dict[str, Any]:
     """A `rolemrc serve` config serving the sweep's model on `config.engine`, sized for its largest cell and its
-    passes (the sizing options that engine's `Options` has: LoRA rank and slots, memory)."""
+    passes (the sizing options that engine's `Options` has: LoRA rank and slots), with `config.engine_options`."""
     from dataclasses import fields
 
     from rolemrc.core.modeling import resolve_model
@@ -81,11 +97,10 @@ def server_config(config: Any, cells: list[Any]) -> dict[str, Any]:
     widest = max((len(u) for c in cells if c.restraint for u in c.restraint.units.values()), default=1)
     largest = max((c.restraint.num_units for c in cells if c.restraint), default=1)
     slots = max(2, config.cells_per_pass)
-    sizing = {"max_lora_rank": lora_rank(widest), "max_loras": slots, "max_inline_adapters": slots,
-              "memory_utilization": config.vllm_memory}
+    sizing = {"max_lora_rank": lora_rank(widest), "max_loras": slots, "max_inline_adapters": slots}
     options = {f.name for f in fields(engine_class(config.engine).Options)}
     model = {"engine": config.engine, "path": str(resolve_model(config.model).resolve()),
-             **{k: v for k, v in sizing.items() if k in options}}
+             **{k: v for k, v in sizing.items() if k in options}, **config.engine_options}
     return {"models": {"sweep": model}, "allow_inline_restraints": True, "max_inline_units": largest, "db": None,
             "max_new_tokens": config.max_new_tokens, "max_batch": config.batch_size}
 
