@@ -142,10 +142,10 @@ def rouge(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
 def meteor(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     from nltk.translate.meteor_score import meteor_score
 
-    from rolemrc.eval.wordnet import ensure_wordnet
+    from rolemrc.eval.wordnet import wordnet_reader
 
-    ensure_wordnet()
-    return Scores({"meteor": [meteor_score([tokens(r)], tokens(h)) for h, r in zip(hyps, refs)]},
+    wordnet = wordnet_reader()
+    return Scores({"meteor": [meteor_score([tokens(r)], tokens(h), wordnet=wordnet) for h, r in zip(hyps, refs)]},
                   "nltk meteor_score, WordNet 3.0 from Debian wordnet-base")
 
 

@@ -7,9 +7,11 @@ refuses symlinks and hard links (they could leave its root), and write `lexnames
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from rolemrc.core.io import cache_dir
 from rolemrc.eval.errors import MetricUnavailable
@@ -56,3 +58,26 @@ def ensure_wordnet(source: Path | None = None, nltk_data: Path | None = None) ->
     if str(nltk_data) not in nltk.data.path:
         nltk.data.path.insert(0, str(nltk_data))
     return nltk_data
+
+
+
+def wordnet_reader() -> Any:
+    """nltk's WordNet reader on the corpus `ensure_wordnet` builds (checked on each call), loaded once per process,
+    without the map from another WordNet version to this one that nltk's reader makes on every load (it reads
+    index.sense twice to map 3.0 onto itself: over half the load's time). METEOR's synonym matches use no such map."""
+    return _reader(str(ensure_wordnet() / "corpora" / "wordnet"))
+
+
+@functools.cache
+def _reader(root: str) -> Any:
+    import warnings
+
+    from nltk.corpus.reader.wordnet import WordNetCorpusReader
+
+    class WordNet30(WordNetCorpusReader):
+        def map_wn(self, version: str = "wordnet") -> None:
+            return None
+
+    with warnings.catch_warnings():   # "the multilingual functions are not available": METEOR uses none
+        warnings.simplefilter("ignore", UserWarning)
+        return WordNet30(root, None)
