@@ -24,6 +24,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve models over an OpenAI-compatible API with restraints and A/B experiments."""
         from rolemrc.serve.config import ServeConfig
+
+        checked = ServeConfig.load(config, engine.value if engine else None)
+        host = host or checked.host
+        keys = checked.check_auth(host)
+        checked.preflight()   # every config error before the server's imports (torch, the engines): in a blink
         from rolemrc.serve.server import serve
 
-        serve(ServeConfig.load(config, engine.value if engine else None), host, port, socket_fd)
+        serve(checked, keys, host, port, socket_fd)

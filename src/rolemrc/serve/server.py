@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from rolemrc.serve.app import create_app
-from rolemrc.serve.config import ServeConfig
+from rolemrc.serve.config import Role, ServeConfig
 from rolemrc.serve.errors import ServeConfigError
 from rolemrc.serve.logs import log_config
 
@@ -72,12 +72,11 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(config: ServeConfig, host: str | None = None, port: int | None = None, socket_fd: int | None = None) -> None:
-    """Blocking: serve until signalled; on the inherited, already bound socket `socket_fd` if given (listened on,
-    like a port bound here, only once the engines are up)."""
-    host = host or config.host
-    keys = config.check_auth(host)
-    config.preflight()
+def serve(config: ServeConfig, keys: dict[str, Role], host: str, port: int | None = None,
+          socket_fd: int | None = None) -> None:
+    """Blocking: serve `config` (its auth checked for `host`, giving `keys`, and its preflight passed) until
+    signalled; on the inherited, already bound socket `socket_fd` if given (listened on, like a port bound here, only
+    once the engines are up)."""
     logging.config.dictConfig(log_config(config.log_level))
     if not keys:
         log.warning("serving without API keys: every caller is admin" if config.allow_no_auth else
