@@ -15,45 +15,22 @@ import inspect
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rolemrc.generate.cache import GRAIN, PAGE, PagedCache, attention_mask, mask_layout, pages_for, round_up
-from rolemrc.generate.params import Output, SamplingParams, TokenLogprob
+from rolemrc.generate.params import Output, Request, TokenLogprob
 from rolemrc.generate.prefix import BLOCK, PrefixIndex, block_hashes
 from rolemrc.generate.sampling import TextStream, choose, make_generator
 from rolemrc.generate.scales import SlotScales
-from rolemrc.intervene.spec import Restraint
 
 log = logging.getLogger("rolemrc.generate")
 
 PREFILL_TOKENS = 4096   # tokens per prefill forward (a chunk covers PREFILL_TOKENS // rows prompt positions)
 SCORED_TOKENS = 512     # ... when the group scores its prompts: every position's logits are kept, one chunk at a time
 SCORE_ROWS = 128        # rows of logits `score` turns into log-probabilities at once
-
-
-@dataclass(eq=False)
-class Request:
-    """One request: its prompt ids, settings, token budget and restraint (validated against the model already).
-    `emit` receives its `Output`s on the engine's thread; `cancelled` is polled every step."""
-
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
-    emit: Callable[[Output], None]
-    restraint: Restraint | None = None
-    cancelled: Callable[[], bool] = lambda: False
-    text: bool = True   # emit text as it comes (stop strings need it); False: ids only, the caller decodes
-    slot: int = -1
-    out: list[int] = field(default_factory=list)
-    pending: list[TokenLogprob] = field(default_factory=list)   # log-probabilities of tokens whose text is held
-    stream: TextStream | None = None
-    generator: torch.Generator | None = None
-    admitted: float = 0.0   # perf_counter when its prefill began
-    hashes: list[int] | None = None   # its prompt's blocks (prefix.block_hashes)
 
 
 @dataclass

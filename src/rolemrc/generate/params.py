@@ -1,10 +1,17 @@
-"""What a generation request asks for and what it gets back: `SamplingParams` in, `TokenLogprob`s and an `Output`
-per step out, a `Completion` at the end (offline)."""
+"""What a generation request asks for and what it gets back: a `Request` with its `SamplingParams` in, `TokenLogprob`s
+and an `Output` per step out, a `Completion` at the end (offline). No torch: a server validates its config with these."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from rolemrc.generate.sampling import TextStream
+    from rolemrc.intervene.spec import Restraint
 
 
 @dataclass
@@ -57,3 +64,24 @@ class Completion:
     prompt_tokens: int
     logprobs: list[TokenLogprob]
     latency: float
+
+
+@dataclass(eq=False)
+class Request:
+    """One request: its prompt ids, settings, token budget and restraint (validated against the model already).
+    `emit` receives its `Output`s on the engine's thread; `cancelled` is polled every step."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    emit: Callable[[Output], None]
+    restraint: Restraint | None = None
+    cancelled: Callable[[], bool] = lambda: False
+    text: bool = True   # emit text as it comes (stop strings need it); False: ids only, the caller decodes
+    slot: int = -1
+    out: list[int] = field(default_factory=list)
+    pending: list[TokenLogprob] = field(default_factory=list)   # log-probabilities of tokens whose text is held
+    stream: TextStream | None = None
+    generator: torch.Generator | None = None
+    admitted: float = 0.0   # perf_counter when its prefill began
+    hashes: list[int] | None = None   # its prompt's blocks (prefix.block_hashes)

@@ -15,13 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from rolemrc.core.errors import InputError
 from rolemrc.core.placement import DeviceMap, Dtype, check_placement
-from rolemrc.generate.cache import kv_bytes_per_token
-from rolemrc.generate.engine import Engine, Request
-from rolemrc.generate.params import Output
+from rolemrc.generate.params import Output, Request
 from rolemrc.intervene.fit import validate
 from rolemrc.intervene.spec import KindUnsupportedError, Restraint
 from rolemrc.serve.engines.base import (
@@ -95,6 +91,8 @@ def kv_budget(options: TransformersOptions, model: Any) -> int:
         return options.kv_cache_bytes
     device = model.get_input_embeddings().weight.device
     if device.type == "cuda":
+        import torch
+
         free, _ = torch.cuda.mem_get_info(device)
         return max(0, int((free - CLAIMED[str(device)]) * options.memory_utilization))
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -120,6 +118,8 @@ class TransformersEngine:
         from transformers.utils import logging as hf_logging
 
         from rolemrc.core.modeling import context_window, load_model
+        from rolemrc.generate.cache import kv_bytes_per_token
+        from rolemrc.generate.engine import Engine
 
         hf_logging.disable_progress_bar()
         self.name = name
@@ -302,6 +302,8 @@ class TransformersEngine:
         """Hand submitted requests to the engine and step it while there is work; a failed forward ends the requests
         it was running with a 500 and the thread goes on. After `stop`, the engine's waiting requests get 503 and
         the running ones finish."""
+        import torch
+
         with torch.inference_mode():
             while True:
                 with self._cv:
