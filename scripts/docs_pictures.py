@@ -97,13 +97,25 @@ def sweep_figure(demo: Path, img: Path, dimension: str) -> Path:
     return save_png((demo / "sweep" / f"dose_{dimension}.png").read_bytes(), img / "sweep_dose_response.png")
 
 
-async def render_pngs(figures: list) -> list[bytes]:
+async def render_pngs(figures: list, tries: int = 3) -> list[bytes]:
     """The figures' PNGs at each layout's size, in one Chromium and with no deadline per figure: kaleido's default
-    (90 s, a Chromium per `to_image`) is overrun when the suite loads the machine's other core."""
+    (90 s, a Chromium per `to_image`) is overrun when the suite loads the machine's other core. On a loaded machine
+    kaleido 1.5 may also take the blank page's JavaScript context for its own (`kaleido_scopes is not defined`): a new
+    Chromium then renders the rest, up to `tries` times."""
     import kaleido
+    from kaleido.errors import JavascriptError
 
-    async with kaleido.Kaleido(n=1, timeout=None) as session:
-        return [await session.calc_fig(fig, opts={"format": "png"}) for fig in figures]
+    pngs: list[bytes] = []
+    for attempt in range(1, tries + 1):
+        try:
+            async with kaleido.Kaleido(n=1, timeout=None) as session:
+                for fig in figures[len(pngs):]:
+                    pngs.append(await session.calc_fig(fig, opts={"format": "png"}))
+            return pngs
+        except JavascriptError as exc:
+            if "kaleido_scopes is not defined" not in str(exc) or attempt == tries:
+                raise
+    return pngs
 
 
 def static_figures(nb: nbformat.NotebookNode) -> list[bytes]:
