@@ -76,7 +76,9 @@ def test_the_vllm_server_is_sized_for_the_largest_cell(setup, tmp_path):
     assert server_config(tuned, cells)["models"]["sweep"] == model | options
     assert engine_label(tuned) != engine_label(cfg)   # a vLLM flag may change the replies: cells are not shared
     for wrong, says in (({"max_lora_rank": 8}, "not a vllm engine option the sweep leaves to you"),
-                        ({"tensor_parallel": 2}, "choose from .*vllm_args"), ("{}", "must be a JSON object")):
+                        ({"tensor_parallel": 2}, "choose from .*vllm_args"), ("{}", "must be a JSON object"),
+                        ({"memory_utilization": 1.5}, "memory_utilization is 1.5; it must be > 0 and <= 1"),
+                        ({"vllm_args": "--enforce-eager"}, "vllm_args must be a list of strings")):
         with pytest.raises(RestraintError, match=says):
             config(setup, tmp_path, engine="vllm", engine_options=wrong)
     with pytest.raises(RestraintError, match="choose one"):

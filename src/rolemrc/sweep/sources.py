@@ -20,7 +20,7 @@ IN_PROCESS = "transformers"   # this engine's name runs in this process, not beh
 
 
 # what the sweep sets on its server's model itself: no --engine-options key
-SWEEP_SETS = ("engine", "path", "max_lora_rank", "max_loras", "max_inline_adapters")
+SWEEP_SETS = ("path", "max_lora_rank", "max_loras", "max_inline_adapters")
 
 
 def check_engine(name: str, options: dict[str, Any]) -> None:
@@ -29,6 +29,7 @@ def check_engine(name: str, options: dict[str, Any]) -> None:
     from dataclasses import fields
 
     from rolemrc.serve.engines import ENGINES, engine_class
+    from rolemrc.serve.errors import ServeConfigError
 
     if name not in ENGINES:
         raise RestraintError(f"engine: {name!r} is not a serving engine; choose from {', '.join(ENGINES)}")
@@ -41,6 +42,10 @@ def check_engine(name: str, options: dict[str, Any]) -> None:
     if unknown := sorted(set(options) - set(allowed)):
         raise RestraintError(f"--engine-options {', '.join(unknown)}: not a {name} engine option the sweep leaves "
                              f"to you; choose from {', '.join(allowed)}")
+    try:   # the values too, as the server would check them, before any model loads
+        engine_class(name).Options(path=".", **options)
+    except ServeConfigError as exc:
+        raise RestraintError(f"--engine-options: {exc}") from None
 
 
 def check_rank(config: Any, cells: list[Any]) -> None:
