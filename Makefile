@@ -22,7 +22,8 @@ GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
 CORE_VENV := .venv-core
 CORE_STAMP := $(CORE_VENV)/.installed
 CORE_ENV := ROLEMRC_CORE_PYTHON=$(CURDIR)/$(CORE_VENV)/bin/python
-# make test runs the test files on this many workers (pytest-xdist; a file's tests share one worker and its fixtures)
+# make test runs the test files on this many workers (pytest-xdist; a file's tests share one worker and its fixtures),
+# in tests/conftest.py's order (the longest files first) rather than xdist's (the files with most tests first)
 TEST_WORKERS ?= 2
 CLIENTS_ENV := ROLEMRC_LMEVAL_PYTHON=$(CURDIR)/$(LMEVAL_VENV)/bin/python ROLEMRC_GUIDELLM_PYTHON=$(CURDIR)/$(GUIDELLM_VENV)/bin/python
 
@@ -100,7 +101,7 @@ demo-real: $(STAMP) $(VLLM_PLUGIN_STAMP) sysdeps
 
 test: $(STAMP) $(VLLM_PLUGIN_STAMP) $(LMEVAL_STAMP) $(GUIDELLM_STAMP) $(CORE_STAMP) sysdeps
 	$(VLLM_ENV) $(CLIENTS_ENV) $(CORE_ENV) ROLEMRC_REQUIRE_VLLM=1 ROLEMRC_REQUIRE_CLIENTS=1 ROLEMRC_REQUIRE_POSTGRES=1 $(PY) -m pytest -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadfile --durations=40
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
