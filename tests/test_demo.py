@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,11 +133,16 @@ def test_docs_pictures_come_from_a_demo_run(first_run, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pretrained_run(tmp_path_factory, tokenizer):
+def pretrained_run(tmp_path_factory, tokenizer, first_run):
     """The demo from a 'pretrained' directory: a Llama (head dim 32, as vLLM's CPU attention needs) with a scaled-up
-    output head, so greedy text has clear margins, and SmolLM2's marker-less chat template."""
+    output head, so greedy text has clear margins, and SmolLM2's marker-less chat template. Its datagen stage (the
+    same --size and seed as first_run's, so the same data) is reused from first_run's, as a rerun reuses a stage."""
     root = tmp_path_factory.mktemp("demo-pretrained")
     base, profile = root / "instruct", root / "lora.yaml"
+    done, _, _ = first_run
+    shutil.copytree(done / "data", root / "out" / "data")
+    stages = json.loads((done / "stages.json").read_text())
+    (root / "out" / "stages.json").write_text(json.dumps({"datagen": stages["datagen"]}))
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = SMOLLM2_TEMPLATE
     save_peaked_llama(base, tok, seed=5, max_positions=4096)
@@ -146,7 +152,7 @@ def pretrained_run(tmp_path_factory, tokenizer):
 
 def test_pretrained_base_runs_the_whole_method_with_lora_ablation_and_results(pretrained_run):
     out, summary = pretrained_run
-    assert "train base" not in summary["stages_run"]
+    assert "train base" not in summary["stages_run"] and "datagen" not in summary["stages_run"]
     assert list(summary["eval"]) == ["instruct", "sft", "dpo", "dpo-restrained", "dpo-ablated"]
     for name, path in summary["artifacts"].items():
         assert Path(path).exists(), f"{name}: {path} missing"
