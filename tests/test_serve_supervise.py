@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from fixtures import EAGER, served_report
-from test_serve_vllm import CHATS, INLINE, RESTRAINTS, VLLM, alive, assert_same, descendants
+from test_serve_vllm import CHATS, HTTP, INLINE, RESTRAINTS, VLLM, alive, assert_same, descendants, metric
 
 from rolemrc.serve.launch import start_server, stop_server
 
@@ -93,9 +93,9 @@ def replies(client) -> list:
             for messages in CHATS[:2]]
 
 
-def health(server) -> tuple[int, dict]:
+def health(server, http: httpx.Client = HTTP) -> tuple[int, dict]:
     try:
-        response = httpx.get(server.base_url + "/health", timeout=5)
+        response = http.get(server.base_url + "/health", timeout=5)
     except httpx.HTTPError:
         return 0, {}
     return response.status_code, response.json()
@@ -106,19 +106,20 @@ class Watcher:
 
     def __init__(self, server) -> None:
         self.server, self.seen, self.ok_at, self.refused = server, [], None, None
+        self.http = httpx.Client()   # its own, for its thread
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            _, body = health(self.server)
+            _, body = health(self.server, self.http)
             status = body.get("status")
             if not self.seen or self.seen[-1] != status:
                 self.seen.append(status)
             if status == "restarting" and self.refused is None:   # what a new request gets meanwhile
-                self.refused = httpx.post(self.server.base_url + "/v1/completions", timeout=30,
-                                          json={"model": "v", "prompt": "the", "max_tokens": 2, "temperature": 0})
+                self.refused = self.http.post(self.server.base_url + "/v1/completions", timeout=30,
+                                              json={"model": "v", "prompt": "the", "max_tokens": 2, "temperature": 0})
             if status == "ok" and "restarting" in self.seen:
                 self.ok_at = time.monotonic()
                 return
@@ -127,6 +128,8 @@ class Watcher:
     def wait(self, timeout: float) -> None:
         self.thread.join(timeout)
         self.stop.set()
+        self.thread.join(10)
+        self.http.close()
 
 
 async def burst(server, experiment: str) -> list:
@@ -157,16 +160,11 @@ async def burst(server, experiment: str) -> list:
     return await asyncio.wait_for(asyncio.gather(*[one(k) for k in range(BURST)]), TIMEOUT)
 
 
-def metric(server, line_start: str) -> float:
-    text = httpx.get(server.base_url + "/metrics").text
-    return float(next(line for line in text.splitlines() if line.startswith(line_start)).rsplit(" ", 1)[1])
-
-
 def crash_during_burst(server, client, target: str) -> tuple[list, Watcher, float]:
     """Run a burst, SIGKILL `target` once generation is under way, and wait for the engine to be back."""
     exp = f"crash-{target}"
     arms = [{"name": "a", "model": "v"}, {"name": "b", "model": "v+silence"}]
-    assert httpx.post(server.base_url + "/v1/experiments", json={"id": exp, "arms": arms}).status_code == 201
+    assert HTTP.post(server.base_url + "/v1/experiments", json={"id": exp, "arms": arms}).status_code == 201
     pid, engine = vllm_process(server, target), vllm_process(server, "worker")
     results: list = []
     # vLLM generates the whole burst on this model in under a second, sooner than a test can see it running; so its
@@ -209,7 +207,7 @@ def check_burst(results: list, server, exp: str) -> None:
 
 
 def test_worker_sigkill_during_a_burst_restarts_the_engine(server, client):
-    made = httpx.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": {
+    made = HTTP.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": {
         "hook": "mlp.act", "factor": 0.0, "units": {"1": list(range(50, 90))}}})
     assert made.status_code == 201
     before = replies(client)

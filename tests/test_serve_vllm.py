@@ -2,20 +2,24 @@
 (vLLM, restraints as LoRA adapters) and `t` (the transformers engine, restraints as runtime hooks), so every
 check compares them side by side. Greedy text and token log-probabilities must agree for each restraint; a
 concurrent burst mixing restraints must match the sequential runs; inline restraints load at runtime within a
-bound; SIGTERM drains the request in flight and stops vLLM.
+bound; SIGTERM drains the request in flight, a second one ends the requests still running, and vLLM stops.
 
 vLLM runs from its own environment (`make test` builds `.venv-vllm` and sets ROLEMRC_VLLM_PYTHON; with
 ROLEMRC_REQUIRE_VLLM=1, as there, a missing vLLM fails instead of skipping)."""
 
 import asyncio
+import contextlib
+import json
+import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from fixtures import EAGER, STOPS_ON_EOS, served_report, vllm_or_skip
+from fixtures import STOPS_ON_EOS, served_report, vllm_or_skip
 
 from rolemrc.intervene import Restraint
 from rolemrc.serve.launch import start_server, stop_server
@@ -33,6 +37,7 @@ INLINE = [{"name": f"inline{k}", "hook": "mlp.act", "factor": 0.0, "units": {str
 CHATS = [[{"role": "user", "content": text}] for text in
          ("the storms quarter the old", "a keeper of the light", "tell me of the harbour", "why do gulls cry")]
 ATOL = 2e-4   # vLLM's CPU kernels vs torch's, float32
+HTTP = httpx.Client()   # one client for the calls here: each top-level httpx call builds an SSL context, ~40 ms of CPU
 CACHED, CACHE_BYTES = 8, 8 << 20   # the adapter cache's caps: over the 7 adapters the tests before eviction's make
 
 
@@ -48,7 +53,7 @@ def server(peaked_model, tmp_path_factory):
                                "vllm_args": ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']},
                          "t": {"path": str(peaked_model)}},
               "restraints": {name: f"{name}.yaml" for name in RESTRAINTS}, "allow_inline_restraints": True,
-              "max_new_tokens": 64, "default_max_tokens": 12, "db": "ab.sqlite", "shutdown_grace_s": 60,
+              "max_new_tokens": 400, "default_max_tokens": 12, "db": "ab.sqlite", "shutdown_grace_s": 60,
               "allow_no_auth": True}
     srv = start_server(config, workdir=root, env={"ROLEMRC_VLLM_PYTHON": VLLM}, timeout=600)
     yield srv
@@ -127,7 +132,7 @@ def test_every_prompt_form_and_n_equal_the_transformers_engine(server, eos_split
     and where it does not, string lists, and n > 1: the proxy passes token prompts through, and both engines list
     the generated token (an EOS too) and count it."""
     def complete(model, **body):
-        response = httpx.post(f"{server.base_url}/v1/completions", json={"model": model, **body}, timeout=120)
+        response = HTTP.post(f"{server.base_url}/v1/completions", json={"model": model, **body}, timeout=120)
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -145,13 +150,13 @@ def test_every_prompt_form_and_n_equal_the_transformers_engine(server, eos_split
                 assert shown(a["logprobs"]["tokens"][-1]) == shown(b["logprobs"]["tokens"][-1])
                 assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=ATOL)
                 assert (a["logprobs"]["tokens"][-1] == tokenizer.eos_token) == (a["index"] < 2)
-    chats = [httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+    chats = [HTTP.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
         "model": model, "messages": STOPS_ON_EOS, "max_tokens": 40, "temperature": 0, "logprobs": True,
         "top_logprobs": 1}).json() for model in ("v", "t")]
     assert chats[0]["usage"] == chats[1]["usage"] and chats[0]["choices"][0]["finish_reason"] == "stop"
     assert [e["token"] for e in chats[0]["choices"][0]["logprobs"]["content"]][-1] == tokenizer.eos_token
     assert len(chats[0]["choices"][0]["logprobs"]["content"]) == len(chats[1]["choices"][0]["logprobs"]["content"])
-    bad = httpx.post(f"{server.base_url}/v1/completions", json={"model": "v", "prompt": [5, len(tokenizer)]})
+    bad = HTTP.post(f"{server.base_url}/v1/completions", json={"model": "v", "prompt": [5, len(tokenizer)]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
 
 
@@ -224,7 +229,7 @@ def test_requests_refused_after_the_adapter_hold_leave_inline_restraints_usable(
     such request must release it, or `max_inline_adapters` of them leave every new inline spec a 503."""
     for k in range(2 + 2):   # max_inline_adapters + 2, each a new spec
         spec = {"name": "h", "hook": "mlp.act", "factor": 0.25 + k * 1e-6, "units": {"1": [4, 5]}}
-        bad = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
+        bad = HTTP.post(f"{server.base_url}/v1/completions", timeout=120,
                          json={"model": "v", "prompt": [5, len(tokenizer)], "max_tokens": 2, "restraint": spec})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
     fresh = {"name": "h", "hook": "mlp.act", "factor": 0.75, "units": {"1": [4, 5]}}
@@ -233,16 +238,16 @@ def test_requests_refused_after_the_adapter_hold_leave_inline_restraints_usable(
 
 def test_a_restraint_registered_while_serving_becomes_an_adapter(server, client):
     spec = {"hook": "mlp.act", "factor": 0.0, "units": {"1": list(range(50, 90))}}
-    made = httpx.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": spec})
+    made = HTTP.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": spec})
     assert made.status_code == 201 and sorted(made.json()["models"]) == ["t", "v"]
     assert_same(chat(client, "v+late"), chat(client, "t+late"))
     assert shown(chat(client, "v+late").choices[0].message.content) != shown(chat(client, "v").choices[0].message.content)
     assert {"v+late", "t+late"} <= {m.id for m in client.models.list().data}
     # deleted, its adapter is unloaded and the name is free for another restraint
-    assert httpx.delete(server.base_url + "/v1/restraints/late").status_code == 204
+    assert HTTP.delete(server.base_url + "/v1/restraints/late").status_code == 204
     assert not {"v+late", "t+late"} & {m.id for m in client.models.list().data}
     other = {**spec, "factor": 0.5}
-    assert httpx.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": other}).status_code == 201
+    assert HTTP.post(server.base_url + "/v1/restraints", json={"name": "late", "spec": other}).status_code == 201
     assert_same(chat(client, "v+late"), chat(client, "t+late"))
 
 
@@ -259,7 +264,7 @@ def test_unknown_and_inexpressible_restraints_are_refused(client):
 
 def test_ab_experiment_arms_on_the_vllm_engine(server, client):
     arms = [{"name": "base", "model": "v"}, {"name": "silenced", "model": "v", "restraint": "silence"}]
-    assert httpx.post(server.base_url + "/v1/experiments", json={"id": "abv", "arms": arms}).status_code == 201
+    assert HTTP.post(server.base_url + "/v1/experiments", json={"id": "abv", "arms": arms}).status_code == 201
     seen = {}
     for k in range(16):
         out = client.chat.completions.create(model="abv", messages=CHATS[k % 4], max_tokens=6, temperature=0,
@@ -279,8 +284,6 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["mood", 
 def test_json_schema_response_format_constrains_vllm_replies(client, model):
     """Structured outputs pass through to vLLM (with a restraint's adapter too): a random model's reply parses
     and satisfies the schema."""
-    import json
-
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
     for chat_messages in CHATS[:2]:
         reply = chat(client, model, chat_messages, max_tokens=64, response_format=fmt).choices[0].message.content
@@ -315,28 +318,76 @@ def test_a_direction_is_served_as_a_rank_one_lora_and_a_patch_is_refused_by_kind
     assert err.value.body["code"] == "restraint_kind_unsupported"
 
 
-def test_sigterm_drains_the_request_in_flight_and_stops_vllm(server):
-    """Runs last: it stops the module's server."""
+def test_sigterm_drains_the_request_in_flight_a_second_one_ends_the_rest_and_vllm_stops(server):
+    """The last test on the module's server: it stops it. SIGTERM with two streams in flight: the shorter one still
+    finishes whole (the drain); a second SIGTERM while the longer one is still generating ends it at once; and the
+    server stops vLLM's whole process tree before it exits 0. vLLM generates a whole stream here sooner than a test
+    can see it run, so its engine is paused while both arrive and at the shorter one's last token."""
+    tree = descendants(server.proc.pid)
     children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
-    vllm_pid = next(int(pid) for pid in children if b"vllm" in Path(f"/proc/{pid}/cmdline").read_bytes())
-    body = {"model": "v+silence", "messages": CHATS[1], "max_tokens": 64, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    usage = None
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
-        lines = response.iter_lines()
-        for line in lines:
-            if line.startswith("data: {") and '"content"' in line:
-                server.signal(signal.SIGTERM)   # mid-stream
-                break
-        for line in lines:
-            if '"usage"' in line and '"completion_tokens"' in line:
-                usage = line
-    assert usage is not None and '"completion_tokens": 64' in usage   # the request in flight finished
-    assert server.wait(120) == 0
-    deadline = time.monotonic() + 60
-    while Path(f"/proc/{vllm_pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not Path(f"/proc/{vllm_pid}").exists(), "vLLM outlived the server"
+    assert any(b"vllm" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children)
+    engine = [pid for pid in tree if b"VLLM::" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert engine, tree
+
+    def pause(sig: int) -> None:
+        for pid in engine:
+            with contextlib.suppress(ProcessLookupError):   # stopped with the server already
+                os.kill(pid, sig)
+
+    drained = {"model": "v+silence", "messages": CHATS[1], "max_tokens": 64, "temperature": 0, "stream": True,
+               "ignore_eos": True, "logprobs": True, "stream_options": {"include_usage": True}}
+    cut = {"model": "v", "messages": CHATS[0], "max_tokens": 400, "ignore_eos": True, "stream": True, "logprobs": True}
+    lines: dict[str, list[str]] = {"drained": [], "cut": []}
+
+    def stream(name: str, body: dict) -> None:
+        tokens = 0
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                lines[name].append(line)
+                tokens += (new := generated(line))
+                if name == "drained" and new and tokens == 64:   # its last token: the other has over 300 to go
+                    pause(signal.SIGSTOP)
+
+    threads = {name: threading.Thread(target=stream, args=(name, body), daemon=True)
+               for name, body in (("drained", drained), ("cut", cut))}
+    pause(signal.SIGSTOP)
+    try:
+        for count, thread in enumerate(threads.values(), 1):   # one after the other, in this order
+            thread.start()
+            deadline = time.monotonic() + 60
+            while metric(server, "rolemrc_inflight ") < count + 1:   # (+ this /metrics call)
+                assert time.monotonic() < deadline, "a stream never reached the server"
+                time.sleep(0.05)
+        server.signal(signal.SIGTERM)
+        pause(signal.SIGCONT)
+        threads["drained"].join(60)
+        server.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        threads["cut"].join(60)
+        took = time.monotonic() - signalled
+    finally:
+        pause(signal.SIGCONT)
+    usage = [line for line in lines["drained"] if '"usage"' in line and '"completion_tokens"' in line]
+    assert usage and '"completion_tokens": 64' in usage[-1], lines["drained"][-3:]   # the request in flight finished
+    ended = [line for line in lines["cut"] if line]
+    assert not threads["cut"].is_alive() and '"shutting_down"' in ended[-1], ended[-3:]   # the second signal ended it
+    assert took < 20 and "stopping now" in server.logs()   # at once, not when the grace (60 s) ran out
+    assert server.wait(60) == 0, server.logs()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(map(alive, tree)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in tree if alive(pid)], "vLLM outlived the server"
+
+
+def generated(line: str) -> int:
+    """The tokens a streamed chat chunk with log-probabilities carries (vLLM may send several in one)."""
+    choices = json.loads(line[6:]).get("choices") if line.startswith("data: {") else None
+    return len(choices[0]["logprobs"]["content"]) if choices and choices[0].get("logprobs") else 0
+
+
+def metric(server, line_start: str) -> float:
+    text = HTTP.get(server.base_url + "/metrics").text
+    return float(next(line for line in text.splitlines() if line.startswith(line_start)).rsplit(" ", 1)[1])
 
 
 def descendants(pid: int) -> set[int]:
@@ -385,32 +436,6 @@ def test_sigterm_while_vllm_starts_stops_everything_promptly(peaked_model, tmp_p
         assert not left, f"left running: {left}"
         assert time.monotonic() - start < 30
         assert "stopping while starting" in server.logs()
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-
-
-def test_a_second_sigterm_still_stops_vllm(peaked_model, tmp_path):
-    """SIGTERM, then SIGTERM again at once, with a stream in flight: the second signal ends the stream now (unless
-    it is done already), and the server still stops vLLM's whole process group before it exits."""
-    config = {"models": {"v": {"engine": "vllm", "path": str(peaked_model), "max_model_len": 512, "vllm_args": EAGER}},
-              "db": None, "max_new_tokens": 400}
-    server = start_server(config, workdir=tmp_path, env={"ROLEMRC_VLLM_PYTHON": VLLM}, timeout=600)
-    try:
-        tree = descendants(server.proc.pid)
-        body = {"model": "v", "messages": CHATS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
-            lines = response.iter_lines()
-            next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
-            server.signal(signal.SIGTERM)
-            server.signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert server.wait(60) == 0, server.logs()[-3000:]
-        assert '"shutting_down"' in rest[-1] or rest[-1] == "data: [DONE]"   # vLLM may finish 400 tokens first
-        deadline = time.monotonic() + 10
-        while any(map(alive, tree)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in tree if alive(pid)], "vLLM outlived the server"
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
