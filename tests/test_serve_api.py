@@ -282,61 +282,55 @@ def test_experiment_logging_stickiness_and_report(client, server, records, tmp_p
     assert (tmp_path / "chart.html").is_file() and (tmp_path / "report.json").is_file()
 
 
-def test_upstream_engine_proxies_a_rolemrc_server(server, client, tmp_path):
-    config = {"models": {"proxy": {"engine": "upstream", "base_url": server.base_url + "/v1", "upstream_model": "tiny",
-                                   "api_key_env": "UPSTREAM_KEY", "pass_restraints": True},
-                         "plain": {"engine": "upstream", "base_url": server.base_url + "/v1",
-                                   "upstream_model": "tiny", "api_key_env": "UPSTREAM_KEY"}},
-              "db": None}
-    with running_server(config, workdir=tmp_path, env={"UPSTREAM_KEY": KEY}) as proxy:
-        pc = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="none", max_retries=0)
-        assert greedy(pc, "proxy") == greedy(client)
-        assert greedy(pc, "proxy", restraint="mute") == greedy(client, restraint="mute")
-        for k in range(3):   # names the proxy does not list: refused upstream, and no metric label each
-            with pytest.raises(openai.NotFoundError):
-                greedy(pc, "proxy", restraint=f"made-up-{k}")
-        labels = httpx.get(proxy.base_url + "/metrics").text
-        assert 'restraint="unlisted"' in labels and "made-up" not in labels and 'restraint="mute"' not in labels
-        streamed = "".join(c.choices[0].delta.content or "" for c in pc.chat.completions.create(
-            model="proxy", messages=CHAT, max_tokens=12, temperature=0, stream=True) if c.choices)
-        assert streamed == greedy(client)
-        out = pc.completions.create(model="proxy", prompt="the keeper", max_tokens=5, temperature=0)
-        assert out.choices[0].text == client.completions.create(model="tiny", prompt="the keeper", max_tokens=5,
-                                                                temperature=0).choices[0].text
-        assert out.usage.completion_tokens >= 1
+def test_upstream_engine_proxies_a_rolemrc_server(server, client, proxy):
+    pc = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="none", max_retries=0)
+    assert greedy(pc, "proxy") == greedy(client)
+    assert greedy(pc, "proxy", restraint="mute") == greedy(client, restraint="mute")
+    for k in range(3):   # names the proxy does not list: refused upstream, and no metric label each
+        with pytest.raises(openai.NotFoundError):
+            greedy(pc, "proxy", restraint=f"made-up-{k}")
+    labels = httpx.get(proxy.base_url + "/metrics").text
+    assert 'restraint="unlisted"' in labels and "made-up" not in labels and 'restraint="mute"' not in labels
+    streamed = "".join(c.choices[0].delta.content or "" for c in pc.chat.completions.create(
+        model="proxy", messages=CHAT, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == greedy(client)
+    out = pc.completions.create(model="proxy", prompt="the keeper", max_tokens=5, temperature=0)
+    assert out.choices[0].text == client.completions.create(model="tiny", prompt="the keeper", max_tokens=5,
+                                                            temperature=0).choices[0].text
+    assert out.usage.completion_tokens >= 1
 
-        def chat_logprobs(c, model):
-            content = c.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
-                                                top_logprobs=2).choices[0].logprobs.content
-            return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content]
+    def chat_logprobs(c, model):
+        content = c.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=2).choices[0].logprobs.content
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content]
 
-        def close(a, b):   # the second run copies the first's prompt from the engine's cache: float noise only
-            assert [(t, [x for x, _ in top]) for t, _, top in a] == [(t, [x for x, _ in top]) for t, _, top in b]
-            assert [v for _, v, _ in a] == pytest.approx([v for _, v, _ in b], abs=1e-5)
+    def close(a, b):   # the second run copies the first's prompt from the engine's cache: float noise only
+        assert [(t, [x for x, _ in top]) for t, _, top in a] == [(t, [x for x, _ in top]) for t, _, top in b]
+        assert [v for _, v, _ in a] == pytest.approx([v for _, v, _ in b], abs=1e-5)
 
-        close(chat_logprobs(pc, "proxy"), chat_logprobs(client, "tiny"))   # forwarded, relayed as they came
+    close(chat_logprobs(pc, "proxy"), chat_logprobs(client, "tiny"))   # forwarded, relayed as they came
 
-        def echoed(c, model):
-            return c.completions.create(model=model, prompt="the keeper", max_tokens=4, temperature=0, logprobs=2,
-                                        echo=True).choices[0]
+    def echoed(c, model):
+        return c.completions.create(model=model, prompt="the keeper", max_tokens=4, temperature=0, logprobs=2,
+                                    echo=True).choices[0]
 
-        via, direct = echoed(pc, "proxy"), echoed(client, "tiny")
-        assert via.text == direct.text and via.text.startswith("the keeper")   # the prompt once, not twice
-        assert via.logprobs.tokens == direct.logprobs.tokens
-        assert via.logprobs.token_logprobs[1:] == pytest.approx(direct.logprobs.token_logprobs[1:], abs=1e-5)
-        lists = {"prompt": [[5, 17, 40, 9], [60, 61]], "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0,
-                 "n": 2}   # token prompts pass through; one choice per prompt and sample
-        outs = [httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                           json={"model": model, **lists}).json() for url, model in ((proxy.base_url, "proxy"),
-                                                                                      (server.base_url, "tiny"))]
-        assert outs[0]["usage"] == outs[1]["usage"]
-        for via, direct in zip(*(o["choices"] for o in outs)):   # batched differently: float noise only
-            assert (via["text"], via["logprobs"]["tokens"]) == (direct["text"], direct["logprobs"]["tokens"])
-            assert via["logprobs"]["token_logprobs"][1:] == pytest.approx(direct["logprobs"]["token_logprobs"][1:], abs=1e-5)
-        assert [c["index"] for c in outs[0]["choices"]] == [0, 1, 2, 3]
-        assert status_of(lambda: pc.chat.completions.create(model="proxy", messages=CHAT, max_tokens=300))[0] == 400
-        assert status_of(lambda: greedy(pc, "proxy", restraint="nope"))[0] == 404   # the upstream's answer
-        assert status_of(lambda: greedy(pc, "plain", restraint="mute"))[0] == 400   # cannot apply restraints
+    via, direct = echoed(pc, "proxy"), echoed(client, "tiny")
+    assert via.text == direct.text and via.text.startswith("the keeper")   # the prompt once, not twice
+    assert via.logprobs.tokens == direct.logprobs.tokens
+    assert via.logprobs.token_logprobs[1:] == pytest.approx(direct.logprobs.token_logprobs[1:], abs=1e-5)
+    lists = {"prompt": [[5, 17, 40, 9], [60, 61]], "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0,
+             "n": 2}   # token prompts pass through; one choice per prompt and sample
+    outs = [httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={"model": model, **lists}).json() for url, model in ((proxy.base_url, "proxy"),
+                                                                                  (server.base_url, "tiny"))]
+    assert outs[0]["usage"] == outs[1]["usage"]
+    for via, direct in zip(*(o["choices"] for o in outs)):   # batched differently: float noise only
+        assert (via["text"], via["logprobs"]["tokens"]) == (direct["text"], direct["logprobs"]["tokens"])
+        assert via["logprobs"]["token_logprobs"][1:] == pytest.approx(direct["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    assert [c["index"] for c in outs[0]["choices"]] == [0, 1, 2, 3]
+    assert status_of(lambda: pc.chat.completions.create(model="proxy", messages=CHAT, max_tokens=300))[0] == 400
+    assert status_of(lambda: greedy(pc, "proxy", restraint="nope"))[0] == 404   # the upstream's answer
+    assert status_of(lambda: greedy(pc, "plain", restraint="mute"))[0] == 400   # cannot apply restraints
 
 
 def cut_short_upstream(abrupt: bool):
@@ -370,20 +364,33 @@ def cut_short_upstream(abrupt: bool):
     return httpd
 
 
-@pytest.mark.parametrize("abrupt", [False, True], ids=["clean-close", "dropped"])
-def test_an_upstream_stream_cut_short_is_an_error_not_a_finished_reply(tmp_path, abrupt):
-    upstream = cut_short_upstream(abrupt)
+@pytest.fixture(scope="module")
+def proxy(server, tmp_path_factory):
+    """One server of upstream-engine models for the module: `proxy` (passing restraints on) and `plain` relay the
+    module's server, `clean-close` and `dropped` the two `cut_short_upstream`s."""
+    upstreams = {"clean-close": cut_short_upstream(False), "dropped": cut_short_upstream(True)}
+    config = {"models": {"proxy": {"engine": "upstream", "base_url": server.base_url + "/v1", "upstream_model": "tiny",
+                                   "api_key_env": "UPSTREAM_KEY", "pass_restraints": True},
+                         "plain": {"engine": "upstream", "base_url": server.base_url + "/v1",
+                                   "upstream_model": "tiny", "api_key_env": "UPSTREAM_KEY"}}
+              | {name: {"engine": "upstream", "base_url": f"http://127.0.0.1:{up.server_address[1]}/v1"}
+                 for name, up in upstreams.items()},
+              "db": None}
     try:
-        base = f"http://127.0.0.1:{upstream.server_address[1]}/v1"
-        with running_server({"models": {"up": {"engine": "upstream", "base_url": base}}, "db": None},
-                            workdir=tmp_path) as proxy:
-            pc = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="none", max_retries=0)
-            status, error = status_of(lambda: pc.chat.completions.create(model="up", messages=CHAT, max_tokens=8))
-            assert status == 502 and "upstream stream" in error["message"], error
-            with pytest.raises(openai.APIError, match="upstream stream"):
-                list(pc.chat.completions.create(model="up", messages=CHAT, max_tokens=8, stream=True))
+        with running_server(config, workdir=tmp_path_factory.mktemp("proxy"), env={"UPSTREAM_KEY": KEY}) as srv:
+            yield srv
     finally:
-        upstream.shutdown()
+        for up in upstreams.values():
+            up.shutdown()
+
+
+@pytest.mark.parametrize("upstream", ["clean-close", "dropped"])
+def test_an_upstream_stream_cut_short_is_an_error_not_a_finished_reply(proxy, upstream):
+    pc = openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="none", max_retries=0)
+    status, error = status_of(lambda: pc.chat.completions.create(model=upstream, messages=CHAT, max_tokens=8))
+    assert status == 502 and "upstream stream" in error["message"], error
+    with pytest.raises(openai.APIError, match="upstream stream"):
+        list(pc.chat.completions.create(model=upstream, messages=CHAT, max_tokens=8, stream=True))
 
 
 def keep_alive_server(keep_alive: float):

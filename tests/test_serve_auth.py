@@ -6,10 +6,7 @@ name; /health details and /metrics are behind a key unless the config opens them
 one of `allowed_hosts` is 400 `host_not_allowed`."""
 
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 
 import httpx
 import openai
@@ -45,12 +42,15 @@ def call(server, method: str, path: str, key: str | None, **kw) -> httpx.Respons
 
 def test_an_empty_key_source_stops_the_cli_before_any_model_loads(tmp_path):
     """The model path does not exist: the key error comes first, so nothing was loaded or even checked."""
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
     (tmp_path / "keys.txt").write_text("\n   \n# no key yet\n")
     (tmp_path / "serve.yaml").write_text("models: {m: nowhere}\napi_key_file: keys.txt\n")
-    done = subprocess.run([sys.executable, "-m", "rolemrc.cli", "serve", "--config", str(tmp_path / "serve.yaml")],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "NO_COLOR": "1"})
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    assert done.returncode == EXIT_INPUT and len(lines) == 1, lines
+    done = CliRunner(env={"NO_COLOR": "1"}).invoke(app, ["serve", "--config", str(tmp_path / "serve.yaml")])
+    lines = [line for line in done.output.splitlines() if line.strip()]
+    assert done.exit_code == EXIT_INPUT and len(lines) == 1, lines
     assert lines[0].startswith("error: ") and "holds no API key" in lines[0] and "keys.txt" in lines[0]
 
 

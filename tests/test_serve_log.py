@@ -2,7 +2,9 @@
 a huge factor and a SIGTERM each leave exactly one row saying so; an n=3 request's rows are written together; an
 idempotent retry logs once and replays; a failed prefill group ends its rows at once; a step that does not return
 reads `stalled` in /health. Faults are injected into the real server by a `sitecustomize` (restraints named `slow`,
-`boom`, `stall` slow a forward, fail a step, or hold one)."""
+`boom`, `stall` slow a forward, fail a step, or hold one). Three server processes: one the module's checks share, one
+that a dead engine makes exit (`on_engine_dead: exit`), and one shared by the checks that end something in it (an
+engine with `serve_others`, then the process with SIGTERM)."""
 
 import json
 import signal
@@ -134,10 +136,28 @@ def said(line):
 
 @pytest.fixture(scope="module")
 def served(model_dirs, tmp_path_factory):
+    """The server most checks share: request_timeout_s 4; model tiny reads `stalled` after a 1 s step."""
     root = tmp_path_factory.mktemp("serve-log")
-    server = launch(model_dirs, root, request_timeout_s=4)
+    server = launch(model_dirs, root, request_timeout_s=4, engine={"stall_after_s": 1})
     yield server, root
     stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def ending(model_dirs, tmp_path_factory):
+    """`ending()`: (server, root) of a server (shutdown_grace_s 2) for the checks that end something in it: model g's
+    engine (on_engine_dead serve_others; the other checks use tiny) and the process (SIGTERM). Started at the first
+    call, and again, in a fresh folder, at a call that finds it exited: either check may run first."""
+    started = []
+
+    def get():
+        if not started or started[-1][0].proc.poll() is not None:
+            root = tmp_path_factory.mktemp("serve-log-ending")
+            started.append((launch(model_dirs, root, shutdown_grace_s=2), root))
+        return started[-1]
+    yield get
+    for server, _ in started:
+        stop_server(server)
 
 
 def test_timeout_disconnects_and_nan_each_leave_one_row(served):
@@ -344,50 +364,52 @@ def test_a_failed_step_ends_every_row_of_its_group_at_once(served):
 
 
 @pytest.mark.parametrize("on_dead", ["serve_others", "exit"])
-def test_a_dead_scheduler_refuses_at_once_and_on_engine_dead_applies(model_dirs, tmp_path, on_dead):
-    """The transformers engine's scheduler thread ends (an error no step handler catches): the request it held and
+def test_a_dead_scheduler_refuses_at_once_and_on_engine_dead_applies(model_dirs, tmp_path, ending, on_dead):
+    """A transformers engine's scheduler thread ends (an error no step handler catches): the request it held and
     every later one for that model get 503 `engine_dead` at once (not a timeout), /health says engine_dead and the
-    other model serves on; with `on_engine_dead: exit` the server drains and exits non-zero."""
-    server = launch(model_dirs, tmp_path, on_engine_dead=on_dead, request_timeout_s=30)
+    other model serves on; with `on_engine_dead: exit` the server drains and exits non-zero. (serve_others: on the
+    SIGTERM check's server, whose model g dies there, tiny serving on; exit: model tiny of a server of its own.)"""
+    if on_dead == "exit":
+        server, dying, other = launch(model_dirs, tmp_path, on_engine_dead="exit", request_timeout_s=30), "tiny", "g"
+    else:
+        (server, _), dying, other = ending(), "g", "tiny"
     try:
         url = server.base_url + "/v1/chat/completions"
         body = {"messages": CHAT, "max_tokens": 4}
         start = time.monotonic()
-        held = httpx.post(url, json={**body, "model": "tiny+die"}, timeout=60)
+        held = httpx.post(url, json={**body, "model": f"{dying}+die"}, timeout=60)
         assert held.status_code == 503 and held.json()["error"]["code"] == "engine_dead", held.text
-        assert time.monotonic() - start < 10   # not the 30 s timeout
+        assert time.monotonic() - start < 10   # not the request timeout (30 s, 120 s)
         if on_dead == "exit":
             assert server.wait(30) == 1
             assert "error: the engine of model 'tiny' is dead: " in server.logs()
             return
-        later = httpx.post(url, json={**body, "model": "tiny"}, timeout=60)
+        later = httpx.post(url, json={**body, "model": dying}, timeout=60)
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
         assert later.elapsed.total_seconds() < 1
         assert httpx.get(server.base_url + "/health").json()["status"] == "engine_dead"
-        assert httpx.post(url, json={**body, "model": "g"}, timeout=60).status_code == 200
+        assert httpx.post(url, json={**body, "model": other}, timeout=60).status_code == 200
     finally:
-        stop_server(server)
+        if on_dead == "exit":
+            stop_server(server)
 
 
-def test_a_step_that_does_not_return_reads_stalled(model_dirs, tmp_path):
-    server = launch(model_dirs, tmp_path, engine={"stall_after_s": 1})
-    try:
-        url = server.base_url + "/v1/chat/completions"
-        thread = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": {"model": "tiny+stall", "messages": CHAT,
-                                                                             "max_tokens": 1}, "timeout": 60})
-        thread.start()
-        seen = set()
-        while thread.is_alive():
-            health = httpx.get(server.base_url + "/health").json()
-            seen.add((health["status"], health.get("engines", {}).get("tiny", {}).get("state", "ok")))
-            time.sleep(0.2)
-        assert ("engine_stalled", "stalled") in seen and httpx.get(server.base_url + "/health").json()["status"] == "ok"
-    finally:
-        stop_server(server)
+def test_a_step_that_does_not_return_reads_stalled(served):
+    server, _ = served
+    url = server.base_url + "/v1/chat/completions"
+    thread = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": {"model": "tiny+stall", "messages": CHAT,
+                                                                         "max_tokens": 1}, "timeout": 60})
+    thread.start()
+    seen = set()
+    while thread.is_alive():
+        health = httpx.get(server.base_url + "/health").json()
+        seen.add((health["status"], health.get("engines", {}).get("tiny", {}).get("state", "ok")))
+        time.sleep(0.2)
+    assert ("engine_stalled", "stalled") in seen and httpx.get(server.base_url + "/health").json()["status"] == "ok"
 
 
-def test_sigterm_ends_a_long_stream_within_the_grace_and_logs_it(model_dirs, tmp_path):
-    server = launch(model_dirs, tmp_path, shutdown_grace_s=2)
+def test_sigterm_ends_a_long_stream_within_the_grace_and_logs_it(ending):
+    server, root = ending()
     try:
         body = ask("slow", "sigterm", max_tokens=400, ignore_eos=True, stream=True)
         with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
@@ -403,7 +425,7 @@ def test_sigterm_ends_a_long_stream_within_the_grace_and_logs_it(model_dirs, tmp
         stop_server(server)
     assert took < 2 + 3, took
     assert '"shutting_down"' in rest[-1] and "[DONE]" not in rest
-    [row] = rows(tmp_path, "sigterm")
+    [row] = rows(root, "sigterm")
     assert row["finish_reason"] == "shutdown" and row["response"]
-    with closing(sqlite3.connect(tmp_path / "ab.sqlite")) as db:   # 503 shutting_down: its key freed, not stored
+    with closing(sqlite3.connect(root / "ab.sqlite")) as db:   # 503 shutting_down: its key freed, not stored
         assert db.execute("SELECT COUNT(*) FROM idempotency").fetchone() == (0,)

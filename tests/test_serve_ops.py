@@ -1,5 +1,7 @@
 """Operations over real HTTP: queue full (429), graceful drain (503, in-flight finishes), timeout (504), bounded load
-through an experiment (zero 5xx, each request logged once), SIGKILL mid-load (nothing acknowledged lost)."""
+through an experiment (zero 5xx, each request logged once), SIGKILL mid-load (nothing acknowledged lost). Three server
+processes, each ended by what its test checks: a job's (504s, then the job is killed), the load's (schemathesis, the
+load, then SIGKILL) and the restart's on the load's database (the log read back, a full queue, then SIGTERM)."""
 
 import asyncio
 import signal
@@ -24,59 +26,61 @@ def long_stream(base_url):
     return httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60)
 
 
-def test_queue_full_then_drain_on_sigterm(model_dirs, tmp_path):
-    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_queue": 1, "max_batch": 1,
-              "max_new_tokens": 400, "db": None, "shutdown_grace_s": 30}
-    server = start_server(config, workdir=tmp_path)
-    try:
-        with long_stream(server.base_url) as first:
-            lines = first.iter_lines()
-            next(lines)
-            busy = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT})
-            assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
-            server.signal(signal.SIGTERM)          # drain: the running stream must still finish
-            for _ in range(50):
-                health = httpx.get(server.base_url + "/health")
-                if health.status_code == 503:
-                    break
-            assert health.json()["status"] == "draining"
-            refused = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT})
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in "\n".join(rest)
-        assert server.wait(30) == 0
-    finally:
-        stop_server(server)
-
-
-def test_request_over_its_time_limit_gets_504_and_the_server_carries_on(model_dirs, tmp_path):
-    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_new_tokens": 400, "db": None,
-              "request_timeout_s": 0.3}   # 400 decode steps take seconds on any machine
-    with running_server(config, workdir=tmp_path) as server:
-        body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "ignore_eos": True}
-        slow = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
-        assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
-        for _ in range(5):   # one token fits in 0.3 s, though a machine busy with other work may need a retry
-            quick = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
-            if quick.status_code != 504:
+def check_queue_full_then_drain_on_sigterm(server):
+    """A server with max_queue 1 and max_batch 1: a second request while a long stream runs is 429 queue_full; on
+    SIGTERM /health says draining, new requests are 503 shutting_down, the running stream still finishes and the
+    server exits 0."""
+    with long_stream(server.base_url) as first:
+        lines = first.iter_lines()
+        next(lines)
+        busy = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT})
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
+        server.signal(signal.SIGTERM)          # drain: the running stream must still finish
+        for _ in range(50):
+            health = httpx.get(server.base_url + "/health")
+            if health.status_code == 503:
                 break
-        assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 1
+        assert health.json()["status"] == "draining"
+        refused = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in "\n".join(rest)
+    assert server.wait(30) == 0
 
 
-def test_a_server_started_for_a_job_dies_with_the_job(model_dirs, tmp_path):
-    """A job (a sweep, a notebook) that is SIGKILLed leaves no server behind: the server gets SIGTERM and exits."""
+def check_504_and_the_server_carries_on(base_url):
+    """request_timeout_s 0.3 (400 decode steps take seconds on any machine): 504 timeout, then a one-token request
+    is answered."""
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "ignore_eos": True}
+    slow = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
+    for _ in range(5):   # one token fits in 0.3 s, though a machine busy with other work may need a retry
+        quick = httpx.post(base_url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
+        if quick.status_code != 504:
+            break
+    assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 1
+
+
+def test_over_its_time_limit_504_then_a_server_started_for_a_job_dies_with_the_job(model_dirs, tmp_path):
+    """A server a job started (a sweep, a notebook; here `python -c`) with request_timeout_s 0.3 answers a request
+    over its time limit with 504 and carries on; then the job is SIGKILLed and leaves no server behind: the server
+    gets SIGTERM and exits."""
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_new_tokens": 400, "db": None,
+              "request_timeout_s": 0.3}
     job = textwrap.dedent(f"""
         import time
         from rolemrc.serve.launch import start_server
-        server = start_server({{"models": {{"tiny": {{"path": {str(model_dirs["llama"])!r}}}}}, "db": None}},
-                              workdir={str(tmp_path)!r})
-        print(server.proc.pid, flush=True)
+        server = start_server({config!r}, workdir={str(tmp_path)!r})
+        print(server.proc.pid, server.base_url, flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True)
-    pid = int(proc.stdout.readline())
-    proc.kill()
-    proc.wait()
+    try:
+        pid, base_url = proc.stdout.readline().split()
+        check_504_and_the_server_carries_on(base_url)
+    finally:
+        proc.kill()
+        proc.wait()
     stat = Path(f"/proc/{pid}/stat")
     deadline = time.monotonic() + 60
     while stat.exists() and stat.read_text().split(") ")[1][0] != "Z" and time.monotonic() < deadline:
@@ -111,11 +115,59 @@ def logged(db):
         return [row[0] for row in conn.execute("SELECT id FROM requests WHERE experiment = 'load'")]
 
 
-def test_load_through_experiment_then_sigkill_loses_nothing_acknowledged(model_dirs, tmp_path):
-    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "max_batch": 16, "db": "ab.sqlite",
-              "restraints": {}, "max_queue": 64, "allow_no_auth": True}
-    db = tmp_path / "ab.sqlite"
-    server = start_server(config, workdir=tmp_path)
+@pytest.fixture(scope="module")
+def load_server(model_dirs, tmp_path_factory):
+    """`load_server()`: (server, folder) of the server schemathesis and the load test share (the load test ends it
+    with SIGKILL): its limits are the load's (max_batch 16, max_queue 64), its token and inline-spec limits
+    schemathesis's. Started at the first call, and again, in a fresh folder, at a call that finds it exited."""
+    started = []
+
+    def get():
+        if not started or started[-1][0].proc.poll() is not None:
+            root = tmp_path_factory.mktemp("serve-ops-load")
+            config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": "ab.sqlite", "restraints": {},
+                      "max_batch": 16, "max_queue": 64, "max_new_tokens": 16, "default_max_tokens": 4,
+                      "allow_inline_restraints": True, "max_inline_units": 64, "allow_no_auth": True}
+            started.append((start_server(config, workdir=root), root))
+        return started[-1]
+    yield get
+    for server, _ in started:
+        stop_server(server)
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_errors(load_server):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+
+    server, _ = load_server()
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+    failures, calls = [], []
+    for op in schema.get_all_operations():
+        operation = op.ok()
+
+        @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+        @given(case=operation.as_strategy())
+        def run(case):
+            response = case.call(base_url=server.base_url, timeout=30)
+            calls.append(response.status_code)
+            try:
+                case.validate_response(response, checks=[not_a_server_error])
+            except Exception as exc:  # collect all, report together
+                failures.append(f"{operation.label}: {exc}"[:500])  # noqa: B023 (run() is called below)
+        run()
+    assert not failures, "\n".join(failures[:5])
+    assert len(calls) >= 60 and {200, 201} & set(calls) and any(400 <= c < 500 for c in calls)
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_load_through_experiment_then_sigkill_loses_nothing_acknowledged_then_a_restart_drains(load_server, model_dirs):
+    """320 requests through an experiment: all 200, each logged once, arms weighted; SIGKILL mid-load: every
+    acknowledged request is in the log, which a restarted server reads back. The restart (max_queue 1, max_batch 1)
+    then checks a full queue and the drain on SIGTERM (`check_queue_full_then_drain_on_sigterm`)."""
+    server, root = load_server()
+    db = root / "ab.sqlite"
     try:
         arms = [{"name": "a", "model": "tiny", "weight": 2}, {"name": "b", "model": "tiny", "weight": 1}]
         assert httpx.post(server.base_url + "/v1/experiments", json={"id": "load", "arms": arms}).status_code == 201
@@ -139,37 +191,11 @@ def test_load_through_experiment_then_sigkill_loses_nothing_acknowledged(model_d
     finally:
         stop_server(server)
     assert "conn" in statuses   # requests were cut off by the kill
-    with running_server(config, workdir=tmp_path) as server:   # restart on the same database
+    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": "ab.sqlite", "allow_no_auth": True,
+              "max_queue": 1, "max_batch": 1, "max_new_tokens": 400, "shutdown_grace_s": 30}
+    with running_server(config, workdir=root) as server:   # restart on the same database
         ids = set(logged(db))
         assert set(acked) <= ids and len(acked) >= 60
         total = sum(httpx.get(server.base_url + "/v1/experiments/load").json()["requests"].values())
         assert total == len(ids) >= 320 + len(acked)
-
-
-@pytest.mark.slow
-def test_schemathesis_finds_no_server_errors(model_dirs, tmp_path):
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis.checks import not_a_server_error
-
-    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": "ab.sqlite", "max_new_tokens": 16,
-              "default_max_tokens": 4, "allow_inline_restraints": True, "max_inline_units": 64, "allow_no_auth": True}
-    with running_server(config, workdir=tmp_path) as server:
-        schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
-        failures, calls = [], []
-        for op in schema.get_all_operations():
-            operation = op.ok()
-
-            @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-            @given(case=operation.as_strategy())
-            def run(case):
-                response = case.call(base_url=server.base_url, timeout=30)
-                calls.append(response.status_code)
-                try:
-                    case.validate_response(response, checks=[not_a_server_error])
-                except Exception as exc:  # collect all, report together
-                    failures.append(f"{operation.label}: {exc}"[:500])  # noqa: B023 (run() is called below)
-            run()
-        assert not failures, "\n".join(failures[:5])
-        assert len(calls) >= 60 and {200, 201} & set(calls) and any(400 <= c < 500 for c in calls)
-        assert httpx.get(server.base_url + "/health").status_code == 200
+        check_queue_full_then_drain_on_sigterm(server)

@@ -2,7 +2,8 @@
 served by the other; 200 experiment requests round-robin from 40 users keep each user's arm on both replicas, log
 every request id once and keep arm_counts equal to the rows; SIGKILL of one replica mid-load loses no acknowledged
 row. Restraints agree across replicas: a DELETE, or a name deleted and registered again with other units, reaches the
-other replica within RESTRAINTS_STALE_S; of two concurrent registrations of one name the database picks one."""
+other replica within RESTRAINTS_STALE_S; of two concurrent registrations of one name the database picks one. One pair
+of replicas for the module: the load test, last, SIGKILLs one of them."""
 
 import asyncio
 import signal
@@ -50,81 +51,41 @@ async def load(urls, n, offset, results, on_ack=None):
         await asyncio.gather(*(one(k) for k in range(offset, offset + n)))
 
 
-def test_two_replicas_share_restraints_experiments_and_the_log(model_dirs, tmp_path, postgres_url):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": postgres_url, "max_batch": 16,
-              "max_queue": 64, "allow_inline_restraints": True, "allow_no_auth": True}
-    a = start_server(config, workdir=tmp_path / "a")
-    b = start_server(config, workdir=tmp_path / "b")
-    try:
-        made = httpx.post(a.base_url + "/v1/restraints", json={"name": "mute", "spec": MUTE})
-        assert made.status_code == 201
-        chat = {"model": "tiny+mute", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        served = httpx.post(b.base_url + "/v1/chat/completions", json=chat, timeout=60)
-        assert served.status_code == 200 and served.json()["restraint"] == "mute"
-        other = httpx.post(b.base_url + "/v1/restraints", json={"name": "mute", "spec": {**MUTE, "factor": 0.5}})
-        assert other.status_code == 409   # the name holds another restraint on every replica
+class Pair:
+    """Two replicas of the tiny model on one PostgreSQL database (`db`), shared by the module's tests (each its own
+    names and experiment). Calling it gives both, started again where a test ended one (the load test SIGKILLs
+    replica b), so the tests may run in any order."""
 
-        arms = [{"name": "plain", "model": "tiny"}, {"name": "muted", "model": "tiny", "restraint": "mute"}]
-        assert httpx.post(b.base_url + "/v1/experiments", json={"id": "shared", "arms": arms}).status_code == 201
+    def __init__(self, config, folders):
+        self.config, self.folders, self.servers = config, folders, [None, None]
+        self.db = config["db"]
 
-        results = []
-        start = time.perf_counter()
-        asyncio.run(load([a.base_url, b.base_url], 200, 0, results))
-        seconds = time.perf_counter() - start
-        acked = [r for r in results if r[2] is not None]
-        assert len(acked) == 200, [r for r in results if r[2] is None][:5]
-        arm_of = {}
-        for _, _, arm, user in acked:   # sticky: a user's arm is the same on both replicas
-            assert arm_of.setdefault(user, arm) == arm
-        assert set(arm_of.values()) == {"plain", "muted"}
-        with closing(Store.open(postgres_url)) as store:
-            rows = store.requests("shared")
-            ids = [r["id"] for r in rows]
-            assert len(ids) == len(set(ids)) == 200 and set(ids) == {r[0] for r in acked}
-            assert all(arm_of[r["user"]] == r["arm"] for r in rows)
-            per_arm = {arm: sum(r["arm"] == arm for r in rows) for arm in ("plain", "muted")}
-            for replica in (a, b):
-                assert httpx.get(replica.base_url + "/v1/experiments/shared").json()["requests"] == per_arm
-            p50 = statistics.median(r[1] for r in acked)
-            print(f"\ntwo replicas: {len(results)} requests, {len(rows)} rows, {seconds:.1f} s, p50 {p50 * 1000:.0f} ms")
+    def __call__(self):
+        for k, server in enumerate(self.servers):
+            if server is None or server.proc.poll() is not None:
+                self.servers[k] = start_server(self.config, workdir=self.folders[k])
+        return tuple(self.servers)
 
-            results.clear()
-
-            def kill_b(n):
-                if n >= 40 and b.proc.poll() is None:
-                    b.proc.kill()
-            asyncio.run(load([a.base_url, b.base_url], 200, 1000, results, on_ack=kill_b))
-            assert b.wait(10) == -signal.SIGKILL and "conn" in [r[0] for r in results]
-            acked = {r[0] for r in results if r[2] is not None}
-            rows = store.requests("shared")
-            ids = [r["id"] for r in rows]
-            assert len(ids) == len(set(ids)) and acked <= set(ids) and len(ids) >= 200 + len(acked)
-            assert store.arm_counts("shared") == {arm: sum(r["arm"] == arm for r in rows) for arm in ("muted", "plain")}
-            print(f"SIGKILL of one replica: {len(results)} requests, {len(acked)} acknowledged, all logged; "
-                  f"{len(ids) - 200 - len(acked)} logged but cut off before the answer")
-    finally:
-        stop_server(a)
-        stop_server(b)
+    def stop(self):
+        for server in self.servers:
+            if server is not None:
+                stop_server(server)
 
 
 @pytest.fixture(scope="module")
-def replicas(model_dirs, tmp_path_factory, postgres):
-    """Two replicas of the tiny model on one fresh PostgreSQL database, shared by the tests below (each its own names)."""
+def pair(model_dirs, tmp_path_factory, postgres):
     config = {"models": {"tiny": {"path": str(model_dirs["llama"])}}, "db": postgres_database(postgres),
-              "allow_inline_restraints": True, "allow_no_auth": True}
-    a = start_server(config, workdir=tmp_path_factory.mktemp("a"))
+              "max_batch": 16, "max_queue": 64, "allow_inline_restraints": True, "allow_no_auth": True}
+    replicas = Pair(config, [tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")])
     try:
-        b = start_server(config, workdir=tmp_path_factory.mktemp("b"))
-    except BaseException:
-        stop_server(a)
-        raise
-    try:
-        yield a, b
+        yield replicas
     finally:
-        stop_server(a)
-        stop_server(b)
+        replicas.stop()
+
+
+@pytest.fixture
+def replicas(pair):
+    return pair()
 
 
 def ask(replica, model):
@@ -220,3 +181,54 @@ def test_concurrent_registrations_of_one_name_on_two_replicas_one_wins(replicas)
         assert served_a[0] == served_b[0] == 200 and same(served_a[2], served_b[2])
         for replica in (a, b):
             assert card(replica, name)["spec"]["units"] == won["units"]
+
+
+def test_two_replicas_share_restraints_experiments_and_the_log(pair, replicas):
+    """Last of the module's tests: it SIGKILLs replica b."""
+    a, b = replicas
+    made = httpx.post(a.base_url + "/v1/restraints", json={"name": "mute", "spec": MUTE})
+    assert made.status_code == 201
+    chat = {"model": "tiny+mute", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    served = httpx.post(b.base_url + "/v1/chat/completions", json=chat, timeout=60)
+    assert served.status_code == 200 and served.json()["restraint"] == "mute"
+    other = httpx.post(b.base_url + "/v1/restraints", json={"name": "mute", "spec": {**MUTE, "factor": 0.5}})
+    assert other.status_code == 409   # the name holds another restraint on every replica
+
+    arms = [{"name": "plain", "model": "tiny"}, {"name": "muted", "model": "tiny", "restraint": "mute"}]
+    assert httpx.post(b.base_url + "/v1/experiments", json={"id": "shared", "arms": arms}).status_code == 201
+
+    results = []
+    start = time.perf_counter()
+    asyncio.run(load([a.base_url, b.base_url], 200, 0, results))
+    seconds = time.perf_counter() - start
+    acked = [r for r in results if r[2] is not None]
+    assert len(acked) == 200, [r for r in results if r[2] is None][:5]
+    arm_of = {}
+    for _, _, arm, user in acked:   # sticky: a user's arm is the same on both replicas
+        assert arm_of.setdefault(user, arm) == arm
+    assert set(arm_of.values()) == {"plain", "muted"}
+    with closing(Store.open(pair.db)) as store:
+        rows = store.requests("shared")
+        ids = [r["id"] for r in rows]
+        assert len(ids) == len(set(ids)) == 200 and set(ids) == {r[0] for r in acked}
+        assert all(arm_of[r["user"]] == r["arm"] for r in rows)
+        per_arm = {arm: sum(r["arm"] == arm for r in rows) for arm in ("plain", "muted")}
+        for replica in (a, b):
+            assert httpx.get(replica.base_url + "/v1/experiments/shared").json()["requests"] == per_arm
+        p50 = statistics.median(r[1] for r in acked)
+        print(f"\ntwo replicas: {len(results)} requests, {len(rows)} rows, {seconds:.1f} s, p50 {p50 * 1000:.0f} ms")
+
+        results.clear()
+
+        def kill_b(n):
+            if n >= 40 and b.proc.poll() is None:
+                b.proc.kill()
+        asyncio.run(load([a.base_url, b.base_url], 200, 1000, results, on_ack=kill_b))
+        assert b.wait(10) == -signal.SIGKILL and "conn" in [r[0] for r in results]
+        acked = {r[0] for r in results if r[2] is not None}
+        rows = store.requests("shared")
+        ids = [r["id"] for r in rows]
+        assert len(ids) == len(set(ids)) and acked <= set(ids) and len(ids) >= 200 + len(acked)
+        assert store.arm_counts("shared") == {arm: sum(r["arm"] == arm for r in rows) for arm in ("muted", "plain")}
+        print(f"SIGKILL of one replica: {len(results)} requests, {len(acked)} acknowledged, all logged; "
+              f"{len(ids) - 200 - len(acked)} logged but cut off before the answer")

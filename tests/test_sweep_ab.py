@@ -1,6 +1,6 @@
 """From the offline sweep to a served A/B experiment: `rolemrc ab create --from-sweep` registers the chosen cells'
 restraints on a running server (POST /v1/restraints, kept across restarts) and creates the experiment, whose arms
-answer as the sweep's cells did."""
+answer as the sweep's cells did; `rolemrc ab bake` makes each cell a checkpoint of its own, served as a model."""
 
 import json
 
@@ -30,6 +30,21 @@ def sweep(tmp_path_factory, tokenizer):
     return root, run_sweep(config, metrics=("rouge",), progress=False)
 
 
+def bake_args(root, out) -> list[str]:
+    return ["ab", "bake", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--model", str(root / "model"),
+            "--out", str(out), "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def baked(sweep, tmp_path_factory):
+    """(the folder, the CLI's result) of `ab bake` of the sweep's best 2 cells, run once for the module: the bake's
+    own checks are test_ab_bake_writes_each_cell_as_a_checkpoint_of_its_own's, its arms are served in
+    test_ab_create_from_sweep_serves_the_cells_as_arms's restart."""
+    root, _ = sweep
+    out = tmp_path_factory.mktemp("baked") / "arms"
+    return out, CliRunner().invoke(app, bake_args(root, out))
+
+
 def cell(label_factor: float, lo: float, beats: bool) -> dict:
     family = {"diff": 1.0, "lo": lo, "hi": 2.0, "p_holm": 0.001 if beats else 0.5}
     return {"id": f"selected-{int(label_factor * 10):012d}", "dimension": "multi_turn", "budget": {"top_k": 8},
@@ -46,18 +61,29 @@ def test_cells_are_chosen_best_first_or_by_name():
             choose_cells(cells, bad)
 
 
-def test_ab_create_from_sweep_serves_the_cells_as_arms(sweep, tmp_path):
+def test_ab_create_from_sweep_serves_the_cells_as_arms(sweep, baked, tmp_path):
+    """Two server processes on one A/B log. The first takes client specs: `ab create --from-sweep` registers the
+    cells' restraints and creates the experiment, each arm answering as its cell did; it serves no baked checkpoint,
+    so `ab create --baked` there is one error line naming the serve.yaml entry to add. The restart registers the
+    restraints again from the database, so the experiment is still served; it takes no client specs (`ab create
+    --from-sweep` is refused, naming allow_inline_restraints) and serves the `ab bake` checkpoints as models too:
+    `ab create --baked` makes each arm its checkpoint, which answers as the sweep's cell did, registering nothing.
+    (On vLLM: tests/test_serve_vllm_baked.py.)"""
     root, summary = sweep
+    out, _ = baked
+    names = {arm_name(c) for c in summary["cells"]}
     served = {"models": {"m": {"path": str(root / "model")}}, "allow_inline_restraints": True, "db": "ab.sqlite",
               "allow_no_auth": True}
     args = ["ab", "create", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--id", "from-sweep"]
+    create_baked = ["ab", "create", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--baked", str(out),
+                    "--id", "baked"]
     with running_server(served, workdir=tmp_path) as server:
         result = CliRunner().invoke(app, [*args, "--base-url", server.base_url + "/v1"])
         assert result.exit_code == 0, result.output
         created = json.loads(result.output)
         arms = created["experiment"]["arms"]
         assert [a["name"] for a in arms] == ["baseline", *(e["arm"] for e in created["cells"])]
-        assert {e["arm"] for e in created["cells"]} == {arm_name(c) for c in summary["cells"]}   # best:2 of 2 cells
+        assert {e["arm"] for e in created["cells"]} == names   # best:2 of 2 cells
         assert len(arms) == 3 and {a["model"] for a in arms} == {"m"} and arms[0].get("restraint") is None
         assert created["experiment"]["reveal_arm"] is True
         assert "multi_turn top-8 x0" in created["experiment"]["description"]
@@ -88,23 +114,47 @@ def test_ab_create_from_sweep_serves_the_cells_as_arms(sweep, tmp_path):
                                                 max_tokens=4, user="u1", extra_body={"experiment": "blind"})
         assert hidden.model_extra["arm"] is None and hidden.model == "m"
 
-    # a restart registers them again from the database, so the experiment's arms are still served
-    with running_server(served, workdir=tmp_path) as server:
-        assert {r["name"] for r in httpx.get(server.base_url + "/v1/restraints").json()["data"]} == {
-            a["name"] for a in arms[1:]}
-        reply = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0).chat.completions.create(
-            model="from-sweep", messages=[{"role": "user", "content": "the keeper"}], max_tokens=4, user="u1",
-            extra_body={"experiment": "from-sweep"})
+        # the baked arms are not served here: one error line naming the serve.yaml entry that would serve one
+        missing = CliRunner().invoke(app, [*create_baked, "--base-url", server.base_url + "/v1"])
+    errors = [line for line in missing.output.splitlines() if line.startswith("error:")]
+    assert missing.exit_code == 2 and len(errors) == 1 and "serves no model" in errors[0], missing.output
+    assert str(out / sorted(names)[0]) in missing.output or str(out / sorted(names)[1]) in missing.output
+
+    # a restart registers them again from the database, so the experiment's arms are still served; it also serves
+    # each baked checkpoint as a model (the transformers engine, here) and takes no client specs
+    restarted = {"models": {"m": {"path": str(root / "model")}} | {name: {"path": str(out / name)} for name in names},
+                 "db": "ab.sqlite", "allow_no_auth": True}
+    with running_server(restarted, workdir=tmp_path) as server:
+        listed = httpx.get(server.base_url + "/v1/restraints").json()["data"]
+        assert {r["name"] for r in listed} == {a["name"] for a in arms[1:]}
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(model="from-sweep", messages=[{"role": "user", "content": "the keeper"}],
+                                               max_tokens=4, user="u1", extra_body={"experiment": "from-sweep"})
         assert reply.model_extra["arm"] in {a["name"] for a in arms}
 
+        result = CliRunner().invoke(app, [*create_baked, "--base-url", server.base_url + "/v1"])
+        assert result.exit_code == 0, result.output
+        created = json.loads(result.output)
+        baked_arms = created["experiment"]["arms"]
+        assert baked_arms[0]["model"] == "m" and {a["name"]: a["model"] for a in baked_arms[1:]} == {n: n for n in names}
+        assert not any(a.get("restraint") for a in baked_arms)
+        assert httpx.get(server.base_url + "/v1/restraints").json()["data"] == listed   # nothing registered
+        for entry in created["cells"]:
+            for row in read_jsonl(root / "sweep" / "cells" / f"{entry['cell']}.jsonl")[:3]:
+                reply = client.chat.completions.create(model=entry["arm"], messages=row["question"], max_tokens=6,
+                                                       temperature=0)
+                assert reply.choices[0].message.content.strip() == row["response"]
 
-def test_servers_without_client_specs_refuse_registration(sweep, tmp_path):
-    root, _ = sweep
-    with running_server({"models": {"m": {"path": str(root / "model")}}, "db": None, "allow_no_auth": True},
-                        workdir=tmp_path) as server:
-        result = CliRunner().invoke(app, ["ab", "create", "--from-sweep", str(root / "sweep"), "--base-url",
-                                          server.base_url + "/v1"])
-    assert result.exit_code != 0 and "allow_inline_restraints" in result.output
+        # without client specs, registration is refused (the baseline named: the baked arms are models here too)
+        refused = CliRunner().invoke(app, ["ab", "create", "--from-sweep", str(root / "sweep"), "--model", "m",
+                                           "--base-url", server.base_url + "/v1"])
+    assert refused.exit_code != 0 and "allow_inline_restraints" in refused.output
+
+
+def test_ab_create_without_a_finished_sweep_is_refused(tmp_path):
+    """A folder holding something else than a sweep (here a serve config) is one error. (A server without client
+    specs refusing registration: test_ab_create_from_sweep_serves_the_cells_as_arms.)"""
+    (tmp_path / "serve.yaml").write_text("models: {m: model}\n")
     missing = CliRunner().invoke(app, ["ab", "create", "--from-sweep", str(tmp_path), "--base-url", "http://127.0.0.1:9/v1"])
     assert missing.exit_code != 0 and "no finished sweep" in missing.output
 
@@ -169,17 +219,14 @@ def test_ab_report_by_kl_refuses_arms_it_cannot_compare(tmp_path):
     store.close()
 
 
-def test_ab_bake_serves_each_cell_as_a_checkpoint_of_its_own(sweep, tmp_path):
-    """`ab bake` writes each chosen cell's restraint baked into a checkpoint and models.yaml; `ab create --baked`
-    refuses an arm the server does not list (one error line naming the serve.yaml entry), else makes each arm its
-    served checkpoint, which answers as the sweep's cell did. (On vLLM: tests/test_serve_vllm_baked.py.)"""
+def test_ab_bake_writes_each_cell_as_a_checkpoint_of_its_own(sweep, baked):
+    """`ab bake` writes each chosen cell's restraint baked into a checkpoint and models.yaml, prints its serve.yaml
+    entries, keeps what it baked already and refuses to write over a model directory. (`ab create --baked` and the
+    arms served: test_ab_create_from_sweep_serves_the_cells_as_arms.)"""
     import yaml
 
     root, summary = sweep
-    out = tmp_path / "arms"
-    bake = ["ab", "bake", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--model", str(root / "model"),
-            "--out", str(out), "--no-progress"]
-    result = CliRunner().invoke(app, bake)
+    out, result = baked
     assert result.exit_code == 0, result.output
     manifest = yaml.safe_load((out / "models.yaml").read_text())
     names = {arm_name(c) for c in summary["cells"]}
@@ -187,30 +234,9 @@ def test_ab_bake_serves_each_cell_as_a_checkpoint_of_its_own(sweep, tmp_path):
     assert all((out / name / "config.json").is_file() for name in names)
     assert yaml.safe_load(result.output)["models"] == manifest["serve"]["models"]   # printed as serve.yaml entries
     assert "memory_utilization: 0.3" in result.output   # 0.9 of a GPU over the model and 2 arms
+    bake = bake_args(root, out)
     weights = {name: (out / name / "model.safetensors").stat().st_mtime_ns for name in names}
     assert CliRunner().invoke(app, bake).exit_code == 0   # baked already: kept
     assert weights == {name: (out / name / "model.safetensors").stat().st_mtime_ns for name in names}
     taken = CliRunner().invoke(app, [*bake[:-2], str(root / "model"), "--no-progress"])
     assert taken.exit_code == 2 and "is a Hugging Face model directory; `ab bake` writes a new folder" in taken.output
-
-    create = ["ab", "create", "--from-sweep", str(root / "sweep"), "--cells", "best:2", "--baked", str(out), "--id", "baked"]
-    served = {"models": {"m": {"path": str(root / "model")}}, "db": "ab.sqlite", "allow_no_auth": True}
-    with running_server(served, workdir=tmp_path) as server:
-        missing = CliRunner().invoke(app, [*create, "--base-url", server.base_url + "/v1"])
-    errors = [line for line in missing.output.splitlines() if line.startswith("error:")]
-    assert missing.exit_code == 2 and len(errors) == 1 and "serves no model" in errors[0], missing.output
-    assert str(out / sorted(names)[0]) in missing.output or str(out / sorted(names)[1]) in missing.output
-    served["models"] |= {name: {"path": str(out / name)} for name in names}   # the transformers engine, here
-    with running_server(served, workdir=tmp_path) as server:
-        result = CliRunner().invoke(app, [*create, "--base-url", server.base_url + "/v1"])
-        assert result.exit_code == 0, result.output
-        created = json.loads(result.output)
-        arms = created["experiment"]["arms"]
-        assert arms[0]["model"] == "m" and {a["name"]: a["model"] for a in arms[1:]} == {n: n for n in names}
-        assert not any(a.get("restraint") for a in arms) and not httpx.get(server.base_url + "/v1/restraints").json()["data"]
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-        for entry in created["cells"]:
-            for row in read_jsonl(root / "sweep" / "cells" / f"{entry['cell']}.jsonl")[:3]:
-                reply = client.chat.completions.create(model=entry["arm"], messages=row["question"], max_tokens=6,
-                                                       temperature=0)
-                assert reply.choices[0].message.content.strip() == row["response"]
