@@ -156,36 +156,44 @@ def _config(out, url, pool, **backend) -> DatagenConfig:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    return small_pool(tmp_path_factory.mktemp("pool") / "mrc.jsonl", n=40)
+    """16 triplets (12 answerable, 4 not, 10 domains): every run embeds the whole pool, ~0.1 CPU-s a triplet."""
+    return small_pool(tmp_path_factory.mktemp("pool") / "mrc.jsonl", n=16)
 
 
-def test_retries_drops_cache_over_http(tmp_path, pool):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory, pool):
+    """One cold run over HTTP, its scripted server kept up for the module: (its directory, its result, the server,
+    the files it wrote). A run's files depend on the pool and the config alone, not on which retries it met."""
+    out = tmp_path_factory.mktemp("cold") / "run"
     with Server(scripted_app()) as server:
         result = run(_config(out, server.url, pool))
-        hits = server.app.state.hits
-        assert hits["429"] > 0 and hits["500"] > 0  # both were retried, nothing crashed
-        events = result["events"]
-        unanswered = events["requests"] - hits["requests"]   # tries that never reached the app (a dropped connection)
-        assert events["retries"] == hits["429"] + hits["500"] + unanswered
-        assert events["malformed"] > 0
-        dropped = result["stats"]["dropped"]
-        assert dropped["profiles"] and set(dropped["profiles"]) <= {"missing component name_and_description"}
-        assert dropped["synthesis"].get("speaks for another role", 0) > 0
-        sft, test = read_jsonl(out / "sft.jsonl"), read_jsonl(out / "test.jsonl")
-        assert len(sft) > 30 and len(test) > 10
-        assert all("User:" not in t["content"] for r in sft for t in r["conversations"])
-        first = read_outputs(out)
-        before = hits["requests"]
-        # rerun with the outputs removed: every reply comes from the SQLite cache
-        for name in first:
-            (out / name).unlink()
-        (out / "work" / "items.jsonl").unlink()
-        (out / "work" / "profiles.jsonl").unlink()
-        again = run(_config(out, server.url, pool))
-        assert hits["requests"] == before and again["events"].get("requests", 0) == 0
-        assert again["events"]["cache_hits"] > 0
-        assert read_outputs(out) == first
+        yield out, result, server, read_outputs(out)
+
+
+def test_retries_drops_cache_over_http(cold_run, pool):
+    out, result, server, first = cold_run
+    hits = server.app.state.hits
+    assert hits["429"] > 0 and hits["500"] > 0  # both were retried, nothing crashed
+    events = result["events"]
+    unanswered = events["requests"] - hits["requests"]   # tries that never reached the app (a dropped connection)
+    assert events["retries"] == hits["429"] + hits["500"] + unanswered
+    assert events["malformed"] > 0
+    dropped = result["stats"]["dropped"]
+    assert dropped["profiles"] and set(dropped["profiles"]) <= {"missing component name_and_description"}
+    assert dropped["synthesis"].get("speaks for another role", 0) > 0
+    sft, test = read_jsonl(out / "sft.jsonl"), read_jsonl(out / "test.jsonl")
+    assert len(sft) > 30 and len(test) > 10
+    assert all("User:" not in t["content"] for r in sft for t in r["conversations"])
+    before = hits["requests"]
+    # rerun with the outputs removed: every reply comes from the SQLite cache
+    for name in first:
+        (out / name).unlink()
+    (out / "work" / "items.jsonl").unlink()
+    (out / "work" / "profiles.jsonl").unlink()
+    again = run(_config(out, server.url, pool))
+    assert hits["requests"] == before and again["events"].get("requests", 0) == 0
+    assert again["events"]["cache_hits"] > 0
+    assert read_outputs(out) == first
 
 
 def test_requests_go_without_seeds_when_told(tmp_path):
@@ -240,11 +248,9 @@ def test_http_errors_that_are_not_retryable_stop_the_run(tmp_path, pool):
         asyncio.run(call(dead))
 
 
-def test_sigkill_mid_run_then_rerun_gives_identical_files(tmp_path, pool):
-    base, killed = tmp_path / "base", tmp_path / "killed"
+def test_sigkill_mid_run_then_rerun_gives_identical_files(tmp_path, pool, cold_run):
+    killed, expected = tmp_path / "killed", cold_run[3]   # a whole run's files: what the killed run must end with
     with Server(scripted_app(delay_s=0.03)) as server:
-        run(_config(base, server.url, pool))
-        expected = read_outputs(base)
         args = [sys.executable, "-c", "from rolemrc.cli import main; main()", "datagen", "run", "--out", str(killed),
                 "--size", "tiny", "--mrc", str(pool), "--backend", "openai", "--base-url", server.url,
                 "--model", "scripted", "--concurrency", "4", "--no-progress"]

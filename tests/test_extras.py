@@ -166,8 +166,23 @@ def test_bertscore_without_its_encoder_says_how_to_get_one(monkeypatch):
 CORE_SCRIPT = """
 import json, sys
 import rolemrc
+from rolemrc.cli import main
 from transformers import AutoModelForCausalLM
-sft, dpo, data, out = sys.argv[1:5]
+sft, dpo, data, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+codes = []
+for args in steps:   # the CLI as its console script runs it (rolemrc.cli:main), one command after another
+    print("=== rolemrc " + " ".join(args), file=sys.stderr, flush=True)
+    sys.argv = ["rolemrc", *args]
+    try:
+        main()
+        codes.append(0)
+    except SystemExit as exc:
+        codes.append(exc.code or 0)
+    sys.stdout.flush(), sys.stderr.flush()
+    if codes[-1]:
+        print(json.dumps({"codes": codes}))
+        sys.exit(1)
+print("=== rolemrc from Python", file=sys.stderr, flush=True)
 paired = rolemrc.collect_paired([sft, dpo], data)
 result = rolemrc.diff(paired)
 spec = rolemrc.select(result, "role_style", method="frequency", top_k=4, factor=0.0)
@@ -175,8 +190,8 @@ model = AutoModelForCausalLM.from_pretrained(dpo, local_files_only=True)
 lora = rolemrc.export_lora(model, spec, out + "/lora-py")
 check = rolemrc.check(model, spec, prompts=["Who keeps the lighthouse?"])
 baked = rolemrc.bake(model, spec, out + "/baked-py")
-print(json.dumps({"units": spec.num_units, "lora_rank": lora.rank, "changed": check.weight_elements_changed,
-                  "scaled": baked.elements_scaled}))
+print(json.dumps({"codes": codes, "units": spec.num_units, "lora_rank": lora.rank,
+                  "changed": check.weight_elements_changed, "scaled": baked.elements_scaled}))
 """
 
 
@@ -220,21 +235,9 @@ def test_the_core_wheel_alone_runs_the_method(model_dirs, tokenizer, records, tm
     def rolemrc(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(python.parent / "rolemrc"), *args], capture_output=True, text=True, cwd=tmp_path)
 
-    steps = [["--version"], ["--help"],
-             ["probe", "collect", "--model", sft, "--model", model, "--data", str(data), "--out", "paired.safetensors"],
-             ["probe", "diff", "paired.safetensors", "--out", "diff"],
-             ["probe", "explore", "--diff", "diff", "--out", "explorer.html"],
-             ["intervene", "select", "--diff", "diff", "--dimension", "role_style", "--method", "frequency", "--top-k", "4",
-              "--factor", "0", "--out", "spec.yaml"],
-             ["intervene", "bake", "--model", model, "--restraint", "spec.yaml", "--out", "baked"],
-             ["intervene", "lora", "--model", model, "--restraint", "spec.yaml", "--out", "lora"],
-             ["intervene", "check", "--model", model, "--restraint", "spec.yaml", "--baked", "baked"]]
-    for args in steps:
+    for args in (["--version"], ["--help"]):   # the console script itself
         done = rolemrc(*args)
-        assert done.returncode == 0, (args, done.stderr[-2000:])
-        assert "Traceback" not in done.stderr, (args, done.stderr[-2000:])
-    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file() and (tmp_path / "baked" / "config.json").is_file()
-
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done.stderr[-2000:])
     for args, extra in ((["train", "sft", "--model", model, "--data", str(data), "--out", "sft"], "train"),
                         (["eval", "score", str(data), "--out", "run"], "eval"),
                         (["serve", "--config", "serve.yaml"], "serve"),
@@ -243,10 +246,25 @@ def test_the_core_wheel_alone_runs_the_method(model_dirs, tokenizer, records, tm
         assert done.returncode == EXIT_INPUT, (args, done.stderr)
         assert done.stderr.strip().endswith(f"pip install 'rolemrc[{extra}]'") and done.stderr.count("\n") == 1, done.stderr
 
+    # the method's commands as the console script runs them (rolemrc.cli:main), then from Python, in one process of
+    # the core install: each command's own process would import torch and transformers again (~3 CPU-s apiece)
+    steps = [["probe", "collect", "--model", sft, "--model", model, "--data", str(data), "--out", "paired.safetensors"],
+             ["probe", "diff", "paired.safetensors", "--out", "diff"],
+             ["probe", "explore", "--diff", "diff", "--out", "explorer.html"],
+             ["intervene", "select", "--diff", "diff", "--dimension", "role_style", "--method", "frequency", "--top-k", "4",
+              "--factor", "0", "--out", "spec.yaml"],
+             ["intervene", "bake", "--model", model, "--restraint", "spec.yaml", "--out", "baked"],
+             ["intervene", "lora", "--model", model, "--restraint", "spec.yaml", "--out", "lora"],
+             ["intervene", "check", "--model", model, "--restraint", "spec.yaml", "--baked", "baked"]]
     script = tmp_path / "core.py"
     script.write_text(CORE_SCRIPT)
-    done = subprocess.run([str(python), str(script), sft, model, str(data), str(tmp_path)],
+    done = subprocess.run([str(python), str(script), sft, model, str(data), str(tmp_path), json.dumps(steps)],
                           capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    codes = json.loads(last)["codes"] if last.startswith('{"codes"') else []
+    for args, code, log in zip(steps, codes, done.stderr.split("=== rolemrc ")[1:]):   # each command's stderr
+        assert code == 0 and "Traceback" not in log, (args, log[-2000:])
+    assert done.returncode == 0 and len(codes) == len(steps), done.stderr[-3000:]
+    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file() and (tmp_path / "baked" / "config.json").is_file()
+    report = json.loads(last)
     assert report["units"] == 4 and report["changed"] > 0 and report["scaled"] > 0

@@ -4,6 +4,11 @@ choice's log-likelihood and the accuracy of its own in-process `hf` backend on t
 `generate_until` task through `local-chat-completions` must equal the `hf` backend's greedy generations; guidellm
 runs a short concurrency profile with no failed request.
 
+Each client runs once for the module and the tests assert on its results: one lm-eval process (its Python entry
+point, `simple_evaluate`, as `rolemrc bench clients` runs it) holds every evaluation the tests compare, the `hf`
+backend's reference, then per engine its choices and its chat prompts; one guidellm process runs its CLI's profile
+against each engine in turn.
+
 The model ends sequences often (its greedy next token is EOS at about a quarter of positions), so choices whose
 greedy continuation is EOS occur: lm-eval sums `token_logprobs[ctxlen:-1]`, so the generated token's entry must be
 there even when it is EOS.
@@ -23,7 +28,16 @@ import pytest
 import torch
 from fixtures import EAGER, WORDS, corpus, save_eos_llama
 
-from rolemrc.bench.clients import CLIENTS, choice_lls, client_python, generations, guidellm, lm_eval, served_args, write_tasks
+from rolemrc.bench.clients import (
+    CLIENTS,
+    choice_lls,
+    client_python,
+    generations,
+    guidellm_runs,
+    lm_eval_runs,
+    served_args,
+    write_tasks,
+)
 from rolemrc.core.errors import InputError
 from rolemrc.serve.engines.vllm import vllm_python
 from rolemrc.serve.errors import ServeConfigError
@@ -78,15 +92,25 @@ def server(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_choices(model_dir, tasks, tmp_path_factory):
-    return lm_eval(tmp_path_factory.mktemp("hf-mc"), tasks, "rolemrc_mc", "hf",
-                   f"pretrained={model_dir},dtype=float32", "--batch_size", "4")
+def evaluations(server, model_dir, tasks, tmp_path_factory) -> dict[tuple[str, str], tuple[dict, dict] | RuntimeError]:
+    """(who, task) -> lm-eval's (metrics, doc_id -> responses): "hf" (its in-process backend on the same weights,
+    the reference) and each served engine, "rolemrc_mc" through `local-completions` in its default mode and
+    "rolemrc_gen" through `local-chat-completions` with the chat template; all from one lm-eval process."""
+    reference = f"pretrained={model_dir},dtype=float32"
+    runs = {("hf", "rolemrc_mc"): ("rolemrc_mc", "hf", reference), ("hf", "rolemrc_gen"): ("rolemrc_gen", "hf", reference)}
+    for engine in ENGINES:
+        runs[engine, "rolemrc_mc"] = ("rolemrc_mc", "local-completions",
+                                      served_args(server.base_url, engine, "completions", model_dir))
+        runs[engine, "rolemrc_gen"] = ("rolemrc_gen", "local-chat-completions",
+                                       served_args(server.base_url, engine, "chat/completions", model_dir))
+    return dict(zip(runs, lm_eval_runs(tmp_path_factory.mktemp("lm-eval"), tasks, list(runs.values())), strict=True))
 
 
-@pytest.fixture(scope="module")
-def hf_generations(model_dir, tasks, tmp_path_factory):
-    return lm_eval(tmp_path_factory.mktemp("hf-gen"), tasks, "rolemrc_gen", "hf",
-                   f"pretrained={model_dir},dtype=float32", "--apply_chat_template")[1]
+def evaluation(evaluations, who: str, task: str) -> tuple[dict, dict]:
+    result = evaluations[who, task]
+    if isinstance(result, RuntimeError):
+        raise result
+    return result
 
 
 def test_some_choices_continue_greedily_with_eos(model_dir, tasks, tokenizer):
@@ -103,10 +127,9 @@ def test_some_choices_continue_greedily_with_eos(model_dir, tasks, tokenizer):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_lm_eval_loglikelihoods_equal_its_hf_backend(server, model_dir, tasks, hf_choices, engine, tmp_path):
-    hf_metrics, hf_docs = hf_choices
-    metrics, docs = lm_eval(tmp_path, tasks, "rolemrc_mc", "local-completions",
-                            served_args(server.base_url, engine, "completions", model_dir), "--batch_size", "4")
+def test_lm_eval_loglikelihoods_equal_its_hf_backend(evaluations, engine):
+    hf_metrics, hf_docs = evaluation(evaluations, "hf", "rolemrc_mc")
+    metrics, docs = evaluation(evaluations, engine, "rolemrc_mc")
     assert docs.keys() == hf_docs.keys() == set(range(12))
     ours, reference = torch.tensor(choice_lls(docs), dtype=torch.float64), torch.tensor(choice_lls(hf_docs), dtype=torch.float64)
     assert len(ours) == len(reference) == 48
@@ -116,10 +139,9 @@ def test_lm_eval_loglikelihoods_equal_its_hf_backend(server, model_dir, tasks, h
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_lm_eval_chat_generations_equal_greedy(server, model_dir, tasks, hf_generations, engine, tmp_path):
-    _, docs = lm_eval(tmp_path, tasks, "rolemrc_gen", "local-chat-completions",
-                      served_args(server.base_url, engine, "chat/completions", model_dir), "--apply_chat_template")
-    assert generations(docs) == generations(hf_generations)
+def test_lm_eval_chat_generations_equal_greedy(evaluations, engine):
+    _, docs = evaluation(evaluations, engine, "rolemrc_gen")
+    assert generations(docs) == generations(evaluation(evaluations, "hf", "rolemrc_gen")[1])
     assert sum(len(r[0]) > 0 for r in docs.values()) >= 3   # not all empty: greedy text to compare
 
 
@@ -135,15 +157,27 @@ def answered(server, model: str) -> Counter:
     return counts
 
 
+@pytest.fixture(scope="module")
+def profiles(server, model_dir, tmp_path_factory) -> tuple[dict[str, Counter], dict[str, dict | RuntimeError]]:
+    """(the requests the server had answered per engine before, guidellm's benchmark per engine): 4 streams x 16
+    requests each, every engine from one guidellm process (one worker process holding the 4 streams)."""
+    before = {engine: answered(server, engine) for engine in ENGINES}
+    return before, guidellm_runs(tmp_path_factory.mktemp("guidellm"), server.base_url, ENGINES, model_dir, streams=4,
+                                 requests=16, processes=1)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
-def test_guidellm_concurrency_profile_has_no_failures(server, model_dir, engine, tmp_path):
-    before = answered(server, engine)
-    metrics = guidellm(tmp_path, server.base_url, engine, model_dir, streams=4, requests=16)["metrics"]
+def test_guidellm_concurrency_profile_has_no_failures(server, profiles, engine):
+    before, benchmarks = profiles
+    if isinstance(benchmarks[engine], RuntimeError):
+        raise benchmarks[engine]
+    metrics = benchmarks[engine]["metrics"]
     deadline = time.monotonic() + 30   # the last answers may still be on their way when guidellm exits
-    while (delta := answered(server, engine) - before).total() < 16 and time.monotonic() < deadline:
+    while (delta := answered(server, engine) - before[engine]).total() < 16 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert delta == Counter({"200": 16})   # all sent, all answered
     # guidellm 0.8.1 may close its report before the last few answers arrive (a race of its own): it counts fewer
     totals = metrics["request_totals"]
     assert totals["errored"] == totals["incomplete"] == 0 and 4 <= totals["successful"] == totals["total"] <= 16
     assert metrics["output_token_count"]["successful"]["total_sum"] == 32 * totals["successful"]   # each its 32 tokens
+    assert metrics["request_concurrency"]["successful"]["max"] == 4   # its 4 streams at once, from one worker process

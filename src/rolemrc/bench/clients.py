@@ -91,37 +91,110 @@ def served_args(base_url: str, model: str, api: str, tokenizer: Path) -> str:
             "timeout=600")
 
 
-def lm_eval(out: Path, tasks: Path, task: str, model: str, model_args: str, *extra: str) -> tuple[dict, dict[int, list]]:
-    """Run lm_eval; (the task's metrics, doc_id -> its filtered responses) from its results and samples files.
-    Raises RuntimeError with the server's refusals (or the end of lm_eval's log) if it fails."""
-    cmd = [client_python("lm_eval"), "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", task,
-           "--include_path", str(tasks), "--log_samples", "--output_path", str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, **OFFLINE, "HF_HOME": str(out / "hf")})
-    if done.returncode != 0:
-        refusals = [line for line in done.stderr.splitlines() if "API request failed" in line][:3]
-        raise RuntimeError(f"lm_eval {model} failed ({done.returncode}):\n" + "\n".join(refusals or [done.stderr[-4000:]]))
-    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"][task]
-    samples = [json.loads(line) for line in next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()]
-    return results, {s["doc_id"]: s["filtered_resps"] for s in samples}
+# lm-eval's Python entry point (`simple_evaluate`, its CLI's call) over several evaluations in one process: the CLI
+# pays for its imports and for indexing every built-in task's YAML (~14,000 files, ~10 CPU-s) on each run, while
+# these tasks are ours alone (a TaskManager of the include path only). Each run as the CLI runs it: the model and
+# model_args strings, the task, batch size and chat template as RUN_OPTIONS gives them, samples logged, default seeds.
+RUN_OPTIONS = {"rolemrc_mc": {"batch_size": 4, "apply_chat_template": False},    # --batch_size 4
+               "rolemrc_gen": {"batch_size": 1, "apply_chat_template": True}}    # --apply_chat_template
+_LM_EVAL_RUNS = r"""
+import json, logging, sys, traceback
+from pathlib import Path
+import lm_eval
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import handle_non_serializable, setup_logging, simple_parse_args_string
+
+tasks, out, runs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+setup_logging(logging.WARNING)
+refusals = []
+
+class Refusals(logging.Handler):
+    def emit(self, record):
+        if "API request failed" in record.getMessage():
+            refusals.append(record.getMessage())
+
+logging.getLogger("lm_eval").addHandler(Refusals())
+for k, run in enumerate(runs):
+    refusals.clear()
+    try:
+        metadata = simple_parse_args_string(run["model_args"])   # as the CLI: the model args are the tasks' metadata
+        manager = TaskManager(include_path=tasks, include_defaults=False, metadata=metadata)
+        results = lm_eval.simple_evaluate(   # device: the CLI's default (hf takes the CPU where there is no CUDA)
+            model=run["model"], model_args=run["model_args"], tasks=[run["task"]], batch_size=run["batch_size"],
+            device="cuda:0", apply_chat_template=run["apply_chat_template"],
+            fewshot_as_multiturn=run["apply_chat_template"], log_samples=True, task_manager=manager, metadata=metadata)
+        done = {"metrics": results["results"][run["task"]],
+                "docs": [[s["doc_id"], s["filtered_resps"]] for s in results["samples"][run["task"]]]}
+    except Exception:
+        done = {"error": "\n".join(refusals[:3]) or traceback.format_exc()[-4000:]}
+    (out / f"run-{k}.json").write_text(json.dumps(done, default=handle_non_serializable))
+"""
 
 
-def guidellm(out: Path, base_url: str, model: str, tokenizer: Path, *, streams: int = 4, requests: int = 16,
-             prompt_tokens: int = 64, output_tokens: int = 32) -> dict[str, Any]:
-    """Run guidellm's concurrent profile (synthetic prompts) against `model`; its benchmark (`metrics`, `duration`)."""
-    report = out / "guidellm.json"
-    cmd = [client_python("guidellm"), "-m", "guidellm", "run",
-           "--backend", f"kind=openai_http,target={base_url},model={model}",
-           "--profile", f"kind=concurrent,streams={streams}", "--constraint", f"kind=max_requests,count={requests}",
-           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-           "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--output", f"kind=json,path={report}",
-           "--disable-console-interactive"]
+def lm_eval_runs(out: Path, tasks: Path, runs: list[tuple[str, str, str]]) -> list[tuple[dict, dict[int, list]] | RuntimeError]:
+    """Run lm-eval's evaluations `runs` ((task, model, model_args) each, options from RUN_OPTIONS) in one process of
+    its environment; per run (its task's metrics, doc_id -> its filtered responses), or a RuntimeError with the
+    server's refusals (or the end of the traceback) where that run failed. Raises RuntimeError if the process fails."""
     out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=out,
-                          env={**os.environ, **OFFLINE, "HF_HOME": str(out / "hf")})
+    spec = [{"task": task, "model": model, "model_args": model_args, **RUN_OPTIONS[task]} for task, model, model_args in runs]
+    done = subprocess.run([client_python("lm_eval"), "-c", _LM_EVAL_RUNS, str(tasks), str(out), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=1800, env={**os.environ, **OFFLINE, "HF_HOME": str(out / "hf")})
     if done.returncode != 0:
-        raise RuntimeError(f"guidellm failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(report.read_text())["benchmarks"][0]
+        raise RuntimeError(f"lm_eval failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    results: list[tuple[dict, dict[int, list]] | RuntimeError] = []
+    for k, (task, model, _) in enumerate(runs):
+        run = json.loads((out / f"run-{k}.json").read_text())
+        results.append(RuntimeError(f"lm_eval {model} {task} failed:\n{run['error']}") if "error" in run
+                       else (run["metrics"], dict(run["docs"])))
+    return results
+
+
+# guidellm's own CLI (`guidellm run`, click) invoked in-process once per model: its imports and tokenizer are paid
+# once, not once per model; each run's stdout and stderr stay in the process's log
+_GUIDELLM_RUNS = r"""
+import json, sys, traceback
+from guidellm.cli import cli
+
+for k, argv in enumerate(json.loads(sys.argv[1])):
+    try:
+        code = cli.main(argv, prog_name="guidellm", standalone_mode=False)
+    except BaseException:   # click's exits and guidellm's own errors: this run failed, the next one still runs
+        code = traceback.format_exc()
+    if code:
+        print(f"guidellm run {k} failed: {code}", file=sys.stderr, flush=True)
+"""
+
+
+def guidellm_runs(out: Path, base_url: str, models: list[str], tokenizer: Path, *, streams: int = 4, requests: int = 16,
+                  prompt_tokens: int = 64, output_tokens: int = 32, processes: int | None = None
+                  ) -> dict[str, dict[str, Any] | RuntimeError]:
+    """guidellm's concurrent profile (synthetic prompts) against each of `models` in turn, from one process; per model
+    its benchmark (`metrics`, `duration`), or a RuntimeError with the end of guidellm's log. `processes` caps
+    guidellm's worker processes (GUIDELLM__MAX_WORKER_PROCESSES; its default: one per stream): its `streams`
+    concurrent requests are async tasks, which one worker runs as well as four."""
+    out.mkdir(parents=True, exist_ok=True)
+    reports = {m: out / f"guidellm-{k}.json" for k, m in enumerate(models)}
+    argvs = [["run", "--backend", f"kind=openai_http,target={base_url},model={m}",
+              "--profile", f"kind=concurrent,streams={streams}", "--constraint", f"kind=max_requests,count={requests}",
+              "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+              "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--output", f"kind=json,path={report}",
+              "--disable-console-interactive"] for m, report in reports.items()]
+    env = {**os.environ, **OFFLINE, "HF_HOME": str(out / "hf")}
+    if processes:
+        env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(processes)
+    done = subprocess.run([client_python("guidellm"), "-c", _GUIDELLM_RUNS, json.dumps(argvs)], capture_output=True,
+                          text=True, timeout=1800, cwd=out, env=env)
+    log = f"({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return {m: json.loads(report.read_text())["benchmarks"][0] if report.is_file()
+            else RuntimeError(f"guidellm {m} failed {log}") for m, report in reports.items()}
+
+
+def guidellm(out: Path, base_url: str, model: str, tokenizer: Path, **kw: Any) -> dict[str, Any]:
+    """`guidellm_runs` against one model; raises its RuntimeError if it fails."""
+    result = guidellm_runs(out, base_url, [model], tokenizer, **kw)[model]
+    if isinstance(result, RuntimeError):
+        raise result
+    return result
 
 
 def choice_lls(docs: dict[int, list]) -> list[float]:
@@ -160,8 +233,11 @@ def run(model: Path, engines: tuple[str, ...] = ENGINES, streams: int = 4, reque
         tasks = write_tasks(root / "tasks", [{"question": q, "choices": c, "answer": a} for q, c, a in QUESTIONS],
                             [{"prompt": p, "reference": ""} for p in PROMPTS], max_gen_toks=32)
         reference = f"pretrained={model},dtype=float32"
-        hf_metrics, hf_docs = lm_eval(root / "hf-mc", tasks, "rolemrc_mc", "hf", reference, "--batch_size", "4")
-        hf_text = generations(lm_eval(root / "hf-gen", tasks, "rolemrc_gen", "hf", reference, "--apply_chat_template")[1])
+        hf_mc, hf_gen = lm_eval_runs(root / "hf", tasks, [("rolemrc_mc", "hf", reference), ("rolemrc_gen", "hf", reference)])
+        for failed in (r for r in (hf_mc, hf_gen) if isinstance(r, RuntimeError)):
+            raise failed
+        hf_metrics, hf_docs = hf_mc
+        hf_text = generations(hf_gen[1])
         config = json.loads((model / "config.json").read_text())
         entries = {"transformers": {"path": str(model)},
                    "vllm": {"engine": "vllm", "path": str(model), "memory_utilization": 0.15,
@@ -171,10 +247,10 @@ def run(model: Path, engines: tuple[str, ...] = ENGINES, streams: int = 4, reque
             server_config = {"models": {e: entries[e]}, "max_new_tokens": 256, "max_batch": 32,
                              "request_timeout_s": 600, "db": None, "log_level": "warning"}
             with running_server(server_config, workdir=root, timeout=900) as server:
-                mc = _attempt(lm_eval, root / f"{e}-mc", tasks, "rolemrc_mc", "local-completions",
-                              served_args(server.base_url, e, "completions", model), "--batch_size", "4")
-                chat = _attempt(lm_eval, root / f"{e}-gen", tasks, "rolemrc_gen", "local-chat-completions",
-                                served_args(server.base_url, e, "chat/completions", model), "--apply_chat_template")
+                lm = _attempt(lm_eval_runs, root / f"{e}-lm-eval", tasks, [
+                    ("rolemrc_mc", "local-completions", served_args(server.base_url, e, "completions", model)),
+                    ("rolemrc_gen", "local-chat-completions", served_args(server.base_url, e, "chat/completions", model))])
+                mc, chat = (lm, lm) if isinstance(lm, Exception) else lm
                 load = _attempt(guidellm, root / f"{e}-guidellm", server.base_url, e, model, streams=streams,
                                 requests=requests)
                 results[e] = _summary(mc, chat, load, (hf_metrics, hf_docs), hf_text)
