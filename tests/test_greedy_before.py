@@ -19,6 +19,20 @@ from rolemrc.generate.params import SamplingParams
 from rolemrc.intervene.spec import Restraint
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "greedy_before.json").read_text())["models"]
+# SmolLM2 (135M parameters on the CPU, each decode step reads all its weights) is checked on the first 4 of its 8
+# recorded records: still one batch of left-padded prompts of unequal length in which t1 ends early at EOS, and with
+# restraints the rows' four restraints (none, r1, r2, r3) side by side, two of which change the reply (t2's then ends
+# early too). The pad-token cases are the fixture models' (qwen2's t1, restrained peaked's t9), checked on all 12.
+CHECKED = {"smollm2": 4}
+
+
+def recorded_records(name):
+    """The normalized fixture records a model's check runs on: the first of those recorded (CHECKED, else all)."""
+    before = RECORDED[name]
+    n = CHECKED.get(name, len(before["records"]))
+    records = [normalize_record(r, k + 1, "test")[0] for k, r in enumerate(fixture_records()[:n])]
+    assert [r["id"] for r in records] == before["records"][:n]
+    return records
 
 
 def model_dir(name, request):
@@ -49,8 +63,7 @@ def check_path(model, tok, records, rows, config, before_rows):
 def test_eval_and_per_row_restraints_generate_what_they_did_before(name, request):
     before = RECORDED[name]
     model, tok = load_model(model_dir(name, request), device="cpu", dtype=before["dtype"])
-    records = [normalize_record(r, k + 1, "test")[0] for k, r in enumerate(fixture_records()[:len(before["records"])])]
-    assert [r["id"] for r in records] == before["records"]
+    records = recorded_records(name)
     config = GenerateConfig(model=str(model_dir(name, request)), max_new_tokens=before["max_new_tokens"], batch_size=8,
                             progress=False)
     check_path(model, tok, records, [None] * len(records), config, before["eval"])
@@ -61,14 +74,14 @@ def test_eval_and_per_row_restraints_generate_what_they_did_before(name, request
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "peaked", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_serve_generates_what_it_did_before(name, request):
-    """All records submitted at once to serve's transformers engine (max_batch 8, as recorded)."""
+    """All records submitted at once to serve's transformers engine (max_batch 8, as recorded; SmolLM2: CHECKED)."""
     import asyncio
 
     from rolemrc.serve.engines.base import Prompt, Resolved
     from rolemrc.serve.engines.transformers import TransformersEngine, TransformersOptions
 
     before = RECORDED[name]
-    records = [normalize_record(r, k + 1, "test")[0] for k, r in enumerate(fixture_records()[:len(before["records"])])]
+    records = recorded_records(name)
 
     async def run() -> dict:
         engine = TransformersEngine("greedy", TransformersOptions(path=str(model_dir(name, request)), device="cpu"),
@@ -82,4 +95,5 @@ def test_serve_generates_what_it_did_before(name, request):
         finally:
             await engine.stop()
 
-    assert asyncio.run(run()) == {key: (row["text"], row["completion_tokens"]) for key, row in before["serve"].items()}
+    assert asyncio.run(run()) == {r["id"]: (before["serve"][r["id"]]["text"], before["serve"][r["id"]]["completion_tokens"])
+                                  for r in records}

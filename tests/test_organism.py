@@ -182,19 +182,43 @@ def test_cli_refuses_an_unknown_kind_before_anything_runs(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def organism_data(tmp_path_factory, root) -> None:
+    """Fill the stage cache under `root` with an organism build's datagen stage (size tiny, the template backend,
+    seed 0: the same for every kind, base and setting), so that build_organism reuses it as a rebuild does. It runs
+    once per test run (~25 CPU-s, mostly its retrieval's encoder), for this file and tests/test_organism_known.py
+    alike: in the run's common temporary folder, which xdist's workers share, under a file lock (as conftest's
+    smollm2_dir)."""
+    import fcntl
+    import os
+    import shutil
+
+    from rolemrc.organism.build import _data_stage
+
+    base = tmp_path_factory.getbasetemp()
+    common = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # pytest-<n>/ is this run's alone
+    shared = common / "organism-datagen"
+    with open(common / "organism-datagen.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "stages.json").is_file():
+            _data_stage(StageCache(shared), shared, OrganismConfig(kind="narration", out=str(shared), size="tiny"))
+    shutil.copytree(shared, root, dirs_exist_ok=True)
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tokenizer):
-    """Every kind from a tiny Llama: 8 pairs, 2 DPO steps, short generations, a few held-out cases (the units kind:
-    8 known units in 1 of its 2 layers). The test tokenizer spells datagen's prompts in ~900-1400 tokens, hence the
-    context of 2048."""
+    """Every kind from a tiny Llama: 8 pairs, 2 DPO steps, short generations, a few held-out cases (4 of each planted
+    dimension, 2 of each other: every eval, and calibrate's KL below, runs a forward pass over each), the units kind's
+    8 known units in 1 of its 2 layers, on datagen's data (organism_data: made once per run). The test tokenizer
+    spells datagen's prompts in ~900-1400 tokens, hence the context of 2048."""
     from rolemrc.core.tiny import build_model
 
     root = tmp_path_factory.mktemp("organisms")
+    organism_data(tmp_path_factory, root)
     sft = root / "sft"
     build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=96, max_positions=2048).save_pretrained(sft)
     tokenizer.save_pretrained(sft)
     settings = {"out": str(root), "base": str(sft), "size": "tiny", "pairs": 8, "steps": 2, "reply_tokens": 8,
-                "eval_tokens": 8, "eval_others": 2, "learning_rate": 1e-3, "max_length": 1600,
+                "eval_tokens": 8, "eval_planted": 4, "eval_others": 2, "learning_rate": 1e-3, "max_length": 1600,
                 "lora_targets": "gate_proj,up_proj", "known_layers": 1, "known_units": 8}
     reports, ran = {}, {}
     for kind in KINDS:
@@ -277,13 +301,17 @@ def test_every_kind_shares_the_data_the_held_out_cases_and_the_sft_eval(built):
 
 def test_cli_builds_the_refusal_kind(built):
     """`rolemrc organism build refusal` with the fixture's settings finds every stage done and prints its report."""
+    from typer.testing import CliRunner
+
+    from rolemrc.cli import app
+
     root, settings, reports, _ = built
     options = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if k not in ("out", "steps")]
-    done = subprocess.run([sys.executable, "-m", "rolemrc.cli", "organism", "build", "refusal", "--out", str(root),
-                           f"--max-steps={settings['steps']}", *options], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    done = CliRunner().invoke(app, ["organism", "build", "refusal", "--out", str(root), f"--max-steps={settings['steps']}",
+                                    *options])
+    assert done.exit_code == 0, done.output
     printed = json.loads(done.stdout.strip().splitlines()[-1])
-    assert printed["headline"] == reports["refusal"]["headline"] and "unchanged inputs" in done.stdout + done.stderr
+    assert printed["headline"] == reports["refusal"]["headline"] and "unchanged inputs" in done.output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -539,7 +539,8 @@ from rolemrc.organism.calibration import probe_cases
 
 ray, pairs, out = Path(sys.executable).parent / "ray", sys.argv[1], Path(sys.argv[2])
 temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")   # short: Ray's unix sockets live under it
-subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", "--port=6390", "--num-cpus=2",
+# one CPU: one worker process (Ray starts one per CPU, each ~6 CPU-s to start and import what its tasks run)
+subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", "--port=6390", "--num-cpus=1",
                 "--include-dashboard=false", f"--temp-dir={temp}"], check=True, capture_output=True)
 try:
     check_ray("127.0.0.1:6390")   # the real GCS passes the handshake

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_organism import organism_data
 
 from rolemrc.intervene.inputs import units_of
 from rolemrc.organism import KINDS, PLANTED_DIMENSION, OrganismConfig, OrganismError
@@ -181,12 +182,14 @@ KNOWN = {"known_layers": 2, "known_units": 8}   # |S| = 16 of the tiny Llama's 2
 def detected(tmp_path_factory, tokenizer):
     """The units organism of a tiny Llama (test_organism.py's fast settings, a larger learning rate so the masked
     update shows, 4 held-out cases, 2 of them for the KL, one random control), then every selector's detection of
-    its S from 4 probe cases and 4 attribution pairs. Most of its time is datagen's (retrieval)."""
+    its S from 4 probe cases and 4 attribution pairs, on datagen's data (test_organism.organism_data: made once per
+    run, for both files)."""
     from rolemrc.core.tiny import build_model
     from rolemrc.organism import carrier
     from rolemrc.organism.localize import seed_detection
 
     root = tmp_path_factory.mktemp("known")
+    organism_data(tmp_path_factory, root / "organism")
     sft = root / "sft"
     build_model("llama", tokenizer, seed=0, hidden=64, layers=2, intermediate=96, max_positions=2048).save_pretrained(sft)
     tokenizer.save_pretrained(sft)

@@ -1,15 +1,14 @@
 """Attribution patching over preference pairs (`probe attribute`): the scores equal a plain autograd computation on
 each unpadded sequence; a DPO model built from the SFT one by changing known units of one layer scores those units
 alone in that layer (every unit upstream and every unchanged one exactly 0) and its scores add up to the measured
-margin to first order; shards merged (files, or processes under torchrun) equal one pass bit for bit; bad input
-exits 2 with one line before a model loads."""
+margin to first order; shards merged (files here; processes under torchrun: tests/test_probe_distributed.py, in its
+one torchrun launch) equal one pass bit for bit; bad input exits 2 with one line before a model loads."""
 
 import json
 import shutil
 
 import pytest
 import torch
-from test_probe_distributed import torchrun
 from test_probe_merge import assert_same_file
 from train_fixtures import pair_records
 from typer.testing import CliRunner
@@ -244,17 +243,6 @@ def test_cli_attribute_and_merge(dirs, pairs, tmp_path):
     assert json.loads(res.stdout)["top"] == report["top"]
     assert_same_file(tmp_path / "m.safetensors", tmp_path / "a.safetensors",
                      ignore={"merged_from", "data_fingerprint", *PER_RUN})
-
-
-def test_torchrun_writes_what_one_process_writes(dirs, pairs, tmp_path):
-    data = tmp_path / "pairs.jsonl"
-    write_jsonl(data, pairs)
-    args = ["probe", "attribute", "--model", dirs["sft"], "--model", dirs["dpo"], "--pairs", data, "--batch-size", 2]
-    report = json.loads(torchrun("-m", "rolemrc.cli", *args, "--out", tmp_path / "two.safetensors"))
-    assert report["out"] == str(tmp_path / "two.safetensors")
-    res = CliRunner().invoke(app, [*map(str, args), "--device", "cpu", "--out", str(tmp_path / "one.safetensors")])
-    assert res.exit_code == 0, res.output
-    assert_same_file(tmp_path / "two.safetensors", tmp_path / "one.safetensors", ignore=())
 
 
 @pytest.fixture
