@@ -19,10 +19,11 @@ from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
 
 # the files that take longest (`make test`'s --durations, summed per file), started first: `--dist loadfile
 # --no-loadscope-reorder` hands the workers whole files in collection order, so the long ones do not wait at the end
-# for a free worker (xdist's own order, most tests first, started the quickstart 19 minutes into a 23-minute run)
-LONGEST_FIRST = ("test_demo.py", "test_quickstart.py", "test_serve_supervise.py", "test_serve_vllm_baked.py",
-                 "test_serve_vllm.py", "test_field_clients.py", "test_organism.py", "test_organism_calibrate.py",
-                 "test_greedy_before.py", "test_serve_log.py", "test_sweep_engines.py", "test_datagen_openai.py")
+# for a free worker (xdist's own order, most tests first, started the quickstart 19 minutes into a 23-minute run);
+# the vLLM files apart, not side by side (two vLLM files at once: 1,145 s for the suite against 989 s in this order)
+LONGEST_FIRST = ("test_demo.py", "test_quickstart.py", "test_field_clients.py", "test_serve_vllm.py",
+                 "test_serve_supervise.py", "test_organism.py", "test_organism_calibrate.py", "test_serve_vllm_baked.py",
+                 "test_serve_log.py", "test_serve_ops.py", "test_sweep_engines.py", "test_sweep_ab.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
