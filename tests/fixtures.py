@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from rolemrc.core.taxonomy import TASKS
@@ -11,6 +14,20 @@ WORDS = ["the", "keeper", "of", "the", "lighthouse", "watched", "storms", "roll"
 
 # a chat on which conftest's `peaked_model` ends its greedy reply with EOS (after 31 tokens of text)
 STOPS_ON_EOS = [{"role": "user", "content": "character more that because"}]
+
+
+def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder `name` in this test run's common temporary folder, filled by `build(folder)` the first time any test
+    asks: xdist's workers share that folder (pytest-<n>/), so the first builds under a file lock and the rest wait."""
+    base = tmp_path_factory.getbasetemp()
+    common = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = common / name, common / f"{name}.done"
+    with open(common / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            build(folder)
+            done.touch()
+    return folder
 
 
 def corpus(n: int = 200, seed: int = 0) -> list[str]:

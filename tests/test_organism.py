@@ -9,8 +9,10 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
+from fixtures import once_per_run
 
 from rolemrc.core.errors import EXIT_INPUT
 from rolemrc.core.io import read_jsonl
@@ -184,24 +186,16 @@ def test_cli_refuses_an_unknown_kind_before_anything_runs(tmp_path):
 
 def organism_data(tmp_path_factory, root) -> None:
     """Fill the stage cache under `root` with an organism build's datagen stage (size tiny, the template backend,
-    seed 0: the same for every kind, base and setting), so that build_organism reuses it as a rebuild does. It runs
-    once per test run (~25 CPU-s, mostly its retrieval's encoder), for this file and tests/test_organism_known.py
-    alike: in the run's common temporary folder, which xdist's workers share, under a file lock (as conftest's
-    smollm2_dir)."""
-    import fcntl
-    import os
+    seed 0: the same for every kind, base and setting), so that build_organism reuses it as a rebuild does. It is made
+    once per test run (~25 CPU-s, mostly its retrieval's encoder), for this file and tests/test_organism_known.py."""
     import shutil
 
-    from rolemrc.organism.build import _data_stage
+    from rolemrc.organism.build import data_stage
 
-    base = tmp_path_factory.getbasetemp()
-    common = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # pytest-<n>/ is this run's alone
-    shared = common / "organism-datagen"
-    with open(common / "organism-datagen.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (shared / "stages.json").is_file():
-            _data_stage(StageCache(shared), shared, OrganismConfig(kind="narration", out=str(shared), size="tiny"))
-    shutil.copytree(shared, root, dirs_exist_ok=True)
+    def datagen(folder: Path) -> None:
+        data_stage(StageCache(folder), folder, OrganismConfig(kind="narration", out=str(folder), size="tiny"))
+
+    shutil.copytree(once_per_run(tmp_path_factory, "organism-datagen", datagen), root, dirs_exist_ok=True)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def build_organism(config: OrganismConfig, *, cache: StageCache | None = None) -
     root = Path(config.out)
     cache = cache or StageCache(root)
     sft = model_dir(config.base)
-    data = _data_stage(cache, root, config)
+    data = data_stage(cache, root, config)
     heldout = _heldout_stage(cache, root, data, config)
     sft_eval = _eval_stage(cache, root / "eval" / "sft", "eval sft", sft, heldout, config)
     recipe = RECIPES[config.pairs_kind]
@@ -60,7 +60,9 @@ def build_organism(config: OrganismConfig, *, cache: StageCache | None = None) -
     return report
 
 
-def _data_stage(cache: StageCache, root: Path, config: OrganismConfig) -> Path:
+def data_stage(cache: StageCache, root: Path, config: OrganismConfig) -> Path:
+    """The datagen stage every organism build starts with (`config.size`, the template backend, seed 0), cached in
+    `cache`: `root`/data with pairs.jsonl and test.jsonl."""
     from rolemrc.datagen.config import DatagenConfig
     from rolemrc.datagen.pipeline import run
 
