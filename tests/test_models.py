@@ -129,10 +129,18 @@ def test_f32_gguf_converts_to_the_same_model(converted, f32_gguf, tiny, tokenize
     assert set(manifest["files"]) >= {"model.safetensors", "config.json", "tokenizer.json"}
 
 
-def test_q8_0_gguf_converts_close(tiny, tokenizer, tmp_path):
+def test_q8_0_gguf_converts_close(tiny, tokenizer, tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "tiny-q8.gguf", tiny, tokenizer, qtype=Q8_0)
+    parsed, reader = [], gguf.GGUFReader
+
+    def counted(*args, **kwargs):
+        parsed.append(args[0])
+        return reader(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
     result = invoke("convert", path, "--out", tmp_path / "out")
     assert result.exit_code == 0, result.output
+    assert len(parsed) == 1 and gguf.GGUFReader is counted   # header, config, weights, tokenizer: one parse, then put back
     assert json.loads(result.stdout.strip().splitlines()[-1])["conversion"] == "Q8_0 dequantised to float32"
     model, _ = load(tmp_path / "out")
     assert 0 < max_logit_diff(model, tiny, tokenizer) < 0.05
