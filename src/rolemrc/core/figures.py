@@ -19,13 +19,15 @@ PNG_HINT = " (PNG export needs Chromium: apt-get install -y chromium)"
 
 def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str = "directory",
                   width: int | None = 1100, height: int | None = 650) -> dict[str, dict[str, str]]:
-    """Write each figure (stem -> Plotly figure) as `out/stem.html` and `out/stem.png`, every PNG of the process after
-    the first in one kept Chromium (`keep_chromium`); returns stem -> {"html": path, "png": path}.
+    """Write each figure (stem -> Plotly figure) as `out/stem.html` and `out/stem.png`; the process's first export
+    starts a Chromium of its own, and every later one uses one kept Chromium (`keep_chromium`); returns
+    stem -> {"html": path, "png": path}.
 
     `plotlyjs`: "directory" shares one plotly.min.js beside the pages of a folder, True embeds it in each page.
     `width`/`height`: the PNGs' size in pixels; None takes each figure's layout size (else Plotly's 700 x 500).
     PNGs that cannot be made (kaleido raises several types when Chromium is missing or fails to start) are logged
     and reported under "png_error" (the error's first line and how to install Chromium), never raised."""
+    global _EXPORTED_BY
     written = {}
     for stem, fig in figures.items():
         html = out / f"{stem}.html"
@@ -35,6 +37,11 @@ def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str
     try:
         import plotly.io as pio
 
+        if os.getpid() == _EXPORTED_BY:   # a second export: Chromium is known to start here, keep one for the rest
+            try:
+                keep_chromium()
+            except Exception as exc:   # this export starts its own Chromium, as the first did
+                log.debug("kaleido's server did not start (%s)", exc)
         with _EXPORTING, warnings.catch_warnings():   # the kept server answers one caller at a time; it took
             warnings.filterwarnings("ignore", "The kopts argument is ignored", UserWarning)   # the headers at start
             pio.write_images(list(figures.values()), [str(p) for p in pngs.values()],   # per figure: kaleido's batch
@@ -46,20 +53,19 @@ def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
         error = f"{type(exc).__name__}: {first}{hint}"
         return {stem: paths | {"png_error": error} for stem, paths in written.items()}
-    try:
-        keep_chromium()
-    except Exception as exc:   # the next export starts its own Chromium again, as this one did
-        log.debug("kaleido's server did not start (%s)", exc)
+    _EXPORTED_BY = os.getpid()
     return {stem: paths | {"png": str(pngs[stem])} for stem, paths in written.items()}
 
 
+_EXPORTED_BY: int | None = None        # the process that has exported a PNG (a forked child has not)
 _CHROMIUM_KEPT_BY: int | None = None   # the process that started kaleido's server
 _EXPORTING = threading.Lock()
 
 
 def keep_chromium() -> None:
-    """After a first PNG exported in this process (so Chromium is known to start), keep kaleido's server and its one
-    Chromium for every later one: a start costs ~2 s, each image on a kept one ~0.15 s. A forked child forgets the
+    """Keep kaleido's server and its one Chromium for this process's exports: a start costs ~2 s, each image on a
+    kept one ~0.15 s. Called once a first export has shown that Chromium starts (a server whose Chromium cannot start
+    would hang its callers); a process that exports once starts one Chromium, not two. A forked child forgets the
     parent's server (its thread is not in the child) and exports as the parent first did."""
     global _CHROMIUM_KEPT_BY
     if os.getpid() == _CHROMIUM_KEPT_BY:
