@@ -21,19 +21,14 @@ from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
 # --no-loadscope-reorder` hands the workers whole files in collection order, so the long ones do not wait at the end
 # for a free worker (xdist's own order, most tests first, started the quickstart 19 minutes into a 23-minute run);
 # the vLLM files apart, not side by side (two vLLM files at once: 1,145 s for the suite against 989 s in this order)
-LONGEST_FIRST = ("test_demo.py", "test_quickstart.py", "test_field_clients.py", "test_serve_vllm.py", "test_organism.py",
-                 "test_serve_supervise.py", "test_organism_calibrate.py", "test_serve_vllm_baked.py",
+LONGEST_FIRST = ("test_demo.py", "test_quickstart.py", "test_field_clients.py", "test_serve_vllm.py",
+                 "test_serve_supervise.py", "test_organism.py", "test_organism_calibrate.py", "test_serve_vllm_baked.py",
                  "test_serve_log.py", "test_serve_ops.py", "test_sweep_engines.py", "test_sweep_ab.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """LONGEST_FIRST, then the other files with the server files spread evenly among the rest: a server file waits
-    on its server and its clients (a machine running two of them at once sat idle ~40 s of a run)."""
     rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    rest = list(dict.fromkeys(item.path.name for item in items if item.path.name not in rank))
-    for group in ([f for f in rest if f.startswith("test_serve")], [f for f in rest if not f.startswith("test_serve")]):
-        rank |= {name: len(LONGEST_FIRST) + (k + 0.5) / len(group) for k, name in enumerate(group)}
-    items.sort(key=lambda item: rank[item.path.name])   # stable: every file keeps its own order
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: every file keeps its own order
 
 
 ARCHS = ("llama", "qwen2", "gpt2")
