@@ -106,8 +106,8 @@ print(json.dumps(write_figures(figures, Path(sys.argv[1]), width=200, height=150
 
 def test_figures_keep_one_chromium_and_report_a_missing_browser(tmp_path):
     """A process's first export starts a Chromium of its own, and every later one comes from one kept Chromium
-    (kaleido's server; a forked child starts its own). On a machine without a browser (a fresh process) every figure keeps its HTML and says why
-    it has no PNG, in one logged warning, and nothing raises."""
+    (kaleido's server; a forked child starts its own). On a machine without a browser (a fresh process) every figure
+    keeps its HTML and says why it has no PNG, in one logged warning, and nothing raises."""
     import os
     import subprocess
     import sys

@@ -77,7 +77,7 @@ def sha256(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def parsed_once():
+def _parsed_once():
     """Within the block, gguf parses a file once and builds a tensor-name map once per layout. transformers reads the
     GGUF anew for the config, the weights and the tokenizer (each parse ~4 CPU-s for SmolLM2's 49k-token vocabulary,
     field by field) and builds gguf's name map for each of the model's ~400 modules; a reader is read-only (a memmap)
@@ -103,13 +103,13 @@ def parsed_once():
 def convert(path: Path, out: Path, *, source: dict[str, Any] | None = None, model: str | None = None,
             force: bool = False) -> dict[str, Any]:
     """Convert `path` into the HF directory `out` and return its manifest (`model`: the known model's name, if any)."""
-    with parsed_once():
+    with _parsed_once():
         info = read_info(path)
         _check_out(out, force)
         digest = sha256(path)
         with step(f"dequantising {path.name} ({info.quantisation}, {len(info.tensor_names)} tensors)"):
             loaded, tokenizer, loading = _load(info)
-        plain = _plain_copy(loaded)
+            plain = _plain_copy(loaded)
     _account(info, plain, loading)
     partial = out.parent / f".{out.name}.partial"  # renamed to `out` once verified; removed on any failure
     shutil.rmtree(partial, ignore_errors=True)
