@@ -2,7 +2,6 @@
 
 import asyncio
 import math
-import os
 import time
 from pathlib import Path
 
@@ -439,6 +438,7 @@ def test_a_128k_context_model_sizes_its_window_from_the_kv_budget(tokenizer, tmp
     from rolemrc.core.tiny import build_model
     from rolemrc.generate.cache import PAGE, kv_bytes_per_token
     from rolemrc.serve.app import create_app
+    from rolemrc.serve.engines.transformers import host_memory_available
 
     model = build_model("llama", tokenizer, hidden=64, layers=2, intermediate=96, max_positions=131072)
     model.save_pretrained(tmp_path / "long")
@@ -474,11 +474,35 @@ def test_a_128k_context_model_sizes_its_window_from_the_kv_budget(tokenizer, tmp
     app = create_app(default)
     with TestClient(app, base_url="http://127.0.0.1"):
         first, second = (app.state.rolemrc.catalog.engines[name] for name in ("long", "again"))
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        available = host_memory_available()
         assert 0 < first.kv_budget <= available
         assert first.context_window == min(131072, first.kv_budget // per_token)
         assert 0 < second.kv_budget < 0.6 * first.kv_budget   # half of what the first left: one device, no overcommit
         assert first.kv_budget + second.kv_budget < available
+
+
+def test_host_memory_counts_the_droppable_page_cache_and_stops_at_the_cgroups_limit(tmp_path):
+    """A machine that has just read gigabytes has little free memory but much available: the KV budget is sized from
+    MemAvailable, and inside a cgroup from what its limit leaves (its inactive file cache counted as free)."""
+    from rolemrc.serve.engines.transformers import host_memory_available
+
+    gib = 2**30
+    proc, v2, v1 = tmp_path / "proc", tmp_path / "v2", tmp_path / "v1"
+    for folder in (proc, v2, v1 / "memory"):
+        folder.mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: {24 * gib // 1024} kB\nMemFree: {gib // 1024 // 8} kB\n"
+                                  f"MemAvailable: {20 * gib // 1024} kB\n")
+    assert host_memory_available(proc, tmp_path / "no-cgroup") == 20 * gib
+    (v2 / "memory.max").write_text("max\n")
+    assert host_memory_available(proc, v2) == 20 * gib   # no limit
+    (v2 / "memory.max").write_text(f"{8 * gib}\n")
+    (v2 / "memory.current").write_text(f"{5 * gib}\n")
+    (v2 / "memory.stat").write_text(f"anon {3 * gib}\ninactive_file {2 * gib}\n")
+    assert host_memory_available(proc, v2) == 5 * gib   # 8 GiB limit - (5 GiB used - 2 GiB droppable cache)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{64 * gib}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{gib}\n")
+    (v1 / "memory" / "memory.stat").write_text("total_inactive_file 0\n")
+    assert host_memory_available(proc, v1) == 20 * gib   # a limit above the host's own memory changes nothing
 
 
 def test_a_restraint_whose_adapter_fails_to_load_leaves_no_variant_and_no_adapter(model_dirs, tmp_path, monkeypatch):

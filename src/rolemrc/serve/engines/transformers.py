@@ -13,6 +13,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rolemrc.core.errors import InputError
@@ -95,8 +96,30 @@ def kv_budget(options: TransformersOptions, model: Any) -> int:
 
         free, _ = torch.cuda.mem_get_info(device)
         return max(0, int((free - CLAIMED[str(device)]) * options.memory_utilization))
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(0, int((available - CLAIMED["cpu"]) * 0.5))
+    return max(0, int((host_memory_available() - CLAIMED["cpu"]) * 0.5))
+
+
+def host_memory_available(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes the host can give without swapping: Linux's MemAvailable (free memory and the page cache it can drop;
+    free memory alone is near 0 on a machine that has just read gigabytes of files), capped by what the cgroup's
+    memory limit leaves (v2 `memory.max`, v1 `memory.limit_in_bytes`; its reclaimable cache counted as free);
+    elsewhere the free pages."""
+    try:
+        meminfo = dict(line.split(":", 1) for line in (proc / "meminfo").read_text().splitlines() if ":" in line)
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit, usage, stat, inactive in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                          "memory/memory.stat", "total_inactive_file")):
+        try:
+            cap = int((cgroup / limit).read_text())   # v2's "max" (no limit) raises ValueError
+            stats = dict(line.split() for line in (cgroup / stat).read_text().splitlines())
+            used = int((cgroup / usage).read_text()) - int(stats.get(inactive, 0))
+        except (OSError, ValueError):
+            continue
+        return max(0, min(available, cap - used))
+    return available
 
 
 def shutting_down() -> ApiError:
