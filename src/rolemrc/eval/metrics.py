@@ -13,9 +13,11 @@ display (`metric_scale`) read the registry, so a new group is one decorated func
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rolemrc.core.errors import InputError
 from rolemrc.core.extras import require
@@ -162,21 +164,36 @@ def bertscore_model(config: MetricConfig) -> tuple[str, int]:
     return config.bertscore_model, AutoConfig.from_pretrained(config.bertscore_model, local_files_only=True).num_hidden_layers
 
 
+F1_MEMO_PAIRS = 200_000   # BERTScore F1s of (encoder, layer, response, reference) a process keeps
+F1_MEMO: dict[tuple[str, int, str, str], float] = {}
+
+
+@functools.cache
+def bert_scorer(model: str, layer: int, device: str) -> Any:
+    """bert-score's scorer of this encoder layer, loaded once per process (`bert_score.score` loads it per call)."""
+    import bert_score
+
+    return bert_score.BERTScorer(model_type=model, num_layers=layer, device=device)
+
+
 @metric("bertscore", scale=100.0, higher_is_better=True)
 def bertscore(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     """BERTScore F1 per pair; a pair with an empty side scores 0, as bert-score itself defines it
-    (and its empty-string path breaks under transformers 5)."""
-    import bert_score
-
+    (and its empty-string path breaks under transformers 5). Each distinct pair is encoded once per process: a
+    sweep's cells mostly repeat its baseline's responses to the same references."""
     model, layer = bertscore_model(config)
-    keep = [k for k, (h, r) in enumerate(zip(hyps, refs)) if h.strip() and r.strip()]
-    out = [0.0] * len(hyps)
-    if keep:
-        _, _, f1 = bert_score.score([hyps[k] for k in keep], [refs[k] for k in keep], model_type=model, num_layers=layer,
-                                    batch_size=config.batch_size, device=config.device, verbose=False)
-        for k, value in zip(keep, f1.tolist()):
-            out[k] = float(value)
-    return Scores({"bertscore": out}, f"bert-score F1, model {model}, layer {layer}, no baseline rescaling")
+    pairs = [(model, layer, h, r) for h, r in zip(hyps, refs)]
+    f1 = {p: F1_MEMO[p] for p in dict.fromkeys(pairs) if p in F1_MEMO}
+    new = [p for p in dict.fromkeys(pairs) if p not in f1 and p[2].strip() and p[3].strip()]
+    if new:
+        _, _, values = bert_scorer(model, layer, config.device).score([p[2] for p in new], [p[3] for p in new],
+                                                                      batch_size=config.batch_size)
+        f1.update(zip(new, values.tolist()))
+        if len(F1_MEMO) + len(new) > F1_MEMO_PAIRS:
+            F1_MEMO.clear()
+        F1_MEMO.update((p, f1[p]) for p in new)
+    return Scores({"bertscore": [float(f1.get(p, 0.0)) for p in pairs]},
+                  f"bert-score F1, model {model}, layer {layer}, no baseline rescaling")
 
 
 def compute(hyps: list[str], refs: list[str], config: MetricConfig | None = None) -> MetricResult:
