@@ -178,7 +178,7 @@ def artifacts(model_dirs, tokenizer, tmp_path_factory) -> dict[str, Path]:
     with sqlite3.connect(root / "log.sqlite") as db:
         db.execute("create table requests (id integer)")
     made["sqlite"] = root / "log.sqlite"
-    (root / "serve.yaml").write_text(json.dumps({"models": [{"name": "m", "path": model}]}))
+    (root / "serve.yaml").write_text(json.dumps({"models": {"m": {"path": model}}}))
     made["serve-config"] = root / "serve.yaml"
     (root / "train.yaml").write_text("trl:\n  max_steps: 1\n")
     made["train-config"] = root / "train.yaml"

@@ -67,6 +67,10 @@ def test_config_errors(tmp_path):
         ServeConfig.from_dict({"models": {}})
     with pytest.raises(ServeConfigError, match="unknown config field"):
         ServeConfig.from_dict({"models": {"m": "x"}, "nope": 1})
+    with pytest.raises(ServeConfigError, match=r"`models` must be a mapping of names, as `models: \{NAME: \{path: DIR\}\}`, not a list"):
+        ServeConfig.from_dict({"models": [{"name": "m", "path": "x"}]})
+    with pytest.raises(ServeConfigError, match=r"`restraints` must be a mapping of names, .* not a str"):
+        ServeConfig.from_dict({"models": {"m": "x"}, "restraints": "r.yaml"})
     with pytest.raises(ServeConfigError, match="needs base_url"):
         ServeConfig.from_dict({"models": {"m": {"engine": "upstream"}}})
     with pytest.raises(ServeConfigError, match=r"must not contain '\+'"):

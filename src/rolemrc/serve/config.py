@@ -152,6 +152,10 @@ class ServeConfig:
             raise ServeConfigError(f"unknown config field(s) {sorted(unknown)}")
         base = Path(base_dir)
         data = dict(data)
+        for key, example in (("models", "models: {NAME: {path: DIR}}"), ("restraints", "restraints: {NAME: FILE}")):
+            if not isinstance(data.get(key) or {}, dict):
+                raise ServeConfigError(f"`{key}` must be a mapping of names, as `{example}`, not a "
+                                       f"{type(data[key]).__name__}")
         models = {str(name): ModelConfig.parse(str(name), entry, base, engine)
                   for name, entry in (data.pop("models", None) or {}).items()}
         restraints = {str(k): str(_resolve(base, v)) for k, v in (data.pop("restraints", None) or {}).items()}
