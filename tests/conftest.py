@@ -12,6 +12,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # (not a share of the machine's memory: 7 GiB took 18 CPU-seconds to allocate at each start for a few short requests)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# figures as HTML alone: each process that exports a PNG starts a Chromium (about 5 CPU-seconds); the tests that
+# check PNGs turn export back on (`png_export`, or monkeypatch where one test does)
+os.environ.setdefault("ROLEMRC_PNG", "0")
 
 import pytest
 
@@ -25,15 +28,27 @@ from rolemrc.intervene.recommendation import RECOMMENDATION, Recommendation
 # the files that take longest (`make test`'s --durations, summed per file), started first: `--dist loadfile
 # --no-loadscope-reorder` hands the workers whole files in collection order, so the long ones do not wait at the end
 # for a free worker (xdist's own order, most tests first, started the quickstart 19 minutes into a 23-minute run);
-# the vLLM files apart, not side by side (two vLLM files at once: 1,145 s for the suite against 989 s in this order)
-LONGEST_FIRST = ("test_demo.py", "test_quickstart.py", "test_field_clients.py", "test_serve_vllm.py",
-                 "test_serve_supervise.py", "test_organism.py", "test_organism_calibrate.py", "test_serve_vllm_baked.py",
-                 "test_serve_log.py", "test_serve_ops.py", "test_sweep_engines.py", "test_sweep_ab.py")
+# those that mostly wait (a vLLM or Ray start, a restart) alternate with those that compute
+LONGEST_FIRST = ("test_demo.py", "test_quickstart.py", "test_field_clients.py", "test_organism.py", "test_serve_vllm.py",
+                 "test_greedy_before.py", "test_serve_supervise.py", "test_datagen_openai.py",
+                 "test_organism_calibrate.py", "test_train_runs.py", "test_serve_vllm_baked.py", "test_serve_attacks.py",
+                 "test_serve_log.py", "test_probe_distributed.py", "test_sweep_engines.py", "test_sweep_ab.py")
+# files that spend most of their time waiting (timeouts, keep-alive timers, a PostgreSQL peer, a wheel build, a
+# browser): spread evenly through the rest, so that the two workers seldom wait at the same time (side by side, as
+# alphabetical order put them, both cores were idle for a sixth of the suite's time)
+WAITING = ("test_vllm_plugin.py", "test_serve_api.py", "test_serve_store.py", "test_extras.py", "test_probe_explorer.py",
+           "test_serve_ops.py", "test_packaging.py", "test_cli_fast.py", "test_serve_replicas.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: every file keeps its own order
+    files = list(dict.fromkeys(item.path.name for item in items))
+    head = [name for name in LONGEST_FIRST if name in files]
+    waiting = [name for name in WAITING if name in files and name not in head]
+    rest = [name for name in files if name not in head and name not in waiting]
+    for k, name in enumerate(waiting):   # the k-th at the middle of the k-th of len(waiting) equal stretches
+        rest.insert(round((k + 0.5) * (len(rest) - k) / len(waiting)) + k, name)
+    rank = {name: k for k, name in enumerate(head + rest)}
+    items.sort(key=lambda item: rank[item.path.name])   # stable: every file keeps its own order
 
 
 ARCHS = ("llama", "qwen2", "gpt2")
@@ -42,6 +57,14 @@ ARCHS = ("llama", "qwen2", "gpt2")
 @pytest.fixture(scope="session")
 def tokenizer():
     return train_tokenizer(corpus(), vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def png_export():
+    """PNG export on (`ROLEMRC_PNG=1`) for a module's tests and the processes they start."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ROLEMRC_PNG", "1")
+        yield
 
 
 @pytest.fixture(scope="session")

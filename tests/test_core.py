@@ -104,7 +104,7 @@ print(json.dumps(write_figures(figures, Path(sys.argv[1]), width=200, height=150
 """
 
 
-def test_figures_keep_one_chromium_and_report_a_missing_browser(tmp_path):
+def test_figures_keep_one_chromium_and_report_a_missing_browser(tmp_path, monkeypatch):
     """A process's first export starts a Chromium of its own, and every later one comes from one kept Chromium
     (kaleido's server; a forked child starts its own). On a machine without a browser (a fresh process) every figure
     keeps its HTML and says why it has no PNG, in one logged warning, and nothing raises."""
@@ -118,6 +118,7 @@ def test_figures_keep_one_chromium_and_report_a_missing_browser(tmp_path):
     from rolemrc.core import figures as module
     from rolemrc.core.figures import write_figures
 
+    monkeypatch.setenv("ROLEMRC_PNG", "1")
     figures = {f"f{k}": go.Figure(go.Heatmap(z=[[k, 1], [2, 3]])) for k in range(3)}
     exported = os.getpid() == module._EXPORTED_BY   # by an earlier test of this worker
     for round_ in ("first", "second"):
@@ -142,12 +143,24 @@ def test_figures_keep_one_chromium_and_report_a_missing_browser(tmp_path):
         "rolemrc.core.figures WARNING"]
 
 
-def test_figure_pngs_take_the_layout_size_unless_given_one(tmp_path):
+@pytest.mark.parametrize("setting", ["0", "off", "False"])
+def test_rolemrc_png_off_writes_the_html_alone(tmp_path, monkeypatch, setting):
+    import plotly.graph_objects as go
+
+    from rolemrc.core.figures import write_figures
+
+    monkeypatch.setenv("ROLEMRC_PNG", setting)
+    written = write_figures({"a": go.Figure(go.Bar(y=[1]))}, tmp_path)
+    assert written == {"a": {"html": str(tmp_path / "a.html")}} and not list(tmp_path.glob("*.png"))
+
+
+def test_figure_pngs_take_the_layout_size_unless_given_one(tmp_path, monkeypatch):
     import plotly.graph_objects as go
     from PIL import Image
 
     from rolemrc.core.figures import write_figures
 
+    monkeypatch.setenv("ROLEMRC_PNG", "1")
     figures = {"sized": go.Figure(go.Bar(y=[1, 2]), layout={"width": 900, "height": 300}), "plain": go.Figure(go.Bar(y=[1]))}
     written = write_figures(figures, tmp_path, width=None, height=None)
     assert [Image.open(written[stem]["png"]).size for stem in figures] == [(900, 300), (700, 500)]

@@ -40,6 +40,8 @@ dpo: {lora: true, lora_r: 4, lora_alpha: 8, batch_size: 2,
 """
 
 
+pytestmark = pytest.mark.usefixtures("png_export")   # the run's PNGs, the docs' pictures, the notebooks' figures
+
 # notebook -> (its figures, what it prints on a demo run)
 NOTEBOOK_OUTPUTS = {
     "layer_explorer.ipynb": (4, ("hook mlp.act: 2 layers x 128 units", "largest shift:", "per-unit test: mcnemar")),

@@ -170,7 +170,7 @@ def test_cli_run_compare_report(model_dirs, records, tmp_path):
         assert result.exit_code == 0, result.output
         assert len(read_jsonl(tmp_path / name / "responses.jsonl")) == 18
         report = json.loads((tmp_path / name / "report.json").read_text())
-        assert (tmp_path / name / "chart.html").is_file() and ("png" in report["chart"] or "png_error" in report["chart"])
+        assert (tmp_path / name / "chart.html").is_file() and report["chart"]["html"].endswith("chart.html")
     result = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp"),
                                  "--rounds", "500"])
     assert result.exit_code == 0, result.output

@@ -158,6 +158,7 @@ def test_a_factor_one_grid_finds_nothing_and_says_so(setup, tmp_path):
 
 
 def test_a_rerun_of_a_finished_sweep_generates_and_scores_nothing(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLEMRC_PNG", "1")
     first = run_sweep(config(setup, tmp_path), metrics=("rouge",), progress=False)
     assert len(first["cells"]) == 2 and {"judge:" in n for n in first["cells"][0]["scores"]} == {True, False}
     assert set(first["figures"]) == {"effects_vs_baseline", "effects_vs_controls", "dose_multi_turn"}

@@ -175,7 +175,7 @@ def test_tables_and_figure_are_written(calibrated):
     assert table.split("## Every cell")[1].count("\n| planted |") == 16
     assert table.split("## Recovery curve")[1].split("##")[0].count("\n| planted (multi_turn) |") == 16
     assert (out / "calibration.html").stat().st_size > 1000
-    assert "png" in result["figure"] or "png_error" in result["figure"]
+    assert Path(result["figure"]["html"]).is_file()
     assert "Next: " in table.split("\n")[2]   # what to do with this status
 
 
@@ -250,7 +250,7 @@ def test_the_planted_organism_gets_a_frontier_with_its_known_units_as_the_ceilin
         assert points[family]["restoration"]["mean"] == pytest.approx(1, abs=1e-3)
         assert points[family]["controls"]["n"] == 10 and max(points[family]["controls"]["restoration"]) < 0.05
     assert "## Restraint frontiers" in (root / "out" / "calibration.md").read_text()
-    assert Path(frontier["figures"]["frontier"]["png"]).is_file()
+    assert Path(frontier["figures"]["frontier"]["html"]).is_file()
 
 
 def test_by_kl_the_null_organism_flags_nothing(calibrated_kl):

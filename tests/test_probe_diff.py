@@ -83,7 +83,8 @@ def test_mismatched_probe_files_are_refused(field, value):
         diff(a, b)
 
 
-def test_diff_of_sft_vs_changed_model_writes_everything(model_dirs, records, tokenizer, tmp_path):
+def test_diff_of_sft_vs_changed_model_writes_everything(model_dirs, records, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLEMRC_PNG", "1")
     a = collect(model_dirs["llama"], records, device="cpu", progress=False).save(tmp_path / "a.safetensors")
     other = tmp_path / "other"
     build_model("llama", tokenizer, seed=7, hidden=64, layers=2, intermediate=96).save_pretrained(other)

@@ -1,4 +1,6 @@
-"""Writing Plotly figures as HTML and, where kaleido (the `png` extra) finds Chromium, as PNG."""
+"""Writing Plotly figures as HTML and, where kaleido (the `png` extra) finds Chromium, as PNG. `ROLEMRC_PNG=0`
+writes the HTML alone: each process that exports starts a Chromium (about 5 CPU-seconds), which a job on a
+headless node or in CI may not want."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str
                   width: int | None = 1100, height: int | None = 650) -> dict[str, dict[str, str]]:
     """Write each figure (stem -> Plotly figure) as `out/stem.html` and `out/stem.png`; the process's first export
     starts a Chromium of its own, and every later one uses one kept Chromium (`keep_chromium`); returns
-    stem -> {"html": path, "png": path}.
+    stem -> {"html": path, "png": path} ({"html": path} where `png_wanted()` is False).
 
     `plotlyjs`: "directory" shares one plotly.min.js beside the pages of a folder, True embeds it in each page.
     `width`/`height`: the PNGs' size in pixels; None takes each figure's layout size (else Plotly's 700 x 500).
@@ -33,6 +35,8 @@ def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str
         html = out / f"{stem}.html"
         fig.write_html(str(html), include_plotlyjs=plotlyjs, full_html=True)
         written[stem] = {"html": str(html)}
+    if not png_wanted():
+        return written
     pngs = {stem: out / f"{stem}.png" for stem in figures}
     try:
         import plotly.io as pio
@@ -55,6 +59,11 @@ def write_figures(figures: Mapping[str, Any], out: Path, *, plotlyjs: bool | str
         return {stem: paths | {"png_error": error} for stem, paths in written.items()}
     _EXPORTED_BY = os.getpid()
     return {stem: paths | {"png": str(pngs[stem])} for stem, paths in written.items()}
+
+
+def png_wanted() -> bool:
+    """False where `ROLEMRC_PNG` is 0, false, no or off: figures are written as HTML alone."""
+    return os.environ.get("ROLEMRC_PNG", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 _EXPORTED_BY: int | None = None        # the process that has exported a PNG (a forked child has not)
