@@ -20,18 +20,28 @@ def chromium_path() -> str:
 
 
 @contextmanager
-def browser_page():
-    """Yield (page, errors): errors collects console errors and uncaught page exceptions."""
+def chromium():
+    """Yield one headless Chromium (a Playwright browser context) for the pages of a module: a launch costs ~2 s."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw, tempfile.TemporaryDirectory() as profile:
         context = pw.chromium.launch_persistent_context(profile, executable_path=chromium_path(), headless=True,
                                                         args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 1000})
-        page = context.new_page()
-        errors: list[str] = []
-        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
         try:
-            yield page, errors
+            yield context
         finally:
             context.close()
+
+
+@contextmanager
+def browser_page(context):
+    """Yield (page, errors), a fresh page of `context` (`chromium()`); errors collects console errors and uncaught
+    page exceptions."""
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        yield page, errors
+    finally:
+        page.close()

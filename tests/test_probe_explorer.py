@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from browser import browser_page
+from browser import browser_page, chromium
 from fixtures import write_diff_file
 from train_fixtures import pair_records
 from typer.testing import CliRunner
@@ -133,12 +133,18 @@ def test_the_page_from_a_diffresult_equals_the_page_from_its_folder(diff_dir, tm
     assert pages[0].read_text() == pages[1].read_text()
 
 
-def test_explorer_page_in_headless_chromium(diff_dir, tmp_path):
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as context:
+        yield context
+
+
+def test_explorer_page_in_headless_chromium(diff_dir, tmp_path, browser):
     out = tmp_path / "explorer.html"
     res = CliRunner().invoke(app, ["probe", "explore", "--diff", str(diff_dir), "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["bytes"] > 1_000_000  # plotly.js inlined: works offline
-    with browser_page() as (page, errors):
+    with browser_page(browser) as (page, errors):
         page.goto(out.as_uri())
         page.wait_for_function("window.explorerReady === true", timeout=20_000)
         options = page.eval_on_selector_all("#dimension option", "els => els.map(e => e.value)")
@@ -159,13 +165,13 @@ def test_explorer_page_in_headless_chromium(diff_dir, tmp_path):
         assert errors == []
 
 
-def test_the_page_switches_selector_and_shows_a_clicked_units_top_prompts(paired_dir, tmp_path):
+def test_the_page_switches_selector_and_shows_a_clicked_units_top_prompts(paired_dir, tmp_path, browser):
     out = tmp_path / "explorer.html"
     res = CliRunner().invoke(app, ["probe", "explore", "--diff", str(paired_dir / "diff"), "--out", str(out),
                                    "--attribution", str(paired_dir / "attribution.safetensors")])
     assert res.exit_code == 0, res.output
     result = load_diff(paired_dir / "diff")
-    with browser_page() as (page, errors):
+    with browser_page(browser) as (page, errors):
         page.goto(out.as_uri())
         page.wait_for_function("window.explorerReady === true", timeout=20_000)
         page.select_option("#dimension", "multi_turn")
@@ -241,8 +247,8 @@ SETTINGS = [("", "both", "top_k", 1), ("", "both", "top_k", 6), ("", "up", "top_
             ("", "both", "fdr", 0), ("1", "up", "fdr", 0), ("0-1,3", "down", "fdr", 0)]
 
 
-def test_explorer_preview_lists_what_select_selects(tied_page, tmp_path):
-    with browser_page() as (page, errors):
+def test_explorer_preview_lists_what_select_selects(tied_page, tmp_path, browser):
+    with browser_page(browser) as (page, errors):
         page.goto((tied_page / "page.html").as_uri())
         page.wait_for_function("window.explorerReady === true", timeout=20_000)
         for n, (layers, direction, mode, top_k) in enumerate(SETTINGS):
@@ -258,7 +264,7 @@ def test_explorer_preview_lists_what_select_selects(tied_page, tmp_path):
         assert errors == []
 
 
-def test_explorer_parse_layers_refuses_what_python_refuses(tied_page):
+def test_explorer_parse_layers_refuses_what_python_refuses(tied_page, browser):
     texts = ["", " all ", "all", "ALL", "1", "0-3", "3-0", "1,,2", "1,", ",1", "-1", "1-", "-", "+1", "1_0", "1__0", "_1",
              " 1 - 2 ", "1\t-\u30002", "\u00a01", "\ufeff1", "\x1c1", "\uff10-\uff12", "\u0663", "\U0001d7d92", "1--2",
              "0--0", "1-2-3", "1 2", "1.0", "1e1", "0x1", "99999999999999999999", "4", "3", "0-3,2-3", "11", "0-11", "12"]
@@ -266,7 +272,7 @@ def test_explorer_parse_layers_refuses_what_python_refuses(tied_page):
     alphabet = "0123 -,+_\t"
     texts += ["".join(alphabet[i] for i in torch.randint(0, len(alphabet), (int(n),), generator=gen))
               for n in torch.randint(1, 7, (300,), generator=gen)]
-    with browser_page() as (page, errors):
+    with browser_page(browser) as (page, errors):
         page.goto((tied_page / "page.html").as_uri())
         page.wait_for_function("window.explorerReady === true", timeout=20_000)
         for n in (4, 12):
@@ -282,10 +288,10 @@ def test_explorer_parse_layers_refuses_what_python_refuses(tied_page):
         assert errors == []
 
 
-def test_explorer_shows_a_tiny_q_with_its_digits(tied_page):
+def test_explorer_shows_a_tiny_q_with_its_digits(tied_page, browser):
     data = explorer_data(load_diff(tied_page / "diff"), max_units=6)["dimensions"]["multi_turn"]["selectors"]["frequency"]
     assert 1e-9 in data["ranked"]["q"] and all(q > 0 for row in data["q"] for q in row)
-    with browser_page() as (page, errors):
+    with browser_page(browser) as (page, errors):
         page.goto((tied_page / "page.html").as_uri())
         page.wait_for_function("window.explorerReady === true", timeout=20_000)
         _, listed, qs = page_preview(page, "", "both", "fdr", 0)
