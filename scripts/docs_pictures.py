@@ -64,9 +64,9 @@ def explorer_screenshot(demo: Path, img: Path, dimension: str, layer: int, *, se
     (its unit panel shows) and the preview's first unit clicked (its top prompts under A and B show); machine paths
     read as in the notebooks (`stand_ins`)."""
     sys.path.insert(0, str(ROOT / "tests"))   # the tests' headless Chromium (Playwright on /usr/bin/chromium)
-    from browser import browser_page
+    from browser import browser_page, chromium
 
-    with browser_page() as (page, errors):
+    with chromium() as context, browser_page(context) as (page, errors):
         page.goto((demo / "explorer.html").as_uri())
         page.wait_for_function("window.explorerReady === true", timeout=30_000)
         page.select_option("#dimension", dimension)

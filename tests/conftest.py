@@ -34,8 +34,8 @@ LONGEST_FIRST = ("test_demo.py", "test_quickstart.py", "test_field_clients.py", 
                  "test_organism_calibrate.py", "test_train_runs.py", "test_serve_vllm_baked.py", "test_serve_attacks.py",
                  "test_serve_log.py", "test_probe_distributed.py", "test_sweep_engines.py", "test_sweep_ab.py")
 # files that spend most of their time waiting (timeouts, keep-alive timers, a PostgreSQL peer, a wheel build, a
-# browser): spread evenly through the rest, so that the two workers seldom wait at the same time (side by side, as
-# alphabetical order put them, both cores were idle for a sixth of the suite's time)
+# browser): spread evenly through the rest, so that the workers seldom all wait at once (side by side, as alphabetical
+# order put them, both cores of two workers were idle for a sixth of the suite's time)
 WAITING = ("test_vllm_plugin.py", "test_serve_api.py", "test_serve_store.py", "test_extras.py", "test_probe_explorer.py",
            "test_serve_ops.py", "test_packaging.py", "test_cli_fast.py", "test_serve_replicas.py")
 
