@@ -18,8 +18,10 @@ def git(*args: str) -> list[str]:
 
 
 def tree_state() -> list[str]:
-    """Every untracked or ignored path of the checkout but Python's byte-code caches (imports write those)."""
-    return [line for line in git("status", "--porcelain", "--ignored") if "__pycache__" not in line]
+    """Every untracked or ignored path of the checkout but Python's byte-code caches (imports write those) and
+    test-artifacts/ (where other tests, running meanwhile on other workers, leave what CI keeps)."""
+    return [line for line in git("status", "--porcelain", "--ignored")
+            if "__pycache__" not in line and not line.endswith(" test-artifacts/")]
 
 
 @pytest.mark.slow

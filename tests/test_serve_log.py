@@ -419,11 +419,12 @@ def test_sigterm_ends_a_long_stream_within_the_grace_and_logs_it(ending):
             start = time.monotonic()
             server.signal(signal.SIGTERM)
             rest = [line for line in lines if line]
+            ended = time.monotonic() - start
         assert server.wait(30) == 0
         took = time.monotonic() - start
     finally:
         stop_server(server)
-    assert took < 2 + 3, took
+    assert ended < 2 + 3 and took < 2 + 10, (ended, took)   # the stream at the grace; the process, its teardown after
     assert '"shutting_down"' in rest[-1] and "[DONE]" not in rest
     [row] = rows(root, "sigterm")
     assert row["finish_reason"] == "shutdown" and row["response"]

@@ -136,11 +136,13 @@ def load_server(model_dirs, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_schemathesis_finds_no_server_errors(load_server):
+def test_schemathesis_finds_no_server_errors(load_server, tmp_path):
     import schemathesis
     from hypothesis import HealthCheck, given, settings
+    from hypothesis.configuration import set_hypothesis_home_dir
     from schemathesis.checks import not_a_server_error
 
+    set_hypothesis_home_dir(tmp_path / "hypothesis")   # its caches, not a .hypothesis/ in the checkout
     server, _ = load_server()
     schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
     failures, calls = [], []
