@@ -84,10 +84,12 @@ CASES = {   # name -> (model entry or a callable of the bad dirs, extra config, 
                  {"ROLEMRC_API_KEYS": "k1:admin,k2:root"}, "a key's role must be one of ('serve', 'admin'), not 'root'"),
     "open_host": (lambda d: {"path": str(d["good"])}, {"host": "0.0.0.0"}, {},
                   "host 0.0.0.0 is reachable from other machines, but no API keys are configured"),
+    "models_list": (lambda d: {"path": str(d["good"])}, {"models": [{"name": "m", "path": "x"}]}, {},
+                    "`models` must be a mapping of names, as `models: {NAME: {path: DIR}}`, not a list"),
     "allowed_hosts": (lambda d: {"path": str(d["good"])}, {"allowed_hosts": ["api.example:8000"]}, {},
                       "allowed_hosts: 'api.example:8000' is not a host name or IP address"),
 }
-CONFIG_WIDE = {"on_engine_dead", "empty_key_env", "key_role", "open_host", "allowed_hosts"}   # errors naming no model
+CONFIG_WIDE = {"models_list", "on_engine_dead", "empty_key_env", "key_role", "open_host", "allowed_hosts"}   # errors naming no model
 
 
 def test_configuration_errors_are_one_line_before_the_port_is_bound(bad_dirs, model_dirs, tmp_path):

@@ -183,7 +183,7 @@ def bertscore(hyps: list[str], refs: list[str], config: MetricConfig) -> Scores:
     sweep's cells mostly repeat its baseline's responses to the same references."""
     model, layer = bertscore_model(config)
     pairs = [(model, layer, h, r) for h, r in zip(hyps, refs)]
-    f1 = {p: F1_MEMO[p] for p in dict.fromkeys(pairs) if p in F1_MEMO}
+    f1 = {p: F1_MEMO[p] for p in pairs if p in F1_MEMO}
     new = [p for p in dict.fromkeys(pairs) if p not in f1 and p[2].strip() and p[3].strip()]
     if new:
         _, _, values = bert_scorer(model, layer, config.device).score([p[2] for p in new], [p[3] for p in new],
